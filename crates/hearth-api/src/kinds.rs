@@ -1,0 +1,232 @@
+//! The object kinds: VirtualMachine and VirtualDisk.
+
+use std::fmt;
+use std::path::PathBuf;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::meta::{Condition, ObjectMeta};
+use crate::quantity::Quantity;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Kind {
+    VirtualMachine,
+    VirtualDisk,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 2] = [Kind::VirtualMachine, Kind::VirtualDisk];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::VirtualMachine => "VirtualMachine",
+            Kind::VirtualDisk => "VirtualDisk",
+        }
+    }
+
+    /// The path segment of this kind in the HTTP API.
+    pub fn plural(self) -> &'static str {
+        match self {
+            Kind::VirtualMachine => "virtualmachines",
+            Kind::VirtualDisk => "virtualdisks",
+        }
+    }
+
+    /// Accepts the names people type: `vm`, `vms`, `virtualmachine`, `VirtualMachine`, ...
+    pub fn from_user(s: &str) -> Option<Kind> {
+        match s.to_ascii_lowercase().as_str() {
+            "vm" | "vms" | "virtualmachine" | "virtualmachines" => Some(Kind::VirtualMachine),
+            "disk" | "disks" | "vd" | "virtualdisk" | "virtualdisks" => Some(Kind::VirtualDisk),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+// ---------------------------------------------------------------- VirtualMachine
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachine {
+    pub api_version: String,
+    pub kind: String,
+    pub metadata: ObjectMeta,
+    pub spec: VirtualMachineSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<VirtualMachineStatus>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RunPolicy {
+    /// Keep it running; start it again when it stops.
+    #[default]
+    AlwaysOn,
+    /// Keep it stopped.
+    AlwaysOff,
+    /// Start and stop only on `hearth start|stop`.
+    Manual,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachineSpec {
+    #[serde(default)]
+    pub run_policy: RunPolicy,
+    #[serde(default = "default_cpus")]
+    pub cpus: u32,
+    #[serde(default = "default_memory")]
+    pub memory: Quantity,
+    pub boot: Boot,
+    #[serde(default)]
+    pub disks: Vec<DiskRef>,
+    #[serde(default = "default_true")]
+    pub guest_agent: bool,
+    /// Grace period for a guest shutdown before QEMU is stopped by force.
+    #[serde(default = "default_stop_timeout")]
+    pub stop_timeout_seconds: u32,
+}
+
+fn default_cpus() -> u32 {
+    1
+}
+fn default_memory() -> Quantity {
+    Quantity::from_bytes(256 << 20)
+}
+fn default_true() -> bool {
+    true
+}
+fn default_stop_timeout() -> u32 {
+    30
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Boot {
+    pub kernel: PathBuf,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initrd: Option<PathBuf>,
+    #[serde(default)]
+    pub cmdline: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DiskRef {
+    pub virtual_disk_name: String,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum VmPhase {
+    #[default]
+    Pending,
+    Starting,
+    Running,
+    Stopping,
+    Stopped,
+    Failed,
+}
+
+impl fmt::Display for VmPhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualMachineStatus {
+    pub phase: VmPhase,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    /// `kvm` or `tcg`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accelerator: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accelerator_reason: Option<String>,
+    #[serde(default)]
+    pub agent_connected: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<DateTime<Utc>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    #[serde(default)]
+    pub observed_generation: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+// ---------------------------------------------------------------- VirtualDisk
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualDisk {
+    pub api_version: String,
+    pub kind: String,
+    pub metadata: ObjectMeta,
+    pub spec: VirtualDiskSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<VirtualDiskStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualDiskSpec {
+    /// Required for a blank disk; for an image it defaults to the image's size.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<Quantity>,
+    pub source: DiskSource,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub enum DiskSource {
+    /// An empty disk.
+    Blank(Empty),
+    /// A copy-on-write overlay over this base image file, which is only read.
+    Image(PathBuf),
+}
+
+/// `{}` in a manifest.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Empty {}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DiskPhase {
+    #[default]
+    Pending,
+    Ready,
+    Failed,
+}
+
+impl fmt::Display for DiskPhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualDiskStatus {
+    pub phase: DiskPhase,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allocated: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attached_to: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_error: Option<String>,
+    #[serde(default)]
+    pub observed_generation: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}

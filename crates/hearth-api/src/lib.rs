@@ -1,0 +1,19 @@
+//! The hearth object model: kinds, validation and (de)serialisation.
+//!
+//! No I/O here: the daemon, the CLI and (later) a Kubernetes controller all
+//! share these types, so they must stay free of any host assumption.
+
+mod kinds;
+mod meta;
+mod object;
+mod quantity;
+
+pub use kinds::*;
+pub use meta::*;
+pub use object::{
+    FieldError, Object, ParseError, check_dns_label, object_from_value, parse_documents,
+};
+pub use quantity::{Quantity, QuantityError};
+
+#[cfg(test)]
+mod tests;

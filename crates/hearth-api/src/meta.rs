@@ -1,0 +1,96 @@
+//! Metadata, conditions and events shared by every kind.
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+pub const API_VERSION: &str = "hearth.dev/v1alpha1";
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ObjectMeta {
+    pub name: String,
+    /// Set by hearthd; ignored when a user supplies it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub creation_timestamp: Option<DateTime<Utc>>,
+    /// Bumped by hearthd each time the spec changes; ignored on input.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub generation: u64,
+    /// Where the object came from: `api` or `file:/path/to/manifest.yaml`.
+    /// Set by hearthd; ignored on input.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub managed_by: Option<String>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Condition {
+    #[serde(rename = "type")]
+    pub type_: String,
+    pub status: ConditionStatus,
+    #[serde(default)]
+    pub reason: String,
+    #[serde(default)]
+    pub message: String,
+    pub last_transition_time: DateTime<Utc>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ConditionStatus {
+    True,
+    False,
+    Unknown,
+}
+
+/// Sets a condition, keeping its transition time when only the message changes.
+pub fn set_condition(
+    conditions: &mut Vec<Condition>,
+    type_: &str,
+    status: ConditionStatus,
+    reason: &str,
+    message: &str,
+    now: DateTime<Utc>,
+) {
+    if let Some(c) = conditions.iter_mut().find(|c| c.type_ == type_) {
+        if c.status != status {
+            c.last_transition_time = now;
+        }
+        c.status = status;
+        c.reason = reason.to_string();
+        c.message = message.to_string();
+    } else {
+        conditions.push(Condition {
+            type_: type_.to_string(),
+            status,
+            reason: reason.to_string(),
+            message: message.to_string(),
+            last_transition_time: now,
+        });
+    }
+}
+
+pub fn remove_condition(conditions: &mut Vec<Condition>, type_: &str) {
+    conditions.retain(|c| c.type_ != type_);
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EventType {
+    Normal,
+    Warning,
+}
+
+/// Something that happened to an object, kept in the store for `describe`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Event {
+    pub time: DateTime<Utc>,
+    pub kind: String,
+    pub name: String,
+    #[serde(rename = "type")]
+    pub type_: EventType,
+    pub reason: String,
+    pub message: String,
+}

@@ -1,0 +1,430 @@
+//! Any object, parsed from YAML or JSON documents, and validated.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::kinds::{DiskSource, Kind, VirtualDisk, VirtualMachine};
+use crate::meta::API_VERSION;
+
+/// Every kind hearth knows, as one value.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Object {
+    VirtualMachine(VirtualMachine),
+    VirtualDisk(VirtualDisk),
+}
+
+/// A problem with one object, naming the field so a person can fix it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+#[error("{object}: {field}: {message}")]
+pub struct FieldError {
+    /// `VirtualMachine "demo"`, or `document 2` when the name is not known yet.
+    pub object: String,
+    /// The field path, such as `spec.memory` or `spec.disks[1].virtualDiskName`.
+    pub field: String,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    #[error("{origin}: line {line}, column {column}: {message}")]
+    Syntax {
+        origin: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    #[error("{origin}: {error}")]
+    Invalid { origin: String, error: FieldError },
+}
+
+impl ParseError {
+    pub fn origin(&self) -> &str {
+        match self {
+            ParseError::Syntax { origin, .. } | ParseError::Invalid { origin, .. } => origin,
+        }
+    }
+}
+
+impl Object {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Object::VirtualMachine(_) => Kind::VirtualMachine,
+            Object::VirtualDisk(_) => Kind::VirtualDisk,
+        }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.metadata().name
+    }
+
+    pub fn metadata(&self) -> &crate::ObjectMeta {
+        match self {
+            Object::VirtualMachine(o) => &o.metadata,
+            Object::VirtualDisk(o) => &o.metadata,
+        }
+    }
+
+    pub fn metadata_mut(&mut self) -> &mut crate::ObjectMeta {
+        match self {
+            Object::VirtualMachine(o) => &mut o.metadata,
+            Object::VirtualDisk(o) => &mut o.metadata,
+        }
+    }
+
+    /// `VirtualMachine "demo"`: how errors and events name an object.
+    pub fn display_name(&self) -> String {
+        format!("{} {:?}", self.kind(), self.name())
+    }
+
+    /// The spec alone as JSON, to tell a real change from a re-apply.
+    pub fn spec_json(&self) -> Value {
+        match self {
+            Object::VirtualMachine(o) => serde_json::to_value(&o.spec),
+            Object::VirtualDisk(o) => serde_json::to_value(&o.spec),
+        }
+        .unwrap_or(Value::Null)
+    }
+
+    /// Drops what only hearthd may write, so user input never sets it.
+    pub fn strip_server_fields(&mut self) {
+        match self {
+            Object::VirtualMachine(o) => o.status = None,
+            Object::VirtualDisk(o) => o.status = None,
+        }
+        let m = self.metadata_mut();
+        m.creation_timestamp = None;
+        m.generation = 0;
+        m.managed_by = None;
+    }
+
+    /// Makes relative host paths absolute against `base` (the manifest's
+    /// directory), so a manifest works from wherever it is applied.
+    pub fn resolve_relative_paths(&mut self, base: &Path) {
+        let fix = |p: &mut std::path::PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        match self {
+            Object::VirtualMachine(vm) => {
+                fix(&mut vm.spec.boot.kernel);
+                if let Some(i) = vm.spec.boot.initrd.as_mut() {
+                    fix(i);
+                }
+            }
+            Object::VirtualDisk(d) => {
+                if let DiskSource::Image(p) = &mut d.spec.source {
+                    fix(p);
+                }
+            }
+        }
+    }
+
+    /// Checks everything that can be checked without looking at the host.
+    pub fn validate(&self) -> Result<(), FieldError> {
+        let err = |field: &str, message: String| FieldError {
+            object: self.display_name(),
+            field: field.to_string(),
+            message,
+        };
+        let meta = self.metadata();
+        if let Err(why) = check_dns_label(&meta.name) {
+            return Err(err("metadata.name", why));
+        }
+        match self {
+            Object::VirtualMachine(vm) => {
+                check_header(&vm.api_version, &vm.kind, Kind::VirtualMachine)
+                    .map_err(|(f, m)| err(f, m))?;
+                let s = &vm.spec;
+                if !(1..=64).contains(&s.cpus) {
+                    return Err(err(
+                        "spec.cpus",
+                        format!("{} is out of range 1..64", s.cpus),
+                    ));
+                }
+                let mem = s.memory.bytes();
+                if mem < (32 << 20) || mem > (1 << 40) {
+                    return Err(err(
+                        "spec.memory",
+                        format!("{} is out of range 32Mi..1Ti", s.memory),
+                    ));
+                }
+                if mem % (1 << 20) != 0 {
+                    return Err(err(
+                        "spec.memory",
+                        format!("{} is not a whole number of MiB", s.memory),
+                    ));
+                }
+                check_host_path(&s.boot.kernel).map_err(|m| err("spec.boot.kernel", m))?;
+                if let Some(initrd) = &s.boot.initrd {
+                    check_host_path(initrd).map_err(|m| err("spec.boot.initrd", m))?;
+                }
+                if s.boot.cmdline.len() > 4096 {
+                    return Err(err("spec.boot.cmdline", "longer than 4096 bytes".into()));
+                }
+                if s.boot.cmdline.contains('\0') {
+                    return Err(err("spec.boot.cmdline", "contains a NUL byte".into()));
+                }
+                if s.disks.len() > 16 {
+                    return Err(err("spec.disks", "more than 16 disks".into()));
+                }
+                let mut seen = HashSet::new();
+                for (i, d) in s.disks.iter().enumerate() {
+                    let field = format!("spec.disks[{i}].virtualDiskName");
+                    check_dns_label(&d.virtual_disk_name).map_err(|m| err(&field, m))?;
+                    if !seen.insert(&d.virtual_disk_name) {
+                        return Err(err(
+                            &field,
+                            format!("disk {:?} is listed twice", d.virtual_disk_name),
+                        ));
+                    }
+                }
+                if s.stop_timeout_seconds > 3600 {
+                    return Err(err(
+                        "spec.stopTimeoutSeconds",
+                        "more than 3600 seconds".into(),
+                    ));
+                }
+            }
+            Object::VirtualDisk(d) => {
+                check_header(&d.api_version, &d.kind, Kind::VirtualDisk)
+                    .map_err(|(f, m)| err(f, m))?;
+                match &d.spec.source {
+                    DiskSource::Blank(_) => {
+                        if d.spec.size.is_none() {
+                            return Err(err(
+                                "spec.size",
+                                "a blank disk needs a size, for example `size: 1Gi`".into(),
+                            ));
+                        }
+                    }
+                    DiskSource::Image(p) => {
+                        check_host_path(p).map_err(|m| err("spec.source.image", m))?
+                    }
+                }
+                if let Some(size) = &d.spec.size {
+                    let b = size.bytes();
+                    if b < (1 << 20) || b > (16 << 40) {
+                        return Err(err(
+                            "spec.size",
+                            format!("{size} is out of range 1Mi..16Ti"),
+                        ));
+                    }
+                    if b % 512 != 0 {
+                        return Err(err(
+                            "spec.size",
+                            format!("{size} is not a multiple of 512 bytes"),
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn check_header(
+    api_version: &str,
+    kind: &str,
+    expected: Kind,
+) -> Result<(), (&'static str, String)> {
+    if api_version != API_VERSION {
+        return Err((
+            "apiVersion",
+            format!("{api_version:?} is not supported (use {API_VERSION:?})"),
+        ));
+    }
+    if kind != expected.as_str() {
+        return Err(("kind", format!("{kind:?} is not {:?}", expected.as_str())));
+    }
+    Ok(())
+}
+
+/// Names are DNS labels (RFC 1123): they become file names and QEMU ids.
+pub fn check_dns_label(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if name.len() > 63 {
+        return Err(format!("{name:?} is longer than 63 characters"));
+    }
+    let ok_chars = name
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    let ends_ok = !name.starts_with('-') && !name.ends_with('-');
+    if !ok_chars || !ends_ok {
+        return Err(format!(
+            "{name:?} is not a DNS label (lowercase letters, digits and '-', starting and ending with a letter or digit)"
+        ));
+    }
+    Ok(())
+}
+
+fn check_host_path(p: &Path) -> Result<(), String> {
+    let s = p.to_string_lossy();
+    if s.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if !p.is_absolute() {
+        return Err(format!("{s:?} is not an absolute path"));
+    }
+    if s.contains('\0') {
+        return Err("contains a NUL byte".into());
+    }
+    Ok(())
+}
+
+/// Parses one text holding one or more YAML or JSON documents. All or nothing:
+/// one bad document fails the whole text, so a half-valid file changes nothing.
+/// A document `{"items": [...]}` (what `hearth get -o json` prints) is expanded.
+pub fn parse_documents(text: &str, origin: &str) -> Result<Vec<Object>, ParseError> {
+    let mut out = Vec::new();
+    let mut doc_index = 0usize;
+    for doc in serde_yaml_ng::Deserializer::from_str(text) {
+        doc_index += 1;
+        let value = Value::deserialize(doc).map_err(|e| {
+            let (line, column) = e
+                .location()
+                .map(|l| (l.line(), l.column()))
+                .unwrap_or((0, 0));
+            ParseError::Syntax {
+                origin: origin.to_string(),
+                line,
+                column,
+                message: e.to_string(),
+            }
+        })?;
+        match value {
+            Value::Null => continue, // an empty document, e.g. a trailing `---`
+            Value::Object(ref map) if map.contains_key("items") && !map.contains_key("kind") => {
+                let items = match map.get("items") {
+                    Some(Value::Array(items)) => items.clone(),
+                    _ => {
+                        return Err(ParseError::Invalid {
+                            origin: origin.to_string(),
+                            error: FieldError {
+                                object: format!("document {doc_index}"),
+                                field: "items".into(),
+                                message: "must be a list of objects".into(),
+                            },
+                        });
+                    }
+                };
+                for (i, item) in items.into_iter().enumerate() {
+                    let label = format!("document {doc_index}, items[{i}]");
+                    out.push(object_from_value(item, &label).map_err(|error| {
+                        ParseError::Invalid {
+                            origin: origin.to_string(),
+                            error,
+                        }
+                    })?);
+                }
+            }
+            other => {
+                let label = format!("document {doc_index}");
+                out.push(object_from_value(other, &label).map_err(|error| {
+                    ParseError::Invalid {
+                        origin: origin.to_string(),
+                        error,
+                    }
+                })?);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Turns one JSON value into a validated object.
+pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError> {
+    let fe = |object: String, field: &str, message: String| FieldError {
+        object,
+        field: field.to_string(),
+        message,
+    };
+    let Value::Object(map) = &value else {
+        return Err(fe(label.into(), "(document)", "is not a mapping".into()));
+    };
+    let name = map
+        .get("metadata")
+        .and_then(|m| m.get("name"))
+        .and_then(|n| n.as_str())
+        .map(str::to_string);
+    let kind_text = match map.get("kind") {
+        Some(Value::String(k)) => k.clone(),
+        Some(_) => return Err(fe(label.into(), "kind", "must be a string".into())),
+        None => {
+            return Err(fe(
+                label.into(),
+                "kind",
+                "is missing (one of: VirtualMachine, VirtualDisk)".into(),
+            ));
+        }
+    };
+    let kind = Kind::ALL
+        .into_iter()
+        .find(|k| k.as_str() == kind_text)
+        .ok_or_else(|| {
+            fe(
+                label.into(),
+                "kind",
+                format!("unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk)"),
+            )
+        })?;
+    let who = match &name {
+        Some(n) => format!("{kind} {n:?}"),
+        None => format!("{kind} in {label}"),
+    };
+    if name.is_none() {
+        return Err(fe(who, "metadata.name", "is missing".into()));
+    }
+    let typed = |r: Result<Object, serde_path_to_error::Error<serde_json::Error>>| {
+        r.map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner().to_string();
+            let (field, message) = refine_unknown_field(&path, &inner);
+            FieldError {
+                object: who.clone(),
+                field,
+                message,
+            }
+        })
+    };
+    let obj = match kind {
+        Kind::VirtualMachine => typed(
+            serde_path_to_error::deserialize::<_, VirtualMachine>(value)
+                .map(Object::VirtualMachine),
+        )?,
+        Kind::VirtualDisk => typed(
+            serde_path_to_error::deserialize::<_, VirtualDisk>(value).map(Object::VirtualDisk),
+        )?,
+    };
+    obj.validate()?;
+    Ok(obj)
+}
+
+/// path_to_error already ends the path with the unknown key; keep the
+/// message short and point at the field a person has to remove.
+fn refine_unknown_field(path: &str, message: &str) -> (String, String) {
+    let field = if path == "." || path.is_empty() {
+        "(document)".to_string()
+    } else {
+        path.to_string()
+    };
+    if let Some(rest) = message.strip_prefix("unknown field `") {
+        if let Some(end) = rest.find('`') {
+            return (field, format!("unknown field{}", &rest[end + 1..]));
+        }
+    }
+    (field, message.to_string())
+}
+
+impl fmt::Display for Object {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.display_name())
+    }
+}

@@ -1,0 +1,190 @@
+use crate::*;
+
+const DEMO: &str = r#"
+apiVersion: hearth.dev/v1alpha1
+kind: VirtualDisk
+metadata: {name: demo-data}
+spec:
+  size: 1Gi
+  source: {blank: {}}
+---
+apiVersion: hearth.dev/v1alpha1
+kind: VirtualMachine
+metadata: {name: demo}
+spec:
+  runPolicy: AlwaysOn
+  cpus: 1
+  memory: 256Mi
+  boot: {kernel: /boot/vmlinuz, initrd: /boot/initrd.img, cmdline: "console=ttyS0"}
+  disks:
+    - virtualDiskName: demo-data
+  guestAgent: true
+"#;
+
+fn parse_err(text: &str) -> String {
+    parse_documents(text, "test.yaml").unwrap_err().to_string()
+}
+
+#[test]
+fn several_documents_in_one_file() {
+    let objs = parse_documents(DEMO, "demo.yaml").unwrap();
+    assert_eq!(objs.len(), 2);
+    assert_eq!(objs[0].kind(), Kind::VirtualDisk);
+    assert_eq!(objs[1].name(), "demo");
+    let Object::VirtualMachine(vm) = &objs[1] else {
+        panic!("not a VM")
+    };
+    assert_eq!(vm.spec.memory.mebibytes(), 256);
+    assert_eq!(vm.spec.disks[0].virtual_disk_name, "demo-data");
+}
+
+#[test]
+fn defaults_fill_what_is_left_out() {
+    let objs = parse_documents(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {name: a}\nspec: {boot: {kernel: /k}}\n",
+        "t",
+    )
+    .unwrap();
+    let Object::VirtualMachine(vm) = &objs[0] else {
+        panic!()
+    };
+    assert_eq!(vm.spec.cpus, 1);
+    assert_eq!(vm.spec.memory.mebibytes(), 256);
+    assert_eq!(vm.spec.run_policy, RunPolicy::AlwaysOn);
+    assert!(vm.spec.guest_agent);
+}
+
+#[test]
+fn json_is_accepted_and_round_trips() {
+    let objs = parse_documents(DEMO, "demo.yaml").unwrap();
+    let json = serde_json::to_string(&serde_json::json!({"items": objs})).unwrap();
+    let again = parse_documents(&json, "list.json").unwrap();
+    assert_eq!(objs, again);
+}
+
+#[test]
+fn unknown_field_names_its_full_path() {
+    let e = parse_err(&DEMO.replace("cpus: 1", "cpus: 1\n  cpu_count: 2"));
+    assert!(e.contains(r#"VirtualMachine "demo""#), "{e}");
+    assert!(e.contains("spec.cpu_count: unknown field"), "{e}");
+    let e = parse_err(&DEMO.replace("initrd:", "initramfs:"));
+    assert!(e.contains("spec.boot.initramfs"), "{e}");
+}
+
+#[test]
+fn bad_memory_size_names_field_and_value() {
+    let e = parse_err(&DEMO.replace("256Mi", "12XB"));
+    assert!(e.contains("spec.memory"), "{e}");
+    assert!(e.contains("\"12XB\""), "{e}");
+}
+
+#[test]
+fn names_must_be_dns_labels() {
+    for bad in ["Demo", "demo_1", "-demo", "a,b", "a b", ""] {
+        let e = parse_err(&DEMO.replace("{name: demo}", &format!("{{name: {bad:?}}}")));
+        assert!(e.contains("metadata.name"), "{bad}: {e}");
+    }
+    let e = parse_err(&DEMO.replace("- virtualDiskName: demo-data", "- virtualDiskName: Data,x"));
+    assert!(e.contains("spec.disks[0].virtualDiskName"), "{e}");
+}
+
+#[test]
+fn unknown_kind_and_missing_name_are_refused() {
+    let e =
+        parse_err("apiVersion: hearth.dev/v1alpha1\nkind: Pod\nmetadata: {name: x}\nspec: {}\n");
+    assert!(e.contains("unknown kind \"Pod\""), "{e}");
+    let e = parse_err("apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nspec: {}\n");
+    assert!(e.contains("metadata.name: is missing"), "{e}");
+    let e = parse_err(&DEMO.replace(
+        "hearth.dev/v1alpha1\nkind: VirtualMachine",
+        "v1\nkind: VirtualMachine",
+    ));
+    assert!(e.contains("apiVersion"), "{e}");
+}
+
+#[test]
+fn yaml_syntax_error_has_line_and_column() {
+    let err = parse_documents(
+        "kind: VirtualDisk\nmetadata: {name: x\nspec: [\n",
+        "bad.yaml",
+    )
+    .unwrap_err();
+    match err {
+        ParseError::Syntax { line, origin, .. } => {
+            assert_eq!(origin, "bad.yaml");
+            assert!(line >= 2, "line {line}");
+        }
+        other => panic!("expected a syntax error, got {other}"),
+    }
+}
+
+#[test]
+fn one_bad_document_fails_the_whole_file() {
+    let text =
+        format!("{DEMO}\n---\nkind: VirtualDisk\nmetadata: {{name: y}}\nspec: {{bogus: 1}}\n");
+    assert!(parse_documents(&text, "t").is_err());
+}
+
+#[test]
+fn blank_disk_needs_size_and_image_needs_absolute_path() {
+    let e = parse_err(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: d}\nspec: {source: {blank: {}}}\n",
+    );
+    assert!(e.contains("spec.size"), "{e}");
+    let e = parse_err(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: d}\nspec: {source: {image: base.qcow2}}\n",
+    );
+    assert!(e.contains("spec.source.image"), "{e}");
+    let e = parse_err(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: d}\nspec: {source: {nfs: x}}\n",
+    );
+    assert!(e.contains("spec.source"), "{e}");
+}
+
+#[test]
+fn relative_paths_resolve_against_the_manifest_directory() {
+    let text = DEMO.replace("/boot/vmlinuz", "../guest/vmlinuz");
+    // Relative paths fail validation until they are resolved...
+    assert!(parse_documents(&text, "t").is_err());
+    // ...so callers resolve before validating.
+    let v: serde_json::Value = serde_yaml_ng::from_str(text.split("---").nth(1).unwrap()).unwrap();
+    let mut obj: Object = serde_json::from_value(v).unwrap();
+    obj.resolve_relative_paths(std::path::Path::new("/repo/examples"));
+    let Object::VirtualMachine(vm) = &obj else {
+        panic!()
+    };
+    assert_eq!(
+        vm.spec.boot.kernel,
+        std::path::PathBuf::from("/repo/examples/../guest/vmlinuz")
+    );
+    obj.validate().unwrap();
+}
+
+#[test]
+fn user_cannot_set_server_fields() {
+    let mut objs = parse_documents(
+        &DEMO.replace(
+            "{name: demo}",
+            "{name: demo, generation: 7, managedBy: api}",
+        ),
+        "t",
+    )
+    .unwrap();
+    objs[1].strip_server_fields();
+    assert_eq!(objs[1].metadata().generation, 0);
+    assert_eq!(objs[1].metadata().managed_by, None);
+}
+
+proptest::proptest! {
+    /// Whatever bytes arrive, parsing returns an answer and never panics.
+    #[test]
+    fn parsing_never_panics(text in ".{0,400}") {
+        let _ = parse_documents(&text, "fuzz");
+    }
+
+    #[test]
+    fn dns_label_check_agrees_with_the_rule(name in "[a-z0-9-]{0,70}") {
+        let ok = !name.is_empty() && name.len() <= 63 && !name.starts_with('-') && !name.ends_with('-');
+        proptest::prop_assert_eq!(check_dns_label(&name).is_ok(), ok);
+    }
+}
