@@ -1,0 +1,658 @@
+//! The engine: the one command surface (apply, delete, VM actions) that the
+//! HTTP API and the manifest directory both drive, plus the work queue that
+//! runs reconciles — never two at once for one object.
+
+use std::collections::{HashMap, HashSet};
+use std::fs::File;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::Utc;
+use hearth_api::{
+    DiskSource, Event, EventType, FieldError, Kind, Object, RunPolicy, VirtualDiskStatus,
+    VirtualMachineStatus,
+};
+use serde_json::Value;
+
+use crate::config::EngineConfig;
+use crate::runtime::RuntimeRecord;
+use crate::store::{Store, StoreError, StoredObject};
+use crate::vm::live::LiveVm;
+
+/// Why a request was refused. Each maps to one HTTP status.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    #[error("{0}")]
+    Invalid(#[from] FieldError),
+    #[error("{0}")]
+    BadRequest(String),
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error("{0}")]
+    Failed(String),
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot create {path}: {source}")]
+    Dir {
+        path: std::path::PathBuf,
+        source: std::io::Error,
+    },
+    #[error("another hearthd already uses the state directory {0} (only one daemon may manage it)")]
+    Locked(std::path::PathBuf),
+    #[error("cannot open the store {path}: {source}")]
+    Store {
+        path: std::path::PathBuf,
+        source: StoreError,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ApplyAction {
+    Created,
+    Configured,
+    Unchanged,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ApplyOutcome {
+    pub kind: Kind,
+    pub name: String,
+    pub action: ApplyAction,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VmAction {
+    Start,
+    Stop,
+    Restart,
+}
+
+type Key = (Kind, String);
+
+pub struct Engine {
+    pub config: EngineConfig,
+    pub store: Store,
+    live: Mutex<HashMap<String, Arc<LiveVm>>>,
+    /// Keys with a running worker; `true` means "changed while running: go again".
+    queue: Mutex<HashMap<Key, bool>>,
+    failures: Mutex<HashMap<Key, u32>>,
+    /// Serialises apply/delete so their checks and writes are one step.
+    writes: Mutex<()>,
+    _lock: File,
+}
+
+impl Engine {
+    /// Opens the store, takes the state-directory lock, adopts running VMs and
+    /// starts reconciling everything.
+    pub async fn start(config: EngineConfig) -> Result<Arc<Engine>, StartError> {
+        for dir in [&config.state_dir, &config.run_dir] {
+            std::fs::create_dir_all(dir).map_err(|source| StartError::Dir {
+                path: dir.clone(),
+                source,
+            })?;
+            let _ =
+                std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700));
+        }
+        let lock_path = config.state_dir.join("hearthd.lock");
+        let lock = File::create(&lock_path).map_err(|source| StartError::Dir {
+            path: lock_path.clone(),
+            source,
+        })?;
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive)
+            .map_err(|_| StartError::Locked(config.state_dir.clone()))?;
+        let db = config.database_path();
+        let store = Store::open(&db).map_err(|source| StartError::Store { path: db, source })?;
+        let engine = Arc::new(Engine {
+            config,
+            store,
+            live: Mutex::new(HashMap::new()),
+            queue: Mutex::new(HashMap::new()),
+            failures: Mutex::new(HashMap::new()),
+            writes: Mutex::new(()),
+            _lock: lock,
+        });
+
+        // Adopt what a previous daemon started: connect to the QEMU processes
+        // that still run, so no reconcile ever starts a second one.
+        if let Ok(records) = engine.store.runtimes() {
+            for r in records {
+                if hearth_qemu::process::is_alive(&r.process) {
+                    engine.ensure_live(&r).await;
+                    engine.event(
+                        Kind::VirtualMachine,
+                        &r.vm,
+                        EventType::Normal,
+                        "Adopted",
+                        &format!(
+                            "hearthd restarted; adopted running QEMU pid {}",
+                            r.process.pid
+                        ),
+                    );
+                }
+            }
+        }
+        engine.wake_all();
+        let weak = Arc::downgrade(&engine);
+        let interval = engine.config.resync_interval;
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(interval).await;
+                let Some(engine) = weak.upgrade() else { return };
+                engine.wake_all();
+            }
+        });
+        Ok(engine)
+    }
+
+    // ------------------------------------------------------------ queries
+
+    pub fn get(&self, kind: Kind, name: &str) -> Result<StoredObject, RequestError> {
+        self.store
+            .get(kind, name)?
+            .ok_or_else(|| RequestError::NotFound(format!("{kind} {name:?} not found")))
+    }
+
+    pub fn list(&self, kind: Kind) -> Result<Vec<StoredObject>, RequestError> {
+        Ok(self.store.list(kind)?)
+    }
+
+    pub fn events(
+        &self,
+        kind: Option<Kind>,
+        name: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Event>, RequestError> {
+        Ok(self.store.events(kind, name, limit)?)
+    }
+
+    /// The console log of a VM that exists.
+    pub fn console_path(&self, name: &str) -> Result<std::path::PathBuf, RequestError> {
+        self.get(Kind::VirtualMachine, name)?;
+        Ok(self.config.serial_log(name))
+    }
+
+    pub fn vms_using_disk(&self, disk: &str) -> Result<Vec<String>, StoreError> {
+        Ok(self
+            .store
+            .list(Kind::VirtualMachine)?
+            .into_iter()
+            .filter_map(|s| match s.object {
+                Object::VirtualMachine(vm)
+                    if vm.spec.disks.iter().any(|d| d.virtual_disk_name == disk) =>
+                {
+                    Some(vm.metadata.name)
+                }
+                _ => None,
+            })
+            .collect())
+    }
+
+    // ------------------------------------------------------------ commands
+
+    /// Creates or updates objects. All or nothing: every object is checked
+    /// before any is written, and they are written in one transaction.
+    pub fn apply(
+        self: &Arc<Self>,
+        objects: Vec<Object>,
+        managed_by: &str,
+    ) -> Result<Vec<ApplyOutcome>, RequestError> {
+        let _w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut seen = HashSet::new();
+        let mut prepared = Vec::new();
+        for mut obj in objects {
+            obj.strip_server_fields();
+            obj.validate()?;
+            if !seen.insert((obj.kind(), obj.name().to_string())) {
+                return Err(RequestError::BadRequest(format!(
+                    "{} appears twice in one apply",
+                    obj.display_name()
+                )));
+            }
+            self.check_host_paths(&obj)?;
+            let existing = self.store.get(obj.kind(), obj.name())?;
+            let action = if let Some(existing) = &existing {
+                self.check_update(existing, &obj, managed_by)?;
+                if existing.object.spec_json() == obj.spec_json() {
+                    ApplyAction::Unchanged
+                } else {
+                    ApplyAction::Configured
+                }
+            } else {
+                ApplyAction::Created
+            };
+            let meta = obj.metadata_mut();
+            match &existing {
+                Some(e) => {
+                    let old = e.object.metadata();
+                    meta.creation_timestamp = old.creation_timestamp;
+                    meta.generation = old.generation + u64::from(action == ApplyAction::Configured);
+                }
+                None => {
+                    meta.creation_timestamp = Some(Utc::now());
+                    meta.generation = 1;
+                }
+            }
+            meta.managed_by = Some(managed_by.to_string());
+            prepared.push((obj, action));
+        }
+        self.check_disk_exclusivity(prepared.iter().map(|(o, _)| o))?;
+
+        let to_write: Vec<Object> = prepared
+            .iter()
+            .filter(|(_, a)| *a != ApplyAction::Unchanged)
+            .map(|(o, _)| o.clone())
+            .collect();
+        self.store.put_objects(&to_write)?;
+
+        let mut outcomes = Vec::new();
+        for (obj, action) in prepared {
+            if action != ApplyAction::Unchanged {
+                let (reason, verb) = match action {
+                    ApplyAction::Created => ("Created", "created"),
+                    _ => ("Updated", "updated"),
+                };
+                self.event(
+                    obj.kind(),
+                    obj.name(),
+                    EventType::Normal,
+                    reason,
+                    &format!(
+                        "{verb} from {managed_by} (generation {})",
+                        obj.metadata().generation
+                    ),
+                );
+            }
+            self.wake(obj.kind(), obj.name());
+            if let Object::VirtualMachine(vm) = &obj {
+                for d in &vm.spec.disks {
+                    self.wake(Kind::VirtualDisk, &d.virtual_disk_name);
+                }
+            }
+            outcomes.push(ApplyOutcome {
+                kind: obj.kind(),
+                name: obj.name().to_string(),
+                action,
+            });
+        }
+        Ok(outcomes)
+    }
+
+    /// Marks an object for deletion; its reconcile tears it down.
+    pub fn delete(
+        self: &Arc<Self>,
+        kind: Kind,
+        name: &str,
+        managed_by: &str,
+    ) -> Result<(), RequestError> {
+        let _w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
+        let existing = self.get(kind, name)?;
+        check_owner(&existing, managed_by)?;
+        if kind == Kind::VirtualDisk {
+            if let Some(vm) = self.vms_using_disk(name)?.first() {
+                return Err(RequestError::Conflict(format!(
+                    "VirtualDisk {name:?} is in use by VirtualMachine {vm:?} (spec.disks); delete the VM or remove the disk from it first"
+                )));
+            }
+        }
+        if !existing.deleting {
+            self.store.mark_deleting(kind, name)?;
+            self.event(
+                kind,
+                name,
+                EventType::Normal,
+                "Deleting",
+                &format!("deletion requested by {managed_by}"),
+            );
+        }
+        self.wake(kind, name);
+        Ok(())
+    }
+
+    pub fn vm_action(
+        self: &Arc<Self>,
+        name: &str,
+        action: VmAction,
+    ) -> Result<String, RequestError> {
+        let stored = self.get(Kind::VirtualMachine, name)?;
+        let Object::VirtualMachine(vm) = &stored.object else {
+            return Err(RequestError::NotFound(format!(
+                "VirtualMachine {name:?} not found"
+            )));
+        };
+        if stored.deleting {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachine {name:?} is being deleted"
+            )));
+        }
+        if vm.spec.run_policy == RunPolicy::AlwaysOff && action != VmAction::Stop {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachine {name:?} has spec.runPolicy AlwaysOff; set it to AlwaysOn or Manual to start it"
+            )));
+        }
+        let message = match action {
+            VmAction::Start => {
+                self.store
+                    .update_intent(name, |i| i.want_running = Some(true))?;
+                format!("VirtualMachine {name:?} is starting")
+            }
+            VmAction::Stop => {
+                self.store
+                    .update_intent(name, |i| i.want_running = Some(false))?;
+                if vm.spec.run_policy == RunPolicy::AlwaysOn {
+                    format!(
+                        "VirtualMachine {name:?} is stopping; it stays stopped until `hearth start {name}`"
+                    )
+                } else {
+                    format!("VirtualMachine {name:?} is stopping")
+                }
+            }
+            VmAction::Restart => {
+                if self.store.runtime(name)?.is_none() {
+                    self.store
+                        .update_intent(name, |i| i.want_running = Some(true))?;
+                    format!("VirtualMachine {name:?} was not running; starting it")
+                } else {
+                    let next = self
+                        .store
+                        .runtime(name)?
+                        .map(|r| r.restart_nonce)
+                        .unwrap_or(0)
+                        + 1;
+                    self.store.update_intent(name, |i| {
+                        i.want_running = Some(true);
+                        i.restart_nonce = i.restart_nonce.max(next);
+                    })?;
+                    format!("VirtualMachine {name:?} is restarting")
+                }
+            }
+        };
+        self.event(
+            Kind::VirtualMachine,
+            name,
+            EventType::Normal,
+            "UserRequest",
+            &message,
+        );
+        self.wake(Kind::VirtualMachine, name);
+        Ok(message)
+    }
+
+    fn check_host_paths(&self, obj: &Object) -> Result<(), RequestError> {
+        let fail = |field: &str, message: String| {
+            RequestError::Invalid(FieldError {
+                object: obj.display_name(),
+                field: field.into(),
+                message,
+            })
+        };
+        match obj {
+            Object::VirtualMachine(vm) => {
+                self.config
+                    .confine(&vm.spec.boot.kernel)
+                    .map_err(|m| fail("spec.boot.kernel", m))?;
+                if let Some(i) = &vm.spec.boot.initrd {
+                    self.config
+                        .confine(i)
+                        .map_err(|m| fail("spec.boot.initrd", m))?;
+                }
+            }
+            Object::VirtualDisk(d) => {
+                if let DiskSource::Image(p) = &d.spec.source {
+                    self.config
+                        .confine(p)
+                        .map_err(|m| fail("spec.source.image", m))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn check_update(
+        &self,
+        existing: &StoredObject,
+        new: &Object,
+        managed_by: &str,
+    ) -> Result<(), RequestError> {
+        check_owner(existing, managed_by)?;
+        if existing.deleting {
+            return Err(RequestError::Conflict(format!(
+                "{} is being deleted; apply it again once it is gone",
+                new.display_name()
+            )));
+        }
+        if let (Object::VirtualDisk(old), Object::VirtualDisk(new_disk)) = (&existing.object, new) {
+            if old.spec != new_disk.spec {
+                return Err(RequestError::Invalid(FieldError {
+                    object: new.display_name(),
+                    field: "spec".into(),
+                    message: "a disk's size and source cannot change after it is created; delete it and create it again".into(),
+                }));
+            }
+        }
+        Ok(())
+    }
+
+    /// A disk belongs to at most one VM.
+    fn check_disk_exclusivity<'a>(
+        &self,
+        batch: impl Iterator<Item = &'a Object>,
+    ) -> Result<(), RequestError> {
+        let batch: Vec<&Object> = batch.collect();
+        let batch_vms: HashSet<&str> = batch
+            .iter()
+            .filter(|o| o.kind() == Kind::VirtualMachine)
+            .map(|o| o.name())
+            .collect();
+        let mut owner: HashMap<String, String> = HashMap::new();
+        for s in self.store.list(Kind::VirtualMachine)? {
+            if let Object::VirtualMachine(vm) = s.object {
+                if batch_vms.contains(vm.metadata.name.as_str()) {
+                    continue;
+                }
+                for d in vm.spec.disks {
+                    owner.insert(d.virtual_disk_name, vm.metadata.name.clone());
+                }
+            }
+        }
+        for o in batch {
+            if let Object::VirtualMachine(vm) = o {
+                for (i, d) in vm.spec.disks.iter().enumerate() {
+                    if let Some(other) = owner.get(&d.virtual_disk_name) {
+                        return Err(RequestError::Conflict(format!(
+                            "{}: spec.disks[{i}].virtualDiskName: VirtualDisk {:?} is already used by VirtualMachine {other:?}",
+                            o.display_name(),
+                            d.virtual_disk_name
+                        )));
+                    }
+                    owner.insert(d.virtual_disk_name.clone(), vm.metadata.name.clone());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------ status & events
+
+    pub fn event(&self, kind: Kind, name: &str, type_: EventType, reason: &str, message: &str) {
+        tracing::info!(kind = kind.as_str(), name, reason, "{message}");
+        if let Err(e) = self.store.record_event(kind, name, type_, reason, message) {
+            tracing::warn!(error = %e, "cannot record event");
+        }
+    }
+
+    pub fn set_vm_status(&self, name: &str, f: impl FnOnce(&mut VirtualMachineStatus)) {
+        if let Err(e) = self.store.update_status(Kind::VirtualMachine, name, f) {
+            tracing::warn!(vm = name, error = %e, "cannot write status");
+        }
+    }
+
+    pub fn set_disk_status(&self, name: &str, f: impl FnOnce(&mut VirtualDiskStatus)) {
+        if let Err(e) = self.store.update_status(Kind::VirtualDisk, name, f) {
+            tracing::warn!(disk = name, error = %e, "cannot write status");
+        }
+    }
+
+    // ------------------------------------------------------------ live VMs
+
+    /// The live handle of a recorded running process, attaching if needed.
+    pub async fn ensure_live(self: &Arc<Self>, record: &RuntimeRecord) -> Arc<LiveVm> {
+        if let Some(l) = self.live_get(&record.vm) {
+            if l.record.process == record.process {
+                return l;
+            }
+        }
+        let live = Arc::new(LiveVm::attach(self, record.clone()).await);
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(record.vm.clone(), live.clone());
+        live
+    }
+
+    pub fn live_get(&self, vm: &str) -> Option<Arc<LiveVm>> {
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(vm)
+            .cloned()
+    }
+
+    pub fn take_live(&self, vm: &str) -> Option<Arc<LiveVm>> {
+        self.live
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(vm)
+    }
+
+    pub fn drop_live(&self, vm: &str) {
+        self.take_live(vm);
+    }
+
+    pub fn live_agent_connected(&self, vm: &str) -> bool {
+        self.live_get(vm)
+            .is_some_and(|l| l.agent_connected.load(std::sync::atomic::Ordering::SeqCst))
+    }
+
+    // ------------------------------------------------------------ work queue
+
+    /// Asks for a reconcile of one object. Level-triggered: a hint, not a
+    /// command; many wakes while a reconcile runs collapse into one rerun.
+    pub fn wake(self: &Arc<Self>, kind: Kind, name: &str) {
+        let key = (kind, name.to_string());
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(dirty) = q.get_mut(&key) {
+            *dirty = true;
+            return;
+        }
+        q.insert(key.clone(), false);
+        drop(q);
+        let engine = self.clone();
+        tokio::spawn(async move { engine.worker(key).await });
+    }
+
+    pub fn wake_all(self: &Arc<Self>) {
+        for kind in Kind::ALL {
+            if let Ok(objs) = self.store.list(kind) {
+                for o in objs {
+                    self.wake(kind, o.object.name());
+                }
+            }
+        }
+    }
+
+    async fn worker(self: Arc<Self>, key: Key) {
+        loop {
+            let result = match key.0 {
+                Kind::VirtualMachine => crate::vm::reconcile(&self, &key.1).await,
+                Kind::VirtualDisk => crate::disk::reconcile(&self, &key.1).await,
+            };
+            match result {
+                Ok(()) => {
+                    self.failures
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&key);
+                }
+                Err(e) => {
+                    let n = {
+                        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+                        let n = f.entry(key.clone()).or_insert(0);
+                        *n += 1;
+                        *n
+                    };
+                    let delay = backoff(n);
+                    tracing::warn!(kind = key.0.as_str(), name = key.1, error = %e, retry_in = ?delay, "reconcile failed");
+                    let weak = Arc::downgrade(&self);
+                    let k = key.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        if let Some(engine) = weak.upgrade() {
+                            engine.wake(k.0, &k.1);
+                        }
+                    });
+                }
+            }
+            let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+            match q.get_mut(&key) {
+                Some(dirty) if *dirty => *dirty = false,
+                _ => {
+                    q.remove(&key);
+                    return;
+                }
+            }
+        }
+    }
+
+    pub fn status_json(&self, stored: &StoredObject) -> Value {
+        stored.to_json()
+    }
+}
+
+fn check_owner(existing: &StoredObject, managed_by: &str) -> Result<(), RequestError> {
+    let owner = existing
+        .object
+        .metadata()
+        .managed_by
+        .as_deref()
+        .unwrap_or("api");
+    if owner != managed_by && owner.starts_with("file:") {
+        return Err(RequestError::Conflict(format!(
+            "{} is owned by the manifest file {}; edit or remove that file instead",
+            existing.object.display_name(),
+            owner.trim_start_matches("file:")
+        )));
+    }
+    Ok(())
+}
+
+/// 1 s, 2 s, 4 s ... capped at 60 s.
+fn backoff(failures: u32) -> Duration {
+    Duration::from_secs(1u64 << failures.saturating_sub(1).min(6)).min(Duration::from_secs(60))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::backoff;
+    use std::time::Duration;
+
+    #[test]
+    fn backoff_grows_and_caps() {
+        assert_eq!(backoff(1), Duration::from_secs(1));
+        assert_eq!(backoff(2), Duration::from_secs(2));
+        assert_eq!(backoff(4), Duration::from_secs(8));
+        assert_eq!(backoff(50), Duration::from_secs(60));
+    }
+}

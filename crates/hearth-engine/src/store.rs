@@ -1,0 +1,467 @@
+//! The embedded store: one SQLite database file in the state directory.
+//!
+//! SQLite in WAL mode with `synchronous=FULL`: every write is one transaction,
+//! so a crash at any point leaves either the old or the new object, never half
+//! of one. Objects, status, runtime records and events all live here so that a
+//! restarted daemon knows everything it had started.
+
+use std::path::Path;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use chrono::{DateTime, Utc};
+use hearth_api::{Event, EventType, Kind, Object};
+use rusqlite::{Connection, OptionalExtension, params};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::runtime::RuntimeRecord;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database error")]
+    Sqlite(#[from] rusqlite::Error),
+    #[error("stored record is not valid JSON")]
+    Json(#[from] serde_json::Error),
+}
+
+/// One stored object: the user's object (without status) plus what hearthd
+/// keeps about it.
+#[derive(Clone, Debug)]
+pub struct StoredObject {
+    pub object: Object,
+    pub status: Value,
+    pub deleting: bool,
+}
+
+impl StoredObject {
+    /// The object with its status and server metadata, as the API shows it.
+    pub fn to_json(&self) -> Value {
+        let mut v = serde_json::to_value(&self.object).unwrap_or(Value::Null);
+        if let Value::Object(map) = &mut v {
+            if !self.status.is_null() {
+                map.insert("status".into(), self.status.clone());
+            }
+        }
+        v
+    }
+}
+
+/// Run intent set by `hearth start|stop|restart`.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunIntent {
+    /// None: follow the run policy's default.
+    pub want_running: Option<bool>,
+    /// Bumped by `restart`; the VM restarts when its runtime record lags.
+    pub restart_nonce: u64,
+}
+
+#[derive(Clone)]
+pub struct Store {
+    conn: Arc<Mutex<Connection>>,
+}
+
+const SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS objects (
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    body TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'null',
+    deleting INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (kind, name)
+);
+CREATE TABLE IF NOT EXISTS runtime (
+    vm TEXT PRIMARY KEY,
+    record TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS intents (
+    vm TEXT PRIMARY KEY,
+    intent TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    time TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    type TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    message TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_object ON events (kind, name, id);
+"#;
+
+/// Events kept per object; older ones are dropped.
+const EVENTS_PER_OBJECT: i64 = 200;
+
+impl Store {
+    pub fn open(path: &Path) -> Result<Store, StoreError> {
+        let conn = Connection::open(path)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "FULL")?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch(SCHEMA)?;
+        Ok(Store {
+            conn: Arc::new(Mutex::new(conn)),
+        })
+    }
+
+    fn conn(&self) -> MutexGuard<'_, Connection> {
+        // A panic while holding the lock cannot leave SQLite half-written (the
+        // transaction rolls back), so a poisoned lock is still usable.
+        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn get(&self, kind: Kind, name: &str) -> Result<Option<StoredObject>, StoreError> {
+        let conn = self.conn();
+        let row: Option<(String, String, bool)> = conn
+            .query_row(
+                "SELECT body, status, deleting FROM objects WHERE kind = ?1 AND name = ?2",
+                params![kind.as_str(), name],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .optional()?;
+        row.map(|(body, status, deleting)| {
+            Ok(StoredObject {
+                object: serde_json::from_str(&body)?,
+                status: serde_json::from_str(&status)?,
+                deleting,
+            })
+        })
+        .transpose()
+    }
+
+    pub fn list(&self, kind: Kind) -> Result<Vec<StoredObject>, StoreError> {
+        let conn = self.conn();
+        let mut stmt = conn
+            .prepare("SELECT body, status, deleting FROM objects WHERE kind = ?1 ORDER BY name")?;
+        let rows = stmt.query_map(params![kind.as_str()], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, bool>(2)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (body, status, deleting) = row?;
+            out.push(StoredObject {
+                object: serde_json::from_str(&body)?,
+                status: serde_json::from_str(&status)?,
+                deleting,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Writes a batch of objects in one transaction: all or nothing.
+    /// Status is kept for objects that already exist.
+    pub fn put_objects(&self, objects: &[Object]) -> Result<(), StoreError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        for o in objects {
+            let body = serde_json::to_string(o)?;
+            tx.execute(
+                "INSERT INTO objects (kind, name, body) VALUES (?1, ?2, ?3)
+                 ON CONFLICT (kind, name) DO UPDATE SET body = excluded.body",
+                params![o.kind().as_str(), o.name(), body],
+            )?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    pub fn mark_deleting(&self, kind: Kind, name: &str) -> Result<bool, StoreError> {
+        let n = self.conn().execute(
+            "UPDATE objects SET deleting = 1 WHERE kind = ?1 AND name = ?2",
+            params![kind.as_str(), name],
+        )?;
+        Ok(n > 0)
+    }
+
+    /// Removes an object and everything kept about it, in one transaction.
+    pub fn remove(&self, kind: Kind, name: &str) -> Result<(), StoreError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        tx.execute(
+            "DELETE FROM objects WHERE kind = ?1 AND name = ?2",
+            params![kind.as_str(), name],
+        )?;
+        if kind == Kind::VirtualMachine {
+            tx.execute("DELETE FROM runtime WHERE vm = ?1", params![name])?;
+            tx.execute("DELETE FROM intents WHERE vm = ?1", params![name])?;
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Read-modify-write of an object's status in one transaction, so the
+    /// reconciler and the VM monitor never overwrite each other's fields.
+    pub fn update_status<T, F>(&self, kind: Kind, name: &str, f: F) -> Result<Option<T>, StoreError>
+    where
+        T: Serialize + for<'de> Deserialize<'de> + Default,
+        F: FnOnce(&mut T),
+    {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let current: Option<String> = tx
+            .query_row(
+                "SELECT status FROM objects WHERE kind = ?1 AND name = ?2",
+                params![kind.as_str(), name],
+                |r| r.get(0),
+            )
+            .optional()?;
+        let Some(current) = current else {
+            return Ok(None);
+        };
+        let value: Value = serde_json::from_str(&current)?;
+        let mut status: T = if value.is_null() {
+            T::default()
+        } else {
+            serde_json::from_value(value).unwrap_or_default()
+        };
+        f(&mut status);
+        tx.execute(
+            "UPDATE objects SET status = ?3 WHERE kind = ?1 AND name = ?2",
+            params![kind.as_str(), name, serde_json::to_string(&status)?],
+        )?;
+        tx.commit()?;
+        Ok(Some(status))
+    }
+
+    pub fn runtime(&self, vm: &str) -> Result<Option<RuntimeRecord>, StoreError> {
+        let rec: Option<String> = self
+            .conn()
+            .query_row(
+                "SELECT record FROM runtime WHERE vm = ?1",
+                params![vm],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(rec.map(|r| serde_json::from_str(&r)).transpose()?)
+    }
+
+    pub fn runtimes(&self) -> Result<Vec<RuntimeRecord>, StoreError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare("SELECT record FROM runtime ORDER BY vm")?;
+        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(serde_json::from_str(&r?)?);
+        }
+        Ok(out)
+    }
+
+    pub fn put_runtime(&self, rec: &RuntimeRecord) -> Result<(), StoreError> {
+        self.conn().execute(
+            "INSERT INTO runtime (vm, record) VALUES (?1, ?2)
+             ON CONFLICT (vm) DO UPDATE SET record = excluded.record",
+            params![rec.vm, serde_json::to_string(rec)?],
+        )?;
+        Ok(())
+    }
+
+    pub fn clear_runtime(&self, vm: &str) -> Result<(), StoreError> {
+        self.conn()
+            .execute("DELETE FROM runtime WHERE vm = ?1", params![vm])?;
+        Ok(())
+    }
+
+    pub fn intent(&self, vm: &str) -> Result<RunIntent, StoreError> {
+        let rec: Option<String> = self
+            .conn()
+            .query_row(
+                "SELECT intent FROM intents WHERE vm = ?1",
+                params![vm],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(rec
+            .map(|r| serde_json::from_str(&r))
+            .transpose()?
+            .unwrap_or_default())
+    }
+
+    pub fn update_intent(
+        &self,
+        vm: &str,
+        f: impl FnOnce(&mut RunIntent),
+    ) -> Result<RunIntent, StoreError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let rec: Option<String> = tx
+            .query_row(
+                "SELECT intent FROM intents WHERE vm = ?1",
+                params![vm],
+                |r| r.get(0),
+            )
+            .optional()?;
+        let mut intent: RunIntent = rec
+            .map(|r| serde_json::from_str(&r))
+            .transpose()?
+            .unwrap_or_default();
+        f(&mut intent);
+        tx.execute(
+            "INSERT INTO intents (vm, intent) VALUES (?1, ?2)
+             ON CONFLICT (vm) DO UPDATE SET intent = excluded.intent",
+            params![vm, serde_json::to_string(&intent)?],
+        )?;
+        tx.commit()?;
+        Ok(intent)
+    }
+
+    pub fn record_event(
+        &self,
+        kind: Kind,
+        name: &str,
+        type_: EventType,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), StoreError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let type_text = match type_ {
+            EventType::Normal => "Normal",
+            EventType::Warning => "Warning",
+        };
+        tx.execute(
+            "INSERT INTO events (time, kind, name, type, reason, message) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![Utc::now().to_rfc3339(), kind.as_str(), name, type_text, reason, message],
+        )?;
+        tx.execute(
+            "DELETE FROM events WHERE kind = ?1 AND name = ?2 AND id <= (
+                SELECT id FROM events WHERE kind = ?1 AND name = ?2 ORDER BY id DESC LIMIT 1 OFFSET ?3)",
+            params![kind.as_str(), name, EVENTS_PER_OBJECT],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Events oldest first; the newest `limit` of them.
+    pub fn events(
+        &self,
+        kind: Option<Kind>,
+        name: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Event>, StoreError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare(
+            "SELECT time, kind, name, type, reason, message FROM events
+             WHERE (?1 IS NULL OR kind = ?1) AND (?2 IS NULL OR name = ?2)
+             ORDER BY id DESC LIMIT ?3",
+        )?;
+        let rows = stmt.query_map(params![kind.map(|k| k.as_str()), name, limit as i64], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, String>(2)?,
+                r.get::<_, String>(3)?,
+                r.get::<_, String>(4)?,
+                r.get::<_, String>(5)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (time, kind, name, type_, reason, message) = row?;
+            out.push(Event {
+                time: DateTime::parse_from_rfc3339(&time)
+                    .map(|t| t.with_timezone(&Utc))
+                    .unwrap_or_default(),
+                kind,
+                name,
+                type_: if type_ == "Warning" {
+                    EventType::Warning
+                } else {
+                    EventType::Normal
+                },
+                reason,
+                message,
+            });
+        }
+        out.reverse();
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hearth_api::{VirtualMachineStatus, VmPhase, parse_documents};
+
+    fn disk(name: &str) -> Object {
+        parse_documents(
+            &format!("apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {{name: {name}}}\nspec: {{size: 1Gi, source: {{blank: {{}}}}}}\n"),
+            "t",
+        )
+        .unwrap()
+        .remove(0)
+    }
+
+    #[test]
+    fn objects_survive_reopen_and_status_is_kept_across_updates() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hearth.db");
+        {
+            let s = Store::open(&path).unwrap();
+            s.put_objects(&[disk("a"), disk("b")]).unwrap();
+            s.update_status::<VirtualMachineStatus, _>(Kind::VirtualDisk, "a", |st| {
+                st.phase = VmPhase::Running
+            })
+            .unwrap();
+            s.put_objects(&[disk("a")]).unwrap();
+        }
+        let s = Store::open(&path).unwrap();
+        let all = s.list(Kind::VirtualDisk).unwrap();
+        assert_eq!(all.len(), 2);
+        assert_eq!(all[0].status["phase"], "Running");
+        s.remove(Kind::VirtualDisk, "a").unwrap();
+        assert!(s.get(Kind::VirtualDisk, "a").unwrap().is_none());
+    }
+
+    #[test]
+    fn update_status_of_missing_object_is_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("db")).unwrap();
+        let r = s
+            .update_status::<VirtualMachineStatus, _>(Kind::VirtualMachine, "nope", |_| {})
+            .unwrap();
+        assert!(r.is_none());
+    }
+
+    #[test]
+    fn events_are_bounded_per_object_and_come_oldest_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("db")).unwrap();
+        for i in 0..(EVENTS_PER_OBJECT + 10) {
+            s.record_event(
+                Kind::VirtualMachine,
+                "a",
+                EventType::Normal,
+                "R",
+                &i.to_string(),
+            )
+            .unwrap();
+        }
+        s.record_event(Kind::VirtualMachine, "b", EventType::Warning, "R", "other")
+            .unwrap();
+        let ev = s
+            .events(Some(Kind::VirtualMachine), Some("a"), 1000)
+            .unwrap();
+        assert_eq!(ev.len() as i64, EVENTS_PER_OBJECT);
+        assert_eq!(
+            ev.last().unwrap().message,
+            (EVENTS_PER_OBJECT + 9).to_string()
+        );
+        let last3 = s.events(Some(Kind::VirtualMachine), Some("a"), 3).unwrap();
+        assert_eq!(last3[0].message, (EVENTS_PER_OBJECT + 7).to_string());
+    }
+
+    #[test]
+    fn intents_and_runtime_records_are_removed_with_the_vm() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("db")).unwrap();
+        s.update_intent("vm1", |i| i.want_running = Some(false))
+            .unwrap();
+        assert_eq!(s.intent("vm1").unwrap().want_running, Some(false));
+        s.remove(Kind::VirtualMachine, "vm1").unwrap();
+        assert_eq!(s.intent("vm1").unwrap(), RunIntent::default());
+    }
+}

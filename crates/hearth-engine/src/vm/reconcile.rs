@@ -1,0 +1,504 @@
+//! The async shell of the VM lifecycle: observe, ask `decide`, perform the
+//! step, repeat until the VM is at rest. Idempotent: running it again with
+//! nothing changed does nothing.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use chrono::Utc;
+use hearth_api::{
+    ConditionStatus, DiskPhase, EventType, Kind, Object, RunPolicy, VirtualDiskStatus,
+    VirtualMachine, VmPhase, remove_condition, set_condition,
+};
+use hearth_qemu::cmdline::{DiskAttachment, LaunchSpec};
+use hearth_qemu::process;
+use serde_json::json;
+
+use super::decide::{Disks, Observation, Process, Step, StopReason, decide};
+use crate::engine::{Engine, ReconcileError};
+use crate::runtime::RuntimeRecord;
+
+const LAUNCH_READY_TIMEOUT: Duration = Duration::from_secs(20);
+const FORCED_STOP_WAIT: Duration = Duration::from_secs(5);
+
+/// The part of a spec that needs a restart to take effect.
+pub fn fingerprint(vm: &VirtualMachine) -> String {
+    let s = &vm.spec;
+    json!({
+        "cpus": s.cpus,
+        "memoryBytes": s.memory.bytes(),
+        "boot": s.boot,
+        "disks": s.disks,
+        "guestAgent": s.guest_agent,
+    })
+    .to_string()
+}
+
+fn want_running(vm: &VirtualMachine, intent: &crate::store::RunIntent) -> bool {
+    match vm.spec.run_policy {
+        RunPolicy::AlwaysOn => intent.want_running.unwrap_or(true),
+        RunPolicy::AlwaysOff => false,
+        RunPolicy::Manual => intent.want_running.unwrap_or(false),
+    }
+}
+
+pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), ReconcileError> {
+    for _ in 0..4 {
+        let Some(stored) = engine.store.get(Kind::VirtualMachine, name)? else {
+            engine.drop_live(name);
+            return Ok(());
+        };
+        let Object::VirtualMachine(vm) = &stored.object else {
+            return Ok(());
+        };
+        let intent = engine.store.intent(name)?;
+        let record = engine.store.runtime(name)?;
+        let process = match &record {
+            None => Process::None,
+            Some(r) if process::is_alive(&r.process) => {
+                engine.ensure_live(r).await;
+                Process::Alive
+            }
+            Some(_) => Process::Gone,
+        };
+        let observation = Observation {
+            deleting: stored.deleting,
+            want_running: want_running(vm, &intent),
+            process,
+            spec_changed: record
+                .as_ref()
+                .is_some_and(|r| r.spec_fingerprint != fingerprint(vm)),
+            restart_requested: record
+                .as_ref()
+                .is_some_and(|r| intent.restart_nonce > r.restart_nonce),
+            disks: disks_ready(engine, vm)?,
+        };
+        let step = decide(&observation);
+        tracing::debug!(vm = name, ?observation, ?step, "reconcile");
+        match &step {
+            Step::Launch => launch(engine, vm, intent.restart_nonce).await?,
+            Step::Stop(reason) => {
+                if let Some(r) = &record {
+                    stop(engine, vm, r, *reason).await?;
+                }
+            }
+            Step::Forget => {
+                if let Some(r) = &record {
+                    forget(engine, vm, r)?;
+                }
+            }
+            Step::Remove => {
+                remove(engine, vm)?;
+            }
+            Step::WaitForDisks(why) => {
+                engine.set_vm_status(name, |s| {
+                    s.phase = VmPhase::Pending;
+                    set_condition(
+                        &mut s.conditions,
+                        "DisksReady",
+                        ConditionStatus::False,
+                        "DiskNotReady",
+                        why,
+                        Utc::now(),
+                    );
+                });
+            }
+            Step::KeepRunning => {
+                let agent = engine.live_agent_connected(name);
+                let generation = vm.metadata.generation;
+                engine.set_vm_status(name, |s| {
+                    s.phase = VmPhase::Running;
+                    s.agent_connected = agent;
+                    s.observed_generation = generation;
+                    set_condition(
+                        &mut s.conditions,
+                        "DisksReady",
+                        ConditionStatus::True,
+                        "Attached",
+                        "all disks are attached",
+                        Utc::now(),
+                    );
+                });
+            }
+            Step::KeepStopped => {
+                let generation = vm.metadata.generation;
+                engine.set_vm_status(name, |s| {
+                    if s.phase != VmPhase::Failed {
+                        s.phase = VmPhase::Stopped;
+                    }
+                    s.pid = None;
+                    s.agent_connected = false;
+                    s.observed_generation = generation;
+                    remove_condition(&mut s.conditions, "DisksReady");
+                });
+            }
+        }
+        if !step.continues() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+fn disks_ready(engine: &Engine, vm: &VirtualMachine) -> Result<Disks, ReconcileError> {
+    for d in &vm.spec.disks {
+        let name = &d.virtual_disk_name;
+        let Some(disk) = engine.store.get(Kind::VirtualDisk, name)? else {
+            return Ok(Disks::Waiting(format!(
+                "VirtualDisk {name:?} does not exist yet"
+            )));
+        };
+        if disk.deleting {
+            return Ok(Disks::Waiting(format!(
+                "VirtualDisk {name:?} is being deleted"
+            )));
+        }
+        let status: VirtualDiskStatus = serde_json::from_value(disk.status).unwrap_or_default();
+        if status.phase != DiskPhase::Ready || status.path.is_none() {
+            return Ok(Disks::Waiting(format!(
+                "VirtualDisk {name:?} is not ready yet ({})",
+                status.phase
+            )));
+        }
+    }
+    Ok(Disks::Ready)
+}
+
+async fn launch(
+    engine: &Arc<Engine>,
+    vm: &VirtualMachine,
+    restart_nonce: u64,
+) -> Result<(), ReconcileError> {
+    let name = vm.metadata.name.as_str();
+    engine.set_vm_status(name, |s| {
+        s.phase = VmPhase::Starting;
+        s.last_error = None;
+    });
+    match try_launch(engine, vm, restart_nonce).await {
+        Ok(record) => {
+            let accel = engine.config.accel.clone();
+            let pid = record.process.pid;
+            let started = record.started_at;
+            let generation = vm.metadata.generation;
+            engine.set_vm_status(name, |s| {
+                s.phase = VmPhase::Running;
+                s.pid = Some(pid);
+                s.accelerator = Some(accel.accel.as_str().to_string());
+                s.accelerator_reason = Some(accel.reason.clone());
+                s.start_time = Some(started);
+                s.agent_connected = false;
+                s.last_error = None;
+                s.observed_generation = generation;
+            });
+            engine.event(
+                Kind::VirtualMachine,
+                name,
+                EventType::Normal,
+                "Started",
+                &format!(
+                    "QEMU started (pid {pid}) with accelerator {}: {}",
+                    accel.accel.as_str(),
+                    accel.reason
+                ),
+            );
+            Ok(())
+        }
+        Err(message) => {
+            engine.set_vm_status(name, |s| {
+                s.phase = VmPhase::Failed;
+                s.pid = None;
+                s.last_error = Some(message.clone());
+            });
+            engine.event(
+                Kind::VirtualMachine,
+                name,
+                EventType::Warning,
+                "FailedToStart",
+                &message,
+            );
+            Err(ReconcileError::Failed(message))
+        }
+    }
+}
+
+async fn try_launch(
+    engine: &Arc<Engine>,
+    vm: &VirtualMachine,
+    restart_nonce: u64,
+) -> Result<RuntimeRecord, String> {
+    let name = vm.metadata.name.as_str();
+    let cfg = &engine.config;
+    let kernel = cfg
+        .confine(&vm.spec.boot.kernel)
+        .map_err(|e| format!("spec.boot.kernel: {e}"))?;
+    let initrd = match &vm.spec.boot.initrd {
+        Some(p) => Some(
+            cfg.confine(p)
+                .map_err(|e| format!("spec.boot.initrd: {e}"))?,
+        ),
+        None => None,
+    };
+    let mut disks = Vec::new();
+    for (i, d) in vm.spec.disks.iter().enumerate() {
+        let stored = engine
+            .store
+            .get(Kind::VirtualDisk, &d.virtual_disk_name)
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| {
+                format!(
+                    "spec.disks[{i}]: VirtualDisk {:?} is gone",
+                    d.virtual_disk_name
+                )
+            })?;
+        let status: VirtualDiskStatus = serde_json::from_value(stored.status).unwrap_or_default();
+        let path = status.path.ok_or_else(|| {
+            format!(
+                "spec.disks[{i}]: VirtualDisk {:?} has no file yet",
+                d.virtual_disk_name
+            )
+        })?;
+        disks.push(DiskAttachment {
+            node_name: format!("disk{i}"),
+            path,
+            read_only: false,
+        });
+    }
+    let run_dir = cfg.vm_run_dir(name);
+    let state_dir = cfg.vm_state_dir(name);
+    for dir in [&run_dir, &state_dir] {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    let qmp_socket = run_dir.join("qmp.sock");
+    let agent_socket = vm.spec.guest_agent.then(|| run_dir.join("agent.sock"));
+    for s in [Some(&qmp_socket), agent_socket.as_ref()]
+        .into_iter()
+        .flatten()
+    {
+        // A stale socket from an earlier process would make QEMU fail to bind.
+        let _ = std::fs::remove_file(s);
+    }
+    let serial_log = cfg.serial_log(name);
+    let spec = LaunchSpec {
+        vm_name: name.to_string(),
+        cpus: vm.spec.cpus,
+        memory_mib: vm.spec.memory.mebibytes(),
+        accel: cfg.accel.accel,
+        kernel,
+        initrd,
+        cmdline: vm.spec.boot.cmdline.clone(),
+        disks: disks.clone(),
+        agent_socket: agent_socket.clone(),
+        qmp_socket: qmp_socket.clone(),
+        serial_log: serial_log.clone(),
+    };
+    let qemu_log = state_dir.join("qemu.log");
+    let identity = process::launch(&cfg.qemu_binary, &spec, &qemu_log, LAUNCH_READY_TIMEOUT)
+        .await
+        .map_err(|e| format!("QEMU did not start: {e}"))?;
+    let record = RuntimeRecord {
+        vm: name.to_string(),
+        process: identity,
+        qmp_socket,
+        agent_socket,
+        serial_log,
+        accel: cfg.accel.accel,
+        started_at: Utc::now(),
+        spec_fingerprint: fingerprint(vm),
+        restart_nonce,
+        disks: disks.into_iter().map(|d| d.path).collect(),
+    };
+    // Recorded before anything else happens, so a daemon crash right after
+    // this point still knows the process is ours.
+    if let Err(e) = engine.store.put_runtime(&record) {
+        let _ = process::signal(&record.process, process::Signal::Kill);
+        return Err(format!("cannot record the started process: {e}"));
+    }
+    engine.ensure_live(&record).await;
+    Ok(record)
+}
+
+async fn stop(
+    engine: &Arc<Engine>,
+    vm: &VirtualMachine,
+    record: &RuntimeRecord,
+    reason: StopReason,
+) -> Result<(), ReconcileError> {
+    let name = vm.metadata.name.as_str();
+    let why = match reason {
+        StopReason::Deleting => "the VirtualMachine is being deleted",
+        StopReason::NotWanted => "the run policy or a stop request says stopped",
+        StopReason::SpecChanged => "its spec changed and needs a restart",
+        StopReason::RestartRequested => "a restart was requested",
+    };
+    engine.set_vm_status(name, |s| s.phase = VmPhase::Stopping);
+    engine.event(
+        Kind::VirtualMachine,
+        name,
+        EventType::Normal,
+        "Stopping",
+        &format!("stopping: {why}"),
+    );
+    let live = engine.ensure_live(record).await;
+    live.stopping.store(true, Ordering::SeqCst);
+    let grace = Duration::from_secs(u64::from(vm.spec.stop_timeout_seconds));
+
+    // Graceful: the guest agent if it answers, else the ACPI power button.
+    let mut asked = false;
+    if live.agent_connected.load(Ordering::SeqCst) {
+        if let Ok(mut guard) = tokio::time::timeout(Duration::from_secs(2), live.agent.lock()).await
+        {
+            if let Some(agent) = guard.as_mut() {
+                asked = agent
+                    .shutdown("powerdown", Duration::from_secs(3))
+                    .await
+                    .is_ok();
+            }
+        }
+    }
+    if !asked {
+        if let Some(qmp) = &live.qmp {
+            let _ = qmp
+                .execute("system_powerdown", None, Duration::from_secs(3))
+                .await;
+        }
+    }
+    if tokio::time::timeout(grace, process::wait_for_exit(&record.process))
+        .await
+        .is_ok()
+    {
+        return Ok(());
+    }
+
+    // Forced: ask QEMU to quit, then kill it.
+    engine.event(
+        Kind::VirtualMachine,
+        name,
+        EventType::Warning,
+        "ForcedStop",
+        &format!(
+            "the guest did not power off within {}s; stopping QEMU",
+            grace.as_secs()
+        ),
+    );
+    if let Some(qmp) = &live.qmp {
+        let _ = qmp.execute("quit", None, Duration::from_secs(2)).await;
+    }
+    if tokio::time::timeout(FORCED_STOP_WAIT, process::wait_for_exit(&record.process))
+        .await
+        .is_ok()
+    {
+        return Ok(());
+    }
+    let _ = process::signal(&record.process, process::Signal::Kill);
+    if tokio::time::timeout(FORCED_STOP_WAIT, process::wait_for_exit(&record.process))
+        .await
+        .is_err()
+    {
+        return Err(ReconcileError::Failed(format!(
+            "QEMU pid {} survived SIGKILL",
+            record.process.pid
+        )));
+    }
+    Ok(())
+}
+
+/// The recorded process is gone: say how it ended and drop the record.
+fn forget(
+    engine: &Arc<Engine>,
+    vm: &VirtualMachine,
+    record: &RuntimeRecord,
+) -> Result<(), ReconcileError> {
+    let name = vm.metadata.name.as_str();
+    let live = engine.take_live(name);
+    let by_us = live
+        .as_ref()
+        .is_some_and(|l| l.stopping.load(Ordering::SeqCst));
+    let shutdown = live
+        .as_ref()
+        .is_some_and(|l| l.shutdown_seen.load(Ordering::SeqCst));
+    let manual = vm.spec.run_policy == RunPolicy::Manual;
+    engine.store.clear_runtime(name)?;
+    if let Some(dir) = record.qmp_socket.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    let crashed = !by_us && !shutdown;
+    if !by_us && manual {
+        // A Manual VM that stopped on its own stays stopped.
+        engine
+            .store
+            .update_intent(name, |i| i.want_running = Some(false))?;
+    }
+    let last_error = if crashed {
+        let tail = last_lines(&engine.config.vm_state_dir(name).join("qemu.log"), 5);
+        Some(if tail.is_empty() {
+            "QEMU exited unexpectedly".to_string()
+        } else {
+            format!("QEMU exited unexpectedly: {tail}")
+        })
+    } else {
+        None
+    };
+    engine.set_vm_status(name, |s| {
+        s.phase = if crashed {
+            VmPhase::Failed
+        } else {
+            VmPhase::Stopped
+        };
+        s.pid = None;
+        s.agent_connected = false;
+        if last_error.is_some() {
+            s.last_error = last_error.clone();
+        }
+    });
+    let (kind, reason, message) = match (by_us, shutdown) {
+        (true, _) => (EventType::Normal, "Stopped", "QEMU has exited".to_string()),
+        (false, true) => (
+            EventType::Normal,
+            "GuestPoweredOff",
+            if manual {
+                "the guest powered off; it stays stopped (runPolicy Manual)".to_string()
+            } else {
+                "the guest powered off".to_string()
+            },
+        ),
+        (false, false) => (
+            EventType::Warning,
+            "Crashed",
+            last_error.clone().unwrap_or_default(),
+        ),
+    };
+    engine.event(Kind::VirtualMachine, name, kind, reason, &message);
+    if crashed && !manual {
+        // Restart with backoff rather than in a tight loop.
+        return Err(ReconcileError::Failed(message));
+    }
+    Ok(())
+}
+
+fn remove(engine: &Arc<Engine>, vm: &VirtualMachine) -> Result<(), ReconcileError> {
+    let name = vm.metadata.name.as_str();
+    engine.drop_live(name);
+    let _ = std::fs::remove_dir_all(engine.config.vm_run_dir(name));
+    let _ = std::fs::remove_dir_all(engine.config.vm_state_dir(name));
+    engine.store.remove(Kind::VirtualMachine, name)?;
+    engine.event(
+        Kind::VirtualMachine,
+        name,
+        EventType::Normal,
+        "Deleted",
+        "the VirtualMachine and its runtime files are gone",
+    );
+    for d in &vm.spec.disks {
+        engine.wake(Kind::VirtualDisk, &d.virtual_disk_name);
+    }
+    Ok(())
+}
+
+fn last_lines(path: &std::path::Path, n: usize) -> String {
+    let text = std::fs::read(path).unwrap_or_default();
+    let start = text.len().saturating_sub(4096);
+    let text = String::from_utf8_lossy(&text[start..]);
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    lines[lines.len().saturating_sub(n)..].join(" | ")
+}

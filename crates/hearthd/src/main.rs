@@ -1,0 +1,141 @@
+//! hearthd: wires the engine to its configuration and serves the HTTP API.
+
+mod api;
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use hearth_engine::{Engine, EngineConfig};
+use hearth_qemu::accel::{self, AccelDecision};
+use hearth_qemu::cmdline::Accel;
+
+/// The hearth daemon: keeps VirtualMachines and VirtualDisks in their declared
+/// state on this host and serves the API that `hearth` talks to.
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    after_help = "Example:\n  hearthd --image-root /srv/images\n\nVMs keep running when hearthd stops; a restarted hearthd adopts them."
+)]
+struct Args {
+    /// Database, disk images and console logs.
+    #[arg(long, env = "HEARTH_STATE_DIR", default_value = "/var/lib/hearth")]
+    state_dir: PathBuf,
+    /// Sockets of running VMs.
+    #[arg(long, env = "HEARTH_RUN_DIR", default_value = "/run/hearth")]
+    run_dir: PathBuf,
+    /// The API socket (mode 0600). Default: RUN_DIR/hearthd.sock.
+    #[arg(long, env = "HEARTH_SOCKET")]
+    socket: Option<PathBuf>,
+    /// A directory that kernels, initrds and base images may come from.
+    /// Repeat it for several; default STATE_DIR/images.
+    #[arg(long = "image-root", env = "HEARTH_IMAGE_ROOTS", value_delimiter = ':')]
+    image_roots: Vec<PathBuf>,
+    /// Accelerator: auto (KVM if a probe VM really runs under it, else TCG), kvm or tcg.
+    #[arg(long, env = "HEARTH_ACCEL", default_value = "auto")]
+    accel: String,
+    /// Seconds between full resyncs of every object.
+    #[arg(long, default_value_t = 10)]
+    resync_seconds: u64,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("HEARTH_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let args = Args::parse();
+
+    let qemu = hearth_qemu::tools::find_binary("qemu-system-x86_64")?;
+    hearth_qemu::tools::find_binary("qemu-img")?;
+    let accel = choose_accel(&args.accel, &qemu).await?;
+    tracing::info!(accelerator = accel.accel.as_str(), reason = %accel.reason, "accelerator chosen");
+
+    let image_roots = if args.image_roots.is_empty() {
+        vec![args.state_dir.join("images")]
+    } else {
+        args.image_roots.clone()
+    };
+    let socket = args
+        .socket
+        .clone()
+        .unwrap_or_else(|| args.run_dir.join("hearthd.sock"));
+    let config = EngineConfig {
+        state_dir: args.state_dir.clone(),
+        run_dir: args.run_dir.clone(),
+        image_roots,
+        qemu_binary: qemu,
+        accel,
+        resync_interval: Duration::from_secs(args.resync_seconds.max(1)),
+    };
+    let engine = Engine::start(config).await?;
+
+    let listener = bind_socket(&socket)?;
+    tracing::info!(socket = %socket.display(), "serving the API");
+    let app = api::router(engine);
+    let serve = axum::serve(listener, app);
+    tokio::select! {
+        r = serve => r.context("API server failed")?,
+        _ = shutdown_signal() => tracing::info!("stopping; running VMs keep running"),
+    }
+    let _ = std::fs::remove_file(&socket);
+    Ok(())
+}
+
+async fn choose_accel(wanted: &str, qemu: &std::path::Path) -> anyhow::Result<AccelDecision> {
+    Ok(match wanted {
+        "auto" => accel::detect(qemu).await,
+        "kvm" => AccelDecision {
+            accel: Accel::Kvm,
+            reason: "kvm: forced by --accel kvm".into(),
+        },
+        "tcg" => AccelDecision {
+            accel: Accel::Tcg,
+            reason: "tcg: forced by --accel tcg".into(),
+        },
+        other => bail!("--accel {other:?}: use auto, kvm or tcg"),
+    })
+}
+
+/// Binds the API socket with mode 0600: the file mode is the access control.
+fn bind_socket(path: &std::path::Path) -> anyhow::Result<tokio::net::UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    }
+    if path.exists() {
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            bail!("{} is in use: is another hearthd running?", path.display());
+        }
+        std::fs::remove_file(path)
+            .with_context(|| format!("cannot remove stale socket {}", path.display()))?;
+    }
+    // Create it private from the first moment, not chmod after the fact.
+    let old = rustix_umask(0o177);
+    let listener = tokio::net::UnixListener::bind(path);
+    rustix_umask(old);
+    let listener = listener.with_context(|| format!("cannot listen on {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+fn rustix_umask(mode: u32) -> u32 {
+    use rustix::fs::Mode;
+    rustix::process::umask(Mode::from_raw_mode(mode)).as_raw_mode()
+}
+
+async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+}
