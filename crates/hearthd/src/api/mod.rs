@@ -29,6 +29,8 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/{plural}", get(list))
         .route("/v1/{plural}/{name}", get(get_one).delete(delete))
         .route("/v1/virtualmachines/{name}/console", get(console::console))
+        .route("/v1/virtualmachines/{name}/agent/ping", post(agent_ping))
+        .route("/v1/virtualmachines/{name}/agent/exec", post(agent_exec))
         .route("/v1/virtualmachines/{name}/{action}", post(vm_action))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(engine)
@@ -163,4 +165,43 @@ async fn events(
     };
     let items = engine.events(kind, q.name.as_deref(), q.limit.unwrap_or(100).min(10_000))?;
     Ok(Json(json!({"items": items})))
+}
+
+async fn agent_ping(
+    State(engine): State<Arc<Engine>>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let started = std::time::Instant::now();
+    engine.agent_ping(&name).await?;
+    Ok(Json(json!({"ok": true, "ms": started.elapsed().as_millis() as u64})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "camelCase")]
+struct ExecRequest {
+    path: String,
+    #[serde(default)]
+    args: Vec<String>,
+    #[serde(default = "default_exec_timeout")]
+    timeout_seconds: u64,
+}
+
+fn default_exec_timeout() -> u64 {
+    60
+}
+
+async fn agent_exec(
+    State(engine): State<Arc<Engine>>,
+    Path(name): Path<String>,
+    Json(req): Json<ExecRequest>,
+) -> Result<Json<Value>, ApiError> {
+    let timeout = std::time::Duration::from_secs(req.timeout_seconds.clamp(1, 600));
+    let out = engine.agent_exec(&name, &req.path, &req.args, timeout).await?;
+    Ok(Json(json!({
+        "exitCode": out.exit_code,
+        "signal": out.signal,
+        "stdout": String::from_utf8_lossy(&out.stdout),
+        "stderr": String::from_utf8_lossy(&out.stderr),
+        "truncated": out.truncated,
+    })))
 }

@@ -1,0 +1,365 @@
+//! Test harness for end-to-end tests: a real hearthd with its own state and
+//! run directories, the real `hearth` CLI, and the real test guest.
+//! Everything it starts is killed when the `Daemon` is dropped, even when the
+//! test panics.
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// VM boots are slow under TCG and the machine has 2 cores: one test at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+pub fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("repo root")
+        .to_path_buf()
+}
+
+/// The test guest's directory; fails loudly when it has not been built.
+pub fn guest_dir() -> PathBuf {
+    let dir = repo_root().join("guest/out");
+    for f in ["vmlinuz", "initrd.img", "data.qcow2"] {
+        assert!(
+            dir.join(f).is_file(),
+            "the test guest is not built ({} missing): run `.ci/install-deps.sh && guest/build.sh`",
+            dir.join(f).display()
+        );
+    }
+    dir
+}
+
+pub fn hearthd_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_hearthd"))
+}
+
+pub fn hearth_bin() -> PathBuf {
+    let p = hearthd_bin().with_file_name("hearth");
+    assert!(
+        p.is_file(),
+        "the hearth CLI is not built at {}: run `cargo build --workspace --bins` first",
+        p.display()
+    );
+    p
+}
+
+pub struct Daemon {
+    pub dir: tempfile::TempDir,
+    pub child: Option<Child>,
+    pub extra_args: Vec<String>,
+}
+
+impl Daemon {
+    pub fn start() -> Daemon {
+        Self::start_with(&[])
+    }
+
+    pub fn start_with(extra_args: &[&str]) -> Daemon {
+        let dir = tempfile::Builder::new()
+            .prefix("hearth-e2e-")
+            .tempdir()
+            .expect("tempdir");
+        let mut d = Daemon {
+            dir,
+            child: None,
+            extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+        };
+        d.spawn();
+        d
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+
+    pub fn run_dir(&self) -> PathBuf {
+        self.dir.path().join("run")
+    }
+
+    pub fn socket(&self) -> PathBuf {
+        self.run_dir().join("hearthd.sock")
+    }
+
+    /// Starts hearthd and waits until its API answers.
+    pub fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("hearthd.log"))
+            .expect("log file");
+        let child = Command::new(hearthd_bin())
+            .arg("--state-dir")
+            .arg(self.state_dir())
+            .arg("--run-dir")
+            .arg(self.run_dir())
+            .arg("--image-root")
+            .arg(guest_dir())
+            .args(&self.extra_args)
+            .env("HEARTH_LOG", "info,hearth_engine=debug")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn hearthd");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Ok((200, _)) = self.try_request("GET", "/v1/health", None) {
+                return;
+            }
+            if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
+                panic!("hearthd exited with {status}:\n{}", self.log());
+            }
+            assert!(Instant::now() < deadline, "hearthd did not answer:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// SIGKILL, as a crash would: VMs must survive it.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("hearthd.log")).unwrap_or_default()
+    }
+
+    pub fn try_request(&self, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<(u16, Value)> {
+        let (status, bytes) = raw_request(&self.socket(), method, path, body)?;
+        let value = serde_json::from_slice(&bytes).unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into()));
+        Ok((status, value))
+    }
+
+    pub fn request(&self, method: &str, path: &str, body: Option<&Value>) -> (u16, Value) {
+        self.try_request(method, path, body)
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}\n{}", self.log()))
+    }
+
+    pub fn get_vm(&self, name: &str) -> Option<Value> {
+        match self.request("GET", &format!("/v1/virtualmachines/{name}"), None) {
+            (200, v) => Some(v),
+            (404, _) => None,
+            (s, v) => panic!("GET vm {name}: {s} {v}"),
+        }
+    }
+
+    pub fn get_disk(&self, name: &str) -> Option<Value> {
+        match self.request("GET", &format!("/v1/virtualdisks/{name}"), None) {
+            (200, v) => Some(v),
+            (404, _) => None,
+            (s, v) => panic!("GET disk {name}: {s} {v}"),
+        }
+    }
+
+    pub fn events(&self, kind: &str, name: &str) -> Vec<Value> {
+        let (_, v) = self.request("GET", &format!("/v1/events?kind={kind}&name={name}&limit=500"), None);
+        v["items"].as_array().cloned().unwrap_or_default()
+    }
+
+    pub fn event_reasons(&self, kind: &str, name: &str) -> Vec<String> {
+        self.events(kind, name)
+            .iter()
+            .map(|e| e["reason"].as_str().unwrap_or_default().to_string())
+            .collect()
+    }
+
+    /// Runs the real CLI against this daemon.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        Command::new(hearth_bin())
+            .args(args)
+            .env("HEARTH_SOCKET", self.socket())
+            .current_dir(repo_root())
+            .output()
+            .expect("run hearth")
+    }
+
+    /// Runs the CLI and expects success; returns stdout.
+    pub fn cli_ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(
+            out.status.success(),
+            "hearth {args:?} failed: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            String::from_utf8_lossy(&out.stdout)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Runs the CLI and expects failure; returns stderr.
+    pub fn cli_err(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        assert!(
+            !out.status.success(),
+            "hearth {args:?} should have failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    }
+
+    /// Polls a VM until `pred` holds on it, or panics with its last state.
+    pub fn wait_vm(&self, name: &str, what: &str, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+        let deadline = Instant::now() + timeout;
+        let mut last = Value::Null;
+        while Instant::now() < deadline {
+            if let Some(v) = self.get_vm(name) {
+                if pred(&v) {
+                    return v;
+                }
+                last = v;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        panic!(
+            "VM {name}: {what} not reached in {timeout:?}; last: {last:#}\nevents: {:#?}\nlog:\n{}",
+            self.events("VirtualMachine", name),
+            self.log()
+        );
+    }
+
+    pub fn wait_phase(&self, name: &str, phase: &str, timeout: Duration) -> Value {
+        self.wait_vm(name, &format!("phase {phase}"), timeout, |v| v["status"]["phase"] == phase)
+    }
+
+    pub fn wait_agent(&self, name: &str) -> Value {
+        self.wait_vm(name, "agent connected", BOOT_TIMEOUT, |v| {
+            v["status"]["phase"] == "Running" && v["status"]["agentConnected"] == true
+        })
+    }
+
+    /// QEMU processes started by this daemon (found by their socket paths).
+    pub fn qemu_pids(&self) -> Vec<u32> {
+        let marker = self.run_dir().to_string_lossy().into_owned();
+        let mut pids = Vec::new();
+        for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
+            let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+            let cmdline = String::from_utf8_lossy(&cmdline);
+            if cmdline.contains("qemu-system") && cmdline.contains(&marker) && !is_zombie(pid) {
+                pids.push(pid);
+            }
+        }
+        pids
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+        for pid in self.qemu_pids() {
+            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+        }
+    }
+}
+
+/// A guest under TCG on a busy 2-core machine: generous.
+pub const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
+
+pub fn is_alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists() && !is_zombie(pid)
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('Z')))
+        .unwrap_or(true)
+}
+
+pub fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + timeout;
+    while Instant::now() < deadline {
+        if f() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("{what}: not true after {timeout:?}");
+}
+
+/// A minimal HTTP/1.1 client over a unix socket (`Connection: close`).
+pub fn raw_request(socket: &Path, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<(u16, Vec<u8>)> {
+    let mut stream = UnixStream::connect(socket)?;
+    stream.set_read_timeout(Some(Duration::from_secs(120)))?;
+    let body = body.map(|b| b.to_string()).unwrap_or_default();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: hearthd\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut buf = Vec::new();
+    stream.read_to_end(&mut buf)?;
+    let split = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other("no HTTP header end"))?;
+    let head = String::from_utf8_lossy(&buf[..split]).to_string();
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other("bad status line"))?;
+    let mut body = buf[split + 4..].to_vec();
+    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+        body = dechunk(&body);
+    }
+    Ok((status, body))
+}
+
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = data.windows(2).position(|w| w == b"\r\n") else { break };
+        let size = usize::from_str_radix(String::from_utf8_lossy(&data[..eol]).trim(), 16).unwrap_or(0);
+        if size == 0 || data.len() < eol + 2 + size {
+            break;
+        }
+        out.extend_from_slice(&data[eol + 2..eol + 2 + size]);
+        data = &data[(eol + 2 + size + 2).min(data.len())..];
+    }
+    out
+}
+
+/// Writes a manifest into the daemon's temp dir and returns its path.
+pub fn manifest(d: &Daemon, file: &str, text: &str) -> PathBuf {
+    let p = d.dir.path().join(file);
+    std::fs::write(&p, text).expect("write manifest");
+    p
+}
+
+/// A VM manifest booting the test guest, with absolute paths.
+pub fn vm_yaml(name: &str, run_policy: &str, disks: &[&str], extra_cmdline: &str) -> String {
+    let g = guest_dir();
+    let disks: String = disks
+        .iter()
+        .map(|d| format!("    - virtualDiskName: {d}\n"))
+        .collect();
+    let disks = if disks.is_empty() { "  disks: []\n".to_string() } else { format!("  disks:\n{disks}") };
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata:\n  name: {name}\nspec:\n  runPolicy: {run_policy}\n  memory: 256Mi\n  stopTimeoutSeconds: 10\n  boot:\n    kernel: {k}\n    initrd: {i}\n    cmdline: \"console=ttyS0 quiet panic=-1 {extra_cmdline}\"\n{disks}",
+        k = g.join("vmlinuz").display(),
+        i = g.join("initrd.img").display(),
+    )
+}
+
+pub fn overlay_disk_yaml(name: &str) -> String {
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: {name}\nspec:\n  source:\n    image: {}\n",
+        guest_dir().join("data.qcow2").display()
+    )
+}

@@ -1,0 +1,143 @@
+//! End to end with real QEMU and the real guest agent in the test guest.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::json;
+
+/// The demo manifests from `examples/`: boot, talk to the agent, stop, start,
+/// survive a SIGKILL of hearthd (adopted, not restarted), delete cleanly.
+#[test]
+fn demo_vm_boots_is_adopted_after_daemon_sigkill_and_is_deleted_cleanly() {
+    let _serial = serial();
+    let mut d = Daemon::start();
+
+    // Applied with the real CLI from the repo root: relative paths in the
+    // example resolve against the manifest's directory.
+    let out = d.cli_ok(&["apply", "-f", "examples/demo.yaml"]);
+    assert!(out.contains("virtualdisk/demo-data created"), "{out}");
+    assert!(out.contains("virtualmachine/demo created"), "{out}");
+    // Applying the same file again changes nothing.
+    let out = d.cli_ok(&["apply", "-f", "examples/demo.yaml"]);
+    assert!(out.contains("virtualmachine/demo unchanged"), "{out}");
+
+    let vm = d.wait_agent("demo");
+    let accel = vm["status"]["accelerator"].as_str().unwrap_or_default().to_string();
+    assert!(accel == "kvm" || accel == "tcg", "{vm:#}");
+    let started = d
+        .events("VirtualMachine", "demo")
+        .into_iter()
+        .find(|e| e["reason"] == "Started")
+        .expect("a Started event");
+    assert!(
+        started["message"].as_str().unwrap_or_default().contains(&accel),
+        "the Started event names the accelerator: {started}"
+    );
+    let disk = d.get_disk("demo-data").expect("disk");
+    assert_eq!(disk["status"]["phase"], "Ready");
+    assert_eq!(disk["status"]["attachedTo"], "demo");
+
+    // The real guest agent answers through hearthd.
+    let (status, ping) = d.request("POST", "/v1/virtualmachines/demo/agent/ping", None);
+    assert_eq!(status, 200, "{ping}");
+    let (status, exec) = d.request(
+        "POST",
+        "/v1/virtualmachines/demo/agent/exec",
+        Some(&json!({"path": "/bin/cat", "args": ["/data/hello.txt"]})),
+    );
+    assert_eq!(status, 200, "{exec}");
+    assert_eq!(exec["stdout"], "hello from hearth\n");
+
+    // The serial console is captured.
+    let logs = d.cli_ok(&["logs", "demo"]);
+    assert!(logs.contains("hearth-guest: qemu-ga started"), "{logs}");
+
+    // Graceful stop.
+    let pid1 = vm["status"]["pid"].as_u64().expect("pid") as u32;
+    d.cli_ok(&["stop", "demo"]);
+    d.wait_phase("demo", "Stopped", Duration::from_secs(60));
+    wait_until("first QEMU gone", Duration::from_secs(10), || !is_alive(pid1));
+    assert!(d.event_reasons("VirtualMachine", "demo").contains(&"Stopped".to_string()));
+    assert!(d.qemu_pids().is_empty(), "{:?}", d.qemu_pids());
+
+    // Start again, then SIGKILL hearthd: the VM keeps running.
+    d.cli_ok(&["start", "demo"]);
+    let vm = d.wait_agent("demo");
+    let pid2 = vm["status"]["pid"].as_u64().expect("pid") as u32;
+    assert_ne!(pid1, pid2);
+    d.kill();
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(is_alive(pid2), "QEMU died with hearthd");
+
+    // The restarted daemon adopts the same process and starts no second one.
+    d.spawn();
+    let vm = d.wait_agent("demo");
+    assert_eq!(vm["status"]["pid"].as_u64(), Some(pid2 as u64), "{vm:#}");
+    assert!(d.event_reasons("VirtualMachine", "demo").contains(&"Adopted".to_string()));
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(d.qemu_pids(), vec![pid2], "exactly the adopted QEMU runs");
+    let (status, _) = d.request("POST", "/v1/virtualmachines/demo/agent/ping", None);
+    assert_eq!(status, 200);
+
+    // A disk in use cannot be deleted.
+    let err = d.cli_err(&["delete", "disk", "demo-data"]);
+    assert!(err.contains("in use by VirtualMachine \"demo\""), "{err}");
+
+    // Delete while running: QEMU gone, runtime files cleaned.
+    d.cli_ok(&["delete", "vm", "demo"]);
+    wait_until("VM object gone", Duration::from_secs(60), || d.get_vm("demo").is_none());
+    assert!(!is_alive(pid2), "QEMU still runs after delete");
+    assert!(!d.run_dir().join("vms/demo").exists());
+    assert!(!d.state_dir().join("vms/demo").exists());
+    // The disk is its own object: its file stays until it is deleted.
+    let disk_file = d.state_dir().join("disks/demo-data.qcow2");
+    assert!(disk_file.exists());
+    d.cli_ok(&["delete", "disk", "demo-data"]);
+    wait_until("disk gone", Duration::from_secs(30), || d.get_disk("demo-data").is_none());
+    assert!(!disk_file.exists());
+}
+
+/// A Manual VM whose guest powers itself off stays Stopped; a QEMU that
+/// crashes is reported Failed with QEMU's last words.
+#[test]
+fn guest_poweroff_and_qemu_crash_are_observed() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let m = manifest(&d, "vm.yaml", &vm_yaml("solo", "Manual", &[], ""));
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    // Manual: nothing starts until asked.
+    d.wait_phase("solo", "Stopped", Duration::from_secs(20));
+    assert!(d.qemu_pids().is_empty());
+
+    d.cli_ok(&["start", "solo"]);
+    let vm = d.wait_agent("solo");
+    let pid = vm["status"]["pid"].as_u64().expect("pid") as u32;
+    let (status, _) = d.request(
+        "POST",
+        "/v1/virtualmachines/solo/agent/exec",
+        Some(&json!({"path": "/sbin/poweroff", "timeoutSeconds": 5})),
+    );
+    // The agent goes away with the guest; either answer is fine.
+    assert!(status == 200 || status == 409, "{status}");
+    d.wait_phase("solo", "Stopped", Duration::from_secs(60));
+    wait_until("QEMU gone", Duration::from_secs(10), || !is_alive(pid));
+    assert!(d.event_reasons("VirtualMachine", "solo").contains(&"GuestPoweredOff".to_string()));
+    // And it stays stopped.
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(d.get_vm("solo").expect("vm")["status"]["phase"], "Stopped");
+    assert!(d.qemu_pids().is_empty());
+
+    // QEMU killed from outside: Failed, with a reason.
+    d.cli_ok(&["start", "solo"]);
+    let vm = d.wait_phase("solo", "Running", Duration::from_secs(60));
+    let pid = vm["status"]["pid"].as_u64().expect("pid") as u32;
+    let _ = std::process::Command::new("kill").arg("-9").arg(pid.to_string()).status();
+    let vm = d.wait_phase("solo", "Failed", Duration::from_secs(30));
+    assert!(
+        vm["status"]["lastError"].as_str().unwrap_or_default().contains("QEMU exited unexpectedly"),
+        "{vm:#}"
+    );
+    assert!(d.event_reasons("VirtualMachine", "solo").contains(&"Crashed".to_string()));
+}
