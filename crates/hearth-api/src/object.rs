@@ -148,7 +148,7 @@ impl Object {
                     ));
                 }
                 let mem = s.memory.bytes();
-                if mem < (32 << 20) || mem > (1 << 40) {
+                if !((32 << 20)..=(1 << 40)).contains(&mem) {
                     return Err(err(
                         "spec.memory",
                         format!("{} is out of range 32Mi..1Ti", s.memory),
@@ -209,7 +209,7 @@ impl Object {
                 }
                 if let Some(size) = &d.spec.size {
                     let b = size.bytes();
-                    if b < (1 << 20) || b > (16 << 40) {
+                    if !((1 << 20)..=(16 << 40)).contains(&b) {
                         return Err(err(
                             "spec.size",
                             format!("{size} is out of range 1Mi..16Ti"),
@@ -415,10 +415,10 @@ fn refine_unknown_field(path: &str, message: &str) -> (String, String) {
     } else {
         path.to_string()
     };
-    if let Some(rest) = message.strip_prefix("unknown field `") {
-        if let Some(end) = rest.find('`') {
-            return (field, format!("unknown field{}", &rest[end + 1..]));
-        }
+    if let Some(rest) = message.strip_prefix("unknown field `")
+        && let Some(end) = rest.find('`')
+    {
+        return (field, format!("unknown field{}", &rest[end + 1..]));
     }
     (field, message.to_string())
 }

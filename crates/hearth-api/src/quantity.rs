@@ -56,9 +56,9 @@ impl Quantity {
     }
 
     pub fn from_bytes(bytes: u64) -> Self {
-        let text = if bytes % (1 << 30) == 0 && bytes > 0 {
+        let text = if bytes.is_multiple_of(1 << 30) && bytes > 0 {
             format!("{}Gi", bytes >> 30)
-        } else if bytes % (1 << 20) == 0 && bytes > 0 {
+        } else if bytes.is_multiple_of(1 << 20) && bytes > 0 {
             format!("{}Mi", bytes >> 20)
         } else {
             bytes.to_string()

@@ -54,10 +54,10 @@ impl EngineConfig {
             return Err(format!("{} is not a regular file", real.display()));
         }
         for root in &self.image_roots {
-            if let Ok(root) = std::fs::canonicalize(root) {
-                if real.starts_with(&root) {
-                    return Ok(real);
-                }
+            if let Ok(root) = std::fs::canonicalize(root)
+                && real.starts_with(&root)
+            {
+                return Ok(real);
             }
         }
         let roots: Vec<String> = self

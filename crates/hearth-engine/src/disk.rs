@@ -118,13 +118,13 @@ async fn create(engine: &Engine, disk: &VirtualDisk, path: &std::path::Path) -> 
             let base_info = img::info(&base)
                 .await
                 .map_err(|e| format!("spec.source.image: {}: {e}", base.display()))?;
-            if let Some(s) = size {
-                if s < base_info.virtual_size {
-                    return Err(format!(
-                        "spec.size: {s} bytes is smaller than the base image ({} bytes)",
-                        base_info.virtual_size
-                    ));
-                }
+            if let Some(s) = size
+                && s < base_info.virtual_size
+            {
+                return Err(format!(
+                    "spec.size: {s} bytes is smaller than the base image ({} bytes)",
+                    base_info.virtual_size
+                ));
             }
             img::create_overlay(&tmp, &base, &base_info.format, size)
                 .await

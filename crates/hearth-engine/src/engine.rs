@@ -300,12 +300,12 @@ impl Engine {
         let _w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
         let existing = self.get(kind, name)?;
         check_owner(&existing, managed_by)?;
-        if kind == Kind::VirtualDisk {
-            if let Some(vm) = self.vms_using_disk(name)?.first() {
-                return Err(RequestError::Conflict(format!(
-                    "VirtualDisk {name:?} is in use by VirtualMachine {vm:?} (spec.disks); delete the VM or remove the disk from it first"
-                )));
-            }
+        if kind == Kind::VirtualDisk
+            && let Some(vm) = self.vms_using_disk(name)?.first()
+        {
+            return Err(RequestError::Conflict(format!(
+                "VirtualDisk {name:?} is in use by VirtualMachine {vm:?} (spec.disks); delete the VM or remove the disk from it first"
+            )));
         }
         if !existing.deleting {
             self.store.mark_deleting(kind, name)?;
@@ -433,14 +433,14 @@ impl Engine {
                 new.display_name()
             )));
         }
-        if let (Object::VirtualDisk(old), Object::VirtualDisk(new_disk)) = (&existing.object, new) {
-            if old.spec != new_disk.spec {
-                return Err(RequestError::Invalid(FieldError {
+        if let (Object::VirtualDisk(old), Object::VirtualDisk(new_disk)) = (&existing.object, new)
+            && old.spec != new_disk.spec
+        {
+            return Err(RequestError::Invalid(FieldError {
                     object: new.display_name(),
                     field: "spec".into(),
                     message: "a disk's size and source cannot change after it is created; delete it and create it again".into(),
                 }));
-            }
         }
         Ok(())
     }
@@ -509,10 +509,10 @@ impl Engine {
 
     /// The live handle of a recorded running process, attaching if needed.
     pub async fn ensure_live(self: &Arc<Self>, record: &RuntimeRecord) -> Arc<LiveVm> {
-        if let Some(l) = self.live_get(&record.vm) {
-            if l.record.process == record.process {
-                return l;
-            }
+        if let Some(l) = self.live_get(&record.vm)
+            && l.record.process == record.process
+        {
+            return l;
         }
         let live = Arc::new(LiveVm::attach(self, record.clone()).await);
         self.live
@@ -544,6 +544,58 @@ impl Engine {
     pub fn live_agent_connected(&self, vm: &str) -> bool {
         self.live_get(vm)
             .is_some_and(|l| l.agent_connected.load(std::sync::atomic::Ordering::SeqCst))
+    }
+
+    // ------------------------------------------------------------ guest agent
+
+    /// Runs `f` with the VM's guest-agent connection, which it shares with
+    /// the monitor (the channel takes one client).
+    async fn with_agent<T>(
+        &self,
+        name: &str,
+        f: impl AsyncFnOnce(
+            &mut hearth_qemu::agent::AgentClient,
+        ) -> Result<T, hearth_qemu::agent::AgentError>,
+    ) -> Result<T, RequestError> {
+        let stored = self.get(Kind::VirtualMachine, name)?;
+        if let Object::VirtualMachine(vm) = &stored.object
+            && !vm.spec.guest_agent
+        {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachine {name:?} has spec.guestAgent false"
+            )));
+        }
+        let live = self.live_get(name).ok_or_else(|| {
+            RequestError::Conflict(format!("VirtualMachine {name:?} is not running"))
+        })?;
+        let mut guard = live.agent.lock().await;
+        let client = guard.as_mut().ok_or_else(|| {
+            RequestError::Conflict(format!(
+                "VirtualMachine {name:?}: the guest agent is not connected yet"
+            ))
+        })?;
+        f(client).await.map_err(|e| {
+            RequestError::Conflict(format!("VirtualMachine {name:?}: guest agent: {e}"))
+        })
+    }
+
+    /// `guest-ping` through the guest agent.
+    pub async fn agent_ping(&self, name: &str) -> Result<(), RequestError> {
+        self.with_agent(name, async |c| c.ping(Duration::from_secs(5)).await)
+            .await
+    }
+
+    /// `guest-exec` through the guest agent; waits for the program to end.
+    pub async fn agent_exec(
+        &self,
+        name: &str,
+        path: &str,
+        args: &[String],
+        timeout: Duration,
+    ) -> Result<hearth_qemu::agent::ExecOutput, RequestError> {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.with_agent(name, async |c| c.exec(path, &args, timeout).await)
+            .await
     }
 
     // ------------------------------------------------------------ work queue

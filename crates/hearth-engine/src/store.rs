@@ -37,10 +37,10 @@ impl StoredObject {
     /// The object with its status and server metadata, as the API shows it.
     pub fn to_json(&self) -> Value {
         let mut v = serde_json::to_value(&self.object).unwrap_or(Value::Null);
-        if let Value::Object(map) = &mut v {
-            if !self.status.is_null() {
-                map.insert("status".into(), self.status.clone());
-            }
+        if let Value::Object(map) = &mut v
+            && !self.status.is_null()
+        {
+            map.insert("status".into(), self.status.clone());
         }
         v
     }

@@ -24,7 +24,10 @@ fn demo_vm_boots_is_adopted_after_daemon_sigkill_and_is_deleted_cleanly() {
     assert!(out.contains("virtualmachine/demo unchanged"), "{out}");
 
     let vm = d.wait_agent("demo");
-    let accel = vm["status"]["accelerator"].as_str().unwrap_or_default().to_string();
+    let accel = vm["status"]["accelerator"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
     assert!(accel == "kvm" || accel == "tcg", "{vm:#}");
     let started = d
         .events("VirtualMachine", "demo")
@@ -32,7 +35,10 @@ fn demo_vm_boots_is_adopted_after_daemon_sigkill_and_is_deleted_cleanly() {
         .find(|e| e["reason"] == "Started")
         .expect("a Started event");
     assert!(
-        started["message"].as_str().unwrap_or_default().contains(&accel),
+        started["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(&accel),
         "the Started event names the accelerator: {started}"
     );
     let disk = d.get_disk("demo-data").expect("disk");
@@ -58,8 +64,13 @@ fn demo_vm_boots_is_adopted_after_daemon_sigkill_and_is_deleted_cleanly() {
     let pid1 = vm["status"]["pid"].as_u64().expect("pid") as u32;
     d.cli_ok(&["stop", "demo"]);
     d.wait_phase("demo", "Stopped", Duration::from_secs(60));
-    wait_until("first QEMU gone", Duration::from_secs(10), || !is_alive(pid1));
-    assert!(d.event_reasons("VirtualMachine", "demo").contains(&"Stopped".to_string()));
+    wait_until("first QEMU gone", Duration::from_secs(10), || {
+        !is_alive(pid1)
+    });
+    assert!(
+        d.event_reasons("VirtualMachine", "demo")
+            .contains(&"Stopped".to_string())
+    );
     assert!(d.qemu_pids().is_empty(), "{:?}", d.qemu_pids());
 
     // Start again, then SIGKILL hearthd: the VM keeps running.
@@ -75,7 +86,10 @@ fn demo_vm_boots_is_adopted_after_daemon_sigkill_and_is_deleted_cleanly() {
     d.spawn();
     let vm = d.wait_agent("demo");
     assert_eq!(vm["status"]["pid"].as_u64(), Some(pid2 as u64), "{vm:#}");
-    assert!(d.event_reasons("VirtualMachine", "demo").contains(&"Adopted".to_string()));
+    assert!(
+        d.event_reasons("VirtualMachine", "demo")
+            .contains(&"Adopted".to_string())
+    );
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(d.qemu_pids(), vec![pid2], "exactly the adopted QEMU runs");
     let (status, _) = d.request("POST", "/v1/virtualmachines/demo/agent/ping", None);
@@ -87,7 +101,9 @@ fn demo_vm_boots_is_adopted_after_daemon_sigkill_and_is_deleted_cleanly() {
 
     // Delete while running: QEMU gone, runtime files cleaned.
     d.cli_ok(&["delete", "vm", "demo"]);
-    wait_until("VM object gone", Duration::from_secs(60), || d.get_vm("demo").is_none());
+    wait_until("VM object gone", Duration::from_secs(60), || {
+        d.get_vm("demo").is_none()
+    });
     assert!(!is_alive(pid2), "QEMU still runs after delete");
     assert!(!d.run_dir().join("vms/demo").exists());
     assert!(!d.state_dir().join("vms/demo").exists());
@@ -95,7 +111,9 @@ fn demo_vm_boots_is_adopted_after_daemon_sigkill_and_is_deleted_cleanly() {
     let disk_file = d.state_dir().join("disks/demo-data.qcow2");
     assert!(disk_file.exists());
     d.cli_ok(&["delete", "disk", "demo-data"]);
-    wait_until("disk gone", Duration::from_secs(30), || d.get_disk("demo-data").is_none());
+    wait_until("disk gone", Duration::from_secs(30), || {
+        d.get_disk("demo-data").is_none()
+    });
     assert!(!disk_file.exists());
 }
 
@@ -123,7 +141,10 @@ fn guest_poweroff_and_qemu_crash_are_observed() {
     assert!(status == 200 || status == 409, "{status}");
     d.wait_phase("solo", "Stopped", Duration::from_secs(60));
     wait_until("QEMU gone", Duration::from_secs(10), || !is_alive(pid));
-    assert!(d.event_reasons("VirtualMachine", "solo").contains(&"GuestPoweredOff".to_string()));
+    assert!(
+        d.event_reasons("VirtualMachine", "solo")
+            .contains(&"GuestPoweredOff".to_string())
+    );
     // And it stays stopped.
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(d.get_vm("solo").expect("vm")["status"]["phase"], "Stopped");
@@ -133,11 +154,20 @@ fn guest_poweroff_and_qemu_crash_are_observed() {
     d.cli_ok(&["start", "solo"]);
     let vm = d.wait_phase("solo", "Running", Duration::from_secs(60));
     let pid = vm["status"]["pid"].as_u64().expect("pid") as u32;
-    let _ = std::process::Command::new("kill").arg("-9").arg(pid.to_string()).status();
+    let _ = std::process::Command::new("kill")
+        .arg("-9")
+        .arg(pid.to_string())
+        .status();
     let vm = d.wait_phase("solo", "Failed", Duration::from_secs(30));
     assert!(
-        vm["status"]["lastError"].as_str().unwrap_or_default().contains("QEMU exited unexpectedly"),
+        vm["status"]["lastError"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("QEMU exited unexpectedly"),
         "{vm:#}"
     );
-    assert!(d.event_reasons("VirtualMachine", "solo").contains(&"Crashed".to_string()));
+    assert!(
+        d.event_reasons("VirtualMachine", "solo")
+            .contains(&"Crashed".to_string())
+    );
 }

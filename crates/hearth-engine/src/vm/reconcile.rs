@@ -196,11 +196,7 @@ async fn launch(
                 name,
                 EventType::Normal,
                 "Started",
-                &format!(
-                    "QEMU started (pid {pid}) with accelerator {}: {}",
-                    accel.accel.as_str(),
-                    accel.reason
-                ),
+                &format!("QEMU started (pid {pid}) with accelerator {}", accel.reason),
             );
             Ok(())
         }
@@ -345,23 +341,19 @@ async fn stop(
 
     // Graceful: the guest agent if it answers, else the ACPI power button.
     let mut asked = false;
-    if live.agent_connected.load(Ordering::SeqCst) {
-        if let Ok(mut guard) = tokio::time::timeout(Duration::from_secs(2), live.agent.lock()).await
-        {
-            if let Some(agent) = guard.as_mut() {
-                asked = agent
-                    .shutdown("powerdown", Duration::from_secs(3))
-                    .await
-                    .is_ok();
-            }
-        }
+    if live.agent_connected.load(Ordering::SeqCst)
+        && let Ok(mut guard) = tokio::time::timeout(Duration::from_secs(2), live.agent.lock()).await
+        && let Some(agent) = guard.as_mut()
+    {
+        asked = agent
+            .shutdown("powerdown", Duration::from_secs(3))
+            .await
+            .is_ok();
     }
-    if !asked {
-        if let Some(qmp) = &live.qmp {
-            let _ = qmp
-                .execute("system_powerdown", None, Duration::from_secs(3))
-                .await;
-        }
+    if !asked && let Some(qmp) = &live.qmp {
+        let _ = qmp
+            .execute("system_powerdown", None, Duration::from_secs(3))
+            .await;
     }
     if tokio::time::timeout(grace, process::wait_for_exit(&record.process))
         .await
@@ -458,6 +450,8 @@ fn forget(
             "GuestPoweredOff",
             if manual {
                 "the guest powered off; it stays stopped (runPolicy Manual)".to_string()
+            } else if vm.spec.run_policy == RunPolicy::AlwaysOn {
+                "the guest powered off; starting it again (runPolicy AlwaysOn)".to_string()
             } else {
                 "the guest powered off".to_string()
             },

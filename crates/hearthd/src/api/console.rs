@@ -61,12 +61,12 @@ pub async fn console(
                 }
                 if f.seek(SeekFrom::Start(t.offset)).await.is_ok() {
                     let mut buf = vec![0u8; CHUNK];
-                    if let Ok(n) = f.read(&mut buf).await {
-                        if n > 0 {
-                            t.offset += n as u64;
-                            buf.truncate(n);
-                            return Some((Ok::<Bytes, std::io::Error>(Bytes::from(buf)), t));
-                        }
+                    if let Ok(n) = f.read(&mut buf).await
+                        && n > 0
+                    {
+                        t.offset += n as u64;
+                        buf.truncate(n);
+                        return Some((Ok::<Bytes, std::io::Error>(Bytes::from(buf)), t));
                     }
                 }
             }

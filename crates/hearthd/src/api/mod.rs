@@ -173,7 +173,9 @@ async fn agent_ping(
 ) -> Result<Json<Value>, ApiError> {
     let started = std::time::Instant::now();
     engine.agent_ping(&name).await?;
-    Ok(Json(json!({"ok": true, "ms": started.elapsed().as_millis() as u64})))
+    Ok(Json(
+        json!({"ok": true, "ms": started.elapsed().as_millis() as u64}),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -196,7 +198,9 @@ async fn agent_exec(
     Json(req): Json<ExecRequest>,
 ) -> Result<Json<Value>, ApiError> {
     let timeout = std::time::Duration::from_secs(req.timeout_seconds.clamp(1, 600));
-    let out = engine.agent_exec(&name, &req.path, &req.args, timeout).await?;
+    let out = engine
+        .agent_exec(&name, &req.path, &req.args, timeout)
+        .await?;
     Ok(Json(json!({
         "exitCode": out.exit_code,
         "signal": out.signal,

@@ -123,7 +123,11 @@ impl Daemon {
             if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
                 panic!("hearthd exited with {status}:\n{}", self.log());
             }
-            assert!(Instant::now() < deadline, "hearthd did not answer:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "hearthd did not answer:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(100));
         }
     }
@@ -140,9 +144,15 @@ impl Daemon {
         std::fs::read_to_string(self.dir.path().join("hearthd.log")).unwrap_or_default()
     }
 
-    pub fn try_request(&self, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<(u16, Value)> {
+    pub fn try_request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> std::io::Result<(u16, Value)> {
         let (status, bytes) = raw_request(&self.socket(), method, path, body)?;
-        let value = serde_json::from_slice(&bytes).unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into()));
+        let value = serde_json::from_slice(&bytes)
+            .unwrap_or(Value::String(String::from_utf8_lossy(&bytes).into()));
         Ok((status, value))
     }
 
@@ -168,7 +178,11 @@ impl Daemon {
     }
 
     pub fn events(&self, kind: &str, name: &str) -> Vec<Value> {
-        let (_, v) = self.request("GET", &format!("/v1/events?kind={kind}&name={name}&limit=500"), None);
+        let (_, v) = self.request(
+            "GET",
+            &format!("/v1/events?kind={kind}&name={name}&limit=500"),
+            None,
+        );
         v["items"].as_array().cloned().unwrap_or_default()
     }
 
@@ -213,7 +227,13 @@ impl Daemon {
     }
 
     /// Polls a VM until `pred` holds on it, or panics with its last state.
-    pub fn wait_vm(&self, name: &str, what: &str, timeout: Duration, pred: impl Fn(&Value) -> bool) -> Value {
+    pub fn wait_vm(
+        &self,
+        name: &str,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
         let deadline = Instant::now() + timeout;
         let mut last = Value::Null;
         while Instant::now() < deadline {
@@ -233,7 +253,9 @@ impl Daemon {
     }
 
     pub fn wait_phase(&self, name: &str, phase: &str, timeout: Duration) -> Value {
-        self.wait_vm(name, &format!("phase {phase}"), timeout, |v| v["status"]["phase"] == phase)
+        self.wait_vm(name, &format!("phase {phase}"), timeout, |v| {
+            v["status"]["phase"] == phase
+        })
     }
 
     pub fn wait_agent(&self, name: &str) -> Value {
@@ -247,8 +269,12 @@ impl Daemon {
         let marker = self.run_dir().to_string_lossy().into_owned();
         let mut pids = Vec::new();
         for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else { continue };
-            let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else { continue };
+            let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+                continue;
+            };
             let cmdline = String::from_utf8_lossy(&cmdline);
             if cmdline.contains("qemu-system") && cmdline.contains(&marker) && !is_zombie(pid) {
                 pids.push(pid);
@@ -277,7 +303,10 @@ pub fn is_alive(pid: u32) -> bool {
 fn is_zombie(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
-        .and_then(|s| s.rsplit_once(')').map(|(_, rest)| rest.trim_start().starts_with('Z')))
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, rest)| rest.trim_start().starts_with('Z'))
+        })
         .unwrap_or(true)
 }
 
@@ -293,7 +322,12 @@ pub fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) {
 }
 
 /// A minimal HTTP/1.1 client over a unix socket (`Connection: close`).
-pub fn raw_request(socket: &Path, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<(u16, Vec<u8>)> {
+pub fn raw_request(
+    socket: &Path,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> std::io::Result<(u16, Vec<u8>)> {
     let mut stream = UnixStream::connect(socket)?;
     stream.set_read_timeout(Some(Duration::from_secs(120)))?;
     let body = body.map(|b| b.to_string()).unwrap_or_default();
@@ -315,7 +349,10 @@ pub fn raw_request(socket: &Path, method: &str, path: &str, body: Option<&Value>
         .and_then(|s| s.parse().ok())
         .ok_or_else(|| std::io::Error::other("bad status line"))?;
     let mut body = buf[split + 4..].to_vec();
-    if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
         body = dechunk(&body);
     }
     Ok((status, body))
@@ -323,9 +360,9 @@ pub fn raw_request(socket: &Path, method: &str, path: &str, body: Option<&Value>
 
 fn dechunk(mut data: &[u8]) -> Vec<u8> {
     let mut out = Vec::new();
-    loop {
-        let Some(eol) = data.windows(2).position(|w| w == b"\r\n") else { break };
-        let size = usize::from_str_radix(String::from_utf8_lossy(&data[..eol]).trim(), 16).unwrap_or(0);
+    while let Some(eol) = data.windows(2).position(|w| w == b"\r\n") {
+        let size =
+            usize::from_str_radix(String::from_utf8_lossy(&data[..eol]).trim(), 16).unwrap_or(0);
         if size == 0 || data.len() < eol + 2 + size {
             break;
         }
@@ -349,7 +386,11 @@ pub fn vm_yaml(name: &str, run_policy: &str, disks: &[&str], extra_cmdline: &str
         .iter()
         .map(|d| format!("    - virtualDiskName: {d}\n"))
         .collect();
-    let disks = if disks.is_empty() { "  disks: []\n".to_string() } else { format!("  disks:\n{disks}") };
+    let disks = if disks.is_empty() {
+        "  disks: []\n".to_string()
+    } else {
+        format!("  disks:\n{disks}")
+    };
     format!(
         "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata:\n  name: {name}\nspec:\n  runPolicy: {run_policy}\n  memory: 256Mi\n  stopTimeoutSeconds: 10\n  boot:\n    kernel: {k}\n    initrd: {i}\n    cmdline: \"console=ttyS0 quiet panic=-1 {extra_cmdline}\"\n{disks}",
         k = g.join("vmlinuz").display(),

@@ -1,0 +1,407 @@
+//! A small HTTP/1.1 client for hearthd's API on a unix socket.
+//!
+//! One connection per request: the CLI makes a handful of requests per run,
+//! and a fresh connection never inherits a half-read answer from an earlier one.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Method, Request, Response, StatusCode, header};
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+use tokio::net::UnixStream;
+
+pub const DEFAULT_SOCKET: &str = "/run/hearth/hearthd.sock";
+
+/// hearthd answers are small; anything bigger than this is not hearthd.
+const MAX_BODY_BYTES: usize = 64 << 20;
+
+/// How long a plain request (not a log stream) may take, headers and body.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(60);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// The socket is missing, refuses connections or is not ours to open.
+    #[error("cannot reach hearthd at {}: {cause} ({hint})", .socket.display())]
+    Unreachable {
+        socket: PathBuf,
+        cause: io::Error,
+        hint: &'static str,
+    },
+    /// hearthd answered with an error status; `message` is its
+    /// `{"error": ...}` text, verbatim.
+    #[error("{message}")]
+    Server { status: StatusCode, message: String },
+    /// The exchange broke down or the answer was not what the API promises.
+    #[error("talking to hearthd at {}: {detail}", .socket.display())]
+    Protocol { socket: PathBuf, detail: String },
+    #[error("hearthd at {} did not answer within {}s", .socket.display(), .after.as_secs())]
+    Timeout { socket: PathBuf, after: Duration },
+}
+
+impl ApiError {
+    /// True for a 404: the object does not exist.
+    pub fn is_not_found(&self) -> bool {
+        matches!(self, ApiError::Server { status, .. } if *status == StatusCode::NOT_FOUND)
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ApiClient {
+    socket: PathBuf,
+}
+
+impl ApiClient {
+    pub fn new(socket: impl Into<PathBuf>) -> Self {
+        ApiClient {
+            socket: socket.into(),
+        }
+    }
+
+    pub async fn get(&self, path: &str) -> Result<Value, ApiError> {
+        self.json(Method::GET, path, None).await
+    }
+
+    pub async fn post(&self, path: &str, body: Option<&Value>) -> Result<Value, ApiError> {
+        self.json(Method::POST, path, body).await
+    }
+
+    pub async fn delete(&self, path: &str) -> Result<Value, ApiError> {
+        self.json(Method::DELETE, path, None).await
+    }
+
+    /// Sends a GET and hands back the body as it arrives (for console logs).
+    /// Only the wait for the headers is bounded; the body may stream forever.
+    pub async fn stream(&self, path: &str) -> Result<Incoming, ApiError> {
+        let response = self
+            .with_timeout(self.send(Method::GET, path, None))
+            .await?;
+        let status = response.status();
+        let body = response.into_body();
+        if !status.is_success() {
+            let bytes = self.with_timeout(self.read_body(body)).await?;
+            return Err(server_error(status, &bytes));
+        }
+        Ok(body)
+    }
+
+    async fn json(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Value, ApiError> {
+        self.with_timeout(async {
+            let response = self.send(method, path, body).await?;
+            let status = response.status();
+            let bytes = self.read_body(response.into_body()).await?;
+            if !status.is_success() {
+                return Err(server_error(status, &bytes));
+            }
+            if bytes.is_empty() {
+                return Ok(Value::Null);
+            }
+            serde_json::from_slice(&bytes)
+                .map_err(|e| self.protocol(format!("answer is not JSON: {e}")))
+        })
+        .await
+    }
+
+    async fn with_timeout<T>(
+        &self,
+        fut: impl Future<Output = Result<T, ApiError>>,
+    ) -> Result<T, ApiError> {
+        match tokio::time::timeout(REQUEST_TIMEOUT, fut).await {
+            Ok(r) => r,
+            Err(_) => Err(ApiError::Timeout {
+                socket: self.socket.clone(),
+                after: REQUEST_TIMEOUT,
+            }),
+        }
+    }
+
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<Response<Incoming>, ApiError> {
+        let stream = UnixStream::connect(&self.socket)
+            .await
+            .map_err(|cause| unreachable(&self.socket, cause))?;
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream))
+                .await
+                .map_err(|e| self.protocol(format!("handshake failed: {e}")))?;
+        // The connection future drives the socket; it ends when the answer
+        // has been read or the peer hangs up.
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+
+        let mut request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(header::HOST, "hearthd")
+            .header(header::ACCEPT, "application/json");
+        let payload = match body {
+            Some(v) => {
+                request = request.header(header::CONTENT_TYPE, "application/json");
+                Bytes::from(
+                    serde_json::to_vec(v)
+                        .map_err(|e| self.protocol(format!("cannot encode the request: {e}")))?,
+                )
+            }
+            None => Bytes::new(),
+        };
+        let request = request
+            .body(Full::new(payload))
+            .map_err(|e| self.protocol(format!("bad request path {path:?}: {e}")))?;
+        sender
+            .send_request(request)
+            .await
+            .map_err(|e| self.protocol(format!("request failed: {e}")))
+    }
+
+    async fn read_body(&self, mut body: Incoming) -> Result<Vec<u8>, ApiError> {
+        let mut out = Vec::new();
+        while let Some(frame) = body.frame().await {
+            let frame =
+                frame.map_err(|e| self.protocol(format!("reading the answer failed: {e}")))?;
+            if let Ok(data) = frame.into_data() {
+                if out.len() + data.len() > MAX_BODY_BYTES {
+                    return Err(self.protocol(format!(
+                        "answer is larger than {} MiB",
+                        MAX_BODY_BYTES >> 20
+                    )));
+                }
+                out.extend_from_slice(&data);
+            }
+        }
+        Ok(out)
+    }
+
+    fn protocol(&self, detail: String) -> ApiError {
+        ApiError::Protocol {
+            socket: self.socket.clone(),
+            detail,
+        }
+    }
+}
+
+fn unreachable(socket: &Path, cause: io::Error) -> ApiError {
+    let hint = match cause.kind() {
+        io::ErrorKind::PermissionDenied => {
+            "the socket is root-only by default: run hearth as root, or pass --socket"
+        }
+        _ => "is hearthd running? start it with `hearthd`",
+    };
+    ApiError::Unreachable {
+        socket: socket.to_path_buf(),
+        cause,
+        hint,
+    }
+}
+
+/// The server's `{"error": ...}` message verbatim, or what we can say without it.
+fn server_error(status: StatusCode, body: &[u8]) -> ApiError {
+    let from_json = serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_string));
+    let message = from_json.unwrap_or_else(|| {
+        let text = String::from_utf8_lossy(body);
+        let text = text.trim();
+        let reason = status.canonical_reason().unwrap_or("error");
+        if text.is_empty() {
+            format!("hearthd answered {} {reason}", status.as_u16())
+        } else {
+            let short: String = text.chars().take(500).collect();
+            format!("hearthd answered {} {reason}: {short}", status.as_u16())
+        }
+    });
+    ApiError::Server { status, message }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_server::{ScriptedServer, ok};
+    use serde_json::json;
+
+    #[tokio::test]
+    async fn post_sends_json_and_returns_the_answer() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![ok(
+                r#"{"results":[{"kind":"VirtualMachine","name":"demo","action":"created"}]}"#,
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let body = json!({"items": [{"kind": "VirtualMachine"}]});
+        let answer = client
+            .post("/v1/apply", Some(&body))
+            .await
+            .expect("apply answer");
+        assert_eq!(answer["results"][0]["action"], "created");
+
+        let seen = server.seen();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].method, "POST");
+        assert_eq!(seen[0].path, "/v1/apply");
+        assert_eq!(seen[0].content_type.as_deref(), Some("application/json"));
+        let sent: Value = serde_json::from_slice(&seen[0].body).expect("request body is JSON");
+        assert_eq!(sent, body);
+    }
+
+    #[tokio::test]
+    async fn get_with_query_reaches_the_server_unchanged() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(dir.path(), vec![ok(r#"{"items":[]}"#)]);
+        let client = ApiClient::new(&server.socket);
+        let answer = client
+            .get("/v1/events?kind=VirtualMachine&name=demo&limit=20")
+            .await
+            .expect("events");
+        assert_eq!(answer, json!({"items": []}));
+        let seen = server.seen();
+        assert_eq!(seen[0].method, "GET");
+        assert_eq!(
+            seen[0].path,
+            "/v1/events?kind=VirtualMachine&name=demo&limit=20"
+        );
+        assert!(seen[0].body.is_empty());
+    }
+
+    #[tokio::test]
+    async fn server_error_message_is_passed_through_verbatim() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![(
+                StatusCode::CONFLICT,
+                r#"{"error": "VirtualDisk \"data\" is in use by VirtualMachine \"demo\""}"#
+                    .to_string(),
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let err = client
+            .delete("/v1/virtualdisks/data")
+            .await
+            .expect_err("409 is an error");
+        assert_eq!(
+            err.to_string(),
+            "VirtualDisk \"data\" is in use by VirtualMachine \"demo\""
+        );
+        assert!(
+            matches!(err, ApiError::Server { status, .. } if status == StatusCode::CONFLICT),
+            "{err:?}"
+        );
+        assert!(!err.is_not_found());
+        let seen = server.seen();
+        assert_eq!(seen[0].method, "DELETE");
+        assert_eq!(seen[0].path, "/v1/virtualdisks/data");
+    }
+
+    #[tokio::test]
+    async fn not_found_is_recognised() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![(
+                StatusCode::NOT_FOUND,
+                r#"{"error": "VirtualMachine \"x\" not found"}"#.to_string(),
+            )],
+        );
+        let err = ApiClient::new(&server.socket)
+            .get("/v1/virtualmachines/x")
+            .await
+            .expect_err("404");
+        assert!(err.is_not_found());
+        assert_eq!(err.to_string(), "VirtualMachine \"x\" not found");
+    }
+
+    #[tokio::test]
+    async fn an_error_without_json_still_says_what_happened() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![(StatusCode::BAD_GATEWAY, "upstream gone".to_string())],
+        );
+        let err = ApiClient::new(&server.socket)
+            .get("/v1/health")
+            .await
+            .expect_err("502");
+        assert_eq!(
+            err.to_string(),
+            "hearthd answered 502 Bad Gateway: upstream gone"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stream_delivers_the_body_and_refuses_errors() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![
+                ok("Linux version 6.1\nlogin: "),
+                (
+                    StatusCode::NOT_FOUND,
+                    r#"{"error": "VirtualMachine \"nope\" not found"}"#.to_string(),
+                ),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let body = client
+            .stream("/v1/virtualmachines/demo/console?follow=true")
+            .await
+            .expect("stream");
+        let bytes = body.collect().await.expect("body").to_bytes();
+        assert_eq!(&bytes[..], b"Linux version 6.1\nlogin: ");
+        let err = client
+            .stream("/v1/virtualmachines/nope/console")
+            .await
+            .expect_err("404");
+        assert!(err.is_not_found(), "{err:?}");
+        assert_eq!(
+            server.seen()[0].path,
+            "/v1/virtualmachines/demo/console?follow=true"
+        );
+    }
+
+    #[tokio::test]
+    async fn missing_socket_names_it_and_says_how_to_start_hearthd() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("nothing-here.sock");
+        let err = ApiClient::new(&socket)
+            .get("/v1/health")
+            .await
+            .expect_err("no daemon");
+        let text = err.to_string();
+        assert!(
+            text.starts_with(&format!("cannot reach hearthd at {}: ", socket.display())),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("(is hearthd running? start it with `hearthd`)"),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_socket_nobody_listens_on_is_unreachable() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("stale.sock");
+        // Bind and drop: the file stays, nobody accepts (ECONNREFUSED).
+        drop(std::os::unix::net::UnixListener::bind(&socket).expect("bind"));
+        let err = ApiClient::new(&socket)
+            .get("/v1/health")
+            .await
+            .expect_err("refused");
+        assert!(matches!(err, ApiError::Unreachable { .. }), "{err:?}");
+        assert!(err.to_string().contains("start it with `hearthd`"), "{err}");
+    }
+}

@@ -1,0 +1,372 @@
+//! `hearth describe KIND NAME`: one object for people, with its conditions
+//! and recent events.
+
+use std::io::Write;
+
+use chrono::{DateTime, Utc};
+use hearth_api::Kind;
+use serde_json::Value;
+
+use crate::client::ApiClient;
+use crate::output::{Table, age_of, at, cell, human_age, human_bytes, str_at, time_at};
+
+/// How many recent events describe shows.
+const EVENT_LIMIT: usize = 20;
+
+#[derive(Debug, clap::Args)]
+#[command(
+    about = "Show one object in detail: spec, status, conditions and recent events",
+    after_help = "\
+Examples:
+  hearth describe vm demo
+  hearth describe disk data"
+)]
+pub struct Args {
+    /// vm or disk.
+    #[arg(value_name = "KIND", value_parser = super::parse_kind)]
+    pub kind: Kind,
+    #[arg(value_name = "NAME", value_parser = super::parse_name)]
+    pub name: String,
+}
+
+pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
+    let object = client
+        .get(&super::object_path(args.kind, &args.name))
+        .await?;
+    let events_path = format!(
+        "/v1/events?kind={}&name={}&limit={EVENT_LIMIT}",
+        args.kind.as_str(),
+        args.name
+    );
+    // The object is the point; a failed events request only loses that part.
+    let events = match client.get(&events_path).await {
+        Ok(answer) => match answer.get("items").and_then(Value::as_array) {
+            Some(items) => Ok(items.clone()),
+            None => Err("hearthd's events answer has no \"items\" list".to_string()),
+        },
+        Err(e) => Err(e.to_string()),
+    };
+    let text = render(
+        args.kind,
+        &object,
+        events.as_deref().map_err(String::as_str),
+        Utc::now(),
+    );
+    std::io::stdout().lock().write_all(text.as_bytes())?;
+    Ok(())
+}
+
+pub fn render(
+    kind: Kind,
+    obj: &Value,
+    events: Result<&[Value], &str>,
+    now: DateTime<Utc>,
+) -> String {
+    let mut out = String::new();
+    let line = |out: &mut String, label: &str, value: String| {
+        out.push_str(&format!("{:<12}{value}\n", format!("{label}:")));
+    };
+    line(&mut out, "Name", cell(at(obj, &["metadata", "name"])));
+    line(&mut out, "Kind", kind.as_str().to_string());
+    line(
+        &mut out,
+        "Source",
+        cell(at(obj, &["metadata", "managedBy"])),
+    );
+    let created = match str_at(obj, &["metadata", "creationTimestamp"]) {
+        Some(ts) => format!("{ts} ({} ago)", age_of(obj, now)),
+        None => "-".to_string(),
+    };
+    line(&mut out, "Created", created);
+    line(
+        &mut out,
+        "Generation",
+        cell(at(obj, &["metadata", "generation"])),
+    );
+
+    out.push_str("Spec:\n");
+    match at(obj, &["spec"]) {
+        Some(spec @ Value::Object(_)) => render_fields(&mut out, spec, 2),
+        _ => out.push_str("  <none>\n"),
+    }
+
+    out.push_str("Status:\n");
+    let mut status = at(obj, &["status"]).cloned().unwrap_or(Value::Null);
+    let conditions = match status.as_object_mut() {
+        Some(map) => map.remove("conditions"),
+        None => None,
+    };
+    match &status {
+        Value::Object(map) if !map.is_empty() => render_fields(&mut out, &status, 2),
+        _ => out.push_str("  <none yet: hearthd has not reconciled this object>\n"),
+    }
+
+    let conditions = conditions
+        .as_ref()
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    if conditions.is_empty() {
+        out.push_str("Conditions:  <none>\n");
+    } else {
+        out.push_str("Conditions:\n");
+        let mut table = Table::new(&["TYPE", "STATUS", "REASON", "MESSAGE", "AGE"]);
+        for c in conditions {
+            table.push(vec![
+                cell(at(c, &["type"])),
+                cell(at(c, &["status"])),
+                cell(at(c, &["reason"])),
+                cell(at(c, &["message"])),
+                time_at(c, &["lastTransitionTime"])
+                    .map(|t| human_age(t, now))
+                    .unwrap_or_else(|| "-".to_string()),
+            ]);
+        }
+        out.push_str(&table.render_indented(2));
+    }
+
+    match events {
+        Err(why) => out.push_str(&format!("Events:      <unavailable: {why}>\n")),
+        Ok([]) => out.push_str("Events:      <none>\n"),
+        Ok(events) => {
+            out.push_str("Events:\n");
+            let mut table = Table::new(&["AGE", "TYPE", "REASON", "MESSAGE"]);
+            let skip = events.len().saturating_sub(EVENT_LIMIT);
+            for e in &events[skip..] {
+                table.push(vec![
+                    time_at(e, &["time"])
+                        .map(|t| human_age(t, now))
+                        .unwrap_or_else(|| "-".to_string()),
+                    cell(at(e, &["type"])),
+                    cell(at(e, &["reason"])),
+                    cell(at(e, &["message"])),
+                ]);
+            }
+            out.push_str(&table.render_indented(2));
+        }
+    }
+    out
+}
+
+/// `key: value` lines for a JSON object, values aligned per level; nested
+/// objects indent, lists of scalars join with `, `, lists of objects get `- `.
+fn render_fields(out: &mut String, v: &Value, indent: usize) {
+    let Some(map) = v.as_object() else {
+        out.push_str(&format!("{}{}\n", " ".repeat(indent), scalar(v)));
+        return;
+    };
+    let width = map
+        .iter()
+        .filter(|(_, v)| is_inline(v))
+        .map(|(k, _)| k.chars().count() + 1)
+        .max()
+        .unwrap_or(0);
+    let pad = " ".repeat(indent);
+    let mut entries: Vec<_> = map.iter().collect();
+    entries.sort_by_key(|(k, _)| field_rank(k));
+    for (key, value) in entries {
+        if is_inline(value) {
+            let label = format!("{key}:");
+            let mut text = inline(value);
+            if let ("capacity" | "allocated", Some(bytes)) = (key.as_str(), value.as_u64()) {
+                text = format!("{text} ({})", human_bytes(bytes));
+            }
+            out.push_str(&format!("{pad}{label:<width$}  {text}\n"));
+            continue;
+        }
+        out.push_str(&format!("{pad}{key}:\n"));
+        match value {
+            Value::Array(items) => {
+                for item in items {
+                    let mut block = String::new();
+                    render_fields(&mut block, item, indent + 4);
+                    // Turn the first line's indent into a list bullet.
+                    let bullet_at = indent + 2;
+                    if block.len() >= bullet_at + 2 {
+                        block.replace_range(bullet_at..bullet_at + 2, "- ");
+                    }
+                    out.push_str(&block);
+                }
+            }
+            _ => render_fields(out, value, indent + 2),
+        }
+    }
+}
+
+/// The order fields are shown in: as in a manifest, whatever order the JSON
+/// map iterates in; fields this CLI does not know come last, by name.
+const FIELD_ORDER: &[&str] = &[
+    "runPolicy",
+    "cpus",
+    "memory",
+    "size",
+    "source",
+    "boot",
+    "kernel",
+    "initrd",
+    "cmdline",
+    "disks",
+    "guestAgent",
+    "stopTimeoutSeconds",
+    "phase",
+    "accelerator",
+    "acceleratorReason",
+    "pid",
+    "agentConnected",
+    "startTime",
+    "path",
+    "capacity",
+    "allocated",
+    "attachedTo",
+    "lastError",
+    "observedGeneration",
+];
+
+fn field_rank(key: &str) -> (usize, String) {
+    let known = FIELD_ORDER.iter().position(|k| *k == key);
+    (known.unwrap_or(FIELD_ORDER.len()), key.to_string())
+}
+
+/// Fits on the key's line: scalars, `{}`, and lists without objects in them.
+fn is_inline(v: &Value) -> bool {
+    match v {
+        Value::Object(map) => map.is_empty(),
+        Value::Array(items) => items.iter().all(|i| !i.is_object() && !i.is_array()),
+        _ => true,
+    }
+}
+
+fn inline(v: &Value) -> String {
+    match v {
+        Value::Object(_) => "{}".to_string(),
+        Value::Array(items) if items.is_empty() => "<none>".to_string(),
+        Value::Array(items) => items.iter().map(scalar).collect::<Vec<_>>().join(", "),
+        other => scalar(other),
+    }
+}
+
+fn scalar(v: &Value) -> String {
+    match v {
+        Value::Null => "-".to_string(),
+        Value::String(s) if s.is_empty() => "\"\"".to_string(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn now() -> DateTime<Utc> {
+        DateTime::parse_from_rfc3339("2025-01-01T12:00:00Z")
+            .expect("time")
+            .with_timezone(&Utc)
+    }
+
+    fn demo_vm() -> Value {
+        json!({
+            "apiVersion": "hearth.dev/v1alpha1",
+            "kind": "VirtualMachine",
+            "metadata": {"name": "demo", "creationTimestamp": "2025-01-01T11:55:00Z",
+                         "generation": 2, "managedBy": "file:/etc/hearth/manifests/demo.yaml"},
+            "spec": {"runPolicy": "AlwaysOn", "cpus": 1, "memory": "256Mi",
+                     "boot": {"kernel": "/k/vmlinuz", "cmdline": "console=ttyS0"},
+                     "disks": [{"virtualDiskName": "data"}], "guestAgent": true},
+            "status": {"phase": "Running", "pid": 99, "agentConnected": false,
+                       "conditions": [{"type": "Ready", "status": "False", "reason": "AgentNotConnected",
+                                       "message": "waiting for\nqemu-ga", "lastTransitionTime": "2025-01-01T11:59:00Z"}]}
+        })
+    }
+
+    #[test]
+    fn describe_shows_source_spec_status_conditions_and_events() {
+        let events = [
+            json!({"time": "2025-01-01T11:58:00Z", "kind": "VirtualMachine", "name": "demo",
+                             "type": "Normal", "reason": "Started", "message": "qemu pid 99"}),
+        ];
+        let text = render(Kind::VirtualMachine, &demo_vm(), Ok(&events), now());
+        let expected = "\
+Name:       demo
+Kind:       VirtualMachine
+Source:     file:/etc/hearth/manifests/demo.yaml
+Created:    2025-01-01T11:55:00Z (5m ago)
+Generation: 2
+Spec:
+  runPolicy:   AlwaysOn
+  cpus:        1
+  memory:      256Mi
+  boot:
+    kernel:   /k/vmlinuz
+    cmdline:  console=ttyS0
+  disks:
+    - virtualDiskName:  data
+  guestAgent:  true
+Status:
+  phase:           Running
+  pid:             99
+  agentConnected:  false
+Conditions:
+  TYPE    STATUS   REASON              MESSAGE               AGE
+  Ready   False    AgentNotConnected   waiting for qemu-ga   1m
+Events:
+  AGE   TYPE     REASON    MESSAGE
+  2m    Normal   Started   qemu pid 99
+";
+        assert_eq!(text, expected);
+    }
+
+    #[test]
+    fn describe_without_status_or_events_says_so() {
+        let mut vm = demo_vm();
+        if let Some(map) = vm.as_object_mut() {
+            map.remove("status");
+        }
+        let text = render(Kind::VirtualMachine, &vm, Err("connection reset"), now());
+        assert!(text.contains("Status:\n  <none yet"), "{text}");
+        assert!(text.contains("Conditions:  <none>\n"), "{text}");
+        assert!(
+            text.contains("Events:      <unavailable: connection reset>\n"),
+            "{text}"
+        );
+        let text = render(Kind::VirtualMachine, &vm, Ok(&[]), now());
+        assert!(text.ends_with("Events:      <none>\n"), "{text}");
+    }
+
+    #[test]
+    fn describe_disk_humanises_capacity_and_shows_the_source() {
+        let disk = json!({
+            "metadata": {"name": "data"},
+            "spec": {"source": {"blank": {}}, "size": "1Gi"},
+            "status": {"phase": "Ready", "capacity": 1073741824u64, "allocated": 200704,
+                       "attachedTo": "demo", "lastError": ""}
+        });
+        let text = render(Kind::VirtualDisk, &disk, Ok(&[]), now());
+        let expected = "\
+Spec:
+  size:  1Gi
+  source:
+    blank:  {}
+Status:
+  phase:       Ready
+  capacity:    1073741824 (1.0Gi)
+  allocated:   200704 (196.0Ki)
+  attachedTo:  demo
+  lastError:   \"\"
+";
+        assert!(text.contains(expected), "{text}");
+        assert!(text.contains("Source:     -\n"), "{text}");
+    }
+
+    #[test]
+    fn only_the_last_twenty_events_are_shown() {
+        let events: Vec<Value> = (0..25)
+            .map(|i| json!({"time": "2025-01-01T11:00:00Z", "type": "Normal", "reason": format!("R{i}"), "message": ""}))
+            .collect();
+        let text = render(Kind::VirtualMachine, &demo_vm(), Ok(&events), now());
+        assert!(!text.contains("   R4\n"), "{text}");
+        assert!(text.contains("   R5\n"), "{text}");
+        assert!(text.contains("   R24\n"), "{text}");
+    }
+}

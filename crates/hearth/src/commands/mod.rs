@@ -1,0 +1,66 @@
+//! One module per command group. Each turns its arguments into API requests
+//! and the answers into text; none knows how the requests travel.
+
+pub mod action;
+pub mod apply;
+pub mod delete;
+pub mod describe;
+pub mod get;
+pub mod logs;
+pub mod wait;
+
+use hearth_api::{Kind, check_dns_label};
+
+/// clap value parser for KIND arguments: `vm`, `vms`, `disk`, `VirtualMachine`, ...
+pub fn parse_kind(s: &str) -> Result<Kind, String> {
+    Kind::from_user(s).ok_or_else(|| {
+        format!("unknown kind {s:?} (use vm or disk; VirtualMachine and VirtualDisk work too)")
+    })
+}
+
+/// clap value parser for object names. Checked here so a typo never turns
+/// into a strange URL, and the message says what a name may contain.
+pub fn parse_name(s: &str) -> Result<String, String> {
+    check_dns_label(s).map(|()| s.to_string())
+}
+
+/// `virtualmachine/demo`: how results of apply and delete name an object.
+pub fn resource_ref(kind: &str, name: &str) -> String {
+    format!("{}/{name}", kind.to_ascii_lowercase())
+}
+
+/// `vm/demo`: the short form wait uses in its progress lines.
+pub fn short_ref(kind: Kind, name: &str) -> String {
+    let short = match kind {
+        Kind::VirtualMachine => "vm",
+        Kind::VirtualDisk => "disk",
+    };
+    format!("{short}/{name}")
+}
+
+/// `/v1/virtualmachines/demo`
+pub fn object_path(kind: Kind, name: &str) -> String {
+    format!("/v1/{}/{name}", kind.plural())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_and_names_from_the_command_line() {
+        assert_eq!(parse_kind("vm"), Ok(Kind::VirtualMachine));
+        assert_eq!(parse_kind("Disks"), Ok(Kind::VirtualDisk));
+        let err = parse_kind("pod").expect_err("unknown");
+        assert!(err.contains("\"pod\""), "{err}");
+        assert_eq!(parse_name("demo-1"), Ok("demo-1".to_string()));
+        assert!(parse_name("../etc").is_err());
+        assert!(parse_name("Demo").is_err());
+        assert_eq!(
+            object_path(Kind::VirtualDisk, "data"),
+            "/v1/virtualdisks/data"
+        );
+        assert_eq!(resource_ref("VirtualDisk", "data"), "virtualdisk/data");
+        assert_eq!(short_ref(Kind::VirtualMachine, "demo"), "vm/demo");
+    }
+}

@@ -1,0 +1,176 @@
+//! `hearth`: the command line for hearthd. It only speaks hearthd's HTTP API
+//! on a unix socket; see docs/cli.md.
+
+mod client;
+mod commands;
+mod manifest;
+mod output;
+#[cfg(test)]
+mod test_server;
+
+use std::io;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::client::{ApiClient, DEFAULT_SOCKET};
+use crate::commands::{action, apply, delete, describe, get, logs, wait};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "hearth",
+    version,
+    about = "Drive hearthd, the declarative VM manager, through its API socket",
+    after_help = "\
+Getting started:
+  hearthd &                                   # the daemon (as root)
+  hearth apply -f demo.yaml
+  hearth wait vm demo --for agent
+  hearth get vms
+
+Exit status: 0 on success, 1 on any error (the message starts with `error:`),
+2 for a command line clap could not parse."
+)]
+struct Cli {
+    /// hearthd's API socket.
+    #[arg(
+        long,
+        global = true,
+        env = "HEARTH_SOCKET",
+        value_name = "PATH",
+        default_value = DEFAULT_SOCKET
+    )]
+    socket: PathBuf,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    Apply(apply::Args),
+    Get(get::Args),
+    Describe(describe::Args),
+    /// Start a VM (sets its run intent; for runPolicy Manual)
+    #[command(after_help = "Example:\n  hearth start demo")]
+    Start(action::Args),
+    /// Stop a VM: guest shutdown, then force after spec.stopTimeoutSeconds
+    #[command(after_help = "Example:\n  hearth stop demo")]
+    Stop(action::Args),
+    /// Restart a VM
+    #[command(after_help = "Example:\n  hearth restart demo")]
+    Restart(action::Args),
+    Delete(delete::Args),
+    Logs(logs::Args),
+    Wait(wait::Args),
+}
+
+async fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    let client = ApiClient::new(cli.socket);
+    match &cli.command {
+        Command::Apply(a) => apply::run(&client, a).await,
+        Command::Get(a) => get::run(&client, a).await,
+        Command::Describe(a) => describe::run(&client, a).await,
+        Command::Start(a) => action::run(&client, action::Action::Start, a).await,
+        Command::Stop(a) => action::run(&client, action::Action::Stop, a).await,
+        Command::Restart(a) => action::run(&client, action::Action::Restart, a).await,
+        Command::Delete(a) => delete::run(&client, a).await,
+        Command::Logs(a) => logs::run(&client, a).await,
+        Command::Wait(a) => wait::run(&client, a).await,
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(dispatch(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        // `hearth get vms | head`: the reader left; that is not our error.
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|cause| {
+        cause
+            .downcast_ref::<io::Error>()
+            .is_some_and(|io| io.kind() == io::ErrorKind::BrokenPipe)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn the_command_line_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn every_command_teaches_with_an_about_and_an_example() {
+        let cli = Cli::command();
+        for sub in cli.get_subcommands() {
+            let name = sub.get_name();
+            assert!(sub.get_about().is_some(), "{name} has no about");
+            let after = sub
+                .get_after_help()
+                .map(|s| s.to_string())
+                .unwrap_or_default();
+            assert!(
+                after.contains(&format!("hearth {name}")),
+                "{name}'s help has no example: {after:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn socket_flag_and_kinds_parse() {
+        let cli = Cli::try_parse_from([
+            "hearth",
+            "--socket",
+            "/tmp/h.sock",
+            "get",
+            "vms",
+            "-o",
+            "wide",
+        ])
+        .expect("parses");
+        assert_eq!(cli.socket, PathBuf::from("/tmp/h.sock"));
+        assert!(
+            matches!(cli.command, Command::Get(ref g) if g.kind == hearth_api::Kind::VirtualMachine && g.output == get::Format::Wide)
+        );
+        let cli = Cli::try_parse_from([
+            "hearth",
+            "wait",
+            "vm",
+            "demo",
+            "--for",
+            "phase=Running",
+            "--timeout",
+            "2m",
+        ])
+        .expect("parses");
+        assert!(
+            matches!(cli.command, Command::Wait(ref w) if w.timeout == std::time::Duration::from_secs(120))
+        );
+        assert!(Cli::try_parse_from(["hearth", "get", "pods"]).is_err());
+        assert!(Cli::try_parse_from(["hearth", "delete", "vm", "Bad_Name"]).is_err());
+        assert!(Cli::try_parse_from(["hearth", "apply"]).is_err());
+    }
+}
