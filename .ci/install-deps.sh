@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Install every system package hearth needs (build, tests, demo, guest build).
+#
+# Runs as root, non-interactive, idempotent. A second run, with everything
+# already present at the right version, only checks dpkg and exits in seconds.
+#
+# QEMU comes from bookworm-backports: the machine image ships qemu-utils 10.x
+# from backports, and installing bookworm's qemu-system-x86 7.2 would remove it
+# (qemu-utils 10 Breaks qemu-system-common << 8.0). The backports suite is added
+# with the same URIs as the existing Debian sources (read at run time).
+set -euo pipefail
+
+log() { printf 'install-deps: %s\n' "$*"; }
+
+if [ "$(id -u)" -ne 0 ]; then
+    echo "install-deps: must run as root" >&2
+    exit 1
+fi
+
+export DEBIAN_FRONTEND=noninteractive
+
+# Packages taken from bookworm-backports (NAME/bookworm-backports).
+BPO_PKGS=(qemu-system-x86 qemu-system-common qemu-system-data seabios qemu-utils)
+# Of those, the ones that must be at least this version (the QEMU 8+ line).
+BPO_MIN_VERSION="1:8.0"
+BPO_VERSIONED=(qemu-system-x86 qemu-system-common qemu-system-data qemu-utils)
+
+# Packages taken from plain bookworm.
+BASE_PKGS=(
+    busybox-static e2fsprogs cpio lz4 gzip tmux vim git sed coreutils
+    python3 socat dpkg apt libc-bin findutils
+    build-essential pkg-config ca-certificates
+    # host copies of qemu-ga's shared libraries (guest/build.sh puts them in
+    # the initramfs); qemu-system-x86 pulls most of them in anyway.
+    libglib2.0-0 libnuma1 liburing2 libudev1
+)
+
+BPO_SOURCES=/etc/apt/sources.list.d/hearth-backports.sources
+
+# --- fast path: is everything already there? ------------------------------
+pkg_version() {
+    # Prints the installed version, or nothing when not fully installed.
+    dpkg-query -W -f='${db:Status-Abbrev} ${Version}\n' "$1" 2>/dev/null |
+        awk '$1 == "ii" { print $2 }' || true
+}
+
+missing=()
+for p in "${BASE_PKGS[@]}" "${BPO_PKGS[@]}"; do
+    if [ -z "$(pkg_version "$p")" ]; then
+        missing+=("$p")
+    fi
+done
+for p in "${BPO_VERSIONED[@]}"; do
+    v="$(pkg_version "$p")"
+    if [ -n "$v" ] && ! dpkg --compare-versions "$v" ge "$BPO_MIN_VERSION"; then
+        missing+=("$p(too old: $v)")
+    fi
+done
+
+if [ "${#missing[@]}" -eq 0 ] && [ -f "$BPO_SOURCES" ]; then
+    log "all packages present (qemu-system-x86 $(pkg_version qemu-system-x86), qemu-utils $(pkg_version qemu-utils)); nothing to do"
+    exit 0
+fi
+if [ "${#missing[@]}" -gt 0 ]; then
+    log "missing or outdated: ${missing[*]}"
+fi
+
+# --- add bookworm-backports with the existing URIs -----------------------
+find_debian_source() {
+    # Prints "URIS|SIGNED_BY" of the deb822 stanza that carries the suite
+    # "bookworm" (the main archive, not -security).
+    local f
+    for f in /etc/apt/sources.list.d/*.sources; do
+        [ -f "$f" ] || continue
+        [ "$f" = "$BPO_SOURCES" ] && continue
+        awk '
+            function flush() {
+                if (types ~ /(^| )deb( |$)/ && suites ~ /(^| )bookworm( |$)/ && uris != "") {
+                    print uris "|" signed; found = 1; exit
+                }
+                types = ""; suites = ""; uris = ""; signed = ""
+            }
+            /^[[:space:]]*$/ { flush(); next }
+            /^[[:space:]]*#/ { next }
+            {
+                key = $1; sub(/:$/, "", key); val = $0; sub(/^[^:]*:[[:space:]]*/, "", val)
+                if (key == "Types") types = val
+                else if (key == "Suites") suites = val
+                else if (key == "URIs") uris = val
+                else if (key == "Signed-By") signed = val
+            }
+            END { if (!found) flush() }
+        ' "$f" | head -n1 && return 0
+    done
+    # Fallback: one-line format in sources.list.
+    if [ -f /etc/apt/sources.list ]; then
+        awk '$1 == "deb" {
+                i = 2; if ($2 ~ /^\[/) { while ($i !~ /\]$/) i++; i++ }
+                if ($(i + 1) == "bookworm") { print $i "|"; exit }
+            }' /etc/apt/sources.list
+    fi
+}
+
+src="$(find_debian_source || true)"
+uris="${src%%|*}"
+signed="${src#*|}"
+if [ -z "$uris" ]; then
+    echo "install-deps: could not find a bookworm deb source in /etc/apt to copy for bookworm-backports" >&2
+    exit 1
+fi
+
+want="Types: deb
+URIs: $uris
+Suites: bookworm-backports
+Components: main"
+if [ -n "$signed" ]; then
+    want="$want
+Signed-By: $signed"
+fi
+if [ ! -f "$BPO_SOURCES" ] || [ "$(cat "$BPO_SOURCES")" != "$want" ]; then
+    log "writing $BPO_SOURCES (bookworm-backports, same URIs as the bookworm source)"
+    printf '%s\n' "$want" >"$BPO_SOURCES"
+fi
+
+# --- update once, install ------------------------------------------------
+log "apt-get update"
+apt-get update -q
+
+install_args=()
+for p in "${BPO_PKGS[@]}"; do
+    install_args+=("$p/bookworm-backports")
+done
+# Only the bookworm packages that are missing: naming an installed one would
+# also upgrade it (apt, dpkg, ...), which is not this script's business.
+for p in "${BASE_PKGS[@]}"; do
+    if [ -z "$(pkg_version "$p")" ]; then
+        install_args+=("$p")
+    fi
+done
+
+log "apt-get install ${install_args[*]}"
+# --no-remove: abort rather than remove anything (notably the shipped qemu-utils).
+apt-get install -y -q --no-install-recommends --no-remove \
+    -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+    "${install_args[@]}"
+
+log "done: qemu-system-x86 $(pkg_version qemu-system-x86), qemu-utils $(pkg_version qemu-utils), busybox-static $(pkg_version busybox-static)"
