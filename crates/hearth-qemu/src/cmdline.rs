@@ -1,0 +1,724 @@
+//! Builds the QEMU argv for one VM.
+//!
+//! Injection safety is the point of this module. QEMU's legacy option syntax is
+//! `key=value,key=value`, so a `,` in a user-controlled value could add options. We
+//! avoid that syntax wherever QEMU offers JSON (`-blockdev`, `-device`), and where
+//! it does not (`-chardev`, `-name`) values are either validated to a safe alphabet
+//! or escaped the QEMU way (`,` doubled). `-kernel`, `-initrd` and `-append` are
+//! stored by QEMU verbatim, so they only get their own argv element.
+
+use std::collections::HashSet;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use serde_json::json;
+
+/// Which accelerator QEMU should use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+impl Accel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Accel::Kvm => "kvm",
+            Accel::Tcg => "tcg",
+        }
+    }
+}
+
+impl std::fmt::Display for Accel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One qcow2 image attached as a virtio-blk disk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DiskAttachment {
+    /// QMP node name of the qcow2 format node; snapshots address the disk by it.
+    pub node_name: String,
+    pub path: PathBuf,
+    pub read_only: bool,
+}
+
+/// Everything needed to start one VM.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchSpec {
+    /// Expected to be a validated DNS label already; checked again here anyway.
+    pub vm_name: String,
+    pub cpus: u32,
+    pub memory_mib: u64,
+    pub accel: Accel,
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    pub cmdline: String,
+    /// Order is device order: the first is `vda`, the second `vdb`, ...
+    pub disks: Vec<DiskAttachment>,
+    /// `None` means no guest-agent channel at all.
+    pub agent_socket: Option<PathBuf>,
+    pub qmp_socket: PathBuf,
+    pub serial_log: PathBuf,
+}
+
+/// Guest-visible name of the agent port; qemu-ga looks for exactly this name.
+pub const AGENT_PORT_NAME: &str = "org.qemu.guest_agent.0";
+
+/// Upper bounds that keep a typo from asking QEMU for something absurd.
+pub const MAX_CPUS: u32 = 255;
+pub const MAX_MEMORY_MIB: u64 = 4 * 1024 * 1024;
+/// QEMU rejects node names longer than this (`BLOCK_NODE_NAME` is 32 bytes incl. NUL).
+pub const MAX_NODE_NAME_LEN: usize = 31;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CmdlineError {
+    #[error(
+        "VM name {0:?} is not a DNS label (1-63 of a-z, 0-9, '-', not starting or ending with '-')"
+    )]
+    InvalidVmName(String),
+    #[error("cpus must be between 1 and {MAX_CPUS}, got {0}")]
+    InvalidCpus(u32),
+    #[error("memory must be between 1 and {MAX_MEMORY_MIB} MiB, got {0}")]
+    InvalidMemory(u64),
+    #[error("{field} path {path:?} is not usable on a QEMU command line: {reason}")]
+    UnsafePath {
+        field: String,
+        path: PathBuf,
+        reason: &'static str,
+    },
+    #[error(
+        "disk node name {0:?} is invalid (1-31 of a-z, A-Z, 0-9, '-', '.', '_', starting with a letter)"
+    )]
+    InvalidNodeName(String),
+    #[error("disk node name {0:?} is used twice (or clashes with an internal node name)")]
+    DuplicateNodeName(String),
+    #[error("kernel command line contains a NUL byte")]
+    NulInCmdline,
+}
+
+/// Node name of the `file` protocol node under disk number `index`.
+pub fn file_node_name(index: usize) -> String {
+    format!("file-{index}")
+}
+
+/// qdev id of the virtio-blk device for disk number `index`.
+pub fn disk_device_id(index: usize) -> String {
+    format!("vdisk{index}")
+}
+
+/// Builds the argv (without the binary itself) that starts `spec`.
+pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
+    validate_vm_name(&spec.vm_name)?;
+    if spec.cpus == 0 || spec.cpus > MAX_CPUS {
+        return Err(CmdlineError::InvalidCpus(spec.cpus));
+    }
+    if spec.memory_mib == 0 || spec.memory_mib > MAX_MEMORY_MIB {
+        return Err(CmdlineError::InvalidMemory(spec.memory_mib));
+    }
+    if spec.cmdline.contains('\0') {
+        return Err(CmdlineError::NulInCmdline);
+    }
+
+    let mut args = Args::default();
+    args.push_all(["-name", &format!("guest={}", spec.vm_name)]);
+    // Host-wide /etc/qemu config must not change what a manifest describes.
+    args.push_all(["-no-user-config", "-nodefaults", "-nographic", "-no-reboot"]);
+    args.push_all(["-machine", "q35"]);
+    match spec.accel {
+        Accel::Kvm => args.push_all(["-accel", "kvm", "-cpu", "host"]),
+        Accel::Tcg => args.push_all(["-accel", "tcg", "-cpu", "max"]),
+    }
+    args.push_all(["-smp", &spec.cpus.to_string()]);
+    args.push_all(["-m", &format!("{}M", spec.memory_mib)]);
+    args.push_all(["-msg", "timestamp=on"]);
+
+    // QEMU keeps these three values as whole strings (no comma parsing).
+    args.push("-kernel");
+    args.push(plain_path("kernel", &spec.kernel)?);
+    if let Some(initrd) = &spec.initrd {
+        // For multiboot kernels QEMU splits -initrd at ',' into a module list, which
+        // would let a path smuggle in extra host files; refuse commas outright.
+        let value = plain_path("initrd", initrd)?;
+        if value.contains(',') {
+            return Err(unsafe_path(
+                "initrd",
+                initrd,
+                "',' is not allowed (QEMU splits multiboot module lists at commas)",
+            ));
+        }
+        args.push("-initrd");
+        args.push(value);
+    }
+    args.push("-append");
+    args.push(spec.cmdline.clone());
+
+    let mut node_names = HashSet::new();
+    for (index, disk) in spec.disks.iter().enumerate() {
+        validate_node_name(&disk.node_name)?;
+        node_names.insert(file_node_name(index));
+    }
+    for disk in &spec.disks {
+        if !node_names.insert(disk.node_name.clone()) {
+            return Err(CmdlineError::DuplicateNodeName(disk.node_name.clone()));
+        }
+    }
+    for (index, disk) in spec.disks.iter().enumerate() {
+        let field = format!("disks[{index}]");
+        let filename = plain_path(&field, &disk.path)?;
+        let file_node = file_node_name(index);
+        args.push("-blockdev");
+        args.push(
+            json!({
+                "driver": "file",
+                "filename": filename,
+                "node-name": file_node,
+                "read-only": disk.read_only,
+            })
+            .to_string(),
+        );
+        args.push("-blockdev");
+        args.push(
+            json!({
+                "driver": "qcow2",
+                "file": file_node,
+                "node-name": disk.node_name,
+                "read-only": disk.read_only,
+            })
+            .to_string(),
+        );
+        args.push("-device");
+        args.push(
+            json!({
+                "driver": "virtio-blk-pci",
+                "drive": disk.node_name,
+                "id": disk_device_id(index),
+            })
+            .to_string(),
+        );
+    }
+
+    if let Some(agent_socket) = &spec.agent_socket {
+        let path = legacy_opt_path("agent_socket", agent_socket)?;
+        args.push("-device");
+        args.push(json!({"driver": "virtio-serial-pci", "id": "vser0"}).to_string());
+        args.push("-chardev");
+        args.push(format!("socket,id=qga0,path={path},server=on,wait=off"));
+        args.push("-device");
+        args.push(
+            json!({
+                "driver": "virtserialport",
+                "bus": "vser0.0",
+                "chardev": "qga0",
+                "name": AGENT_PORT_NAME,
+            })
+            .to_string(),
+        );
+    }
+
+    // `-qmp unix:PATH,...` would need its own escaping rules; a chardev plus `-mon`
+    // is what `-qmp` expands to anyway.
+    let qmp = legacy_opt_path("qmp_socket", &spec.qmp_socket)?;
+    args.push("-chardev");
+    args.push(format!("socket,id=qmp0,path={qmp},server=on,wait=off"));
+    args.push_all(["-mon", "chardev=qmp0,mode=control"]);
+
+    let serial = legacy_opt_path("serial_log", &spec.serial_log)?;
+    args.push("-chardev");
+    args.push(format!("file,id=serial0,path={serial}"));
+    args.push_all(["-serial", "chardev:serial0"]);
+
+    Ok(args.0)
+}
+
+#[derive(Default)]
+struct Args(Vec<OsString>);
+
+impl Args {
+    fn push(&mut self, arg: impl Into<OsString>) {
+        self.0.push(arg.into());
+    }
+    fn push_all<'a>(&mut self, items: impl IntoIterator<Item = &'a str>) {
+        self.0.extend(items.into_iter().map(OsString::from));
+    }
+}
+
+/// DNS label (RFC 1123): the only names that may reach `-name`.
+pub fn validate_vm_name(name: &str) -> Result<(), CmdlineError> {
+    let bytes = name.as_bytes();
+    let ok = !bytes.is_empty()
+        && bytes.len() <= 63
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
+        && bytes.first() != Some(&b'-')
+        && bytes.last() != Some(&b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(CmdlineError::InvalidVmName(name.to_owned()))
+    }
+}
+
+/// QEMU's own node-name rule (`id_wellformed`), checked here so a bad name fails
+/// with our message instead of a QEMU start-up error.
+pub fn validate_node_name(name: &str) -> Result<(), CmdlineError> {
+    let bytes = name.as_bytes();
+    let ok = !bytes.is_empty()
+        && bytes.len() <= MAX_NODE_NAME_LEN
+        && bytes[0].is_ascii_alphabetic()
+        && bytes
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'));
+    if ok {
+        Ok(())
+    } else {
+        Err(CmdlineError::InvalidNodeName(name.to_owned()))
+    }
+}
+
+fn unsafe_path(field: &str, path: &Path, reason: &'static str) -> CmdlineError {
+    CmdlineError::UnsafePath {
+        field: field.to_owned(),
+        path: path.to_owned(),
+        reason,
+    }
+}
+
+/// A path QEMU will take verbatim: absolute, UTF-8 (JSON needs it), no control
+/// characters (they only ever garble logs and error messages).
+fn plain_path(field: &str, path: &Path) -> Result<String, CmdlineError> {
+    let Some(text) = path.to_str() else {
+        return Err(unsafe_path(field, path, "not valid UTF-8"));
+    };
+    if !path.is_absolute() {
+        // A relative path would resolve against QEMU's working directory and could
+        // look like a protocol prefix (`nbd:...`) to some QEMU parsers.
+        return Err(unsafe_path(field, path, "must be absolute"));
+    }
+    if text.chars().any(char::is_control) {
+        return Err(unsafe_path(field, path, "contains a control character"));
+    }
+    Ok(text.to_owned())
+}
+
+/// A path for QEMU's `key=value,...` syntax: QEMU's escape for a literal comma in a
+/// value is a doubled comma, so that is the only character needing treatment.
+fn legacy_opt_path(field: &str, path: &Path) -> Result<String, CmdlineError> {
+    Ok(plain_path(field, path)?.replace(',', ",,"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    fn spec() -> LaunchSpec {
+        LaunchSpec {
+            vm_name: "demo".into(),
+            cpus: 2,
+            memory_mib: 256,
+            accel: Accel::Tcg,
+            kernel: "/var/lib/hearth/boot/vmlinuz".into(),
+            initrd: Some("/var/lib/hearth/boot/initrd.img".into()),
+            cmdline: "console=ttyS0 quiet".into(),
+            disks: vec![
+                DiskAttachment {
+                    node_name: "disk-root".into(),
+                    path: "/var/lib/hearth/disks/root.qcow2".into(),
+                    read_only: false,
+                },
+                DiskAttachment {
+                    node_name: "disk-data".into(),
+                    path: "/var/lib/hearth/disks/data.qcow2".into(),
+                    read_only: true,
+                },
+            ],
+            agent_socket: Some("/run/hearth/demo/qga.sock".into()),
+            qmp_socket: "/run/hearth/demo/qmp.sock".into(),
+            serial_log: "/var/log/hearth/demo/serial.log".into(),
+        }
+    }
+
+    fn strings(args: &[OsString]) -> Vec<String> {
+        args.iter()
+            .map(|a| a.to_str().expect("utf-8 arg").to_owned())
+            .collect()
+    }
+
+    /// The argument following each occurrence of `flag`.
+    fn values_of(args: &[String], flag: &str) -> Vec<String> {
+        args.windows(2)
+            .filter(|w| w[0] == flag)
+            .map(|w| w[1].clone())
+            .collect()
+    }
+
+    fn json_values_of(args: &[String], flag: &str) -> Vec<Value> {
+        values_of(args, flag)
+            .iter()
+            .map(|v| serde_json::from_str(v).expect("JSON option value"))
+            .collect()
+    }
+
+    /// Splits a legacy QEMU option string the way QEMU does (`,,` is a literal comma)
+    /// and returns the keys. Used to prove no key can be injected.
+    fn legacy_keys(value: &str) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let mut current = String::new();
+        let mut chars = value.chars().peekable();
+        let mut parts = Vec::new();
+        while let Some(c) = chars.next() {
+            if c == ',' {
+                if chars.peek() == Some(&',') {
+                    chars.next();
+                    current.push(',');
+                } else {
+                    parts.push(std::mem::take(&mut current));
+                }
+            } else {
+                current.push(c);
+            }
+        }
+        parts.push(current);
+        for part in parts {
+            match part.split_once('=') {
+                Some((k, v)) => out.push((k.to_owned(), v.to_owned())),
+                None => out.push((String::new(), part)),
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn full_argv_for_a_two_disk_vm_with_agent() {
+        let args = strings(&build_args(&spec()).expect("valid spec"));
+        let expected_prefix = [
+            "-name",
+            "guest=demo",
+            "-no-user-config",
+            "-nodefaults",
+            "-nographic",
+            "-no-reboot",
+            "-machine",
+            "q35",
+            "-accel",
+            "tcg",
+            "-cpu",
+            "max",
+            "-smp",
+            "2",
+            "-m",
+            "256M",
+            "-msg",
+            "timestamp=on",
+            "-kernel",
+            "/var/lib/hearth/boot/vmlinuz",
+            "-initrd",
+            "/var/lib/hearth/boot/initrd.img",
+            "-append",
+            "console=ttyS0 quiet",
+        ];
+        assert_eq!(&args[..expected_prefix.len()], &expected_prefix[..]);
+
+        let blockdevs = json_values_of(&args, "-blockdev");
+        assert_eq!(
+            blockdevs,
+            vec![
+                json!({"driver": "file", "filename": "/var/lib/hearth/disks/root.qcow2",
+                       "node-name": "file-0", "read-only": false}),
+                json!({"driver": "qcow2", "file": "file-0", "node-name": "disk-root",
+                       "read-only": false}),
+                json!({"driver": "file", "filename": "/var/lib/hearth/disks/data.qcow2",
+                       "node-name": "file-1", "read-only": true}),
+                json!({"driver": "qcow2", "file": "file-1", "node-name": "disk-data",
+                       "read-only": true}),
+            ]
+        );
+        let devices = json_values_of(&args, "-device");
+        assert_eq!(
+            devices,
+            vec![
+                json!({"driver": "virtio-blk-pci", "drive": "disk-root", "id": "vdisk0"}),
+                json!({"driver": "virtio-blk-pci", "drive": "disk-data", "id": "vdisk1"}),
+                json!({"driver": "virtio-serial-pci", "id": "vser0"}),
+                json!({"driver": "virtserialport", "bus": "vser0.0", "chardev": "qga0",
+                       "name": "org.qemu.guest_agent.0"}),
+            ]
+        );
+        assert_eq!(
+            values_of(&args, "-chardev"),
+            vec![
+                "socket,id=qga0,path=/run/hearth/demo/qga.sock,server=on,wait=off",
+                "socket,id=qmp0,path=/run/hearth/demo/qmp.sock,server=on,wait=off",
+                "file,id=serial0,path=/var/log/hearth/demo/serial.log",
+            ]
+        );
+        assert_eq!(values_of(&args, "-mon"), vec!["chardev=qmp0,mode=control"]);
+        assert_eq!(values_of(&args, "-serial"), vec!["chardev:serial0"]);
+    }
+
+    #[test]
+    fn accel_serialises_in_lowercase_as_status_fields_expect() {
+        assert_eq!(serde_json::to_string(&Accel::Kvm).expect("ser"), "\"kvm\"");
+        assert_eq!(
+            serde_json::from_str::<Accel>("\"tcg\"").expect("de"),
+            Accel::Tcg
+        );
+        assert!(serde_json::from_str::<Accel>("\"TCG\"").is_err());
+        assert_eq!(Accel::Tcg.to_string(), "tcg");
+    }
+
+    #[test]
+    fn kvm_uses_the_host_cpu_model() {
+        let mut s = spec();
+        s.accel = Accel::Kvm;
+        let args = strings(&build_args(&s).expect("valid"));
+        assert_eq!(values_of(&args, "-accel"), vec!["kvm"]);
+        assert_eq!(values_of(&args, "-cpu"), vec!["host"]);
+    }
+
+    #[test]
+    fn without_agent_there_is_no_virtio_serial_at_all() {
+        let mut s = spec();
+        s.agent_socket = None;
+        let args = strings(&build_args(&s).expect("valid"));
+        assert!(!args.iter().any(|a| a.contains("virtio-serial")));
+        assert!(!args.iter().any(|a| a.contains("guest_agent")));
+        assert!(!args.iter().any(|a| a.contains("qga0")));
+        assert_eq!(values_of(&args, "-chardev").len(), 2, "only qmp and serial");
+    }
+
+    #[test]
+    fn no_initrd_means_no_initrd_flag() {
+        let mut s = spec();
+        s.initrd = None;
+        let args = strings(&build_args(&s).expect("valid"));
+        assert!(!args.iter().any(|a| a == "-initrd"));
+    }
+
+    #[test]
+    fn disk_path_with_option_syntax_stays_one_json_string() {
+        let mut s = spec();
+        let nasty = r#"/tmp/a,driver=x,file=/etc/shadow "quoted" = sp ace.qcow2"#;
+        s.disks[0].path = nasty.into();
+        let args = strings(&build_args(&s).expect("valid"));
+        let file_node = &json_values_of(&args, "-blockdev")[0];
+        assert_eq!(file_node["filename"], nasty);
+        assert_eq!(file_node["driver"], "file", "driver not overridden");
+        let keys: Vec<_> = file_node
+            .as_object()
+            .expect("object")
+            .keys()
+            .cloned()
+            .collect();
+        assert_eq!(keys, ["driver", "filename", "node-name", "read-only"]);
+    }
+
+    #[test]
+    fn socket_and_log_paths_with_commas_are_escaped_not_split() {
+        let mut s = spec();
+        s.qmp_socket = "/tmp/a,server=off,path=/evil".into();
+        s.agent_socket = Some("/tmp/q ga,id=x=y \"q\".sock".into());
+        s.serial_log = "/tmp/log,append=on".into();
+        let args = strings(&build_args(&s).expect("valid"));
+        let chardevs = values_of(&args, "-chardev");
+        assert_eq!(chardevs.len(), 3);
+
+        let agent = legacy_keys(&chardevs[0]);
+        assert_eq!(
+            agent,
+            vec![
+                (String::new(), "socket".into()),
+                ("id".into(), "qga0".into()),
+                ("path".into(), "/tmp/q ga,id=x=y \"q\".sock".into()),
+                ("server".into(), "on".into()),
+                ("wait".into(), "off".into()),
+            ]
+        );
+        let qmp = legacy_keys(&chardevs[1]);
+        assert_eq!(
+            qmp[2],
+            ("path".into(), "/tmp/a,server=off,path=/evil".into())
+        );
+        assert_eq!(qmp.len(), 5, "no key was injected: {qmp:?}");
+        assert_eq!(qmp[3], ("server".into(), "on".into()));
+        let serial = legacy_keys(&chardevs[2]);
+        assert_eq!(
+            serial,
+            vec![
+                (String::new(), "file".into()),
+                ("id".into(), "serial0".into()),
+                ("path".into(), "/tmp/log,append=on".into()),
+            ]
+        );
+    }
+
+    #[test]
+    fn kernel_path_and_cmdline_are_single_verbatim_arguments() {
+        let mut s = spec();
+        s.kernel = "/boot/vm linuz,initrd=/etc/shadow".into();
+        s.cmdline = "console=ttyS0 root=/dev/vda,x \"quoted\" -device foo".into();
+        let args = strings(&build_args(&s).expect("valid"));
+        assert_eq!(
+            values_of(&args, "-kernel"),
+            vec!["/boot/vm linuz,initrd=/etc/shadow"]
+        );
+        assert_eq!(
+            values_of(&args, "-append"),
+            vec!["console=ttyS0 root=/dev/vda,x \"quoted\" -device foo"]
+        );
+        // The "-device foo" inside the cmdline is not a separate argv element.
+        assert_eq!(json_values_of(&args, "-device").len(), 4);
+    }
+
+    #[test]
+    fn initrd_with_comma_is_rejected_naming_the_field() {
+        let mut s = spec();
+        s.initrd = Some("/boot/initrd,/etc/shadow".into());
+        let err = build_args(&s).expect_err("comma in initrd");
+        assert!(matches!(&err, CmdlineError::UnsafePath { field, .. } if field == "initrd"));
+        assert!(err.to_string().contains("/boot/initrd,/etc/shadow"));
+    }
+
+    #[test]
+    fn initrd_with_spaces_quotes_and_equals_is_fine() {
+        let mut s = spec();
+        s.initrd = Some("/boot/my \"initrd\"=1.img".into());
+        let args = strings(&build_args(&s).expect("valid"));
+        assert_eq!(
+            values_of(&args, "-initrd"),
+            vec!["/boot/my \"initrd\"=1.img"]
+        );
+    }
+
+    #[test]
+    fn relative_and_control_character_paths_are_rejected() {
+        let mut s = spec();
+        s.kernel = "vmlinuz".into();
+        assert!(matches!(
+            build_args(&s),
+            Err(CmdlineError::UnsafePath {
+                reason: "must be absolute",
+                ..
+            })
+        ));
+        let mut s = spec();
+        s.qmp_socket = "/tmp/qmp\n.sock".into();
+        let err = build_args(&s).expect_err("newline");
+        assert!(
+            matches!(&err, CmdlineError::UnsafePath { field, .. } if field == "qmp_socket"),
+            "{err}"
+        );
+        let mut s = spec();
+        s.disks[1].path = "nbd:evil:1234".into();
+        let err = build_args(&s).expect_err("protocol-looking path");
+        assert!(matches!(&err, CmdlineError::UnsafePath { field, .. } if field == "disks[1]"));
+    }
+
+    #[test]
+    fn non_utf8_paths_are_rejected() {
+        use std::os::unix::ffi::OsStrExt;
+        let mut s = spec();
+        s.serial_log = PathBuf::from(std::ffi::OsStr::from_bytes(b"/tmp/\xff.log"));
+        assert!(matches!(
+            build_args(&s),
+            Err(CmdlineError::UnsafePath {
+                reason: "not valid UTF-8",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn vm_names_that_are_not_dns_labels_never_reach_the_argv() {
+        for bad in [
+            "",
+            "Demo",
+            "a,process=evil",
+            "a=b",
+            "-x",
+            "x-",
+            "a b",
+            "a.b",
+            &"a".repeat(64),
+        ] {
+            let mut s = spec();
+            s.vm_name = bad.to_owned();
+            assert_eq!(
+                build_args(&s),
+                Err(CmdlineError::InvalidVmName(bad.to_owned())),
+                "{bad:?}"
+            );
+        }
+        for good in ["a", "demo-1", "0vm", &"a".repeat(63)] {
+            let mut s = spec();
+            s.vm_name = good.to_owned();
+            assert!(build_args(&s).is_ok(), "{good:?}");
+        }
+    }
+
+    #[test]
+    fn node_names_follow_qemu_rules_and_must_be_unique() {
+        let mut s = spec();
+        s.disks[0].node_name = "bad,name".into();
+        assert!(matches!(
+            build_args(&s),
+            Err(CmdlineError::InvalidNodeName(_))
+        ));
+        let mut s = spec();
+        s.disks[0].node_name = "0disk".into();
+        assert!(matches!(
+            build_args(&s),
+            Err(CmdlineError::InvalidNodeName(_))
+        ));
+        let mut s = spec();
+        s.disks[1].node_name = "disk-root".into();
+        assert_eq!(
+            build_args(&s),
+            Err(CmdlineError::DuplicateNodeName("disk-root".into()))
+        );
+        let mut s = spec();
+        s.disks[0].node_name = "file-1".into();
+        assert_eq!(
+            build_args(&s),
+            Err(CmdlineError::DuplicateNodeName("file-1".into()))
+        );
+    }
+
+    #[test]
+    fn cpu_and_memory_bounds() {
+        let mut s = spec();
+        s.cpus = 0;
+        assert_eq!(build_args(&s), Err(CmdlineError::InvalidCpus(0)));
+        let mut s = spec();
+        s.memory_mib = 0;
+        assert_eq!(build_args(&s), Err(CmdlineError::InvalidMemory(0)));
+    }
+
+    #[test]
+    fn nul_in_cmdline_is_rejected() {
+        let mut s = spec();
+        s.cmdline = "console=ttyS0\0evil".into();
+        assert_eq!(build_args(&s), Err(CmdlineError::NulInCmdline));
+    }
+
+    proptest::proptest! {
+        /// Whatever printable path a user manages to get past the engine, the legacy
+        /// option strings keep exactly their fixed keys and the path round-trips.
+        #[test]
+        fn no_path_can_add_a_legacy_option_key(tail in "[ -~]{0,40}") {
+            let path = format!("/tmp/{tail}");
+            let mut s = spec();
+            s.qmp_socket = path.clone().into();
+            let args = strings(&build_args(&s).expect("printable absolute path is accepted"));
+            let qmp = values_of(&args, "-chardev")[1].clone();
+            let keys = legacy_keys(&qmp);
+            let names: Vec<&str> = keys.iter().map(|(k, _)| k.as_str()).collect();
+            proptest::prop_assert_eq!(names, vec!["", "id", "path", "server", "wait"]);
+            proptest::prop_assert_eq!(&keys[2].1, &path);
+        }
+    }
+}

@@ -1,0 +1,382 @@
+//! A thin wrapper around `qemu-img`.
+//!
+//! Paths must be absolute: `qemu-img` treats `proto:...` filenames (including
+//! `json:{...}`) as protocol specs, and an absolute path can never look like one.
+//! Output is read with a bound and every run has a timeout (a hung NFS mount must
+//! not hang a reconciler forever).
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde_json::Value;
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+use crate::tools::{MissingTool, find_binary};
+
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+const MAX_STDOUT: usize = 1024 * 1024;
+const MAX_STDERR: usize = 16 * 1024;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImageInfo {
+    pub filename: String,
+    pub virtual_size: u64,
+    /// Bytes allocated on the host; 0 if qemu-img does not report it.
+    pub actual_size: u64,
+    pub format: String,
+    /// As stored in the image header (may be relative to the image's directory).
+    pub backing_filename: Option<String>,
+    pub backing_format: Option<String>,
+    /// qcow2's "corrupt" flag, when reported.
+    pub corrupt: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImgError {
+    #[error(transparent)]
+    MissingTool(#[from] MissingTool),
+    #[error("image path {path} must be absolute")]
+    NotAbsolute { path: PathBuf },
+    #[error("image {path} already exists; refusing to overwrite it")]
+    AlreadyExists { path: PathBuf },
+    #[error("image format {0:?} is not a plain format name")]
+    InvalidFormat(String),
+    #[error("cannot start {binary}")]
+    Spawn {
+        binary: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("qemu-img {operation} {path} failed ({status}): {stderr}")]
+    Failed {
+        operation: &'static str,
+        path: PathBuf,
+        status: String,
+        stderr: String,
+    },
+    #[error("qemu-img {operation} {path} did not finish within {timeout:?}")]
+    Timeout {
+        operation: &'static str,
+        path: PathBuf,
+        timeout: Duration,
+    },
+    #[error("qemu-img info {path} printed unexpected output: {reason}")]
+    BadOutput { path: PathBuf, reason: String },
+}
+
+/// A located `qemu-img` binary plus the timeout applied to each run.
+#[derive(Debug, Clone)]
+pub struct QemuImg {
+    binary: PathBuf,
+    timeout: Duration,
+}
+
+impl QemuImg {
+    pub fn new(binary: impl Into<PathBuf>) -> Self {
+        QemuImg {
+            binary: binary.into(),
+            timeout: DEFAULT_TIMEOUT,
+        }
+    }
+
+    /// Finds `qemu-img` in `PATH`.
+    pub fn locate() -> Result<Self, MissingTool> {
+        find_binary("qemu-img").map(QemuImg::new)
+    }
+
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Creates an empty qcow2 image of `size_bytes`.
+    pub async fn create_blank(&self, path: &Path, size_bytes: u64) -> Result<(), ImgError> {
+        check_new_image(path)?;
+        let args: Vec<OsString> = vec![
+            "create".into(),
+            "-q".into(),
+            "-f".into(),
+            "qcow2".into(),
+            path.into(),
+            size_bytes.to_string().into(),
+        ];
+        self.run("create", path, args).await.map(|_| ())
+    }
+
+    /// Creates a qcow2 overlay of `backing` (recorded by absolute path). Without
+    /// `size` the overlay has the backing image's size.
+    pub async fn create_overlay(
+        &self,
+        path: &Path,
+        backing: &Path,
+        backing_format: &str,
+        size: Option<u64>,
+    ) -> Result<(), ImgError> {
+        check_new_image(path)?;
+        check_absolute(backing)?;
+        if backing_format.is_empty()
+            || !backing_format
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        {
+            return Err(ImgError::InvalidFormat(backing_format.to_owned()));
+        }
+        let mut args: Vec<OsString> = vec![
+            "create".into(),
+            "-q".into(),
+            "-f".into(),
+            "qcow2".into(),
+            "-b".into(),
+            backing.into(),
+            "-F".into(),
+            backing_format.into(),
+            path.into(),
+        ];
+        if let Some(size) = size {
+            args.push(size.to_string().into());
+        }
+        self.run("create", path, args).await.map(|_| ())
+    }
+
+    /// `qemu-img info` of one image. `-U` so it also works on images a running VM
+    /// holds locked.
+    pub async fn info(&self, path: &Path) -> Result<ImageInfo, ImgError> {
+        check_absolute(path)?;
+        let args: Vec<OsString> = vec![
+            "info".into(),
+            "--output=json".into(),
+            "-U".into(),
+            path.into(),
+        ];
+        let out = self.run("info", path, args).await?;
+        let value: Value = serde_json::from_slice(&out).map_err(|e| ImgError::BadOutput {
+            path: path.to_owned(),
+            reason: e.to_string(),
+        })?;
+        parse_info(&value).map_err(|reason| ImgError::BadOutput {
+            path: path.to_owned(),
+            reason,
+        })
+    }
+
+    /// The image and every image below it, top first. Lets a caller check that a
+    /// user-supplied base image does not chain to files outside allowed roots.
+    pub async fn backing_chain(&self, path: &Path) -> Result<Vec<ImageInfo>, ImgError> {
+        check_absolute(path)?;
+        let args: Vec<OsString> = vec![
+            "info".into(),
+            "--output=json".into(),
+            "--backing-chain".into(),
+            "-U".into(),
+            path.into(),
+        ];
+        let out = self.run("info", path, args).await?;
+        let bad = |reason: String| ImgError::BadOutput {
+            path: path.to_owned(),
+            reason,
+        };
+        let value: Value = serde_json::from_slice(&out).map_err(|e| bad(e.to_string()))?;
+        let items = value
+            .as_array()
+            .ok_or_else(|| bad("--backing-chain output is not an array".into()))?;
+        items.iter().map(|v| parse_info(v).map_err(bad)).collect()
+    }
+
+    async fn run(
+        &self,
+        operation: &'static str,
+        path: &Path,
+        args: Vec<OsString>,
+    ) -> Result<Vec<u8>, ImgError> {
+        let mut child = tokio::process::Command::new(&self.binary)
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| ImgError::Spawn {
+                binary: self.binary.clone(),
+                source,
+            })?;
+        let stdout = child.stdout.take();
+        let stderr = child.stderr.take();
+        let run = async {
+            let (status, out, err) = tokio::join!(
+                child.wait(),
+                read_bounded(stdout, MAX_STDOUT),
+                read_bounded(stderr, MAX_STDERR)
+            );
+            (status, out, err)
+        };
+        let (status, out, err) = match tokio::time::timeout(self.timeout, run).await {
+            Ok(done) => done,
+            Err(_) => {
+                let _ = child.kill().await;
+                return Err(ImgError::Timeout {
+                    operation,
+                    path: path.to_owned(),
+                    timeout: self.timeout,
+                });
+            }
+        };
+        let failed = |status: String| ImgError::Failed {
+            operation,
+            path: path.to_owned(),
+            status,
+            stderr: String::from_utf8_lossy(&err).trim().to_owned(),
+        };
+        match status {
+            Ok(s) if s.success() => Ok(out),
+            Ok(s) => Err(failed(s.to_string())),
+            Err(e) => Err(failed(format!("wait failed: {e}"))),
+        }
+    }
+}
+
+/// Reads up to `limit` bytes and drains the rest so the child never blocks on a
+/// full pipe.
+async fn read_bounded<R: AsyncRead + Unpin>(reader: Option<R>, limit: usize) -> Vec<u8> {
+    let mut kept = Vec::new();
+    let Some(mut reader) = reader else {
+        return kept;
+    };
+    let mut chunk = [0u8; 8192];
+    loop {
+        match reader.read(&mut chunk).await {
+            Ok(0) | Err(_) => return kept,
+            Ok(n) => {
+                let room = limit.saturating_sub(kept.len());
+                kept.extend_from_slice(&chunk[..n.min(room)]);
+            }
+        }
+    }
+}
+
+fn check_absolute(path: &Path) -> Result<(), ImgError> {
+    if path.is_absolute() {
+        Ok(())
+    } else {
+        Err(ImgError::NotAbsolute {
+            path: path.to_owned(),
+        })
+    }
+}
+
+/// `qemu-img create` silently replaces an existing file; a disk must never be
+/// clobbered by a retried reconcile, so refuse.
+fn check_new_image(path: &Path) -> Result<(), ImgError> {
+    check_absolute(path)?;
+    if std::fs::symlink_metadata(path).is_ok() {
+        return Err(ImgError::AlreadyExists {
+            path: path.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+fn parse_info(v: &Value) -> Result<ImageInfo, String> {
+    let text = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
+    Ok(ImageInfo {
+        filename: text("filename").ok_or("no filename")?,
+        virtual_size: v
+            .get("virtual-size")
+            .and_then(Value::as_u64)
+            .ok_or("no virtual-size")?,
+        actual_size: v.get("actual-size").and_then(Value::as_u64).unwrap_or(0),
+        format: text("format").ok_or("no format")?,
+        backing_filename: text("backing-filename"),
+        backing_format: text("backing-filename-format"),
+        corrupt: v
+            .pointer("/format-specific/data/corrupt")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+    })
+}
+
+/// [`QemuImg::create_blank`] with `qemu-img` from `PATH`.
+pub async fn create_blank(path: &Path, size_bytes: u64) -> Result<(), ImgError> {
+    QemuImg::locate()?.create_blank(path, size_bytes).await
+}
+
+/// [`QemuImg::create_overlay`] with `qemu-img` from `PATH`.
+pub async fn create_overlay(
+    path: &Path,
+    backing: &Path,
+    backing_format: &str,
+    size: Option<u64>,
+) -> Result<(), ImgError> {
+    QemuImg::locate()?
+        .create_overlay(path, backing, backing_format, size)
+        .await
+}
+
+/// [`QemuImg::info`] with `qemu-img` from `PATH`.
+pub async fn info(path: &Path) -> Result<ImageInfo, ImgError> {
+    QemuImg::locate()?.info(path).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn info_json_is_parsed_including_backing_fields() {
+        let v: Value = serde_json::from_str(
+            r#"{"virtual-size": 1073741824, "filename": "/d/o.qcow2", "format": "qcow2",
+                "actual-size": 200704, "backing-filename": "/d/b.qcow2",
+                "backing-filename-format": "qcow2",
+                "format-specific": {"type": "qcow2", "data": {"corrupt": false}}}"#,
+        )
+        .expect("json");
+        let info = parse_info(&v).expect("parses");
+        assert_eq!(info.virtual_size, 1 << 30);
+        assert_eq!(info.actual_size, 200_704);
+        assert_eq!(info.backing_filename.as_deref(), Some("/d/b.qcow2"));
+        assert_eq!(info.backing_format.as_deref(), Some("qcow2"));
+        assert!(!info.corrupt);
+        assert!(parse_info(&serde_json::json!({"format": "raw"})).is_err());
+    }
+
+    #[tokio::test]
+    async fn relative_paths_and_odd_formats_are_refused_before_running_anything() {
+        let img = QemuImg::new("/nonexistent/qemu-img");
+        assert!(matches!(
+            img.create_blank(Path::new("disk.qcow2"), 1).await,
+            Err(ImgError::NotAbsolute { .. })
+        ));
+        assert!(matches!(
+            img.create_overlay(
+                Path::new("/tmp/x.qcow2"),
+                Path::new("json:{}"),
+                "qcow2",
+                None
+            )
+            .await,
+            Err(ImgError::NotAbsolute { .. })
+        ));
+        assert!(matches!(
+            img.create_overlay(
+                Path::new("/tmp/hearth-never.qcow2"),
+                Path::new("/b"),
+                "qcow2,x=y",
+                None
+            )
+            .await,
+            Err(ImgError::InvalidFormat(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn a_missing_binary_is_a_spawn_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let img = QemuImg::new("/nonexistent/qemu-img");
+        let err = img
+            .create_blank(&dir.path().join("d.qcow2"), 1 << 20)
+            .await
+            .expect_err("no binary");
+        assert!(matches!(err, ImgError::Spawn { .. }), "{err}");
+    }
+}

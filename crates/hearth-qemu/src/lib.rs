@@ -1,0 +1,19 @@
+//! QEMU driver for hearth.
+//!
+//! Everything that talks to QEMU, its guest agent or `qemu-img` lives here, behind
+//! small typed APIs. Nothing in this crate trusts what comes back: replies are
+//! size-bounded, every wait has a timeout, and malformed input becomes an error
+//! value, never a panic. Decisions and their reasons: `docs/qemu-driver.md`.
+
+pub mod accel;
+pub mod agent;
+pub mod cmdline;
+pub mod img;
+pub mod process;
+pub mod qmp;
+pub mod tools;
+
+mod lines;
+
+pub use cmdline::{Accel, DiskAttachment, LaunchSpec};
+pub use process::ProcessIdentity;

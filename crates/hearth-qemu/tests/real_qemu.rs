@@ -1,0 +1,336 @@
+//! The driver against the real qemu-system-x86_64: probe boot, launch, QMP, exit.
+//!
+//! The "guest" is a 50-byte multiboot kernel that prints a line and halts, so these
+//! tests need no guest image and run in a second or two under TCG.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hearth_qemu::accel::{self, Accel};
+use hearth_qemu::agent::{AgentClient, AgentError};
+use hearth_qemu::cmdline::{DiskAttachment, LaunchSpec};
+use hearth_qemu::img::QemuImg;
+use hearth_qemu::process::{self, LaunchError, Signal};
+use hearth_qemu::qmp::QmpClient;
+use serde_json::{Value, json};
+
+const READY: Duration = Duration::from_secs(20);
+const T: Duration = Duration::from_secs(10);
+
+struct Vm {
+    spec: LaunchSpec,
+    log: PathBuf,
+}
+
+/// A VM spec whose every path lives under `dir`.
+fn vm_in(dir: &Path, name: &str, disks: Vec<DiskAttachment>) -> Vm {
+    let kernel = dir.join("kernel.bin");
+    common::write_halting_kernel(&kernel);
+    Vm {
+        spec: LaunchSpec {
+            vm_name: name.to_owned(),
+            cpus: 1,
+            memory_mib: 64,
+            accel: Accel::Tcg,
+            kernel,
+            initrd: None,
+            cmdline: "console=ttyS0,115200 a=b,c \"quoted\"".to_owned(),
+            disks,
+            agent_socket: Some(dir.join("qga.sock")),
+            qmp_socket: dir.join("qmp.sock"),
+            serial_log: dir.join("serial.log"),
+        },
+        log: dir.join("qemu.log"),
+    }
+}
+
+/// Kills the VM even when an assertion fails half-way.
+struct Cleanup(Option<process::ProcessIdentity>);
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if let Some(id) = self.0.take() {
+            let _ = process::signal(&id, Signal::Kill);
+        }
+    }
+}
+
+#[tokio::test]
+async fn probe_boot_sector_reaches_the_exit_port_under_tcg() {
+    accel::probe_boot(&common::qemu(), Accel::Tcg, Duration::from_secs(30))
+        .await
+        .expect("probe VM exits with 67 under TCG");
+}
+
+#[tokio::test]
+async fn detect_explains_its_choice_on_this_host() {
+    let decision = accel::detect(&common::qemu()).await;
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").expect("cpuinfo");
+    if !accel::cpuinfo_has_virt_flags(&cpuinfo) {
+        assert_eq!(decision.accel, Accel::Tcg);
+        assert!(decision.reason.contains("vmx/svm"), "{}", decision.reason);
+    } else if decision.accel == Accel::Kvm {
+        assert!(
+            decision.reason.contains("probe VM ran"),
+            "{}",
+            decision.reason
+        );
+    } else {
+        assert!(decision.reason.starts_with("tcg: "), "{}", decision.reason);
+    }
+}
+
+#[tokio::test]
+async fn a_vm_with_hostile_paths_runs_and_qmp_sees_them_verbatim() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    // Every path below contains characters QEMU's option syntax cares about.
+    let dir = tmp.path().join("vm,path=x \"q\"");
+    std::fs::create_dir(&dir).expect("mkdir");
+    let img = QemuImg::new(common::qemu_img());
+    let root = dir.join("root,driver=raw.qcow2");
+    let data = dir.join("data disk.qcow2");
+    img.create_blank(&root, 16 << 20).await.expect("root disk");
+    img.create_blank(&data, 8 << 20).await.expect("data disk");
+    let vm = vm_in(
+        &dir,
+        "hostile-paths",
+        vec![
+            DiskAttachment {
+                node_name: "disk-root".into(),
+                path: root.clone(),
+                read_only: false,
+            },
+            DiskAttachment {
+                node_name: "disk-data".into(),
+                path: data.clone(),
+                read_only: true,
+            },
+        ],
+    );
+
+    let id = process::launch(&common::qemu(), &vm.spec, &vm.log, READY)
+        .await
+        .expect("QEMU starts");
+    let mut cleanup = Cleanup(Some(id.clone()));
+    assert!(process::is_alive(&id));
+    assert_eq!(
+        common::process_group_of(id.pid),
+        Some(id.pid),
+        "QEMU leads its own process group, so a signal to the daemon's group misses it"
+    );
+    assert_eq!(process::vm_name_of(&id).as_deref(), Some("hostile-paths"));
+
+    let (qmp, _events) = QmpClient::connect(&vm.spec.qmp_socket, T)
+        .await
+        .expect("QMP handshake");
+    assert_eq!(qmp.version().major, 10);
+    let status = qmp.execute("query-status", None, T).await.expect("status");
+    assert_eq!(status["status"], "running");
+
+    let nodes = qmp
+        .execute("query-named-block-nodes", Some(json!({"flat": true})), T)
+        .await
+        .expect("nodes");
+    let file_of = |node: &str| -> Option<(String, bool)> {
+        nodes.as_array()?.iter().find_map(|n: &Value| {
+            (n["node-name"] == node).then(|| {
+                (
+                    n["file"].as_str().unwrap_or_default().to_owned(),
+                    n["ro"].as_bool().unwrap_or(false),
+                )
+            })
+        })
+    };
+    assert_eq!(
+        file_of("disk-root"),
+        Some((root.to_str().expect("utf8").to_owned(), false))
+    );
+    assert_eq!(
+        file_of("disk-data"),
+        Some((data.to_str().expect("utf8").to_owned(), true))
+    );
+
+    // The agent chardev exists at the exact path; no agent runs in this guest, so
+    // a call must time out rather than hang or succeed.
+    let mut agent = AgentClient::connect(vm.spec.agent_socket.as_deref().expect("agent"))
+        .await
+        .expect("agent socket accepts");
+    let err = agent
+        .ping(Duration::from_millis(500))
+        .await
+        .expect_err("no agent in this guest");
+    assert!(matches!(err, AgentError::Timeout { .. }), "{err}");
+
+    // The guest printed through the serial chardev at the comma-laden path.
+    let deadline = tokio::time::Instant::now() + T;
+    loop {
+        let serial = std::fs::read_to_string(&vm.spec.serial_log).unwrap_or_default();
+        if serial.contains("hearth") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "serial log: {serial:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // `quit` answers, then QEMU exits; both the process and the socket notice.
+    qmp.execute("quit", None, T).await.expect("quit");
+    tokio::time::timeout(T, process::wait_for_exit(&id))
+        .await
+        .expect("QEMU exits after quit");
+    tokio::time::timeout(T, qmp.closed())
+        .await
+        .expect("QMP sees EOF");
+    assert!(!process::is_alive(&id));
+    cleanup.0 = None;
+}
+
+#[tokio::test]
+async fn qemu_failing_at_start_reports_its_own_error_message() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let missing = tmp.path().join("no such disk.qcow2");
+    let vm = vm_in(
+        tmp.path(),
+        "broken",
+        vec![DiskAttachment {
+            node_name: "disk-root".into(),
+            path: missing,
+            read_only: false,
+        }],
+    );
+    let err = process::launch(&common::qemu(), &vm.spec, &vm.log, READY)
+        .await
+        .expect_err("QEMU cannot open the disk");
+    match err {
+        LaunchError::Exited { stderr_tail, .. } => {
+            assert!(stderr_tail.contains("no such disk.qcow2"), "{stderr_tail}");
+            assert!(stderr_tail.contains("qemu-system-x86_64"), "{stderr_tail}");
+        }
+        other => panic!("expected Exited, got {other}"),
+    }
+}
+
+#[tokio::test]
+async fn a_terminated_vm_is_seen_gone_by_process_and_qmp() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let mut vm = vm_in(tmp.path(), "term", Vec::new());
+    vm.spec.agent_socket = None;
+    let id = process::launch(&common::qemu(), &vm.spec, &vm.log, READY)
+        .await
+        .expect("QEMU starts");
+    let mut cleanup = Cleanup(Some(id.clone()));
+    assert!(
+        !tmp.path().join("qga.sock").exists(),
+        "no agent channel requested"
+    );
+    let (qmp, mut events) = QmpClient::connect(&vm.spec.qmp_socket, T)
+        .await
+        .expect("QMP");
+
+    process::signal(&id, Signal::Term).expect("SIGTERM");
+    tokio::time::timeout(T, process::wait_for_exit(&id))
+        .await
+        .expect("QEMU exits on SIGTERM");
+    // QEMU announces the shutdown before closing the socket.
+    let event = tokio::time::timeout(T, events.recv())
+        .await
+        .expect("event in time")
+        .expect("event");
+    assert_eq!(event.event, "SHUTDOWN");
+    tokio::time::timeout(T, qmp.closed()).await.expect("EOF");
+    assert!(matches!(
+        qmp.execute("query-status", None, T).await,
+        Err(hearth_qemu::qmp::QmpError::Disconnected)
+    ));
+    cleanup.0 = None;
+}
+
+#[tokio::test]
+async fn a_program_that_never_opens_qmp_is_killed_after_the_timeout() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let fake = tmp.path().join("fake-qemu");
+    std::fs::write(&fake, "#!/bin/sh\necho starting >&2\nexec sleep 60\n").expect("write");
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let vm = vm_in(tmp.path(), "slow", Vec::new());
+    let err = process::launch(&fake, &vm.spec, &vm.log, Duration::from_millis(500))
+        .await
+        .expect_err("never ready");
+    let LaunchError::NotReady {
+        pid, stderr_tail, ..
+    } = err
+    else {
+        panic!("expected NotReady, got {err}");
+    };
+    assert!(stderr_tail.contains("starting"), "{stderr_tail}");
+    let deadline = tokio::time::Instant::now() + T;
+    while process::identity_of(pid).is_some_and(|id| process::is_alive(&id)) {
+        assert!(tokio::time::Instant::now() < deadline, "still running");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_program_exiting_at_once_is_reported_with_its_output() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let fake = tmp.path().join("fake-qemu");
+    std::fs::write(
+        &fake,
+        "#!/bin/sh\necho 'qemu: cannot do that' >&2\nexit 1\n",
+    )
+    .expect("write");
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    let vm = vm_in(tmp.path(), "fails", Vec::new());
+    std::fs::write(&vm.log, "from an earlier run\n").expect("old log");
+    match process::launch(&fake, &vm.spec, &vm.log, T).await {
+        Err(LaunchError::Exited {
+            status,
+            stderr_tail,
+        }) => {
+            assert!(status.contains('1'), "{status}");
+            assert_eq!(stderr_tail, "qemu: cannot do that");
+        }
+        other => panic!("expected Exited, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_second_launch_on_a_live_vms_sockets_is_refused_and_leaves_it_alone() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let vm = vm_in(tmp.path(), "twice", Vec::new());
+    let id = process::launch(&common::qemu(), &vm.spec, &vm.log, READY)
+        .await
+        .expect("first start");
+    let _cleanup = Cleanup(Some(id.clone()));
+
+    let err = process::launch(&common::qemu(), &vm.spec, &vm.log, READY)
+        .await
+        .expect_err("sockets are live");
+    assert!(
+        matches!(&err, LaunchError::SocketInUse { path } if path == &vm.spec.qmp_socket),
+        "{err}"
+    );
+    let (qmp, _events) = QmpClient::connect(&vm.spec.qmp_socket, T)
+        .await
+        .expect("first VM still reachable");
+    assert!(qmp.execute("query-status", None, T).await.is_ok());
+}
+
+#[tokio::test]
+async fn a_stale_socket_file_from_a_dead_vm_does_not_block_a_restart() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let vm = vm_in(tmp.path(), "restart", Vec::new());
+    // What a SIGKILLed QEMU leaves behind: socket files nobody listens on.
+    drop(std::os::unix::net::UnixListener::bind(&vm.spec.qmp_socket).expect("bind"));
+    let agent = vm.spec.agent_socket.clone().expect("agent");
+    drop(std::os::unix::net::UnixListener::bind(&agent).expect("bind"));
+    let id = process::launch(&common::qemu(), &vm.spec, &vm.log, READY)
+        .await
+        .expect("starts despite stale sockets");
+    let _cleanup = Cleanup(Some(id.clone()));
+    assert!(process::is_alive(&id));
+}
