@@ -13,15 +13,24 @@ use crate::quantity::Quantity;
 pub enum Kind {
     VirtualMachine,
     VirtualDisk,
+    VirtualDiskSnapshot,
+    VirtualMachineSnapshot,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 2] = [Kind::VirtualMachine, Kind::VirtualDisk];
+    pub const ALL: [Kind; 4] = [
+        Kind::VirtualMachine,
+        Kind::VirtualDisk,
+        Kind::VirtualDiskSnapshot,
+        Kind::VirtualMachineSnapshot,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::VirtualMachine => "VirtualMachine",
             Kind::VirtualDisk => "VirtualDisk",
+            Kind::VirtualDiskSnapshot => "VirtualDiskSnapshot",
+            Kind::VirtualMachineSnapshot => "VirtualMachineSnapshot",
         }
     }
 
@@ -30,6 +39,8 @@ impl Kind {
         match self {
             Kind::VirtualMachine => "virtualmachines",
             Kind::VirtualDisk => "virtualdisks",
+            Kind::VirtualDiskSnapshot => "virtualdisksnapshots",
+            Kind::VirtualMachineSnapshot => "virtualmachinesnapshots",
         }
     }
 
@@ -38,6 +49,20 @@ impl Kind {
         match s.to_ascii_lowercase().as_str() {
             "vm" | "vms" | "virtualmachine" | "virtualmachines" => Some(Kind::VirtualMachine),
             "disk" | "disks" | "vd" | "virtualdisk" | "virtualdisks" => Some(Kind::VirtualDisk),
+            "snapshot"
+            | "snapshots"
+            | "snap"
+            | "vdsnapshot"
+            | "vdsnapshots"
+            | "disksnapshot"
+            | "disksnapshots"
+            | "virtualdisksnapshot"
+            | "virtualdisksnapshots" => Some(Kind::VirtualDiskSnapshot),
+            "vmsnapshot"
+            | "vmsnapshots"
+            | "vmsnap"
+            | "virtualmachinesnapshot"
+            | "virtualmachinesnapshots" => Some(Kind::VirtualMachineSnapshot),
             _ => None,
         }
     }
@@ -90,6 +115,14 @@ pub struct VirtualMachineSpec {
     /// Grace period for a guest shutdown before QEMU is stopped by force.
     #[serde(default = "default_stop_timeout")]
     pub stop_timeout_seconds: u32,
+    /// Longest time the guest may stay frozen for a snapshot; past it the
+    /// guest is thawed and the cut is not consistent.
+    #[serde(default = "default_freeze_deadline")]
+    pub freeze_deadline_seconds: u32,
+}
+
+fn default_freeze_deadline() -> u32 {
+    10
 }
 
 fn default_cpus() -> u32 {
@@ -190,6 +223,8 @@ pub enum DiskSource {
     Blank(Empty),
     /// A copy-on-write overlay over this base image file, which is only read.
     Image(PathBuf),
+    /// A copy-on-write overlay over a Ready VirtualDiskSnapshot.
+    Snapshot(String),
 }
 
 /// `{}` in a manifest.
@@ -227,6 +262,105 @@ pub struct VirtualDiskStatus {
     pub last_error: Option<String>,
     #[serde(default)]
     pub observed_generation: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+// ---------------------------------------------------------------- snapshots
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SnapshotPhase {
+    #[default]
+    Pending,
+    InProgress,
+    Ready,
+    Failed,
+    Terminating,
+}
+
+impl SnapshotPhase {
+    pub fn is_final(self) -> bool {
+        matches!(self, SnapshotPhase::Ready | SnapshotPhase::Failed)
+    }
+}
+
+impl fmt::Display for SnapshotPhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualDiskSnapshot {
+    pub api_version: String,
+    pub kind: String,
+    pub metadata: ObjectMeta,
+    pub spec: VirtualDiskSnapshotSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<SnapshotStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualDiskSnapshotSpec {
+    pub virtual_disk_name: String,
+    /// Fail rather than take a snapshot that is not application-consistent.
+    #[serde(default = "default_true")]
+    pub required_consistency: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachineSnapshot {
+    pub api_version: String,
+    pub kind: String,
+    pub metadata: ObjectMeta,
+    pub spec: VirtualMachineSnapshotSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<SnapshotStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachineSnapshotSpec {
+    pub virtual_machine_name: String,
+    #[serde(default = "default_true")]
+    pub required_consistency: bool,
+}
+
+/// Status of both snapshot kinds.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotStatus {
+    pub phase: SnapshotPhase,
+    /// Unset until the snapshot is taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consistent: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut_time: Option<DateTime<Utc>>,
+    /// Host-side time from the freeze request to the thaw reply.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub freeze_window_ms: Option<u64>,
+    /// The cut that took this snapshot; snapshots of one cut share a moment.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut_id: Option<u64>,
+    /// Bytes held by this snapshot's own layer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
+    /// For a disk snapshot: the disk's size at the cut.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<u64>,
+    /// For a VM snapshot: its disk snapshots, in the VM's disk order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub virtual_disk_snapshot_names: Vec<String>,
+    /// For a disk snapshot made by a VM snapshot: that VM snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_machine_snapshot_name: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
 }

@@ -7,7 +7,9 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::kinds::{DiskSource, Kind, VirtualDisk, VirtualMachine};
+use crate::kinds::{
+    DiskSource, Kind, VirtualDisk, VirtualDiskSnapshot, VirtualMachine, VirtualMachineSnapshot,
+};
 use crate::meta::API_VERSION;
 
 /// Every kind hearth knows, as one value.
@@ -16,6 +18,8 @@ use crate::meta::API_VERSION;
 pub enum Object {
     VirtualMachine(VirtualMachine),
     VirtualDisk(VirtualDisk),
+    VirtualDiskSnapshot(VirtualDiskSnapshot),
+    VirtualMachineSnapshot(VirtualMachineSnapshot),
 }
 
 /// A problem with one object, naming the field so a person can fix it.
@@ -55,6 +59,8 @@ impl Object {
         match self {
             Object::VirtualMachine(_) => Kind::VirtualMachine,
             Object::VirtualDisk(_) => Kind::VirtualDisk,
+            Object::VirtualDiskSnapshot(_) => Kind::VirtualDiskSnapshot,
+            Object::VirtualMachineSnapshot(_) => Kind::VirtualMachineSnapshot,
         }
     }
 
@@ -66,6 +72,8 @@ impl Object {
         match self {
             Object::VirtualMachine(o) => &o.metadata,
             Object::VirtualDisk(o) => &o.metadata,
+            Object::VirtualDiskSnapshot(o) => &o.metadata,
+            Object::VirtualMachineSnapshot(o) => &o.metadata,
         }
     }
 
@@ -73,6 +81,8 @@ impl Object {
         match self {
             Object::VirtualMachine(o) => &mut o.metadata,
             Object::VirtualDisk(o) => &mut o.metadata,
+            Object::VirtualDiskSnapshot(o) => &mut o.metadata,
+            Object::VirtualMachineSnapshot(o) => &mut o.metadata,
         }
     }
 
@@ -86,6 +96,8 @@ impl Object {
         match self {
             Object::VirtualMachine(o) => serde_json::to_value(&o.spec),
             Object::VirtualDisk(o) => serde_json::to_value(&o.spec),
+            Object::VirtualDiskSnapshot(o) => serde_json::to_value(&o.spec),
+            Object::VirtualMachineSnapshot(o) => serde_json::to_value(&o.spec),
         }
         .unwrap_or(Value::Null)
     }
@@ -95,6 +107,8 @@ impl Object {
         match self {
             Object::VirtualMachine(o) => o.status = None,
             Object::VirtualDisk(o) => o.status = None,
+            Object::VirtualDiskSnapshot(o) => o.status = None,
+            Object::VirtualMachineSnapshot(o) => o.status = None,
         }
         let m = self.metadata_mut();
         m.creation_timestamp = None;
@@ -122,6 +136,7 @@ impl Object {
                     fix(p);
                 }
             }
+            Object::VirtualDiskSnapshot(_) | Object::VirtualMachineSnapshot(_) => {}
         }
     }
 
@@ -184,6 +199,12 @@ impl Object {
                         ));
                     }
                 }
+                if !(1..=300).contains(&s.freeze_deadline_seconds) {
+                    return Err(err(
+                        "spec.freezeDeadlineSeconds",
+                        format!("{} is out of range 1..300", s.freeze_deadline_seconds),
+                    ));
+                }
                 if s.stop_timeout_seconds > 3600 {
                     return Err(err(
                         "spec.stopTimeoutSeconds",
@@ -206,8 +227,17 @@ impl Object {
                     DiskSource::Image(p) => {
                         check_host_path(p).map_err(|m| err("spec.source.image", m))?
                     }
+                    DiskSource::Snapshot(name) => {
+                        check_dns_label(name).map_err(|m| err("spec.source.snapshot", m))?
+                    }
                 }
                 if let Some(size) = &d.spec.size {
+                    if matches!(d.spec.source, DiskSource::Snapshot(_)) {
+                        return Err(err(
+                            "spec.size",
+                            "a disk restored from a snapshot has the snapshot's size; leave size out".into(),
+                        ));
+                    }
                     let b = size.bytes();
                     if !((1 << 20)..=(16 << 40)).contains(&b) {
                         return Err(err(
@@ -222,6 +252,18 @@ impl Object {
                         ));
                     }
                 }
+            }
+            Object::VirtualDiskSnapshot(snap) => {
+                check_header(&snap.api_version, &snap.kind, Kind::VirtualDiskSnapshot)
+                    .map_err(|(f, m)| err(f, m))?;
+                check_dns_label(&snap.spec.virtual_disk_name)
+                    .map_err(|m| err("spec.virtualDiskName", m))?;
+            }
+            Object::VirtualMachineSnapshot(snap) => {
+                check_header(&snap.api_version, &snap.kind, Kind::VirtualMachineSnapshot)
+                    .map_err(|(f, m)| err(f, m))?;
+                check_dns_label(&snap.spec.virtual_machine_name)
+                    .map_err(|m| err("spec.virtualMachineName", m))?;
             }
         }
         Ok(())
@@ -361,7 +403,7 @@ pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError
             return Err(fe(
                 label.into(),
                 "kind",
-                "is missing (one of: VirtualMachine, VirtualDisk)".into(),
+                "is missing (one of: VirtualMachine, VirtualDisk, VirtualDiskSnapshot, VirtualMachineSnapshot)".into(),
             ));
         }
     };
@@ -372,7 +414,9 @@ pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError
             fe(
                 label.into(),
                 "kind",
-                format!("unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk)"),
+                format!(
+                    "unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk, VirtualDiskSnapshot, VirtualMachineSnapshot)"
+                ),
             )
         })?;
     let who = match &name {
@@ -401,6 +445,14 @@ pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError
         )?,
         Kind::VirtualDisk => typed(
             serde_path_to_error::deserialize::<_, VirtualDisk>(value).map(Object::VirtualDisk),
+        )?,
+        Kind::VirtualDiskSnapshot => typed(
+            serde_path_to_error::deserialize::<_, VirtualDiskSnapshot>(value)
+                .map(Object::VirtualDiskSnapshot),
+        )?,
+        Kind::VirtualMachineSnapshot => typed(
+            serde_path_to_error::deserialize::<_, VirtualMachineSnapshot>(value)
+                .map(Object::VirtualMachineSnapshot),
         )?,
     };
     obj.validate()?;

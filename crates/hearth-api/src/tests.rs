@@ -188,3 +188,28 @@ proptest::proptest! {
         proptest::prop_assert_eq!(check_dns_label(&name).is_ok(), ok);
     }
 }
+
+#[test]
+fn snapshot_kinds_parse_with_defaults() {
+    let objs = parse_documents(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDiskSnapshot\nmetadata: {name: s1}\nspec: {virtualDiskName: demo-data}\n---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualMachineSnapshot\nmetadata: {name: v1}\nspec: {virtualMachineName: demo, requiredConsistency: false}\n",
+        "t",
+    )
+    .unwrap();
+    let Object::VirtualDiskSnapshot(s) = &objs[0] else {
+        panic!()
+    };
+    assert!(s.spec.required_consistency);
+    let Object::VirtualMachineSnapshot(v) = &objs[1] else {
+        panic!()
+    };
+    assert!(!v.spec.required_consistency);
+    let e = parse_err(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDiskSnapshot\nmetadata: {name: s1}\nspec: {virtualDiskName: Bad_Disk}\n",
+    );
+    assert!(e.contains("spec.virtualDiskName"), "{e}");
+    let e = parse_err(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: r}\nspec: {size: 1Gi, source: {snapshot: s1}}\n",
+    );
+    assert!(e.contains("spec.size"), "{e}");
+}

@@ -5,6 +5,7 @@ pub mod config;
 pub mod disk;
 pub mod engine;
 pub mod runtime;
+pub mod snapshot;
 pub mod store;
 pub mod vm;
 

@@ -1,0 +1,766 @@
+//! The coordinator against a simulated guest, agent and store: scripted
+//! scenarios first, then property tests over random interleavings of
+//! requests, agent replies (ok, error, timeout, late effect, "disabled while
+//! frozen"), someone else thawing the guest, transaction results and daemon
+//! crashes at every step. The invariants are checked after every step.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use proptest::prelude::*;
+
+use super::*;
+
+const DEADLINE: Millis = 10_000;
+
+fn req(name: &str, disk: &str, required: bool) -> Request {
+    Request {
+        snapshot: name.into(),
+        disk: disk.into(),
+        required,
+    }
+}
+
+/// Drives one happy cut by hand and checks each command.
+#[test]
+fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
+    let mut c = Coordinator::new(DEADLINE, 1);
+    for (n, d) in [("a1", "a"), ("a2", "a"), ("b1", "b")] {
+        assert!(c.handle(Input::Requested(req(n, d, true))).is_empty());
+    }
+    let out = c.handle(Input::Start {
+        access: Access::Agent,
+        now: 0,
+    });
+    assert_eq!(
+        out,
+        vec![Command::Prepare {
+            cut: 1,
+            disks: vec!["a".into(), "b".into()]
+        }]
+    );
+    // Arrives during the cut: waits for the next one.
+    c.handle(Input::Requested(req("late", "a", true)));
+    let out = c.handle(Input::Prepared {
+        cut: 1,
+        result: Ok(()),
+        now: 5,
+    });
+    assert_eq!(
+        out,
+        vec![
+            Command::RecordIntent {
+                cut: 1,
+                deadline: 5 + DEADLINE
+            },
+            Command::Freeze {
+                cut: 1,
+                timeout: DEADLINE
+            }
+        ]
+    );
+    let out = c.handle(Input::FreezeReplied {
+        cut: 1,
+        result: Ok(2),
+        now: 80,
+    });
+    assert!(matches!(out[..], [Command::QueryFreeze { cut: 1, .. }]));
+    let out = c.handle(Input::StatusReplied {
+        cut: 1,
+        result: Ok(true),
+        now: 85,
+    });
+    assert!(matches!(out[..], [Command::Transact { cut: 1, .. }]));
+    let out = c.handle(Input::Transacted {
+        cut: 1,
+        result: Ok(()),
+        now: 95,
+    });
+    assert!(matches!(out[..], [Command::Thaw { cut: 1, .. }]));
+    let out = c.handle(Input::ThawReplied {
+        cut: 1,
+        result: Ok(2),
+        now: 100,
+    });
+    let Command::Commit {
+        outcomes,
+        took_cut,
+        freeze_window_ms,
+        ..
+    } = &out[0]
+    else {
+        panic!("{out:?}")
+    };
+    assert!(took_cut);
+    assert_eq!(*freeze_window_ms, Some(95));
+    assert_eq!(outcomes.len(), 3);
+    assert!(
+        outcomes
+            .iter()
+            .all(|(_, o)| *o == Outcome::Ready { consistent: true })
+    );
+    c.handle(Input::Committed { cut: 1 });
+    assert!(c.is_idle());
+    assert_eq!(
+        c.pending().len(),
+        1,
+        "the late request waits for the next cut"
+    );
+}
+
+#[test]
+fn a_thaw_count_mismatch_is_not_consistent() {
+    let mut c = Coordinator::new(DEADLINE, 1);
+    c.handle(Input::Requested(req("a1", "a", true)));
+    c.handle(Input::Requested(req("a2", "a", false)));
+    c.handle(Input::Start {
+        access: Access::Agent,
+        now: 0,
+    });
+    c.handle(Input::Prepared {
+        cut: 1,
+        result: Ok(()),
+        now: 0,
+    });
+    c.handle(Input::FreezeReplied {
+        cut: 1,
+        result: Ok(2),
+        now: 10,
+    });
+    c.handle(Input::StatusReplied {
+        cut: 1,
+        result: Ok(true),
+        now: 20,
+    });
+    c.handle(Input::Transacted {
+        cut: 1,
+        result: Ok(()),
+        now: 30,
+    });
+    let out = c.handle(Input::ThawReplied {
+        cut: 1,
+        result: Ok(0),
+        now: 40,
+    });
+    let Command::Commit { outcomes, .. } = &out[0] else {
+        panic!("{out:?}")
+    };
+    let map: BTreeMap<_, _> = outcomes.iter().cloned().collect();
+    assert!(
+        matches!(&map["a1"], Outcome::Failed(m) if m.contains("thawed 0")),
+        "{map:?}"
+    );
+    assert_eq!(map["a2"], Outcome::Ready { consistent: false });
+}
+
+#[test]
+fn no_agent_fails_required_and_cuts_the_rest_without_freezing() {
+    let mut c = Coordinator::new(DEADLINE, 1);
+    c.handle(Input::Requested(req("must", "a", true)));
+    c.handle(Input::Requested(req("may", "a", false)));
+    let out = c.handle(Input::Start {
+        access: Access::NoAgent("spec.guestAgent is false".into()),
+        now: 0,
+    });
+    assert!(matches!(out[..], [Command::Prepare { .. }]));
+    let out = c.handle(Input::Prepared {
+        cut: 1,
+        result: Ok(()),
+        now: 0,
+    });
+    assert!(
+        matches!(out[..], [Command::Transact { .. }]),
+        "no freeze: {out:?}"
+    );
+    let out = c.handle(Input::Transacted {
+        cut: 1,
+        result: Ok(()),
+        now: 5,
+    });
+    let Command::Commit { outcomes, .. } = &out[0] else {
+        panic!("{out:?}")
+    };
+    let map: BTreeMap<_, _> = outcomes.iter().cloned().collect();
+    assert!(matches!(&map["must"], Outcome::Failed(m) if m.contains("spec.guestAgent is false")));
+    assert_eq!(map["may"], Outcome::Ready { consistent: false });
+}
+
+#[test]
+fn a_freeze_timeout_thaws_and_never_claims_consistency() {
+    let mut c = Coordinator::new(DEADLINE, 1);
+    c.handle(Input::Requested(req("a1", "a", true)));
+    c.handle(Input::Start {
+        access: Access::Agent,
+        now: 0,
+    });
+    c.handle(Input::Prepared {
+        cut: 1,
+        result: Ok(()),
+        now: 0,
+    });
+    let out = c.handle(Input::FreezeReplied {
+        cut: 1,
+        result: Err(AgentFault::Timeout),
+        now: DEADLINE,
+    });
+    assert!(matches!(out[..], [Command::Thaw { .. }]));
+    let out = c.handle(Input::ThawReplied {
+        cut: 1,
+        result: Ok(2),
+        now: DEADLINE + 50,
+    });
+    assert!(
+        matches!(out[..], [Command::Discard { .. }, Command::Commit { .. }]),
+        "{out:?}"
+    );
+    let Command::Commit {
+        outcomes, took_cut, ..
+    } = &out[1]
+    else {
+        panic!()
+    };
+    assert!(!took_cut);
+    assert!(matches!(&outcomes[0].1, Outcome::Failed(m) if m.contains("deadline")));
+}
+
+#[test]
+fn restart_mid_cut_thaws_then_retries() {
+    let durable = Durable {
+        pending: vec![req("a1", "a", true), req("b1", "b", true)],
+        intent: Some((7, vec![req("a1", "a", true)])),
+    };
+    let (mut c, out) = Coordinator::recover(DEADLINE, 1, durable);
+    assert_eq!(
+        out,
+        vec![Command::Thaw {
+            cut: 7,
+            timeout: THAW_TIMEOUT_MS
+        }]
+    );
+    let out = c.handle(Input::ThawReplied {
+        cut: 7,
+        result: Ok(1),
+        now: 10,
+    });
+    let Command::Commit {
+        outcomes, took_cut, ..
+    } = out.last().cloned().unwrap()
+    else {
+        panic!()
+    };
+    assert!(!took_cut);
+    assert_eq!(outcomes, vec![("a1".to_string(), Outcome::Retry)]);
+    c.handle(Input::Committed { cut: 7 });
+    let names: Vec<_> = c.pending().iter().map(|r| r.snapshot.clone()).collect();
+    assert_eq!(names, vec!["b1".to_string(), "a1".to_string()]);
+    // The next cut id is past the recovered one.
+    let out = c.handle(Input::Start {
+        access: Access::Agent,
+        now: 20,
+    });
+    assert!(matches!(out[..], [Command::Prepare { cut: 8, .. }]));
+}
+
+// ------------------------------------------------------------ simulation
+
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    Ok,
+    Error,
+    /// No reply within the timeout; the effect still happens, late.
+    TimeoutLate,
+    /// No reply and no effect.
+    TimeoutLost,
+    Disconnected,
+}
+
+fn fault() -> impl Strategy<Value = Fault> {
+    prop_oneof![
+        6 => Just(Fault::Ok),
+        1 => Just(Fault::Error),
+        1 => Just(Fault::TimeoutLate),
+        1 => Just(Fault::TimeoutLost),
+        1 => Just(Fault::Disconnected),
+    ]
+}
+
+#[derive(Clone, Debug)]
+enum Action {
+    /// A new snapshot request (disk index, required).
+    Request(u8, bool),
+    /// Perform the next queued command with this behaviour and duration (fraction of its timeout, in 1/8).
+    Perform(Fault, u8),
+    /// Someone else thaws the guest.
+    Interloper,
+    /// hearthd is killed and restarted.
+    Crash,
+}
+
+fn action() -> impl Strategy<Value = Action> {
+    prop_oneof![
+        2 => (0u8..3, any::<bool>()).prop_map(|(d, r)| Action::Request(d, r)),
+        10 => (fault(), 0u8..10).prop_map(|(f, d)| Action::Perform(f, d)),
+        1 => Just(Action::Interloper),
+        1 => Just(Action::Crash),
+    ]
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum Phase {
+    Pending,
+    Ready { consistent: bool, cut: CutId },
+    Failed,
+}
+
+struct Sim {
+    c: Coordinator,
+    now: Millis,
+    vm_running: bool,
+    agent_present: bool,
+    queue: VecDeque<Command>,
+    // guest
+    frozen: bool,
+    late_freeze: bool,
+    /// Our freeze made the guest frozen at this time and nothing thawed it since.
+    frozen_by_us_since: Option<Millis>,
+    freeze_sent_at: Option<Millis>,
+    fault_since_freeze: bool,
+    /// A freeze was sent and no thaw was confirmed since.
+    unthawed_freeze: bool,
+    // store
+    intent: Option<(CutId, Vec<Request>)>,
+    snaps: BTreeMap<String, (Request, Phase)>,
+    /// Ground truth per cut: the transaction ran while our freeze held.
+    truth: BTreeMap<CutId, bool>,
+    next_id: u32,
+    next_cut: CutId,
+}
+
+impl Sim {
+    fn new(vm_running: bool, agent_present: bool) -> Self {
+        Sim {
+            c: Coordinator::new(DEADLINE, 1),
+            now: 0,
+            vm_running,
+            agent_present,
+            queue: VecDeque::new(),
+            frozen: false,
+            late_freeze: false,
+            frozen_by_us_since: None,
+            freeze_sent_at: None,
+            fault_since_freeze: false,
+            unthawed_freeze: false,
+            intent: None,
+            snaps: BTreeMap::new(),
+            truth: BTreeMap::new(),
+            next_id: 0,
+            next_cut: 1,
+        }
+    }
+
+    fn access(&self) -> Access {
+        match (self.vm_running, self.agent_present) {
+            (false, _) => Access::Offline,
+            (true, true) => Access::Agent,
+            (true, false) => Access::NoAgent("no agent".into()),
+        }
+    }
+
+    fn emit(&mut self, cmds: Vec<Command>) {
+        for cmd in cmds {
+            // I2: never a second freeze while one is outstanding, never a
+            // thaw while a transaction is queued or running.
+            if let Command::Freeze { .. } = cmd {
+                assert!(
+                    !self.unthawed_freeze,
+                    "I2: a second freeze while one is outstanding"
+                );
+                assert!(
+                    !self
+                        .queue
+                        .iter()
+                        .any(|c| matches!(c, Command::Freeze { .. }))
+                );
+            }
+            if let Command::Thaw { .. } = cmd {
+                assert!(
+                    !self
+                        .queue
+                        .iter()
+                        .any(|c| matches!(c, Command::Transact { .. })),
+                    "I2: a thaw while a cut is in progress"
+                );
+            }
+            self.queue.push_back(cmd);
+        }
+    }
+
+    fn kick(&mut self) {
+        if self.c.is_idle() && self.queue.is_empty() {
+            let a = self.access();
+            let out = self.c.handle(Input::Start {
+                access: a,
+                now: self.now,
+            });
+            self.emit(out);
+        }
+    }
+
+    fn apply_late_freeze(&mut self) {
+        if self.late_freeze {
+            self.late_freeze = false;
+            if !self.frozen {
+                self.frozen = true;
+                self.frozen_by_us_since = Some(self.now);
+            }
+        }
+    }
+
+    fn advance(&mut self, by: Millis) {
+        self.now += by;
+        self.check_i3();
+    }
+
+    /// I3: a freeze we sent never holds past the deadline (plus one thaw),
+    /// unless a thaw failed or the daemon crashed in between.
+    fn check_i3(&self) {
+        if let (true, Some(sent)) = (self.frozen, self.freeze_sent_at) {
+            if !self.fault_since_freeze {
+                assert!(
+                    self.now.saturating_sub(sent) <= DEADLINE + THAW_TIMEOUT_MS,
+                    "I3: frozen for {} ms",
+                    self.now - sent
+                );
+            }
+        }
+    }
+
+    fn perform(&mut self, fault: Fault, eighths: u8) {
+        let Some(cmd) = self.queue.pop_front() else {
+            self.kick();
+            return;
+        };
+        let dur = |t: Millis| (t * Millis::from(eighths) / 8).min(t);
+        let agent_fault = |f: Fault| match f {
+            Fault::Error => AgentFault::Error("boom".into()),
+            Fault::Disconnected => AgentFault::Disconnected,
+            _ => AgentFault::Timeout,
+        };
+        let input = match cmd {
+            Command::Prepare { cut, .. } => Some(Input::Prepared {
+                cut,
+                result: if matches!(fault, Fault::Error) {
+                    Err("disk full".into())
+                } else {
+                    Ok(())
+                },
+                now: self.now,
+            }),
+            Command::RecordIntent { cut, .. } => {
+                let reqs = self.c.cut_requests().to_vec();
+                self.intent = Some((cut, reqs));
+                None
+            }
+            Command::Freeze { cut, timeout } => {
+                self.apply_late_freeze();
+                self.freeze_sent_at = Some(self.now);
+                self.fault_since_freeze = false;
+                self.unthawed_freeze = true;
+                let d = dur(timeout);
+                let ok = matches!(fault, Fault::Ok) && d < timeout;
+                let result = if ok {
+                    self.advance(d);
+                    if self.frozen {
+                        Err(AgentFault::DisabledWhileFrozen)
+                    } else {
+                        self.frozen = true;
+                        self.frozen_by_us_since = Some(self.now);
+                        Ok(2)
+                    }
+                } else {
+                    match fault {
+                        Fault::Ok | Fault::TimeoutLate => {
+                            self.late_freeze = true;
+                            self.advance(timeout);
+                            Err(AgentFault::Timeout)
+                        }
+                        Fault::TimeoutLost => {
+                            self.advance(timeout);
+                            Err(AgentFault::Timeout)
+                        }
+                        f => {
+                            self.advance(d);
+                            Err(agent_fault(f))
+                        }
+                    }
+                };
+                Some(Input::FreezeReplied {
+                    cut,
+                    result,
+                    now: self.now,
+                })
+            }
+            Command::QueryFreeze { cut, timeout } => {
+                self.apply_late_freeze();
+                let d = dur(timeout);
+                let result = match fault {
+                    Fault::Ok if d < timeout => {
+                        self.advance(d);
+                        Ok(self.frozen)
+                    }
+                    Fault::Ok | Fault::TimeoutLate | Fault::TimeoutLost => {
+                        self.advance(timeout);
+                        Err(AgentFault::Timeout)
+                    }
+                    f => {
+                        self.advance(d);
+                        Err(agent_fault(f))
+                    }
+                };
+                Some(Input::StatusReplied {
+                    cut,
+                    result,
+                    now: self.now,
+                })
+            }
+            Command::Transact { cut, timeout } => {
+                let d = dur(timeout).min(timeout);
+                self.advance(d);
+                let truth = !self.vm_running || self.frozen_by_us_since.is_some();
+                let result = if matches!(fault, Fault::Error) {
+                    Err("transaction failed".into())
+                } else {
+                    self.truth.insert(cut, truth);
+                    Ok(())
+                };
+                Some(Input::Transacted {
+                    cut,
+                    result,
+                    now: self.now,
+                })
+            }
+            Command::Thaw { cut, timeout } => {
+                self.apply_late_freeze();
+                let d = dur(timeout);
+                let result = match fault {
+                    Fault::Ok if d < timeout => {
+                        self.advance(d);
+                        let n = if self.frozen { 2 } else { 0 };
+                        self.frozen = false;
+                        self.frozen_by_us_since = None;
+                        self.freeze_sent_at = None;
+                        self.unthawed_freeze = false;
+                        Ok(n)
+                    }
+                    Fault::TimeoutLate => {
+                        // The thaw happens, the reply is lost.
+                        self.advance(timeout);
+                        self.frozen = false;
+                        self.frozen_by_us_since = None;
+                        self.fault_since_freeze = true;
+                        Err(AgentFault::Timeout)
+                    }
+                    Fault::Ok | Fault::TimeoutLost => {
+                        self.advance(timeout);
+                        self.fault_since_freeze = true;
+                        Err(AgentFault::Timeout)
+                    }
+                    f => {
+                        self.advance(d);
+                        self.fault_since_freeze = true;
+                        Err(agent_fault(f))
+                    }
+                };
+                Some(Input::ThawReplied {
+                    cut,
+                    result,
+                    now: self.now,
+                })
+            }
+            Command::Discard { .. } => None,
+            Command::Commit {
+                cut,
+                outcomes,
+                keep_intent,
+                ..
+            } => {
+                for (name, o) in outcomes {
+                    let Some(entry) = self.snaps.get_mut(&name) else {
+                        continue;
+                    };
+                    entry.1 = match o {
+                        Outcome::Ready { consistent } => Phase::Ready { consistent, cut },
+                        Outcome::Failed(_) => Phase::Failed,
+                        Outcome::Retry => Phase::Pending,
+                    };
+                }
+                if !keep_intent {
+                    self.intent = None;
+                }
+                Some(Input::Committed { cut })
+            }
+        };
+        if let Some(input) = input {
+            let out = self.c.handle(input);
+            self.emit(out);
+        }
+        self.check_i1();
+        self.kick();
+    }
+
+    /// I1: consistent only when the cut really happened under our freeze
+    /// (or with the VM stopped).
+    fn check_i1(&self) {
+        for (name, (_, phase)) in &self.snaps {
+            if let Phase::Ready {
+                consistent: true,
+                cut,
+            } = phase
+            {
+                assert_eq!(
+                    self.truth.get(cut),
+                    Some(&true),
+                    "I1: {name} marked consistent but its cut {cut} was not taken frozen"
+                );
+            }
+        }
+    }
+
+    fn request(&mut self, disk: u8, required: bool) {
+        self.next_id += 1;
+        let r = req(&format!("s{}", self.next_id), &format!("d{disk}"), required);
+        self.snaps
+            .insert(r.snapshot.clone(), (r.clone(), Phase::Pending));
+        self.c.handle(Input::Requested(r));
+        self.kick();
+    }
+
+    fn crash(&mut self) {
+        // Everything in memory is lost; the store and the guest remain.
+        self.queue.clear();
+        self.fault_since_freeze = true;
+        self.next_cut = self.next_cut.max(self.c.next_cut);
+        let pending: Vec<Request> = self
+            .snaps
+            .values()
+            .filter(|(_, p)| *p == Phase::Pending)
+            .map(|(r, _)| r.clone())
+            .collect();
+        let intent = self.intent.clone().map(|(cut, reqs)| {
+            let open: Vec<Request> = reqs
+                .into_iter()
+                .filter(|r| {
+                    self.snaps
+                        .get(&r.snapshot)
+                        .is_some_and(|(_, p)| *p == Phase::Pending)
+                })
+                .collect();
+            (cut, open)
+        });
+        let durable = Durable { pending, intent };
+        let (c, out) = Coordinator::recover(DEADLINE, self.next_cut, durable);
+        self.c = c;
+        // A restart is not instant.
+        self.advance(500);
+        self.emit(out);
+        self.kick();
+    }
+
+    fn interloper(&mut self) {
+        if self.frozen {
+            self.frozen = false;
+            self.frozen_by_us_since = None;
+        }
+    }
+
+    /// Quiescence: a perfect agent, no crashes, until nothing is left to do.
+    fn settle(&mut self) {
+        for _ in 0..1000 {
+            if self.c.is_idle()
+                && self.queue.is_empty()
+                && !self.c.has_pending()
+                && !self.c.needs_thaw()
+            {
+                break;
+            }
+            self.perform(Fault::Ok, 1);
+        }
+        // I4: every request ended Ready or Failed; the guest is not frozen.
+        for (name, (_, phase)) in &self.snaps {
+            assert_ne!(*phase, Phase::Pending, "I4: {name} still pending");
+        }
+        if self.vm_running && self.agent_present {
+            assert!(
+                !self.frozen || !self.unthawed_freeze,
+                "the guest stayed frozen"
+            );
+            assert!(!self.late_freeze || !self.frozen);
+        }
+        assert!(self.intent.is_none(), "an intent outlived its cut");
+    }
+}
+
+fn run(vm_running: bool, agent_present: bool, actions: Vec<Action>) {
+    let mut sim = Sim::new(vm_running, agent_present);
+    for a in actions {
+        match a {
+            Action::Request(d, r) => sim.request(d, r),
+            Action::Perform(f, d) => sim.perform(f, d),
+            Action::Interloper => sim.interloper(),
+            Action::Crash => sim.crash(),
+        }
+    }
+    sim.settle();
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn invariants_hold_over_random_interleavings_with_an_agent(actions in proptest::collection::vec(action(), 0..80)) {
+        run(true, true, actions);
+    }
+
+    #[test]
+    fn invariants_hold_without_an_agent_and_when_stopped(
+        running in any::<bool>(),
+        actions in proptest::collection::vec(action(), 0..60),
+    ) {
+        run(running, false, actions);
+    }
+}
+
+/// Many requests at once are served by one cut, with one freeze.
+#[test]
+fn a_burst_of_requests_is_one_cut() {
+    let mut sim = Sim::new(true, true);
+    let mut freezes = 0;
+    for i in 0..10 {
+        sim.snaps.insert(
+            format!("x{i}"),
+            (
+                req(&format!("x{i}"), &format!("d{}", i % 2), true),
+                Phase::Pending,
+            ),
+        );
+        sim.c.handle(Input::Requested(req(
+            &format!("x{i}"),
+            &format!("d{}", i % 2),
+            true,
+        )));
+    }
+    sim.kick();
+    while let Some(cmd) = sim.queue.front() {
+        if matches!(cmd, Command::Freeze { .. }) {
+            freezes += 1;
+        }
+        sim.perform(Fault::Ok, 1);
+    }
+    assert_eq!(freezes, 1);
+    assert!(sim.snaps.values().all(|(_, p)| matches!(
+        p,
+        Phase::Ready {
+            consistent: true,
+            cut: 1
+        }
+    )));
+}
