@@ -130,6 +130,7 @@ async fn create(engine: &Engine, disk: &VirtualDisk, path: &std::path::Path) -> 
                 .await
                 .map_err(|e| format!("cannot create overlay: {e}"))?;
         }
+        DiskSource::Snapshot(_) => return Err("restoring from a snapshot is not available".into()),
     }
     std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok(())

@@ -416,6 +416,7 @@ impl Engine {
                         .map_err(|m| fail("spec.source.image", m))?;
                 }
             }
+            Object::VirtualDiskSnapshot(_) | Object::VirtualMachineSnapshot(_) => {}
         }
         Ok(())
     }
@@ -630,6 +631,7 @@ impl Engine {
             let result = match key.0 {
                 Kind::VirtualMachine => crate::vm::reconcile(&self, &key.1).await,
                 Kind::VirtualDisk => crate::disk::reconcile(&self, &key.1).await,
+                Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => Ok(()),
             };
             match result {
                 Ok(()) => {
