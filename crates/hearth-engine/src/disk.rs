@@ -1,12 +1,17 @@
-//! VirtualDisk reconcile: make the qcow2 file exist (blank, or an overlay over
-//! a read-only base image), report its size, remove it when deleted.
+//! VirtualDisk reconcile: make the disk's first layer exist (blank, an
+//! overlay over a read-only base image, or an overlay over a snapshot's
+//! layer), report its size, and let its layers go when it is deleted.
 
 use std::sync::Arc;
 
-use hearth_api::{DiskPhase, DiskSource, EventType, Kind, Object, VirtualDisk, VirtualDiskStatus};
+use hearth_api::{
+    DiskPhase, DiskSource, EventType, Kind, Object, SnapshotPhase, SnapshotStatus, VirtualDisk,
+    VirtualDiskStatus,
+};
 use hearth_qemu::img;
 
 use crate::engine::{Engine, ReconcileError};
+use crate::snapshot::storage;
 
 pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), ReconcileError> {
     let Some(stored) = engine.store.get(Kind::VirtualDisk, name)? else {
@@ -16,7 +21,6 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
         return Ok(());
     };
     let users = engine.vms_using_disk(name)?;
-    let path = engine.config.disk_path(name);
 
     if stored.deleting {
         if let Some(vm) = users.first() {
@@ -25,23 +29,19 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
                 "VirtualDisk {name:?} is still used by VirtualMachine {vm:?}"
             )));
         }
-        match std::fs::remove_file(&path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                return Err(ReconcileError::Failed(format!(
-                    "cannot remove {}: {e}",
-                    path.display()
-                )));
-            }
-        }
+        // Snapshots of the disk keep the layers they need.
+        storage::drop_head(&engine.store, name)?;
+        let freed = storage::collect_garbage(&engine.store)?;
         engine.store.remove(Kind::VirtualDisk, name)?;
         engine.event(
             Kind::VirtualDisk,
             name,
             EventType::Normal,
             "Deleted",
-            &format!("removed {}", path.display()),
+            &format!(
+                "{} layer file(s) no longer needed were removed",
+                freed.len()
+            ),
         );
         return Ok(());
     }
@@ -49,37 +49,58 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
     let was_ready = serde_json::from_value::<VirtualDiskStatus>(stored.status.clone())
         .map(|s| s.phase == DiskPhase::Ready)
         .unwrap_or(false);
-    if !path.exists() {
-        if let Err(message) = create(engine, disk, &path).await {
-            engine.set_disk_status(name, |s| {
-                s.phase = DiskPhase::Failed;
-                s.last_error = Some(message.clone());
-            });
+    let head = match storage::head(&engine.store, name)? {
+        Some(h) => h,
+        None => {
+            if let DiskSource::Snapshot(snap) = &disk.spec.source {
+                // A restore waits for its snapshot to be Ready.
+                if let Some(why) = snapshot_not_ready(engine, snap)? {
+                    engine.set_disk_status(name, |s| {
+                        s.phase = if why.1 {
+                            DiskPhase::Failed
+                        } else {
+                            DiskPhase::Pending
+                        };
+                        s.last_error = Some(why.0.clone());
+                    });
+                    return Ok(());
+                }
+            }
+            if let Err(message) = create(engine, name, disk).await {
+                engine.set_disk_status(name, |s| {
+                    s.phase = DiskPhase::Failed;
+                    s.last_error = Some(message.clone());
+                });
+                engine.event(
+                    Kind::VirtualDisk,
+                    name,
+                    EventType::Warning,
+                    "CreateFailed",
+                    &message,
+                );
+                return Err(ReconcileError::Failed(message));
+            }
+            let head = storage::head(&engine.store, name)?.ok_or_else(|| {
+                ReconcileError::Failed("the new disk image was not recorded".into())
+            })?;
             engine.event(
                 Kind::VirtualDisk,
                 name,
-                EventType::Warning,
-                "CreateFailed",
-                &message,
+                EventType::Normal,
+                "Created",
+                &format!("created {}", head.path.display()),
             );
-            return Err(ReconcileError::Failed(message));
+            head
         }
-        engine.event(
-            Kind::VirtualDisk,
-            name,
-            EventType::Normal,
-            "Created",
-            &format!("created {}", path.display()),
-        );
-    }
+    };
     // `-U`: the image may be open by a running QEMU.
-    let info = img::info(&path)
-        .await
-        .map_err(|e| ReconcileError::Failed(format!("qemu-img info {}: {e}", path.display())))?;
+    let info = img::info(&head.path).await.map_err(|e| {
+        ReconcileError::Failed(format!("qemu-img info {}: {e}", head.path.display()))
+    })?;
     let attached = users.first().cloned();
     engine.set_disk_status(name, |s| {
         s.phase = DiskPhase::Ready;
-        s.path = Some(path.clone());
+        s.path = Some(head.path.clone());
         s.capacity = Some(info.virtual_size);
         s.allocated = Some(info.actual_size);
         s.attached_to = attached;
@@ -87,26 +108,59 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
         s.observed_generation = disk.metadata.generation;
     });
     if !was_ready {
-        // VMs waiting for this disk can start now.
+        // VMs and snapshots waiting for this disk can go on now.
         for vm in users {
             engine.wake(Kind::VirtualMachine, &vm);
+        }
+        if let Ok(snaps) = engine.store.list(Kind::VirtualDiskSnapshot) {
+            for s in snaps {
+                if let Object::VirtualDiskSnapshot(snap) = &s.object
+                    && snap.spec.virtual_disk_name == name
+                {
+                    engine.wake(Kind::VirtualDiskSnapshot, &snap.metadata.name);
+                }
+            }
         }
     }
     Ok(())
 }
 
-async fn create(engine: &Engine, disk: &VirtualDisk, path: &std::path::Path) -> Result<(), String> {
-    let dir = engine.config.disks_dir();
+/// Why a snapshot cannot be restored yet; `true` when it never will be.
+fn snapshot_not_ready(
+    engine: &Engine,
+    snap: &str,
+) -> Result<Option<(String, bool)>, ReconcileError> {
+    let Some(s) = engine.store.get(Kind::VirtualDiskSnapshot, snap)? else {
+        return Ok(Some((
+            format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} does not exist"),
+            true,
+        )));
+    };
+    let status: SnapshotStatus = serde_json::from_value(s.status).unwrap_or_default();
+    Ok(match status.phase {
+        SnapshotPhase::Ready => None,
+        SnapshotPhase::Failed => Some((
+            format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} failed"),
+            true,
+        )),
+        p => Some((
+            format!("spec.source.snapshot: waiting for VirtualDiskSnapshot {snap:?} ({p})"),
+            false,
+        )),
+    })
+}
+
+async fn create(engine: &Engine, name: &str, disk: &VirtualDisk) -> Result<(), String> {
+    let state_dir = engine.config.state_dir.clone();
+    let dir = storage::layers_dir(&state_dir);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    // Created under a temporary name and renamed, so a crash never leaves a
-    // half-made image under the real name.
-    let tmp = path.with_extension("qcow2.partial");
-    let _ = std::fs::remove_file(&tmp);
+    let new = storage::allocate(&engine.store, &state_dir, name).map_err(|e| e.to_string())?;
     let size = disk.spec.size.as_ref().map(|q| q.bytes());
+    let mut backing_layer = None;
     match &disk.spec.source {
         DiskSource::Blank(_) => {
             let size = size.ok_or("spec.size: a blank disk needs a size")?;
-            img::create_blank(&tmp, size)
+            img::create_blank(&new.path, size)
                 .await
                 .map_err(|e| format!("cannot create blank disk: {e}"))?;
         }
@@ -126,12 +180,29 @@ async fn create(engine: &Engine, disk: &VirtualDisk, path: &std::path::Path) -> 
                     base_info.virtual_size
                 ));
             }
-            img::create_overlay(&tmp, &base, &base_info.format, size)
+            img::create_overlay(&new.path, &base, &base_info.format, size)
                 .await
                 .map_err(|e| format!("cannot create overlay: {e}"))?;
         }
-        DiskSource::Snapshot(_) => return Err("restoring from a snapshot is not available".into()),
+        DiskSource::Snapshot(snap) => {
+            let layer = storage::snapshot_layer(&engine.store, snap)
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| {
+                    format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} has no layer")
+                })?;
+            let info = img::info(&layer.path).await.map_err(|e| e.to_string())?;
+            // Only a new overlay: the restore costs the same for any disk size.
+            img::create_overlay_unopened(&new.path, &layer.path, "qcow2", info.virtual_size)
+                .await
+                .map_err(|e| format!("cannot create overlay: {e}"))?;
+            backing_layer = Some(layer.id);
+        }
     }
-    std::fs::rename(&tmp, path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // Recorded once the file is complete: a crash before this leaves only an
+    // unreferenced file, never a disk pointing at a half-made image.
+    engine
+        .store
+        .with_tx(|tx| storage::set_head_tx(tx, name, &new, backing_layer.as_deref()))
+        .map_err(|e| e.to_string())?;
     Ok(())
 }

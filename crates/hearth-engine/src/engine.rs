@@ -10,7 +10,7 @@ use std::time::Duration;
 use chrono::Utc;
 use hearth_api::{
     DiskSource, Event, EventType, FieldError, Kind, Object, RunPolicy, VirtualDiskStatus,
-    VirtualMachineStatus,
+    VirtualMachine, VirtualMachineStatus,
 };
 use serde_json::Value;
 
@@ -91,6 +91,11 @@ pub struct Engine {
     failures: Mutex<HashMap<Key, u32>>,
     /// Serialises apply/delete so their checks and writes are one step.
     writes: Mutex<()>,
+    /// Per VM or disk: held while a VM starts or stops and for a whole
+    /// snapshot cut, so the two never interleave.
+    ops_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// The freeze coordinators, one per VM (or unattached disk).
+    pub snapshots: crate::snapshot::Actors,
     _lock: File,
 }
 
@@ -122,6 +127,8 @@ impl Engine {
             queue: Mutex::new(HashMap::new()),
             failures: Mutex::new(HashMap::new()),
             writes: Mutex::new(()),
+            ops_locks: Mutex::new(HashMap::new()),
+            snapshots: crate::snapshot::Actors::default(),
             _lock: lock,
         });
 
@@ -145,6 +152,8 @@ impl Engine {
             }
         }
         engine.wake_all();
+        // Guests a crashed daemon left frozen are thawed right away.
+        engine.snapshots.resume_all(&engine);
         let weak = Arc::downgrade(&engine);
         let interval = engine.config.resync_interval;
         tokio::spawn(async move {
@@ -223,6 +232,18 @@ impl Engine {
             }
             self.check_host_paths(&obj)?;
             let existing = self.store.get(obj.kind(), obj.name())?;
+            // The owner alone can change (a manifest file renamed, or a file
+            // taking over an API object): written, but the spec is unchanged.
+            let old_owner = existing
+                .as_ref()
+                .map(|e| {
+                    e.object
+                        .metadata()
+                        .managed_by
+                        .clone()
+                        .unwrap_or_else(|| "api".into())
+                })
+                .filter(|o| o != managed_by);
             let action = if let Some(existing) = &existing {
                 self.check_update(existing, &obj, managed_by)?;
                 if existing.object.spec_json() == obj.spec_json() {
@@ -246,19 +267,30 @@ impl Engine {
                 }
             }
             meta.managed_by = Some(managed_by.to_string());
-            prepared.push((obj, action));
+            prepared.push((obj, action, old_owner));
         }
-        self.check_disk_exclusivity(prepared.iter().map(|(o, _)| o))?;
+        self.check_disk_exclusivity(prepared.iter().map(|(o, _, _)| o))?;
 
         let to_write: Vec<Object> = prepared
             .iter()
-            .filter(|(_, a)| *a != ApplyAction::Unchanged)
-            .map(|(o, _)| o.clone())
+            .filter(|(_, a, old_owner)| *a != ApplyAction::Unchanged || old_owner.is_some())
+            .map(|(o, _, _)| o.clone())
             .collect();
         self.store.put_objects(&to_write)?;
 
         let mut outcomes = Vec::new();
-        for (obj, action) in prepared {
+        for (obj, action, old_owner) in prepared {
+            if action == ApplyAction::Unchanged
+                && let Some(old) = &old_owner
+            {
+                self.event(
+                    obj.kind(),
+                    obj.name(),
+                    EventType::Normal,
+                    "SourceChanged",
+                    &format!("now managed by {managed_by} (was {old}); spec unchanged"),
+                );
+            }
             if action != ApplyAction::Unchanged {
                 let (reason, verb) = match action {
                     ApplyAction::Created => ("Created", "created"),
@@ -390,6 +422,139 @@ impl Engine {
         Ok(message)
     }
 
+    /// Rebuilds a VM's disks from a Ready VirtualMachineSnapshot: stops the
+    /// VM, puts a fresh overlay over each snapshot layer as the disk's head
+    /// (time independent of disk size), and starts the VM again if it ran.
+    pub async fn restore_vm(
+        self: &Arc<Self>,
+        vm_name: &str,
+        from: &str,
+    ) -> Result<String, RequestError> {
+        use crate::snapshot::storage;
+        let stored = self.get(Kind::VirtualMachine, vm_name)?;
+        let Object::VirtualMachine(vm) = &stored.object else {
+            return Err(RequestError::NotFound(format!(
+                "VirtualMachine {vm_name:?} not found"
+            )));
+        };
+        let snap = self.get(Kind::VirtualMachineSnapshot, from)?;
+        let Object::VirtualMachineSnapshot(vmsnap) = &snap.object else {
+            return Err(RequestError::NotFound(format!(
+                "VirtualMachineSnapshot {from:?} not found"
+            )));
+        };
+        if vmsnap.spec.virtual_machine_name != vm_name {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachineSnapshot {from:?} is of VirtualMachine {:?}, not {vm_name:?}",
+                vmsnap.spec.virtual_machine_name
+            )));
+        }
+        let status: hearth_api::SnapshotStatus =
+            serde_json::from_value(snap.status.clone()).unwrap_or_default();
+        if status.phase != hearth_api::SnapshotPhase::Ready {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachineSnapshot {from:?} is {}, not Ready",
+                status.phase
+            )));
+        }
+        let mut plan = Vec::new();
+        for child in &status.virtual_disk_snapshot_names {
+            let c = self.get(Kind::VirtualDiskSnapshot, child)?;
+            let Object::VirtualDiskSnapshot(ds) = &c.object else {
+                continue;
+            };
+            let disk = ds.spec.virtual_disk_name.clone();
+            if !vm.spec.disks.iter().any(|d| d.virtual_disk_name == disk) {
+                return Err(RequestError::Conflict(format!(
+                    "VirtualDisk {disk:?} of the snapshot is no longer in VirtualMachine {vm_name:?} (spec.disks)"
+                )));
+            }
+            let layer = storage::snapshot_layer(&self.store, child)?.ok_or_else(|| {
+                RequestError::Conflict(format!("VirtualDiskSnapshot {child:?} has no stored layer"))
+            })?;
+            plan.push((disk, layer));
+        }
+        let was_running = self
+            .store
+            .runtime(vm_name)?
+            .is_some_and(|r| hearth_qemu::process::is_alive(&r.process));
+        let previous = self.store.intent(vm_name)?;
+        if was_running {
+            self.store
+                .update_intent(vm_name, |i| i.want_running = Some(false))?;
+            self.event(
+                Kind::VirtualMachine,
+                vm_name,
+                EventType::Normal,
+                "Restoring",
+                &format!("stopping to restore from {from}"),
+            );
+            self.wake(Kind::VirtualMachine, vm_name);
+            let limit = Duration::from_secs(u64::from(vm.spec.stop_timeout_seconds) + 60);
+            let started = std::time::Instant::now();
+            while self.store.runtime(vm_name)?.is_some() {
+                if started.elapsed() > limit {
+                    return Err(RequestError::Conflict(format!(
+                        "VirtualMachine {vm_name:?} did not stop within {} s; nothing was restored",
+                        limit.as_secs()
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        {
+            let _ops = self.lock_vm_ops(vm).await;
+            let state_dir = self.config.state_dir.clone();
+            let mut made = Vec::new();
+            for (disk, layer) in &plan {
+                let new = storage::allocate(&self.store, &state_dir, disk)?;
+                std::fs::create_dir_all(storage::layers_dir(&state_dir))
+                    .map_err(|e| RequestError::Conflict(e.to_string()))?;
+                hearth_qemu::img::create_overlay(&new.path, &layer.path, "qcow2", None)
+                    .await
+                    .map_err(|e| RequestError::Conflict(format!("VirtualDisk {disk:?}: {e}")))?;
+                made.push((disk.clone(), new, layer.id.clone()));
+            }
+            self.store.with_tx(|tx| {
+                for (disk, new, backing) in &made {
+                    storage::set_head_tx(tx, disk, new, Some(backing))?;
+                    let path = new.path.clone();
+                    crate::store::Store::update_status_tx::<VirtualDiskStatus, _>(
+                        tx,
+                        Kind::VirtualDisk,
+                        disk,
+                        |s| {
+                            s.path = Some(path);
+                        },
+                    )?;
+                }
+                Ok(())
+            })?;
+            storage::collect_garbage(&self.store)?;
+        }
+        let message = format!(
+            "VirtualMachine {vm_name:?}: {} disk(s) restored from VirtualMachineSnapshot {from:?}",
+            plan.len()
+        );
+        self.event(
+            Kind::VirtualMachine,
+            vm_name,
+            EventType::Normal,
+            "Restored",
+            &message,
+        );
+        if was_running {
+            self.store.update_intent(vm_name, |i| {
+                i.want_running = previous.want_running.or(Some(true))
+            })?;
+        }
+        for (disk, _) in &plan {
+            self.wake(Kind::VirtualDisk, disk);
+        }
+        self.wake(Kind::VirtualMachine, vm_name);
+        Ok(message)
+    }
+
     fn check_host_paths(&self, obj: &Object) -> Result<(), RequestError> {
         let fail = |field: &str, message: String| {
             RequestError::Invalid(FieldError {
@@ -500,6 +665,48 @@ impl Engine {
         }
     }
 
+    pub fn set_snapshot_status(
+        &self,
+        kind: Kind,
+        name: &str,
+        f: impl FnOnce(&mut hearth_api::SnapshotStatus),
+    ) {
+        if let Err(e) = self.store.update_status(kind, name, f) {
+            tracing::warn!(snapshot = name, error = %e, "cannot write status");
+        }
+    }
+
+    /// The operations lock of `vm/NAME` or `disk/NAME`.
+    pub fn ops_lock(&self, target: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.ops_locks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(target.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Takes the operations locks of a VM and of each of its disks, in a
+    /// fixed order (VM first, disks sorted), for a start or a stop.
+    pub async fn lock_vm_ops(&self, vm: &VirtualMachine) -> Vec<tokio::sync::OwnedMutexGuard<()>> {
+        let mut guards = vec![
+            self.ops_lock(&format!("vm/{}", vm.metadata.name))
+                .lock_owned()
+                .await,
+        ];
+        let mut disks: Vec<&str> = vm
+            .spec
+            .disks
+            .iter()
+            .map(|d| d.virtual_disk_name.as_str())
+            .collect();
+        disks.sort();
+        for d in disks {
+            guards.push(self.ops_lock(&format!("disk/{d}")).lock_owned().await);
+        }
+        guards
+    }
+
     pub fn set_disk_status(&self, name: &str, f: impl FnOnce(&mut VirtualDiskStatus)) {
         if let Err(e) = self.store.update_status(Kind::VirtualDisk, name, f) {
             tracing::warn!(disk = name, error = %e, "cannot write status");
@@ -586,6 +793,16 @@ impl Engine {
             .await
     }
 
+    /// `guest-fsfreeze-status` through the guest agent: true when frozen.
+    pub async fn agent_freeze_status(&self, name: &str) -> Result<bool, RequestError> {
+        self.with_agent(name, async |c| {
+            c.fsfreeze_status(Duration::from_secs(5))
+                .await
+                .map(|s| s == hearth_qemu::agent::FreezeStatus::Frozen)
+        })
+        .await
+    }
+
     /// `guest-exec` through the guest agent; waits for the program to end.
     pub async fn agent_exec(
         &self,
@@ -631,7 +848,12 @@ impl Engine {
             let result = match key.0 {
                 Kind::VirtualMachine => crate::vm::reconcile(&self, &key.1).await,
                 Kind::VirtualDisk => crate::disk::reconcile(&self, &key.1).await,
-                Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => Ok(()),
+                Kind::VirtualDiskSnapshot => {
+                    crate::snapshot::reconcile_disk_snapshot(&self, &key.1).await
+                }
+                Kind::VirtualMachineSnapshot => {
+                    crate::snapshot::reconcile_vm_snapshot(&self, &key.1).await
+                }
             };
             match result {
                 Ok(()) => {
@@ -682,7 +904,9 @@ fn check_owner(existing: &StoredObject, managed_by: &str) -> Result<(), RequestE
         .managed_by
         .as_deref()
         .unwrap_or("api");
-    if owner != managed_by && owner.starts_with("file:") {
+    // The manifest directory may move an object between its files; nobody
+    // else may touch what a file owns.
+    if owner != managed_by && owner.starts_with("file:") && !managed_by.starts_with("file:") {
         return Err(RequestError::Conflict(format!(
             "{} is owned by the manifest file {}; edit or remove that file instead",
             existing.object.display_name(),

@@ -87,6 +87,33 @@ CREATE TABLE IF NOT EXISTS events (
     message TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_by_object ON events (kind, name, id);
+-- Disk image layers: qcow2 files, each backed by the one below it.
+CREATE TABLE IF NOT EXISTS layers (
+    id TEXT PRIMARY KEY,
+    path TEXT NOT NULL,
+    backing TEXT
+);
+-- The writable top layer of each disk.
+CREATE TABLE IF NOT EXISTS heads (
+    disk TEXT PRIMARY KEY,
+    layer TEXT NOT NULL
+);
+-- The immutable layer whose chain is a snapshot's content.
+CREATE TABLE IF NOT EXISTS snapshot_layers (
+    snapshot TEXT PRIMARY KEY,
+    layer TEXT NOT NULL
+);
+-- A cut that froze (or may have frozen) a guest and was not settled yet.
+CREATE TABLE IF NOT EXISTS freeze_intents (
+    target TEXT PRIMARY KEY,
+    cut INTEGER NOT NULL,
+    deadline TEXT NOT NULL,
+    requests TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS counters (
+    name TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+);
 "#;
 
 /// Events kept per object; older ones are dropped.
@@ -101,6 +128,35 @@ impl Store {
         conn.execute_batch(SCHEMA)?;
         Ok(Store {
             conn: Arc::new(Mutex::new(conn)),
+        })
+    }
+
+    /// Runs `f` in one store transaction: all of it or none of it.
+    pub fn with_tx<T>(
+        &self,
+        f: impl FnOnce(&rusqlite::Transaction<'_>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let out = f(&tx)?;
+        tx.commit()?;
+        Ok(out)
+    }
+
+    /// Bumps and returns a named durable counter.
+    pub fn next_counter(&self, name: &str) -> Result<u64, StoreError> {
+        self.with_tx(|tx| {
+            tx.execute(
+                "INSERT INTO counters (name, value) VALUES (?1, 1)
+                 ON CONFLICT (name) DO UPDATE SET value = value + 1",
+                params![name],
+            )?;
+            let v: i64 = tx.query_row(
+                "SELECT value FROM counters WHERE name = ?1",
+                params![name],
+                |r| r.get(0),
+            )?;
+            Ok(v as u64)
         })
     }
 
@@ -224,6 +280,41 @@ impl Store {
             params![kind.as_str(), name, serde_json::to_string(&status)?],
         )?;
         tx.commit()?;
+        Ok(Some(status))
+    }
+
+    /// `update_status` inside a caller's transaction.
+    pub fn update_status_tx<T, F>(
+        tx: &rusqlite::Transaction<'_>,
+        kind: Kind,
+        name: &str,
+        f: F,
+    ) -> Result<Option<T>, StoreError>
+    where
+        T: Serialize + for<'de> Deserialize<'de> + Default,
+        F: FnOnce(&mut T),
+    {
+        let current: Option<String> = tx
+            .query_row(
+                "SELECT status FROM objects WHERE kind = ?1 AND name = ?2",
+                params![kind.as_str(), name],
+                |r| r.get(0),
+            )
+            .optional()?;
+        let Some(current) = current else {
+            return Ok(None);
+        };
+        let value: Value = serde_json::from_str(&current)?;
+        let mut status: T = if value.is_null() {
+            T::default()
+        } else {
+            serde_json::from_value(value).unwrap_or_default()
+        };
+        f(&mut status);
+        tx.execute(
+            "UPDATE objects SET status = ?3 WHERE kind = ?1 AND name = ?2",
+            params![kind.as_str(), name, serde_json::to_string(&status)?],
+        )?;
         Ok(Some(status))
     }
 

@@ -140,6 +140,41 @@ impl QemuImg {
         self.run("create", path, args).await.map(|_| ())
     }
 
+    /// Like `create_overlay`, but without opening the backing image (`-u`):
+    /// for an overlay over a layer that a running VM holds locked. The size
+    /// must be given since it cannot be read from the backing image.
+    pub async fn create_overlay_unopened(
+        &self,
+        path: &Path,
+        backing: &Path,
+        backing_format: &str,
+        size: u64,
+    ) -> Result<(), ImgError> {
+        check_new_image(path)?;
+        check_absolute(backing)?;
+        if backing_format.is_empty()
+            || !backing_format
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+        {
+            return Err(ImgError::InvalidFormat(backing_format.to_owned()));
+        }
+        let args: Vec<OsString> = vec![
+            "create".into(),
+            "-q".into(),
+            "-u".into(),
+            "-f".into(),
+            "qcow2".into(),
+            "-b".into(),
+            backing.into(),
+            "-F".into(),
+            backing_format.into(),
+            path.into(),
+            size.to_string().into(),
+        ];
+        self.run("create", path, args).await.map(|_| ())
+    }
+
     /// `qemu-img info` of one image. `-U` so it also works on images a running VM
     /// holds locked.
     pub async fn info(&self, path: &Path) -> Result<ImageInfo, ImgError> {
@@ -310,6 +345,18 @@ pub async fn create_overlay(
 ) -> Result<(), ImgError> {
     QemuImg::locate()?
         .create_overlay(path, backing, backing_format, size)
+        .await
+}
+
+/// [`QemuImg::create_overlay_unopened`] with `qemu-img` from `PATH`.
+pub async fn create_overlay_unopened(
+    path: &Path,
+    backing: &Path,
+    backing_format: &str,
+    size: u64,
+) -> Result<(), ImgError> {
+    QemuImg::locate()?
+        .create_overlay_unopened(path, backing, backing_format, size)
         .await
 }
 

@@ -1,3 +1,10 @@
-//! Consistent snapshots: the pure freeze coordinator and its async shell.
+//! Consistent snapshots: the pure freeze coordinator, its async shell (one
+//! actor per VM), the snapshot reconcilers and the layer storage.
 
+mod actor;
 pub mod coordinator;
+mod reconcile;
+pub mod storage;
+
+pub use actor::{Actors, target_of};
+pub use reconcile::{reconcile_disk_snapshot, reconcile_vm_snapshot};

@@ -77,9 +77,16 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
         let step = decide(&observation);
         tracing::debug!(vm = name, ?observation, ?step, "reconcile");
         match &step {
-            Step::Launch => launch(engine, vm, intent.restart_nonce).await?,
+            Step::Launch => {
+                // Never while a snapshot cut holds the VM or one of its disks.
+                let _ops = engine.lock_vm_ops(vm).await;
+                if engine.store.runtime(name)?.is_none() {
+                    launch(engine, vm, intent.restart_nonce).await?
+                }
+            }
             Step::Stop(reason) => {
                 if let Some(r) = &record {
+                    let _ops = engine.lock_vm_ops(vm).await;
                     stop(engine, vm, r, *reason).await?;
                 }
             }

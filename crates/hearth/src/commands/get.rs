@@ -83,6 +83,9 @@ pub fn table_for(kind: Kind, items: &[Value], now: DateTime<Utc>, wide: bool) ->
     match kind {
         Kind::VirtualMachine => vm_table(items, now, wide),
         Kind::VirtualDisk => disk_table(items, now, wide),
+        Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => {
+            snapshot_table(kind, items, now, wide)
+        }
     }
 }
 
@@ -226,4 +229,61 @@ root   -       2Gi     -           -          -
         assert!(wide.contains("image:/img/base.qcow2"), "{wide}");
         assert!(wide.contains("   blank   "), "{wide}");
     }
+}
+
+/// `NAME SOURCE PHASE CONSISTENT CUT-TIME FREEZE-MS SIZE AGE`.
+pub fn snapshot_table(kind: Kind, items: &[Value], now: DateTime<Utc>, _wide: bool) -> Table {
+    let source_field = if kind == Kind::VirtualDiskSnapshot {
+        "virtualDiskName"
+    } else {
+        "virtualMachineName"
+    };
+    let header = vec![
+        "NAME",
+        if kind == Kind::VirtualDiskSnapshot {
+            "DISK"
+        } else {
+            "VM"
+        },
+        "PHASE",
+        "CONSISTENT",
+        "CUT-TIME",
+        "FREEZE-MS",
+        "SIZE",
+        "AGE",
+    ];
+    let mut table = Table::new(&header);
+    for item in items {
+        let st = &item["status"];
+        let text = |v: &Value| v.as_str().unwrap_or("-").to_string();
+        let consistent = match st["consistent"].as_bool() {
+            Some(true) => "true".to_string(),
+            Some(false) => "false".to_string(),
+            None => "-".to_string(),
+        };
+        let freeze = st["freezeWindowMs"]
+            .as_u64()
+            .map(|v| v.to_string())
+            .unwrap_or_else(|| "-".into());
+        let size = st["size"]
+            .as_u64()
+            .map(crate::output::human_bytes)
+            .unwrap_or_else(|| "-".into());
+        let cut_time = st["cutTime"]
+            .as_str()
+            .map(|t| t.chars().take(19).collect::<String>())
+            .unwrap_or_else(|| "-".into());
+        let age = crate::output::age_of(item, now);
+        table.push(vec![
+            text(&item["metadata"]["name"]),
+            text(&item["spec"][source_field]),
+            text(&st["phase"]),
+            consistent,
+            cut_time,
+            freeze,
+            size,
+            age,
+        ]);
+    }
+    table
 }

@@ -34,6 +34,8 @@ pub fn short_ref(kind: Kind, name: &str) -> String {
     let short = match kind {
         Kind::VirtualMachine => "vm",
         Kind::VirtualDisk => "disk",
+        Kind::VirtualDiskSnapshot => "snapshot",
+        Kind::VirtualMachineSnapshot => "vmsnapshot",
     };
     format!("{short}/{name}")
 }

@@ -90,6 +90,9 @@ pub fn check_condition(kind: Kind, cond: WaitFor) -> Result<WaitFor, String> {
     let phases: &[&str] = match kind {
         Kind::VirtualMachine => &VM_PHASES,
         Kind::VirtualDisk => &DISK_PHASES,
+        Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => {
+            &["Pending", "InProgress", "Ready", "Failed", "Terminating"]
+        }
     };
     match cond {
         WaitFor::Phase(p) => phases

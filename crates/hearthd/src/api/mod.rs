@@ -31,6 +31,11 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/virtualmachines/{name}/console", get(console::console))
         .route("/v1/virtualmachines/{name}/agent/ping", post(agent_ping))
         .route("/v1/virtualmachines/{name}/agent/exec", post(agent_exec))
+        .route(
+            "/v1/virtualmachines/{name}/agent/fsfreeze-status",
+            post(agent_freeze_status),
+        )
+        .route("/v1/virtualmachines/{name}/restore", post(restore))
         .route("/v1/virtualmachines/{name}/{action}", post(vm_action))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(engine)
@@ -208,4 +213,29 @@ async fn agent_exec(
         "stderr": String::from_utf8_lossy(&out.stderr),
         "truncated": out.truncated,
     })))
+}
+
+async fn agent_freeze_status(
+    State(engine): State<Arc<Engine>>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    let frozen = engine.agent_freeze_status(&name).await?;
+    Ok(Json(
+        json!({"status": if frozen { "frozen" } else { "thawed" }}),
+    ))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RestoreRequest {
+    from: String,
+}
+
+async fn restore(
+    State(engine): State<Arc<Engine>>,
+    Path(name): Path<String>,
+    Json(req): Json<RestoreRequest>,
+) -> Result<Json<Value>, ApiError> {
+    let message = engine.restore_vm(&name, &req.from).await?;
+    Ok(Json(json!({"message": message})))
 }

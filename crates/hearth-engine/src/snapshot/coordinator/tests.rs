@@ -423,14 +423,14 @@ impl Sim {
     /// I3: a freeze we sent never holds past the deadline (plus one thaw),
     /// unless a thaw failed or the daemon crashed in between.
     fn check_i3(&self) {
-        if let (true, Some(sent)) = (self.frozen, self.freeze_sent_at) {
-            if !self.fault_since_freeze {
-                assert!(
-                    self.now.saturating_sub(sent) <= DEADLINE + THAW_TIMEOUT_MS,
-                    "I3: frozen for {} ms",
-                    self.now - sent
-                );
-            }
+        if let (true, Some(sent)) = (self.frozen, self.freeze_sent_at)
+            && !self.fault_since_freeze
+        {
+            assert!(
+                self.now.saturating_sub(sent) <= DEADLINE + THAW_TIMEOUT_MS,
+                "I3: frozen for {} ms",
+                self.now - sent
+            );
         }
     }
 

@@ -1,0 +1,335 @@
+//! Reconcile of the snapshot kinds. Level-triggered like the rest: a
+//! snapshot is recorded durably as Pending before anything touches the
+//! guest; its VM's actor takes it from there.
+
+use std::sync::Arc;
+
+use hearth_api::{
+    API_VERSION, EventType, Kind, Object, ObjectMeta, SnapshotPhase, SnapshotStatus,
+    VirtualDiskSnapshot, VirtualDiskSnapshotSpec, check_dns_label,
+};
+use rusqlite::params;
+
+use super::actor::{request_of, target_of};
+use super::storage;
+use crate::engine::{Engine, ReconcileError};
+use crate::store::Store;
+
+fn status_of(v: &serde_json::Value) -> SnapshotStatus {
+    serde_json::from_value(v.clone()).unwrap_or_default()
+}
+
+pub async fn reconcile_disk_snapshot(
+    engine: &Arc<Engine>,
+    name: &str,
+) -> Result<(), ReconcileError> {
+    let Some(stored) = engine.store.get(Kind::VirtualDiskSnapshot, name)? else {
+        return Ok(());
+    };
+    let Object::VirtualDiskSnapshot(snap) = &stored.object else {
+        return Ok(());
+    };
+    let status = status_of(&stored.status);
+    if stored.deleting {
+        if status.phase == SnapshotPhase::InProgress {
+            // Its cut is running; the cut's commit wakes this again.
+            return Ok(());
+        }
+        storage::drop_snapshot_layer(&engine.store, name)?;
+        engine.store.remove(Kind::VirtualDiskSnapshot, name)?;
+        let freed = storage::collect_garbage(&engine.store)?;
+        engine.event(
+            Kind::VirtualDiskSnapshot,
+            name,
+            EventType::Normal,
+            "Deleted",
+            &format!(
+                "{} layer file(s) no longer needed were removed",
+                freed.len()
+            ),
+        );
+        if let Some(parent) = &status.virtual_machine_snapshot_name {
+            engine.wake(Kind::VirtualMachineSnapshot, parent);
+        }
+        return Ok(());
+    }
+    if status.phase != SnapshotPhase::Pending {
+        return Ok(());
+    }
+    let disk = &snap.spec.virtual_disk_name;
+    let Some(disk_obj) = engine.store.get(Kind::VirtualDisk, disk)? else {
+        fail(
+            engine,
+            name,
+            "DiskNotFound",
+            &format!("VirtualDisk {disk:?} does not exist"),
+        );
+        return Ok(());
+    };
+    if disk_obj.deleting {
+        fail(
+            engine,
+            name,
+            "DiskDeleting",
+            &format!("VirtualDisk {disk:?} is being deleted"),
+        );
+        return Ok(());
+    }
+    if storage::head(&engine.store, disk)?.is_none() {
+        // The disk's image is not made yet; its reconcile wakes us.
+        return Ok(());
+    }
+    if status.virtual_machine_snapshot_name.is_some() {
+        // Requested together with its siblings by the VM snapshot.
+        return Ok(());
+    }
+    let target = target_of(engine, disk)?;
+    engine
+        .snapshots
+        .request(engine, &target, vec![request_of(snap)]);
+    Ok(())
+}
+
+fn fail(engine: &Engine, name: &str, reason: &str, message: &str) {
+    engine.set_snapshot_status(Kind::VirtualDiskSnapshot, name, |s| {
+        s.phase = SnapshotPhase::Failed;
+        s.reason = Some(reason.into());
+        s.message = Some(message.into());
+    });
+    engine.event(
+        Kind::VirtualDiskSnapshot,
+        name,
+        EventType::Warning,
+        reason,
+        message,
+    );
+}
+
+pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(), ReconcileError> {
+    let Some(stored) = engine.store.get(Kind::VirtualMachineSnapshot, name)? else {
+        return Ok(());
+    };
+    let Object::VirtualMachineSnapshot(vmsnap) = &stored.object else {
+        return Ok(());
+    };
+    let status = status_of(&stored.status);
+    let fail_vm = |reason: &str, message: &str| {
+        engine.set_snapshot_status(Kind::VirtualMachineSnapshot, name, |s| {
+            s.phase = SnapshotPhase::Failed;
+            s.reason = Some(reason.into());
+            s.message = Some(message.into());
+        });
+        engine.event(
+            Kind::VirtualMachineSnapshot,
+            name,
+            EventType::Warning,
+            reason,
+            message,
+        );
+    };
+
+    if stored.deleting {
+        let mut left = 0;
+        for child in &status.virtual_disk_snapshot_names {
+            if engine
+                .store
+                .get(Kind::VirtualDiskSnapshot, child)?
+                .is_some()
+            {
+                left += 1;
+                engine
+                    .store
+                    .mark_deleting(Kind::VirtualDiskSnapshot, child)?;
+                engine.wake(Kind::VirtualDiskSnapshot, child);
+            }
+        }
+        if left == 0 {
+            engine.store.remove(Kind::VirtualMachineSnapshot, name)?;
+            engine.event(
+                Kind::VirtualMachineSnapshot,
+                name,
+                EventType::Normal,
+                "Deleted",
+                "the VM snapshot and its disk snapshots are gone",
+            );
+        }
+        return Ok(());
+    }
+
+    match status.phase {
+        SnapshotPhase::Pending => {
+            let vm_name = &vmsnap.spec.virtual_machine_name;
+            let Some(vm) = engine.store.get(Kind::VirtualMachine, vm_name)? else {
+                fail_vm(
+                    "VirtualMachineNotFound",
+                    &format!("VirtualMachine {vm_name:?} does not exist"),
+                );
+                return Ok(());
+            };
+            let Object::VirtualMachine(vm) = &vm.object else {
+                return Ok(());
+            };
+            if vm.spec.disks.is_empty() {
+                fail_vm(
+                    "NoDisks",
+                    &format!("VirtualMachine {vm_name:?} has no disks"),
+                );
+                return Ok(());
+            }
+            let mut children = Vec::new();
+            for d in &vm.spec.disks {
+                let child = format!("{name}-{}", d.virtual_disk_name);
+                if let Err(why) = check_dns_label(&child) {
+                    fail_vm(
+                        "NameTooLong",
+                        &format!("the disk snapshot name {why}; use a shorter VM snapshot name"),
+                    );
+                    return Ok(());
+                }
+                if engine
+                    .store
+                    .get(Kind::VirtualDiskSnapshot, &child)?
+                    .is_some()
+                {
+                    fail_vm(
+                        "NameTaken",
+                        &format!("a VirtualDiskSnapshot named {child:?} already exists"),
+                    );
+                    return Ok(());
+                }
+                children.push(VirtualDiskSnapshot {
+                    api_version: API_VERSION.into(),
+                    kind: Kind::VirtualDiskSnapshot.as_str().into(),
+                    metadata: ObjectMeta {
+                        name: child,
+                        creation_timestamp: Some(chrono::Utc::now()),
+                        generation: 1,
+                        managed_by: Some(format!("VirtualMachineSnapshot/{name}")),
+                    },
+                    spec: VirtualDiskSnapshotSpec {
+                        virtual_disk_name: d.virtual_disk_name.clone(),
+                        required_consistency: vmsnap.spec.required_consistency,
+                    },
+                    status: None,
+                });
+            }
+            let names: Vec<String> = children.iter().map(|c| c.metadata.name.clone()).collect();
+            // Children and the parent's status in one transaction: a crash
+            // leaves either no children or all of them, each Pending.
+            engine.store.with_tx(|tx| {
+                for c in &children {
+                    let body = serde_json::to_string(&Object::VirtualDiskSnapshot(c.clone()))?;
+                    let status = SnapshotStatus {
+                        virtual_machine_snapshot_name: Some(name.to_string()),
+                        ..SnapshotStatus::default()
+                    };
+                    tx.execute(
+                        "INSERT INTO objects (kind, name, body, status) VALUES (?1, ?2, ?3, ?4)",
+                        params![
+                            Kind::VirtualDiskSnapshot.as_str(),
+                            c.metadata.name,
+                            body,
+                            serde_json::to_string(&status)?
+                        ],
+                    )?;
+                }
+                Store::update_status_tx::<SnapshotStatus, _>(
+                    tx,
+                    Kind::VirtualMachineSnapshot,
+                    name,
+                    |s| {
+                        s.phase = SnapshotPhase::InProgress;
+                        s.virtual_disk_snapshot_names = names.clone();
+                    },
+                )?;
+                Ok(())
+            })?;
+            engine.event(
+                Kind::VirtualMachineSnapshot,
+                name,
+                EventType::Normal,
+                "Requested",
+                &format!("disk snapshots {} requested in one cut", names.join(", ")),
+            );
+            let requests = children.iter().map(request_of).collect();
+            engine
+                .snapshots
+                .request(engine, &format!("vm/{vm_name}"), requests);
+        }
+        SnapshotPhase::InProgress => {
+            let mut children = Vec::new();
+            for c in &status.virtual_disk_snapshot_names {
+                match engine.store.get(Kind::VirtualDiskSnapshot, c)? {
+                    Some(s) => {
+                        if let Object::VirtualDiskSnapshot(snap) = &s.object {
+                            children.push((request_of(snap), status_of(&s.status)));
+                        }
+                    }
+                    None => {
+                        fail_vm(
+                            "DiskSnapshotDeleted",
+                            &format!("its disk snapshot {c:?} was deleted"),
+                        );
+                        return Ok(());
+                    }
+                }
+            }
+            let open: Vec<_> = children
+                .iter()
+                .filter(|(_, s)| s.phase == SnapshotPhase::Pending)
+                .map(|(r, _)| r.clone())
+                .collect();
+            if !open.is_empty() {
+                // Idempotent: the actor ignores requests it already has.
+                let target = format!("vm/{}", vmsnap.spec.virtual_machine_name);
+                engine.snapshots.request(engine, &target, open);
+                return Ok(());
+            }
+            if children.iter().any(|(_, s)| !s.phase.is_final()) {
+                return Ok(());
+            }
+            let failed: Vec<String> = children
+                .iter()
+                .filter(|(_, s)| s.phase == SnapshotPhase::Failed)
+                .map(|(r, s)| format!("{}: {}", r.snapshot, s.message.clone().unwrap_or_default()))
+                .collect();
+            let first = children.first().map(|(_, s)| s.clone()).unwrap_or_default();
+            let consistent = children.iter().all(|(_, s)| s.consistent == Some(true));
+            let size: u64 = children.iter().filter_map(|(_, s)| s.size).sum();
+            engine.set_snapshot_status(Kind::VirtualMachineSnapshot, name, |s| {
+                if failed.is_empty() {
+                    s.phase = SnapshotPhase::Ready;
+                    s.consistent = Some(consistent);
+                } else {
+                    s.phase = SnapshotPhase::Failed;
+                    s.reason = Some("DiskSnapshotFailed".into());
+                    s.message = Some(failed.join("; "));
+                }
+                s.cut_id = first.cut_id;
+                s.cut_time = first.cut_time;
+                s.freeze_window_ms = first.freeze_window_ms;
+                s.size = Some(size);
+            });
+            engine.event(
+                Kind::VirtualMachineSnapshot,
+                name,
+                if failed.is_empty() {
+                    EventType::Normal
+                } else {
+                    EventType::Warning
+                },
+                if failed.is_empty() { "Ready" } else { "Failed" },
+                &if failed.is_empty() {
+                    format!(
+                        "all disk snapshots taken in cut {}, consistent: {consistent}",
+                        first.cut_id.unwrap_or(0)
+                    )
+                } else {
+                    failed.join("; ")
+                },
+            );
+        }
+        _ => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,255 @@
+//! Snapshot storage: qcow2 layer chains.
+//!
+//! A disk is a chain of layers; its *head* is the writable top. A cut puts a
+//! fresh overlay on top of the head: the old head becomes immutable and is the
+//! snapshot's content (with everything below it). So:
+//! - taking a snapshot costs one small file and one block-graph change, in
+//!   time independent of the disk's size;
+//! - restoring is one more overlay over the snapshot's layer, same cost;
+//! - nothing ever writes into a layer once it is below a head, so deleting a
+//!   snapshot cannot change any other snapshot or disk: it only drops a
+//!   reference, and a layer file is removed once nothing reaches it any more
+//!   (no head, no snapshot, no layer above it).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use rusqlite::{OptionalExtension, params};
+
+use crate::store::{Store, StoreError};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Layer {
+    pub id: String,
+    pub path: PathBuf,
+    pub backing: Option<String>,
+}
+
+/// A layer made for a cut or a restore, not yet recorded.
+#[derive(Clone, Debug)]
+pub struct NewLayer {
+    pub id: String,
+    pub path: PathBuf,
+}
+
+pub fn layers_dir(state_dir: &Path) -> PathBuf {
+    state_dir.join("layers")
+}
+
+/// A fresh, never reused layer id and its file path.
+pub fn allocate(store: &Store, state_dir: &Path, disk: &str) -> Result<NewLayer, StoreError> {
+    let n = store.next_counter("layer")?;
+    let id = format!("{n:08}-{disk}");
+    Ok(NewLayer {
+        path: layers_dir(state_dir).join(format!("{id}.qcow2")),
+        id,
+    })
+}
+
+pub fn head(store: &Store, disk: &str) -> Result<Option<Layer>, StoreError> {
+    store.with_tx(|tx| head_tx(tx, disk))
+}
+
+pub fn head_tx(tx: &rusqlite::Transaction<'_>, disk: &str) -> Result<Option<Layer>, StoreError> {
+    let id: Option<String> = tx
+        .query_row(
+            "SELECT layer FROM heads WHERE disk = ?1",
+            params![disk],
+            |r| r.get(0),
+        )
+        .optional()?;
+    match id {
+        Some(id) => layer_tx(tx, &id),
+        None => Ok(None),
+    }
+}
+
+pub fn layer_tx(tx: &rusqlite::Transaction<'_>, id: &str) -> Result<Option<Layer>, StoreError> {
+    Ok(tx
+        .query_row(
+            "SELECT id, path, backing FROM layers WHERE id = ?1",
+            params![id],
+            |r| {
+                Ok(Layer {
+                    id: r.get(0)?,
+                    path: PathBuf::from(r.get::<_, String>(1)?),
+                    backing: r.get(2)?,
+                })
+            },
+        )
+        .optional()?)
+}
+
+pub fn snapshot_layer(store: &Store, snapshot: &str) -> Result<Option<Layer>, StoreError> {
+    store.with_tx(|tx| {
+        let id: Option<String> = tx
+            .query_row(
+                "SELECT layer FROM snapshot_layers WHERE snapshot = ?1",
+                params![snapshot],
+                |r| r.get(0),
+            )
+            .optional()?;
+        match id {
+            Some(id) => layer_tx(tx, &id),
+            None => Ok(None),
+        }
+    })
+}
+
+/// Records `new` as a layer over `backing` and makes it `disk`'s head.
+pub fn set_head_tx(
+    tx: &rusqlite::Transaction<'_>,
+    disk: &str,
+    new: &NewLayer,
+    backing: Option<&str>,
+) -> Result<(), StoreError> {
+    tx.execute(
+        "INSERT INTO layers (id, path, backing) VALUES (?1, ?2, ?3)",
+        params![new.id, new.path.to_string_lossy(), backing],
+    )?;
+    tx.execute(
+        "INSERT INTO heads (disk, layer) VALUES (?1, ?2)
+         ON CONFLICT (disk) DO UPDATE SET layer = excluded.layer",
+        params![disk, new.id],
+    )?;
+    Ok(())
+}
+
+pub fn drop_head(store: &Store, disk: &str) -> Result<(), StoreError> {
+    store.with_tx(|tx| {
+        tx.execute("DELETE FROM heads WHERE disk = ?1", params![disk])?;
+        Ok(())
+    })
+}
+
+pub fn set_snapshot_layer_tx(
+    tx: &rusqlite::Transaction<'_>,
+    snapshot: &str,
+    layer: &str,
+) -> Result<(), StoreError> {
+    tx.execute(
+        "INSERT INTO snapshot_layers (snapshot, layer) VALUES (?1, ?2)
+         ON CONFLICT (snapshot) DO UPDATE SET layer = excluded.layer",
+        params![snapshot, layer],
+    )?;
+    Ok(())
+}
+
+pub fn drop_snapshot_layer(store: &Store, snapshot: &str) -> Result<(), StoreError> {
+    store.with_tx(|tx| {
+        tx.execute(
+            "DELETE FROM snapshot_layers WHERE snapshot = ?1",
+            params![snapshot],
+        )?;
+        Ok(())
+    })
+}
+
+/// Removes every layer nothing reaches any more: not a head, not a
+/// snapshot's layer, not below one of those. Returns the files removed.
+/// Rows go first (one transaction), files after: a crash in between leaves
+/// only unreferenced files behind, never a reference to a missing file.
+pub fn collect_garbage(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
+    let doomed = store.with_tx(|tx| {
+        let mut all: BTreeMap<String, (PathBuf, Option<String>)> = BTreeMap::new();
+        {
+            let mut stmt = tx.prepare("SELECT id, path, backing FROM layers")?;
+            let rows = stmt.query_map([], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, Option<String>>(2)?,
+                ))
+            })?;
+            for row in rows {
+                let (id, path, backing) = row?;
+                all.insert(id, (PathBuf::from(path), backing));
+            }
+        }
+        let mut roots: Vec<String> = Vec::new();
+        for sql in [
+            "SELECT layer FROM heads",
+            "SELECT layer FROM snapshot_layers",
+        ] {
+            let mut stmt = tx.prepare(sql)?;
+            let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+            for r in rows {
+                roots.push(r?);
+            }
+        }
+        let mut live = BTreeSet::new();
+        for root in roots {
+            let mut cur = Some(root);
+            while let Some(id) = cur {
+                if !live.insert(id.clone()) {
+                    break;
+                }
+                cur = all.get(&id).and_then(|(_, b)| b.clone());
+            }
+        }
+        let mut doomed = Vec::new();
+        for (id, (path, _)) in &all {
+            if !live.contains(id) {
+                tx.execute("DELETE FROM layers WHERE id = ?1", params![id])?;
+                doomed.push(path.clone());
+            }
+        }
+        Ok(doomed)
+    })?;
+    for p in &doomed {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(doomed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer(store: &Store, dir: &Path, disk: &str) -> NewLayer {
+        let l = allocate(store, dir, disk).unwrap();
+        std::fs::create_dir_all(l.path.parent().unwrap()).unwrap();
+        std::fs::write(&l.path, disk).unwrap();
+        l
+    }
+
+    #[test]
+    fn deleting_a_mid_chain_snapshot_keeps_what_others_need_and_frees_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("db")).unwrap();
+        // base <- s1 <- s2 <- head
+        let base = layer(&store, dir.path(), "d");
+        let s1 = layer(&store, dir.path(), "d");
+        let s2 = layer(&store, dir.path(), "d");
+        store
+            .with_tx(|tx| {
+                set_head_tx(tx, "d", &base, None)?;
+                set_head_tx(tx, "d", &s1, Some(&base.id))?;
+                set_snapshot_layer_tx(tx, "snap1", &base.id)?;
+                set_head_tx(tx, "d", &s2, Some(&s1.id))?;
+                set_snapshot_layer_tx(tx, "snap2", &s1.id)?;
+                Ok(())
+            })
+            .unwrap();
+        drop_snapshot_layer(&store, "snap1").unwrap();
+        assert!(
+            collect_garbage(&store).unwrap().is_empty(),
+            "the chain still needs base"
+        );
+        // A restored disk from snap2 keeps s1 (and base) alive after the disk goes.
+        let r = layer(&store, dir.path(), "r");
+        store
+            .with_tx(|tx| set_head_tx(tx, "r", &r, Some(&s1.id)))
+            .unwrap();
+        drop_head(&store, "d").unwrap();
+        drop_snapshot_layer(&store, "snap2").unwrap();
+        let freed = collect_garbage(&store).unwrap();
+        assert_eq!(freed, vec![s2.path.clone()]);
+        assert!(base.path.exists() && s1.path.exists() && r.path.exists());
+        drop_head(&store, "r").unwrap();
+        let mut freed = collect_garbage(&store).unwrap();
+        freed.sort();
+        assert_eq!(freed.len(), 3);
+        assert!(!base.path.exists() && !s1.path.exists() && !r.path.exists());
+    }
+}
