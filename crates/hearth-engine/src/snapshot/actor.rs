@@ -189,6 +189,7 @@ async fn run(engine: Weak<Engine>, target: String, mut rx: mpsc::UnboundedReceiv
             let lock = e.ops_lock(&target);
             let guard = lock.lock_owned().await;
             let (access, live) = access(&e, &target).await;
+            core.set_deadline(deadline_of(&e, &target));
             let out = core.handle(Input::Start { access, now: now() });
             if out.is_empty() {
                 drop(guard);
@@ -226,16 +227,7 @@ async fn run(engine: Weak<Engine>, target: String, mut rx: mpsc::UnboundedReceiv
 /// Rebuilds the coordinator from the store: unsettled snapshots, and the
 /// intent of a cut the previous daemon did not finish.
 fn recover(engine: &Arc<Engine>, target: &str) -> Result<(Coordinator, Vec<Command>), StoreError> {
-    let deadline_ms = match target.strip_prefix("vm/") {
-        Some(vm) => match engine.store.get(Kind::VirtualMachine, vm)? {
-            Some(s) => match &s.object {
-                Object::VirtualMachine(v) => u64::from(v.spec.freeze_deadline_seconds) * 1000,
-                _ => 10_000,
-            },
-            None => 10_000,
-        },
-        None => 10_000,
-    };
+    let deadline_ms = deadline_of(engine, target);
     let mut pending = Vec::new();
     for s in engine.store.list(Kind::VirtualDiskSnapshot)? {
         let Object::VirtualDiskSnapshot(snap) = &s.object else {
@@ -286,6 +278,21 @@ fn recover(engine: &Arc<Engine>, target: &str) -> Result<(Coordinator, Vec<Comma
         next_cut,
         Durable { pending, intent },
     ))
+}
+
+/// The VM's `spec.freezeDeadlineSeconds`, in ms (10 s when there is no VM).
+fn deadline_of(engine: &Engine, target: &str) -> Millis {
+    let default = 10_000;
+    let Some(vm) = target.strip_prefix("vm/") else {
+        return default;
+    };
+    match engine.store.get(Kind::VirtualMachine, vm) {
+        Ok(Some(s)) => match &s.object {
+            Object::VirtualMachine(v) => u64::from(v.spec.freeze_deadline_seconds) * 1000,
+            _ => default,
+        },
+        _ => default,
+    }
 }
 
 pub fn request_of(snap: &VirtualDiskSnapshot) -> Request {

@@ -277,6 +277,11 @@ impl Coordinator {
         (c, out)
     }
 
+    /// A new deadline (the VM's spec changed); used from the next cut on.
+    pub fn set_deadline(&mut self, deadline_ms: Millis) {
+        self.deadline_ms = deadline_ms;
+    }
+
     pub fn is_idle(&self) -> bool {
         self.cut.is_none()
     }

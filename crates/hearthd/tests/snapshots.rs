@@ -1,0 +1,469 @@
+//! Consistent snapshots end to end: real QEMU, the real qemu-ga in the test
+//! guest, real qcow2 files checked on the host with e2fsprogs.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use serde_json::{Value, json};
+
+const SNAP_TIMEOUT: Duration = Duration::from_secs(90);
+
+fn apply(d: &Daemon, items: Vec<Value>) {
+    let (status, v) = d.request("POST", "/v1/apply", Some(&json!({"items": items})));
+    assert_eq!(status, 200, "apply: {v}");
+}
+
+fn disk_snapshot(name: &str, disk: &str, required: bool) -> Value {
+    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
+           "metadata": {"name": name},
+           "spec": {"virtualDiskName": disk, "requiredConsistency": required}})
+}
+
+fn vm_snapshot(name: &str, vm: &str) -> Value {
+    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualMachineSnapshot",
+           "metadata": {"name": name}, "spec": {"virtualMachineName": vm}})
+}
+
+fn restored_disk(name: &str, snapshot: &str) -> Value {
+    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
+           "metadata": {"name": name}, "spec": {"source": {"snapshot": snapshot}}})
+}
+
+fn get(d: &Daemon, plural: &str, name: &str) -> Option<Value> {
+    match d.request("GET", &format!("/v1/{plural}/{name}"), None) {
+        (200, v) => Some(v),
+        (404, _) => None,
+        (s, v) => panic!("GET {plural}/{name}: {s} {v}"),
+    }
+}
+
+/// Waits until a snapshot is final and returns it.
+fn wait_final(d: &Daemon, plural: &str, name: &str) -> Value {
+    let mut last = Value::Null;
+    let deadline = std::time::Instant::now() + SNAP_TIMEOUT;
+    while std::time::Instant::now() < deadline {
+        if let Some(v) = get(d, plural, name) {
+            let phase = v["status"]["phase"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            if phase == "Ready" || phase == "Failed" {
+                return v;
+            }
+            last = v;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!("{plural}/{name} not final: {last:#}\n{}", d.log());
+}
+
+fn exec(d: &Daemon, vm: &str, script: &str) -> Value {
+    let (status, v) = d.request(
+        "POST",
+        &format!("/v1/virtualmachines/{vm}/agent/exec"),
+        Some(&json!({"path": "/bin/sh", "args": ["-c", script]})),
+    );
+    assert_eq!(status, 200, "exec {script}: {v}");
+    assert_eq!(v["exitCode"], 0, "exec {script}: {v}");
+    v
+}
+
+fn freeze_status(d: &Daemon, vm: &str) -> String {
+    let (status, v) = d.request(
+        "POST",
+        &format!("/v1/virtualmachines/{vm}/agent/fsfreeze-status"),
+        None,
+    );
+    assert_eq!(status, 200, "{v}");
+    v["status"].as_str().unwrap_or_default().to_string()
+}
+
+fn count_events(d: &Daemon, vm: &str, reason: &str) -> usize {
+    d.event_reasons("VirtualMachine", vm)
+        .iter()
+        .filter(|r| *r == reason)
+        .count()
+}
+
+/// The disk's image as raw bytes on the host, through its whole chain.
+fn to_raw(image: &Path, out: &Path) {
+    let st = Command::new("qemu-img")
+        .args(["convert", "-U", "-O", "raw"])
+        .arg(image)
+        .arg(out)
+        .status()
+        .expect("qemu-img");
+    assert!(st.success(), "qemu-img convert {}", image.display());
+}
+
+fn sha256(path: &Path) -> String {
+    let out = Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("sha256sum");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+fn disk_path(d: &Daemon, disk: &str) -> std::path::PathBuf {
+    let v = d.get_disk(disk).expect("disk");
+    std::path::PathBuf::from(v["status"]["path"].as_str().expect("disk path"))
+}
+
+fn wait_disk_ready(d: &Daemon, disk: &str) {
+    wait_until(
+        &format!("disk {disk} Ready"),
+        Duration::from_secs(30),
+        || {
+            d.get_disk(disk)
+                .is_some_and(|v| v["status"]["phase"] == "Ready")
+        },
+    );
+}
+
+/// A snapshot's content, read through a disk restored from it.
+fn snapshot_checksum(d: &Daemon, snapshot: &str, scratch: &Path) -> String {
+    let disk = format!("chk-{snapshot}");
+    apply(d, vec![restored_disk(&disk, snapshot)]);
+    wait_disk_ready(d, &disk);
+    let raw = scratch.join(format!("{disk}.raw"));
+    to_raw(&disk_path(d, &disk), &raw);
+    let sum = sha256(&raw);
+    let _ = std::fs::remove_file(&raw);
+    d.cli_ok(&["delete", "disk", &disk]);
+    wait_until("checksum disk gone", Duration::from_secs(30), || {
+        d.get_disk(&disk).is_none()
+    });
+    sum
+}
+
+#[test]
+fn consistent_snapshots_batches_restores_and_chain_deletes() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    let m = manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}---\n{}",
+            overlay_disk_yaml("data-a"),
+            overlay_disk_yaml("data-b"),
+            vm_yaml("app", "AlwaysOn", &["data-a", "data-b"], "")
+        ),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    d.wait_agent("app");
+
+    // 1. A file written (not synced) in the guest is in a consistent snapshot.
+    let token = format!("precious-{}", std::process::id());
+    exec(&d, "app", &format!("echo {token} > /data/precious.txt"));
+    apply(&d, vec![disk_snapshot("s-a", "data-a", true)]);
+    let s = wait_final(&d, "virtualdisksnapshots", "s-a");
+    assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
+    assert_eq!(s["status"]["consistent"], true, "{s:#}");
+    assert!(s["status"]["freezeWindowMs"].as_u64().is_some(), "{s:#}");
+    assert_eq!(freeze_status(&d, "app"), "thawed");
+
+    apply(&d, vec![restored_disk("restored-a", "s-a")]);
+    wait_disk_ready(&d, "restored-a");
+    let raw = scratch.join("restored-a.raw");
+    to_raw(&disk_path(&d, "restored-a"), &raw);
+    let fsck = Command::new("e2fsck")
+        .arg("-fn")
+        .arg(&raw)
+        .output()
+        .expect("e2fsck");
+    assert!(
+        fsck.status.success(),
+        "e2fsck: {}",
+        String::from_utf8_lossy(&fsck.stdout)
+    );
+    let header = Command::new("dumpe2fs")
+        .arg("-h")
+        .arg(&raw)
+        .output()
+        .expect("dumpe2fs");
+    let header = String::from_utf8_lossy(&header.stdout);
+    assert!(
+        !header.contains("needs_recovery"),
+        "journal not clean: {header}"
+    );
+    assert!(
+        header.contains("Filesystem state:         clean"),
+        "{header}"
+    );
+    let cat = Command::new("debugfs")
+        .arg("-R")
+        .arg("cat /precious.txt")
+        .arg(&raw)
+        .output()
+        .expect("debugfs");
+    assert_eq!(String::from_utf8_lossy(&cat.stdout).trim(), token);
+
+    // 2. A batch made in parallel: 5 snapshots of each disk and a VM
+    // snapshot. Requests arriving during a cut wait for the next one, so at
+    // most two cuts, each one freeze, and every snapshot consistent.
+    let freezes_before = count_events(&d, "app", "Freezing");
+    let mut items: Vec<Value> = Vec::new();
+    for i in 0..5 {
+        items.push(disk_snapshot(&format!("b-a{i}"), "data-a", true));
+        items.push(disk_snapshot(&format!("b-b{i}"), "data-b", true));
+    }
+    items.push(vm_snapshot("b-vm", "app"));
+    std::thread::scope(|scope| {
+        for item in &items {
+            let d = &d;
+            scope.spawn(move || apply(d, vec![item.clone()]));
+        }
+    });
+    let mut cuts = BTreeSet::new();
+    for item in &items {
+        let name = item["metadata"]["name"].as_str().expect("name");
+        let plural = if item["kind"] == "VirtualMachineSnapshot" {
+            "virtualmachinesnapshots"
+        } else {
+            "virtualdisksnapshots"
+        };
+        let s = wait_final(&d, plural, name);
+        assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
+        assert_eq!(s["status"]["consistent"], true, "{s:#}");
+        cuts.insert(s["status"]["cutId"].as_u64().expect("cutId"));
+    }
+    let vm_snap = get(&d, "virtualmachinesnapshots", "b-vm").expect("vm snapshot");
+    let children = vm_snap["status"]["virtualDiskSnapshotNames"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(children.len(), 2, "{vm_snap:#}");
+    let child_cuts: BTreeSet<u64> = children
+        .iter()
+        .map(|c| get(&d, "virtualdisksnapshots", c.as_str().unwrap_or_default()).expect("child")["status"]["cutId"].as_u64().expect("cut"))
+        .collect();
+    assert_eq!(
+        child_cuts.len(),
+        1,
+        "a VM snapshot's disks are cut together"
+    );
+    let freezes = count_events(&d, "app", "Freezing") - freezes_before;
+    assert_eq!(freezes, cuts.len(), "one freeze per cut");
+    assert!(cuts.len() <= 2, "11 requests took {} cuts", cuts.len());
+    assert_eq!(freeze_status(&d, "app"), "thawed");
+
+    // 3. A chain: c1, c2, c3 with different content; deleting the middle one
+    // changes no other snapshot and not the live disk.
+    for i in 1..=3 {
+        exec(&d, "app", &format!("echo chain-{i} > /data/chain.txt"));
+        apply(&d, vec![disk_snapshot(&format!("c{i}"), "data-a", true)]);
+        assert_eq!(
+            wait_final(&d, "virtualdisksnapshots", &format!("c{i}"))["status"]["consistent"],
+            true
+        );
+    }
+    d.cli_ok(&["stop", "app"]);
+    d.wait_phase("app", "Stopped", Duration::from_secs(60));
+    let before: Vec<String> = (1..=3)
+        .map(|i| snapshot_checksum(&d, &format!("c{i}"), &scratch))
+        .collect();
+    assert_ne!(before[0], before[2]);
+    let live_raw = scratch.join("live.raw");
+    to_raw(&disk_path(&d, "data-a"), &live_raw);
+    let live_before = sha256(&live_raw);
+
+    // A snapshot of a stopped VM: consistent, without a freeze.
+    let freezes_before = count_events(&d, "app", "Freezing");
+    apply(&d, vec![disk_snapshot("offline", "data-a", true)]);
+    let s = wait_final(&d, "virtualdisksnapshots", "offline");
+    assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
+    assert_eq!(s["status"]["consistent"], true);
+    assert_eq!(count_events(&d, "app", "Freezing"), freezes_before);
+
+    d.cli_ok(&["delete", "snapshot", "c2"]);
+    wait_until("c2 gone", Duration::from_secs(30), || {
+        get(&d, "virtualdisksnapshots", "c2").is_none()
+    });
+    assert_eq!(snapshot_checksum(&d, "c1", &scratch), before[0]);
+    assert_eq!(snapshot_checksum(&d, "c3", &scratch), before[2]);
+    to_raw(&disk_path(&d, "data-a"), &live_raw);
+    assert_eq!(sha256(&live_raw), live_before, "the live disk changed");
+
+    // 4. Restore the VM from its snapshot: the disks are as they were then.
+    d.cli_ok(&["start", "app"]);
+    d.wait_agent("app");
+    let (status, v) = d.request(
+        "POST",
+        "/v1/virtualmachines/app/restore",
+        Some(&json!({"from": "b-vm"})),
+    );
+    assert_eq!(status, 200, "{v}");
+    d.wait_agent("app");
+    let out = exec(
+        &d,
+        "app",
+        "cat /data/chain.txt 2>/dev/null || echo none; cat /data/precious.txt",
+    );
+    assert_eq!(
+        out["stdout"].as_str().unwrap_or_default(),
+        format!("none\n{token}\n")
+    );
+
+    // 5. Everything deleted: every layer file is gone.
+    d.cli_ok(&["delete", "vm", "app"]);
+    wait_until("vm gone", Duration::from_secs(60), || {
+        d.get_vm("app").is_none()
+    });
+    for s in ["s-a", "c1", "c3", "offline"].iter().chain(
+        items
+            .iter()
+            .filter(|i| i["kind"] == "VirtualDiskSnapshot")
+            .map(|i| i["metadata"]["name"].as_str().unwrap_or_default())
+            .collect::<Vec<_>>()
+            .iter(),
+    ) {
+        d.cli_ok(&["delete", "snapshot", s]);
+    }
+    d.cli_ok(&["delete", "vmsnapshot", "b-vm"]);
+    for disk in ["data-a", "data-b", "restored-a"] {
+        d.cli_ok(&["delete", "disk", disk]);
+    }
+    wait_until("all layers removed", Duration::from_secs(60), || {
+        std::fs::read_dir(d.state_dir().join("layers"))
+            .map(|r| r.count() == 0)
+            .unwrap_or(true)
+    });
+}
+
+#[test]
+fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
+    let _serial = serial();
+    let mut d = Daemon::start();
+
+    // No agent: required fails with a reason; not required is Ready but not consistent.
+    let noagent = vm_yaml("blind", "AlwaysOn", &["blind-data"], "")
+        .replace("memory: 256Mi", "memory: 256Mi\n  guestAgent: false");
+    let m = manifest(
+        &d,
+        "blind.yaml",
+        &format!("{}---\n{}", overlay_disk_yaml("blind-data"), noagent),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    d.wait_phase("blind", "Running", Duration::from_secs(60));
+    apply(
+        &d,
+        vec![
+            disk_snapshot("blind-must", "blind-data", true),
+            disk_snapshot("blind-may", "blind-data", false),
+        ],
+    );
+    let must = wait_final(&d, "virtualdisksnapshots", "blind-must");
+    assert_eq!(must["status"]["phase"], "Failed", "{must:#}");
+    assert!(
+        must["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("guestAgent"),
+        "{must:#}"
+    );
+    let may = wait_final(&d, "virtualdisksnapshots", "blind-may");
+    assert_eq!(may["status"]["phase"], "Ready", "{may:#}");
+    assert_eq!(may["status"]["consistent"], false, "{may:#}");
+    d.cli_ok(&["delete", "vm", "blind"]);
+
+    // A guest whose fsfreeze hook takes 4 s before each freeze.
+    let hook = vm_yaml(
+        "hook",
+        "AlwaysOn",
+        &["hook-data"],
+        "hearth.freeze_hook_sleep=4",
+    );
+    let m = manifest(
+        &d,
+        "hook.yaml",
+        &format!("{}---\n{}", overlay_disk_yaml("hook-data"), hook),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    d.wait_agent("hook");
+
+    // hearthd is killed while the freeze is under way; the guest freezes
+    // with nobody left to thaw it. The restarted daemon thaws it and takes
+    // the snapshot again; it is never claimed consistent on the old cut.
+    apply(&d, vec![disk_snapshot("crash", "hook-data", true)]);
+    wait_until("freeze under way", Duration::from_secs(30), || {
+        count_events(&d, "hook", "Freezing") == 1
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    d.kill();
+    // The hook ends and the guest freezes while no daemon runs.
+    std::thread::sleep(Duration::from_secs(5));
+    d.spawn();
+    let s = wait_final(&d, "virtualdisksnapshots", "crash");
+    let events = d.events("VirtualMachine", "hook");
+    assert!(
+        events.iter().any(|e| e["reason"] == "RecoveringCut"),
+        "{events:#?}"
+    );
+    let thawed_one = events.iter().any(|e| {
+        e["reason"] == "Thawed"
+            && e["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("thawed 1 filesystem")
+    });
+    assert!(
+        thawed_one,
+        "the restarted daemon found the guest frozen and thawed it: {events:#?}"
+    );
+    assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
+    assert_eq!(
+        s["status"]["consistent"], true,
+        "a fresh cut after the restart: {s:#}"
+    );
+    assert!(s["status"]["cutId"].as_u64() > Some(1), "{s:#}");
+    assert_eq!(freeze_status(&d, "hook"), "thawed");
+
+    // A freeze that cannot finish within the deadline: thawed, not consistent.
+    let m = manifest(
+        &d,
+        "hook.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("hook-data"),
+            hook.replace("memory: 256Mi", "memory: 256Mi\n  freezeDeadlineSeconds: 2")
+        ),
+    );
+    let out = d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    assert!(out.contains("virtualmachine/hook configured"), "{out}");
+    apply(
+        &d,
+        vec![
+            disk_snapshot("late", "hook-data", true),
+            disk_snapshot("late-ok", "hook-data", false),
+        ],
+    );
+    let late = wait_final(&d, "virtualdisksnapshots", "late");
+    assert_eq!(late["status"]["phase"], "Failed", "{late:#}");
+    assert!(
+        late["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("deadline"),
+        "{late:#}"
+    );
+    let late_ok = wait_final(&d, "virtualdisksnapshots", "late-ok");
+    assert_eq!(late_ok["status"]["phase"], "Ready", "{late_ok:#}");
+    assert_eq!(late_ok["status"]["consistent"], false, "{late_ok:#}");
+    // The freeze happened after the deadline; its queued thaw undid it.
+    wait_until("guest thawed", Duration::from_secs(20), || {
+        freeze_status(&d, "hook") == "thawed"
+    });
+    exec(&d, "hook", "echo still-writable > /data/after.txt && sync");
+}
