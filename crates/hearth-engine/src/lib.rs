@@ -4,6 +4,7 @@
 pub mod config;
 pub mod disk;
 pub mod engine;
+pub mod manifest;
 pub mod runtime;
 pub mod snapshot;
 pub mod store;

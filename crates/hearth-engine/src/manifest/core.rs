@@ -1,0 +1,1264 @@
+//! The manifest directory's logic, free of I/O: a full listing of the
+//! directory in, commands for the engine out.
+//!
+//! ```text
+//!   Listing ──scan()──▶ [Apply | Delete]  ──(engine)──▶ done()  ──▶ reports() ──▶ [Report]
+//! ```
+//!
+//! Level-triggered: every scan is a complete picture of the directory, and
+//! the commands are the difference between what it declares and what the
+//! store holds (`applied`). No decision depends on which inotify events came
+//! or in which order, so no event sequence (an editor's rename dance, a lost
+//! event, an overflow) can make it do something the directory does not say.
+//!
+//! The rules, each tested below and by the property test in `tests.rs`:
+//! - Identity is content, not path: an object is its (kind, name). A file
+//!   renamed is the same declaration under another path: nothing restarts,
+//!   the owner string follows the file.
+//! - A file that cannot be used (empty, half written, binary, syntax error,
+//!   unknown field, too large) declares nothing new and takes nothing away:
+//!   the objects it last declared validly are *held* as they are.
+//! - The same object declared by two sources is a conflict: it is neither
+//!   changed nor deleted until one declaration goes.
+//! - A delete needs the object absent from every scan for `delete_grace`,
+//!   confirmed by a later scan; the core asks for that scan (`next_wake`).
+//! - Engine refusals are retried with backoff; their errors are reported.
+//! - A missing directory is "unknown", not "empty": nothing is deleted.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hearth_api::{Kind, Object};
+
+use super::parse::FileError;
+
+/// An object's identity: kind and name, wherever it is declared.
+pub type Key = (Kind, String);
+
+/// A file's identity on disk (device, inode), to follow an invalid file
+/// through a rename.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct FileId {
+    pub dev: u64,
+    pub ino: u64,
+}
+
+/// One object as a file declares it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decl {
+    pub object: Object,
+    /// The spec as canonical JSON: equal text, equal desired state.
+    pub spec: String,
+}
+
+impl Decl {
+    pub fn new(object: Object) -> Decl {
+        let spec = object.spec_json().to_string();
+        Decl { object, spec }
+    }
+
+    pub fn key(&self) -> Key {
+        (self.object.kind(), self.object.name().to_string())
+    }
+}
+
+/// What one file holds.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Content {
+    Valid(Arc<[Decl]>),
+    Invalid(FileError),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct FileScan {
+    pub id: Option<FileId>,
+    pub content: Content,
+}
+
+/// One full look at the directory.
+#[derive(Clone, Debug)]
+pub enum Listing {
+    /// The directory is missing or unreadable: nothing can be concluded.
+    Missing(String),
+    /// Every candidate file, by absolute path.
+    Files(BTreeMap<PathBuf, FileScan>),
+}
+
+/// An object the store holds with a `file:` owner.
+#[derive(Clone, Debug)]
+pub struct Stored {
+    pub object: Object,
+    pub owner: PathBuf,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Command {
+    /// Create or update these objects, owned by `file`, in one engine apply.
+    Apply { file: PathBuf, decls: Vec<Decl> },
+    /// Delete an object whose file is confirmed gone; `file` owned it.
+    Delete { key: Key, file: PathBuf },
+    /// Tell people about an object's problem, or that it is resolved (None).
+    Report { key: Key, problem: Option<Problem> },
+}
+
+/// What keeps an object from following its file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Problem {
+    /// The file that declared it cannot be used now; the object is held.
+    Invalid { file: PathBuf, error: String },
+    /// Declared by several files (or by a file that cannot be read now and
+    /// another one): nothing changes until one declaration remains.
+    Conflict { files: Vec<PathBuf> },
+    /// The engine refused the file's objects.
+    ApplyFailed { file: PathBuf, error: String },
+    /// The engine refused the delete (e.g. a disk still in use); retried.
+    DeleteFailed { error: String },
+}
+
+/// How an engine call went.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Done,
+    /// Delete only: the object was already gone.
+    NotFound,
+    Refused(String),
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct CoreConfig {
+    /// How long an object must be absent from the directory before it is
+    /// deleted (confirmed by a scan at least this much later).
+    pub delete_grace: Duration,
+    /// First retry of a refused apply or delete; doubles up to `retry_max`.
+    pub retry_min: Duration,
+    pub retry_max: Duration,
+}
+
+impl Default for CoreConfig {
+    fn default() -> Self {
+        CoreConfig {
+            delete_grace: Duration::from_secs(2),
+            retry_min: Duration::from_secs(1),
+            retry_max: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct FileEntry {
+    id: Option<FileId>,
+    content: Content,
+    /// For an invalid file: the declarations it holds (its last good ones).
+    held: Arc<[Decl]>,
+}
+
+impl FileEntry {
+    /// What this file stands for: its declarations, or what it holds.
+    fn last_good(&self) -> Arc<[Decl]> {
+        match &self.content {
+            Content::Valid(d) => d.clone(),
+            Content::Invalid(_) => self.held.clone(),
+        }
+    }
+}
+
+/// What the store holds for an object we own.
+#[derive(Clone, Debug)]
+struct Applied {
+    owner: PathBuf,
+    decl: Decl,
+}
+
+impl Applied {
+    fn is(&self, owner: &Path, decl: &Decl) -> bool {
+        self.owner == owner && self.decl.spec == decl.spec
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Failure {
+    attempts: u32,
+    retry_at: Instant,
+    error: String,
+    /// For applies: the batch that failed, so a changed file is tried at once.
+    batch: Vec<(Key, String)>,
+}
+
+/// The directory as the core last saw it, for `GET /v1/sources`.
+#[derive(Clone, Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CoreView {
+    pub directory_present: Option<bool>,
+    pub missing_reason: Option<String>,
+    pub files: Vec<FileView>,
+    pub pending_deletes: Vec<PendingDeleteView>,
+    pub problems: Vec<ProblemView>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FileView {
+    pub path: PathBuf,
+    pub valid: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// Declared objects (or, for an invalid file, the ones it holds).
+    pub objects: Vec<ObjectView>,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ObjectView {
+    pub kind: Kind,
+    pub name: String,
+    /// `Applied`, `Pending` (not applied yet), `Held`, `Conflict`, `ApplyFailed`.
+    pub state: &'static str,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PendingDeleteView {
+    pub kind: Kind,
+    pub name: String,
+    pub owner: PathBuf,
+    pub absent_for_ms: u64,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProblemView {
+    pub kind: Kind,
+    pub name: String,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+pub struct Core {
+    config: CoreConfig,
+    /// None until the first scan; false while the directory is missing.
+    present: Option<bool>,
+    missing_reason: Option<String>,
+    files: BTreeMap<PathBuf, FileEntry>,
+    /// File-owned objects as the store holds them (kept in step with every
+    /// engine call, and reloaded from the store by `resync_store`).
+    applied: BTreeMap<Key, Applied>,
+    /// Objects in `applied` that no scan has seen since this instant.
+    absent: BTreeMap<Key, Instant>,
+    /// Objects whose problem comes from the directory itself (held, conflict).
+    scan_problems: BTreeMap<Key, Problem>,
+    apply_failures: BTreeMap<PathBuf, Failure>,
+    delete_failures: BTreeMap<Key, Failure>,
+    /// The last problem reported per object, so each is reported once.
+    reported: BTreeMap<Key, Problem>,
+    /// Objects the last scan saw declared or held (for `reports`).
+    known: BTreeSet<Key>,
+}
+
+impl Core {
+    /// Starts from what the store holds: objects owned by manifest files.
+    pub fn new(config: CoreConfig, stored: Vec<Stored>) -> Core {
+        let mut core = Core {
+            config,
+            present: None,
+            missing_reason: None,
+            files: BTreeMap::new(),
+            applied: BTreeMap::new(),
+            absent: BTreeMap::new(),
+            scan_problems: BTreeMap::new(),
+            apply_failures: BTreeMap::new(),
+            delete_failures: BTreeMap::new(),
+            reported: BTreeMap::new(),
+            known: BTreeSet::new(),
+        };
+        core.resync_store(stored);
+        core
+    }
+
+    /// Replaces what the core believes the store holds with the store's own
+    /// word (at start-up and on every periodic re-list), so a lost result can
+    /// never leave the core and the store apart for good.
+    pub fn resync_store(&mut self, stored: Vec<Stored>) {
+        self.applied.clear();
+        for s in stored {
+            let decl = Decl::new(s.object);
+            self.applied.insert(
+                decl.key(),
+                Applied {
+                    owner: s.owner,
+                    decl,
+                },
+            );
+        }
+        let applied = &self.applied;
+        self.absent.retain(|k, _| applied.contains_key(k));
+        self.delete_failures.retain(|k, _| applied.contains_key(k));
+    }
+
+    /// Takes in one full listing and says what to apply and delete. Feed each
+    /// command's result to `done`, then call `reports`.
+    pub fn scan(&mut self, now: Instant, listing: Listing) -> Vec<Command> {
+        let files = match listing {
+            Listing::Missing(why) => {
+                // Unknown is not empty: delete nothing, and start any grace
+                // period afresh once the directory is back.
+                self.present = Some(false);
+                self.missing_reason = Some(why);
+                self.absent.clear();
+                return Vec::new();
+            }
+            Listing::Files(files) => files,
+        };
+        self.present = Some(true);
+        self.missing_reason = None;
+
+        // 1. Each file's entry; an invalid file holds its last good objects:
+        //    those of the same path, else of a vanished file with the same
+        //    inode (renamed while broken), else what the store says this path
+        //    owns (a file already broken when this daemon starts).
+        let mut previous = std::mem::take(&mut self.files);
+        let mut vanished: HashMap<FileId, Arc<[Decl]>> = HashMap::new();
+        for (path, entry) in &previous {
+            if !files.contains_key(path)
+                && let Some(id) = entry.id
+            {
+                vanished.insert(id, entry.last_good());
+            }
+        }
+        for (path, scan) in files {
+            let held: Arc<[Decl]> = match &scan.content {
+                Content::Valid(_) => Arc::from(Vec::new()),
+                Content::Invalid(_) => match previous.remove(&path) {
+                    Some(prev) => prev.last_good(),
+                    None => scan
+                        .id
+                        .and_then(|id| vanished.get(&id).cloned())
+                        .unwrap_or_else(|| self.owned_by(&path)),
+                },
+            };
+            self.files.insert(
+                path,
+                FileEntry {
+                    id: scan.id,
+                    content: scan.content,
+                    held,
+                },
+            );
+        }
+
+        // 2. Every source of every object.
+        let mut sources: BTreeMap<Key, Vec<(&Path, &Decl, bool)>> = BTreeMap::new();
+        for (path, entry) in &self.files {
+            let (decls, valid) = match &entry.content {
+                Content::Valid(d) => (d, true),
+                Content::Invalid(_) => (&entry.held, false),
+            };
+            for d in decls.iter() {
+                sources
+                    .entry(d.key())
+                    .or_default()
+                    .push((path.as_path(), d, valid));
+            }
+        }
+
+        // 3. Decide per object.
+        let mut to_apply: BTreeMap<PathBuf, Vec<Decl>> = BTreeMap::new();
+        let mut problems = BTreeMap::new();
+        let mut deletes = Vec::new();
+        let keys: BTreeSet<Key> = sources.keys().chain(self.applied.keys()).cloned().collect();
+        for key in keys {
+            match sources.get(&key).map(Vec::as_slice).unwrap_or_default() {
+                [] => {
+                    let since = *self.absent.entry(key.clone()).or_insert(now);
+                    let waiting = self
+                        .delete_failures
+                        .get(&key)
+                        .is_some_and(|f| now < f.retry_at);
+                    if now.saturating_duration_since(since) >= self.config.delete_grace
+                        && !waiting
+                        && let Some(a) = self.applied.get(&key)
+                    {
+                        deletes.push(Command::Delete {
+                            key: key.clone(),
+                            file: a.owner.clone(),
+                        });
+                    }
+                }
+                [(path, decl, true)] => {
+                    self.absent.remove(&key);
+                    if !self.applied.get(&key).is_some_and(|a| a.is(path, decl)) {
+                        to_apply
+                            .entry(path.to_path_buf())
+                            .or_default()
+                            .push((*decl).clone());
+                    }
+                }
+                [(path, _, false)] => {
+                    self.absent.remove(&key);
+                    let error = match &self.files.get(*path).map(|e| &e.content) {
+                        Some(Content::Invalid(e)) => e.to_string(),
+                        _ => String::new(),
+                    };
+                    problems.insert(
+                        key.clone(),
+                        Problem::Invalid {
+                            file: path.to_path_buf(),
+                            error,
+                        },
+                    );
+                }
+                many => {
+                    self.absent.remove(&key);
+                    let files: BTreeSet<PathBuf> =
+                        many.iter().map(|(p, _, _)| p.to_path_buf()).collect();
+                    problems.insert(
+                        key.clone(),
+                        Problem::Conflict {
+                            files: files.into_iter().collect(),
+                        },
+                    );
+                }
+            }
+        }
+        self.known = sources.keys().cloned().collect();
+        self.scan_problems = problems;
+        // A delete that is no longer wanted forgets its failures.
+        let absent = &self.absent;
+        self.delete_failures.retain(|k, _| absent.contains_key(k));
+
+        // 4. Applies, except a batch refused before and not due for a retry.
+        //    A refusal is forgotten once its file has nothing left to apply.
+        self.apply_failures.retain(|p, _| to_apply.contains_key(p));
+        let mut commands = Vec::new();
+        for (file, decls) in to_apply {
+            if let Some(f) = self.apply_failures.get(&file)
+                && now < f.retry_at
+                && f.batch == batch_of(&decls)
+            {
+                continue;
+            }
+            commands.push(Command::Apply { file, decls });
+        }
+        // Deletes last, users before what they use (kinds in declaration order).
+        commands.extend(deletes);
+        commands
+    }
+
+    /// Records how an engine call went.
+    pub fn done(&mut self, now: Instant, command: &Command, outcome: &Outcome) {
+        match (command, outcome) {
+            (Command::Apply { file, decls }, Outcome::Done | Outcome::NotFound) => {
+                for d in decls {
+                    self.applied.insert(
+                        d.key(),
+                        Applied {
+                            owner: file.clone(),
+                            decl: d.clone(),
+                        },
+                    );
+                }
+                self.apply_failures.remove(file);
+            }
+            (Command::Apply { file, decls }, Outcome::Refused(error)) => {
+                let batch = batch_of(decls);
+                let attempts = match self.apply_failures.get(file) {
+                    Some(f) if f.batch == batch => f.attempts + 1,
+                    _ => 1,
+                };
+                let retry_at = now + self.backoff(attempts);
+                self.apply_failures.insert(
+                    file.clone(),
+                    Failure {
+                        attempts,
+                        retry_at,
+                        error: error.clone(),
+                        batch,
+                    },
+                );
+            }
+            (Command::Delete { key, .. }, Outcome::Done | Outcome::NotFound) => {
+                self.applied.remove(key);
+                self.absent.remove(key);
+                self.delete_failures.remove(key);
+                self.reported.remove(key);
+            }
+            (Command::Delete { key, .. }, Outcome::Refused(error)) => {
+                let attempts = self.delete_failures.get(key).map_or(0, |f| f.attempts) + 1;
+                let retry_at = now + self.backoff(attempts);
+                self.delete_failures.insert(
+                    key.clone(),
+                    Failure {
+                        attempts,
+                        retry_at,
+                        error: error.clone(),
+                        batch: Vec::new(),
+                    },
+                );
+            }
+            (Command::Report { .. }, _) => {}
+        }
+    }
+
+    /// Problems that appeared, changed or went away since the last report.
+    pub fn reports(&mut self) -> Vec<Command> {
+        let current = self.current_problems();
+        let mut out = Vec::new();
+        for (key, problem) in &current {
+            if self.reported.get(key) != Some(problem) {
+                out.push(Command::Report {
+                    key: key.clone(),
+                    problem: Some(problem.clone()),
+                });
+            }
+        }
+        let gone: Vec<Key> = self
+            .reported
+            .keys()
+            .filter(|k| !current.contains_key(*k))
+            .cloned()
+            .collect();
+        for key in gone {
+            // An object no longer declared anywhere has nothing to resolve.
+            if self.known.contains(&key) || self.applied.contains_key(&key) {
+                out.push(Command::Report {
+                    key: key.clone(),
+                    problem: None,
+                });
+            }
+        }
+        self.reported = current;
+        out
+    }
+
+    fn current_problems(&self) -> BTreeMap<Key, Problem> {
+        let mut out = self.scan_problems.clone();
+        for (file, f) in &self.apply_failures {
+            for (key, _) in &f.batch {
+                out.entry(key.clone())
+                    .or_insert_with(|| Problem::ApplyFailed {
+                        file: file.clone(),
+                        error: f.error.clone(),
+                    });
+            }
+        }
+        for (key, f) in &self.delete_failures {
+            out.entry(key.clone())
+                .or_insert_with(|| Problem::DeleteFailed {
+                    error: f.error.clone(),
+                });
+        }
+        out
+    }
+
+    /// When the shell must scan again even if nothing changes: to confirm an
+    /// absence, or to retry a refused call.
+    pub fn next_wake(&self) -> Option<Instant> {
+        let confirms = self.absent.iter().map(|(key, since)| {
+            let due = *since + self.config.delete_grace;
+            match self.delete_failures.get(key) {
+                Some(f) => due.max(f.retry_at),
+                None => due,
+            }
+        });
+        let retries = self.apply_failures.values().map(|f| f.retry_at);
+        confirms.chain(retries).min()
+    }
+
+    /// Whether anything is left to do without a change in the directory.
+    pub fn is_quiet(&self) -> bool {
+        self.next_wake().is_none()
+    }
+
+    /// The objects the store holds from `path`.
+    fn owned_by(&self, path: &Path) -> Arc<[Decl]> {
+        self.applied
+            .values()
+            .filter(|a| a.owner == path)
+            .map(|a| a.decl.clone())
+            .collect()
+    }
+
+    fn backoff(&self, attempts: u32) -> Duration {
+        let factor = 1u32 << attempts.saturating_sub(1).min(16);
+        (self.config.retry_min * factor).min(self.config.retry_max)
+    }
+
+    /// The directory as last seen, for the API.
+    pub fn view(&self, now: Instant) -> CoreView {
+        let problems = self.current_problems();
+        let files = self
+            .files
+            .iter()
+            .map(|(path, entry)| {
+                let (valid, error, decls) = match &entry.content {
+                    Content::Valid(d) => (true, None, d.clone()),
+                    Content::Invalid(e) => (false, Some(e.to_string()), entry.held.clone()),
+                };
+                let objects = decls
+                    .iter()
+                    .map(|d| {
+                        let key = d.key();
+                        let state = match problems.get(&key) {
+                            Some(Problem::Invalid { .. }) => "Held",
+                            Some(Problem::Conflict { .. }) => "Conflict",
+                            Some(Problem::ApplyFailed { .. }) => "ApplyFailed",
+                            _ if self.applied.get(&key).is_some_and(|a| a.is(path, d)) => "Applied",
+                            _ => "Pending",
+                        };
+                        ObjectView {
+                            kind: key.0,
+                            name: key.1,
+                            state,
+                        }
+                    })
+                    .collect();
+                FileView {
+                    path: path.clone(),
+                    valid,
+                    error,
+                    objects,
+                }
+            })
+            .collect();
+        let pending_deletes = self
+            .absent
+            .iter()
+            .filter_map(|(key, since)| {
+                let a = self.applied.get(key)?;
+                Some(PendingDeleteView {
+                    kind: key.0,
+                    name: key.1.clone(),
+                    owner: a.owner.clone(),
+                    absent_for_ms: now.saturating_duration_since(*since).as_millis() as u64,
+                })
+            })
+            .collect();
+        let problems = problems
+            .into_iter()
+            .map(|(key, p)| ProblemView {
+                kind: key.0,
+                name: key.1,
+                reason: p.reason(),
+                message: p.message(),
+            })
+            .collect();
+        CoreView {
+            directory_present: self.present,
+            missing_reason: self.missing_reason.clone(),
+            files,
+            pending_deletes,
+            problems,
+        }
+    }
+}
+
+fn batch_of(decls: &[Decl]) -> Vec<(Key, String)> {
+    decls.iter().map(|d| (d.key(), d.spec.clone())).collect()
+}
+
+impl Problem {
+    /// The condition/event reason.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            Problem::Invalid { .. } => "ManifestInvalid",
+            Problem::Conflict { .. } => "ManifestConflict",
+            Problem::ApplyFailed { .. } => "ManifestApplyFailed",
+            Problem::DeleteFailed { .. } => "ManifestDeleteFailed",
+        }
+    }
+
+    /// A sentence a person can act on.
+    pub fn message(&self) -> String {
+        match self {
+            Problem::Invalid { file, error } => format!(
+                "{}: {error}; keeping the last good state until the file is fixed",
+                file.display()
+            ),
+            Problem::Conflict { files } => {
+                let list: Vec<String> = files.iter().map(|f| f.display().to_string()).collect();
+                format!(
+                    "declared in several manifest files ({}); nothing changes until only one declares it",
+                    list.join(", ")
+                )
+            }
+            Problem::ApplyFailed { file, error } => format!(
+                "{}: refused: {error}; keeping the last good state, retrying",
+                file.display()
+            ),
+            Problem::DeleteFailed { error } => {
+                format!("its manifest file is gone but it cannot be deleted yet: {error}; retrying")
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hearth_api::parse_documents;
+
+    const GRACE: Duration = Duration::from_secs(2);
+
+    fn vm(name: &str, mem: u32) -> Decl {
+        let text = format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: {name}}}\nspec: {{memory: {mem}Mi, boot: {{kernel: /k}}}}\n"
+        );
+        Decl::new(parse_documents(&text, "t").expect("valid").remove(0))
+    }
+
+    fn disk(name: &str) -> Decl {
+        let text = format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {{name: {name}}}\nspec: {{size: 1Gi, source: {{blank: {{}}}}}}\n"
+        );
+        Decl::new(parse_documents(&text, "t").expect("valid").remove(0))
+    }
+
+    fn p(name: &str) -> PathBuf {
+        PathBuf::from(format!("/m/{name}"))
+    }
+
+    fn key(name: &str) -> Key {
+        (Kind::VirtualMachine, name.to_string())
+    }
+
+    fn valid(ino: u64, decls: Vec<Decl>) -> FileScan {
+        FileScan {
+            id: Some(FileId { dev: 1, ino }),
+            content: Content::Valid(decls.into()),
+        }
+    }
+
+    fn invalid(ino: u64, why: &str) -> FileScan {
+        FileScan {
+            id: Some(FileId { dev: 1, ino }),
+            content: Content::Invalid(FileError::new(why)),
+        }
+    }
+
+    fn listing(files: Vec<(&str, FileScan)>) -> Listing {
+        Listing::Files(files.into_iter().map(|(n, s)| (p(n), s)).collect())
+    }
+
+    /// A core plus a store that does what the engine would.
+    struct World {
+        core: Core,
+        t0: Instant,
+        store: BTreeMap<Key, (PathBuf, String)>,
+        log: Vec<Command>,
+    }
+
+    impl World {
+        fn new() -> World {
+            World::with_store(Vec::new())
+        }
+
+        fn with_store(stored: Vec<Stored>) -> World {
+            let store = stored
+                .iter()
+                .map(|s| {
+                    let d = Decl::new(s.object.clone());
+                    (d.key(), (s.owner.clone(), d.spec))
+                })
+                .collect();
+            World {
+                core: Core::new(
+                    CoreConfig {
+                        delete_grace: GRACE,
+                        ..CoreConfig::default()
+                    },
+                    stored,
+                ),
+                t0: Instant::now(),
+                store,
+                log: Vec::new(),
+            }
+        }
+
+        /// One re-list at `ms` after the start; returns the commands.
+        fn scan(&mut self, ms: u64, l: Listing) -> Vec<Command> {
+            let now = self.t0 + Duration::from_millis(ms);
+            let mut out = self.core.scan(now, l);
+            for c in &out {
+                let outcome = match c {
+                    Command::Apply { file, decls } => {
+                        for d in decls {
+                            self.store.insert(d.key(), (file.clone(), d.spec.clone()));
+                        }
+                        Outcome::Done
+                    }
+                    Command::Delete { key, .. } => match self.store.remove(key) {
+                        Some(_) => Outcome::Done,
+                        None => Outcome::NotFound,
+                    },
+                    Command::Report { .. } => Outcome::Done,
+                };
+                self.core.done(now, c, &outcome);
+            }
+            out.extend(self.core.reports());
+            self.log.extend(out.clone());
+            out
+        }
+
+        fn spec_of(&self, name: &str) -> Option<String> {
+            self.store.get(&key(name)).map(|(_, s)| s.clone())
+        }
+
+        fn owner_of(&self, name: &str) -> Option<PathBuf> {
+            self.store.get(&key(name)).map(|(o, _)| o.clone())
+        }
+
+        fn deletes(&self) -> usize {
+            self.log
+                .iter()
+                .filter(|c| matches!(c, Command::Delete { .. }))
+                .count()
+        }
+
+        fn applies(&self) -> usize {
+            self.log
+                .iter()
+                .filter(|c| matches!(c, Command::Apply { .. }))
+                .count()
+        }
+    }
+
+    fn applies(cmds: &[Command]) -> Vec<(PathBuf, Vec<Key>)> {
+        cmds.iter()
+            .filter_map(|c| match c {
+                Command::Apply { file, decls } => {
+                    Some((file.clone(), decls.iter().map(Decl::key).collect()))
+                }
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_new_file_creates_and_an_unchanged_rescan_does_nothing() {
+        let mut w = World::new();
+        let cmds = w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        assert_eq!(applies(&cmds), vec![(p("a.yaml"), vec![key("x")])]);
+        let cmds = w.scan(100, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        assert!(cmds.is_empty(), "{cmds:?}");
+        assert!(w.core.is_quiet());
+    }
+
+    #[test]
+    fn an_edit_applies_only_the_changed_object() {
+        let mut w = World::new();
+        w.scan(
+            0,
+            listing(vec![("a.yaml", valid(1, vec![vm("x", 256), vm("y", 256)]))]),
+        );
+        let cmds = w.scan(
+            100,
+            listing(vec![("a.yaml", valid(2, vec![vm("x", 256), vm("y", 512)]))]),
+        );
+        assert_eq!(applies(&cmds), vec![(p("a.yaml"), vec![key("y")])]);
+    }
+
+    #[test]
+    fn vim_rename_dance_seen_mid_way_is_never_a_delete() {
+        // vim: rename a.yaml -> a.yaml~ (ignored), write a new a.yaml.
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        // A re-list between the rename and the write sees no a.yaml at all.
+        assert!(w.scan(100, listing(vec![])).is_empty());
+        assert!(w.core.next_wake().is_some(), "asks to confirm the absence");
+        // ...and then the new file, with the edit.
+        let cmds = w.scan(150, listing(vec![("a.yaml", valid(2, vec![vm("x", 512)]))]));
+        assert_eq!(applies(&cmds).len(), 1);
+        // Long after: nothing is pending, nothing was deleted.
+        assert!(
+            w.scan(
+                10_000,
+                listing(vec![("a.yaml", valid(2, vec![vm("x", 512)]))])
+            )
+            .is_empty()
+        );
+        assert_eq!(w.deletes(), 0);
+        assert!(w.core.is_quiet());
+    }
+
+    #[test]
+    fn a_delete_needs_absence_confirmed_after_the_grace_period() {
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        assert!(w.scan(1000, listing(vec![])).is_empty());
+        let wake = w.core.next_wake().expect("a confirmation scan");
+        assert_eq!(wake, w.t0 + Duration::from_millis(1000) + GRACE);
+        assert!(w.scan(2999, listing(vec![])).is_empty(), "not yet");
+        let cmds = w.scan(3000, listing(vec![]));
+        assert_eq!(
+            cmds,
+            vec![Command::Delete {
+                key: key("x"),
+                file: p("a.yaml")
+            }]
+        );
+        assert!(w.spec_of("x").is_none());
+        assert!(w.scan(9000, listing(vec![])).is_empty(), "deleted once");
+        assert!(w.core.is_quiet());
+    }
+
+    #[test]
+    fn reappearing_within_the_grace_period_cancels_the_delete() {
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        w.scan(100, listing(vec![]));
+        w.scan(
+            1500,
+            listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]),
+        );
+        w.scan(1600, listing(vec![]));
+        // 3000 ms after the first absence but only 1400 after the second.
+        assert!(w.scan(3000, listing(vec![])).is_empty());
+        assert_eq!(w.scan(3600, listing(vec![])).len(), 1);
+    }
+
+    #[test]
+    fn a_rename_moves_the_owner_without_changing_the_spec() {
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        let spec = w.spec_of("x");
+        let cmds = w.scan(100, listing(vec![("b.yaml", valid(1, vec![vm("x", 256)]))]));
+        assert_eq!(applies(&cmds), vec![(p("b.yaml"), vec![key("x")])]);
+        assert_eq!(w.spec_of("x"), spec);
+        assert_eq!(w.owner_of("x"), Some(p("b.yaml")));
+        w.scan(
+            10_000,
+            listing(vec![("b.yaml", valid(1, vec![vm("x", 256)]))]),
+        );
+        assert_eq!(w.deletes(), 0);
+    }
+
+    #[test]
+    fn an_invalid_file_holds_its_objects_forever_and_applies_once_fixed() {
+        for bad in ["empty", "half written", "binary", "syntax", "too large"] {
+            let mut w = World::new();
+            w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+            let cmds = w.scan(100, listing(vec![("a.yaml", invalid(1, bad))]));
+            assert!(
+                cmds.iter().all(|c| matches!(
+                    c,
+                    Command::Report {
+                        problem: Some(Problem::Invalid { .. }),
+                        ..
+                    }
+                )),
+                "{bad}: {cmds:?}"
+            );
+            assert!(w.core.is_quiet(), "{bad}: nothing pending while held");
+            assert!(
+                w.scan(60_000, listing(vec![("a.yaml", invalid(1, bad))]))
+                    .is_empty()
+            );
+            let cmds = w.scan(
+                61_000,
+                listing(vec![("a.yaml", valid(1, vec![vm("x", 512)]))]),
+            );
+            assert_eq!(applies(&cmds).len(), 1, "{bad}");
+            assert!(
+                cmds.contains(&Command::Report {
+                    key: key("x"),
+                    problem: None
+                }),
+                "{bad}: resolved: {cmds:?}"
+            );
+            assert_eq!(w.deletes(), 0, "{bad}");
+        }
+    }
+
+    #[test]
+    fn an_invalid_file_renamed_keeps_holding_by_inode() {
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(7, vec![vm("x", 256)]))]));
+        w.scan(100, listing(vec![("a.yaml", invalid(7, "half"))]));
+        w.scan(200, listing(vec![("b.yaml", invalid(7, "half"))]));
+        assert!(w.core.is_quiet(), "held by the renamed file");
+        w.scan(9000, listing(vec![("b.yaml", invalid(7, "half"))]));
+        assert_eq!(w.deletes(), 0);
+    }
+
+    #[test]
+    fn a_file_invalid_at_first_sight_holds_what_the_store_says_it_owns() {
+        let x = vm("x", 256);
+        let mut w = World::with_store(vec![Stored {
+            object: x.object.clone(),
+            owner: p("a.yaml"),
+        }]);
+        assert!(
+            w.scan(0, listing(vec![("a.yaml", invalid(1, "broken"))]))
+                .iter()
+                .all(|c| matches!(c, Command::Report { .. }))
+        );
+        w.scan(60_000, listing(vec![("a.yaml", invalid(1, "broken"))]));
+        assert_eq!(w.deletes(), 0);
+        assert_eq!(w.spec_of("x"), Some(x.spec));
+    }
+
+    #[test]
+    fn start_up_applies_only_what_changed_while_down() {
+        let stored = vec![
+            Stored {
+                object: vm("same", 256).object,
+                owner: p("same.yaml"),
+            },
+            Stored {
+                object: vm("edited", 256).object,
+                owner: p("edited.yaml"),
+            },
+            Stored {
+                object: vm("removed", 256).object,
+                owner: p("removed.yaml"),
+            },
+        ];
+        let mut w = World::with_store(stored);
+        let dir = || {
+            listing(vec![
+                ("same.yaml", valid(1, vec![vm("same", 256)])),
+                ("edited.yaml", valid(2, vec![vm("edited", 512)])),
+                ("new.yaml", valid(3, vec![vm("new", 256)])),
+            ])
+        };
+        let cmds = w.scan(0, dir());
+        assert_eq!(
+            applies(&cmds),
+            vec![
+                (p("edited.yaml"), vec![key("edited")]),
+                (p("new.yaml"), vec![key("new")])
+            ]
+        );
+        let cmds = w.scan(GRACE.as_millis() as u64, dir());
+        assert_eq!(
+            cmds,
+            vec![Command::Delete {
+                key: key("removed"),
+                file: p("removed.yaml")
+            }]
+        );
+    }
+
+    #[test]
+    fn a_missing_directory_deletes_nothing() {
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        for t in [100, 5000, 60_000] {
+            assert!(w.scan(t, Listing::Missing("gone".into())).is_empty());
+        }
+        assert!(w.core.is_quiet());
+        // Back, but empty: now it counts, with a fresh grace period.
+        assert!(w.scan(61_000, listing(vec![])).is_empty());
+        assert_eq!(w.scan(63_000, listing(vec![])).len(), 1);
+    }
+
+    #[test]
+    fn two_files_declaring_one_object_is_a_conflict_until_one_goes() {
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        let cmds = w.scan(
+            100,
+            listing(vec![
+                ("a.yaml", valid(1, vec![vm("x", 256)])),
+                ("b.yaml", valid(2, vec![vm("x", 512)])),
+            ]),
+        );
+        assert_eq!(
+            cmds,
+            vec![Command::Report {
+                key: key("x"),
+                problem: Some(Problem::Conflict {
+                    files: vec![p("a.yaml"), p("b.yaml")]
+                })
+            }]
+        );
+        assert_eq!(w.spec_of("x"), Some(vm("x", 256).spec), "untouched");
+        // Removing the original leaves the other copy in force.
+        let cmds = w.scan(200, listing(vec![("b.yaml", valid(2, vec![vm("x", 512)]))]));
+        assert_eq!(applies(&cmds), vec![(p("b.yaml"), vec![key("x")])]);
+        assert_eq!(w.spec_of("x"), Some(vm("x", 512).spec));
+        assert_eq!(w.owner_of("x"), Some(p("b.yaml")));
+        w.scan(
+            10_000,
+            listing(vec![("b.yaml", valid(2, vec![vm("x", 512)]))]),
+        );
+        assert_eq!(w.deletes(), 0);
+    }
+
+    #[test]
+    fn a_conflict_between_two_new_files_creates_nothing() {
+        let mut w = World::new();
+        w.scan(
+            0,
+            listing(vec![
+                ("a.yaml", valid(1, vec![vm("x", 256), vm("y", 256)])),
+                ("b.yaml", valid(2, vec![vm("x", 512)])),
+            ]),
+        );
+        assert!(w.spec_of("x").is_none());
+        assert!(w.spec_of("y").is_some(), "the rest of the file applies");
+    }
+
+    #[test]
+    fn a_valid_copy_beside_an_invalid_holder_is_a_conflict() {
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        let cmds = w.scan(
+            100,
+            listing(vec![
+                ("a.yaml", invalid(1, "typo")),
+                ("b.yaml", valid(2, vec![vm("x", 512)])),
+            ]),
+        );
+        assert!(applies(&cmds).is_empty());
+        assert_eq!(w.spec_of("x"), Some(vm("x", 256).spec));
+    }
+
+    #[test]
+    fn a_refused_apply_is_reported_once_and_retried_with_backoff() {
+        let mut core = Core::new(CoreConfig::default(), Vec::new());
+        let t0 = Instant::now();
+        let l = || listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]);
+        let cmds = core.scan(t0, l());
+        assert_eq!(cmds.len(), 1);
+        core.done(
+            t0,
+            &cmds[0],
+            &Outcome::Refused("kernel outside roots".into()),
+        );
+        let reports = core.reports();
+        assert!(matches!(
+            &reports[..],
+            [Command::Report {
+                problem: Some(Problem::ApplyFailed { .. }),
+                ..
+            }]
+        ));
+        assert_eq!(core.next_wake(), Some(t0 + Duration::from_secs(1)));
+        // Before the retry time an unchanged file is not tried again.
+        assert!(core.scan(t0 + Duration::from_millis(500), l()).is_empty());
+        let cmds = core.scan(t0 + Duration::from_secs(1), l());
+        core.done(
+            t0 + Duration::from_secs(1),
+            &cmds[0],
+            &Outcome::Refused("kernel outside roots".into()),
+        );
+        assert!(core.reports().is_empty(), "same problem: reported once");
+        assert_eq!(
+            core.next_wake(),
+            Some(t0 + Duration::from_secs(3)),
+            "backoff doubles"
+        );
+        // A changed file is tried at once.
+        let cmds = core.scan(
+            t0 + Duration::from_millis(1100),
+            listing(vec![("a.yaml", valid(1, vec![vm("x", 512)]))]),
+        );
+        assert_eq!(cmds.len(), 1);
+        core.done(t0 + Duration::from_millis(1100), &cmds[0], &Outcome::Done);
+        assert_eq!(
+            core.reports(),
+            vec![Command::Report {
+                key: key("x"),
+                problem: None
+            }]
+        );
+    }
+
+    #[test]
+    fn a_refused_delete_is_retried_until_it_goes_through() {
+        let mut core = Core::new(
+            CoreConfig {
+                delete_grace: GRACE,
+                ..CoreConfig::default()
+            },
+            vec![Stored {
+                object: disk("d").object,
+                owner: p("d.yaml"),
+            }],
+        );
+        let t0 = Instant::now();
+        assert!(core.scan(t0, listing(vec![])).is_empty());
+        let t = t0 + GRACE;
+        let cmds = core.scan(t, listing(vec![]));
+        assert_eq!(cmds.len(), 1);
+        core.done(t, &cmds[0], &Outcome::Refused("in use".into()));
+        assert!(matches!(
+            &core.reports()[..],
+            [Command::Report {
+                problem: Some(Problem::DeleteFailed { .. }),
+                ..
+            }]
+        ));
+        assert_eq!(core.next_wake(), Some(t + Duration::from_secs(1)));
+        let t = t + Duration::from_secs(1);
+        let cmds = core.scan(t, listing(vec![]));
+        assert_eq!(cmds.len(), 1);
+        core.done(t, &cmds[0], &Outcome::Done);
+        assert!(
+            core.reports().is_empty(),
+            "a deleted object needs no resolution"
+        );
+        assert!(core.is_quiet());
+    }
+
+    #[test]
+    fn deletes_come_after_applies_and_vms_before_disks() {
+        let mut w = World::new();
+        w.scan(
+            0,
+            listing(vec![("a.yaml", valid(1, vec![disk("d"), vm("x", 256)]))]),
+        );
+        w.scan(100, listing(vec![("n.yaml", valid(2, vec![vm("n", 256)]))]));
+        let cmds = w.scan(
+            5000,
+            listing(vec![("n.yaml", valid(2, vec![vm("n", 256)]))]),
+        );
+        let kinds: Vec<Kind> = cmds
+            .iter()
+            .filter_map(|c| match c {
+                Command::Delete { key, .. } => Some(key.0),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(kinds, vec![Kind::VirtualMachine, Kind::VirtualDisk]);
+    }
+
+    #[test]
+    fn the_view_says_what_each_file_declares_and_why_not() {
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        w.scan(
+            100,
+            listing(vec![
+                ("a.yaml", invalid(1, "line 3, column 1: bad")),
+                ("b.yaml", valid(2, vec![vm("y", 256)])),
+            ]),
+        );
+        let v = w.core.view(w.t0 + Duration::from_millis(200));
+        assert_eq!(v.files.len(), 2);
+        assert!(!v.files[0].valid);
+        assert_eq!(v.files[0].objects[0].state, "Held");
+        assert_eq!(v.files[1].objects[0].state, "Applied");
+        assert_eq!(v.problems[0].reason, "ManifestInvalid");
+        assert!(
+            v.problems[0].message.contains("line 3, column 1"),
+            "{:?}",
+            v.problems
+        );
+    }
+
+    #[test]
+    fn resync_with_the_store_repairs_a_lost_result() {
+        let mut w = World::new();
+        let l = || listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]);
+        w.scan(0, l());
+        // Someone removed it from the store behind the core's back.
+        w.store.clear();
+        w.core.resync_store(Vec::new());
+        let cmds = w.scan(100, l());
+        assert_eq!(applies(&cmds).len(), 1);
+        assert_eq!(w.applies(), 2);
+    }
+}

@@ -1,0 +1,31 @@
+//! The manifest directory: a watched directory of YAML/JSON files as a
+//! source of desired state, safe against every way editors and tools write
+//! files. See docs/manifest-directory.md for the design and its reasons.
+//!
+//! - `names`: which directory entries are manifests (pure).
+//! - `parse`: a file's bytes to objects or an error with line and column (pure).
+//! - `core`: listings in, apply/delete/report commands out (pure, the hard part).
+//! - `scan`: one re-list of the directory, reading only what changed.
+//! - `watch`: the async shell: inotify, debounce, periodic re-list, engine calls.
+
+pub mod core;
+pub mod names;
+pub mod parse;
+pub mod scan;
+pub mod watch;
+
+#[cfg(test)]
+mod tests;
+
+use std::path::Path;
+
+pub use watch::{ManifestConfig, ManifestSource};
+
+/// `metadata.managedBy` of an object from the directory is this prefix and
+/// the absolute path of its file.
+pub const OWNER_PREFIX: &str = "file:";
+
+/// The owner string of objects declared in `file`.
+pub fn owner_string(file: &Path) -> String {
+    format!("{OWNER_PREFIX}{}", file.display())
+}

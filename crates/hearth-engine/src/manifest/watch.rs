@@ -1,0 +1,583 @@
+//! The async shell around the core: inotify, debounce, re-lists, engine calls.
+//!
+//! inotify events are hints only: each one (on a name that can matter) moves
+//! a debounce deadline; when the directory has been quiet for `quiet`, or
+//! `max_delay` after the first hint of a burst, the whole directory is
+//! re-listed and handed to the core. A re-list also runs at start-up, every
+//! `resync`, right away on an inotify queue overflow or a lost watch (the
+//! directory removed, moved or unmounted), and whenever the core asks for one
+//! (to confirm an absence before a delete, or to retry a refused call).
+//!
+//! The re-list itself (reading files, the core, the engine calls) runs on a
+//! blocking thread, one at a time; the state lives behind one mutex.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use hearth_api::{Condition, ConditionStatus, EventType, Kind, set_condition};
+use inotify::{EventMask, Inotify, WatchDescriptor, WatchMask};
+use serde::Serialize;
+use serde_json::Value;
+use tokio::io::unix::AsyncFd;
+use tokio::time::Instant;
+
+use super::core::{Command, Core, CoreConfig, FileId, Key, Outcome, Problem, Stored};
+use super::names::wakes_relist;
+use super::scan::{ScanStats, Scanner};
+use super::{OWNER_PREFIX, owner_string};
+use crate::engine::{Engine, RequestError};
+
+/// The condition an object from the manifest directory carries once its file
+/// had a problem: False while it has one, True once resolved.
+pub const CONDITION: &str = "ManifestValid";
+
+#[derive(Clone, Debug)]
+pub struct ManifestConfig {
+    pub dir: PathBuf,
+    /// Re-list once no relevant event came for this long.
+    pub quiet: Duration,
+    /// ...but at the latest this long after the first event of a burst.
+    pub max_delay: Duration,
+    /// Full re-list (and store resync) even without events.
+    pub resync: Duration,
+    /// An object's file must be absent this long, confirmed by a later
+    /// re-list, before the object is deleted.
+    pub delete_grace: Duration,
+    /// Larger files are an error and are not read.
+    pub max_file_size: u64,
+    /// While the directory is missing or unwatched, look again this often.
+    pub missing_poll: Duration,
+}
+
+impl ManifestConfig {
+    pub fn new(dir: PathBuf) -> ManifestConfig {
+        ManifestConfig {
+            dir,
+            quiet: Duration::from_millis(100),
+            max_delay: Duration::from_secs(1),
+            resync: Duration::from_secs(30),
+            delete_grace: Duration::from_secs(2),
+            max_file_size: 4 << 20,
+            missing_poll: Duration::from_secs(1),
+        }
+    }
+}
+
+/// Why a re-list ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub enum Reason {
+    Start,
+    /// Debounced inotify events.
+    Event,
+    Periodic,
+    /// The inotify queue overflowed: events were lost.
+    Overflow,
+    /// The watch on the directory was lost (removed, moved, unmounted).
+    WatchLost,
+    /// A look while the directory is missing or not watched yet.
+    Missing,
+    /// The core asked: a delete to confirm or a refused call to retry.
+    Due,
+}
+
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+struct RelistStats {
+    at: DateTime<Utc>,
+    reason: Reason,
+    /// Wall time of the whole re-list (listing, reading, core, engine calls).
+    duration_us: u64,
+    /// CPU time of the same, on the thread that ran it.
+    cpu_us: u64,
+    #[serde(flatten)]
+    scan: ScanStats,
+    applies: usize,
+    deletes: usize,
+}
+
+struct State {
+    core: Core,
+    scanner: Scanner,
+    relists: BTreeMap<Reason, u64>,
+    last: Option<RelistStats>,
+}
+
+/// The manifest directory as a source of desired state.
+pub struct ManifestSource {
+    config: ManifestConfig,
+    engine: Arc<Engine>,
+    state: Mutex<State>,
+    watching: AtomicBool,
+}
+
+impl ManifestSource {
+    /// Starts watching; the first re-list runs at once.
+    pub fn start(engine: Arc<Engine>, config: ManifestConfig) -> Arc<ManifestSource> {
+        let core_config = CoreConfig {
+            delete_grace: config.delete_grace,
+            ..CoreConfig::default()
+        };
+        let stored = owned_objects(&engine);
+        let source = Arc::new(ManifestSource {
+            state: Mutex::new(State {
+                core: Core::new(core_config, stored),
+                scanner: Scanner::new(config.dir.clone(), config.max_file_size),
+                relists: BTreeMap::new(),
+                last: None,
+            }),
+            config,
+            engine,
+            watching: AtomicBool::new(false),
+        });
+        tracing::info!(dir = %source.config.dir.display(), "watching the manifest directory");
+        let weak = Arc::downgrade(&source);
+        tokio::spawn(async move { run(weak).await });
+        source
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.config.dir
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What `GET /v1/sources` shows: every file, what it declares and in what
+    /// state, pending deletes, problems, and how the re-lists went.
+    pub fn view(&self) -> Value {
+        let st = self.lock();
+        let core = st.core.view(std::time::Instant::now());
+        let mut v = serde_json::to_value(&core).unwrap_or(Value::Null);
+        if let Value::Object(map) = &mut v {
+            map.insert(
+                "directory".into(),
+                Value::from(self.config.dir.display().to_string()),
+            );
+            map.insert(
+                "watching".into(),
+                Value::from(self.watching.load(Ordering::SeqCst)),
+            );
+            map.insert(
+                "settings".into(),
+                serde_json::json!({
+                    "quietMs": self.config.quiet.as_millis() as u64,
+                    "maxDelayMs": self.config.max_delay.as_millis() as u64,
+                    "resyncSeconds": self.config.resync.as_secs(),
+                    "deleteGraceMs": self.config.delete_grace.as_millis() as u64,
+                    "maxFileBytes": self.config.max_file_size,
+                }),
+            );
+            map.insert(
+                "relists".into(),
+                serde_json::to_value(&st.relists).unwrap_or(Value::Null),
+            );
+            map.insert(
+                "lastRelist".into(),
+                serde_json::to_value(&st.last).unwrap_or(Value::Null),
+            );
+        }
+        v
+    }
+
+    /// One full re-list, on the calling (blocking) thread.
+    fn relist(&self, reason: Reason) {
+        let wall = std::time::Instant::now();
+        let cpu = thread_cpu();
+        let mut st = self.lock();
+        if matches!(
+            reason,
+            Reason::Start | Reason::Periodic | Reason::Overflow | Reason::WatchLost
+        ) {
+            st.core.resync_store(owned_objects(&self.engine));
+        }
+        let (listing, scan) = st.scanner.scan();
+        let now = std::time::Instant::now();
+        let commands = st.core.scan(now, listing);
+        let (mut applies, mut deletes) = (0, 0);
+        for c in &commands {
+            match c {
+                Command::Apply { .. } => applies += 1,
+                Command::Delete { .. } => deletes += 1,
+                Command::Report { .. } => {}
+            }
+            let outcome = self.execute(c);
+            st.core.done(std::time::Instant::now(), c, &outcome);
+        }
+        for r in st.core.reports() {
+            self.execute(&r);
+        }
+        *st.relists.entry(reason).or_insert(0) += 1;
+        let stats = RelistStats {
+            at: Utc::now(),
+            reason,
+            duration_us: wall.elapsed().as_micros() as u64,
+            cpu_us: thread_cpu().saturating_sub(cpu).as_micros() as u64,
+            scan,
+            applies,
+            deletes,
+        };
+        tracing::debug!(?stats, "re-listed the manifest directory");
+        st.last = Some(stats);
+    }
+
+    fn next_due(&self) -> Option<std::time::Instant> {
+        self.lock().core.next_wake()
+    }
+
+    fn execute(&self, command: &Command) -> Outcome {
+        match command {
+            Command::Apply { file, decls } => {
+                let owner = owner_string(file);
+                let objects = decls.iter().map(|d| d.object.clone()).collect();
+                match self.engine.apply(objects, &owner) {
+                    Ok(outcomes) => {
+                        for o in outcomes {
+                            tracing::info!(kind = o.kind.as_str(), name = o.name, action = ?o.action, file = %file.display(), "applied from the manifest directory");
+                        }
+                        Outcome::Done
+                    }
+                    Err(e) => {
+                        tracing::warn!(file = %file.display(), error = %e, "manifest refused");
+                        Outcome::Refused(e.to_string())
+                    }
+                }
+            }
+            Command::Delete { key, file } => {
+                match self.engine.delete(key.0, &key.1, &owner_string(file)) {
+                    Ok(()) => {
+                        tracing::info!(kind = key.0.as_str(), name = key.1, file = %file.display(), "manifest file gone: deleting");
+                        Outcome::Done
+                    }
+                    Err(RequestError::NotFound(_)) => Outcome::NotFound,
+                    Err(e) => Outcome::Refused(e.to_string()),
+                }
+            }
+            Command::Report { key, problem } => {
+                self.report(key, problem.as_ref());
+                Outcome::Done
+            }
+        }
+    }
+
+    fn report(&self, key: &Key, problem: Option<&Problem>) {
+        let (kind, name) = (key.0, key.1.as_str());
+        match problem {
+            Some(p) => {
+                tracing::warn!(
+                    kind = kind.as_str(),
+                    name,
+                    reason = p.reason(),
+                    "{}",
+                    p.message()
+                );
+                self.engine
+                    .event(kind, name, EventType::Warning, p.reason(), &p.message());
+                set_manifest_condition(
+                    &self.engine,
+                    key,
+                    ConditionStatus::False,
+                    p.reason(),
+                    &p.message(),
+                );
+            }
+            None => {
+                let message = "its manifest file is usable again and in force";
+                self.engine
+                    .event(kind, name, EventType::Normal, "ManifestValid", message);
+                set_manifest_condition(
+                    &self.engine,
+                    key,
+                    ConditionStatus::True,
+                    "ManifestValid",
+                    message,
+                );
+            }
+        }
+    }
+}
+
+/// `file:`-owned objects in the store: everything the directory owns.
+fn owned_objects(engine: &Engine) -> Vec<Stored> {
+    let mut out = Vec::new();
+    for kind in Kind::ALL {
+        let Ok(objects) = engine.list(kind) else {
+            continue;
+        };
+        for s in objects {
+            if s.deleting {
+                continue;
+            }
+            if let Some(owner) = s
+                .object
+                .metadata()
+                .managed_by
+                .as_deref()
+                .and_then(|m| m.strip_prefix(OWNER_PREFIX))
+            {
+                out.push(Stored {
+                    owner: PathBuf::from(owner),
+                    object: s.object,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// Sets the `ManifestValid` condition. Typed for the kinds whose status the
+/// engine writes typed (so a first status write keeps it); other kinds get it
+/// only once they have a status.
+fn set_manifest_condition(
+    engine: &Engine,
+    key: &Key,
+    status: ConditionStatus,
+    reason: &str,
+    message: &str,
+) {
+    let now = Utc::now();
+    let set = |c: &mut Vec<Condition>| set_condition(c, CONDITION, status, reason, message, now);
+    let (kind, name) = (key.0, key.1.as_str());
+    if kind == Kind::VirtualMachine {
+        engine.set_vm_status(name, |s| set(&mut s.conditions));
+    } else if kind == Kind::VirtualDisk {
+        engine.set_disk_status(name, |s| set(&mut s.conditions));
+    } else {
+        let r = engine.store.update_status::<Value, _>(kind, name, |v| {
+            if let Value::Object(map) = v {
+                let mut conditions: Vec<Condition> = map
+                    .get("conditions")
+                    .and_then(|c| serde_json::from_value(c.clone()).ok())
+                    .unwrap_or_default();
+                set(&mut conditions);
+                if let Ok(c) = serde_json::to_value(conditions) {
+                    map.insert("conditions".into(), c);
+                }
+            }
+        });
+        if let Err(e) = r {
+            tracing::warn!(kind = kind.as_str(), name, error = %e, "cannot write status");
+        }
+    }
+}
+
+fn thread_cpu() -> Duration {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    Duration::new(
+        t.tv_sec.max(0) as u64,
+        t.tv_nsec.clamp(0, 999_999_999) as u32,
+    )
+}
+
+/// The inotify side: one watch on the directory itself.
+struct Watcher {
+    fd: Option<AsyncFd<Inotify>>,
+    watch: Option<(WatchDescriptor, FileId)>,
+    buffer: Vec<u8>,
+}
+
+/// What a batch of inotify events means.
+#[derive(Default)]
+struct Hints {
+    relevant: bool,
+    overflow: bool,
+    lost: bool,
+}
+
+impl Watcher {
+    fn new() -> Watcher {
+        let registered = Inotify::init().and_then(|inotify| {
+            // SAFETY: the inotify descriptor is owned by the `Inotify` moved
+            // into the `AsyncFd`, so it stays open until the `AsyncFd` (and
+            // with it the registration) is dropped; nothing else closes it.
+            unsafe { AsyncFd::register(inotify) }.map_err(std::io::Error::from)
+        });
+        let fd = match registered {
+            Ok(fd) => Some(fd),
+            Err(e) => {
+                // Still correct without it: the periodic re-list remains.
+                tracing::warn!(error = %e, "cannot use inotify; the manifest directory is only re-listed periodically");
+                None
+            }
+        };
+        Watcher {
+            fd,
+            watch: None,
+            buffer: vec![0; 64 * 1024],
+        }
+    }
+
+    /// Makes sure the watch is on the directory that is there now (it may
+    /// have been removed and created again). Returns whether it is.
+    fn ensure(&mut self, dir: &Path) -> bool {
+        let Some(fd) = &self.fd else { return false };
+        let current = std::fs::metadata(dir).ok().filter(|m| m.is_dir()).map(|m| {
+            use std::os::unix::fs::MetadataExt;
+            FileId {
+                dev: m.dev(),
+                ino: m.ino(),
+            }
+        });
+        match (&self.watch, current) {
+            (Some((_, id)), Some(now)) if *id == now => return true,
+            (Some((wd, _)), _) => {
+                let _ = fd.get_ref().watches().remove(wd.clone());
+                self.watch = None;
+            }
+            (None, _) => {}
+        }
+        let Some(id) = current else { return false };
+        let mask = WatchMask::CREATE
+            | WatchMask::MODIFY
+            | WatchMask::CLOSE_WRITE
+            | WatchMask::ATTRIB
+            | WatchMask::MOVED_FROM
+            | WatchMask::MOVED_TO
+            | WatchMask::DELETE
+            | WatchMask::DELETE_SELF
+            | WatchMask::MOVE_SELF
+            | WatchMask::ONLYDIR;
+        match fd.get_ref().watches().add(dir, mask) {
+            Ok(wd) => {
+                self.watch = Some((wd, id));
+                true
+            }
+            Err(e) => {
+                tracing::debug!(dir = %dir.display(), error = %e, "cannot watch the manifest directory yet");
+                false
+            }
+        }
+    }
+
+    /// Reads every queued event without waiting.
+    fn drain(&mut self) -> Hints {
+        let mut hints = Hints::default();
+        let Some(fd) = self.fd.as_mut() else {
+            return hints;
+        };
+        // Until WouldBlock: nothing more queued.
+        while let Ok(events) = fd.get_mut().read_events(&mut self.buffer) {
+            for e in events {
+                classify(&mut hints, &self.watch, &e.wd, e.mask, e.name);
+            }
+        }
+        if hints.lost
+            && let Some((wd, _)) = self.watch.take()
+        {
+            let _ = fd.get_ref().watches().remove(wd);
+        }
+        hints
+    }
+
+    /// Waits until events are queued, then reads them.
+    async fn next(&mut self) -> Hints {
+        let Some(fd) = self.fd.as_mut() else {
+            return std::future::pending().await;
+        };
+        match fd.readable_mut().await {
+            Ok(mut guard) => guard.clear_ready(),
+            Err(_) => return std::future::pending().await,
+        }
+        self.drain()
+    }
+}
+
+fn classify(
+    hints: &mut Hints,
+    watch: &Option<(WatchDescriptor, FileId)>,
+    wd: &WatchDescriptor,
+    mask: EventMask,
+    name: Option<&std::ffi::OsStr>,
+) {
+    if mask.contains(EventMask::Q_OVERFLOW) {
+        hints.overflow = true;
+        return;
+    }
+    let ours = watch.as_ref().is_some_and(|(w, _)| w == wd);
+    if !ours {
+        return; // a watch we already dropped
+    }
+    if mask.intersects(
+        EventMask::IGNORED | EventMask::DELETE_SELF | EventMask::MOVE_SELF | EventMask::UNMOUNT,
+    ) {
+        hints.lost = true;
+        return;
+    }
+    match name.and_then(|n| n.to_str()) {
+        Some(n) => hints.relevant |= wakes_relist(n),
+        None => hints.relevant = true,
+    }
+}
+
+async fn run(source: std::sync::Weak<ManifestSource>) {
+    let mut watcher = Watcher::new();
+    let mut due: Option<Reason> = Some(Reason::Start);
+    // First and latest relevant event of the current burst.
+    let mut burst: Option<(Instant, Instant)> = None;
+    let mut next_periodic = Instant::now();
+    loop {
+        let Some(src) = source.upgrade() else { return };
+        if let Some(reason) = due.take() {
+            // Watch first, then list: a change after the listing is an event.
+            watcher.ensure(&src.config.dir);
+            if watcher.drain().lost {
+                watcher.ensure(&src.config.dir);
+            }
+            src.watching
+                .store(watcher.watch.is_some(), Ordering::SeqCst);
+            let s = src.clone();
+            if let Err(e) = tokio::task::spawn_blocking(move || s.relist(reason)).await {
+                tracing::error!(error = %e, "manifest re-list failed");
+            }
+            burst = None;
+            next_periodic = Instant::now() + src.config.resync;
+        }
+
+        let now = Instant::now();
+        let mut deadline = next_periodic;
+        let mut why = Reason::Periodic;
+        if let Some((first, last)) = burst {
+            let d = (last + src.config.quiet).min(first + src.config.max_delay);
+            if d < deadline {
+                (deadline, why) = (d, Reason::Event);
+            }
+        }
+        if let Some(w) = src.next_due() {
+            let d = Instant::from_std(w);
+            if d < deadline {
+                (deadline, why) = (d, Reason::Due);
+            }
+        }
+        if watcher.watch.is_none() {
+            let d = now + src.config.missing_poll;
+            if d < deadline {
+                (deadline, why) = (d, Reason::Missing);
+            }
+        }
+        drop(src);
+
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline) => due = Some(why),
+            hints = watcher.next() => {
+                let now = Instant::now();
+                if hints.overflow {
+                    tracing::warn!("inotify queue overflow: re-listing the manifest directory");
+                    due = Some(Reason::Overflow);
+                } else if hints.lost {
+                    tracing::warn!("lost the watch on the manifest directory: re-listing");
+                    due = Some(Reason::WatchLost);
+                } else if hints.relevant {
+                    burst = Some(match burst {
+                        Some((first, _)) => (first, now),
+                        None => (now, now),
+                    });
+                }
+            }
+        }
+    }
+}
