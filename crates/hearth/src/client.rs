@@ -62,27 +62,40 @@ impl ApiClient {
     }
 
     pub async fn get(&self, path: &str) -> Result<Value, ApiError> {
-        self.json(Method::GET, path, None).await
+        self.json(Method::GET, path, None, REQUEST_TIMEOUT).await
     }
 
     pub async fn post(&self, path: &str, body: Option<&Value>) -> Result<Value, ApiError> {
-        self.json(Method::POST, path, body).await
+        self.json(Method::POST, path, body, REQUEST_TIMEOUT).await
+    }
+
+    /// A POST that may legitimately take longer than a plain request, such
+    /// as a restore that first stops the VM.
+    pub async fn post_slow(
+        &self,
+        path: &str,
+        body: Option<&Value>,
+        limit: Duration,
+    ) -> Result<Value, ApiError> {
+        self.json(Method::POST, path, body, limit).await
     }
 
     pub async fn delete(&self, path: &str) -> Result<Value, ApiError> {
-        self.json(Method::DELETE, path, None).await
+        self.json(Method::DELETE, path, None, REQUEST_TIMEOUT).await
     }
 
     /// Sends a GET and hands back the body as it arrives (for console logs).
     /// Only the wait for the headers is bounded; the body may stream forever.
     pub async fn stream(&self, path: &str) -> Result<Incoming, ApiError> {
         let response = self
-            .with_timeout(self.send(Method::GET, path, None))
+            .with_timeout(REQUEST_TIMEOUT, self.send(Method::GET, path, None))
             .await?;
         let status = response.status();
         let body = response.into_body();
         if !status.is_success() {
-            let bytes = self.with_timeout(self.read_body(body)).await?;
+            let bytes = self
+                .with_timeout(REQUEST_TIMEOUT, self.read_body(body))
+                .await?;
             return Err(server_error(status, &bytes));
         }
         Ok(body)
@@ -93,8 +106,9 @@ impl ApiClient {
         method: Method,
         path: &str,
         body: Option<&Value>,
+        limit: Duration,
     ) -> Result<Value, ApiError> {
-        self.with_timeout(async {
+        self.with_timeout(limit, async {
             let response = self.send(method, path, body).await?;
             let status = response.status();
             let bytes = self.read_body(response.into_body()).await?;
@@ -112,13 +126,14 @@ impl ApiClient {
 
     async fn with_timeout<T>(
         &self,
+        limit: Duration,
         fut: impl Future<Output = Result<T, ApiError>>,
     ) -> Result<T, ApiError> {
-        match tokio::time::timeout(REQUEST_TIMEOUT, fut).await {
+        match tokio::time::timeout(limit, fut).await {
             Ok(r) => r,
             Err(_) => Err(ApiError::Timeout {
                 socket: self.socket.clone(),
-                after: REQUEST_TIMEOUT,
+                after: limit,
             }),
         }
     }

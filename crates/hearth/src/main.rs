@@ -15,7 +15,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
-use crate::commands::{action, apply, delete, describe, get, logs, wait};
+use crate::commands::{action, apply, delete, describe, get, logs, restore, snapshot, wait};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -28,6 +28,7 @@ Getting started:
   hearth apply -f demo.yaml
   hearth wait vm demo --for agent
   hearth get vms
+  hearth snapshot vm demo --wait
 
 Exit status: 0 on success, 1 on any error (the message starts with `error:`),
 2 for a command line clap could not parse."
@@ -64,6 +65,8 @@ enum Command {
     Delete(delete::Args),
     Logs(logs::Args),
     Wait(wait::Args),
+    Snapshot(snapshot::Args),
+    Restore(restore::Args),
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
@@ -78,6 +81,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Delete(a) => delete::run(&client, a).await,
         Command::Logs(a) => logs::run(&client, a).await,
         Command::Wait(a) => wait::run(&client, a).await,
+        Command::Snapshot(a) => snapshot::run(&client, a).await,
+        Command::Restore(a) => restore::run(&client, a).await,
     }
 }
 
@@ -124,19 +129,27 @@ mod tests {
 
     #[test]
     fn every_command_teaches_with_an_about_and_an_example() {
-        let cli = Cli::command();
-        for sub in cli.get_subcommands() {
-            let name = sub.get_name();
-            assert!(sub.get_about().is_some(), "{name} has no about");
-            let after = sub
-                .get_after_help()
-                .map(|s| s.to_string())
-                .unwrap_or_default();
-            assert!(
-                after.contains(&format!("hearth {name}")),
-                "{name}'s help has no example: {after:?}"
-            );
+        fn check(cmd: &clap::Command, path: &str) {
+            for sub in cmd.get_subcommands() {
+                let name = format!("{path} {}", sub.get_name());
+                assert!(sub.get_about().is_some(), "{name} has no about");
+                let after = sub
+                    .get_after_help()
+                    .map(|s| s.to_string())
+                    .unwrap_or_default();
+                assert!(
+                    after.contains(&name),
+                    "{name}'s help has no example: {after:?}"
+                );
+                check(sub, &name);
+            }
         }
+        let cli = Cli::command();
+        check(&cli, "hearth");
+        // The nested commands are checked too, not only the top level.
+        let snapshot = cli.find_subcommand("snapshot").expect("snapshot command");
+        assert!(snapshot.find_subcommand("disk").is_some());
+        assert!(snapshot.find_subcommand("vm").is_some());
     }
 
     #[test]
@@ -172,5 +185,35 @@ mod tests {
         assert!(Cli::try_parse_from(["hearth", "get", "pods"]).is_err());
         assert!(Cli::try_parse_from(["hearth", "delete", "vm", "Bad_Name"]).is_err());
         assert!(Cli::try_parse_from(["hearth", "apply"]).is_err());
+    }
+
+    #[test]
+    fn snapshot_kinds_parse_everywhere_a_kind_is_taken() {
+        for (words, kind) in [
+            (["get", "snapshots"], hearth_api::Kind::VirtualDiskSnapshot),
+            (
+                ["get", "vmsnapshots"],
+                hearth_api::Kind::VirtualMachineSnapshot,
+            ),
+        ] {
+            let cli = Cli::try_parse_from(["hearth"].into_iter().chain(words)).expect("parses");
+            assert!(matches!(cli.command, Command::Get(ref g) if g.kind == kind));
+        }
+        let cli = Cli::try_parse_from(["hearth", "describe", "vmsnapshot", "pre"]).expect("parses");
+        assert!(
+            matches!(cli.command, Command::Describe(ref d) if d.kind == hearth_api::Kind::VirtualMachineSnapshot)
+        );
+        let cli = Cli::try_parse_from(["hearth", "delete", "snapshot", "a", "b"]).expect("parses");
+        assert!(
+            matches!(cli.command, Command::Delete(ref d) if d.kind == hearth_api::Kind::VirtualDiskSnapshot && d.names.len() == 2)
+        );
+        let cli = Cli::try_parse_from(["hearth", "wait", "snapshot", "s", "--for", "phase=ready"])
+            .expect("parses");
+        assert!(matches!(cli.command, Command::Wait(_)));
+        let cli = Cli::try_parse_from(["hearth", "restore", "vm", "demo", "--from", "pre"])
+            .expect("parses");
+        assert!(matches!(cli.command, Command::Restore(_)));
+        assert!(Cli::try_parse_from(["hearth", "restore", "vm", "demo"]).is_err());
+        assert!(Cli::try_parse_from(["hearth", "snapshot", "disk"]).is_err());
     }
 }

@@ -13,14 +13,19 @@ use crate::client::ApiClient;
     about = "Delete objects; a VM is stopped first, a disk must not be in use",
     after_help = "\
 Objects that come from the manifest directory cannot be deleted here:
-remove their file instead.
+remove their file instead. Deleting a snapshot frees its space once nothing
+needs it any more (a disk created from it, or a later snapshot, keeps what it
+reads); no other snapshot or disk changes content. It is safe while a cut is
+in progress.
 
 Examples:
   hearth delete vm demo
-  hearth delete disk data scratch"
+  hearth delete disk data scratch
+  hearth delete snapshot data-20250101-120000
+  hearth delete vmsnapshot before-upgrade"
 )]
 pub struct Args {
-    /// vm or disk.
+    /// vm, disk, snapshot (a disk snapshot) or vmsnapshot.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     /// One or more names; each is deleted on its own, so one failure does not stop the rest.
@@ -29,13 +34,17 @@ pub struct Args {
 }
 
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
+    delete(client, args, &mut std::io::stdout().lock()).await
+}
+
+pub async fn delete(client: &ApiClient, args: &Args, out: &mut impl Write) -> anyhow::Result<()> {
     // One name: its error is the error. Several: report each, go on, sum up.
     if let [name] = args.names.as_slice() {
-        return delete_one(client, args.kind, name).await;
+        return delete_one(client, args.kind, name, out).await;
     }
     let mut failed = 0usize;
     for name in &args.names {
-        if let Err(e) = delete_one(client, args.kind, name).await {
+        if let Err(e) = delete_one(client, args.kind, name, out).await {
             failed += 1;
             eprintln!("error: {e:#}");
         }
@@ -46,9 +55,89 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn delete_one(client: &ApiClient, kind: Kind, name: &str) -> anyhow::Result<()> {
+async fn delete_one(
+    client: &ApiClient,
+    kind: Kind,
+    name: &str,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
     client.delete(&object_path(kind, name)).await?;
-    let mut out = std::io::stdout().lock();
     writeln!(out, "{} deleted", resource_ref(kind.as_str(), name))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_server::{ScriptedServer, ok};
+    use hyper::StatusCode;
+
+    #[tokio::test]
+    async fn deleting_snapshots_of_both_kinds_uses_their_paths() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![
+                ok(r#"{"kind": "VirtualDiskSnapshot", "name": "s1", "action": "deleted"}"#),
+                ok(r#"{"kind": "VirtualMachineSnapshot", "name": "pre", "action": "deleted"}"#),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let mut out = Vec::new();
+        for (kind, name) in [
+            (Kind::VirtualDiskSnapshot, "s1"),
+            (Kind::VirtualMachineSnapshot, "pre"),
+        ] {
+            let args = Args {
+                kind,
+                names: vec![name.to_string()],
+            };
+            delete(&client, &args, &mut out).await.expect("deleted");
+        }
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "virtualdisksnapshot/s1 deleted\nvirtualmachinesnapshot/pre deleted\n"
+        );
+        let seen = server.seen();
+        assert_eq!(
+            seen.iter()
+                .map(|s| format!("{} {}", s.method, s.path))
+                .collect::<Vec<_>>(),
+            [
+                "DELETE /v1/virtualdisksnapshots/s1",
+                "DELETE /v1/virtualmachinesnapshots/pre"
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn one_refused_deletion_does_not_stop_the_others() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![
+                (
+                    StatusCode::CONFLICT,
+                    r#"{"error": "VirtualDiskSnapshot \"a\" belongs to VirtualMachineSnapshot \"pre\""}"#
+                        .to_string(),
+                ),
+                ok(r#"{"kind": "VirtualDiskSnapshot", "name": "b", "action": "deleted"}"#),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let args = Args {
+            kind: Kind::VirtualDiskSnapshot,
+            names: vec!["a".into(), "b".into()],
+        };
+        let mut out = Vec::new();
+        let err = delete(&client, &args, &mut out)
+            .await
+            .expect_err("one failed");
+        assert_eq!(err.to_string(), "1 of 2 deletions failed");
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "virtualdisksnapshot/b deleted\n"
+        );
+        assert_eq!(server.seen().len(), 2);
+    }
 }

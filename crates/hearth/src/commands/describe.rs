@@ -19,10 +19,12 @@ const EVENT_LIMIT: usize = 20;
     after_help = "\
 Examples:
   hearth describe vm demo
-  hearth describe disk data"
+  hearth describe disk data
+  hearth describe snapshot data-20250101-120000
+  hearth describe vmsnapshot before-upgrade"
 )]
 pub struct Args {
-    /// vm or disk.
+    /// vm, disk, snapshot (a disk snapshot) or vmsnapshot.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     #[arg(value_name = "NAME", value_parser = super::parse_name)]
@@ -30,6 +32,17 @@ pub struct Args {
 }
 
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
+    let text = describe(client, args, Utc::now()).await?;
+    std::io::stdout().lock().write_all(text.as_bytes())?;
+    Ok(())
+}
+
+/// Fetches the object and its events and renders them.
+pub async fn describe(
+    client: &ApiClient,
+    args: &Args,
+    now: DateTime<Utc>,
+) -> anyhow::Result<String> {
     let object = client
         .get(&super::object_path(args.kind, &args.name))
         .await?;
@@ -46,14 +59,12 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
         },
         Err(e) => Err(e.to_string()),
     };
-    let text = render(
+    Ok(render(
         args.kind,
         &object,
         events.as_deref().map_err(String::as_str),
-        Utc::now(),
-    );
-    std::io::stdout().lock().write_all(text.as_bytes())?;
-    Ok(())
+        now,
+    ))
 }
 
 pub fn render(
@@ -84,9 +95,16 @@ pub fn render(
         cell(at(obj, &["metadata", "generation"])),
     );
 
+    let fields = Fields {
+        order: match kind {
+            Kind::VirtualMachine | Kind::VirtualDisk => FIELD_ORDER,
+            Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => SNAPSHOT_FIELD_ORDER,
+        },
+        now,
+    };
     out.push_str("Spec:\n");
     match at(obj, &["spec"]) {
-        Some(spec @ Value::Object(_)) => render_fields(&mut out, spec, 2),
+        Some(spec @ Value::Object(_)) => fields.render(&mut out, spec, 2),
         _ => out.push_str("  <none>\n"),
     }
 
@@ -97,7 +115,7 @@ pub fn render(
         None => None,
     };
     match &status {
-        Value::Object(map) if !map.is_empty() => render_fields(&mut out, &status, 2),
+        Value::Object(map) if !map.is_empty() => fields.render(&mut out, &status, 2),
         _ => out.push_str("  <none yet: hearthd has not reconciled this object>\n"),
     }
 
@@ -148,47 +166,74 @@ pub fn render(
     out
 }
 
-/// `key: value` lines for a JSON object, values aligned per level; nested
-/// objects indent, lists of scalars join with `, `, lists of objects get `- `.
-fn render_fields(out: &mut String, v: &Value, indent: usize) {
-    let Some(map) = v.as_object() else {
-        out.push_str(&format!("{}{}\n", " ".repeat(indent), scalar(v)));
-        return;
-    };
-    let width = map
-        .iter()
-        .filter(|(_, v)| is_inline(v))
-        .map(|(k, _)| k.chars().count() + 1)
-        .max()
-        .unwrap_or(0);
-    let pad = " ".repeat(indent);
-    let mut entries: Vec<_> = map.iter().collect();
-    entries.sort_by_key(|(k, _)| field_rank(k));
-    for (key, value) in entries {
-        if is_inline(value) {
-            let label = format!("{key}:");
-            let mut text = inline(value);
-            if let ("capacity" | "allocated", Some(bytes)) = (key.as_str(), value.as_u64()) {
-                text = format!("{text} ({})", human_bytes(bytes));
+/// How `key: value` blocks are laid out for one kind.
+struct Fields {
+    /// Known fields in manifest order; the rest follow by name.
+    order: &'static [&'static str],
+    /// For `(3m ago)` after times.
+    now: DateTime<Utc>,
+}
+
+impl Fields {
+    /// `key: value` lines for a JSON object, values aligned per level; nested
+    /// objects indent, lists of scalars join with `, `, lists of objects get `- `.
+    fn render(&self, out: &mut String, v: &Value, indent: usize) {
+        let Some(map) = v.as_object() else {
+            out.push_str(&format!("{}{}\n", " ".repeat(indent), scalar(v)));
+            return;
+        };
+        let width = map
+            .iter()
+            .filter(|(_, v)| is_inline(v))
+            .map(|(k, _)| k.chars().count() + 1)
+            .max()
+            .unwrap_or(0);
+        let pad = " ".repeat(indent);
+        let mut entries: Vec<_> = map.iter().collect();
+        entries.sort_by_key(|(k, _)| field_rank(self.order, k));
+        for (key, value) in entries {
+            if is_inline(value) {
+                let label = format!("{key}:");
+                let text = self.humanised(key, value);
+                out.push_str(&format!("{pad}{label:<width$}  {text}\n"));
+                continue;
             }
-            out.push_str(&format!("{pad}{label:<width$}  {text}\n"));
-            continue;
-        }
-        out.push_str(&format!("{pad}{key}:\n"));
-        match value {
-            Value::Array(items) => {
-                for item in items {
-                    let mut block = String::new();
-                    render_fields(&mut block, item, indent + 4);
-                    // Turn the first line's indent into a list bullet.
-                    let bullet_at = indent + 2;
-                    if block.len() >= bullet_at + 2 {
-                        block.replace_range(bullet_at..bullet_at + 2, "- ");
+            out.push_str(&format!("{pad}{key}:\n"));
+            match value {
+                Value::Array(items) => {
+                    for item in items {
+                        let mut block = String::new();
+                        self.render(&mut block, item, indent + 4);
+                        // Turn the first line's indent into a list bullet.
+                        let bullet_at = indent + 2;
+                        if block.len() >= bullet_at + 2 {
+                            block.replace_range(bullet_at..bullet_at + 2, "- ");
+                        }
+                        out.push_str(&block);
                     }
-                    out.push_str(&block);
                 }
+                _ => self.render(out, value, indent + 2),
             }
-            _ => render_fields(out, value, indent + 2),
+        }
+    }
+
+    /// The value, with byte counts in binary units and times with their age.
+    fn humanised(&self, key: &str, value: &Value) -> String {
+        let text = inline(value);
+        match (key, value) {
+            // `size` in a disk's spec is a quantity string like `1Gi`: left as is.
+            ("capacity" | "allocated" | "size", Value::Number(n)) => match n.as_u64() {
+                Some(bytes) => format!("{text} ({})", human_bytes(bytes)),
+                None => text,
+            },
+            ("cutTime" | "startTime", Value::String(s)) => match DateTime::parse_from_rfc3339(s) {
+                Ok(t) => format!(
+                    "{text} ({} ago)",
+                    human_age(t.with_timezone(&Utc), self.now)
+                ),
+                Err(_) => text,
+            },
+            _ => text,
         }
     }
 }
@@ -208,6 +253,7 @@ const FIELD_ORDER: &[&str] = &[
     "disks",
     "guestAgent",
     "stopTimeoutSeconds",
+    "freezeDeadlineSeconds",
     "phase",
     "accelerator",
     "acceleratorReason",
@@ -222,9 +268,29 @@ const FIELD_ORDER: &[&str] = &[
     "observedGeneration",
 ];
 
-fn field_rank(key: &str) -> (usize, String) {
-    let known = FIELD_ORDER.iter().position(|k| *k == key);
-    (known.unwrap_or(FIELD_ORDER.len()), key.to_string())
+/// The same for both snapshot kinds: what was asked, then what happened,
+/// then why.
+const SNAPSHOT_FIELD_ORDER: &[&str] = &[
+    "virtualDiskName",
+    "virtualMachineName",
+    "requiredConsistency",
+    "phase",
+    "consistent",
+    "cutTime",
+    "freezeWindowMs",
+    "cutId",
+    "size",
+    "capacity",
+    "virtualDiskSnapshotNames",
+    "virtualMachineSnapshotName",
+    "reason",
+    "message",
+    "observedGeneration",
+];
+
+fn field_rank(order: &[&str], key: &str) -> (usize, String) {
+    let known = order.iter().position(|k| *k == key);
+    (known.unwrap_or(order.len()), key.to_string())
 }
 
 /// Fits on the key's line: scalars, `{}`, and lists without objects in them.
@@ -368,5 +434,113 @@ Status:
         assert!(!text.contains("   R4\n"), "{text}");
         assert!(text.contains("   R5\n"), "{text}");
         assert!(text.contains("   R24\n"), "{text}");
+    }
+
+    fn disk_snapshot() -> Value {
+        json!({
+            "apiVersion": "hearth.dev/v1alpha1",
+            "kind": "VirtualDiskSnapshot",
+            "metadata": {"name": "pre-data", "creationTimestamp": "2025-01-01T11:58:00Z",
+                         "generation": 1, "managedBy": "api"},
+            "spec": {"requiredConsistency": true, "virtualDiskName": "data"},
+            "status": {"message": "cut with 2 other snapshots", "reason": "Taken",
+                       "virtualMachineSnapshotName": "pre", "capacity": 1073741824u64,
+                       "size": 1258291, "cutId": 3, "freezeWindowMs": 84,
+                       "cutTime": "2025-01-01T11:58:01.5Z", "consistent": true, "phase": "Ready",
+                       "futureField": "kept",
+                       "conditions": [{"type": "Ready", "status": "True", "reason": "Taken",
+                                       "message": "in cut 3", "lastTransitionTime": "2025-01-01T11:58:02Z"}]}
+        })
+    }
+
+    #[test]
+    fn describe_snapshot_shows_every_status_field_in_order_and_humanised() {
+        let events = [
+            json!({"time": "2025-01-01T11:58:01Z", "type": "Normal", "reason": "Cut",
+                             "message": "cut 3: 3 snapshots, frozen 84 ms"}),
+        ];
+        let text = render(
+            Kind::VirtualDiskSnapshot,
+            &disk_snapshot(),
+            Ok(&events),
+            now(),
+        );
+        let expected = "\
+Name:       pre-data
+Kind:       VirtualDiskSnapshot
+Source:     api
+Created:    2025-01-01T11:58:00Z (2m ago)
+Generation: 1
+Spec:
+  virtualDiskName:      data
+  requiredConsistency:  true
+Status:
+  phase:                       Ready
+  consistent:                  true
+  cutTime:                     2025-01-01T11:58:01.5Z (1m ago)
+  freezeWindowMs:              84
+  cutId:                       3
+  size:                        1258291 (1.2Mi)
+  capacity:                    1073741824 (1.0Gi)
+  virtualMachineSnapshotName:  pre
+  reason:                      Taken
+  message:                     cut with 2 other snapshots
+  futureField:                 kept
+Conditions:
+  TYPE    STATUS   REASON   MESSAGE    AGE
+  Ready   True     Taken    in cut 3   1m
+Events:
+  AGE   TYPE     REASON   MESSAGE
+  1m    Normal   Cut      cut 3: 3 snapshots, frozen 84 ms
+";
+        assert_eq!(text, expected);
+    }
+
+    #[test]
+    fn describe_vm_snapshot_lists_its_disk_snapshots_and_failure() {
+        let snap = json!({
+            "metadata": {"name": "pre"},
+            "spec": {"virtualMachineName": "demo", "requiredConsistency": true},
+            "status": {"phase": "Failed", "virtualDiskSnapshotNames": ["pre-root", "pre-data"],
+                       "reason": "FreezeTimeout", "message": "the guest did not freeze within 10 s"}
+        });
+        let text = render(Kind::VirtualMachineSnapshot, &snap, Ok(&[]), now());
+        let expected = "\
+Spec:
+  virtualMachineName:   demo
+  requiredConsistency:  true
+Status:
+  phase:                     Failed
+  virtualDiskSnapshotNames:  pre-root, pre-data
+  reason:                    FreezeTimeout
+  message:                   the guest did not freeze within 10 s
+Conditions:  <none>
+Events:      <none>
+";
+        assert!(text.ends_with(expected), "{text}");
+    }
+
+    #[tokio::test]
+    async fn describe_asks_for_the_snapshot_and_its_events() {
+        use crate::test_server::{ScriptedServer, ok};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![ok(&disk_snapshot().to_string()), ok(r#"{"items": []}"#)],
+        );
+        let client = ApiClient::new(&server.socket);
+        let args = Args {
+            kind: Kind::VirtualDiskSnapshot,
+            name: "pre-data".into(),
+        };
+        let text = describe(&client, &args, now()).await.expect("described");
+        assert!(text.starts_with("Name:       pre-data\n"), "{text}");
+        let seen = server.seen();
+        assert_eq!(seen.len(), 2);
+        assert_eq!(seen[0].path, "/v1/virtualdisksnapshots/pre-data");
+        assert_eq!(
+            seen[1].path,
+            "/v1/events?kind=VirtualDiskSnapshot&name=pre-data&limit=20"
+        );
     }
 }

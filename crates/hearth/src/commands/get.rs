@@ -8,7 +8,7 @@ use hearth_api::Kind;
 use serde_json::Value;
 
 use crate::client::ApiClient;
-use crate::output::{Table, age_of, at, cell, human_bytes, str_at, u64_at};
+use crate::output::{Table, age_of, at, cell, human_bytes, str_at, time_at, u64_at};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
@@ -27,13 +27,21 @@ pub enum Format {
 #[command(
     about = "List objects of a kind, or show one",
     after_help = "\
+For snapshots, CONSISTENT says whether the guest was frozen (or stopped) at
+the cut, CUT-TIME is when it was taken (UTC) and FREEZE-MS how long the guest
+was frozen for it; -o wide adds the cut's id (snapshots of one VM taken
+together share it) and, for a Failed snapshot, the reason and message.
+
 Examples:
   hearth get vms
   hearth get vm demo -o yaml
-  hearth get disks -o wide"
+  hearth get disks -o wide
+  hearth get snapshots
+  hearth get vmsnapshots -o wide"
 )]
 pub struct Args {
-    /// vm or disk (vms, disks, virtualmachine, VirtualDisk... also work).
+    /// vm, disk, snapshot (a disk snapshot) or vmsnapshot; plurals and the
+    /// full kind names (VirtualDisk, VirtualMachineSnapshot...) work too.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     /// Only this object; 404 if it does not exist.
@@ -157,6 +165,70 @@ pub fn disk_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
     table
 }
 
+/// `NAME DISK|VM PHASE CONSISTENT CUT-TIME FREEZE-MS SIZE AGE`; wide adds
+/// CUT REASON MESSAGE (and VMSNAPSHOT for disk snapshots taken by one).
+pub fn snapshot_table(kind: Kind, items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
+    let vm = kind == Kind::VirtualMachineSnapshot;
+    let (source_header, source_field) = if vm {
+        ("VM", "virtualMachineName")
+    } else {
+        ("DISK", "virtualDiskName")
+    };
+    let mut header = vec![
+        "NAME",
+        source_header,
+        "PHASE",
+        "CONSISTENT",
+        "CUT-TIME",
+        "FREEZE-MS",
+        "SIZE",
+    ];
+    if wide {
+        header.push("CUT");
+        if !vm {
+            header.push("VMSNAPSHOT");
+        }
+        header.extend(["REASON", "MESSAGE"]);
+    }
+    header.push("AGE");
+    let mut table = Table::new(&header);
+    for snap in items {
+        let consistent = match at(snap, &["status", "consistent"]).and_then(Value::as_bool) {
+            Some(true) => "true",
+            Some(false) => "false",
+            None => "-",
+        };
+        let cut_time = time_at(snap, &["status", "cutTime"])
+            .map(|t| t.format("%Y-%m-%dT%H:%M:%SZ").to_string())
+            .unwrap_or_else(|| "-".to_string());
+        let size = u64_at(snap, &["status", "size"])
+            .map(human_bytes)
+            .unwrap_or_else(|| "-".to_string());
+        let mut row = vec![
+            cell(at(snap, &["metadata", "name"])),
+            cell(at(snap, &["spec", source_field])),
+            cell(at(snap, &["status", "phase"])),
+            consistent.to_string(),
+            cut_time,
+            cell(at(snap, &["status", "freezeWindowMs"])),
+            size,
+        ];
+        if wide {
+            row.push(cell(at(snap, &["status", "cutId"])));
+            if !vm {
+                row.push(cell(at(snap, &["status", "virtualMachineSnapshotName"])));
+            }
+            row.extend([
+                cell(at(snap, &["status", "reason"])),
+                cell(at(snap, &["status", "message"])),
+            ]);
+        }
+        row.push(age_of(snap, now));
+        table.push(row);
+    }
+    table
+}
+
 /// `blank`, `image:/path/base.qcow2`, `snapshot:NAME`, ...
 fn disk_source(disk: &Value) -> String {
     match at(disk, &["spec", "source"]).and_then(Value::as_object) {
@@ -229,61 +301,73 @@ root   -       2Gi     -           -          -
         assert!(wide.contains("image:/img/base.qcow2"), "{wide}");
         assert!(wide.contains("   blank   "), "{wide}");
     }
-}
 
-/// `NAME SOURCE PHASE CONSISTENT CUT-TIME FREEZE-MS SIZE AGE`.
-pub fn snapshot_table(kind: Kind, items: &[Value], now: DateTime<Utc>, _wide: bool) -> Table {
-    let source_field = if kind == Kind::VirtualDiskSnapshot {
-        "virtualDiskName"
-    } else {
-        "virtualMachineName"
-    };
-    let header = vec![
-        "NAME",
-        if kind == Kind::VirtualDiskSnapshot {
-            "DISK"
-        } else {
-            "VM"
-        },
-        "PHASE",
-        "CONSISTENT",
-        "CUT-TIME",
-        "FREEZE-MS",
-        "SIZE",
-        "AGE",
-    ];
-    let mut table = Table::new(&header);
-    for item in items {
-        let st = &item["status"];
-        let text = |v: &Value| v.as_str().unwrap_or("-").to_string();
-        let consistent = match st["consistent"].as_bool() {
-            Some(true) => "true".to_string(),
-            Some(false) => "false".to_string(),
-            None => "-".to_string(),
-        };
-        let freeze = st["freezeWindowMs"]
-            .as_u64()
-            .map(|v| v.to_string())
-            .unwrap_or_else(|| "-".into());
-        let size = st["size"]
-            .as_u64()
-            .map(crate::output::human_bytes)
-            .unwrap_or_else(|| "-".into());
-        let cut_time = st["cutTime"]
-            .as_str()
-            .map(|t| t.chars().take(19).collect::<String>())
-            .unwrap_or_else(|| "-".into());
-        let age = crate::output::age_of(item, now);
-        table.push(vec![
-            text(&item["metadata"]["name"]),
-            text(&item["spec"][source_field]),
-            text(&st["phase"]),
-            consistent,
-            cut_time,
-            freeze,
-            size,
-            age,
-        ]);
+    fn snapshots() -> [Value; 3] {
+        [
+            json!({"metadata": {"name": "data-20250101-115800", "creationTimestamp": "2025-01-01T11:58:00Z"},
+                   "spec": {"virtualDiskName": "data", "requiredConsistency": true},
+                   "status": {"phase": "Ready", "consistent": true, "cutTime": "2025-01-01T11:58:01.123456Z",
+                              "freezeWindowMs": 84, "cutId": 3, "size": 1258291, "capacity": 1073741824u64,
+                              "virtualMachineSnapshotName": "pre"}}),
+            json!({"metadata": {"name": "scratch-1", "creationTimestamp": "2025-01-01T11:59:50Z"},
+                   "spec": {"virtualDiskName": "scratch", "requiredConsistency": true},
+                   "status": {"phase": "Failed", "reason": "AgentUnavailable",
+                              "message": "the guest agent is not connected"}}),
+            json!({"metadata": {"name": "new"}, "spec": {"virtualDiskName": "data"}}),
+        ]
     }
-    table
+
+    #[test]
+    fn snapshot_table_shows_phase_consistency_cut_time_freeze_window_and_size() {
+        assert_eq!(
+            snapshot_table(Kind::VirtualDiskSnapshot, &snapshots(), now(), false).render(),
+            "\
+NAME                   DISK      PHASE    CONSISTENT   CUT-TIME               FREEZE-MS   SIZE    AGE
+data-20250101-115800   data      Ready    true         2025-01-01T11:58:01Z   84          1.2Mi   2m
+scratch-1              scratch   Failed   -            -                      -           -       10s
+new                    data      -        -            -                      -           -       -
+"
+        );
+    }
+
+    #[test]
+    fn wide_snapshot_table_adds_the_cut_owner_and_why_it_failed() {
+        let wide = snapshot_table(Kind::VirtualDiskSnapshot, &snapshots(), now(), true).render();
+        let lines: Vec<&str> = wide.lines().collect();
+        assert!(
+            lines[0].ends_with("SIZE    CUT   VMSNAPSHOT   REASON             MESSAGE                            AGE"),
+            "{wide}"
+        );
+        assert!(lines[1].ends_with("1.2Mi   3     pre          -                  -                                  2m"), "{wide}");
+        assert!(
+            lines[2].ends_with("-       -     -            AgentUnavailable   the guest agent is not connected   10s"),
+            "{wide}"
+        );
+    }
+
+    #[test]
+    fn vm_snapshot_table_names_the_vm() {
+        let items = [json!({
+            "metadata": {"name": "pre", "creationTimestamp": "2025-01-01T08:00:00Z"},
+            "spec": {"virtualMachineName": "demo", "requiredConsistency": false},
+            "status": {"phase": "Ready", "consistent": false, "cutTime": "2025-01-01T08:00:02Z",
+                       "cutId": 9, "virtualDiskSnapshotNames": ["pre-root", "pre-data"],
+                       "reason": "NoGuestAgent", "message": "spec.guestAgent is false"}})];
+        assert_eq!(
+            table_for(Kind::VirtualMachineSnapshot, &items, now(), false).render(),
+            "\
+NAME   VM     PHASE   CONSISTENT   CUT-TIME               FREEZE-MS   SIZE   AGE
+pre    demo   Ready   false        2025-01-01T08:00:02Z   -           -      4h
+"
+        );
+        let wide = table_for(Kind::VirtualMachineSnapshot, &items, now(), true).render();
+        assert!(
+            wide.starts_with("NAME   VM     PHASE   CONSISTENT   CUT-TIME               FREEZE-MS   SIZE   CUT   REASON         MESSAGE                    AGE\n"),
+            "{wide}"
+        );
+        assert!(
+            wide.contains("   9     NoGuestAgent   spec.guestAgent is false   4h\n"),
+            "{wide}"
+        );
+    }
 }

@@ -7,14 +7,20 @@ pub mod delete;
 pub mod describe;
 pub mod get;
 pub mod logs;
+pub mod restore;
+pub mod snapshot;
 pub mod wait;
 
 use hearth_api::{Kind, check_dns_label};
 
-/// clap value parser for KIND arguments: `vm`, `vms`, `disk`, `VirtualMachine`, ...
+/// clap value parser for KIND arguments: `vm`, `vms`, `disk`, `snapshot`,
+/// `vmsnapshot`, `VirtualMachine`, ...
 pub fn parse_kind(s: &str) -> Result<Kind, String> {
     Kind::from_user(s).ok_or_else(|| {
-        format!("unknown kind {s:?} (use vm or disk; VirtualMachine and VirtualDisk work too)")
+        format!(
+            "unknown kind {s:?} (use vm, disk, snapshot or vmsnapshot; \
+             VirtualMachine, VirtualDisk, VirtualDiskSnapshot and VirtualMachineSnapshot work too)"
+        )
     })
 }
 
@@ -53,6 +59,8 @@ mod tests {
     fn kinds_and_names_from_the_command_line() {
         assert_eq!(parse_kind("vm"), Ok(Kind::VirtualMachine));
         assert_eq!(parse_kind("Disks"), Ok(Kind::VirtualDisk));
+        assert_eq!(parse_kind("snapshots"), Ok(Kind::VirtualDiskSnapshot));
+        assert_eq!(parse_kind("vmsnapshot"), Ok(Kind::VirtualMachineSnapshot));
         let err = parse_kind("pod").expect_err("unknown");
         assert!(err.contains("\"pod\""), "{err}");
         assert_eq!(parse_name("demo-1"), Ok("demo-1".to_string()));
@@ -64,5 +72,10 @@ mod tests {
         );
         assert_eq!(resource_ref("VirtualDisk", "data"), "virtualdisk/data");
         assert_eq!(short_ref(Kind::VirtualMachine, "demo"), "vm/demo");
+        assert_eq!(short_ref(Kind::VirtualDiskSnapshot, "s"), "snapshot/s");
+        assert_eq!(
+            object_path(Kind::VirtualMachineSnapshot, "pre"),
+            "/v1/virtualmachinesnapshots/pre"
+        );
     }
 }

@@ -19,6 +19,8 @@ pub const VM_PHASES: [&str; 6] = [
     "Pending", "Starting", "Running", "Stopping", "Stopped", "Failed",
 ];
 pub const DISK_PHASES: [&str; 3] = ["Pending", "Ready", "Failed"];
+/// Both snapshot kinds.
+pub const SNAPSHOT_PHASES: [&str; 5] = ["Pending", "InProgress", "Ready", "Failed", "Terminating"];
 
 #[derive(Debug, clap::Args)]
 #[command(
@@ -26,21 +28,25 @@ pub const DISK_PHASES: [&str; 3] = ["Pending", "Ready", "Failed"];
     after_help = "\
 CONDITION is one of:
   phase=PHASE   status.phase equals PHASE (VM: Pending, Starting, Running,
-                Stopping, Stopped, Failed; disk: Pending, Ready, Failed)
+                Stopping, Stopped, Failed; disk: Pending, Ready, Failed;
+                snapshot and vmsnapshot: Pending, InProgress, Ready, Failed,
+                Terminating)
   agent         the VM's guest agent is connected (status.agentConnected)
   delete        the object no longer exists
 
-Waiting for a phase other than Failed, or for the agent, stops early with the
-VM's last error when it fails. Exit status: 0 when the condition holds, 1 on
-failure or timeout.
+Waiting for a phase other than Failed, or for the agent, stops early when the
+object fails (with the VM's last error, or the snapshot's reason and message)
+or, for a snapshot, when it is being deleted. Exit status: 0 when the
+condition holds, 1 on failure or timeout.
 
 Examples:
   hearth wait vm demo --for phase=Running
   hearth wait vm demo --for agent --timeout 5m
-  hearth wait disk data --for delete --timeout 30s"
+  hearth wait disk data --for delete --timeout 30s
+  hearth wait snapshot data-20250101-120000 --for phase=Ready"
 )]
 pub struct Args {
-    /// vm or disk.
+    /// vm, disk, snapshot (a disk snapshot) or vmsnapshot.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     #[arg(value_name = "NAME", value_parser = super::parse_name)]
@@ -90,9 +96,7 @@ pub fn check_condition(kind: Kind, cond: WaitFor) -> Result<WaitFor, String> {
     let phases: &[&str] = match kind {
         Kind::VirtualMachine => &VM_PHASES,
         Kind::VirtualDisk => &DISK_PHASES,
-        Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => {
-            &["Pending", "InProgress", "Ready", "Failed", "Terminating"]
-        }
+        Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => &SNAPSHOT_PHASES,
     };
     match cond {
         WaitFor::Phase(p) => phases
@@ -192,6 +196,9 @@ impl Observation {
                 if let Some(e) = str_at(obj, &["status", "lastError"]) {
                     parts.push(format!("last error: {e}"));
                 }
+                if let Some(why) = reason_and_message(obj) {
+                    parts.push(why);
+                }
                 parts.join(", ")
             }
         }
@@ -216,12 +223,20 @@ pub fn judge(cond: &WaitFor, obs: &Observation) -> Verdict {
     };
     let phase = str_at(obj, &["status", "phase"]);
     let failed = || {
-        let why = str_at(obj, &["status", "lastError"]).unwrap_or("no error recorded");
+        // VMs and disks say why in lastError, snapshots in reason and message.
+        let why = str_at(obj, &["status", "lastError"])
+            .map(str::to_string)
+            .or_else(|| reason_and_message(obj))
+            .unwrap_or_else(|| "no error recorded".to_string());
         Verdict::Failed(format!("it is Failed: {why}"))
     };
     match cond {
         WaitFor::Phase(want) if phase == Some(want.as_str()) => Verdict::Met,
         WaitFor::Phase(_) if phase == Some("Failed") => failed(),
+        // A snapshot being deleted only goes on to be gone.
+        WaitFor::Phase(_) if phase == Some("Terminating") => {
+            Verdict::Failed("it is being deleted".to_string())
+        }
         WaitFor::Phase(_) => Verdict::Waiting,
         WaitFor::Agent => {
             if at(obj, &["status", "agentConnected"]).and_then(Value::as_bool) == Some(true) {
@@ -237,6 +252,17 @@ pub fn judge(cond: &WaitFor, obs: &Observation) -> Verdict {
             }
         }
         WaitFor::Delete => Verdict::Waiting,
+    }
+}
+
+/// A snapshot's `reason: message`, or whichever of them is set.
+pub fn reason_and_message(obj: &Value) -> Option<String> {
+    let reason = str_at(obj, &["status", "reason"]).filter(|s| !s.is_empty());
+    let message = str_at(obj, &["status", "message"]).filter(|s| !s.is_empty());
+    match (reason, message) {
+        (Some(r), Some(m)) => Some(format!("{r}: {m}")),
+        (Some(one), None) | (None, Some(one)) => Some(one.to_string()),
+        (None, None) => None,
     }
 }
 
@@ -348,6 +374,21 @@ mod tests {
             .expect_err("disks do not run");
         assert!(err.contains("Pending, Ready, Failed"), "{err}");
         assert!(check_condition(Kind::VirtualDisk, WaitFor::Agent).is_err());
+        assert_eq!(
+            check_condition(
+                Kind::VirtualDiskSnapshot,
+                WaitFor::Phase("inprogress".into())
+            ),
+            Ok(WaitFor::Phase("InProgress".into()))
+        );
+        assert_eq!(
+            check_condition(Kind::VirtualMachineSnapshot, WaitFor::Phase("ready".into())),
+            Ok(WaitFor::Phase("Ready".into()))
+        );
+        assert!(
+            check_condition(Kind::VirtualDiskSnapshot, WaitFor::Phase("Running".into())).is_err()
+        );
+        assert!(check_condition(Kind::VirtualMachineSnapshot, WaitFor::Agent).is_err());
     }
 
     #[test]
@@ -357,6 +398,19 @@ mod tests {
         }
         for p in DISK_PHASES {
             serde_json::from_value::<hearth_api::DiskPhase>(json!(p)).expect(p);
+        }
+        for p in SNAPSHOT_PHASES {
+            serde_json::from_value::<hearth_api::SnapshotPhase>(json!(p)).expect(p);
+        }
+        // And every phase of the enums is listed (the Debug form is the API's).
+        for p in [
+            hearth_api::SnapshotPhase::Pending,
+            hearth_api::SnapshotPhase::InProgress,
+            hearth_api::SnapshotPhase::Ready,
+            hearth_api::SnapshotPhase::Failed,
+            hearth_api::SnapshotPhase::Terminating,
+        ] {
+            assert!(SNAPSHOT_PHASES.contains(&p.to_string().as_str()), "{p}");
         }
     }
 
@@ -426,6 +480,74 @@ mod tests {
         assert_eq!(
             judge(&WaitFor::Delete, &Observation::Unreachable("down".into())),
             Verdict::Waiting
+        );
+    }
+
+    #[test]
+    fn judging_a_snapshot() {
+        let ready = WaitFor::Phase("Ready".into());
+        let snap = |status: Value| Observation::Present(json!({"spec": {}, "status": status}));
+        assert_eq!(
+            judge(&ready, &snap(json!({"phase": "InProgress", "cutId": 2}))),
+            Verdict::Waiting
+        );
+        assert_eq!(
+            judge(&ready, &snap(json!({"phase": "Ready"}))),
+            Verdict::Met
+        );
+        assert_eq!(
+            judge(
+                &ready,
+                &snap(
+                    json!({"phase": "Failed", "reason": "FreezeFailed", "message": "fsfreeze: EBUSY"})
+                )
+            ),
+            Verdict::Failed("it is Failed: FreezeFailed: fsfreeze: EBUSY".into())
+        );
+        assert_eq!(
+            judge(&ready, &snap(json!({"phase": "Terminating"}))),
+            Verdict::Failed("it is being deleted".into())
+        );
+        assert_eq!(
+            judge(&WaitFor::Delete, &snap(json!({"phase": "Terminating"}))),
+            Verdict::Waiting
+        );
+    }
+
+    #[tokio::test]
+    async fn wait_for_a_snapshot_polls_its_path() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let answer = |status: Value| {
+            ok(&json!({"metadata": {"name": "s"}, "spec": {}, "status": status}).to_string())
+        };
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![
+                answer(json!({"phase": "Pending"})),
+                answer(json!({"phase": "InProgress"})),
+                answer(json!({"phase": "Ready", "consistent": true})),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let args = Args {
+            kind: Kind::VirtualDiskSnapshot,
+            name: "s".into(),
+            condition: WaitFor::Phase("ready".into()),
+            timeout: Duration::from_secs(10),
+        };
+        let mut out = Vec::new();
+        run_with(&client, &args, Duration::from_millis(1), &mut out)
+            .await
+            .expect("Ready");
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "snapshot/s: Pending\nsnapshot/s: InProgress\nsnapshot/s: Ready\n"
+        );
+        assert!(
+            server
+                .seen()
+                .iter()
+                .all(|s| s.path == "/v1/virtualdisksnapshots/s")
         );
     }
 

@@ -1,0 +1,271 @@
+//! `hearth restore vm VM --from VMSNAPSHOT`: roll a VM's disks back to a
+//! VirtualMachineSnapshot.
+
+use std::io::Write;
+use std::time::Duration;
+
+use hearth_api::Kind;
+use serde_json::json;
+
+use super::object_path;
+use super::wait::parse_duration;
+use crate::client::{ApiClient, ApiError};
+use crate::output::{str_at, u64_at};
+
+/// The shortest client timeout for a restore.
+const MIN_RESTORE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// hearthd gives a VM `spec.stopTimeoutSeconds` plus this to stop before it
+/// gives up on a restore; the client waits that long plus a margin.
+const SERVER_STOP_SLACK: Duration = Duration::from_secs(60);
+const CLIENT_MARGIN: Duration = Duration::from_secs(120);
+
+/// hearth-api's default for `spec.stopTimeoutSeconds`.
+const DEFAULT_STOP_TIMEOUT_SECONDS: u64 = 30;
+
+#[derive(Debug, clap::Args)]
+#[command(
+    about = "Roll a VM back to one of its snapshots",
+    after_help = "\
+A disk is restored by creating a new disk from a snapshot instead: apply a
+VirtualDisk with `spec: {source: {snapshot: NAME}}` (no size; it has the
+snapshot's) with `hearth apply -f`. See `hearth restore vm --help`.
+
+Example:
+  hearth restore vm demo --from before-upgrade"
+)]
+pub struct Args {
+    #[command(subcommand)]
+    pub target: Target,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Target {
+    /// Replace every disk of a VM with its content in a VirtualMachineSnapshot
+    #[command(after_help = "\
+The VM is stopped first (a guest shutdown, up to spec.stopTimeoutSeconds) and
+started again afterwards if it was running. Each disk gets a fresh layer over
+the snapshot's, so the time does not depend on the disks' size, and the
+snapshot itself is kept: you can restore from it again. Whatever was written
+to the disks since the snapshot is lost, unless you snapshot it first.
+
+The snapshot must be Ready and of this VM, and the VM must still have the
+disks it had then.
+
+To get one disk back without touching the VM, create a new disk from a disk
+snapshot and attach it where you need it:
+
+  apiVersion: hearth.dev/v1alpha1
+  kind: VirtualDisk
+  metadata: {name: data-restored}
+  spec: {source: {snapshot: pre-data}}
+
+  hearth apply -f data-restored.yaml
+
+Examples:
+  hearth snapshot vm demo --name before-upgrade --wait
+  hearth restore vm demo --from before-upgrade")]
+    Vm(VmArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct VmArgs {
+    /// The VirtualMachine to roll back.
+    #[arg(value_name = "VM", value_parser = super::parse_name)]
+    pub vm: String,
+    /// The VirtualMachineSnapshot to roll back to (`hearth get vmsnapshots`).
+    #[arg(long = "from", value_name = "VMSNAPSHOT", value_parser = super::parse_name)]
+    pub from: String,
+    /// How long to wait for hearthd's answer (default: 10m, or longer when
+    /// the VM's stopTimeoutSeconds needs it).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub timeout: Option<Duration>,
+}
+
+/// How long to wait for a restore of a VM whose `spec.stopTimeoutSeconds`
+/// is `stop_timeout_seconds`: at least 10 minutes, and always longer than
+/// hearthd itself waits for the VM to stop.
+pub fn restore_timeout(stop_timeout_seconds: u64) -> Duration {
+    let server = Duration::from_secs(stop_timeout_seconds) + SERVER_STOP_SLACK;
+    MIN_RESTORE_TIMEOUT.max(server + CLIENT_MARGIN)
+}
+
+pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
+    let Target::Vm(vm) = &args.target;
+    let mut out = std::io::stdout().lock();
+    restore_vm(client, vm, &mut out).await
+}
+
+pub async fn restore_vm(
+    client: &ApiClient,
+    args: &VmArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let vm_path = object_path(Kind::VirtualMachine, &args.vm);
+    let limit = match args.timeout {
+        Some(t) => t,
+        None => {
+            // Also tells a mistyped VM apart before the long request.
+            let vm = client.get(&vm_path).await?;
+            restore_timeout(
+                u64_at(&vm, &["spec", "stopTimeoutSeconds"])
+                    .unwrap_or(DEFAULT_STOP_TIMEOUT_SECONDS),
+            )
+        }
+    };
+    let answer = client
+        .post_slow(
+            &format!("{vm_path}/restore"),
+            Some(&json!({"from": args.from})),
+            limit,
+        )
+        .await
+        .map_err(|e| match e {
+            ApiError::Timeout { .. } => anyhow::anyhow!(
+                "{e}; the restore of vm/{} may still be going on: check `hearth describe vm {}`",
+                args.vm,
+                args.vm
+            ),
+            other => other.into(),
+        })?;
+    let message = str_at(&answer, &["message"])
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("vm/{} restored from vmsnapshot/{}", args.vm, args.from));
+    writeln!(out, "{message}")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_server::{ScriptedServer, ok};
+    use hyper::StatusCode;
+    use serde_json::Value;
+
+    fn args(timeout: Option<Duration>) -> VmArgs {
+        VmArgs {
+            vm: "demo".into(),
+            from: "before-upgrade".into(),
+            timeout,
+        }
+    }
+
+    #[test]
+    fn the_timeout_outlasts_the_servers_own_stop_limit() {
+        assert_eq!(restore_timeout(30), Duration::from_secs(600));
+        assert_eq!(restore_timeout(0), Duration::from_secs(600));
+        // 3600 s to stop + 60 s hearthd's slack + 120 s ours.
+        assert_eq!(restore_timeout(3600), Duration::from_secs(3780));
+    }
+
+    #[tokio::test]
+    async fn restore_posts_from_and_prints_the_message() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![
+                ok(r#"{"metadata": {"name": "demo"}, "spec": {"stopTimeoutSeconds": 30}}"#),
+                ok(
+                    r#"{"message": "VirtualMachine \"demo\": 2 disk(s) restored from VirtualMachineSnapshot \"before-upgrade\""}"#,
+                ),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let mut out = Vec::new();
+        restore_vm(&client, &args(None), &mut out)
+            .await
+            .expect("restored");
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "VirtualMachine \"demo\": 2 disk(s) restored from VirtualMachineSnapshot \"before-upgrade\"\n"
+        );
+        let seen = server.seen();
+        assert_eq!(seen.len(), 2);
+        assert_eq!(
+            (seen[0].method.as_str(), seen[0].path.as_str()),
+            ("GET", "/v1/virtualmachines/demo")
+        );
+        assert_eq!(
+            (seen[1].method.as_str(), seen[1].path.as_str()),
+            ("POST", "/v1/virtualmachines/demo/restore")
+        );
+        let body: Value = serde_json::from_slice(&seen[1].body).expect("JSON");
+        assert_eq!(body, json!({"from": "before-upgrade"}));
+    }
+
+    #[tokio::test]
+    async fn an_explicit_timeout_skips_the_lookup_and_errors_pass_through() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![(
+                StatusCode::CONFLICT,
+                r#"{"error": "VirtualMachineSnapshot \"before-upgrade\" is InProgress, not Ready"}"#
+                    .to_string(),
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let err = restore_vm(
+            &client,
+            &args(Some(Duration::from_secs(5))),
+            &mut Vec::new(),
+        )
+        .await
+        .expect_err("409");
+        assert_eq!(
+            err.to_string(),
+            "VirtualMachineSnapshot \"before-upgrade\" is InProgress, not Ready"
+        );
+        let seen = server.seen();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].path, "/v1/virtualmachines/demo/restore");
+    }
+
+    #[tokio::test]
+    async fn a_restore_that_outlasts_the_timeout_says_it_may_still_be_going_on() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let socket = dir.path().join("silent.sock");
+        // Accepts and never answers, like a daemon busy stopping the VM.
+        let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                held.push(stream);
+            }
+        });
+        let client = ApiClient::new(&socket);
+        let err = restore_vm(
+            &client,
+            &args(Some(Duration::from_millis(50))),
+            &mut Vec::new(),
+        )
+        .await
+        .expect_err("times out");
+        let text = err.to_string();
+        assert!(text.contains("did not answer within"), "{text}");
+        assert!(
+            text.ends_with(
+                "the restore of vm/demo may still be going on: check `hearth describe vm demo`"
+            ),
+            "{text}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_missing_vm_fails_before_the_restore_request() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![(
+                StatusCode::NOT_FOUND,
+                r#"{"error": "VirtualMachine \"demo\" not found"}"#.to_string(),
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let err = restore_vm(&client, &args(None), &mut Vec::new())
+            .await
+            .expect_err("404");
+        assert_eq!(err.to_string(), "VirtualMachine \"demo\" not found");
+        assert_eq!(server.seen().len(), 1);
+    }
+}
