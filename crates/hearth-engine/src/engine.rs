@@ -490,6 +490,44 @@ impl Engine {
                 &format!("stopping to restore from {from}"),
             );
             self.wake(Kind::VirtualMachine, vm_name);
+        }
+        let result = self.restore_disks(vm, &plan, was_running).await;
+        // Whatever happened, the VM goes back to what it was asked to be.
+        if was_running {
+            self.store.update_intent(vm_name, |i| {
+                i.want_running = previous.want_running.or(Some(true))
+            })?;
+        }
+        for (disk, _) in &plan {
+            self.wake(Kind::VirtualDisk, disk);
+        }
+        self.wake(Kind::VirtualMachine, vm_name);
+        result?;
+        let message = format!(
+            "VirtualMachine {vm_name:?}: {} disk(s) restored from VirtualMachineSnapshot {from:?}",
+            plan.len()
+        );
+        self.event(
+            Kind::VirtualMachine,
+            vm_name,
+            EventType::Normal,
+            "Restored",
+            &message,
+        );
+        Ok(message)
+    }
+
+    /// Waits for the VM to stop, then switches each disk's head to a new
+    /// overlay over the snapshot's layer, all heads in one transaction.
+    async fn restore_disks(
+        &self,
+        vm: &VirtualMachine,
+        plan: &[(String, crate::snapshot::storage::Layer)],
+        was_running: bool,
+    ) -> Result<(), RequestError> {
+        use crate::snapshot::storage;
+        let vm_name = vm.metadata.name.as_str();
+        if was_running {
             let limit = Duration::from_secs(u64::from(vm.spec.stop_timeout_seconds) + 60);
             let started = std::time::Instant::now();
             while self.store.runtime(vm_name)?.is_some() {
@@ -502,57 +540,48 @@ impl Engine {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
-        {
-            let _ops = self.lock_vm_ops(vm).await;
-            let state_dir = self.config.state_dir.clone();
-            let mut made = Vec::new();
-            for (disk, layer) in &plan {
-                let new = storage::allocate(&self.store, &state_dir, disk)?;
-                std::fs::create_dir_all(storage::layers_dir(&state_dir))
-                    .map_err(|e| RequestError::Conflict(e.to_string()))?;
-                hearth_qemu::img::create_overlay(&new.path, &layer.path, "qcow2", None)
-                    .await
-                    .map_err(|e| RequestError::Conflict(format!("VirtualDisk {disk:?}: {e}")))?;
-                made.push((disk.clone(), new, layer.id.clone()));
-            }
-            self.store.with_tx(|tx| {
-                for (disk, new, backing) in &made {
-                    storage::set_head_tx(tx, disk, new, Some(backing))?;
-                    let path = new.path.clone();
-                    crate::store::Store::update_status_tx::<VirtualDiskStatus, _>(
-                        tx,
-                        Kind::VirtualDisk,
-                        disk,
-                        |s| {
-                            s.path = Some(path);
-                        },
-                    )?;
+        let _ops = self.lock_vm_ops(vm).await;
+        if self.store.runtime(vm_name)?.is_some() {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachine {vm_name:?} is running; stop it first (nothing was restored)"
+            )));
+        }
+        let state_dir = self.config.state_dir.clone();
+        std::fs::create_dir_all(storage::layers_dir(&state_dir))
+            .map_err(|e| RequestError::Conflict(e.to_string()))?;
+        let mut made = Vec::new();
+        for (disk, layer) in plan {
+            let new = storage::allocate(&self.store, &state_dir, disk)?;
+            if let Err(e) =
+                hearth_qemu::img::create_overlay(&new.path, &layer.path, "qcow2", None).await
+            {
+                for (_, m, _) in &made {
+                    let m: &storage::NewLayer = m;
+                    let _ = std::fs::remove_file(&m.path);
                 }
-                Ok(())
-            })?;
-            storage::collect_garbage(&self.store)?;
+                return Err(RequestError::Conflict(format!(
+                    "VirtualDisk {disk:?}: {e} (nothing was restored)"
+                )));
+            }
+            made.push((disk.clone(), new, layer.id.clone()));
         }
-        let message = format!(
-            "VirtualMachine {vm_name:?}: {} disk(s) restored from VirtualMachineSnapshot {from:?}",
-            plan.len()
-        );
-        self.event(
-            Kind::VirtualMachine,
-            vm_name,
-            EventType::Normal,
-            "Restored",
-            &message,
-        );
-        if was_running {
-            self.store.update_intent(vm_name, |i| {
-                i.want_running = previous.want_running.or(Some(true))
-            })?;
-        }
-        for (disk, _) in &plan {
-            self.wake(Kind::VirtualDisk, disk);
-        }
-        self.wake(Kind::VirtualMachine, vm_name);
-        Ok(message)
+        self.store.with_tx(|tx| {
+            for (disk, new, backing) in &made {
+                storage::set_head_tx(tx, disk, new, Some(backing))?;
+                let path = new.path.clone();
+                crate::store::Store::update_status_tx::<VirtualDiskStatus, _>(
+                    tx,
+                    Kind::VirtualDisk,
+                    disk,
+                    |s| {
+                        s.path = Some(path);
+                    },
+                )?;
+            }
+            Ok(())
+        })?;
+        storage::collect_garbage(&self.store)?;
+        Ok(())
     }
 
     fn check_host_paths(&self, obj: &Object) -> Result<(), RequestError> {
@@ -598,6 +627,20 @@ impl Engine {
                 "{} is being deleted; apply it again once it is gone",
                 new.display_name()
             )));
+        }
+        let snapshot_changed = match (&existing.object, new) {
+            (Object::VirtualDiskSnapshot(a), Object::VirtualDiskSnapshot(b)) => a.spec != b.spec,
+            (Object::VirtualMachineSnapshot(a), Object::VirtualMachineSnapshot(b)) => {
+                a.spec != b.spec
+            }
+            _ => false,
+        };
+        if snapshot_changed {
+            return Err(RequestError::Invalid(FieldError {
+                object: new.display_name(),
+                field: "spec".into(),
+                message: "a snapshot's spec cannot change after it is created; take a new snapshot instead".into(),
+            }));
         }
         if let (Object::VirtualDisk(old), Object::VirtualDisk(new_disk)) = (&existing.object, new)
             && old.spec != new_disk.spec

@@ -376,6 +376,19 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     let may = wait_final(&d, "virtualdisksnapshots", "blind-may");
     assert_eq!(may["status"]["phase"], "Ready", "{may:#}");
     assert_eq!(may["status"]["consistent"], false, "{may:#}");
+    assert!(
+        may["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("guestAgent"),
+        "says why: {may:#}"
+    );
+    let (status, v) = d.request(
+        "POST",
+        "/v1/apply",
+        Some(&json!({"items": [disk_snapshot("blind-may", "other-disk", false)]})),
+    );
+    assert_eq!(status, 400, "a snapshot's spec is immutable: {v}");
     d.cli_ok(&["delete", "vm", "blind"]);
 
     // A guest whose fsfreeze hook takes 4 s before each freeze.

@@ -575,6 +575,7 @@ async fn execute(
             took_cut,
             freeze_window_ms,
             keep_intent,
+            why_not_consistent,
         } => {
             commit(
                 engine,
@@ -586,6 +587,7 @@ async fn execute(
                 took_cut,
                 freeze_window_ms,
                 keep_intent,
+                why_not_consistent,
             )
             .await;
             Some(Input::Committed { cut })
@@ -790,6 +792,7 @@ async fn commit(
     took_cut: bool,
     freeze_window_ms: Option<Millis>,
     keep_intent: bool,
+    why_not_consistent: Option<String>,
 ) {
     let disk_of: HashMap<String, String> = core
         .cut_requests()
@@ -843,8 +846,13 @@ async fn commit(
                             s.cut_time = Some(cut_time);
                             s.freeze_window_ms = freeze_window_ms;
                             s.capacity = layer.map(|p| p.capacity);
-                            s.reason = None;
-                            s.message = None;
+                            if *consistent {
+                                s.reason = None;
+                                s.message = None;
+                            } else {
+                                s.reason = Some("NotConsistent".into());
+                                s.message = why_not_consistent.clone();
+                            }
                         }
                         Outcome::Failed(why) => {
                             s.phase = SnapshotPhase::Failed;

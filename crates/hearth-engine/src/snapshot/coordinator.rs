@@ -160,6 +160,8 @@ pub enum Command {
         took_cut: bool,
         freeze_window_ms: Option<Millis>,
         keep_intent: bool,
+        /// Why the cut is not consistent, if it is not.
+        why_not_consistent: Option<String>,
     },
 }
 
@@ -561,6 +563,7 @@ impl Coordinator {
                 took_cut: false,
                 freeze_window_ms: None,
                 keep_intent: self.needs_thaw,
+                why_not_consistent: None,
             }];
         }
         match result {
@@ -764,6 +767,7 @@ impl Coordinator {
             took_cut,
             freeze_window_ms: c.window,
             keep_intent: self.needs_thaw,
+            why_not_consistent: c.distrust.clone(),
         });
         out
     }

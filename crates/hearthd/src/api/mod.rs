@@ -2,6 +2,7 @@
 //! The contract is docs/http-api.md.
 
 mod console;
+mod sources;
 
 use std::sync::Arc;
 
@@ -26,6 +27,7 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/health", get(health))
         .route("/v1/apply", post(apply))
         .route("/v1/events", get(events))
+        .route("/v1/sources", get(sources::list))
         .route("/v1/{plural}", get(list))
         .route("/v1/{plural}/{name}", get(get_one).delete(delete))
         .route("/v1/virtualmachines/{name}/console", get(console::console))
@@ -69,7 +71,9 @@ fn kind_of(plural: &str) -> Result<Kind, ApiError> {
         .ok_or_else(|| {
             ApiError(
                 StatusCode::NOT_FOUND,
-                format!("unknown resource {plural:?} (use virtualmachines or virtualdisks)"),
+                format!(
+                    "unknown resource {plural:?} (use virtualmachines, virtualdisks, virtualdisksnapshots or virtualmachinesnapshots)"
+                ),
             )
         })
 }
@@ -236,6 +240,14 @@ async fn restore(
     Path(name): Path<String>,
     Json(req): Json<RestoreRequest>,
 ) -> Result<Json<Value>, ApiError> {
-    let message = engine.restore_vm(&name, &req.from).await?;
+    // In its own task: a client that goes away must not abort a restore
+    // half-way (with the VM stopped and the disks not yet switched).
+    let task = tokio::spawn(async move { engine.restore_vm(&name, &req.from).await });
+    let message = task.await.map_err(|e| {
+        ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("restore task failed: {e}"),
+        )
+    })??;
     Ok(Json(json!({"message": message})))
 }
