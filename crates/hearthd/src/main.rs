@@ -39,6 +39,23 @@ struct Args {
     /// Seconds between full resyncs of every object.
     #[arg(long, default_value_t = 10)]
     resync_seconds: u64,
+    /// The manifest directory: VMs and disks declared in its *.yaml, *.yml and
+    /// *.json files are kept in their declared state. It may be missing (it is
+    /// then waited for, and nothing is deleted); hearthd never writes into it.
+    #[arg(
+        long,
+        env = "HEARTH_MANIFESTS",
+        default_value = "/etc/hearth/manifests"
+    )]
+    manifests: PathBuf,
+    /// Seconds between full re-lists of the manifest directory even without
+    /// inotify events.
+    #[arg(long, default_value_t = 30)]
+    manifests_resync_seconds: u64,
+    /// How long (ms) a manifest file must be gone, confirmed by a second
+    /// look, before its objects are deleted.
+    #[arg(long, default_value_t = 2000)]
+    manifests_delete_grace_ms: u64,
 }
 
 #[tokio::main]
@@ -76,10 +93,20 @@ async fn main() -> anyhow::Result<()> {
         resync_interval: Duration::from_secs(args.resync_seconds.max(1)),
     };
     let engine = Engine::start(config).await?;
+    let manifests = std::path::absolute(&args.manifests)
+        .with_context(|| format!("--manifests {}", args.manifests.display()))?;
+    let source = hearth_engine::manifest::ManifestSource::start(
+        engine.clone(),
+        hearth_engine::manifest::ManifestConfig {
+            resync: Duration::from_secs(args.manifests_resync_seconds.max(1)),
+            delete_grace: Duration::from_millis(args.manifests_delete_grace_ms),
+            ..hearth_engine::manifest::ManifestConfig::new(manifests)
+        },
+    );
 
     let listener = bind_socket(&socket)?;
     tracing::info!(socket = %socket.display(), "serving the API");
-    let app = api::router(engine);
+    let app = api::router(engine).layer(axum::Extension(source));
     let serve = axum::serve(listener, app);
     tokio::select! {
         r = serve => r.context("API server failed")?,

@@ -519,8 +519,9 @@ impl Core {
             .cloned()
             .collect();
         for key in gone {
-            // An object no longer declared anywhere has nothing to resolve.
-            if self.known.contains(&key) || self.applied.contains_key(&key) {
+            // An object no longer declared anywhere has nothing to resolve
+            // (it is about to be deleted, or never existed).
+            if self.known.contains(&key) {
                 out.push(Command::Report {
                     key: key.clone(),
                     problem: None,
@@ -968,6 +969,20 @@ mod tests {
             );
             assert_eq!(w.deletes(), 0, "{bad}");
         }
+    }
+
+    #[test]
+    fn removing_an_invalid_file_deletes_after_grace_without_a_resolution() {
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        w.scan(100, listing(vec![("a.yaml", invalid(1, "bad"))]));
+        let cmds = w.scan(200, listing(vec![]));
+        assert!(
+            cmds.is_empty(),
+            "no 'resolved' for a file that is gone: {cmds:?}"
+        );
+        let cmds = w.scan(2200, listing(vec![]));
+        assert!(matches!(&cmds[..], [Command::Delete { .. }]), "{cmds:?}");
     }
 
     #[test]

@@ -287,7 +287,7 @@ impl ManifestSource {
                 );
             }
             None => {
-                let message = "its manifest file is usable again and in force";
+                let message = "the manifest problem is resolved: the object follows its file again";
                 self.engine
                     .event(kind, name, EventType::Normal, "ManifestValid", message);
                 set_manifest_condition(
