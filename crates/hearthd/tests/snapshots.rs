@@ -443,6 +443,23 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     assert!(s["status"]["cutId"].as_u64() > Some(1), "{s:#}");
     assert_eq!(freeze_status(&d, "hook"), "thawed");
 
+    // Deleting a snapshot while its cut is in progress is safe: the cut
+    // finishes, the snapshot goes, the guest is thawed.
+    apply(&d, vec![disk_snapshot("doomed", "hook-data", true)]);
+    wait_until("doomed in progress", Duration::from_secs(30), || {
+        get(&d, "virtualdisksnapshots", "doomed")
+            .is_some_and(|v| v["status"]["phase"] == "InProgress")
+    });
+    d.cli_ok(&["delete", "snapshot", "doomed"]);
+    wait_until("doomed gone", Duration::from_secs(60), || {
+        get(&d, "virtualdisksnapshots", "doomed").is_none()
+    });
+    assert_eq!(freeze_status(&d, "hook"), "thawed");
+    assert_eq!(
+        get(&d, "virtualdisksnapshots", "crash").expect("crash")["status"]["phase"],
+        "Ready"
+    );
+
     // A freeze that cannot finish within the deadline: thawed, not consistent.
     let m = manifest(
         &d,

@@ -32,11 +32,27 @@ pub async fn reconcile_disk_snapshot(
     let status = status_of(&stored.status);
     if stored.deleting {
         if status.phase == SnapshotPhase::InProgress {
-            // Its cut is running; the cut's commit wakes this again.
+            // Its cut is running: show it, and let the cut's commit wake us.
+            // Deleting right away would be safe too (the commit skips objects
+            // that are gone), this only keeps the story readable.
+            engine.set_snapshot_status(Kind::VirtualDiskSnapshot, name, |s| {
+                s.phase = SnapshotPhase::Terminating
+            });
             return Ok(());
         }
-        storage::drop_snapshot_layer(&engine.store, name)?;
-        engine.store.remove(Kind::VirtualDiskSnapshot, name)?;
+        // The object and its layer reference go together, so a cut committing
+        // at the same moment either sees both or neither.
+        engine.store.with_tx(|tx| {
+            tx.execute(
+                "DELETE FROM snapshot_layers WHERE snapshot = ?1",
+                params![name],
+            )?;
+            tx.execute(
+                "DELETE FROM objects WHERE kind = ?1 AND name = ?2",
+                params![Kind::VirtualDiskSnapshot.as_str(), name],
+            )?;
+            Ok(())
+        })?;
         let freed = storage::collect_garbage(&engine.store)?;
         engine.event(
             Kind::VirtualDiskSnapshot,
