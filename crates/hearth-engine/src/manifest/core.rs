@@ -164,6 +164,12 @@ impl FileEntry {
     }
 }
 
+/// Where one object is declared: usually exactly one place.
+struct Sources<'a> {
+    first: (&'a Path, &'a Decl, bool),
+    more: Vec<(&'a Path, &'a Decl, bool)>,
+}
+
 /// What the store holds for an object we own.
 #[derive(Clone, Debug)]
 struct Applied {
@@ -252,8 +258,6 @@ pub struct Core {
     delete_failures: BTreeMap<Key, Failure>,
     /// The last problem reported per object, so each is reported once.
     reported: BTreeMap<Key, Problem>,
-    /// Objects the last scan saw declared or held (for `reports`).
-    known: BTreeSet<Key>,
 }
 
 impl Core {
@@ -270,7 +274,6 @@ impl Core {
             apply_failures: BTreeMap::new(),
             delete_failures: BTreeMap::new(),
             reported: BTreeMap::new(),
-            known: BTreeSet::new(),
         };
         core.resync_store(stored);
         core
@@ -318,110 +321,150 @@ impl Core {
         //    inode (renamed while broken), else what the store says this path
         //    owns (a file already broken when this daemon starts).
         let mut previous = std::mem::take(&mut self.files);
+        let needs_history = files
+            .iter()
+            .any(|(p, f)| matches!(f.content, Content::Invalid(_)) && !previous.contains_key(p));
         let mut vanished: HashMap<FileId, Arc<[Decl]>> = HashMap::new();
-        for (path, entry) in &previous {
-            if !files.contains_key(path)
-                && let Some(id) = entry.id
-            {
-                vanished.insert(id, entry.last_good());
+        if needs_history {
+            for (path, entry) in &previous {
+                if !files.contains_key(path)
+                    && let Some(id) = entry.id
+                {
+                    vanished.insert(id, entry.last_good());
+                }
             }
         }
-        for (path, scan) in files {
-            let held: Arc<[Decl]> = match &scan.content {
-                Content::Valid(_) => Arc::from(Vec::new()),
-                Content::Invalid(_) => match previous.remove(&path) {
-                    Some(prev) => prev.last_good(),
-                    None => scan
-                        .id
-                        .and_then(|id| vanished.get(&id).cloned())
-                        .unwrap_or_else(|| self.owned_by(&path)),
-                },
-            };
-            self.files.insert(
-                path,
-                FileEntry {
+        let nothing: Arc<[Decl]> = Arc::from(Vec::new());
+        // Collected from sorted input: no per-insert path comparisons.
+        let entries: Vec<(PathBuf, FileEntry)> = files
+            .into_iter()
+            .map(|(path, scan)| {
+                let held = match &scan.content {
+                    Content::Valid(_) => nothing.clone(),
+                    Content::Invalid(_) => match previous.remove(&path) {
+                        Some(prev) => prev.last_good(),
+                        None => scan
+                            .id
+                            .and_then(|id| vanished.get(&id).cloned())
+                            .unwrap_or_else(|| self.owned_by(&path)),
+                    },
+                };
+                let entry = FileEntry {
                     id: scan.id,
                     content: scan.content,
                     held,
-                },
-            );
-        }
+                };
+                (path, entry)
+            })
+            .collect();
+        self.files = entries.into_iter().collect();
 
-        // 2. Every source of every object.
-        let mut sources: BTreeMap<Key, Vec<(&Path, &Decl, bool)>> = BTreeMap::new();
+        // 2. Every source of every object (borrowed: nothing is copied for
+        //    the thousand files that did not change).
+        let mut sources: BTreeMap<(Kind, &str), Sources<'_>> = BTreeMap::new();
         for (path, entry) in &self.files {
             let (decls, valid) = match &entry.content {
                 Content::Valid(d) => (d, true),
                 Content::Invalid(_) => (&entry.held, false),
             };
             for d in decls.iter() {
-                sources
-                    .entry(d.key())
-                    .or_default()
-                    .push((path.as_path(), d, valid));
+                let source = (path.as_path(), d, valid);
+                match sources.entry((d.object.kind(), d.object.name())) {
+                    std::collections::btree_map::Entry::Vacant(v) => {
+                        v.insert(Sources {
+                            first: source,
+                            more: Vec::new(),
+                        });
+                    }
+                    std::collections::btree_map::Entry::Occupied(mut o) => {
+                        o.get_mut().more.push(source)
+                    }
+                }
             }
         }
 
-        // 3. Decide per object.
+        // 3. Decide per object: a merge of the declared objects with the
+        //    applied ones, both sorted by (kind, name).
         let mut to_apply: BTreeMap<PathBuf, Vec<Decl>> = BTreeMap::new();
         let mut problems = BTreeMap::new();
         let mut deletes = Vec::new();
-        let keys: BTreeSet<Key> = sources.keys().chain(self.applied.keys()).cloned().collect();
-        for key in keys {
-            match sources.get(&key).map(Vec::as_slice).unwrap_or_default() {
-                [] => {
+        let grace = self.config.delete_grace;
+        let mut absent_now: Vec<Key> = Vec::new();
+        let mut applied = self.applied.iter().peekable();
+        let mut declared = sources.iter().peekable();
+        loop {
+            let next_applied = applied.peek().map(|(k, _)| (k.0, k.1.as_str()));
+            let next_declared = declared.peek().map(|(k, _)| **k);
+            match (next_applied, next_declared) {
+                (None, None) => break,
+                // Applied, declared nowhere: absent.
+                (Some(a), d) if d.is_none_or(|d| a < d) => {
+                    let (key, app) = applied.next().expect("peeked");
+                    absent_now.push(key.clone());
                     let since = *self.absent.entry(key.clone()).or_insert(now);
                     let waiting = self
                         .delete_failures
-                        .get(&key)
+                        .get(key)
                         .is_some_and(|f| now < f.retry_at);
-                    if now.saturating_duration_since(since) >= self.config.delete_grace
-                        && !waiting
-                        && let Some(a) = self.applied.get(&key)
-                    {
+                    if now.saturating_duration_since(since) >= grace && !waiting {
                         deletes.push(Command::Delete {
                             key: key.clone(),
-                            file: a.owner.clone(),
+                            file: app.owner.clone(),
                         });
                     }
                 }
-                [(path, decl, true)] => {
-                    self.absent.remove(&key);
-                    if !self.applied.get(&key).is_some_and(|a| a.is(path, decl)) {
-                        to_apply
-                            .entry(path.to_path_buf())
-                            .or_default()
-                            .push((*decl).clone());
+                (a, Some(d)) => {
+                    let (_, srcs) = declared.next().expect("peeked");
+                    let current = if a == Some(d) {
+                        applied.next().map(|(_, app)| app)
+                    } else {
+                        None
+                    };
+                    let owned = || (d.0, d.1.to_string());
+                    match (srcs.first, srcs.more.is_empty()) {
+                        ((path, decl, true), true) => {
+                            if !current.is_some_and(|a| a.is(path, decl)) {
+                                to_apply
+                                    .entry(path.to_path_buf())
+                                    .or_default()
+                                    .push(decl.clone());
+                            }
+                        }
+                        ((path, _, false), true) => {
+                            let error = match self.files.get(path).map(|e| &e.content) {
+                                Some(Content::Invalid(e)) => e.to_string(),
+                                _ => String::new(),
+                            };
+                            problems.insert(
+                                owned(),
+                                Problem::Invalid {
+                                    file: path.to_path_buf(),
+                                    error,
+                                },
+                            );
+                        }
+                        (first, false) => {
+                            let files: BTreeSet<PathBuf> = std::iter::once(first)
+                                .chain(srcs.more.iter().copied())
+                                .map(|(p, _, _)| p.to_path_buf())
+                                .collect();
+                            problems.insert(
+                                owned(),
+                                Problem::Conflict {
+                                    files: files.into_iter().collect(),
+                                },
+                            );
+                        }
                     }
                 }
-                [(path, _, false)] => {
-                    self.absent.remove(&key);
-                    let error = match &self.files.get(*path).map(|e| &e.content) {
-                        Some(Content::Invalid(e)) => e.to_string(),
-                        _ => String::new(),
-                    };
-                    problems.insert(
-                        key.clone(),
-                        Problem::Invalid {
-                            file: path.to_path_buf(),
-                            error,
-                        },
-                    );
-                }
-                many => {
-                    self.absent.remove(&key);
-                    let files: BTreeSet<PathBuf> =
-                        many.iter().map(|(p, _, _)| p.to_path_buf()).collect();
-                    problems.insert(
-                        key.clone(),
-                        Problem::Conflict {
-                            files: files.into_iter().collect(),
-                        },
-                    );
-                }
+                (Some(_), None) => unreachable!("covered by the absent arm"),
             }
         }
-        self.known = sources.keys().cloned().collect();
+        // Whatever is declared (or held) again is no longer absent.
+        if self.absent.len() != absent_now.len() {
+            let now_absent: BTreeSet<&Key> = absent_now.iter().collect();
+            self.absent.retain(|k, _| now_absent.contains(k));
+        }
         self.scan_problems = problems;
         // A delete that is no longer wanted forgets its failures.
         let absent = &self.absent;
@@ -521,7 +564,7 @@ impl Core {
         for key in gone {
             // An object no longer declared anywhere has nothing to resolve
             // (it is about to be deleted, or never existed).
-            if self.known.contains(&key) {
+            if self.declared_anywhere(&key) {
                 out.push(Command::Report {
                     key: key.clone(),
                     problem: None,
@@ -569,6 +612,15 @@ impl Core {
     /// Whether anything is left to do without a change in the directory.
     pub fn is_quiet(&self) -> bool {
         self.next_wake().is_none()
+    }
+
+    /// Whether a file declares (or holds) the object now.
+    fn declared_anywhere(&self, key: &Key) -> bool {
+        self.files.values().any(|e| {
+            e.last_good()
+                .iter()
+                .any(|d| d.object.kind() == key.0 && d.object.name() == key.1)
+        })
     }
 
     /// The objects the store holds from `path`.

@@ -70,6 +70,8 @@ impl Stamp {
 }
 
 struct Cached {
+    /// The scan that last saw this file (entries not seen are dropped).
+    seen: u64,
     stamp: Stamp,
     racy: bool,
     hash: u64,
@@ -92,6 +94,7 @@ pub struct Scanner {
     dir: PathBuf,
     max_size: u64,
     cache: HashMap<String, Cached>,
+    scans: u64,
 }
 
 impl Scanner {
@@ -100,6 +103,7 @@ impl Scanner {
             dir,
             max_size,
             cache: HashMap::new(),
+            scans: 0,
         }
     }
 
@@ -110,6 +114,8 @@ impl Scanner {
     /// Lists the directory and reads what changed.
     pub fn scan(&mut self) -> (Listing, ScanStats) {
         let started = SystemTime::now();
+        self.scans += 1;
+        let generation = self.scans;
         let mut stats = ScanStats::default();
         let entries = match std::fs::read_dir(&self.dir) {
             Ok(e) => e,
@@ -121,8 +127,9 @@ impl Scanner {
                 );
             }
         };
-        let mut files = BTreeMap::new();
-        let mut seen = Vec::new();
+        // Collected, sorted by name, then made a map in one pass (all paths
+        // share the directory, so name order is path order).
+        let mut files: Vec<(String, PathBuf, FileScan)> = Vec::new();
         for entry in entries {
             let entry = match entry {
                 Ok(e) => e,
@@ -149,13 +156,14 @@ impl Scanner {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
                 Err(e) => {
                     stats.files += 1;
-                    files.insert(
+                    files.push((
+                        name,
                         path,
                         FileScan {
                             id: None,
                             content: Content::Invalid(FileError::new(format!("cannot read: {e}"))),
                         },
-                    );
+                    ));
                     continue;
                 }
             };
@@ -164,18 +172,16 @@ impl Scanner {
             }
             stats.files += 1;
             let stamp = Stamp::of(&meta);
-            if let Some(c) = self.cache.get(&name)
+            if let Some(c) = self.cache.get_mut(&name)
                 && c.stamp == stamp
                 && !c.racy
             {
-                files.insert(
-                    path,
-                    FileScan {
-                        id: Some(stamp.id()),
-                        content: c.content.clone(),
-                    },
-                );
-                seen.push(name);
+                c.seen = generation;
+                let scan = FileScan {
+                    id: Some(stamp.id()),
+                    content: c.content.clone(),
+                };
+                files.push((name, path, scan));
                 continue;
             }
             stats.read += 1;
@@ -222,26 +228,28 @@ impl Scanner {
                 ),
             };
             let racy = !stable || stamp.changed_at() + RACY_WINDOW >= started;
-            files.insert(
-                path,
-                FileScan {
-                    id: Some(stamp.id()),
-                    content: content.clone(),
-                },
-            );
             self.cache.insert(
                 name.clone(),
                 Cached {
+                    seen: generation,
                     stamp,
                     racy,
                     hash,
-                    content,
+                    content: content.clone(),
                 },
             );
-            seen.push(name);
+            let scan = FileScan {
+                id: Some(stamp.id()),
+                content,
+            };
+            files.push((name, path, scan));
         }
-        let seen: std::collections::HashSet<String> = seen.into_iter().collect();
-        self.cache.retain(|name, _| seen.contains(name));
+        self.cache.retain(|_, c| c.seen == generation);
+        files.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        let files: BTreeMap<PathBuf, FileScan> = files
+            .into_iter()
+            .map(|(_, path, scan)| (path, scan))
+            .collect();
         (Listing::Files(files), stats)
     }
 

@@ -90,9 +90,13 @@ pub enum Reason {
 struct RelistStats {
     at: DateTime<Utc>,
     reason: Reason,
-    /// Wall time of the whole re-list (listing, reading, core, engine calls).
-    duration_us: u64,
+    /// Wall time of the re-list proper: listing the directory, reading and
+    /// parsing what changed, and the core's decision.
+    relist_us: u64,
     /// CPU time of the same, on the thread that ran it.
+    relist_cpu_us: u64,
+    /// Wall and CPU time of everything, engine calls (store writes) included.
+    duration_us: u64,
     cpu_us: u64,
     #[serde(flatten)]
     scan: ScanStats,
@@ -199,6 +203,8 @@ impl ManifestSource {
         let (listing, scan) = st.scanner.scan();
         let now = std::time::Instant::now();
         let commands = st.core.scan(now, listing);
+        let relist_us = wall.elapsed().as_micros() as u64;
+        let relist_cpu_us = thread_cpu().saturating_sub(cpu).as_micros() as u64;
         let (mut applies, mut deletes) = (0, 0);
         for c in &commands {
             match c {
@@ -216,6 +222,8 @@ impl ManifestSource {
         let stats = RelistStats {
             at: Utc::now(),
             reason,
+            relist_us,
+            relist_cpu_us,
             duration_us: wall.elapsed().as_micros() as u64,
             cpu_us: thread_cpu().saturating_sub(cpu).as_micros() as u64,
             scan,
