@@ -358,7 +358,11 @@ impl Sim {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+    // 400 cases per run; PROPTEST_CASES=20000 for a longer hunt.
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(400),
+        ..ProptestConfig::default()
+    })]
 
     #[test]
     fn any_file_operations_settle_on_what_the_directory_declares(
