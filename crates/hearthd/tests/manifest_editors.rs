@@ -126,10 +126,7 @@ fn vim_saving_twice_within_a_second_and_with_a_stale_swap_file() {
     // vim killed: its swap file stays behind, stale.
     let pid = vim.tmux.pid();
     assert!(env.path(".db.yaml.swp").exists());
-    std::process::Command::new("kill")
-        .args(["-9", &pid.to_string()])
-        .status()
-        .expect("kill");
+    signal(pid, rustix::process::Signal::KILL);
     drop(vim);
     let stale = std::fs::read(env.path(".db.yaml.swp")).expect("stale swap file");
 

@@ -97,22 +97,15 @@ fn directory_removed_and_recreated_and_inotify_overflow_are_repaired_by_a_relist
         .ok()
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(16384);
-    let daemon = env.d.child.as_ref().expect("daemon").id().to_string();
-    let signal = |s: &str| {
-        let ok = std::process::Command::new("kill")
-            .args([s, &daemon])
-            .status()
-            .is_ok_and(|st| st.success());
-        assert!(ok, "kill {s}");
-    };
-    signal("-STOP");
+    let daemon = env.d.child.as_ref().expect("daemon").id();
+    signal(daemon, rustix::process::Signal::STOP);
     for i in 0..(max / 3 + 200) {
         let p = env.path(&format!("flood-{i}.tmp"));
         std::fs::write(&p, b"x").expect("w");
         std::fs::remove_file(&p).expect("rm");
     }
     env.write_atomic("a.yaml", &vm_text("ra", "AlwaysOff", "512Mi"));
-    signal("-CONT");
+    signal(daemon, rustix::process::Signal::CONT);
     env.until(
         "repaired after the overflow",
         Duration::from_secs(10),

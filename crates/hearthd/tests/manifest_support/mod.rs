@@ -373,3 +373,9 @@ impl Vim {
 pub fn inode(p: &Path) -> u64 {
     std::fs::metadata(p).expect("stat").ino()
 }
+
+/// Sends a signal to one process (ours: a daemon or an editor we started).
+pub fn signal(pid: u32, sig: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(pid as i32).expect("pid > 0");
+    rustix::process::kill_process(pid, sig).expect("kill");
+}
