@@ -1,7 +1,8 @@
 //! Property test of the manifest core against a model directory and a model
 //! engine: random sequences of file operations (write in place, atomic
 //! replace, partial write, garbage, truncate, rename, delete), re-lists at
-//! random moments and time passing, with an engine that sometimes refuses.
+//! random moments (some while the directory is missing) and time passing,
+//! with an engine that sometimes refuses.
 //!
 //! Checked on every re-list:
 //! - a delete only for an object no valid file declared in any re-list of
@@ -51,6 +52,8 @@ enum Op {
     Rename(usize, usize),
     Delete(usize),
     Relist,
+    /// A re-list while the directory is gone (removed, being recreated).
+    RelistMissing,
     Advance(u64),
 }
 
@@ -70,6 +73,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (f.clone(), f.clone()).prop_map(|(a, b)| Op::Rename(a, b)),
         2 => f.prop_map(Op::Delete),
         4 => Just(Op::Relist),
+        1 => Just(Op::RelistMissing),
         3 => (1u64..3000).prop_map(Op::Advance),
     ]
 }
@@ -130,7 +134,7 @@ impl Dir {
             Op::Delete(f) => {
                 self.files.remove(FILES[*f]);
             }
-            Op::Relist | Op::Advance(_) => {}
+            Op::Relist | Op::RelistMissing | Op::Advance(_) => {}
         }
     }
 
@@ -388,6 +392,11 @@ proptest! {
             sim.dir.apply(op);
             match op {
                 Op::Relist => { sim.relist(); }
+                Op::RelistMissing => {
+                    let now = sim.now();
+                    let commands = sim.core.scan(now, Listing::Missing("removed".into()));
+                    prop_assert!(commands.is_empty(), "a missing directory changes nothing: {:?}", commands);
+                }
                 Op::Advance(ms) => sim.advance(*ms),
                 _ => {}
             }
