@@ -108,7 +108,16 @@ fn demo_vm_boots_is_adopted_after_daemon_sigkill_and_is_deleted_cleanly() {
     assert!(!d.run_dir().join("vms/demo").exists());
     assert!(!d.state_dir().join("vms/demo").exists());
     // The disk is its own object: its file stays until it is deleted.
-    let disk_file = d.state_dir().join("disks/demo-data.qcow2");
+    let disk_file = std::path::PathBuf::from(
+        d.get_disk("demo-data").expect("disk")["status"]["path"]
+            .as_str()
+            .expect("disk path"),
+    );
+    assert!(
+        disk_file.starts_with(d.state_dir()),
+        "{}",
+        disk_file.display()
+    );
     assert!(disk_file.exists());
     d.cli_ok(&["delete", "disk", "demo-data"]);
     wait_until("disk gone", Duration::from_secs(30), || {
