@@ -256,31 +256,7 @@ impl Store {
         T: Serialize + for<'de> Deserialize<'de> + Default,
         F: FnOnce(&mut T),
     {
-        let mut conn = self.conn();
-        let tx = conn.transaction()?;
-        let current: Option<String> = tx
-            .query_row(
-                "SELECT status FROM objects WHERE kind = ?1 AND name = ?2",
-                params![kind.as_str(), name],
-                |r| r.get(0),
-            )
-            .optional()?;
-        let Some(current) = current else {
-            return Ok(None);
-        };
-        let value: Value = serde_json::from_str(&current)?;
-        let mut status: T = if value.is_null() {
-            T::default()
-        } else {
-            serde_json::from_value(value).unwrap_or_default()
-        };
-        f(&mut status);
-        tx.execute(
-            "UPDATE objects SET status = ?3 WHERE kind = ?1 AND name = ?2",
-            params![kind.as_str(), name, serde_json::to_string(&status)?],
-        )?;
-        tx.commit()?;
-        Ok(Some(status))
+        self.with_tx(|tx| Self::update_status_tx(tx, kind, name, f))
     }
 
     /// `update_status` inside a caller's transaction.
