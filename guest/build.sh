@@ -4,6 +4,8 @@
 #   initrd.img   gzip cpio: busybox-static + virtio modules + qemu-ga + /init
 #   data.qcow2   64 MiB qcow2 base image, ext4, with /hello.txt
 #   cmdline      recommended kernel cmdline
+#   (the initramfs also holds /bin/stallwatch, built from stallwatch.c with
+#   gcc -static; the freeze-window benchmark runs it in the guest)
 #
 # Guest pieces are fetched with `apt-get download` into guest/cache/ (never
 # installed on the host) and unpacked with `dpkg-deb -x`. Host needs (see
@@ -11,8 +13,9 @@
 # and the shared libraries of qemu-ga (libglib2.0-0, libnuma1, liburing2,
 # libudev1), which are copied from the host into the initramfs.
 #
-# Cached: when every output is newer than this script and guest/init, it
-# exits at once. `guest/build.sh --force` (or HEARTH_GUEST_FORCE=1) rebuilds.
+# Cached: when every output is newer than this script, guest/init and
+# guest/stallwatch.c, it exits at once. `guest/build.sh --force` (or
+# HEARTH_GUEST_FORCE=1) rebuilds.
 # HEARTH_GUEST_CACHE=DIR puts the download cache elsewhere (default
 # guest/cache/), e.g. somewhere that outlives a fresh clone.
 set -euo pipefail
@@ -21,6 +24,7 @@ GUEST_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 OUT="$GUEST_DIR/out"
 CACHE="${HEARTH_GUEST_CACHE:-$GUEST_DIR/cache}" # downloaded .debs, unpacked trees
 INIT_SRC="$GUEST_DIR/init"
+STALL_SRC="$GUEST_DIR/stallwatch.c"
 SELF="$GUEST_DIR/build.sh"
 CMDLINE="console=ttyS0 quiet panic=-1"
 DATA_SIZE=64M
@@ -32,7 +36,7 @@ FORCE="${HEARTH_GUEST_FORCE:-0}"
 for a in "$@"; do
     case "$a" in
         --force | -f) FORCE=1 ;;
-        -h | --help) sed -n '2,18p' "$SELF"; exit 0 ;;
+        -h | --help) sed -n '2,20p' "$SELF"; exit 0 ;;
         *) die "unknown argument: $a" ;;
     esac
 done
@@ -46,7 +50,7 @@ up_to_date() {
     for f in "${OUTPUTS[@]}"; do
         [ -s "$f" ] || return 1
     done
-    [ "$STAMP" -nt "$SELF" ] && [ "$STAMP" -nt "$INIT_SRC" ]
+    [ "$STAMP" -nt "$SELF" ] && [ "$STAMP" -nt "$INIT_SRC" ] && [ "$STAMP" -nt "$STALL_SRC" ]
 }
 
 if [ "$FORCE" != 1 ] && up_to_date; then
@@ -56,7 +60,7 @@ fi
 
 start=$(date +%s)
 
-for tool in apt-get apt-cache dpkg-deb cpio gzip mkfs.ext4 qemu-img ldd busybox; do
+for tool in apt-get apt-cache dpkg-deb cpio gzip mkfs.ext4 qemu-img ldd busybox gcc; do
     command -v "$tool" >/dev/null || die "missing host tool '$tool' (run .ci/install-deps.sh as root)"
 done
 BUSYBOX="$(command -v busybox)"
@@ -235,6 +239,8 @@ done < <(awk '/=> \// { print $3 } /^[[:space:]]*\/[^ ]+ \(/ { print $1 }' <<<"$
 
 # /init and helper scripts.
 install -m 0755 "$INIT_SRC" "$ROOT/init"
+# The benchmarks' in-guest write-stall probe (static: no libc in the guest).
+gcc -static -O2 -o "$ROOT/bin/stallwatch" "$STALL_SRC" || die "cannot build $STALL_SRC (needs gcc and libc6-dev)"
 
 cat >"$ROOT/etc/hearth/fsfreeze-hook" <<'EOF'
 #!/bin/sh
