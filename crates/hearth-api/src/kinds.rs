@@ -339,7 +339,8 @@ pub struct SnapshotStatus {
     pub consistent: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cut_time: Option<DateTime<Utc>>,
-    /// Host-side time from the freeze request to the thaw reply.
+    /// Host-side time from the freeze request to the thaw reply: an upper
+    /// bound on the guest's frozen time (it includes the guest's hooks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub freeze_window_ms: Option<u64>,
     /// The cut that took this snapshot; snapshots of one cut share a moment.

@@ -108,6 +108,19 @@ impl Daemon {
             .arg("--image-root")
             .arg(guest_dir())
             .args(&self.extra_args)
+            // Never the host's /etc/hearth/manifests: a test daemon watches a
+            // directory of its own unless the test names one.
+            .args(
+                (!self.extra_args.iter().any(|a| a == "--manifests"))
+                    .then(|| {
+                        [
+                            "--manifests".into(),
+                            self.dir.path().join("manifests").into_os_string(),
+                        ]
+                    })
+                    .into_iter()
+                    .flatten(),
+            )
             .env("HEARTH_LOG", "info,hearth_engine=debug")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
