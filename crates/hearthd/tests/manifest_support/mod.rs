@@ -29,7 +29,16 @@ impl Env {
     }
 
     pub fn start_with(extra: &[&str]) -> Env {
-        let base = Path::new(env!("CARGO_TARGET_TMPDIR")).join("manifest-e2e");
+        // vim's default 'backupskip' covers /tmp and $TMPDIR: a checkout under
+        // /tmp (as CI's may be) must put the manifest directory elsewhere.
+        let target_tmp = Path::new(env!("CARGO_TARGET_TMPDIR"));
+        let under_skip = target_tmp.starts_with("/tmp")
+            || std::env::var_os("TMPDIR").is_some_and(|t| target_tmp.starts_with(t));
+        let base = if under_skip {
+            PathBuf::from("/var/tmp/hearth-manifest-e2e")
+        } else {
+            target_tmp.join("manifest-e2e")
+        };
         std::fs::create_dir_all(&base).expect("mkdir");
         let outside = tempfile::Builder::new()
             .prefix("m-")
@@ -37,8 +46,9 @@ impl Env {
             .expect("tempdir")
             .keep();
         assert!(
-            !outside.starts_with("/tmp"),
-            "vim skips backups under /tmp: the directory must be elsewhere"
+            !outside.starts_with("/tmp")
+                && !std::env::var_os("TMPDIR").is_some_and(|t| outside.starts_with(t)),
+            "vim skips backups under /tmp and $TMPDIR: the directory must be elsewhere"
         );
         let dir = outside.join("manifests");
         std::fs::create_dir(&dir).expect("mkdir");
