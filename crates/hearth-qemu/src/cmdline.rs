@@ -126,6 +126,12 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
     args.push_all(["-name", &format!("guest={}", spec.vm_name)]);
     // Host-wide /etc/qemu config must not change what a manifest describes.
     args.push_all(["-no-user-config", "-nodefaults", "-nographic", "-no-reboot"]);
+    // seccomp: a compromised QEMU may not exec, raise privileges, change
+    // scheduling or use obsolete syscalls. Nothing hearth asks of QEMU needs them.
+    args.push_all([
+        "-sandbox",
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+    ]);
     args.push_all(["-machine", "q35"]);
     match spec.accel {
         Accel::Kvm => args.push_all(["-accel", "kvm", "-cpu", "host"]),
@@ -402,6 +408,8 @@ mod tests {
             "-nodefaults",
             "-nographic",
             "-no-reboot",
+            "-sandbox",
+            "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
             "-machine",
             "q35",
             "-accel",
