@@ -151,6 +151,16 @@ impl Engine {
                 }
             }
         }
+        match crate::snapshot::storage::sweep_orphans(&engine.store, &engine.config.state_dir) {
+            Ok(removed) if !removed.is_empty() => {
+                tracing::info!(
+                    count = removed.len(),
+                    "removed layer files a crash left behind"
+                )
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot sweep orphan layer files"),
+        }
         engine.wake_all();
         // Guests a crashed daemon left frozen are thawed right away.
         engine.snapshots.resume_all(&engine);
