@@ -13,7 +13,8 @@ use hearth_qemu::accel::{self, AccelDecision};
 use hearth_qemu::cmdline::Accel;
 
 /// The hearth daemon: keeps VirtualMachines and VirtualDisks in their declared
-/// state on this host and serves the API that `hearth` talks to.
+/// state on this host, takes consistent snapshots of them, and serves the API
+/// that `hearth` talks to.
 #[derive(Parser, Debug)]
 #[command(
     version,
