@@ -11,7 +11,8 @@ mod quantity;
 pub use kinds::*;
 pub use meta::*;
 pub use object::{
-    FieldError, Object, ParseError, check_dns_label, object_from_value, parse_documents,
+    FieldError, Object, ParseError, RawDocument, check_dns_label, object_from_value,
+    parse_documents, parse_documents_in, raw_documents, resolve_relative_paths,
 };
 pub use quantity::{Quantity, QuantityError};
 

@@ -116,30 +116,6 @@ impl Object {
         m.managed_by = None;
     }
 
-    /// Makes relative host paths absolute against `base` (the manifest's
-    /// directory), so a manifest works from wherever it is applied.
-    pub fn resolve_relative_paths(&mut self, base: &Path) {
-        let fix = |p: &mut std::path::PathBuf| {
-            if p.is_relative() {
-                *p = base.join(&*p);
-            }
-        };
-        match self {
-            Object::VirtualMachine(vm) => {
-                fix(&mut vm.spec.boot.kernel);
-                if let Some(i) = vm.spec.boot.initrd.as_mut() {
-                    fix(i);
-                }
-            }
-            Object::VirtualDisk(d) => {
-                if let DiskSource::Image(p) = &mut d.spec.source {
-                    fix(p);
-                }
-            }
-            Object::VirtualDiskSnapshot(_) | Object::VirtualMachineSnapshot(_) => {}
-        }
-    }
-
     /// Checks everything that can be checked without looking at the host.
     pub fn validate(&self) -> Result<(), FieldError> {
         let err = |field: &str, message: String| FieldError {
@@ -321,64 +297,124 @@ fn check_host_path(p: &Path) -> Result<(), String> {
     Ok(())
 }
 
-/// Parses one text holding one or more YAML or JSON documents. All or nothing:
-/// one bad document fails the whole text, so a half-valid file changes nothing.
-/// A document `{"items": [...]}` (what `hearth get -o json` prints) is expanded.
-pub fn parse_documents(text: &str, origin: &str) -> Result<Vec<Object>, ParseError> {
+/// One object's raw value from a text, before validation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RawDocument {
+    /// 0-based index of the YAML document it came from.
+    pub document: usize,
+    /// `document 2`, or `document 2, items[0]`: how errors name it.
+    pub label: String,
+    pub value: Value,
+}
+
+/// Splits a text of one or more YAML or JSON documents into raw objects.
+/// Empty documents are skipped; a document `{"items": [...]}` (what `hearth
+/// get -o json` prints) is expanded. A syntax error carries line and column.
+pub fn raw_documents(text: &str, origin: &str) -> Result<Vec<RawDocument>, ParseError> {
     let mut out = Vec::new();
-    let mut doc_index = 0usize;
-    for doc in serde_yaml_ng::Deserializer::from_str(text) {
-        doc_index += 1;
-        let value = Value::deserialize(doc).map_err(|e| {
-            let (line, column) = e
-                .location()
-                .map(|l| (l.line(), l.column()))
-                .unwrap_or((0, 0));
-            ParseError::Syntax {
-                origin: origin.to_string(),
-                line,
-                column,
-                message: e.to_string(),
-            }
-        })?;
+    for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
+        let doc_index = i + 1;
+        // After a syntax error the document iterator repeats it: stop at the first.
+        let value = Value::deserialize(doc).map_err(|e| syntax_error(&e, origin))?;
         match value {
             Value::Null => continue, // an empty document, e.g. a trailing `---`
             Value::Object(ref map) if map.contains_key("items") && !map.contains_key("kind") => {
-                let items = match map.get("items") {
-                    Some(Value::Array(items)) => items.clone(),
-                    _ => {
-                        return Err(ParseError::Invalid {
-                            origin: origin.to_string(),
-                            error: FieldError {
-                                object: format!("document {doc_index}"),
-                                field: "items".into(),
-                                message: "must be a list of objects".into(),
-                            },
-                        });
-                    }
+                let Some(Value::Array(items)) = map.get("items") else {
+                    return Err(ParseError::Invalid {
+                        origin: origin.to_string(),
+                        error: FieldError {
+                            object: format!("document {doc_index}"),
+                            field: "items".into(),
+                            message: "must be a list of objects".into(),
+                        },
+                    });
                 };
-                for (i, item) in items.into_iter().enumerate() {
-                    let label = format!("document {doc_index}, items[{i}]");
-                    out.push(object_from_value(item, &label).map_err(|error| {
-                        ParseError::Invalid {
-                            origin: origin.to_string(),
-                            error,
-                        }
-                    })?);
+                for (j, item) in items.iter().enumerate() {
+                    out.push(RawDocument {
+                        document: i,
+                        label: format!("document {doc_index}, items[{j}]"),
+                        value: item.clone(),
+                    });
                 }
             }
-            other => {
-                let label = format!("document {doc_index}");
-                out.push(object_from_value(other, &label).map_err(|error| {
-                    ParseError::Invalid {
-                        origin: origin.to_string(),
-                        error,
-                    }
-                })?);
-            }
+            other => out.push(RawDocument {
+                document: i,
+                label: format!("document {doc_index}"),
+                value: other,
+            }),
         }
     }
     Ok(out)
+}
+
+fn syntax_error(e: &serde_yaml_ng::Error, origin: &str) -> ParseError {
+    let (line, column) = e
+        .location()
+        .map(|l| (l.line(), l.column()))
+        .unwrap_or((0, 0));
+    // The library puts the location in its text too; say it once.
+    let message = e
+        .to_string()
+        .replace(&format!(" at line {line} column {column}"), "");
+    ParseError::Syntax {
+        origin: origin.to_string(),
+        line,
+        column,
+        message,
+    }
+}
+
+/// Makes the host paths of one raw object absolute against `base` (the
+/// manifest's directory), so a manifest works from wherever it is applied:
+/// `spec.boot.kernel` and `spec.boot.initrd` of a VirtualMachine,
+/// `spec.source.image` of a VirtualDisk. On the raw value, before validation,
+/// which insists on absolute paths; anything that is not a non-empty string
+/// is left for validation to report.
+pub fn resolve_relative_paths(value: &mut Value, base: &Path) {
+    let fields: &[&[&str]] = match value.get("kind").and_then(Value::as_str) {
+        Some("VirtualMachine") => &[&["spec", "boot", "kernel"], &["spec", "boot", "initrd"]],
+        Some("VirtualDisk") => &[&["spec", "source", "image"]],
+        _ => &[],
+    };
+    for path in fields {
+        let mut slot = Some(&mut *value);
+        for key in *path {
+            slot = slot.and_then(|v| v.get_mut(*key));
+        }
+        if let Some(Value::String(s)) = slot {
+            let p = Path::new(s.as_str());
+            if !s.is_empty() && p.is_relative() {
+                *s = base.join(p).to_string_lossy().into_owned();
+            }
+        }
+    }
+}
+
+/// Parses one text holding one or more YAML or JSON documents. All or nothing:
+/// one bad document fails the whole text, so a half-valid file changes nothing.
+/// With `base`, relative host paths resolve against it first.
+pub fn parse_documents_in(
+    text: &str,
+    origin: &str,
+    base: Option<&Path>,
+) -> Result<Vec<Object>, ParseError> {
+    raw_documents(text, origin)?
+        .into_iter()
+        .map(|mut raw| {
+            if let Some(base) = base {
+                resolve_relative_paths(&mut raw.value, base);
+            }
+            object_from_value(raw.value, &raw.label).map_err(|error| ParseError::Invalid {
+                origin: origin.to_string(),
+                error,
+            })
+        })
+        .collect()
+}
+
+/// [`parse_documents_in`] for texts whose paths are already absolute.
+pub fn parse_documents(text: &str, origin: &str) -> Result<Vec<Object>, ParseError> {
+    parse_documents_in(text, origin, None)
 }
 
 /// Turns one JSON value into a validated object.

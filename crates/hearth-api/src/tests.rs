@@ -146,18 +146,21 @@ fn relative_paths_resolve_against_the_manifest_directory() {
     let text = DEMO.replace("/boot/vmlinuz", "../guest/vmlinuz");
     // Relative paths fail validation until they are resolved...
     assert!(parse_documents(&text, "t").is_err());
-    // ...so callers resolve before validating.
-    let v: serde_json::Value = serde_yaml_ng::from_str(text.split("---").nth(1).unwrap()).unwrap();
-    let mut obj: Object = serde_json::from_value(v).unwrap();
-    obj.resolve_relative_paths(std::path::Path::new("/repo/examples"));
-    let Object::VirtualMachine(vm) = &obj else {
+    // ...so callers resolve them against the manifest's directory.
+    let objs =
+        parse_documents_in(&text, "t", Some(std::path::Path::new("/repo/examples"))).unwrap();
+    let Object::VirtualMachine(vm) = &objs[1] else {
         panic!()
     };
     assert_eq!(
         vm.spec.boot.kernel,
         std::path::PathBuf::from("/repo/examples/../guest/vmlinuz")
     );
-    obj.validate().unwrap();
+    // Absolute paths stay as they are.
+    assert_eq!(
+        vm.spec.boot.initrd,
+        Some(std::path::PathBuf::from("/boot/initrd.img"))
+    );
 }
 
 #[test]

@@ -10,9 +10,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
-use hearth_api::{FieldError, Kind, Object, ParseError, object_from_value};
-use serde::Deserialize;
-use serde_json::Value;
+use hearth_api::{Kind, Object, ParseError};
 
 /// Where one manifest text comes from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -160,86 +158,7 @@ pub fn load(inputs: &[PathBuf]) -> anyhow::Result<Vec<Loaded>> {
 /// expanded), resolves relative host paths against `base`, then checks each
 /// object the way hearthd will.
 pub fn parse(text: &str, origin: &str, base: &Path) -> Result<Vec<Object>, ParseError> {
-    let invalid = |error: FieldError| ParseError::Invalid {
-        origin: origin.to_string(),
-        error,
-    };
-    let mut out = Vec::new();
-    for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
-        let doc_index = i + 1;
-        // After a syntax error the document iterator repeats the error forever:
-        // return on the first one.
-        let value = Value::deserialize(doc).map_err(|e| syntax_error(&e, origin))?;
-        let items = match value {
-            Value::Null => continue, // an empty document, e.g. a trailing `---`
-            Value::Object(ref map) if map.contains_key("items") && !map.contains_key("kind") => {
-                match map.get("items") {
-                    Some(Value::Array(items)) => items
-                        .iter()
-                        .enumerate()
-                        .map(|(j, item)| {
-                            (format!("document {doc_index}, items[{j}]"), item.clone())
-                        })
-                        .collect::<Vec<_>>(),
-                    _ => {
-                        return Err(invalid(FieldError {
-                            object: format!("document {doc_index}"),
-                            field: "items".into(),
-                            message: "must be a list of objects".into(),
-                        }));
-                    }
-                }
-            }
-            other => vec![(format!("document {doc_index}"), other)],
-        };
-        for (label, mut item) in items {
-            resolve_relative_paths(&mut item, base);
-            out.push(object_from_value(item, &label).map_err(invalid)?);
-        }
-    }
-    Ok(out)
-}
-
-fn syntax_error(e: &serde_yaml_ng::Error, origin: &str) -> ParseError {
-    let (line, column) = e
-        .location()
-        .map(|l| (l.line(), l.column()))
-        .unwrap_or((0, 0));
-    // The library puts the location in its text too; say it once.
-    let message = e
-        .to_string()
-        .replace(&format!(" at line {line} column {column}"), "");
-    ParseError::Syntax {
-        origin: origin.to_string(),
-        line,
-        column,
-        message,
-    }
-}
-
-/// Makes the host paths of one object absolute against `base`:
-/// `spec.boot.kernel` and `spec.boot.initrd` of a VirtualMachine,
-/// `spec.source.image` of a VirtualDisk. Works on the raw value, before
-/// validation, because validation insists on absolute paths. Anything that is
-/// not a non-empty string is left for validation to report.
-pub fn resolve_relative_paths(value: &mut Value, base: &Path) {
-    let fields: &[&[&str]] = match value.get("kind").and_then(Value::as_str) {
-        Some("VirtualMachine") => &[&["spec", "boot", "kernel"], &["spec", "boot", "initrd"]],
-        Some("VirtualDisk") => &[&["spec", "source", "image"]],
-        _ => &[],
-    };
-    for path in fields {
-        let mut slot = Some(&mut *value);
-        for key in *path {
-            slot = slot.and_then(|v| v.get_mut(*key));
-        }
-        if let Some(Value::String(s)) = slot {
-            let p = Path::new(s.as_str());
-            if !s.is_empty() && p.is_relative() {
-                *s = base.join(p).to_string_lossy().into_owned();
-            }
-        }
-    }
+    hearth_api::parse_documents_in(text, origin, Some(base))
 }
 
 #[cfg(test)]

@@ -10,9 +10,7 @@ use std::collections::HashSet;
 use std::fmt;
 use std::path::Path;
 
-use hearth_api::{Object, object_from_value};
-use serde::Deserialize;
-use serde_json::Value;
+use hearth_api::{Object, ParseError, object_from_value, raw_documents, resolve_relative_paths};
 
 /// Why a file's content cannot be used.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,47 +62,35 @@ pub fn parse_manifest(bytes: &[u8], base: &Path) -> Result<Vec<Object>, FileErro
         )
     })?;
     let docs = document_spans(text);
+    let raws = raw_documents(text, "").map_err(|e| match e {
+        ParseError::Syntax {
+            line,
+            column,
+            message,
+            ..
+        } if line > 0 => FileError::at((line, column), message),
+        ParseError::Syntax { message, .. } => FileError::new(message),
+        ParseError::Invalid { error, .. } => FileError {
+            location: locate(text, None, &error.field),
+            message: format!("{}: {}: {}", error.object, error.field, error.message),
+        },
+    })?;
     let mut out: Vec<Object> = Vec::new();
     let mut seen = HashSet::new();
-    for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
-        let doc_index = i + 1;
-        // After a syntax error the document iterator repeats it: stop at the first.
-        let value = Value::deserialize(doc).map_err(|e| syntax_error(&e))?;
-        let items: Vec<(String, Value)> = match value {
-            Value::Null => continue, // an empty document, e.g. a trailing `---`
-            Value::Object(ref map) if map.contains_key("items") && !map.contains_key("kind") => {
-                match map.get("items") {
-                    Some(Value::Array(items)) => items
-                        .iter()
-                        .enumerate()
-                        .map(|(j, item)| {
-                            (format!("document {doc_index}, items[{j}]"), item.clone())
-                        })
-                        .collect(),
-                    _ => {
-                        return Err(FileError {
-                            location: locate(text, docs.get(i).copied(), "items"),
-                            message: format!("document {doc_index}: items: must be a list"),
-                        });
-                    }
-                }
-            }
-            other => vec![(format!("document {doc_index}"), other)],
-        };
-        for (label, mut item) in items {
-            resolve_relative_paths(&mut item, base);
-            let obj = object_from_value(item, &label).map_err(|e| FileError {
-                location: locate(text, docs.get(i).copied(), &e.field),
-                message: e.to_string(),
-            })?;
-            if !seen.insert((obj.kind(), obj.name().to_string())) {
-                return Err(FileError {
-                    location: locate(text, docs.get(i).copied(), "metadata.name"),
-                    message: format!("{} is declared twice in this file", obj.display_name()),
-                });
-            }
-            out.push(obj);
+    for mut raw in raws {
+        let span = docs.get(raw.document).copied();
+        resolve_relative_paths(&mut raw.value, base);
+        let obj = object_from_value(raw.value, &raw.label).map_err(|e| FileError {
+            location: locate(text, span, &e.field),
+            message: e.to_string(),
+        })?;
+        if !seen.insert((obj.kind(), obj.name().to_string())) {
+            return Err(FileError {
+                location: locate(text, span, "metadata.name"),
+                message: format!("{} is declared twice in this file", obj.display_name()),
+            });
         }
+        out.push(obj);
     }
     if out.is_empty() {
         return Err(FileError::new(
@@ -114,50 +100,12 @@ pub fn parse_manifest(bytes: &[u8], base: &Path) -> Result<Vec<Object>, FileErro
     Ok(out)
 }
 
-fn syntax_error(e: &serde_yaml_ng::Error) -> FileError {
-    match e.location() {
-        Some(l) => {
-            let (line, column) = (l.line(), l.column());
-            // The library puts the location in its text too; say it once.
-            let message = e
-                .to_string()
-                .replace(&format!(" at line {line} column {column}"), "");
-            FileError::at((line, column), message)
-        }
-        None => FileError::new(e.to_string()),
-    }
-}
-
 /// 1-based line and column of byte `offset`.
 fn line_column(bytes: &[u8], offset: usize) -> (usize, usize) {
     let before = &bytes[..offset.min(bytes.len())];
     let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
     let column = before.iter().rev().take_while(|&&b| b != b'\n').count() + 1;
     (line, column)
-}
-
-/// Makes the host paths of one raw object absolute against `base`:
-/// `spec.boot.kernel`/`spec.boot.initrd` of a VirtualMachine and
-/// `spec.source.image` of a VirtualDisk. On the raw value, before validation,
-/// which insists on absolute paths. Other kinds have no host paths.
-fn resolve_relative_paths(value: &mut Value, base: &Path) {
-    let fields: &[&[&str]] = match value.get("kind").and_then(Value::as_str) {
-        Some("VirtualMachine") => &[&["spec", "boot", "kernel"], &["spec", "boot", "initrd"]],
-        Some("VirtualDisk") => &[&["spec", "source", "image"]],
-        _ => &[],
-    };
-    for path in fields {
-        let mut slot = Some(&mut *value);
-        for key in *path {
-            slot = slot.and_then(|v| v.get_mut(*key));
-        }
-        if let Some(Value::String(s)) = slot {
-            let p = Path::new(s.as_str());
-            if !s.is_empty() && p.is_relative() {
-                *s = base.join(p).to_string_lossy().into_owned();
-            }
-        }
-    }
 }
 
 /// Line ranges `[start, end)` (0-based) of the YAML documents in `text`,
