@@ -114,30 +114,8 @@ impl QemuImg {
         backing_format: &str,
         size: Option<u64>,
     ) -> Result<(), ImgError> {
-        check_new_image(path)?;
-        check_absolute(backing)?;
-        if backing_format.is_empty()
-            || !backing_format
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-        {
-            return Err(ImgError::InvalidFormat(backing_format.to_owned()));
-        }
-        let mut args: Vec<OsString> = vec![
-            "create".into(),
-            "-q".into(),
-            "-f".into(),
-            "qcow2".into(),
-            "-b".into(),
-            backing.into(),
-            "-F".into(),
-            backing_format.into(),
-            path.into(),
-        ];
-        if let Some(size) = size {
-            args.push(size.to_string().into());
-        }
-        self.run("create", path, args).await.map(|_| ())
+        self.overlay(path, backing, backing_format, size, true)
+            .await
     }
 
     /// Like `create_overlay`, but without opening the backing image (`-u`):
@@ -150,6 +128,18 @@ impl QemuImg {
         backing_format: &str,
         size: u64,
     ) -> Result<(), ImgError> {
+        self.overlay(path, backing, backing_format, Some(size), false)
+            .await
+    }
+
+    async fn overlay(
+        &self,
+        path: &Path,
+        backing: &Path,
+        backing_format: &str,
+        size: Option<u64>,
+        open_backing: bool,
+    ) -> Result<(), ImgError> {
         check_new_image(path)?;
         check_absolute(backing)?;
         if backing_format.is_empty()
@@ -159,10 +149,11 @@ impl QemuImg {
         {
             return Err(ImgError::InvalidFormat(backing_format.to_owned()));
         }
-        let args: Vec<OsString> = vec![
-            "create".into(),
-            "-q".into(),
-            "-u".into(),
+        let mut args: Vec<OsString> = vec!["create".into(), "-q".into()];
+        if !open_backing {
+            args.push("-u".into());
+        }
+        args.extend([
             "-f".into(),
             "qcow2".into(),
             "-b".into(),
@@ -170,8 +161,10 @@ impl QemuImg {
             "-F".into(),
             backing_format.into(),
             path.into(),
-            size.to_string().into(),
-        ];
+        ]);
+        if let Some(size) = size {
+            args.push(size.to_string().into());
+        }
         self.run("create", path, args).await.map(|_| ())
     }
 
