@@ -32,7 +32,7 @@ use tokio::net::UnixStream;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::time::Instant;
 
-use crate::lines::{BoundedReader, ReadError, truncate};
+use crate::lines::{BoundedReader, QapiReply, ReadError, classify_reply, truncate};
 
 /// Default bound for one reply line; `guest-exec-status` carries captured output
 /// base64-encoded inside one line.
@@ -495,27 +495,18 @@ fn count(command: &str, v: &Value) -> Result<u32, AgentError> {
         })
 }
 
-fn parse_reply(command: &str, mut reply: Value) -> Result<Value, AgentError> {
-    if let Some(ret) = reply.get_mut("return") {
-        return Ok(ret.take());
-    }
-    if let Some(err) = reply.get("error") {
-        let text = |k: &str| {
-            err.get(k)
-                .and_then(Value::as_str)
-                .map(truncate)
-                .unwrap_or_default()
-        };
-        return Err(AgentError::Command {
+fn parse_reply(command: &str, reply: Value) -> Result<Value, AgentError> {
+    match classify_reply(reply) {
+        QapiReply::Return(v) => Ok(v),
+        QapiReply::Error { class, desc } => Err(AgentError::Command {
             command: command.to_owned(),
-            class: text("class"),
-            desc: text("desc"),
-        });
+            class,
+            desc,
+        }),
+        QapiReply::Malformed(text) => Err(AgentError::Protocol(format!(
+            "reply to {command} has neither return nor error: {text}"
+        ))),
     }
-    Err(AgentError::Protocol(format!(
-        "reply to {command} has neither return nor error: {}",
-        truncate(&reply.to_string())
-    )))
 }
 
 fn read_error(e: ReadError) -> AgentError {

@@ -116,6 +116,36 @@ impl<R: AsyncRead + Unpin> BoundedReader<R> {
 }
 
 /// Keeps untrusted text that ends up in errors and logs to a readable size.
+/// A QAPI reply (QMP and the guest agent share the format), decided.
+pub(crate) enum QapiReply {
+    Return(serde_json::Value),
+    Error {
+        class: String,
+        desc: String,
+    },
+    /// Neither `return` nor `error`; the text shows what came instead.
+    Malformed(String),
+}
+
+pub(crate) fn classify_reply(mut reply: serde_json::Value) -> QapiReply {
+    if let Some(ret) = reply.get_mut("return") {
+        return QapiReply::Return(ret.take());
+    }
+    if let Some(err) = reply.get("error") {
+        let text = |k: &str| {
+            err.get(k)
+                .and_then(serde_json::Value::as_str)
+                .map(truncate)
+                .unwrap_or_default()
+        };
+        return QapiReply::Error {
+            class: text("class"),
+            desc: text("desc"),
+        };
+    }
+    QapiReply::Malformed(truncate(&reply.to_string()))
+}
+
 pub(crate) fn truncate(s: &str) -> String {
     const MAX: usize = 512;
     if s.len() <= MAX {

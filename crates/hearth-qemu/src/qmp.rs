@@ -26,7 +26,7 @@ use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::AbortHandle;
 
-use crate::lines::{BoundedReader, ReadError, truncate};
+use crate::lines::{BoundedReader, QapiReply, ReadError, classify_reply, truncate};
 
 /// Default bound for one QMP line. `query-block` with a long snapshot chain is the
 /// largest reply we issue; it stays far below this.
@@ -365,27 +365,18 @@ fn parse_greeting(greeting: &Value) -> Result<QemuVersion, QmpError> {
 }
 
 /// Turns a reply object into the command's result.
-fn parse_reply(command: &str, mut reply: Value) -> Result<Value, QmpError> {
-    if let Some(ret) = reply.get_mut("return") {
-        return Ok(ret.take());
-    }
-    if let Some(err) = reply.get("error") {
-        let text = |k: &str| {
-            err.get(k)
-                .and_then(Value::as_str)
-                .map(truncate)
-                .unwrap_or_default()
-        };
-        return Err(QmpError::Command {
+fn parse_reply(command: &str, reply: Value) -> Result<Value, QmpError> {
+    match classify_reply(reply) {
+        QapiReply::Return(v) => Ok(v),
+        QapiReply::Error { class, desc } => Err(QmpError::Command {
             command: command.to_owned(),
-            class: text("class"),
-            desc: text("desc"),
-        });
+            class,
+            desc,
+        }),
+        QapiReply::Malformed(text) => Err(QmpError::Protocol(format!(
+            "reply to {command} has neither return nor error: {text}"
+        ))),
     }
-    Err(QmpError::Protocol(format!(
-        "reply to {command} has neither return nor error: {}",
-        truncate(&reply.to_string())
-    )))
 }
 
 fn parse_event(msg: &Value) -> Option<QmpEvent> {
