@@ -76,6 +76,7 @@ pub async fn reconcile_disk_snapshot(
     let Some(disk_obj) = engine.store.get(Kind::VirtualDisk, disk)? else {
         fail(
             engine,
+            Kind::VirtualDiskSnapshot,
             name,
             "DiskNotFound",
             &format!("VirtualDisk {disk:?} does not exist"),
@@ -85,6 +86,7 @@ pub async fn reconcile_disk_snapshot(
     if disk_obj.deleting {
         fail(
             engine,
+            Kind::VirtualDiskSnapshot,
             name,
             "DiskDeleting",
             &format!("VirtualDisk {disk:?} is being deleted"),
@@ -106,19 +108,14 @@ pub async fn reconcile_disk_snapshot(
     Ok(())
 }
 
-fn fail(engine: &Engine, name: &str, reason: &str, message: &str) {
-    engine.set_snapshot_status(Kind::VirtualDiskSnapshot, name, |s| {
+/// A snapshot of either kind that can never be taken, with the reason.
+fn fail(engine: &Engine, kind: Kind, name: &str, reason: &str, message: &str) {
+    engine.set_snapshot_status(kind, name, |s| {
         s.phase = SnapshotPhase::Failed;
         s.reason = Some(reason.into());
         s.message = Some(message.into());
     });
-    engine.event(
-        Kind::VirtualDiskSnapshot,
-        name,
-        EventType::Warning,
-        reason,
-        message,
-    );
+    engine.event(kind, name, EventType::Warning, reason, message);
 }
 
 pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(), ReconcileError> {
@@ -130,18 +127,7 @@ pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(
     };
     let status = status_of(&stored.status);
     let fail_vm = |reason: &str, message: &str| {
-        engine.set_snapshot_status(Kind::VirtualMachineSnapshot, name, |s| {
-            s.phase = SnapshotPhase::Failed;
-            s.reason = Some(reason.into());
-            s.message = Some(message.into());
-        });
-        engine.event(
-            Kind::VirtualMachineSnapshot,
-            name,
-            EventType::Warning,
-            reason,
-            message,
-        );
+        fail(engine, Kind::VirtualMachineSnapshot, name, reason, message)
     };
 
     if stored.deleting {
