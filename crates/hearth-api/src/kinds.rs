@@ -44,6 +44,19 @@ impl Kind {
         }
     }
 
+    /// For kinds whose spec cannot change once created: what to do instead.
+    pub fn immutable_spec(self) -> Option<&'static str> {
+        match self {
+            Kind::VirtualMachine => None,
+            Kind::VirtualDisk => Some(
+                "a disk's size and source cannot change after it is created; delete it and create it again",
+            ),
+            Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => Some(
+                "a snapshot's spec cannot change after it is created; take a new snapshot instead",
+            ),
+        }
+    }
+
     /// Accepts the names people type: `vm`, `vms`, `virtualmachine`, `VirtualMachine`, ...
     pub fn from_user(s: &str) -> Option<Kind> {
         match s.to_ascii_lowercase().as_str() {

@@ -638,28 +638,14 @@ impl Engine {
                 new.display_name()
             )));
         }
-        let snapshot_changed = match (&existing.object, new) {
-            (Object::VirtualDiskSnapshot(a), Object::VirtualDiskSnapshot(b)) => a.spec != b.spec,
-            (Object::VirtualMachineSnapshot(a), Object::VirtualMachineSnapshot(b)) => {
-                a.spec != b.spec
-            }
-            _ => false,
-        };
-        if snapshot_changed {
+        if let Some(why) = new.kind().immutable_spec()
+            && existing.object.spec_json() != new.spec_json()
+        {
             return Err(RequestError::Invalid(FieldError {
                 object: new.display_name(),
                 field: "spec".into(),
-                message: "a snapshot's spec cannot change after it is created; take a new snapshot instead".into(),
+                message: why.into(),
             }));
-        }
-        if let (Object::VirtualDisk(old), Object::VirtualDisk(new_disk)) = (&existing.object, new)
-            && old.spec != new_disk.spec
-        {
-            return Err(RequestError::Invalid(FieldError {
-                    object: new.display_name(),
-                    field: "spec".into(),
-                    message: "a disk's size and source cannot change after it is created; delete it and create it again".into(),
-                }));
         }
         Ok(())
     }
