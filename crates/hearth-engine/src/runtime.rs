@@ -23,4 +23,8 @@ pub struct RuntimeRecord {
     pub restart_nonce: u64,
     /// Disk image files attached, in device order.
     pub disks: Vec<PathBuf>,
+    /// The VirtualDisk of each device, in device order: what this process
+    /// was started with, whatever the spec says now.
+    #[serde(default)]
+    pub disk_names: Vec<String>,
 }

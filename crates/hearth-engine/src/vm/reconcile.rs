@@ -310,6 +310,12 @@ async fn try_launch(
         spec_fingerprint: fingerprint(vm),
         restart_nonce,
         disks: disks.into_iter().map(|d| d.path).collect(),
+        disk_names: vm
+            .spec
+            .disks
+            .iter()
+            .map(|d| d.virtual_disk_name.clone())
+            .collect(),
     };
     // Recorded before anything else happens, so a daemon crash right after
     // this point still knows the process is ours.
