@@ -110,6 +110,19 @@ CREATE TABLE IF NOT EXISTS freeze_intents (
     deadline TEXT NOT NULL,
     requests TEXT NOT NULL
 );
+-- An overlay of a cut, recorded before its file or its QEMU node exists and
+-- settled by observing QEMU: adopted as the disk's head when QEMU writes to
+-- it (or may have, when QEMU is gone), removed when QEMU does not use it.
+CREATE TABLE IF NOT EXISTS cut_overlays (
+    cut INTEGER NOT NULL,
+    target TEXT NOT NULL,
+    disk TEXT NOT NULL,
+    layer TEXT NOT NULL,
+    path TEXT NOT NULL,
+    node TEXT,
+    base TEXT NOT NULL,
+    PRIMARY KEY (cut, disk)
+);
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL
