@@ -129,10 +129,22 @@ pub struct VirtualMachineSpec {
     #[serde(default = "default_stop_timeout")]
     pub stop_timeout_seconds: u32,
     /// Longest time the guest may stay frozen for a snapshot; past it the
-    /// guest is thawed and the cut is not consistent.
+    /// guest is thawed and the cut is not consistent. Between
+    /// [`MIN_FREEZE_DEADLINE_SECONDS`] and [`MAX_FREEZE_DEADLINE_SECONDS`].
     #[serde(default = "default_freeze_deadline")]
     pub freeze_deadline_seconds: u32,
 }
+
+/// The shortest `spec.freezeDeadlineSeconds` accepted. Inside the deadline
+/// the snapshot needs the freeze, a read of the freeze status, and then the
+/// disk switch, which is started only while its 2 s budget still fits before
+/// the deadline; a deadline of 2 s or less could never be met, so every cut
+/// would end not consistent.
+pub const MIN_FREEZE_DEADLINE_SECONDS: u32 = 3;
+
+/// The longest `spec.freezeDeadlineSeconds` accepted: a guest frozen for
+/// minutes is an outage, not a snapshot.
+pub const MAX_FREEZE_DEADLINE_SECONDS: u32 = 300;
 
 fn default_freeze_deadline() -> u32 {
     10

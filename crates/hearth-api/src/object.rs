@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::kinds::{
-    DiskSource, Kind, VirtualDisk, VirtualDiskSnapshot, VirtualMachine, VirtualMachineSnapshot,
+    DiskSource, Kind, MAX_FREEZE_DEADLINE_SECONDS, MIN_FREEZE_DEADLINE_SECONDS, VirtualDisk,
+    VirtualDiskSnapshot, VirtualMachine, VirtualMachineSnapshot,
 };
 use crate::meta::API_VERSION;
 
@@ -175,10 +176,15 @@ impl Object {
                         ));
                     }
                 }
-                if !(1..=300).contains(&s.freeze_deadline_seconds) {
+                if !(MIN_FREEZE_DEADLINE_SECONDS..=MAX_FREEZE_DEADLINE_SECONDS)
+                    .contains(&s.freeze_deadline_seconds)
+                {
                     return Err(err(
                         "spec.freezeDeadlineSeconds",
-                        format!("{} is out of range 1..300", s.freeze_deadline_seconds),
+                        format!(
+                            "{} is out of range {MIN_FREEZE_DEADLINE_SECONDS}..{MAX_FREEZE_DEADLINE_SECONDS} (seconds): the freeze, its status read and the 2 s disk switch must fit inside it",
+                            s.freeze_deadline_seconds
+                        ),
                     ));
                 }
                 if s.stop_timeout_seconds > 3600 {

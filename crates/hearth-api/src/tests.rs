@@ -216,3 +216,135 @@ fn snapshot_kinds_parse_with_defaults() {
     );
     assert!(e.contains("spec.size"), "{e}");
 }
+
+// ---------------------------------------------------------------- ranges
+
+/// A VM whose `spec` gets the `extra` lines and lists `disks`.
+fn vm_with(extra: &str, disks: &[&str]) -> String {
+    let disks = if disks.is_empty() {
+        "  disks: []\n".to_string()
+    } else {
+        let list: String = disks
+            .iter()
+            .map(|d| format!("    - virtualDiskName: {d}\n"))
+            .collect();
+        format!("  disks:\n{list}")
+    };
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: demo}}\nspec:\n  boot: {{kernel: /boot/vmlinuz}}\n{extra}{disks}"
+    )
+}
+
+fn blank_disk(size: &str) -> String {
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {{name: d}}\nspec: {{size: {size}, source: {{blank: {{}}}}}}\n"
+    )
+}
+
+/// The validation error of a text that must be refused.
+#[track_caller]
+fn field_error(text: &str) -> FieldError {
+    match parse_documents(text, "t") {
+        Err(ParseError::Invalid { error, .. }) => error,
+        Err(other) => panic!("refused, but not by validation: {other}\n{text}"),
+        Ok(_) => panic!("accepted:\n{text}"),
+    }
+}
+
+/// Refused, and the error names `field`, both as its field and when shown.
+#[track_caller]
+fn assert_refused(text: &str, field: &str) {
+    let e = field_error(text);
+    assert_eq!(e.field, field, "{e}");
+    assert!(e.to_string().contains(field), "{e}");
+}
+
+#[track_caller]
+fn assert_accepted(text: &str) {
+    if let Err(e) = parse_documents(text, "t") {
+        panic!("refused: {e}\n{text}");
+    }
+}
+
+#[test]
+fn memory_is_32mi_to_1ti_in_whole_mebibytes() {
+    for ok in ["32Mi", "33Mi", "1024Gi", "1Ti"] {
+        assert_accepted(&vm_with(&format!("  memory: {ok}\n"), &[]));
+    }
+    for bad in ["31Mi", "33554431", "0", "1025Gi", "2Ti"] {
+        assert_refused(&vm_with(&format!("  memory: {bad}\n"), &[]), "spec.memory");
+    }
+    // In range, but not a whole MiB.
+    assert_refused(&vm_with("  memory: 33555456\n", &[]), "spec.memory");
+    let e = field_error(&vm_with("  memory: 31Mi\n", &[]));
+    assert!(e.message.contains("31Mi"), "{e}");
+}
+
+#[test]
+fn disk_size_is_1mi_to_16ti_in_whole_sectors() {
+    for ok in ["1Mi", "1049088", "16Ti", "16384Gi"] {
+        assert_accepted(&blank_disk(ok));
+    }
+    for bad in ["1023Ki", "1048575", "0", "16385Gi", "17Ti"] {
+        assert_refused(&blank_disk(bad), "spec.size");
+    }
+    // In range, but not a multiple of 512 bytes.
+    assert_refused(&blank_disk("1048577"), "spec.size");
+    let e = field_error(&blank_disk("17Ti"));
+    assert!(e.message.contains("17Ti"), "{e}");
+}
+
+#[test]
+fn a_vm_has_at_most_16_disks() {
+    let names: Vec<String> = (0..17).map(|i| format!("d{i}")).collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    assert_accepted(&vm_with("", &names[..16]));
+    assert_refused(&vm_with("", &names), "spec.disks");
+}
+
+#[test]
+fn a_disk_listed_twice_in_a_vm_is_refused_at_its_second_place() {
+    assert_accepted(&vm_with("", &["a", "b"]));
+    let text = vm_with("", &["a", "b", "a"]);
+    assert_refused(&text, "spec.disks[2].virtualDiskName");
+    let e = field_error(&text);
+    assert!(
+        e.message.contains("\"a\"") && e.message.contains("twice"),
+        "{e}"
+    );
+}
+
+#[test]
+fn freeze_deadline_must_leave_room_for_the_transaction() {
+    // The freeze and its status read take time, and the 2 s transaction is
+    // started only if it still fits before the deadline: 2 s never works.
+    assert_eq!(MIN_FREEZE_DEADLINE_SECONDS, 3);
+    let with = |s: u32| vm_with(&format!("  freezeDeadlineSeconds: {s}\n"), &[]);
+    for ok in [
+        MIN_FREEZE_DEADLINE_SECONDS,
+        MIN_FREEZE_DEADLINE_SECONDS + 1,
+        10,
+        MAX_FREEZE_DEADLINE_SECONDS,
+    ] {
+        assert_accepted(&with(ok));
+    }
+    for bad in [
+        0,
+        1,
+        MIN_FREEZE_DEADLINE_SECONDS - 1,
+        MAX_FREEZE_DEADLINE_SECONDS + 1,
+    ] {
+        assert_refused(&with(bad), "spec.freezeDeadlineSeconds");
+    }
+    let e = field_error(&with(2));
+    assert!(e.message.contains("3..300"), "{e}");
+    // Left out, the default is in range.
+    let objs = parse_documents(&vm_with("", &[]), "t").expect("valid");
+    let Object::VirtualMachine(vm) = &objs[0] else {
+        panic!()
+    };
+    assert!(
+        (MIN_FREEZE_DEADLINE_SECONDS..=MAX_FREEZE_DEADLINE_SECONDS)
+            .contains(&vm.spec.freeze_deadline_seconds)
+    );
+}

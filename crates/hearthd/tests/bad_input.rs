@@ -64,6 +64,17 @@ fn invalid_manifests_are_refused_and_change_nothing() {
         "{e}"
     );
 
+    // A freeze deadline no snapshot could meet.
+    let e = apply_err(
+        &d,
+        "deadline.yaml",
+        &vm.replace("memory: 256Mi", "memory: 256Mi\n  freezeDeadlineSeconds: 2"),
+    );
+    assert!(
+        e.contains("VirtualMachine \"bad\"") && e.contains("spec.freezeDeadlineSeconds"),
+        "{e}"
+    );
+
     // A path outside the allowed roots is refused even though it exists.
     let e = apply_err(
         &d,
