@@ -15,6 +15,29 @@ pub fn qemu() -> PathBuf {
     }
 }
 
+/// `major.minor.micro` as the QEMU binary itself reports it (`--version`),
+/// so tests compare with the installed QEMU instead of naming a release.
+pub fn qemu_version_of(binary: &Path) -> (u64, u64, u64) {
+    let out = std::process::Command::new(binary)
+        .arg("--version")
+        .output()
+        .expect("run qemu --version");
+    let text = String::from_utf8_lossy(&out.stdout);
+    parse_qemu_version(&text).unwrap_or_else(|| panic!("no version in {text:?}"))
+}
+
+/// The first `N.N.N` after "version" in `QEMU emulator version 9.2.1 (...)`.
+pub fn parse_qemu_version(text: &str) -> Option<(u64, u64, u64)> {
+    let after = &text[text.find("version")? + "version".len()..];
+    let word = after.split_whitespace().next()?;
+    let mut parts = word.split('.').map(|p| p.parse::<u64>().ok());
+    Some((
+        parts.next()??,
+        parts.next()??,
+        parts.next().flatten().unwrap_or(0),
+    ))
+}
+
 pub fn qemu_img() -> PathBuf {
     match find_binary("qemu-img") {
         Ok(path) => path,
