@@ -795,15 +795,8 @@ impl Engine {
 
     // ------------------------------------------------------------ guest agent
 
-    /// Runs `f` with the VM's guest-agent connection, which it shares with
-    /// the monitor (the channel takes one client).
-    async fn with_agent<T>(
-        &self,
-        name: &str,
-        f: impl AsyncFnOnce(
-            &mut hearth_qemu::agent::AgentClient,
-        ) -> Result<T, hearth_qemu::agent::AgentError>,
-    ) -> Result<T, RequestError> {
+    /// The live handle of a running VM whose spec has a guest agent.
+    fn agent_live(&self, name: &str) -> Result<Arc<LiveVm>, RequestError> {
         let stored = self.get(Kind::VirtualMachine, name)?;
         if let Object::VirtualMachine(vm) = &stored.object
             && !vm.spec.guest_agent
@@ -812,9 +805,22 @@ impl Engine {
                 "VirtualMachine {name:?} has spec.guestAgent false"
             )));
         }
-        let live = self.live_get(name).ok_or_else(|| {
+        self.live_get(name).ok_or_else(|| {
             RequestError::Conflict(format!("VirtualMachine {name:?} is not running"))
-        })?;
+        })
+    }
+
+    /// Runs `f` with the VM's guest-agent connection, which it shares with
+    /// the monitor and the freeze coordinator (the channel takes one client).
+    /// Holds the channel for all of `f`: only for calls that answer at once.
+    async fn with_agent<T>(
+        &self,
+        name: &str,
+        f: impl AsyncFnOnce(
+            &mut hearth_qemu::agent::AgentClient,
+        ) -> Result<T, hearth_qemu::agent::AgentError>,
+    ) -> Result<T, RequestError> {
+        let live = self.agent_live(name)?;
         let mut guard = live.agent.lock().await;
         let client = guard.as_mut().ok_or_else(|| {
             RequestError::Conflict(format!(
@@ -843,6 +849,8 @@ impl Engine {
     }
 
     /// `guest-exec` through the guest agent; waits for the program to end.
+    /// The agent channel is taken per call (start, then each status poll), not
+    /// for the program's run, so a snapshot cut never waits behind it.
     pub async fn agent_exec(
         &self,
         name: &str,
@@ -850,9 +858,20 @@ impl Engine {
         args: &[String],
         timeout: Duration,
     ) -> Result<hearth_qemu::agent::ExecOutput, RequestError> {
+        let live = self.agent_live(name)?;
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        self.with_agent(name, async |c| c.exec(path, &args, timeout).await)
-            .await
+        live.exec(path, &args, timeout).await.map_err(|e| {
+            use crate::vm::live::ExecError;
+            RequestError::Conflict(match e {
+                ExecError::NotConnected => {
+                    format!("VirtualMachine {name:?}: the guest agent is not connected yet")
+                }
+                ExecError::Stopped => {
+                    format!("VirtualMachine {name:?} stopped while the program ran")
+                }
+                ExecError::Agent(e) => format!("VirtualMachine {name:?}: guest agent: {e}"),
+            })
+        })
     }
 
     // ------------------------------------------------------------ work queue

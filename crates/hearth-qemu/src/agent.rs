@@ -37,8 +37,10 @@ use crate::lines::{BoundedReader, QapiReply, ReadError, classify_reply, truncate
 /// Default bound for one reply line; `guest-exec-status` carries captured output
 /// base64-encoded inside one line.
 pub const DEFAULT_MAX_REPLY: usize = 16 * 1024 * 1024;
-/// How often `exec` asks whether the guest process has finished.
-const EXEC_POLL_INTERVAL: Duration = Duration::from_millis(50);
+/// The first wait between `guest-exec-status` polls; see [`next_exec_poll`].
+pub const EXEC_POLL_FIRST: Duration = Duration::from_millis(50);
+/// The longest wait between `guest-exec-status` polls.
+pub const EXEC_POLL_MAX: Duration = Duration::from_millis(250);
 /// qemu-ga's resync sentinel and parser-reset byte.
 const SENTINEL: u8 = 0xFF;
 
@@ -417,9 +419,53 @@ impl AgentClient {
         }
     }
 
+    /// Starts `path args...` in the guest with its output captured and returns
+    /// the guest pid to poll with [`exec_status`](Self::exec_status). Returns as
+    /// soon as qemu-ga has started the program: the channel is free meanwhile.
+    pub async fn exec_start(
+        &mut self,
+        path: &str,
+        args: &[&str],
+        timeout: Duration,
+    ) -> Result<i64, AgentError> {
+        let started = self
+            .execute(
+                "guest-exec",
+                Some(json!({"path": path, "arg": args, "capture-output": true})),
+                timeout,
+            )
+            .await?;
+        started
+            .get("pid")
+            .and_then(Value::as_i64)
+            .ok_or_else(|| AgentError::Protocol("guest-exec reply has no pid".into()))
+    }
+
+    /// One `guest-exec-status` for a program [`exec_start`](Self::exec_start)
+    /// started: `None` while it runs, its output once it has exited. qemu-ga
+    /// forgets the program once it has reported the exit, so the output comes
+    /// back exactly once.
+    pub async fn exec_status(
+        &mut self,
+        pid: i64,
+        timeout: Duration,
+    ) -> Result<Option<ExecOutput>, AgentError> {
+        let status = self
+            .execute("guest-exec-status", Some(json!({"pid": pid})), timeout)
+            .await?;
+        if status.get("exited").and_then(Value::as_bool) == Some(true) {
+            parse_exec_status(&status).map(Some)
+        } else {
+            Ok(None)
+        }
+    }
+
     /// Runs `path args...` in the guest, waits for it and returns its output.
     /// `timeout` covers the whole run; on timeout the guest process keeps running
-    /// (qemu-ga has no way to kill it).
+    /// (qemu-ga has no way to kill it). This holds `&mut self` for the whole run;
+    /// a caller that shares the channel polls with
+    /// [`exec_start`](Self::exec_start) and [`exec_status`](Self::exec_status)
+    /// instead, letting go of it between polls.
     pub async fn exec(
         &mut self,
         path: &str,
@@ -428,35 +474,36 @@ impl AgentClient {
     ) -> Result<ExecOutput, AgentError> {
         let deadline = Instant::now() + timeout;
         let remaining = |now: Instant| deadline.saturating_duration_since(now);
-        let started = self
-            .execute(
-                "guest-exec",
-                Some(json!({"path": path, "arg": args, "capture-output": true})),
-                timeout,
-            )
-            .await?;
-        let pid = started
-            .get("pid")
-            .and_then(Value::as_i64)
-            .ok_or_else(|| AgentError::Protocol("guest-exec reply has no pid".into()))?;
+        let pid = self.exec_start(path, args, timeout).await?;
+        let mut interval = EXEC_POLL_FIRST;
         loop {
             let left = remaining(Instant::now());
             if left.is_zero() {
-                return Err(AgentError::Timeout {
-                    command: format!("guest-exec {path}"),
-                    timeout,
-                });
+                return Err(exec_timeout(path, timeout));
             }
-            let status = self
-                .execute("guest-exec-status", Some(json!({"pid": pid})), left)
-                .await?;
-            if status.get("exited").and_then(Value::as_bool) == Some(true) {
-                return parse_exec_status(&status);
+            if let Some(out) = self.exec_status(pid, left).await? {
+                return Ok(out);
             }
             let left = remaining(Instant::now());
-            tokio::time::sleep(EXEC_POLL_INTERVAL.min(left)).await;
+            tokio::time::sleep(interval.min(left)).await;
+            interval = next_exec_poll(interval);
         }
     }
+}
+
+/// The error for a guest program that did not finish within `timeout`.
+pub fn exec_timeout(path: &str, timeout: Duration) -> AgentError {
+    AgentError::Timeout {
+        command: format!("guest-exec {path}"),
+        timeout,
+    }
+}
+
+/// The wait before the next `guest-exec-status`: starts at 50 ms and grows by
+/// half each poll up to 250 ms, so short programs answer fast and long ones do
+/// not flood the channel.
+pub fn next_exec_poll(interval: Duration) -> Duration {
+    (interval + interval / 2).clamp(EXEC_POLL_FIRST, EXEC_POLL_MAX)
 }
 
 fn parse_exec_status(status: &Value) -> Result<ExecOutput, AgentError> {
@@ -868,6 +915,81 @@ mod tests {
         assert_eq!(out.stderr, b"oops\n");
         assert!(!out.truncated);
         guest.await.expect("fake agent");
+    }
+
+    #[tokio::test]
+    async fn exec_start_and_status_are_separate_calls_and_other_commands_fit_between() {
+        let (_dir, mut client, mut fake) = setup().await;
+        let guest = tokio::spawn(async move {
+            fake.handle_sync().await;
+            let start = fake.recv().await;
+            assert_eq!(start["execute"], "guest-exec");
+            assert_eq!(start["arguments"]["path"], "/bin/sleep");
+            assert_eq!(start["arguments"]["arg"], json!(["30"]));
+            fake.reply(json!({"pid": 9})).await;
+            let poll = fake.recv().await;
+            assert_eq!(poll["execute"], "guest-exec-status");
+            assert_eq!(poll["arguments"]["pid"], 9);
+            fake.reply(json!({"exited": false})).await;
+            // Between two polls the channel carries anything else, in sync.
+            assert_eq!(fake.recv().await["execute"], "guest-fsfreeze-status");
+            fake.reply(json!("thawed")).await;
+            let poll = fake.recv().await;
+            assert_eq!(poll["execute"], "guest-exec-status");
+            fake.reply(json!({"exited": true, "signal": 9})).await;
+            fake
+        });
+        let pid = client
+            .exec_start("/bin/sleep", &["30"], T)
+            .await
+            .expect("start");
+        assert_eq!(pid, 9);
+        assert!(client.is_synced(), "start returns once qemu-ga answered");
+        assert_eq!(client.exec_status(pid, T).await.expect("status"), None);
+        assert_eq!(
+            client.fsfreeze_status(T).await.expect("between polls"),
+            FreezeStatus::Thawed
+        );
+        let out = client
+            .exec_status(pid, T)
+            .await
+            .expect("status")
+            .expect("exited");
+        assert_eq!(out.exit_code, None);
+        assert_eq!(out.signal, Some(9));
+        assert!(out.stdout.is_empty());
+        guest.await.expect("fake agent");
+    }
+
+    #[tokio::test]
+    async fn exec_start_without_a_pid_is_a_protocol_error() {
+        let (_dir, mut client, mut fake) = setup().await;
+        let guest = tokio::spawn(async move {
+            fake.handle_sync().await;
+            let _ = fake.recv().await;
+            fake.reply(json!({"pid": "seven"})).await;
+            fake
+        });
+        let err = client
+            .exec_start("/bin/true", &[], T)
+            .await
+            .expect_err("no numeric pid");
+        assert!(matches!(err, AgentError::Protocol(_)), "{err}");
+        guest.await.expect("fake agent");
+    }
+
+    #[test]
+    fn exec_polls_start_at_50ms_and_grow_to_250ms() {
+        let mut seen = vec![EXEC_POLL_FIRST];
+        for _ in 0..10 {
+            let next = next_exec_poll(*seen.last().expect("one"));
+            seen.push(next);
+        }
+        assert_eq!(seen[0], Duration::from_millis(50));
+        assert!(seen.windows(2).all(|w| w[0] <= w[1]), "{seen:?}");
+        assert!(seen[1] > seen[0], "{seen:?}");
+        assert_eq!(*seen.last().expect("last"), Duration::from_millis(250));
+        assert!(seen.iter().all(|d| *d <= EXEC_POLL_MAX));
     }
 
     #[tokio::test]
