@@ -29,6 +29,12 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
                 "VirtualDisk {name:?} is still used by VirtualMachine {vm:?}"
             )));
         }
+        // Never while a snapshot cut of the disk runs: the cut holds this
+        // lock until its results are recorded.
+        let _ops = engine.ops_lock(&format!("disk/{name}")).lock_owned().await;
+        crate::snapshot::overlays::settle_offline(&engine.store, &[name.to_string()])
+            .await
+            .map_err(ReconcileError::Failed)?;
         // Snapshots of the disk keep the layers they need.
         storage::drop_head(&engine.store, name)?;
         let freed = storage::collect_garbage(&engine.store)?;

@@ -556,6 +556,12 @@ impl Engine {
                 "VirtualMachine {vm_name:?} is running; stop it first (nothing was restored)"
             )));
         }
+        // The last QEMU is gone: a cut it left unsettled is settled first,
+        // so the heads replaced below are the real ones.
+        let disks: Vec<String> = plan.iter().map(|(d, _)| d.clone()).collect();
+        crate::snapshot::overlays::settle_offline(&self.store, &disks)
+            .await
+            .map_err(|e| RequestError::Conflict(format!("{e} (nothing was restored)")))?;
         let state_dir = self.config.state_dir.clone();
         std::fs::create_dir_all(storage::layers_dir(&state_dir))
             .map_err(|e| RequestError::Conflict(e.to_string()))?;

@@ -3,13 +3,13 @@
 //! performs the coordinator's commands one at a time, in order, each bounded
 //! by the timeout the coordinator gave.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use hearth_api::{
-    EventType, Kind, Object, SnapshotPhase, SnapshotStatus, VirtualDiskSnapshot, VirtualDiskStatus,
+    EventType, Kind, Object, SnapshotPhase, SnapshotStatus, VirtualDiskSnapshot,
 };
 use hearth_qemu::agent::{AgentClient, AgentError, FreezeStatus};
 use rusqlite::params;
@@ -18,8 +18,10 @@ use tokio::sync::mpsc;
 
 use super::coordinator::{
     Access, AgentFault, Command, Coordinator, CutId, Durable, Input, Millis, Outcome, Request,
+    TxResult,
 };
-use super::storage::{self, Layer, NewLayer};
+use super::overlays::{self, Graph, Overlay, Settled};
+use super::storage::{self, Layer};
 use crate::engine::Engine;
 use crate::store::{Store, StoreError};
 use crate::vm::live::LiveVm;
@@ -31,6 +33,8 @@ const QMP_TIMEOUT: Duration = Duration::from_secs(5);
 const GATHER: Duration = Duration::from_millis(50);
 /// ...and the longest a request waits for company.
 const MAX_GATHER: Duration = Duration::from_millis(300);
+/// Pause before writing a cut's results again after the store refused.
+const COMMIT_RETRY: Duration = Duration::from_secs(1);
 
 enum Msg {
     Requests(Vec<Request>),
@@ -94,9 +98,17 @@ impl Actors {
     }
 }
 
-/// The actor that serves snapshots of `disk`: its VM's, or its own when no
-/// VM uses it.
+/// The actor that serves snapshots of `disk`: the VM whose running QEMU has
+/// it (what the process was started with, whatever the spec says now), else
+/// the VM whose spec lists it, else its own when no VM uses it.
 pub fn target_of(engine: &Engine, disk: &str) -> Result<String, StoreError> {
+    for record in engine.store.runtimes()? {
+        if record.disk_names.iter().any(|d| d == disk)
+            && hearth_qemu::process::is_alive(&record.process)
+        {
+            return Ok(format!("vm/{}", record.vm));
+        }
+    }
     Ok(match engine.vms_using_disk(disk)?.first() {
         Some(vm) => format!("vm/{vm}"),
         None => format!("disk/{disk}"),
@@ -108,29 +120,58 @@ pub fn target_of(engine: &Engine, disk: &str) -> Result<String, StoreError> {
 struct CutContext {
     live: Option<Arc<LiveVm>>,
     prepared: Vec<Prepared>,
-    guard: Option<tokio::sync::OwnedMutexGuard<()>>,
+    guards: Vec<tokio::sync::OwnedMutexGuard<()>>,
     freeze_started: Option<chrono::DateTime<Utc>>,
 }
 
 struct Prepared {
     disk: String,
-    new: NewLayer,
+    overlay: Overlay,
     old_head: Layer,
-    /// The node the overlay goes on top of, and the overlay's node (live cuts).
+    /// The node the overlay goes on top of (live cuts).
     top_node: Option<String>,
-    new_node: Option<String>,
+    /// The overlay's device index in the running QEMU (live cuts).
+    device: Option<usize>,
     capacity: u64,
+}
+
+/// Takes the operations locks of a target and of every disk it may cut, in
+/// the same order as a VM start or stop (VM first, disks sorted), so a VM
+/// cannot start, stop or be restored, and a disk cannot be deleted or cut by
+/// another actor, while a cut runs.
+async fn lock_target(engine: &Engine, target: &str) -> Vec<tokio::sync::OwnedMutexGuard<()>> {
+    let mut guards = vec![engine.ops_lock(target).lock_owned().await];
+    if let Some(vm) = target.strip_prefix("vm/") {
+        let mut disks: Vec<String> = Vec::new();
+        if let Ok(Some(s)) = engine.store.get(Kind::VirtualMachine, vm)
+            && let Object::VirtualMachine(v) = &s.object
+        {
+            disks.extend(v.spec.disks.iter().map(|d| d.virtual_disk_name.clone()));
+        }
+        if let Ok(Some(r)) = engine.store.runtime(vm) {
+            disks.extend(r.disk_names);
+        }
+        disks.sort();
+        disks.dedup();
+        for d in disks {
+            guards.push(engine.ops_lock(&format!("disk/{d}")).lock_owned().await);
+        }
+    }
+    guards
 }
 
 async fn run(engine: Weak<Engine>, target: String, mut rx: mpsc::UnboundedReceiver<Msg>) {
     let epoch = Instant::now();
     let now = || epoch.elapsed().as_millis() as Millis;
     let Some(e) = engine.upgrade() else { return };
-    let (mut core, first) = match recover(&e, &target) {
-        Ok(x) => x,
-        Err(err) => {
-            tracing::error!(target, error = %err, "cannot load snapshot state");
-            return;
+    let (mut core, first) = {
+        let _guards = lock_target(&e, &target).await;
+        match recover(&e, &target).await {
+            Ok(x) => x,
+            Err(err) => {
+                tracing::error!(target, error = %err, "cannot load snapshot state");
+                return;
+            }
         }
     };
     drop(e);
@@ -141,7 +182,7 @@ async fn run(engine: Weak<Engine>, target: String, mut rx: mpsc::UnboundedReceiv
             let Some(e) = engine.upgrade() else { return };
             let input = execute(&e, &target, &mut ctx, &core, cmd, now).await;
             if let Some(input) = input {
-                let committed = matches!(input, Input::Committed { .. });
+                let committed = matches!(input, Input::Committed { ok: true, .. });
                 queue.extend(core.handle(input));
                 if committed && core.is_idle() {
                     ctx = CutContext::default();
@@ -186,21 +227,40 @@ async fn run(engine: Weak<Engine>, target: String, mut rx: mpsc::UnboundedReceiv
         }
         if core.is_idle() && (core.has_pending() || core.needs_thaw()) {
             let Some(e) = engine.upgrade() else { return };
-            let lock = e.ops_lock(&target);
-            let guard = lock.lock_owned().await;
-            let (access, live) = access(&e, &target).await;
-            core.set_deadline(deadline_of(&e, &target));
-            let out = core.handle(Input::Start { access, now: now() });
-            if out.is_empty() {
-                drop(guard);
+            // A thaw retry holds no lock: stop, start and restore never wait
+            // behind a guest agent that does not answer.
+            let guards = if core.has_pending() {
+                lock_target(&e, &target).await
             } else {
-                ctx = CutContext {
-                    live,
-                    guard: Some(guard),
-                    ..CutContext::default()
-                };
-                queue.extend(out);
-                continue;
+                Vec::new()
+            };
+            forward_elsewhere(&e, &target, &mut core);
+            match e.store.next_counter("cut") {
+                Ok(cut) => {
+                    let (access, live) = access(&e, &target).await;
+                    core.set_deadline(deadline_of(&e, &target));
+                    let out = core.handle(Input::Start {
+                        access,
+                        cut,
+                        now: now(),
+                    });
+                    if !out.is_empty() {
+                        ctx = CutContext {
+                            live,
+                            guards,
+                            ..CutContext::default()
+                        };
+                        queue.extend(out);
+                        continue;
+                    }
+                }
+                Err(err) => {
+                    // Without a durable id no cut starts; try again shortly.
+                    tracing::error!(target, error = %err, "cannot allocate a cut id");
+                    drop(guards);
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
             }
         }
         if closed {
@@ -224,9 +284,55 @@ async fn run(engine: Weak<Engine>, target: String, mut rx: mpsc::UnboundedReceiv
     }
 }
 
-/// Rebuilds the coordinator from the store: unsettled snapshots, and the
-/// intent of a cut the previous daemon did not finish.
-fn recover(engine: &Arc<Engine>, target: &str) -> Result<(Coordinator, Vec<Command>), StoreError> {
+/// Hands pending requests whose disk is now served by another actor (a VM
+/// started with it, or stopped and no longer lists it) to that actor, so
+/// online or offline is decided when the cut starts, by the one actor that
+/// may cut the disk.
+fn forward_elsewhere(engine: &Arc<Engine>, target: &str, core: &mut Coordinator) {
+    let mut moved: HashMap<String, Vec<Request>> = HashMap::new();
+    for r in core.take_pending() {
+        match target_of(engine, &r.disk) {
+            Ok(t) if t != target => moved.entry(t).or_default().push(r),
+            _ => {
+                core.handle(Input::Requested(r));
+            }
+        }
+    }
+    for (t, rs) in moved {
+        tracing::info!(from = target, to = %t, n = rs.len(), "snapshot requests move to the actor now serving their disk");
+        engine.snapshots.request(engine, &t, rs);
+    }
+}
+
+/// Rebuilds the coordinator from the store: unsettled snapshots, the intent
+/// of a cut the previous daemon did not finish, and the overlays it made,
+/// settled against what QEMU really uses.
+async fn recover(
+    engine: &Arc<Engine>,
+    target: &str,
+) -> Result<(Coordinator, Vec<Command>), StoreError> {
+    let overlays = overlays::of_target(&engine.store, target)?;
+    if !overlays.is_empty() {
+        let live = live_of(engine, target).await;
+        for (o, s) in overlays::settle(&engine.store, live.as_deref(), &overlays).await {
+            vm_event(
+                engine,
+                target,
+                EventType::Normal,
+                "OverlaySettled",
+                &format!(
+                    "cut {}: overlay of VirtualDisk {:?} {}",
+                    o.cut,
+                    o.disk,
+                    match s {
+                        Settled::Adopted => "is in use: it is the disk's head now".to_string(),
+                        Settled::Removed => "was not in use: removed".to_string(),
+                        Settled::Unresolved(why) => format!("left for later: {why}"),
+                    }
+                ),
+            );
+        }
+    }
     let deadline_ms = deadline_of(engine, target);
     let mut pending = Vec::new();
     for s in engine.store.list(Kind::VirtualDiskSnapshot)? {
@@ -269,15 +375,10 @@ fn recover(engine: &Arc<Engine>, target: &str) -> Result<(Coordinator, Vec<Comma
                 vm,
                 EventType::Warning,
                 "RecoveringCut",
-                &format!("hearthd restarted during snapshot cut {cut}: thawing the guest and settling its snapshots"),
+                &format!("hearthd restarted during snapshot cut {cut}: thawing the guest if it is frozen, then settling its snapshots"),
             );
     }
-    let next_cut = engine.store.next_counter(&format!("cut/{target}"))?;
-    Ok(Coordinator::recover(
-        deadline_ms,
-        next_cut,
-        Durable { pending, intent },
-    ))
+    Ok(Coordinator::recover(deadline_ms, Durable { pending, intent }))
 }
 
 /// The VM's `spec.freezeDeadlineSeconds`, in ms (10 s when there is no VM).
@@ -430,23 +531,22 @@ async fn execute(
 ) -> Option<Input> {
     match cmd {
         Command::Prepare { cut, disks } => {
-            let result = prepare(engine, target, ctx, cut, &disks).await;
-            if result.is_ok() {
-                let names: Vec<String> = core
-                    .cut_requests()
-                    .iter()
-                    .map(|r| r.snapshot.clone())
-                    .collect();
-                for n in &names {
-                    engine.set_snapshot_status(Kind::VirtualDiskSnapshot, n, |s| {
-                        s.phase = SnapshotPhase::InProgress;
-                        s.cut_id = Some(cut);
-                    });
-                }
+            let failed = prepare(engine, target, ctx, cut, &disks).await;
+            let names: Vec<String> = core
+                .cut_requests()
+                .iter()
+                .filter(|r| !failed.iter().any(|(d, _)| *d == r.disk))
+                .map(|r| r.snapshot.clone())
+                .collect();
+            for n in &names {
+                engine.set_snapshot_status(Kind::VirtualDiskSnapshot, n, |s| {
+                    s.phase = SnapshotPhase::InProgress;
+                    s.cut_id = Some(cut);
+                });
             }
             Some(Input::Prepared {
                 cut,
-                result,
+                failed,
                 now: now(),
             })
         }
@@ -458,20 +558,25 @@ async fn execute(
                 .collect();
             let left = deadline.saturating_sub(now());
             let wall = Utc::now() + chrono::Duration::milliseconds(left as i64);
-            let r = engine.store.with_tx(|tx| {
-                tx.execute(
+            let result = engine
+                .store
+                .with_tx(|tx| {
+                    tx.execute(
                     "INSERT INTO freeze_intents (target, cut, deadline, requests) VALUES (?1, ?2, ?3, ?4)
                      ON CONFLICT (target) DO UPDATE SET cut = excluded.cut, deadline = excluded.deadline, requests = excluded.requests",
                     params![target, cut as i64, wall.to_rfc3339(), serde_json::to_string(&names)?],
                 )?;
-                Ok(())
-            });
-            if let Err(e) = r {
-                // Without a durable intent a crash could leave the guest frozen
-                // unnoticed; the freeze that follows still has its deadline.
-                tracing::error!(target, error = %e, "cannot record the freeze intent");
+                    Ok(())
+                })
+                .map_err(|e| e.to_string());
+            if let Err(e) = &result {
+                tracing::error!(target, error = %e, "cannot record the freeze intent; not freezing");
             }
-            None
+            Some(Input::IntentRecorded {
+                cut,
+                result,
+                now: now(),
+            })
         }
         Command::Freeze { cut, timeout } => {
             ctx.freeze_started = Some(Utc::now());
@@ -528,7 +633,33 @@ async fn execute(
                 now: now(),
             })
         }
-        Command::Thaw { cut, timeout } => {
+        Command::Observe { cut } => {
+            let applied = observe(ctx).await;
+            vm_event(
+                engine,
+                target,
+                EventType::Warning,
+                "TransactionObserved",
+                &format!(
+                    "cut {cut}: the transaction's reply did not come; QEMU's block graph says it {}",
+                    match applied {
+                        Some(true) => "ran",
+                        Some(false) => "did not run",
+                        None => "cannot be read",
+                    }
+                ),
+            );
+            Some(Input::Observed {
+                cut,
+                applied,
+                now: now(),
+            })
+        }
+        Command::Thaw {
+            cut,
+            timeout,
+            only_if_frozen,
+        } => {
             let live = match &ctx.live {
                 Some(l) => Some(l.clone()),
                 None => live_of(engine, target).await,
@@ -536,20 +667,32 @@ async fn execute(
             let result = match live {
                 Some(live) => {
                     with_agent(&live, Duration::from_millis(timeout), async |c, t| {
-                        c.fsfreeze_thaw(t).await
+                        // Thaw only a frozen guest: its thaw hook must never
+                        // run without a freeze before it.
+                        if only_if_frozen && c.fsfreeze_status(t).await? == FreezeStatus::Thawed {
+                            return Ok(None);
+                        }
+                        c.fsfreeze_thaw(t).await.map(Some)
                     })
                     .await
                 }
                 // No process, nothing frozen.
-                None => Ok(0),
+                None => Ok(None),
             };
             match &result {
-                Ok(n) => vm_event(
+                Ok(Some(n)) => vm_event(
                     engine,
                     target,
                     EventType::Normal,
                     "Thawed",
                     &format!("cut {cut}: the guest thawed {n} filesystem(s)"),
+                ),
+                Ok(None) => vm_event(
+                    engine,
+                    target,
+                    EventType::Normal,
+                    "NotFrozen",
+                    &format!("cut {cut}: the guest is not frozen; nothing to thaw"),
                 ),
                 Err(f) => vm_event(
                     engine,
@@ -561,12 +704,12 @@ async fn execute(
             }
             Some(Input::ThawReplied {
                 cut,
-                result,
+                result: result.map(|n| n.unwrap_or(0)),
                 now: now(),
             })
         }
-        Command::Discard { cut: _ } => {
-            discard(ctx).await;
+        Command::Discard { cut } => {
+            discard(engine, target, ctx, cut).await;
             None
         }
         Command::Commit {
@@ -577,7 +720,7 @@ async fn execute(
             keep_intent,
             why_not_consistent,
         } => {
-            commit(
+            let ok = commit(
                 engine,
                 target,
                 ctx,
@@ -590,163 +733,189 @@ async fn execute(
                 why_not_consistent,
             )
             .await;
-            Some(Input::Committed { cut })
+            if !ok {
+                // The store refused: the overlays stay recorded, so nothing
+                // is lost; write the results again shortly.
+                tokio::time::sleep(COMMIT_RETRY).await;
+            }
+            Some(Input::Committed { cut, ok })
         }
     }
 }
 
+/// Makes every disk's overlay ready before any freeze: recorded in the
+/// store first, then the file, then (live) its QEMU node. Returns the disks
+/// that could not be prepared, with why; the others go on.
 async fn prepare(
     engine: &Arc<Engine>,
     target: &str,
     ctx: &mut CutContext,
     cut: CutId,
     disks: &[String],
-) -> Result<(), String> {
+) -> Vec<(String, String)> {
     let state_dir = engine.config.state_dir.clone();
-    std::fs::create_dir_all(storage::layers_dir(&state_dir)).map_err(|e| e.to_string())?;
-    // The VM's device order decides which QEMU device holds which disk.
-    let vm_disks: Vec<String> = match target.strip_prefix("vm/") {
-        Some(vm) => match engine
-            .store
-            .get(Kind::VirtualMachine, vm)
-            .map_err(|e| e.to_string())?
-        {
-            Some(s) => match s.object {
-                Object::VirtualMachine(v) => v
-                    .spec
-                    .disks
-                    .into_iter()
-                    .map(|d| d.virtual_disk_name)
-                    .collect(),
-                _ => Vec::new(),
-            },
-            None => Vec::new(),
-        },
-        None => Vec::new(),
+    if let Err(e) = std::fs::create_dir_all(storage::layers_dir(&state_dir)) {
+        return disks.iter().map(|d| (d.clone(), e.to_string())).collect();
+    }
+    // Overlays an earlier cut left unsettled are settled first: a disk's
+    // head must be known before another layer goes on top of it.
+    let graph = match &ctx.live {
+        Some(live) => {
+            if let Ok(left) = overlays::of_target(&engine.store, target)
+                && !left.is_empty()
+            {
+                overlays::settle(&engine.store, Some(live), &left).await;
+            }
+            match Graph::read(live).await {
+                Ok(g) => Some(g),
+                Err(e) => return disks.iter().map(|d| (d.clone(), e.clone())).collect(),
+            }
+        }
+        None => {
+            if let Err(e) = overlays::settle_offline(&engine.store, disks).await {
+                return disks.iter().map(|d| (d.clone(), e.clone())).collect();
+            }
+            None
+        }
     };
-    let block = match &ctx.live {
-        Some(live) => match &live.qmp {
-            Some(qmp) => Some(
-                qmp.execute("query-block", None, QMP_TIMEOUT)
-                    .await
-                    .map_err(|e| format!("query-block: {e}"))?,
-            ),
-            None => return Err("no QMP connection to the VM".into()),
-        },
-        None => None,
-    };
+    let mut failed = Vec::new();
     for disk in disks {
-        let mut head = storage::head(&engine.store, disk)
-            .map_err(|e| e.to_string())?
-            .ok_or_else(|| format!("VirtualDisk {disk:?} has no image yet"))?;
-        let new = storage::allocate(&engine.store, &state_dir, disk).map_err(|e| e.to_string())?;
-        if let Some(block) = &block {
-            let index = vm_disks
-                .iter()
-                .position(|d| d == disk)
-                .ok_or_else(|| format!("VirtualDisk {disk:?} is not attached to the VM"))?;
-            let device = hearth_qemu::cmdline::disk_device_id(index);
-            let inserted = block
-                .as_array()
-                .and_then(|a| {
-                    a.iter().find(|b| {
-                        b.get("qdev").and_then(Value::as_str).is_some_and(|q| {
-                            q == device || q.ends_with(&format!("/{device}/virtio-backend"))
-                        }) || b.get("device").and_then(Value::as_str) == Some(device.as_str())
-                    })
-                })
-                .and_then(|b| b.get("inserted"))
-                .ok_or_else(|| format!("QEMU has no device {device} for VirtualDisk {disk:?}"))?;
-            let top_node = inserted
-                .get("node-name")
-                .and_then(Value::as_str)
-                .ok_or("query-block gave no node-name")?
-                .to_string();
-            let top_file = inserted
-                .get("file")
-                .and_then(Value::as_str)
-                .unwrap_or_default()
-                .to_string();
-            let capacity = inserted
-                .pointer("/image/virtual-size")
-                .and_then(Value::as_u64)
-                .ok_or("query-block gave no virtual-size")?;
-            if !top_file.is_empty() && std::path::Path::new(&top_file) != head.path {
-                // QEMU writes to a newer layer than the store knows (a cut
-                // finished in QEMU just before a daemon crash): adopt it.
-                let adopted = NewLayer {
-                    id: format!("{}-adopted", new.id),
-                    path: std::path::PathBuf::from(&top_file),
-                };
-                engine
-                    .store
-                    .with_tx(|tx| storage::set_head_tx(tx, disk, &adopted, Some(&head.id)))
-                    .map_err(|e| e.to_string())?;
-                head = storage::head(&engine.store, disk)
-                    .map_err(|e| e.to_string())?
-                    .ok_or("adopted head vanished")?;
-            }
-            hearth_qemu::img::create_overlay_unopened(&new.path, &head.path, "qcow2", capacity)
-                .await
-                .map_err(|e| format!("creating the overlay for {disk:?}: {e}"))?;
-            let new_node = format!("c{cut}d{index}");
-            let qmp = ctx
-                .live
-                .as_ref()
-                .and_then(|l| l.qmp.clone())
-                .ok_or("no QMP connection")?;
-            let added = qmp
-                .execute(
-                    "blockdev-add",
-                    Some(json!({
-                        "driver": "qcow2",
-                        "node-name": new_node,
-                        "file": {"driver": "file", "filename": new.path.to_string_lossy()},
-                        "backing": null,
-                    })),
-                    QMP_TIMEOUT,
-                )
-                .await;
-            if let Err(e) = added {
-                let _ = std::fs::remove_file(&new.path);
-                return Err(format!("blockdev-add for {disk:?}: {e}"));
-            }
-            ctx.prepared.push(Prepared {
-                disk: disk.clone(),
-                new,
-                old_head: head,
-                top_node: Some(top_node),
-                new_node: Some(new_node),
-                capacity,
-            });
-        } else {
-            let info = hearth_qemu::img::info(&head.path)
-                .await
-                .map_err(|e| e.to_string())?;
-            hearth_qemu::img::create_overlay(&new.path, &head.path, "qcow2", None)
-                .await
-                .map_err(|e| format!("creating the overlay for {disk:?}: {e}"))?;
-            ctx.prepared.push(Prepared {
-                disk: disk.clone(),
-                new,
-                old_head: head,
-                top_node: None,
-                new_node: None,
-                capacity: info.virtual_size,
-            });
+        match prepare_disk(engine, target, ctx, graph.as_ref(), cut, disk).await {
+            Ok(p) => ctx.prepared.push(p),
+            Err(why) => failed.push((disk.clone(), why)),
         }
     }
-    Ok(())
+    failed
+}
+
+async fn prepare_disk(
+    engine: &Arc<Engine>,
+    target: &str,
+    ctx: &CutContext,
+    graph: Option<&Graph>,
+    cut: CutId,
+    disk: &str,
+) -> Result<Prepared, String> {
+    let state_dir = &engine.config.state_dir;
+    if overlays::of_disk(&engine.store, disk)
+        .map_err(|e| e.to_string())?
+        .iter()
+        .any(|o| o.cut != cut)
+    {
+        return Err(format!(
+            "an earlier cut's overlay of VirtualDisk {disk:?} is not settled yet"
+        ));
+    }
+    let head = storage::head(&engine.store, disk)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("VirtualDisk {disk:?} has no image yet"))?;
+    let new = storage::allocate(&engine.store, state_dir, disk).map_err(|e| e.to_string())?;
+    let (Some(graph), Some(live)) = (graph, &ctx.live) else {
+        // Offline: the overlay is recorded, then created; the store switches
+        // the head at commit.
+        let overlay = Overlay {
+            cut,
+            target: target.to_string(),
+            disk: disk.to_string(),
+            layer: new.id.clone(),
+            path: new.path.clone(),
+            node: None,
+            base: head.id.clone(),
+        };
+        overlays::record(&engine.store, &overlay).map_err(|e| e.to_string())?;
+        let info = hearth_qemu::img::info(&head.path)
+            .await
+            .map_err(|e| e.to_string())?;
+        hearth_qemu::img::create_overlay(&new.path, &head.path, "qcow2", None)
+            .await
+            .map_err(|e| format!("creating the overlay for {disk:?}: {e}"))?;
+        return Ok(Prepared {
+            disk: disk.to_string(),
+            overlay,
+            old_head: head,
+            top_node: None,
+            device: None,
+            capacity: info.virtual_size,
+        });
+    };
+    // The device is the one the running QEMU was started with for this disk.
+    let index = overlays::device_index(live, disk).ok_or_else(|| {
+        format!("VirtualDisk {disk:?} is not attached to the running QEMU (the VM must restart to attach it)")
+    })?;
+    let inserted = graph
+        .device(index)
+        .ok_or_else(|| format!("QEMU has no device for VirtualDisk {disk:?}"))?;
+    let top_node = inserted
+        .get("node-name")
+        .and_then(Value::as_str)
+        .ok_or("query-block gave no node-name")?
+        .to_string();
+    let top_file = inserted
+        .get("file")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let capacity = inserted
+        .pointer("/image/virtual-size")
+        .and_then(Value::as_u64)
+        .ok_or("query-block gave no virtual-size")?;
+    if !top_file.is_empty() && std::path::Path::new(&top_file) != head.path {
+        // QEMU writes to a layer the store does not know as the head. The
+        // journal makes this impossible for hearth's own overlays; refuse
+        // rather than put a layer over a file of unknown origin.
+        return Err(format!(
+            "QEMU writes VirtualDisk {disk:?} to {top_file}, not to its recorded head {}",
+            head.path.display()
+        ));
+    }
+    let node = format!("h{cut}d{index}");
+    let overlay = Overlay {
+        cut,
+        target: target.to_string(),
+        disk: disk.to_string(),
+        layer: new.id.clone(),
+        path: new.path.clone(),
+        node: Some(node.clone()),
+        base: head.id.clone(),
+    };
+    overlays::record(&engine.store, &overlay).map_err(|e| e.to_string())?;
+    hearth_qemu::img::create_overlay_unopened(&new.path, &head.path, "qcow2", capacity)
+        .await
+        .map_err(|e| format!("creating the overlay for {disk:?}: {e}"))?;
+    let qmp = live.qmp.clone().ok_or("no QMP connection")?;
+    qmp.execute(
+        "blockdev-add",
+        Some(json!({
+            "driver": "qcow2",
+            "node-name": node,
+            "file": {"driver": "file", "filename": new.path.to_string_lossy()},
+            "backing": null,
+        })),
+        QMP_TIMEOUT,
+    )
+    .await
+    .map_err(|e| format!("blockdev-add for {disk:?}: {e}"))?;
+    Ok(Prepared {
+        disk: disk.to_string(),
+        overlay,
+        old_head: head,
+        top_node: Some(top_node),
+        device: Some(index),
+        capacity,
+    })
 }
 
 /// One atomic QMP transaction over every disk of the cut. Offline, the
-/// switch happens in the store at commit.
-async fn transact(ctx: &CutContext, timeout: Duration) -> Result<(), String> {
-    let Some(live) = &ctx.live else { return Ok(()) };
+/// switch happens in the store at commit. An error QEMU answered means it
+/// did not run; no answer means nobody knows yet.
+async fn transact(ctx: &CutContext, timeout: Duration) -> TxResult {
+    let Some(live) = &ctx.live else {
+        return TxResult::Applied;
+    };
     let actions: Vec<Value> = ctx
         .prepared
         .iter()
-        .filter_map(|p| match (&p.top_node, &p.new_node) {
+        .filter_map(|p| match (&p.top_node, &p.overlay.node) {
             (Some(top), Some(new)) => Some(json!({
                 "type": "blockdev-snapshot",
                 "data": {"node": top, "overlay": new},
@@ -755,29 +924,71 @@ async fn transact(ctx: &CutContext, timeout: Duration) -> Result<(), String> {
         })
         .collect();
     if actions.is_empty() {
-        return Ok(());
+        return TxResult::Applied;
     }
-    let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
-    qmp.execute("transaction", Some(json!({"actions": actions})), timeout)
+    let Some(qmp) = live.qmp.as_ref() else {
+        return TxResult::Rejected("no QMP connection".into());
+    };
+    match qmp
+        .execute("transaction", Some(json!({"actions": actions})), timeout)
         .await
-        .map(|_| ())
-        .map_err(|e| e.to_string())
+    {
+        Ok(_) => TxResult::Applied,
+        Err(e @ hearth_qemu::qmp::QmpError::Command { .. }) => TxResult::Rejected(e.to_string()),
+        Err(e) => TxResult::Unknown(e.to_string()),
+    }
 }
 
-async fn discard(ctx: &mut CutContext) {
-    for p in ctx.prepared.drain(..) {
-        if let (Some(live), Some(node)) = (&ctx.live, &p.new_node)
-            && let Some(qmp) = &live.qmp
-        {
-            let _ = qmp
-                .execute(
-                    "blockdev-del",
-                    Some(json!({"node-name": node})),
-                    QMP_TIMEOUT,
-                )
-                .await;
+/// Did the transaction run? Read from QEMU's block graph: each device's top
+/// node is the overlay (ran) or not (did not). A transaction is atomic, so
+/// a mix, or no answer, is unknown.
+async fn observe(ctx: &CutContext) -> Option<bool> {
+    let live = ctx.live.as_ref()?;
+    let graph = Graph::read(live).await.ok()?;
+    let mut seen = BTreeSet::new();
+    for p in &ctx.prepared {
+        if let (Some(i), Some(node)) = (p.device, &p.overlay.node) {
+            seen.insert(graph.top_node(i) == Some(node.as_str()));
         }
-        let _ = std::fs::remove_file(&p.new.path);
+    }
+    match (seen.contains(&true), seen.contains(&false)) {
+        (true, false) => Some(true),
+        (false, true) => Some(false),
+        _ => None,
+    }
+}
+
+/// The cut did not happen (as far as hearth could prove): settle its
+/// overlays by what QEMU really uses.
+async fn discard(engine: &Arc<Engine>, target: &str, ctx: &mut CutContext, cut: CutId) {
+    let overlays: Vec<Overlay> = ctx.prepared.drain(..).map(|p| p.overlay).collect();
+    // Also those recorded before a failure stopped `prepare`.
+    let recorded = overlays::of_target(&engine.store, target).unwrap_or_default();
+    let mut all = overlays;
+    for o in recorded {
+        if o.cut == cut && !all.iter().any(|a| a.disk == o.disk) {
+            all.push(o);
+        }
+    }
+    // A QEMU that exited during the cut uses nothing any more.
+    let live = ctx
+        .live
+        .as_deref()
+        .filter(|l| hearth_qemu::process::is_alive(&l.record.process));
+    let settled = overlays::settle(&engine.store, live, &all).await;
+    for (o, s) in settled {
+        if s == Settled::Adopted {
+            vm_event(
+                engine,
+                target,
+                EventType::Warning,
+                "OverlayAdopted",
+                &format!(
+                    "cut {cut}: QEMU writes VirtualDisk {:?} to the cut's overlay; it is the disk's head now",
+                    o.disk
+                ),
+            );
+        }
     }
 }
 
@@ -793,7 +1004,7 @@ async fn commit(
     freeze_window_ms: Option<Millis>,
     keep_intent: bool,
     why_not_consistent: Option<String>,
-) {
+) -> bool {
     let disk_of: HashMap<String, String> = core
         .cut_requests()
         .iter()
@@ -805,17 +1016,10 @@ async fn commit(
     // Results, new heads and the intent: one store transaction.
     let r = engine.store.with_tx(|tx| {
         if took_cut {
+            // QEMU answered that it switched every disk: the overlays are
+            // the heads now (and their journal records go).
             for p in prepared.values() {
-                storage::set_head_tx(tx, &p.disk, &p.new, Some(&p.old_head.id))?;
-                let path = p.new.path.clone();
-                Store::update_status_tx::<VirtualDiskStatus, _>(
-                    tx,
-                    Kind::VirtualDisk,
-                    &p.disk,
-                    |s| {
-                        s.path = Some(path);
-                    },
-                )?;
+                overlays::adopt_tx(tx, &p.overlay)?;
             }
         }
         for (name, outcome) in outcomes {
@@ -879,7 +1083,8 @@ async fn commit(
         Ok(())
     });
     if let Err(e) = r {
-        tracing::error!(target, cut, error = %e, "cannot record the cut's results");
+        tracing::error!(target, cut, error = %e, "cannot record the cut's results; retrying");
+        return false;
     }
     // Sizes of the new snapshot layers, outside the transaction.
     for (name, outcome) in outcomes {
@@ -943,5 +1148,6 @@ async fn commit(
         }
     }
     ctx.prepared.clear();
-    ctx.guard = None;
+    ctx.guards.clear();
+    true
 }

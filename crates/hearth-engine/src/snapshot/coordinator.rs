@@ -11,6 +11,12 @@
 //! A *cut* serves every request pending when it starts: one freeze, one
 //! atomic transaction over every disk in the cut, one thaw. Requests that
 //! arrive during a cut wait for the next one.
+//!
+//! The coordinator holds no counter of its own: the shell hands it a cut id
+//! from the store's durable counter, so ids (and the QEMU node names made
+//! from them) never repeat, not even across daemon restarts. Every result
+//! the coordinator acts on is an observation: a transaction whose reply did
+//! not come is looked up in QEMU before anything is decided.
 
 use std::collections::BTreeSet;
 
@@ -65,16 +71,36 @@ impl std::fmt::Display for AgentFault {
     }
 }
 
+/// What became of a QMP `transaction` (atomic: all or nothing).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TxResult {
+    Applied,
+    /// QEMU answered that it did not apply it.
+    Rejected(String),
+    /// No answer (timeout, lost connection): QEMU may or may not have run it.
+    Unknown(String),
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Input {
     Requested(Request),
     /// The shell asks to start a cut if one is due; `access` is how the VM
-    /// can be reached right now.
+    /// can be reached right now, and `cut` a fresh id from the durable
+    /// counter (used only if a cut starts).
     Start {
         access: Access,
+        cut: CutId,
         now: Millis,
     },
+    /// Every disk's overlay is ready, except those in `failed` (disk, why),
+    /// whose requests fail alone.
     Prepared {
+        cut: CutId,
+        failed: Vec<(String, String)>,
+        now: Millis,
+    },
+    /// The freeze intent was (or could not be) stored.
+    IntentRecorded {
         cut: CutId,
         result: Result<(), String>,
         now: Millis,
@@ -92,7 +118,14 @@ pub enum Input {
     },
     Transacted {
         cut: CutId,
-        result: Result<(), String>,
+        result: TxResult,
+        now: Millis,
+    },
+    /// What QEMU's block graph says about a transaction whose outcome was
+    /// unknown: `Some(applied)`, or `None` when QEMU cannot be asked.
+    Observed {
+        cut: CutId,
+        applied: Option<bool>,
         now: Millis,
     },
     ThawReplied {
@@ -100,9 +133,11 @@ pub enum Input {
         result: Result<u32, AgentFault>,
         now: Millis,
     },
-    /// The shell has executed a `Commit`.
+    /// The shell has executed a `Commit`; `ok: false` when the store
+    /// write failed (it is then sent again).
     Committed {
         cut: CutId,
+        ok: bool,
     },
 }
 
@@ -123,7 +158,7 @@ pub enum Command {
         cut: CutId,
         disks: Vec<String>,
     },
-    /// Store the freeze intent durably; done before `Freeze`.
+    /// Store the freeze intent durably; `Freeze` follows only once it is.
     RecordIntent {
         cut: CutId,
         deadline: Millis,
@@ -142,11 +177,20 @@ pub enum Command {
         cut: CutId,
         timeout: Millis,
     },
+    /// Read QEMU's block graph: did the transaction run?
+    Observe {
+        cut: CutId,
+    },
+    /// `only_if_frozen`: read `guest-fsfreeze-status` first and thaw only a
+    /// frozen guest, so the guest's thaw hook never runs without a freeze.
+    /// Not needed right after a status read said frozen.
     Thaw {
         cut: CutId,
         timeout: Millis,
+        only_if_frozen: bool,
     },
-    /// Drop what `Prepare` made; the cut did not happen.
+    /// Drop what `Prepare` made, as QEMU's block graph shows it: an overlay
+    /// QEMU uses is kept as the disk's head, the rest removed.
     Discard {
         cut: CutId,
     },
@@ -180,6 +224,7 @@ pub enum Step {
     Confirming,
     Transacting,
     Thawing,
+    Observing,
     Committing,
 }
 
@@ -199,9 +244,11 @@ struct Cut {
     /// Why the cut is not consistent, once something made it so.
     distrust: Option<String>,
     thaw_done: bool,
-    transacted: Option<Result<(), String>>,
+    transacted: Option<TxResult>,
     window: Option<Millis>,
     recovered: bool,
+    /// The commit, kept to be sent again if the store write fails.
+    commit: Option<Command>,
 }
 
 /// What survives a crash: the requests not yet settled, and the intent of a
@@ -218,18 +265,38 @@ pub struct Coordinator {
     deadline_ms: Millis,
     pending: Vec<Request>,
     cut: Option<Cut>,
-    next_cut: CutId,
     /// An earlier cut's thaw was never confirmed: the guest may be frozen.
     needs_thaw: bool,
 }
 
+impl Cut {
+    fn new(id: CutId, requests: Vec<Request>, mode: Mode, step: Step) -> Cut {
+        Cut {
+            id,
+            requests,
+            settled: Vec::new(),
+            mode,
+            step,
+            deadline: None,
+            freeze_sent_at: None,
+            frozen_count: None,
+            trusted: false,
+            distrust: None,
+            thaw_done: false,
+            transacted: None,
+            window: None,
+            recovered: false,
+            commit: None,
+        }
+    }
+}
+
 impl Coordinator {
-    pub fn new(deadline_ms: Millis, next_cut: CutId) -> Self {
+    pub fn new(deadline_ms: Millis) -> Self {
         Coordinator {
             deadline_ms,
             pending: Vec::new(),
             cut: None,
-            next_cut,
             needs_thaw: false,
         }
     }
@@ -238,8 +305,8 @@ impl Coordinator {
     /// frozen window when the daemon died is settled first: thaw the guest
     /// (it may be frozen, and nobody else will), then put its requests back
     /// for a fresh cut, never claiming a consistency nobody can prove.
-    pub fn recover(deadline_ms: Millis, next_cut: CutId, durable: Durable) -> (Self, Vec<Command>) {
-        let mut c = Coordinator::new(deadline_ms, next_cut);
+    pub fn recover(deadline_ms: Millis, durable: Durable) -> (Self, Vec<Command>) {
+        let mut c = Coordinator::new(deadline_ms);
         let in_intent: BTreeSet<&str> = durable
             .intent
             .iter()
@@ -253,27 +320,15 @@ impl Coordinator {
             .collect();
         let mut out = Vec::new();
         if let Some((id, requests)) = durable.intent {
-            c.next_cut = c.next_cut.max(id + 1);
             c.needs_thaw = true;
-            c.cut = Some(Cut {
-                id,
-                requests,
-                settled: Vec::new(),
-                mode: Mode::Live { freeze: true },
-                step: Step::Thawing,
-                deadline: None,
-                freeze_sent_at: None,
-                frozen_count: None,
-                trusted: false,
-                distrust: Some("hearthd stopped during the cut".into()),
-                thaw_done: false,
-                transacted: None,
-                window: None,
-                recovered: true,
-            });
+            let mut cut = Cut::new(id, requests, Mode::Live { freeze: true }, Step::Thawing);
+            cut.distrust = Some("hearthd stopped during the cut".into());
+            cut.recovered = true;
+            c.cut = Some(cut);
             out.push(Command::Thaw {
                 cut: id,
                 timeout: THAW_TIMEOUT_MS,
+                only_if_frozen: true,
             });
         }
         (c, out)
@@ -304,6 +359,12 @@ impl Coordinator {
         &self.pending
     }
 
+    /// Hands every pending request back (to move it to another actor); the
+    /// shell gives back, as `Requested`, those that stay.
+    pub fn take_pending(&mut self) -> Vec<Request> {
+        std::mem::take(&mut self.pending)
+    }
+
     /// The requests of the cut in progress.
     pub fn cut_requests(&self) -> &[Request] {
         self.cut
@@ -325,10 +386,15 @@ impl Coordinator {
                 }
                 Vec::new()
             }
-            Input::Start { access, now } => self.start(access, now),
-            Input::Prepared { cut, result, now } => {
+            Input::Start { access, cut, now } => self.start(access, cut, now),
+            Input::Prepared { cut, failed, now } => {
                 self.with_cut(cut, Step::Preparing, |c, this| {
-                    this.prepared(c, result, now)
+                    this.prepared(c, failed, now)
+                })
+            }
+            Input::IntentRecorded { cut, result, now } => {
+                self.with_cut(cut, Step::Freezing, |c, this| {
+                    this.intent_recorded(c, result, now)
                 })
             }
             Input::FreezeReplied { cut, result, now } => {
@@ -348,14 +414,32 @@ impl Coordinator {
                         && c.freeze_sent_at.is_some()
                         && !c.thaw_done
                     {
+                        // Thaw first, whatever happened: the guest's window
+                        // ends before anything else is looked at.
                         c.step = Step::Thawing;
                         vec![Command::Thaw {
                             cut: c.id,
                             timeout: THAW_TIMEOUT_MS,
+                            only_if_frozen: !c.trusted,
                         }]
                     } else {
-                        this.finish(c, now)
+                        this.after_transaction(c, now)
                     }
+                })
+            }
+            Input::Observed { cut, applied, now } => {
+                self.with_cut(cut, Step::Observing, |c, this| {
+                    c.transacted = Some(match applied {
+                        Some(true) => TxResult::Applied,
+                        Some(false) => {
+                            TxResult::Rejected("QEMU did not apply the transaction".into())
+                        }
+                        None => TxResult::Unknown(
+                            "QEMU did not answer, so whether the snapshot was cut is unknown"
+                                .into(),
+                        ),
+                    });
+                    this.finish(c, now)
                 })
             }
             Input::ThawReplied { cut, result, now } => {
@@ -376,15 +460,20 @@ impl Coordinator {
                     }),
                 }
             }
-            Input::Committed { cut } => {
-                if self
-                    .cut
-                    .as_ref()
-                    .is_some_and(|c| c.id == cut && c.step == Step::Committing)
-                {
-                    self.cut = None;
+            Input::Committed { cut, ok } => {
+                let Some(c) = self.cut.as_ref() else {
+                    return Vec::new();
+                };
+                if c.id != cut || c.step != Step::Committing {
+                    return Vec::new();
                 }
-                Vec::new()
+                if ok {
+                    self.cut = None;
+                    Vec::new()
+                } else {
+                    // The results are not stored yet: write them again.
+                    c.commit.clone().into_iter().collect()
+                }
             }
         }
     }
@@ -409,140 +498,149 @@ impl Coordinator {
         out
     }
 
-    fn start(&mut self, access: Access, now: Millis) -> Vec<Command> {
+    fn start(&mut self, access: Access, id: CutId, now: Millis) -> Vec<Command> {
         if self.cut.is_some() {
             return Vec::new();
         }
         if self.pending.is_empty() {
             if self.needs_thaw && access == Access::Agent {
                 // No guest may stay frozen: keep trying to thaw, cut or no cut.
-                return self.thaw_only(now);
+                self.cut = Some(Cut::new(
+                    id,
+                    Vec::new(),
+                    Mode::Live { freeze: true },
+                    Step::ThawingPrevious,
+                ));
+                return vec![Command::Thaw {
+                    cut: id,
+                    timeout: THAW_TIMEOUT_MS,
+                    only_if_frozen: true,
+                }];
             }
             return Vec::new();
         }
-        let id = self.next_cut;
-        self.next_cut += 1;
         let mut requests = std::mem::take(&mut self.pending);
         requests.sort();
-        let mut settled = Vec::new();
         let mode = match &access {
             Access::Offline => Mode::Offline,
             Access::Agent => Mode::Live { freeze: true },
-            Access::NoAgent(why) => {
-                requests.retain(|r| {
-                    if r.required {
-                        settled.push((
-                            r.snapshot.clone(),
-                            Outcome::Failed(format!(
-                                "{why}, so the guest's filesystems cannot be frozen and the snapshot would not be consistent; fix the agent or set spec.requiredConsistency: false"
-                            )),
-                        ));
-                        false
-                    } else {
-                        true
-                    }
-                });
-                Mode::Live { freeze: false }
-            }
+            Access::NoAgent(_) => Mode::Live { freeze: false },
         };
-        let mut cut = Cut {
-            id,
-            requests,
-            settled,
-            mode,
-            step: Step::Preparing,
-            deadline: None,
-            freeze_sent_at: None,
-            frozen_count: None,
-            trusted: false,
-            distrust: match &access {
-                Access::NoAgent(why) => Some(why.clone()),
-                _ => None,
-            },
-            thaw_done: false,
-            transacted: None,
-            window: None,
-            recovered: false,
-        };
+        let mut cut = Cut::new(id, requests, mode, Step::Preparing);
+        if let Access::NoAgent(why) = &access {
+            cut.distrust = Some(why.clone());
+            let why = format!(
+                "{why}, so the guest's filesystems cannot be frozen and the snapshot would not be consistent; fix the agent or set spec.requiredConsistency: false"
+            );
+            fail_required(&mut cut, &why);
+        }
         if cut.requests.is_empty() {
             let out = self.finish(&mut cut, now);
             self.cut = Some(cut);
             return out;
         }
-        let mut disks: Vec<String> = cut.requests.iter().map(|r| r.disk.clone()).collect();
-        disks.sort();
-        disks.dedup();
+        let disks = cut_disks(&cut);
         self.cut = Some(cut);
         vec![Command::Prepare { cut: id, disks }]
     }
 
-    fn thaw_only(&mut self, _now: Millis) -> Vec<Command> {
-        let id = self.next_cut;
-        self.next_cut += 1;
-        self.cut = Some(Cut {
-            id,
-            requests: Vec::new(),
-            settled: Vec::new(),
-            mode: Mode::Live { freeze: true },
-            step: Step::ThawingPrevious,
-            deadline: None,
-            freeze_sent_at: None,
-            frozen_count: None,
-            trusted: false,
-            distrust: None,
-            thaw_done: false,
-            transacted: None,
-            window: None,
-            recovered: false,
-        });
-        vec![Command::Thaw {
-            cut: id,
-            timeout: THAW_TIMEOUT_MS,
-        }]
-    }
-
-    fn prepared(&mut self, c: &mut Cut, result: Result<(), String>, now: Millis) -> Vec<Command> {
-        if let Err(e) = result {
-            c.distrust = Some(format!("preparing the snapshot files failed: {e}"));
-            c.transacted = Some(Err(e));
+    fn prepared(
+        &mut self,
+        c: &mut Cut,
+        failed: Vec<(String, String)>,
+        now: Millis,
+    ) -> Vec<Command> {
+        // A disk that could not be prepared fails its own requests only.
+        for (disk, why) in &failed {
+            c.requests.retain(|r| {
+                if &r.disk == disk {
+                    c.settled.push((
+                        r.snapshot.clone(),
+                        Outcome::Failed(format!("preparing the snapshot failed: {why}")),
+                    ));
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+        if c.requests.is_empty() {
+            c.transacted = Some(TxResult::Rejected("nothing left to cut".into()));
             return self.finish(c, now);
         }
         match c.mode {
-            Mode::Offline | Mode::Live { freeze: false } => {
-                c.step = Step::Transacting;
-                vec![Command::Transact {
-                    cut: c.id,
-                    timeout: TRANSACTION_BUDGET_MS,
-                }]
-            }
+            Mode::Offline | Mode::Live { freeze: false } => self.transact(c),
             Mode::Live { freeze: true } if self.needs_thaw => {
                 c.step = Step::ThawingPrevious;
                 vec![Command::Thaw {
                     cut: c.id,
                     timeout: THAW_TIMEOUT_MS,
+                    only_if_frozen: true,
                 }]
             }
-            Mode::Live { freeze: true } => self.freeze(c, now),
+            Mode::Live { freeze: true } => self.record_intent(c, now),
         }
     }
 
-    fn freeze(&mut self, c: &mut Cut, now: Millis) -> Vec<Command> {
+    fn transact(&mut self, c: &mut Cut) -> Vec<Command> {
+        c.step = Step::Transacting;
+        vec![Command::Transact {
+            cut: c.id,
+            timeout: TRANSACTION_BUDGET_MS,
+        }]
+    }
+
+    /// The intent goes to the store first; the freeze follows only once it
+    /// is there, so a crash can never leave a frozen guest nobody knows of.
+    fn record_intent(&mut self, c: &mut Cut, now: Millis) -> Vec<Command> {
+        let deadline = now + self.deadline_ms;
+        c.deadline = Some(deadline);
+        c.step = Step::Freezing;
+        vec![Command::RecordIntent {
+            cut: c.id,
+            deadline,
+        }]
+    }
+
+    fn intent_recorded(
+        &mut self,
+        c: &mut Cut,
+        result: Result<(), String>,
+        now: Millis,
+    ) -> Vec<Command> {
+        if c.freeze_sent_at.is_some() {
+            return Vec::new();
+        }
+        if let Err(e) = result {
+            return self.serve_without_freeze(
+                c,
+                format!("the freeze intent could not be stored ({e}), so the guest was not frozen"),
+                now,
+            );
+        }
+        // The deadline runs from the freeze, not from the intent write.
         let deadline = now + self.deadline_ms;
         c.deadline = Some(deadline);
         c.freeze_sent_at = Some(now);
-        c.step = Step::Freezing;
         // From here until a confirmed thaw the guest may be frozen.
         self.needs_thaw = true;
-        vec![
-            Command::RecordIntent {
-                cut: c.id,
-                deadline,
-            },
-            Command::Freeze {
-                cut: c.id,
-                timeout: self.deadline_ms,
-            },
-        ]
+        vec![Command::Freeze {
+            cut: c.id,
+            timeout: self.deadline_ms,
+        }]
+    }
+
+    /// Freezing is off the table: requests that require consistency fail
+    /// with `why`; the others are cut crash-consistent, without a freeze.
+    fn serve_without_freeze(&mut self, c: &mut Cut, why: String, now: Millis) -> Vec<Command> {
+        c.distrust = Some(why.clone());
+        fail_required(c, &why);
+        c.mode = Mode::Live { freeze: false };
+        if c.requests.is_empty() {
+            c.transacted = Some(TxResult::Rejected(why));
+            return self.finish(c, now);
+        }
+        self.transact(c)
     }
 
     fn previous_thawed(
@@ -556,45 +654,28 @@ impl Coordinator {
             if result.is_ok() {
                 self.needs_thaw = false;
             }
-            c.step = Step::Committing;
-            return vec![Command::Commit {
+            let commit = Command::Commit {
                 cut: c.id,
                 outcomes: Vec::new(),
                 took_cut: false,
                 freeze_window_ms: None,
                 keep_intent: self.needs_thaw,
                 why_not_consistent: None,
-            }];
+            };
+            c.step = Step::Committing;
+            c.commit = Some(commit.clone());
+            return vec![commit];
         }
         match result {
             Ok(_) => {
                 self.needs_thaw = false;
-                self.freeze(c, now)
+                self.record_intent(c, now)
             }
-            Err(f) => {
-                // Freezing again is off the table; serve what needs no freeze.
-                let why = format!("an earlier freeze could not be undone ({f})");
-                c.distrust = Some(why.clone());
-                c.requests.retain(|r| {
-                    if r.required {
-                        c.settled
-                            .push((r.snapshot.clone(), Outcome::Failed(why.clone())));
-                        false
-                    } else {
-                        true
-                    }
-                });
-                c.mode = Mode::Live { freeze: false };
-                if c.requests.is_empty() {
-                    c.transacted = Some(Err(why));
-                    return self.finish(c, now);
-                }
-                c.step = Step::Transacting;
-                vec![Command::Transact {
-                    cut: c.id,
-                    timeout: TRANSACTION_BUDGET_MS,
-                }]
-            }
+            Err(f) => self.serve_without_freeze(
+                c,
+                format!("an earlier freeze could not be undone ({f})"),
+                now,
+            ),
         }
     }
 
@@ -604,6 +685,9 @@ impl Coordinator {
         result: Result<u32, AgentFault>,
         now: Millis,
     ) -> Vec<Command> {
+        if c.freeze_sent_at.is_none() {
+            return Vec::new();
+        }
         let deadline = c.deadline.unwrap_or(now);
         match result {
             Ok(0) => c.distrust = Some("the guest agent froze no filesystems".into()),
@@ -622,11 +706,12 @@ impl Coordinator {
             Err(AgentFault::Timeout) => c.distrust = Some(self.deadline_text()),
             Err(f) => c.distrust = Some(format!("freezing failed: {f}")),
         }
-        // Whatever happened, a freeze may have taken effect: thaw.
+        // Whatever happened, a freeze may have taken effect: thaw if frozen.
         c.step = Step::Thawing;
         vec![Command::Thaw {
             cut: c.id,
             timeout: THAW_TIMEOUT_MS,
+            only_if_frozen: true,
         }]
     }
 
@@ -647,11 +732,7 @@ impl Coordinator {
         match result {
             Ok(true) if now + TRANSACTION_BUDGET_MS <= deadline => {
                 c.trusted = true;
-                c.step = Step::Transacting;
-                return vec![Command::Transact {
-                    cut: c.id,
-                    timeout: TRANSACTION_BUDGET_MS,
-                }];
+                return self.transact(c);
             }
             Ok(true) => c.distrust = Some(self.deadline_text()),
             Ok(false) => {
@@ -663,6 +744,7 @@ impl Coordinator {
         vec![Command::Thaw {
             cut: c.id,
             timeout: THAW_TIMEOUT_MS,
+            only_if_frozen: true,
         }]
     }
 
@@ -698,27 +780,26 @@ impl Coordinator {
         // An untrusted freeze cut nothing yet: requests that accept a
         // crash-consistent snapshot still get one, now that the guest runs.
         if c.transacted.is_none() && c.requests.iter().any(|r| !r.required) {
-            c.requests.retain(|r| {
-                if r.required {
-                    let why = c.distrust.clone().unwrap_or_default();
-                    c.settled.push((r.snapshot.clone(), Outcome::Failed(why)));
-                    false
-                } else {
-                    true
-                }
-            });
-            c.step = Step::Transacting;
-            return vec![Command::Transact {
-                cut: c.id,
-                timeout: TRANSACTION_BUDGET_MS,
-            }];
+            let why = c.distrust.clone().unwrap_or_default();
+            fail_required(c, &why);
+            return self.transact(c);
+        }
+        self.after_transaction(c, now)
+    }
+
+    /// A transaction whose reply never came is looked up in QEMU; nothing
+    /// is decided on a guess.
+    fn after_transaction(&mut self, c: &mut Cut, now: Millis) -> Vec<Command> {
+        if let Some(TxResult::Unknown(_)) = c.transacted {
+            c.step = Step::Observing;
+            return vec![Command::Observe { cut: c.id }];
         }
         self.finish(c, now)
     }
 
     fn finish(&mut self, c: &mut Cut, _now: Millis) -> Vec<Command> {
         let mut outcomes = std::mem::take(&mut c.settled);
-        let took_cut = matches!(c.transacted, Some(Ok(())));
+        let took_cut = matches!(c.transacted, Some(TxResult::Applied));
         if c.recovered {
             // What happened before the crash cannot be proven: take it again.
             for r in &c.requests {
@@ -728,13 +809,15 @@ impl Coordinator {
         } else {
             for r in &c.requests {
                 let outcome = match &c.transacted {
-                    Some(Err(e)) => Outcome::Failed(format!("the snapshot could not be cut: {e}")),
+                    Some(TxResult::Rejected(e) | TxResult::Unknown(e)) => {
+                        Outcome::Failed(format!("the snapshot could not be cut: {e}"))
+                    }
                     None => Outcome::Failed(
                         c.distrust
                             .clone()
                             .unwrap_or_else(|| "the snapshot was not cut".into()),
                     ),
-                    Some(Ok(())) => {
+                    Some(TxResult::Applied) => {
                         let consistent = match c.mode {
                             Mode::Offline => true,
                             Mode::Live { freeze: false } => false,
@@ -761,16 +844,39 @@ impl Coordinator {
         if !took_cut {
             out.push(Command::Discard { cut: c.id });
         }
-        out.push(Command::Commit {
+        let commit = Command::Commit {
             cut: c.id,
             outcomes,
             took_cut,
             freeze_window_ms: c.window,
             keep_intent: self.needs_thaw,
             why_not_consistent: c.distrust.clone(),
-        });
+        };
+        c.commit = Some(commit.clone());
+        out.push(commit);
         out
     }
+}
+
+/// The disks a cut touches, sorted, each once.
+fn cut_disks(c: &Cut) -> Vec<String> {
+    let mut disks: Vec<String> = c.requests.iter().map(|r| r.disk.clone()).collect();
+    disks.sort();
+    disks.dedup();
+    disks
+}
+
+/// Settles every request that requires consistency as failed with `why`.
+fn fail_required(c: &mut Cut, why: &str) {
+    c.requests.retain(|r| {
+        if r.required {
+            c.settled
+                .push((r.snapshot.clone(), Outcome::Failed(why.to_string())));
+            false
+        } else {
+            true
+        }
+    });
 }
 
 #[cfg(test)]

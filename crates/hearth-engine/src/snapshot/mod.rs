@@ -3,6 +3,7 @@
 
 mod actor;
 pub mod coordinator;
+pub mod overlays;
 mod reconcile;
 pub mod storage;
 

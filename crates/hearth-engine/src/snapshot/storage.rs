@@ -207,11 +207,15 @@ pub fn collect_garbage(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
 /// to a cut's overlay just before the daemon died still has it open; the
 /// next cut adopts it). Run at start-up, before anything creates layers.
 pub fn sweep_orphans(store: &Store, state_dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
-    let known: BTreeSet<PathBuf> = store.with_tx(|tx| {
+    let mut known: BTreeSet<PathBuf> = store.with_tx(|tx| {
         let mut stmt = tx.prepare("SELECT path FROM layers")?;
         let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
         Ok(rows.filter_map(Result::ok).map(PathBuf::from).collect())
     })?;
+    // A cut's overlay may hold the only copy of the guest's latest writes
+    // (QEMU switched to it, then exited while no daemon ran): the journal
+    // settles it, the sweep never touches it.
+    known.extend(super::overlays::all_paths(store)?);
     let Ok(entries) = std::fs::read_dir(layers_dir(state_dir)) else {
         return Ok(Vec::new());
     };

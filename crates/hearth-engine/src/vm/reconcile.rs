@@ -242,6 +242,15 @@ async fn try_launch(
         ),
         None => None,
     };
+    // No QEMU of this VM runs: a snapshot cut its last QEMU left unsettled
+    // is settled now, so the VM boots from each disk's real head.
+    let disk_names: Vec<String> = vm
+        .spec
+        .disks
+        .iter()
+        .map(|d| d.virtual_disk_name.clone())
+        .collect();
+    crate::snapshot::overlays::settle_offline(&engine.store, &disk_names).await?;
     let mut disks = Vec::new();
     for (i, d) in vm.spec.disks.iter().enumerate() {
         let stored = engine

@@ -23,12 +23,13 @@ fn req(name: &str, disk: &str, required: bool) -> Request {
 /// Drives one happy cut by hand and checks each command.
 #[test]
 fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
-    let mut c = Coordinator::new(DEADLINE, 1);
+    let mut c = Coordinator::new(DEADLINE);
     for (n, d) in [("a1", "a"), ("a2", "a"), ("b1", "b")] {
         assert!(c.handle(Input::Requested(req(n, d, true))).is_empty());
     }
     let out = c.handle(Input::Start {
         access: Access::Agent,
+        cut: 1,
         now: 0,
     });
     assert_eq!(
@@ -42,21 +43,27 @@ fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
     c.handle(Input::Requested(req("late", "a", true)));
     let out = c.handle(Input::Prepared {
         cut: 1,
-        result: Ok(()),
+        failed: vec![],
         now: 5,
     });
     assert_eq!(
         out,
-        vec![
-            Command::RecordIntent {
-                cut: 1,
-                deadline: 5 + DEADLINE
-            },
-            Command::Freeze {
-                cut: 1,
-                timeout: DEADLINE
-            }
-        ]
+        vec![Command::RecordIntent {
+            cut: 1,
+            deadline: 5 + DEADLINE
+        }]
+    );
+    let out = c.handle(Input::IntentRecorded {
+        cut: 1,
+        result: Ok(()),
+        now: 6,
+    });
+    assert_eq!(
+        out,
+        vec![Command::Freeze {
+            cut: 1,
+            timeout: DEADLINE
+        }]
     );
     let out = c.handle(Input::FreezeReplied {
         cut: 1,
@@ -72,7 +79,7 @@ fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
     assert!(matches!(out[..], [Command::Transact { cut: 1, .. }]));
     let out = c.handle(Input::Transacted {
         cut: 1,
-        result: Ok(()),
+        result: TxResult::Applied,
         now: 95,
     });
     assert!(matches!(out[..], [Command::Thaw { cut: 1, .. }]));
@@ -91,14 +98,14 @@ fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
         panic!("{out:?}")
     };
     assert!(took_cut);
-    assert_eq!(*freeze_window_ms, Some(95));
+    assert_eq!(*freeze_window_ms, Some(94));
     assert_eq!(outcomes.len(), 3);
     assert!(
         outcomes
             .iter()
             .all(|(_, o)| *o == Outcome::Ready { consistent: true })
     );
-    c.handle(Input::Committed { cut: 1 });
+    c.handle(Input::Committed { cut: 1, ok: true });
     assert!(c.is_idle());
     assert_eq!(
         c.pending().len(),
@@ -109,14 +116,20 @@ fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
 
 #[test]
 fn a_thaw_count_mismatch_is_not_consistent() {
-    let mut c = Coordinator::new(DEADLINE, 1);
+    let mut c = Coordinator::new(DEADLINE);
     c.handle(Input::Requested(req("a1", "a", true)));
     c.handle(Input::Requested(req("a2", "a", false)));
     c.handle(Input::Start {
         access: Access::Agent,
+        cut: 1,
         now: 0,
     });
     c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![],
+        now: 0,
+    });
+    c.handle(Input::IntentRecorded {
         cut: 1,
         result: Ok(()),
         now: 0,
@@ -133,7 +146,7 @@ fn a_thaw_count_mismatch_is_not_consistent() {
     });
     c.handle(Input::Transacted {
         cut: 1,
-        result: Ok(()),
+        result: TxResult::Applied,
         now: 30,
     });
     let out = c.handle(Input::ThawReplied {
@@ -154,17 +167,18 @@ fn a_thaw_count_mismatch_is_not_consistent() {
 
 #[test]
 fn no_agent_fails_required_and_cuts_the_rest_without_freezing() {
-    let mut c = Coordinator::new(DEADLINE, 1);
+    let mut c = Coordinator::new(DEADLINE);
     c.handle(Input::Requested(req("must", "a", true)));
     c.handle(Input::Requested(req("may", "a", false)));
     let out = c.handle(Input::Start {
         access: Access::NoAgent("spec.guestAgent is false".into()),
+        cut: 1,
         now: 0,
     });
     assert!(matches!(out[..], [Command::Prepare { .. }]));
     let out = c.handle(Input::Prepared {
         cut: 1,
-        result: Ok(()),
+        failed: vec![],
         now: 0,
     });
     assert!(
@@ -173,7 +187,7 @@ fn no_agent_fails_required_and_cuts_the_rest_without_freezing() {
     );
     let out = c.handle(Input::Transacted {
         cut: 1,
-        result: Ok(()),
+        result: TxResult::Applied,
         now: 5,
     });
     let Command::Commit { outcomes, .. } = &out[0] else {
@@ -186,13 +200,19 @@ fn no_agent_fails_required_and_cuts_the_rest_without_freezing() {
 
 #[test]
 fn a_freeze_timeout_thaws_and_never_claims_consistency() {
-    let mut c = Coordinator::new(DEADLINE, 1);
+    let mut c = Coordinator::new(DEADLINE);
     c.handle(Input::Requested(req("a1", "a", true)));
     c.handle(Input::Start {
         access: Access::Agent,
+        cut: 1,
         now: 0,
     });
     c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![],
+        now: 0,
+    });
+    c.handle(Input::IntentRecorded {
         cut: 1,
         result: Ok(()),
         now: 0,
@@ -228,12 +248,13 @@ fn restart_mid_cut_thaws_then_retries() {
         pending: vec![req("a1", "a", true), req("b1", "b", true)],
         intent: Some((7, vec![req("a1", "a", true)])),
     };
-    let (mut c, out) = Coordinator::recover(DEADLINE, 1, durable);
+    let (mut c, out) = Coordinator::recover(DEADLINE, durable);
     assert_eq!(
         out,
         vec![Command::Thaw {
             cut: 7,
-            timeout: THAW_TIMEOUT_MS
+            timeout: THAW_TIMEOUT_MS,
+            only_if_frozen: true,
         }]
     );
     let out = c.handle(Input::ThawReplied {
@@ -249,15 +270,247 @@ fn restart_mid_cut_thaws_then_retries() {
     };
     assert!(!took_cut);
     assert_eq!(outcomes, vec![("a1".to_string(), Outcome::Retry)]);
-    c.handle(Input::Committed { cut: 7 });
+    c.handle(Input::Committed { cut: 7, ok: true });
     let names: Vec<_> = c.pending().iter().map(|r| r.snapshot.clone()).collect();
     assert_eq!(names, vec!["b1".to_string(), "a1".to_string()]);
-    // The next cut id is past the recovered one.
+    // The next cut takes the id the shell gives it.
     let out = c.handle(Input::Start {
         access: Access::Agent,
+        cut: 8,
         now: 20,
     });
     assert!(matches!(out[..], [Command::Prepare { cut: 8, .. }]));
+}
+
+/// Drives a cut up to its transaction: prepared, intent stored, frozen and
+/// confirmed. Returns the coordinator, ready for `Transacted`.
+fn frozen_cut(requests: &[Request]) -> Coordinator {
+    let mut c = Coordinator::new(DEADLINE);
+    for r in requests {
+        c.handle(Input::Requested(r.clone()));
+    }
+    c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 1,
+        now: 0,
+    });
+    c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![],
+        now: 0,
+    });
+    c.handle(Input::IntentRecorded {
+        cut: 1,
+        result: Ok(()),
+        now: 0,
+    });
+    c.handle(Input::FreezeReplied {
+        cut: 1,
+        result: Ok(1),
+        now: 10,
+    });
+    let out = c.handle(Input::StatusReplied {
+        cut: 1,
+        result: Ok(true),
+        now: 20,
+    });
+    assert!(matches!(out[..], [Command::Transact { .. }]), "{out:?}");
+    c
+}
+
+fn commit_of(out: &[Command]) -> (Vec<(String, Outcome)>, bool) {
+    match out.last() {
+        Some(Command::Commit {
+            outcomes, took_cut, ..
+        }) => (outcomes.clone(), *took_cut),
+        other => panic!("expected a commit, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_transaction_without_a_reply_is_looked_up_in_qemu_after_the_thaw() {
+    for (applied, expect_taken) in [(Some(true), true), (Some(false), false), (None, false)] {
+        let mut c = frozen_cut(&[req("a1", "a", true)]);
+        let out = c.handle(Input::Transacted {
+            cut: 1,
+            result: TxResult::Unknown("QMP command transaction got no reply".into()),
+            now: 30,
+        });
+        // The guest's window ends first; a confirmed freeze needs no check.
+        assert_eq!(
+            out,
+            vec![Command::Thaw {
+                cut: 1,
+                timeout: THAW_TIMEOUT_MS,
+                only_if_frozen: false
+            }]
+        );
+        let out = c.handle(Input::ThawReplied {
+            cut: 1,
+            result: Ok(1),
+            now: 40,
+        });
+        assert_eq!(out, vec![Command::Observe { cut: 1 }]);
+        let out = c.handle(Input::Observed {
+            cut: 1,
+            applied,
+            now: 45,
+        });
+        let (outcomes, took) = commit_of(&out);
+        assert_eq!(took, expect_taken, "{applied:?}");
+        if expect_taken {
+            assert_eq!(outcomes[0].1, Outcome::Ready { consistent: true });
+            assert!(!out.iter().any(|c| matches!(c, Command::Discard { .. })));
+        } else {
+            assert!(matches!(&outcomes[0].1, Outcome::Failed(_)), "{outcomes:?}");
+            assert!(matches!(out[0], Command::Discard { .. }), "{out:?}");
+        }
+    }
+}
+
+#[test]
+fn an_intent_that_cannot_be_stored_stops_the_cut_before_any_freeze() {
+    let mut c = Coordinator::new(DEADLINE);
+    c.handle(Input::Requested(req("must", "a", true)));
+    c.handle(Input::Requested(req("may", "a", false)));
+    c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 3,
+        now: 0,
+    });
+    let out = c.handle(Input::Prepared {
+        cut: 3,
+        failed: vec![],
+        now: 0,
+    });
+    assert!(matches!(out[..], [Command::RecordIntent { .. }]));
+    let out = c.handle(Input::IntentRecorded {
+        cut: 3,
+        result: Err("database is locked".into()),
+        now: 1,
+    });
+    assert!(
+        !out.iter().any(|c| matches!(c, Command::Freeze { .. })),
+        "never a freeze without a stored intent: {out:?}"
+    );
+    assert!(matches!(out[..], [Command::Transact { .. }]), "{out:?}");
+    assert!(!c.needs_thaw());
+    let out = c.handle(Input::Transacted {
+        cut: 3,
+        result: TxResult::Applied,
+        now: 5,
+    });
+    let (outcomes, _) = commit_of(&out);
+    let map: BTreeMap<_, _> = outcomes.into_iter().collect();
+    assert!(matches!(&map["must"], Outcome::Failed(m) if m.contains("intent")), "{map:?}");
+    assert_eq!(map["may"], Outcome::Ready { consistent: false });
+}
+
+#[test]
+fn a_commit_the_store_refuses_is_written_again_until_it_lands() {
+    let mut c = frozen_cut(&[req("a1", "a", true)]);
+    c.handle(Input::Transacted {
+        cut: 1,
+        result: TxResult::Applied,
+        now: 30,
+    });
+    let out = c.handle(Input::ThawReplied {
+        cut: 1,
+        result: Ok(1),
+        now: 40,
+    });
+    let first = out.last().cloned().expect("commit");
+    for _ in 0..3 {
+        let again = c.handle(Input::Committed { cut: 1, ok: false });
+        assert_eq!(again, vec![first.clone()], "the same results, again");
+        assert!(!c.is_idle(), "the cut is not over until its results are stored");
+    }
+    assert!(c.handle(Input::Committed { cut: 1, ok: true }).is_empty());
+    assert!(c.is_idle());
+}
+
+#[test]
+fn one_disk_that_cannot_be_prepared_fails_only_its_own_requests() {
+    let mut c = Coordinator::new(DEADLINE);
+    c.handle(Input::Requested(req("a1", "a", true)));
+    c.handle(Input::Requested(req("b1", "b", true)));
+    c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 1,
+        now: 0,
+    });
+    let out = c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![("b".into(), "VirtualDisk \"b\" is not attached".into())],
+        now: 0,
+    });
+    assert!(matches!(out[..], [Command::RecordIntent { .. }]), "a goes on: {out:?}");
+    c.handle(Input::IntentRecorded {
+        cut: 1,
+        result: Ok(()),
+        now: 0,
+    });
+    c.handle(Input::FreezeReplied {
+        cut: 1,
+        result: Ok(1),
+        now: 10,
+    });
+    c.handle(Input::StatusReplied {
+        cut: 1,
+        result: Ok(true),
+        now: 20,
+    });
+    c.handle(Input::Transacted {
+        cut: 1,
+        result: TxResult::Applied,
+        now: 30,
+    });
+    let out = c.handle(Input::ThawReplied {
+        cut: 1,
+        result: Ok(1),
+        now: 40,
+    });
+    let (outcomes, took) = commit_of(&out);
+    assert!(took);
+    let map: BTreeMap<_, _> = outcomes.into_iter().collect();
+    assert_eq!(map["a1"], Outcome::Ready { consistent: true });
+    assert!(matches!(&map["b1"], Outcome::Failed(m) if m.contains("not attached")), "{map:?}");
+}
+
+#[test]
+fn a_thaw_after_an_unconfirmed_freeze_checks_that_the_guest_is_frozen() {
+    let mut c = Coordinator::new(DEADLINE);
+    c.handle(Input::Requested(req("a1", "a", true)));
+    c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 1,
+        now: 0,
+    });
+    c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![],
+        now: 0,
+    });
+    c.handle(Input::IntentRecorded {
+        cut: 1,
+        result: Ok(()),
+        now: 0,
+    });
+    let out = c.handle(Input::FreezeReplied {
+        cut: 1,
+        result: Err(AgentFault::Error("boom".into())),
+        now: 10,
+    });
+    assert!(
+        matches!(
+            out[..],
+            [Command::Thaw {
+                only_if_frozen: true,
+                ..
+            }]
+        ),
+        "{out:?}"
+    );
 }
 
 // ------------------------------------------------------------ simulation
@@ -326,6 +579,12 @@ struct Sim {
     fault_since_freeze: bool,
     /// A freeze was sent and no thaw was confirmed since.
     unthawed_freeze: bool,
+    /// Someone else thawed the guest since our last freeze.
+    interloped: bool,
+    /// Cuts whose transaction QEMU really ran (whatever the reply said).
+    applied: std::collections::BTreeSet<CutId>,
+    /// Every cut id the coordinator was given and used.
+    used_cuts: std::collections::BTreeSet<CutId>,
     // store
     intent: Option<(CutId, Vec<Request>)>,
     snaps: BTreeMap<String, (Request, Phase)>,
@@ -338,7 +597,7 @@ struct Sim {
 impl Sim {
     fn new(vm_running: bool, agent_present: bool) -> Self {
         Sim {
-            c: Coordinator::new(DEADLINE, 1),
+            c: Coordinator::new(DEADLINE),
             now: 0,
             vm_running,
             agent_present,
@@ -349,11 +608,14 @@ impl Sim {
             freeze_sent_at: None,
             fault_since_freeze: false,
             unthawed_freeze: false,
+            interloped: false,
+            applied: Default::default(),
+            used_cuts: Default::default(),
             intent: None,
             snaps: BTreeMap::new(),
             truth: BTreeMap::new(),
             next_id: 0,
-            next_cut: 1,
+            next_cut: 0,
         }
     }
 
@@ -397,10 +659,20 @@ impl Sim {
     fn kick(&mut self) {
         if self.c.is_idle() && self.queue.is_empty() {
             let a = self.access();
+            // The shell's durable counter: survives crashes.
+            self.next_cut += 1;
+            let cut = self.next_cut;
             let out = self.c.handle(Input::Start {
                 access: a,
+                cut,
                 now: self.now,
             });
+            if !out.is_empty() {
+                assert!(
+                    self.used_cuts.insert(cut),
+                    "a cut id was used twice: {cut}"
+                );
+            }
             self.emit(out);
         }
     }
@@ -446,21 +718,38 @@ impl Sim {
             _ => AgentFault::Timeout,
         };
         let input = match cmd {
-            Command::Prepare { cut, .. } => Some(Input::Prepared {
+            Command::Prepare { cut, disks } => Some(Input::Prepared {
                 cut,
-                result: if matches!(fault, Fault::Error) {
-                    Err("disk full".into())
-                } else {
-                    Ok(())
+                failed: match fault {
+                    // Every disk fails, or only the first one.
+                    Fault::Error => disks.iter().map(|d| (d.clone(), "disk full".into())).collect(),
+                    Fault::Disconnected => vec![(disks[0].clone(), "detached".into())],
+                    _ => Vec::new(),
                 },
                 now: self.now,
             }),
             Command::RecordIntent { cut, .. } => {
-                let reqs = self.c.cut_requests().to_vec();
-                self.intent = Some((cut, reqs));
-                None
+                let result = if matches!(fault, Fault::Error) {
+                    Err("disk I/O error".into())
+                } else {
+                    let reqs = self.c.cut_requests().to_vec();
+                    self.intent = Some((cut, reqs));
+                    Ok(())
+                };
+                Some(Input::IntentRecorded {
+                    cut,
+                    result,
+                    now: self.now,
+                })
             }
             Command::Freeze { cut, timeout } => {
+                // I5: the guest is frozen only with a durable intent for the cut.
+                assert_eq!(
+                    self.intent.as_ref().map(|(c, _)| *c),
+                    Some(cut),
+                    "I5: a freeze without a stored intent"
+                );
+                self.interloped = false;
                 self.apply_late_freeze();
                 self.freeze_sent_at = Some(self.now);
                 self.fault_since_freeze = false;
@@ -524,13 +813,33 @@ impl Sim {
             }
             Command::Transact { cut, timeout } => {
                 let d = dur(timeout).min(timeout);
-                self.advance(d);
-                let truth = !self.vm_running || self.frozen_by_us_since.is_some();
-                let result = if matches!(fault, Fault::Error) {
-                    Err("transaction failed".into())
-                } else {
-                    self.truth.insert(cut, truth);
-                    Ok(())
+                // Consistent data needs the filesystems frozen when the
+                // transaction runs (by us, or by someone else who froze
+                // the guest again after thawing it under us).
+                let truth = !self.vm_running || self.frozen;
+                let result = match fault {
+                    Fault::Error => {
+                        self.advance(d);
+                        TxResult::Rejected("transaction failed".into())
+                    }
+                    // QEMU ran it; the reply was lost.
+                    Fault::TimeoutLate if self.vm_running => {
+                        self.advance(timeout);
+                        self.truth.insert(cut, truth);
+                        self.applied.insert(cut);
+                        TxResult::Unknown("timeout".into())
+                    }
+                    // QEMU never got it.
+                    Fault::TimeoutLost | Fault::Disconnected if self.vm_running => {
+                        self.advance(timeout);
+                        TxResult::Unknown("timeout".into())
+                    }
+                    _ => {
+                        self.advance(d);
+                        self.truth.insert(cut, truth);
+                        self.applied.insert(cut);
+                        TxResult::Applied
+                    }
                 };
                 Some(Input::Transacted {
                     cut,
@@ -538,10 +847,35 @@ impl Sim {
                     now: self.now,
                 })
             }
-            Command::Thaw { cut, timeout } => {
+            Command::Observe { cut } => Some(Input::Observed {
+                cut,
+                // QEMU's block graph, unless QMP does not answer.
+                applied: (!matches!(fault, Fault::Error)).then(|| self.applied.contains(&cut)),
+                now: self.now,
+            }),
+            Command::Thaw {
+                cut,
+                timeout,
+                only_if_frozen,
+            } => {
                 self.apply_late_freeze();
                 let d = dur(timeout);
+                let skip = only_if_frozen && !self.frozen;
+                if matches!(fault, Fault::Ok) && d < timeout && !skip {
+                    // I6: the guest's thaw hook runs only after a freeze,
+                    // unless someone else thawed the guest behind our back.
+                    assert!(
+                        self.frozen || self.interloped,
+                        "I6: a thaw of a guest that is not frozen"
+                    );
+                }
                 let result = match fault {
+                    Fault::Ok if d < timeout && skip => {
+                        self.advance(d);
+                        self.unthawed_freeze = false;
+                        self.freeze_sent_at = None;
+                        Ok(0)
+                    }
                     Fault::Ok if d < timeout => {
                         self.advance(d);
                         let n = if self.frozen { 2 } else { 0 };
@@ -583,6 +917,13 @@ impl Sim {
                 keep_intent,
                 ..
             } => {
+                if matches!(fault, Fault::Error) {
+                    // The store refused the write: nothing changed.
+                    let out = self.c.handle(Input::Committed { cut, ok: false });
+                    self.emit(out);
+                    self.check_i1();
+                    return;
+                }
                 for (name, o) in outcomes {
                     let Some(entry) = self.snaps.get_mut(&name) else {
                         continue;
@@ -596,7 +937,7 @@ impl Sim {
                 if !keep_intent {
                     self.intent = None;
                 }
-                Some(Input::Committed { cut })
+                Some(Input::Committed { cut, ok: true })
             }
         };
         if let Some(input) = input {
@@ -638,7 +979,6 @@ impl Sim {
         // Everything in memory is lost; the store and the guest remain.
         self.queue.clear();
         self.fault_since_freeze = true;
-        self.next_cut = self.next_cut.max(self.c.next_cut);
         let pending: Vec<Request> = self
             .snaps
             .values()
@@ -657,7 +997,7 @@ impl Sim {
             (cut, open)
         });
         let durable = Durable { pending, intent };
-        let (c, out) = Coordinator::recover(DEADLINE, self.next_cut, durable);
+        let (c, out) = Coordinator::recover(DEADLINE, durable);
         self.c = c;
         // A restart is not instant.
         self.advance(500);
@@ -665,10 +1005,18 @@ impl Sim {
         self.kick();
     }
 
+    /// Someone else thaws a frozen guest, or freezes a thawed one while no
+    /// freeze of ours is outstanding. (A thaw *and* a re-freeze by a program
+    /// inside the guest, both between our status read and our thaw, cannot
+    /// be told apart from our own freeze through the agent's interface:
+    /// docs/snapshots.md names that limit.)
     fn interloper(&mut self) {
         if self.frozen {
             self.frozen = false;
             self.frozen_by_us_since = None;
+            self.interloped = true;
+        } else if !self.unthawed_freeze {
+            self.frozen = true;
         }
     }
 

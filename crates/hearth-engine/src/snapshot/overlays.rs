@@ -1,0 +1,349 @@
+//! The journal of cut overlays: every overlay a cut makes is recorded in
+//! the store *before* its file or its QEMU node exists, under names that
+//! never repeat (the cut id comes from a durable counter). Whatever happens
+//! next (a crash, a timeout, a reply that never came), a recorded overlay is
+//! later *settled* by looking at QEMU, never by guessing:
+//!
+//! - QEMU runs and the disk's device writes to the overlay: it is the disk's
+//!   new head (adopted);
+//! - QEMU runs and does not use it: its node is deleted (`blockdev-del`,
+//!   which QEMU refuses for a node in use) and only then the file unlinked;
+//! - QEMU is gone: a live overlay is adopted all the same. It holds either
+//!   nothing (the switch never happened, so it reads exactly like the layer
+//!   below) or the writes made after the switch; adopting loses neither. An
+//!   offline overlay (no node) was never written by anyone and is removed;
+//! - QEMU runs but cannot be asked: the record stays, nothing is unlinked,
+//!   and a later settle decides.
+
+use std::path::PathBuf;
+
+use hearth_api::{Kind, VirtualDiskStatus};
+use rusqlite::params;
+use serde_json::{Value, json};
+
+use super::coordinator::CutId;
+use super::storage::{self, NewLayer};
+use crate::store::{Store, StoreError};
+use crate::vm::live::LiveVm;
+
+const QMP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// One recorded overlay.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Overlay {
+    pub cut: CutId,
+    pub target: String,
+    pub disk: String,
+    /// The layer id the overlay gets once adopted.
+    pub layer: String,
+    pub path: PathBuf,
+    /// Its QEMU node name (live cuts only).
+    pub node: Option<String>,
+    /// The layer it lies over (the disk's head when the cut began).
+    pub base: String,
+}
+
+/// Records `o` in its own store transaction. Called before the overlay's
+/// file is created.
+pub fn record(store: &Store, o: &Overlay) -> Result<(), StoreError> {
+    store.with_tx(|tx| {
+        tx.execute(
+            "INSERT INTO cut_overlays (cut, target, disk, layer, path, node, base)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            params![
+                o.cut as i64,
+                o.target,
+                o.disk,
+                o.layer,
+                o.path.to_string_lossy(),
+                o.node,
+                o.base
+            ],
+        )?;
+        Ok(())
+    })
+}
+
+fn select(store: &Store, sql_where: &str, arg: &str) -> Result<Vec<Overlay>, StoreError> {
+    store.with_tx(|tx| {
+        let mut stmt = tx.prepare(&format!(
+            "SELECT cut, target, disk, layer, path, node, base FROM cut_overlays WHERE {sql_where} ORDER BY cut"
+        ))?;
+        let rows = stmt.query_map(params![arg], |r| {
+            Ok(Overlay {
+                cut: r.get::<_, i64>(0)? as CutId,
+                target: r.get(1)?,
+                disk: r.get(2)?,
+                layer: r.get(3)?,
+                path: PathBuf::from(r.get::<_, String>(4)?),
+                node: r.get(5)?,
+                base: r.get(6)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    })
+}
+
+pub fn of_target(store: &Store, target: &str) -> Result<Vec<Overlay>, StoreError> {
+    select(store, "target = ?1", target)
+}
+
+pub fn of_disk(store: &Store, disk: &str) -> Result<Vec<Overlay>, StoreError> {
+    select(store, "disk = ?1", disk)
+}
+
+/// Every recorded overlay path (the start-up sweep keeps these files).
+pub fn all_paths(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
+    Ok(select(store, "?1 = ?1", "")?
+        .into_iter()
+        .map(|o| o.path)
+        .collect())
+}
+
+/// Removes the records of a cut in a store transaction of the caller's.
+pub fn forget_cut_tx(tx: &rusqlite::Transaction<'_>, cut: CutId) -> Result<(), StoreError> {
+    tx.execute(
+        "DELETE FROM cut_overlays WHERE cut = ?1",
+        params![cut as i64],
+    )?;
+    Ok(())
+}
+
+/// Makes `o` its disk's head, in a store transaction of the caller's.
+pub fn adopt_tx(tx: &rusqlite::Transaction<'_>, o: &Overlay) -> Result<(), StoreError> {
+    let new = NewLayer {
+        id: o.layer.clone(),
+        path: o.path.clone(),
+    };
+    storage::set_head_tx(tx, &o.disk, &new, Some(&o.base))?;
+    let path = o.path.clone();
+    Store::update_status_tx::<VirtualDiskStatus, _>(tx, Kind::VirtualDisk, &o.disk, |s| {
+        s.path = Some(path);
+    })?;
+    tx.execute(
+        "DELETE FROM cut_overlays WHERE cut = ?1 AND disk = ?2",
+        params![o.cut as i64, o.disk],
+    )?;
+    Ok(())
+}
+
+/// What a settle did with one overlay.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Settled {
+    Adopted,
+    Removed,
+    /// QEMU could not be asked: the record stays.
+    Unresolved(String),
+}
+
+/// QEMU's view of one device: the node it writes to.
+pub struct Graph {
+    /// `query-block`'s answer.
+    block: Value,
+}
+
+impl Graph {
+    pub async fn read(live: &LiveVm) -> Result<Graph, String> {
+        let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+        let block = qmp
+            .execute("query-block", None, QMP_TIMEOUT)
+            .await
+            .map_err(|e| format!("query-block: {e}"))?;
+        Ok(Graph { block })
+    }
+
+    /// The `inserted` image of device number `index`.
+    pub fn device(&self, index: usize) -> Option<&Value> {
+        let device = hearth_qemu::cmdline::disk_device_id(index);
+        self.block
+            .as_array()?
+            .iter()
+            .find(|b| {
+                b.get("qdev").and_then(Value::as_str).is_some_and(|q| {
+                    q == device || q.ends_with(&format!("/{device}/virtio-backend"))
+                }) || b.get("device").and_then(Value::as_str) == Some(device.as_str())
+            })?
+            .get("inserted")
+    }
+
+    /// The node device number `index` writes to.
+    pub fn top_node(&self, index: usize) -> Option<&str> {
+        self.device(index)?.get("node-name")?.as_str()
+    }
+}
+
+/// The device index of `disk` in the running QEMU: from what the process
+/// was started with, never from the current spec (which may have changed).
+pub fn device_index(live: &LiveVm, disk: &str) -> Option<usize> {
+    live.record.disk_names.iter().position(|d| d == disk)
+}
+
+/// Settles `overlays` against `live` (the running QEMU of their VM) or,
+/// with `None`, knowing that no QEMU uses them.
+pub async fn settle(
+    store: &Store,
+    live: Option<&LiveVm>,
+    overlays: &[Overlay],
+) -> Vec<(Overlay, Settled)> {
+    let mut out = Vec::new();
+    let graph = match live {
+        Some(l) => Some(Graph::read(l).await),
+        None => None,
+    };
+    for o in overlays {
+        let settled = match (&graph, live, &o.node) {
+            (Some(Err(e)), _, Some(_)) => Settled::Unresolved(e.clone()),
+            (Some(Ok(g)), Some(l), Some(node)) => {
+                let in_use = device_index(l, &o.disk).and_then(|i| g.top_node(i)) == Some(node);
+                if in_use {
+                    adopt(store, o)
+                } else {
+                    delete_node(l, node).await.map_or_else(Settled::Unresolved, |()| remove(store, o))
+                }
+            }
+            // No QEMU: a live overlay is adopted (empty, or holding the
+            // writes made after the switch), if it was ever created.
+            (None, _, Some(_)) if o.path.exists() => adopt(store, o),
+            _ => remove(store, o),
+        };
+        if !matches!(settled, Settled::Removed) || o.node.is_some() {
+            tracing::info!(cut = o.cut, disk = %o.disk, path = %o.path.display(), ?settled, "settled a cut overlay");
+        }
+        out.push((o.clone(), settled));
+    }
+    out
+}
+
+fn adopt(store: &Store, o: &Overlay) -> Settled {
+    match store.with_tx(|tx| adopt_tx(tx, o)) {
+        Ok(()) => Settled::Adopted,
+        Err(e) => Settled::Unresolved(format!("recording the adopted overlay: {e}")),
+    }
+}
+
+/// Forgets the record, then unlinks the file: a crash in between leaves an
+/// unrecorded file that nothing has open, which the start-up sweep removes.
+fn remove(store: &Store, o: &Overlay) -> Settled {
+    let r = store.with_tx(|tx| {
+        tx.execute(
+            "DELETE FROM cut_overlays WHERE cut = ?1 AND disk = ?2",
+            params![o.cut as i64, o.disk],
+        )?;
+        Ok(())
+    });
+    match r {
+        Ok(()) => {
+            let _ = std::fs::remove_file(&o.path);
+            Settled::Removed
+        }
+        Err(e) => Settled::Unresolved(format!("forgetting the overlay: {e}")),
+    }
+}
+
+/// Deletes a node QEMU does not use. QEMU refuses to delete a node that
+/// has users, so this can never pull a disk out from under the guest. A
+/// node QEMU does not know (never added) counts as deleted.
+async fn delete_node(live: &LiveVm, node: &str) -> Result<(), String> {
+    let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+    match qmp
+        .execute("blockdev-del", Some(json!({"node-name": node})), QMP_TIMEOUT)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(hearth_qemu::qmp::QmpError::Command { desc, .. })
+            if desc.contains("Failed to find node") || desc.contains("Cannot find node") =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(format!("blockdev-del {node}: {e}")),
+    }
+}
+
+/// Settles every overlay of `disks` when no QEMU of theirs runs: before a
+/// VM is launched (so it boots from the real head), restored or deleted.
+pub async fn settle_offline(store: &Store, disks: &[String]) -> Result<(), String> {
+    for disk in disks {
+        let overlays = of_disk(store, disk).map_err(|e| e.to_string())?;
+        for (o, s) in settle(store, None, &overlays).await {
+            if let Settled::Unresolved(why) = s {
+                return Err(format!(
+                    "the overlay {} of snapshot cut {} of VirtualDisk {:?} is not settled: {why}",
+                    o.path.display(),
+                    o.cut,
+                    o.disk
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::storage::{allocate, head, set_head_tx, sweep_orphans};
+
+    /// A store with disk `d` whose head is a real file, and a recorded
+    /// overlay of cut 7 over it (`live`: with a QEMU node name).
+    fn setup(dir: &std::path::Path, live: bool, create: bool) -> (Store, Overlay) {
+        let store = Store::open(&dir.join("db")).unwrap();
+        let base = allocate(&store, dir, "d").unwrap();
+        std::fs::create_dir_all(base.path.parent().unwrap()).unwrap();
+        std::fs::write(&base.path, "base").unwrap();
+        store
+            .with_tx(|tx| set_head_tx(tx, "d", &base, None))
+            .unwrap();
+        let new = allocate(&store, dir, "d").unwrap();
+        let o = Overlay {
+            cut: 7,
+            target: "vm/v".into(),
+            disk: "d".into(),
+            layer: new.id,
+            path: new.path,
+            node: live.then(|| "h7d0".to_string()),
+            base: base.id,
+        };
+        record(&store, &o).unwrap();
+        if create {
+            std::fs::write(&o.path, "writes made after the cut").unwrap();
+        }
+        (store, o)
+    }
+
+    #[tokio::test]
+    async fn a_switched_overlay_whose_qemu_exited_is_kept_by_the_sweep_and_becomes_the_head() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, o) = setup(dir.path(), true, true);
+        // The daemon died after the switch, QEMU exited meanwhile: the
+        // start-up sweep must not take the only copy of the latest writes.
+        let swept = sweep_orphans(&store, dir.path()).unwrap();
+        assert!(swept.is_empty(), "{swept:?}");
+        assert!(o.path.exists());
+        let settled = settle(&store, None, std::slice::from_ref(&o)).await;
+        assert_eq!(settled[0].1, Settled::Adopted);
+        let h = head(&store, "d").unwrap().unwrap();
+        assert_eq!((h.id, h.path, h.backing), (o.layer.clone(), o.path.clone(), Some(o.base.clone())));
+        assert!(of_disk(&store, "d").unwrap().is_empty(), "the record is settled");
+    }
+
+    #[tokio::test]
+    async fn an_offline_overlay_that_was_never_committed_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, o) = setup(dir.path(), false, true);
+        let before = head(&store, "d").unwrap().unwrap();
+        settle_offline(&store, &["d".to_string()]).await.unwrap();
+        assert!(!o.path.exists());
+        assert_eq!(head(&store, "d").unwrap().unwrap(), before);
+        assert!(of_disk(&store, "d").unwrap().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_recorded_overlay_whose_file_was_never_made_is_forgotten() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, o) = setup(dir.path(), true, false);
+        let before = head(&store, "d").unwrap().unwrap();
+        let settled = settle(&store, None, std::slice::from_ref(&o)).await;
+        assert_eq!(settled[0].1, Settled::Removed);
+        assert_eq!(head(&store, "d").unwrap().unwrap(), before);
+    }
+}
