@@ -370,3 +370,25 @@ fn fifty_edits_in_two_seconds_converge_without_a_reconcile_per_event() {
     assert_eq!(env.generation("burst"), 1 + updates as u64);
     assert_eq!(env.count("burst", "Deleting"), 0);
 }
+
+/// Each editor runs in a tmux session of its own, even when started in
+/// the same instant: the name is the test process and a counter.
+#[test]
+fn tmux_sessions_started_together_have_their_own_names() {
+    let _serial = serial();
+    let dir = tempfile::tempdir().expect("tempdir");
+    let a = Tmux::start(dir.path(), "sleep 120");
+    let b = Tmux::start(dir.path(), "sleep 120");
+    assert_ne!(a.session(), b.session());
+    for t in [&a, &b] {
+        assert!(
+            t.session().contains(&std::process::id().to_string()),
+            "{}",
+            t.session()
+        );
+        assert!(t.alive(), "{}", t.session());
+    }
+    assert_ne!(a.pid(), b.pid(), "two programs, not one session twice");
+    drop(a);
+    assert!(b.alive(), "ending one session leaves the other");
+}

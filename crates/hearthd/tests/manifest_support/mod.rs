@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -201,6 +202,9 @@ pub fn vm_text(name: &str, policy: &str, memory: &str) -> String {
     vm_yaml(name, policy, &[], "").replace("memory: 256Mi", &format!("memory: {memory}"))
 }
 
+/// Sessions started by this test process: each gets its own name.
+static SESSIONS: AtomicU64 = AtomicU64::new(0);
+
 /// vim (or another terminal program) in a tmux session, typed at like a
 /// person would.
 pub struct Tmux {
@@ -213,7 +217,11 @@ impl Tmux {
     pub fn start(dir: &Path, program: &str) -> Tmux {
         let t = Tmux {
             socket: format!("hearth-manifest-{}", std::process::id()),
-            session: format!("s{}", Instant::now().elapsed().as_nanos() % 1_000_000),
+            session: format!(
+                "s{}-{}",
+                std::process::id(),
+                SESSIONS.fetch_add(1, Ordering::Relaxed)
+            ),
         };
         let status = Command::new("tmux")
             .args([
@@ -233,6 +241,11 @@ impl Tmux {
             .expect("run tmux (installed by .ci/install-deps.sh)");
         assert!(status.success(), "tmux new-session failed");
         t
+    }
+
+    /// The session's name, unique in this test process (pid and a counter).
+    pub fn session(&self) -> &str {
+        &self.session
     }
 
     /// Types keys (tmux key names such as `Enter` and `Escape` allowed).
