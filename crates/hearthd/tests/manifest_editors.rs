@@ -64,9 +64,10 @@ fn vim_default_save_of_a_running_vm_updates_it_once_and_never_deletes() {
         .ex(":%s/stopTimeoutSeconds: 10/stopTimeoutSeconds: 11/");
     vim.save();
     env.wait_generation("web", 3);
+    env.wait_observed("web", 3);
     vim.quit();
     let saved = env.snapshot();
-    env.settle();
+    env.assert_settled();
 
     assert_eq!(
         env.count("web", "Updated"),
@@ -114,7 +115,7 @@ fn vim_saving_twice_within_a_second_and_with_a_stale_swap_file() {
     env.until("the last save applied", Duration::from_secs(10), || {
         env.memory("db").as_deref() == Some("384Mi")
     });
-    env.settle();
+    env.assert_settled();
     let generation = env.generation("db");
     assert!(
         (2..=3).contains(&generation),
@@ -149,7 +150,7 @@ fn vim_saving_twice_within_a_second_and_with_a_stale_swap_file() {
         || env.memory("db").as_deref() == Some("512Mi"),
     );
     vim.quit();
-    env.settle();
+    env.assert_settled();
     assert_eq!(env.count("db", "Updated") as u64, generation);
     assert_eq!(env.count("db", "Deleting"), 0);
     assert_eq!(
@@ -162,8 +163,8 @@ fn vim_saving_twice_within_a_second_and_with_a_stale_swap_file() {
 }
 
 /// Issue #3, required behaviour 3. Emacs and VS Code cannot run here, so
-/// their exact syscall sequences are reproduced, with pauses long enough
-/// that hearthd re-lists the directory in every intermediate state.
+/// their exact syscall sequences are reproduced, waiting in each
+/// intermediate state until hearthd has re-listed the directory in it.
 ///
 /// Emacs (files.el/fileio.c, default `backup-by-copying` nil, one link):
 /// - first change: lock `symlink("user@host.pid:boot", ".#FILE")`;
@@ -180,17 +181,29 @@ fn vim_saving_twice_within_a_second_and_with_a_stale_swap_file() {
 fn emacs_style_save_and_vscode_truncate_then_write_apply_only_the_final_content() {
     let _serial = serial();
     let env = Env::start();
-    let pause = Duration::from_millis(400); // > debounce: each state is seen
     let file = env.path("app.yaml");
     env.write("app.yaml", &vm_text("app", "AlwaysOff", "256Mi"));
     env.wait_generation("app", 1);
 
     // --- Emacs
-    std::os::unix::fs::symlink("root@build.4242:1700000000", env.path(".#app.yaml")).expect("lock");
-    std::fs::write(env.path("#app.yaml#"), vm_text("app", "AlwaysOff", "320Mi")).expect("autosave");
-    std::thread::sleep(pause);
-    std::fs::rename(&file, env.path("app.yaml~")).expect("backup by rename");
-    std::thread::sleep(pause); // app.yaml is absent now
+    // The lock and the autosave have ignored names: they wake no re-list,
+    // the rename does, and that re-list sees all three.
+    env.relisted_after("the first save's rename", || {
+        std::os::unix::fs::symlink("root@build.4242:1700000000", env.path(".#app.yaml"))
+            .expect("lock");
+        std::fs::write(env.path("#app.yaml#"), vm_text("app", "AlwaysOff", "320Mi"))
+            .expect("autosave");
+        std::fs::rename(&file, env.path("app.yaml~")).expect("backup by rename");
+    });
+    // app.yaml is absent now: a delete is pending, nothing more.
+    assert_eq!(env.generation("app"), 1);
+    assert_eq!(env.count("app", "Deleting"), 0);
+    assert_eq!(
+        env.sources()["pendingDeletes"].as_array().map(Vec::len),
+        Some(1),
+        "{:#}",
+        env.sources()
+    );
     {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
@@ -218,7 +231,7 @@ fn emacs_style_save_and_vscode_truncate_then_write_apply_only_the_final_content(
     }
     std::fs::remove_file(env.path(".#app.yaml")).expect("unlock");
     env.wait_generation("app", 3);
-    env.settle();
+    env.assert_settled();
     assert_eq!(env.count("app", "Updated"), 2);
     assert_eq!(env.count("app", "Deleting"), 0);
     assert!(
@@ -274,7 +287,7 @@ fn emacs_style_save_and_vscode_truncate_then_write_apply_only_the_final_content(
     drop(f);
     env.wait_generation("app", 4);
     assert_eq!(env.memory("app").as_deref(), Some("448Mi"));
-    env.settle();
+    env.assert_settled();
     assert_eq!(env.count("app", "Updated"), 3);
     assert_eq!(env.count("app", "Deleting"), 0);
     assert_eq!(env.condition("app").expect("condition")["status"], "True");
@@ -321,7 +334,7 @@ fn sed_in_place_and_atomic_temp_rename_including_a_yaml_temp_name() {
     std::fs::rename(env.path("tmp-svc-0001.yaml"), env.path("svc.yaml")).expect("mv");
     env.wait_generation("svc", 4);
     assert_eq!(env.memory("svc").as_deref(), Some("448Mi"));
-    env.settle();
+    env.assert_settled();
     assert!(env.owner("svc").is_some_and(|o| o.ends_with("/svc.yaml")));
     assert_eq!(env.count("svc", "Updated"), 3);
     assert_eq!(env.count("svc", "Deleting"), 0);
@@ -360,7 +373,7 @@ fn fifty_edits_in_two_seconds_converge_without_a_reconcile_per_event() {
         env.vm("burst")
             .is_some_and(|v| v["spec"]["stopTimeoutSeconds"] == 150)
     });
-    env.settle();
+    env.assert_settled();
     let updates = env.count("burst", "Updated");
     let relists = env.sources()["relists"]["event"].as_u64().unwrap_or(0) - relists_before;
     // Debounce: a re-list at most every `maxDelay` (1 s) during the burst,

@@ -100,7 +100,7 @@ fn cp_mv_and_renames_in_and_out_of_the_directory() {
         env.owner("b")
             .is_some_and(|o| o.ends_with("/b-renamed.yaml"))
     });
-    env.settle();
+    env.assert_settled();
     assert_eq!(env.generation("b"), 1, "a rename is not an update");
     assert_eq!(env.count("b", "Deleting"), 0);
     assert_eq!(env.count("b", "SourceChanged"), 1);
@@ -167,21 +167,15 @@ fn unusable_files_keep_the_last_good_state_and_report_the_error() {
         ("binary garbage", garbage, "not UTF-8"),
     ];
     for (what, bytes, expected) in cases {
-        std::fs::write(env.path("keep.yaml"), &bytes).expect("w");
-        env.until(
-            &format!("{what}: error shown"),
-            Duration::from_secs(5),
-            || {
-                env.source_file("keep.yaml").is_some_and(|f| {
-                    f["valid"] == false && f["error"].as_str().is_some_and(|e| e.contains(expected))
-                })
-            },
-        );
-        let error = env.source_file("keep.yaml").expect("file")["error"].clone();
-        assert!(
-            error.as_str().unwrap_or_default().contains("line "),
-            "{what}: {error}"
-        );
+        // Once a re-list has read the file: the error, and nothing else.
+        env.relisted_after(what, || {
+            std::fs::write(env.path("keep.yaml"), &bytes).expect("w")
+        });
+        let file = env.source_file("keep.yaml").expect("file");
+        assert_eq!(file["valid"], false, "{what}: {file}");
+        let error = file["error"].as_str().unwrap_or_default();
+        assert!(error.contains(expected), "{what}: {file}");
+        assert!(error.contains("line "), "{what}: {file}");
         let c = env.condition("keep").expect("condition");
         assert_eq!(c["status"], "False", "{what}: {c}");
         assert!(
@@ -191,29 +185,30 @@ fn unusable_files_keep_the_last_good_state_and_report_the_error() {
         assert_eq!(env.generation("keep"), 1, "{what}: nothing changed");
     }
 
-    // A 100 MB file is not even read.
-    {
+    // A 100 MB file is not even read. Written in many steps, it may be
+    // re-listed while it grows: wait for the re-list of the whole of it.
+    env.relisted_after("the 100 MB file", || {
         let f = std::fs::File::create(env.path("keep.yaml")).expect("create");
         let mut w = std::io::BufWriter::new(f);
         let line = b"padding: 0123456789012345678901234567890123456789012345678901234567890\n";
         for _ in 0..(100 << 20) / line.len() {
             std::io::Write::write_all(&mut w, line).expect("write");
         }
-    }
-    env.until("100 MB: error shown", Duration::from_secs(10), || {
-        env.source_file("keep.yaml").is_some_and(|f| {
-            f["error"]
-                .as_str()
-                .is_some_and(|e| e.contains("bytes") && e.contains("not read"))
-        })
     });
+    let file = env.source_file("keep.yaml").expect("file");
+    assert!(
+        file["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("bytes") && e.contains("not read")),
+        "{file}"
+    );
 
     // The daemon keeps working: another file still applies.
     env.write("other.yaml", &vm_text("other", "AlwaysOff", "320Mi"));
     env.wait_generation("other", 2);
     let (status, _) = env.d.request("GET", "/v1/health", None);
     assert_eq!(status, 200);
-    env.settle();
+    env.assert_settled();
     assert!(
         env.vm("keep").is_some(),
         "an unusable file is never a delete"
@@ -263,7 +258,7 @@ fn the_same_object_in_two_files_is_a_conflict_until_one_goes() {
         env.condition("dup").expect("condition")["reason"],
         "ManifestConflict"
     );
-    env.settle();
+    env.assert_settled();
     assert_eq!(env.generation("dup"), 1, "the VM is untouched");
     assert_eq!(env.memory("dup").as_deref(), Some("256Mi"));
 
@@ -272,7 +267,7 @@ fn the_same_object_in_two_files_is_a_conflict_until_one_goes() {
     env.wait_generation("dup", 2);
     assert_eq!(env.memory("dup").as_deref(), Some("512Mi"));
     assert!(env.owner("dup").is_some_and(|o| o.ends_with("/two.yaml")));
-    env.settle();
+    env.assert_settled();
     assert!(env.vm("dup").is_some());
     assert_eq!(env.count("dup", "Deleting"), 0);
     assert_eq!(env.condition("dup").expect("condition")["status"], "True");
@@ -344,7 +339,7 @@ fn git_checkout_and_a_configmap_symlink_swap_end_in_the_checked_out_content() {
     env.until("other checked out", Duration::from_secs(20), || {
         vms(&env) == wants(&[("ga", "384Mi"), ("gc", "256Mi")])
     });
-    env.settle();
+    env.assert_settled();
     assert_eq!(vms(&env), wants(&[("ga", "384Mi"), ("gc", "256Mi")]));
     let files: Vec<String> = env.sources()["files"]
         .as_array()
@@ -389,19 +384,21 @@ fn git_checkout_and_a_configmap_symlink_swap_end_in_the_checked_out_content() {
 
     // Update: new timestamped dir, `..data_tmp` link renamed over `..data`
     // (the atomic swap), then the new key's link, then the old dir removed.
-    let ts2 = dir.join("..2026_01_01_00_01_00.000000002");
-    std::fs::create_dir(&ts2).expect("mkdir");
-    std::fs::write(ts2.join("cm.yaml"), vm_text("cm", "AlwaysOff", "512Mi")).expect("w");
-    std::fs::write(ts2.join("cm2.yaml"), vm_text("cm2", "AlwaysOff", "256Mi")).expect("w");
-    std::os::unix::fs::symlink("..2026_01_01_00_01_00.000000002", dir.join("..data_tmp"))
-        .expect("ln");
-    std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).expect("swap");
-    std::os::unix::fs::symlink("..data/cm2.yaml", dir.join("cm2.yaml")).expect("ln");
-    std::fs::remove_dir_all(&ts1).expect("rm old");
+    env.relisted_after("the ConfigMap update", || {
+        let ts2 = dir.join("..2026_01_01_00_01_00.000000002");
+        std::fs::create_dir(&ts2).expect("mkdir");
+        std::fs::write(ts2.join("cm.yaml"), vm_text("cm", "AlwaysOff", "512Mi")).expect("w");
+        std::fs::write(ts2.join("cm2.yaml"), vm_text("cm2", "AlwaysOff", "256Mi")).expect("w");
+        std::os::unix::fs::symlink("..2026_01_01_00_01_00.000000002", dir.join("..data_tmp"))
+            .expect("ln");
+        std::fs::rename(dir.join("..data_tmp"), dir.join("..data")).expect("swap");
+        std::os::unix::fs::symlink("..data/cm2.yaml", dir.join("cm2.yaml")).expect("ln");
+        std::fs::remove_dir_all(&ts1).expect("rm old");
+    });
     env.until("ConfigMap v2", Duration::from_secs(20), || {
         vms(&env) == wants(&[("cm", "512Mi"), ("cm2", "256Mi")])
     });
-    env.settle();
+    env.assert_settled();
     assert_eq!(vms(&env), wants(&[("cm", "512Mi"), ("cm2", "256Mi")]));
     assert_eq!(env.count("cm", "Deleting"), 0);
     assert!(

@@ -178,9 +178,73 @@ impl Env {
         out
     }
 
-    /// Lets debounce, a re-list and a delete grace period pass.
-    pub fn settle(&self) {
-        std::thread::sleep(Duration::from_millis(2600));
+    /// Re-lists of the directory so far, whatever started them. A re-list
+    /// holds the lock `GET /v1/sources` reads under from before its scan to
+    /// after it is counted, so one counted after this read scanned the
+    /// directory after this read.
+    pub fn relists(&self) -> u64 {
+        self.sources()["relists"]
+            .as_object()
+            .map(|m| m.values().filter_map(Value::as_u64).sum())
+            .unwrap_or(0)
+    }
+
+    /// Makes `change` to the directory and returns once hearthd has
+    /// re-listed the directory as `change` left it: what a "nothing changed"
+    /// assertion waits for, instead of a sleep. `change` must touch a
+    /// manifest name (an ignored name wakes no re-list).
+    ///
+    /// If no re-list is counted between the reads before and after `change`,
+    /// the next one counted began after `change`; it comes one quiet period
+    /// after the change's event. If one is counted in between, it may have
+    /// scanned before `change`, so the wait is for the one after it: the
+    /// change's event if that re-list did not take it, else the periodic one.
+    pub fn relisted_after<R>(&self, what: &str, change: impl FnOnce() -> R) -> R {
+        let before = self.relists();
+        let out = change();
+        let after = self.relists();
+        let seen = if after == before { before } else { after };
+        let resync = self.sources()["settings"]["resyncSeconds"]
+            .as_u64()
+            .unwrap_or(30);
+        self.until(
+            &format!("a re-list after {what}"),
+            Duration::from_secs(resync + 15),
+            || self.relists() > seen,
+        );
+        out
+    }
+
+    /// For the negative assertions at the end of a scenario, once a positive
+    /// wait or [`Env::relisted_after`] has shown that hearthd re-listed the
+    /// directory as the test left it: asserts that no delete is pending. A
+    /// delete needs an object absent from every re-list for the grace
+    /// period, and a re-list that finds it again cancels it; with none
+    /// pending and the directory left alone, nothing is deleted later, so no
+    /// sleep is needed to let a wrong delete show.
+    #[track_caller]
+    pub fn assert_settled(&self) {
+        let v = self.sources();
+        assert_eq!(
+            v["pendingDeletes"].as_array().map(Vec::len).unwrap_or(0),
+            0,
+            "a delete is pending: {v:#}"
+        );
+    }
+
+    /// Waits until the reconciler has acted on `generation` of a VM: it
+    /// records the generation it observed only once it keeps the VM as it
+    /// is (running or stopped) or has (re)started it, so a restart that a
+    /// change caused, or wrongly did not cause, has shown by then.
+    pub fn wait_observed(&self, vm: &str, generation: u64) {
+        self.until(
+            &format!("vm {vm}: generation {generation} observed"),
+            Duration::from_secs(60),
+            || {
+                self.vm(vm)
+                    .is_some_and(|v| v["status"]["observedGeneration"].as_u64() == Some(generation))
+            },
+        );
     }
 }
 
