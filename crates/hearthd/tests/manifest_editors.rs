@@ -348,39 +348,56 @@ fn fifty_edits_in_two_seconds_converge_without_a_reconcile_per_event() {
     let env = Env::start();
     env.write("burst.yaml", &vm_text("burst", "AlwaysOff", "256Mi"));
     env.wait_generation("burst", 1);
+    let settings = env.sources()["settings"].clone();
+    let quiet = Duration::from_millis(settings["quietMs"].as_u64().expect("quietMs"));
+    let max_delay = Duration::from_millis(settings["maxDelayMs"].as_u64().expect("maxDelayMs"));
     let relists_before = env.sources()["relists"]["event"].as_u64().unwrap_or(0);
 
+    // Edits 38 ms apart: always within the quiet period of the last one,
+    // unless this machine stalls the test; such pauses are counted, since
+    // hearthd may rightly re-list in each.
     let started = std::time::Instant::now();
+    let mut last = started;
+    let mut pauses = 0u64;
     for i in 1..=50u32 {
         let text = vm_text("burst", "AlwaysOff", "256Mi").replace(
             "stopTimeoutSeconds: 10",
             &format!("stopTimeoutSeconds: {}", 100 + i),
         );
+        if last.elapsed() >= quiet {
+            pauses += 1;
+        }
         if i % 2 == 0 {
             env.write_atomic("burst.yaml", &text);
         } else {
             env.write("burst.yaml", &text);
         }
+        last = std::time::Instant::now();
         std::thread::sleep(Duration::from_millis(38));
     }
-    let took = started.elapsed();
-    assert!(
-        took < Duration::from_millis(2500),
-        "the burst took {took:?}"
-    );
+    let took = last.duration_since(started);
 
     env.until("the last edit applied", Duration::from_secs(10), || {
         env.vm("burst")
             .is_some_and(|v| v["spec"]["stopTimeoutSeconds"] == 150)
     });
     env.assert_settled();
-    let updates = env.count("burst", "Updated");
+    let updates = env.count("burst", "Updated") as u64;
     let relists = env.sources()["relists"]["event"].as_u64().unwrap_or(0) - relists_before;
-    // Debounce: a re-list at most every `maxDelay` (1 s) during the burst,
-    // and one after it: a handful of updates, not 50.
-    assert!((1..=5).contains(&updates), "{updates} updates for 50 edits");
-    assert!(relists <= 6, "{relists} re-lists for 50 edits");
-    assert_eq!(env.generation("burst"), 1 + updates as u64);
+    // Debounce: during a stream of events a re-list at most every
+    // `maxDelay`, one after it, one per pause of the stream, and a little
+    // room for pauses of hearthd itself, which this side cannot see: a
+    // handful, not 50 (6 at the intended pace of 2 s without a pause).
+    let bound = (took.as_millis() / max_delay.as_millis()) as u64 + 4 + pauses;
+    assert!(
+        relists <= bound,
+        "{relists} re-lists for 50 edits over {took:?} with {pauses} pauses"
+    );
+    assert!(
+        (1..=relists).contains(&updates),
+        "{updates} updates for 50 edits and {relists} re-lists"
+    );
+    assert_eq!(env.generation("burst"), 1 + updates);
     assert_eq!(env.count("burst", "Deleting"), 0);
 }
 
