@@ -467,7 +467,7 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
         &format!(
             "{}---\n{}",
             overlay_disk_yaml("hook-data"),
-            hook.replace("memory: 256Mi", "memory: 256Mi\n  freezeDeadlineSeconds: 2")
+            hook.replace("memory: 256Mi", "memory: 256Mi\n  freezeDeadlineSeconds: 3")
         ),
     );
     let out = d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
