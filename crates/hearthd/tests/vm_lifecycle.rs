@@ -78,20 +78,46 @@ fn demo_vm_boots_is_adopted_after_daemon_sigkill_and_is_deleted_cleanly() {
     let vm = d.wait_agent("demo");
     let pid2 = vm["status"]["pid"].as_u64().expect("pid") as u32;
     assert_ne!(pid1, pid2);
+    assert_eq!(
+        d.qemu_pids(),
+        vec![pid2],
+        "the status names the QEMU that runs"
+    );
+    let ticks2 = start_ticks(pid2).expect("QEMU's start time");
+    assert_eq!(
+        d.event_reasons("VirtualMachine", "demo")
+            .iter()
+            .filter(|r| *r == "Adopted")
+            .count(),
+        0
+    );
     d.kill();
-    std::thread::sleep(Duration::from_secs(1));
-    assert!(is_alive(pid2), "QEMU died with hearthd");
 
     // The restarted daemon adopts the same process and starts no second one.
+    // Its status is what this daemon read back, not the one stored before
+    // the kill: read it once the adoption happened, and check it against
+    // the process table.
     d.spawn();
-    let vm = d.wait_agent("demo");
-    assert_eq!(vm["status"]["pid"].as_u64(), Some(pid2 as u64), "{vm:#}");
-    assert!(
+    wait_until("the VM is adopted", Duration::from_secs(60), || {
         d.event_reasons("VirtualMachine", "demo")
             .contains(&"Adopted".to_string())
+    });
+    let vm = d.wait_agent("demo");
+    let adopted = vm["status"]["pid"].as_u64().expect("pid") as u32;
+    assert!(is_alive(adopted), "the adopted pid is not running: {vm:#}");
+    assert_eq!(
+        start_ticks(adopted),
+        Some(ticks2),
+        "the adopted pid is the QEMU that ran before the kill, not a new one"
     );
+    assert_eq!(adopted, pid2, "{vm:#}");
     std::thread::sleep(Duration::from_secs(3));
-    assert_eq!(d.qemu_pids(), vec![pid2], "exactly the adopted QEMU runs");
+    assert_eq!(
+        d.qemu_pids(),
+        vec![adopted],
+        "exactly the adopted QEMU runs"
+    );
+    assert_eq!(start_ticks(adopted), Some(ticks2));
     let (status, _) = d.request("POST", "/v1/virtualmachines/demo/agent/ping", None);
     assert_eq!(status, 200);
 

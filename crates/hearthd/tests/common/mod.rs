@@ -323,6 +323,15 @@ fn is_zombie(pid: u32) -> bool {
         .unwrap_or(true)
 }
 
+/// When a process started, in clock ticks since boot (`/proc/PID/stat`
+/// field 22): with the pid, it names one process, even if the pid is reused.
+pub fn start_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    // Fields after the name start at field 3 (state).
+    rest.split_whitespace().nth(22 - 3)?.parse().ok()
+}
+
 pub fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) {
     let deadline = Instant::now() + timeout;
     while Instant::now() < deadline {
@@ -415,5 +424,22 @@ pub fn overlay_disk_yaml(name: &str) -> String {
     format!(
         "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: {name}\nspec:\n  source:\n    image: {}\n",
         guest_dir().join("data.qcow2").display()
+    )
+}
+
+/// A VM's serial console file, as QEMU writes it.
+pub fn serial_log(d: &Daemon, vm: &str) -> PathBuf {
+    d.state_dir().join("vms").join(vm).join("serial.log")
+}
+
+/// (freezes, thaws) the test guest's fsfreeze hook has printed on its
+/// console so far: the guest's own count, whatever hearthd believes. qemu-ga
+/// runs the hook once per freeze command, before freezing, and once per
+/// thaw that thawed something, after thawing.
+pub fn hook_counts(d: &Daemon, vm: &str) -> (usize, usize) {
+    let text = std::fs::read_to_string(serial_log(d, vm)).unwrap_or_default();
+    (
+        text.matches("fsfreeze hook: freeze").count(),
+        text.matches("fsfreeze hook: thaw").count(),
     )
 }
