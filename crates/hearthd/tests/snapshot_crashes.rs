@@ -39,18 +39,6 @@ fn snapshot(name: &str, disk: &str) -> Value {
            "spec": {"virtualDiskName": disk, "requiredConsistency": true}})
 }
 
-fn serial_log(d: &Daemon, vm: &str) -> PathBuf {
-    d.state_dir().join("vms").join(vm).join("serial.log")
-}
-
-/// (freezes, thaws) the guest's fsfreeze hook has printed so far.
-fn hook_counts(d: &Daemon, vm: &str) -> (usize, usize) {
-    let text = std::fs::read_to_string(serial_log(d, vm)).unwrap_or_default();
-    let freezes = text.matches("fsfreeze hook: freeze").count();
-    let thaws = text.matches("fsfreeze hook: thaw").count();
-    (freezes, thaws)
-}
-
 fn get_snapshot(d: &Daemon, name: &str) -> Option<Value> {
     match d.try_request("GET", &format!("/v1/virtualdisksnapshots/{name}"), None) {
         Ok((200, v)) => Some(v),
@@ -116,8 +104,10 @@ fn check_restored(d: &Daemon, snap: &str, scratch: &Path) -> usize {
     let (status, v) = d.request(
         "POST",
         "/v1/apply",
-        Some(&json!({"items": [{"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-            "metadata": {"name": disk}, "spec": {"source": {"snapshot": snap}}}]})),
+        Some(
+            &json!({"items": [{"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
+            "metadata": {"name": disk}, "spec": {"source": {"snapshot": snap}}}]}),
+        ),
     );
     assert_eq!(status, 200, "{v}");
     wait_until(&format!("{disk} Ready"), Duration::from_secs(60), || {
@@ -203,7 +193,12 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
             // The freeze hook sleeps 1 s before each freeze: kills land
             // before, during and after the freeze, the transaction and the
             // commit.
-            vm_yaml("busy", "AlwaysOn", &["busy-data"], "hearth.freeze_hook_sleep=1")
+            vm_yaml(
+                "busy",
+                "AlwaysOn",
+                &["busy-data"],
+                "hearth.freeze_hook_sleep=1"
+            )
         ),
     );
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
@@ -237,9 +232,11 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
         assert_eq!(status, 200, "{v}");
         if round % 2 == 0 {
             // Somewhere in the cut: from the guest's freeze hook on.
-            wait_until("the guest's freeze hook runs", Duration::from_secs(60), || {
-                hook_counts(&d, "busy").0 > before
-            });
+            wait_until(
+                "the guest's freeze hook runs",
+                Duration::from_secs(60),
+                || hook_counts(&d, "busy").0 > before,
+            );
             std::thread::sleep(Duration::from_millis(rng.below(1500)));
         } else {
             std::thread::sleep(Duration::from_millis(rng.below(1500)));
@@ -272,7 +269,11 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
                 }
                 Some("Failed") => panic!("{n} failed:\n{v:#}\n{}", d.log()),
                 _ => {
-                    assert!(Instant::now() < deadline, "{n} not final: {v:#}\n{}", d.log());
+                    assert!(
+                        Instant::now() < deadline,
+                        "{n} not final: {v:#}\n{}",
+                        d.log()
+                    );
                     std::thread::sleep(Duration::from_millis(200));
                 }
             }
@@ -303,7 +304,11 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
             .expect("path"),
     );
     let written = written_by(qemu, &layers);
-    assert_eq!(written.iter().next_back(), Some(&head), "QEMU writes {written:?}");
+    assert_eq!(
+        written.iter().next_back(),
+        Some(&head),
+        "QEMU writes {written:?}"
+    );
     let in_chain = chain(&head);
     let on_disk: BTreeSet<PathBuf> = std::fs::read_dir(&layers)
         .expect("layers")
@@ -311,7 +316,10 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
         .map(|e| e.path())
         .collect();
     let stray: Vec<_> = on_disk.difference(&in_chain).collect();
-    assert!(stray.is_empty(), "layer files outside the disk's chain: {stray:?}");
+    assert!(
+        stray.is_empty(),
+        "layer files outside the disk's chain: {stray:?}"
+    );
 
     // Every snapshot, restored, is a clean ext4 holding a prefix of the
     // guest's writes; later snapshots hold at least as much.
@@ -327,9 +335,15 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
     by_cut.sort();
     for (_, n) in &by_cut {
         let lines = check_restored(&d, n, scratch.path());
-        assert!(lines >= last, "{n}: {lines} lines, fewer than an earlier cut's {last}");
+        assert!(
+            lines >= last,
+            "{n}: {lines} lines, fewer than an earlier cut's {last}"
+        );
         last = lines;
     }
     assert!(last > 0, "the guest wrote nothing?");
-    println!("restored {} snapshots, the last with {last} lines", by_cut.len());
+    println!(
+        "restored {} snapshots, the last with {last} lines",
+        by_cut.len()
+    );
 }

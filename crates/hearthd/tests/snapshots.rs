@@ -83,6 +83,40 @@ fn freeze_status(d: &Daemon, vm: &str) -> String {
     v["status"].as_str().unwrap_or_default().to_string()
 }
 
+/// `guest-fsfreeze-status` asked of qemu-ga directly on the VM's agent
+/// socket (while no hearthd holds it): resynchronises with
+/// `guest-sync` first, so an old reply queued for hearthd is never taken
+/// for this one.
+fn agent_freeze_status(socket: &Path) -> Option<String> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
+    let id = std::process::id() as u64 * 1000 + 7;
+    s.write_all(
+        format!("{{\"execute\":\"guest-sync\",\"arguments\":{{\"id\":{id}}}}}\n").as_bytes(),
+    )
+    .ok()?;
+    let mut r = BufReader::new(s.try_clone().ok()?);
+    let mut line = String::new();
+    loop {
+        line.clear();
+        r.read_line(&mut line).ok()?;
+        if line.is_empty() {
+            return None;
+        }
+        let v: Value = serde_json::from_str(line.trim()).unwrap_or(Value::Null);
+        if v["return"].as_u64() == Some(id) {
+            break;
+        }
+    }
+    s.write_all(b"{\"execute\":\"guest-fsfreeze-status\"}\n")
+        .ok()?;
+    line.clear();
+    r.read_line(&mut line).ok()?;
+    let v: Value = serde_json::from_str(line.trim()).ok()?;
+    v["return"].as_str().map(str::to_string)
+}
+
 fn count_events(d: &Daemon, vm: &str, reason: &str) -> usize {
     d.event_reasons("VirtualMachine", vm)
         .iter()
@@ -213,7 +247,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     // 2. A batch made in parallel: 5 snapshots of each disk and a VM
     // snapshot. Requests arriving during a cut wait for the next one, so at
     // most two cuts, each one freeze, and every snapshot consistent.
-    let freezes_before = count_events(&d, "app", "Freezing");
+    let (freezes_before, _) = hook_counts(&d, "app");
     let mut items: Vec<Value> = Vec::new();
     for i in 0..5 {
         items.push(disk_snapshot(&format!("b-a{i}"), "data-a", true));
@@ -254,7 +288,8 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
         1,
         "a VM snapshot's disks are cut together"
     );
-    let freezes = count_events(&d, "app", "Freezing") - freezes_before;
+    // Counted by the guest itself: its fsfreeze hook runs once per freeze.
+    let freezes = hook_counts(&d, "app").0 - freezes_before;
     assert_eq!(freezes, cuts.len(), "one freeze per cut");
     assert!(cuts.len() <= 2, "11 requests took {} cuts", cuts.len());
     assert_eq!(freeze_status(&d, "app"), "thawed");
@@ -285,6 +320,8 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     let s = wait_final(&d, "virtualdisksnapshots", "offline");
     assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
     assert_eq!(s["status"]["consistent"], true);
+    // No QEMU runs, so no freeze can have reached a guest; hearthd did not
+    // even try.
     assert_eq!(count_events(&d, "app", "Freezing"), freezes_before);
 
     d.cli_ok(&["delete", "snapshot", "c2"]);
@@ -410,13 +447,37 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     // with nobody left to thaw it. The restarted daemon thaws it and takes
     // the snapshot again; it is never claimed consistent on the old cut.
     apply(&d, vec![disk_snapshot("crash", "hook-data", true)]);
-    wait_until("freeze under way", Duration::from_secs(30), || {
-        count_events(&d, "hook", "Freezing") == 1
-    });
-    std::thread::sleep(Duration::from_secs(1));
+    // Killed when the guest itself says the freeze has begun (its hook
+    // runs, then sleeps 4 s, then qemu-ga freezes).
+    wait_until(
+        "the guest's freeze hook runs",
+        Duration::from_secs(30),
+        || hook_counts(&d, "hook").0 == 1,
+    );
+    let killed_cut = d
+        .events("VirtualMachine", "hook")
+        .iter()
+        .filter(|e| e["reason"] == "Freezing")
+        .filter_map(|e| {
+            let m = e["message"].as_str()?;
+            m.strip_prefix("cut ")?
+                .split(':')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .next_back()
+        .expect("the cut being frozen");
     d.kill();
-    // The hook ends and the guest freezes while no daemon runs.
-    std::thread::sleep(Duration::from_secs(5));
+    // The hook ends and the guest freezes while no daemon runs: asked of
+    // the guest agent directly, on the socket hearthd used.
+    let agent = d.run_dir().join("vms/hook/agent.sock");
+    wait_until(
+        "the guest frozen with no daemon",
+        Duration::from_secs(30),
+        || agent_freeze_status(&agent).as_deref() == Some("frozen"),
+    );
+    assert_eq!(hook_counts(&d, "hook"), (1, 0), "frozen, not thawed yet");
     d.spawn();
     let s = wait_final(&d, "virtualdisksnapshots", "crash");
     let events = d.events("VirtualMachine", "hook");
@@ -424,17 +485,18 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
         events.iter().any(|e| e["reason"] == "RecoveringCut"),
         "{events:#?}"
     );
-    let thawed_one = events.iter().any(|e| {
+    // The killed cut itself was thawed, by the restarted daemon, and the
+    // guest saw that thaw.
+    let thawed_killed_cut = events.iter().any(|e| {
         e["reason"] == "Thawed"
-            && e["message"]
-                .as_str()
-                .unwrap_or_default()
-                .contains("thawed 1 filesystem")
+            && e["message"].as_str().unwrap_or_default()
+                == format!("cut {killed_cut}: the guest thawed 1 filesystem(s)")
     });
     assert!(
-        thawed_one,
-        "the restarted daemon found the guest frozen and thawed it: {events:#?}"
+        thawed_killed_cut,
+        "the restarted daemon thawed cut {killed_cut}: {events:#?}"
     );
+    assert!(hook_counts(&d, "hook").1 >= 1, "the guest saw the thaw");
     assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
     assert_eq!(
         s["status"]["consistent"], true,
