@@ -8,9 +8,7 @@ use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
-use hearth_api::{
-    EventType, Kind, Object, SnapshotPhase, SnapshotStatus, VirtualDiskSnapshot,
-};
+use hearth_api::{EventType, Kind, Object, SnapshotPhase, SnapshotStatus, VirtualDiskSnapshot};
 use hearth_qemu::agent::{AgentClient, AgentError, FreezeStatus};
 use rusqlite::params;
 use serde_json::{Value, json};
@@ -378,7 +376,10 @@ async fn recover(
                 &format!("hearthd restarted during snapshot cut {cut}: thawing the guest if it is frozen, then settling its snapshots"),
             );
     }
-    Ok(Coordinator::recover(deadline_ms, Durable { pending, intent }))
+    Ok(Coordinator::recover(
+        deadline_ms,
+        Durable { pending, intent },
+    ))
 }
 
 /// The VM's `spec.freezeDeadlineSeconds`, in ms (10 s when there is no VM).

@@ -198,7 +198,9 @@ pub async fn settle(
                 if in_use {
                     adopt(store, o)
                 } else {
-                    delete_node(l, node).await.map_or_else(Settled::Unresolved, |()| remove(store, o))
+                    delete_node(l, node)
+                        .await
+                        .map_or_else(Settled::Unresolved, |()| remove(store, o))
                 }
             }
             // No QEMU: a live overlay is adopted (empty, or holding the
@@ -246,7 +248,11 @@ fn remove(store: &Store, o: &Overlay) -> Settled {
 async fn delete_node(live: &LiveVm, node: &str) -> Result<(), String> {
     let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
     match qmp
-        .execute("blockdev-del", Some(json!({"node-name": node})), QMP_TIMEOUT)
+        .execute(
+            "blockdev-del",
+            Some(json!({"node-name": node})),
+            QMP_TIMEOUT,
+        )
         .await
     {
         Ok(_) => Ok(()),
@@ -322,8 +328,14 @@ mod tests {
         let settled = settle(&store, None, std::slice::from_ref(&o)).await;
         assert_eq!(settled[0].1, Settled::Adopted);
         let h = head(&store, "d").unwrap().unwrap();
-        assert_eq!((h.id, h.path, h.backing), (o.layer.clone(), o.path.clone(), Some(o.base.clone())));
-        assert!(of_disk(&store, "d").unwrap().is_empty(), "the record is settled");
+        assert_eq!(
+            (h.id, h.path, h.backing),
+            (o.layer.clone(), o.path.clone(), Some(o.base.clone()))
+        );
+        assert!(
+            of_disk(&store, "d").unwrap().is_empty(),
+            "the record is settled"
+        );
     }
 
     #[tokio::test]

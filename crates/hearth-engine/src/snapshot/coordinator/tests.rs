@@ -402,7 +402,10 @@ fn an_intent_that_cannot_be_stored_stops_the_cut_before_any_freeze() {
     });
     let (outcomes, _) = commit_of(&out);
     let map: BTreeMap<_, _> = outcomes.into_iter().collect();
-    assert!(matches!(&map["must"], Outcome::Failed(m) if m.contains("intent")), "{map:?}");
+    assert!(
+        matches!(&map["must"], Outcome::Failed(m) if m.contains("intent")),
+        "{map:?}"
+    );
     assert_eq!(map["may"], Outcome::Ready { consistent: false });
 }
 
@@ -423,7 +426,10 @@ fn a_commit_the_store_refuses_is_written_again_until_it_lands() {
     for _ in 0..3 {
         let again = c.handle(Input::Committed { cut: 1, ok: false });
         assert_eq!(again, vec![first.clone()], "the same results, again");
-        assert!(!c.is_idle(), "the cut is not over until its results are stored");
+        assert!(
+            !c.is_idle(),
+            "the cut is not over until its results are stored"
+        );
     }
     assert!(c.handle(Input::Committed { cut: 1, ok: true }).is_empty());
     assert!(c.is_idle());
@@ -444,7 +450,10 @@ fn one_disk_that_cannot_be_prepared_fails_only_its_own_requests() {
         failed: vec![("b".into(), "VirtualDisk \"b\" is not attached".into())],
         now: 0,
     });
-    assert!(matches!(out[..], [Command::RecordIntent { .. }]), "a goes on: {out:?}");
+    assert!(
+        matches!(out[..], [Command::RecordIntent { .. }]),
+        "a goes on: {out:?}"
+    );
     c.handle(Input::IntentRecorded {
         cut: 1,
         result: Ok(()),
@@ -474,7 +483,10 @@ fn one_disk_that_cannot_be_prepared_fails_only_its_own_requests() {
     assert!(took);
     let map: BTreeMap<_, _> = outcomes.into_iter().collect();
     assert_eq!(map["a1"], Outcome::Ready { consistent: true });
-    assert!(matches!(&map["b1"], Outcome::Failed(m) if m.contains("not attached")), "{map:?}");
+    assert!(
+        matches!(&map["b1"], Outcome::Failed(m) if m.contains("not attached")),
+        "{map:?}"
+    );
 }
 
 #[test]
@@ -668,10 +680,7 @@ impl Sim {
                 now: self.now,
             });
             if !out.is_empty() {
-                assert!(
-                    self.used_cuts.insert(cut),
-                    "a cut id was used twice: {cut}"
-                );
+                assert!(self.used_cuts.insert(cut), "a cut id was used twice: {cut}");
             }
             self.emit(out);
         }
@@ -722,7 +731,10 @@ impl Sim {
                 cut,
                 failed: match fault {
                     // Every disk fails, or only the first one.
-                    Fault::Error => disks.iter().map(|d| (d.clone(), "disk full".into())).collect(),
+                    Fault::Error => disks
+                        .iter()
+                        .map(|d| (d.clone(), "disk full".into()))
+                        .collect(),
                     Fault::Disconnected => vec![(disks[0].clone(), "detached".into())],
                     _ => Vec::new(),
                 },
