@@ -103,6 +103,8 @@ pub enum LaunchError {
     SocketInUse { path: PathBuf },
     #[error("cannot read the identity of the new QEMU process {pid}")]
     NoIdentity { pid: u32 },
+    #[error("pidfile path {path:?} is not usable on a QEMU command line: {why}")]
+    Pidfile { path: PathBuf, why: &'static str },
 }
 
 /// Parsed bits of `/proc/<pid>/stat`.
@@ -253,7 +255,29 @@ pub async fn launch(
     stderr_log: &Path,
     ready_timeout: Duration,
 ) -> Result<ProcessIdentity, LaunchError> {
-    let args = build_args(spec)?;
+    launch_with(qemu_binary, spec, stderr_log, ready_timeout, None, |_| {}).await
+}
+
+/// [`launch`], plus: with `pidfile`, QEMU gets `-pidfile <pidfile>`, so a
+/// launch whose caller died before learning the pid can be found again with
+/// [`find_launched`] (give every launch a path that never repeats: the path is
+/// also the token looked for in `/proc/<pid>/cmdline`). `after_spawn` runs
+/// right after the process exists, before waiting for it to become ready.
+pub async fn launch_with(
+    qemu_binary: &Path,
+    spec: &LaunchSpec,
+    stderr_log: &Path,
+    ready_timeout: Duration,
+    pidfile: Option<&Path>,
+    after_spawn: impl FnOnce(&ProcessIdentity),
+) -> Result<ProcessIdentity, LaunchError> {
+    let mut args = build_args(spec)?;
+    if let Some(pidfile) = pidfile {
+        check_pidfile_path(pidfile)?;
+        // Its own argv element: QEMU takes `-pidfile`'s value verbatim.
+        args.push("-pidfile".into());
+        args.push(pidfile.as_os_str().to_owned());
+    }
     clear_stale_socket(&spec.qmp_socket)?;
     if let Some(agent) = &spec.agent_socket {
         clear_stale_socket(agent)?;
@@ -291,6 +315,7 @@ pub async fn launch(
     // If our caller abandons this future, the half-started QEMU must not linger
     // with nobody knowing its identity.
     let mut kill_guard = KillOnDrop(Some(identity.clone()));
+    after_spawn(&identity);
 
     let (exit_tx, mut exit_rx) = oneshot::channel();
     tokio::spawn(async move {
@@ -339,6 +364,98 @@ pub async fn launch(
             }
         },
     }
+}
+
+fn check_pidfile_path(path: &Path) -> Result<(), LaunchError> {
+    let bad = |why| LaunchError::Pidfile {
+        path: path.to_owned(),
+        why,
+    };
+    let text = path.to_str().ok_or_else(|| bad("not valid UTF-8"))?;
+    if !path.is_absolute() {
+        return Err(bad("must be absolute"));
+    }
+    if text.chars().any(char::is_control) {
+        return Err(bad("contains a control character"));
+    }
+    Ok(())
+}
+
+/// Whether `args` (a NUL-separated `/proc/<pid>/cmdline`) has `-pidfile <path>`.
+fn argv_names_pidfile(raw: &[u8], pidfile: &Path) -> bool {
+    let want = pidfile.as_os_str().as_encoded_bytes();
+    let args: Vec<&[u8]> = raw.split(|b| *b == 0).collect();
+    args.windows(2).any(|w| w[0] == b"-pidfile" && w[1] == want)
+}
+
+/// The process `pid` if it was started with `-pidfile <pidfile>` and no
+/// earlier than `not_before` (boot clock ticks). The identity is read before
+/// and checked after reading the command line, so a pid recycled in between
+/// is never taken.
+fn launched_as(pid: u32, pidfile: &Path, not_before: u64) -> Option<ProcessIdentity> {
+    let id = identity_of(pid)?;
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    if !argv_names_pidfile(&raw, pidfile) || id.start_ticks < not_before || !is_alive(&id) {
+        return None;
+    }
+    Some(id)
+}
+
+/// Finds the process a [`launch_with`] with this `pidfile` started, if it
+/// still runs: first the pid QEMU wrote into the pidfile, then (QEMU may have
+/// died before writing it, or not have written it yet) every process. A pid
+/// is taken only if its command line names this pidfile (whose path never
+/// repeats) and it started no earlier than `not_before` (from
+/// [`spawn_floor_ticks`] taken before the launch); a bare pid is never trusted.
+pub fn find_launched(pidfile: &Path, not_before: u64) -> Option<ProcessIdentity> {
+    if let Some(pid) = std::fs::read_to_string(pidfile)
+        .ok()
+        .and_then(|t| t.trim().parse::<u32>().ok())
+        && let Some(id) = launched_as(pid, pidfile, not_before)
+    {
+        return Some(id);
+    }
+    let mut found = std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| launched_as(pid, pidfile, not_before));
+    found.next()
+}
+
+/// A lower bound, in `/proc/<pid>/stat` start-time units (clock ticks since
+/// boot), for the start time of any process spawned from now on; one second
+/// of slack covers the rounding of `/proc/uptime`.
+pub fn spawn_floor_ticks() -> Option<u64> {
+    let uptime = std::fs::read_to_string("/proc/uptime").ok()?;
+    let secs: f64 = uptime.split_whitespace().next()?.parse().ok()?;
+    let hz = clock_ticks_per_second();
+    Some(((secs * hz as f64) as u64).saturating_sub(hz))
+}
+
+/// The kernel's boot id: start times and pids mean nothing across a reboot.
+pub fn boot_id() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .ok()
+        .map(|s| s.trim().to_owned())
+        .filter(|s| !s.is_empty())
+}
+
+/// `sysconf(_SC_CLK_TCK)`, from the auxiliary vector (`AT_CLKTCK`); 100, the
+/// value on every common architecture, if it cannot be read.
+fn clock_ticks_per_second() -> u64 {
+    const AT_CLKTCK: u64 = 17;
+    let auxv = std::fs::read("/proc/self/auxv").unwrap_or_default();
+    let words: Vec<u64> = auxv
+        .chunks_exact(8)
+        .map(|c| u64::from_ne_bytes(c.try_into().unwrap_or([0; 8])))
+        .collect();
+    words
+        .chunks_exact(2)
+        .find(|kv| kv[0] == AT_CLKTCK)
+        .map(|kv| kv[1])
+        .filter(|hz| *hz > 0)
+        .unwrap_or(100)
 }
 
 /// Kills the process it holds when dropped, unless disarmed by taking the identity.
@@ -429,6 +546,49 @@ mod tests {
         assert!(!is_alive(&recycled), "same pid, other start time");
         assert!(identity_of(0).is_none());
         assert!(identity_of(u32::MAX).is_none());
+    }
+
+    #[test]
+    fn only_an_exact_pidfile_argument_counts() {
+        let pidfile = Path::new("/run/hearth/vms/a/qemu-launch-7.pid");
+        let argv = |parts: &[&str]| parts.join("\0").into_bytes();
+        assert!(argv_names_pidfile(
+            &argv(&[
+                "qemu",
+                "-name",
+                "guest=a",
+                "-pidfile",
+                "/run/hearth/vms/a/qemu-launch-7.pid",
+                ""
+            ]),
+            pidfile
+        ));
+        for other in [
+            argv(&["qemu", "-pidfile", "/run/hearth/vms/a/qemu-launch-70.pid"]),
+            argv(&["qemu", "-pidfile", "/run/hearth/vms/a/qemu-launch-7.pid.x"]),
+            argv(&["qemu", "/run/hearth/vms/a/qemu-launch-7.pid"]),
+            argv(&["qemu", "-name", "/run/hearth/vms/a/qemu-launch-7.pid"]),
+            Vec::new(),
+        ] {
+            assert!(!argv_names_pidfile(&other, pidfile), "{other:?}");
+        }
+    }
+
+    #[test]
+    fn pidfile_paths_must_be_plain() {
+        assert!(check_pidfile_path(Path::new("/run/x,y=z/launch-1.pid")).is_ok());
+        assert!(check_pidfile_path(Path::new("run/launch-1.pid")).is_err());
+        assert!(check_pidfile_path(Path::new("/run/a\nb.pid")).is_err());
+    }
+
+    #[test]
+    fn the_spawn_floor_is_before_our_own_start_and_the_clock_rate_is_sane() {
+        let hz = clock_ticks_per_second();
+        assert!((10..=10_000).contains(&hz), "{hz}");
+        let floor = spawn_floor_ticks().expect("uptime");
+        let me = identity_of(std::process::id()).expect("self");
+        assert!(me.start_ticks <= floor + hz, "we started before now");
+        assert!(boot_id().is_some_and(|b| b.len() >= 32));
     }
 
     #[test]

@@ -4,7 +4,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use hearth_qemu::process::{
-    ProcessIdentity, Signal, SignalError, identity_of, is_alive, signal, wait_for_exit,
+    ProcessIdentity, Signal, SignalError, find_launched, identity_of, is_alive, signal,
+    spawn_floor_ticks, wait_for_exit,
 };
 
 /// Starts `sleep 30` so that it is NOT our child: the shell that forked it exits
@@ -108,4 +109,59 @@ async fn a_pid_that_does_not_exist_is_gone() {
     tokio::time::timeout(Duration::from_millis(100), wait_for_exit(&id))
         .await
         .expect("resolves at once");
+}
+
+/// A process whose argv carries `-pidfile <path>` like a marked QEMU launch;
+/// it writes its pid there when `write` is set.
+fn marked(path: &std::path::Path, write: bool) -> std::process::Child {
+    let script = if write {
+        "echo $$ > \"$1\"; sleep 30; true"
+    } else {
+        "sleep 30; true"
+    };
+    Command::new("sh")
+        .args(["-c", script, "-pidfile"])
+        .arg(path)
+        .spawn()
+        .expect("spawn sh")
+}
+
+#[tokio::test]
+async fn a_marked_launch_is_found_by_its_pidfile_or_its_command_line_and_nothing_else_is() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let floor = spawn_floor_ticks().expect("floor");
+
+    // Found through the pid it wrote.
+    let with = dir.path().join("launch-1.pid");
+    let mut a = marked(&with, true);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !with.exists() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let found = find_launched(&with, floor).expect("found by pidfile");
+    assert_eq!(found.pid, a.id());
+    assert!(is_alive(&found));
+
+    // Found without a pidfile, and despite one naming an unrelated live process
+    // (our own pid: alive, but its command line does not name the pidfile).
+    let without = dir.path().join("launch-2.pid");
+    let mut b = marked(&without, false);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    std::fs::write(&without, format!("{}\n", std::process::id())).expect("write");
+    let found = find_launched(&without, floor).expect("found by command line");
+    assert_eq!(found.pid, b.id());
+
+    // Started before the marker: not this launch.
+    let future = identity_of(b.id()).expect("id").start_ticks + 1;
+    assert_eq!(find_launched(&without, future), None);
+    // Another launch's path is not a prefix match.
+    assert_eq!(find_launched(&dir.path().join("launch-"), floor), None);
+
+    // Gone: a live pid in the pidfile is not taken for it.
+    b.kill().expect("kill");
+    b.wait().expect("reap");
+    assert_eq!(find_launched(&without, floor), None);
+    a.kill().expect("kill");
+    a.wait().expect("reap");
+    assert_eq!(find_launched(&with, floor), None);
 }

@@ -355,3 +355,50 @@ async fn a_stale_socket_file_from_a_dead_vm_does_not_block_a_restart() {
     let _cleanup = Cleanup(Some(id.clone()));
     assert!(process::is_alive(&id));
 }
+
+#[tokio::test]
+async fn a_launch_with_a_pidfile_can_be_found_again_from_the_pidfile_alone() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let vm = vm_in(tmp.path(), "marked", Vec::new());
+    let pidfile = tmp.path().join("qemu-launch-1.pid");
+    let floor = process::spawn_floor_ticks().expect("floor");
+    let mut spawned = None;
+    let id = process::launch_with(
+        &common::qemu(),
+        &vm.spec,
+        &vm.log,
+        READY,
+        Some(&pidfile),
+        |id| spawned = Some(id.clone()),
+    )
+    .await
+    .expect("start");
+    let _cleanup = Cleanup(Some(id.clone()));
+    assert_eq!(spawned.as_ref(), Some(&id), "after_spawn saw the process");
+    let written: u32 = std::fs::read_to_string(&pidfile)
+        .expect("QEMU wrote its pidfile")
+        .trim()
+        .parse()
+        .expect("a pid");
+    assert_eq!(written, id.pid);
+    assert_eq!(process::find_launched(&pidfile, floor), Some(id.clone()));
+    assert_eq!(process::vm_name_of(&id).as_deref(), Some("marked"));
+
+    process::signal(&id, Signal::Kill).expect("kill");
+    tokio::time::timeout(T, process::wait_for_exit(&id))
+        .await
+        .expect("exits");
+    assert_eq!(process::find_launched(&pidfile, floor), None);
+
+    let err = process::launch_with(
+        &common::qemu(),
+        &vm.spec,
+        &vm.log,
+        READY,
+        Some(Path::new("relative.pid")),
+        |_| panic!("nothing may be spawned"),
+    )
+    .await
+    .expect_err("relative pidfile");
+    assert!(matches!(err, LaunchError::Pidfile { .. }), "{err}");
+}
