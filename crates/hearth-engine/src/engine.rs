@@ -151,6 +151,12 @@ impl Engine {
                 }
             }
         }
+        // Launches a crashed daemon spawned but never recorded: their QEMUs
+        // are found from the process table and adopted or stopped, before
+        // any reconcile could start a second one.
+        for r in crate::vm::launches::settle_all(&engine).await {
+            engine.ensure_live(&r).await;
+        }
         match crate::snapshot::storage::sweep_orphans(&engine.store, &engine.config.state_dir) {
             Ok(removed) if !removed.is_empty() => {
                 tracing::info!(

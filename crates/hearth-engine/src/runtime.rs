@@ -28,3 +28,25 @@ pub struct RuntimeRecord {
     #[serde(default)]
     pub disk_names: Vec<String>,
 }
+
+/// A QEMU launch, recorded durably before the process is spawned and cleared
+/// in the same store transaction that records its [`RuntimeRecord`]. One left
+/// behind means a daemon died in between: the next one finds that QEMU (see
+/// `hearth_qemu::process::find_launched`) and adopts or stops it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LaunchMarker {
+    /// From the store's `launch` counter: never repeats.
+    pub id: u64,
+    pub vm: String,
+    /// Passed to QEMU as `-pidfile`; its path names the launch, so it is also
+    /// the token looked for in the process's command line.
+    pub pidfile: PathBuf,
+    /// The kernel boot the launch happened in; after a reboot nothing runs.
+    pub boot_id: String,
+    /// No process that started before this (clock ticks since boot) is ours.
+    pub not_before_ticks: u64,
+    pub created_at: DateTime<Utc>,
+    /// The record the launch writes once QEMU runs. Its `process` is a
+    /// placeholder (pid 0) until then.
+    pub record: RuntimeRecord,
+}

@@ -14,7 +14,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::runtime::RuntimeRecord;
+use crate::runtime::{LaunchMarker, RuntimeRecord};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -126,6 +126,13 @@ CREATE TABLE IF NOT EXISTS cut_overlays (
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL
+);
+-- A QEMU launch, recorded before the spawn and deleted in the transaction
+-- that writes the runtime record; one left over is settled at start-up.
+CREATE TABLE IF NOT EXISTS launches (
+    id INTEGER PRIMARY KEY,
+    vm TEXT NOT NULL,
+    marker TEXT NOT NULL
 );
 "#;
 
@@ -345,6 +352,50 @@ impl Store {
         Ok(())
     }
 
+    /// Records a launch before its QEMU is spawned.
+    pub fn put_launch(&self, marker: &LaunchMarker) -> Result<(), StoreError> {
+        self.conn().execute(
+            "INSERT INTO launches (id, vm, marker) VALUES (?1, ?2, ?3)",
+            params![marker.id as i64, marker.vm, serde_json::to_string(marker)?],
+        )?;
+        Ok(())
+    }
+
+    /// Launches not settled yet, oldest first; of one VM, or of all.
+    pub fn launches(&self, vm: Option<&str>) -> Result<Vec<LaunchMarker>, StoreError> {
+        let conn = self.conn();
+        let mut stmt =
+            conn.prepare("SELECT marker FROM launches WHERE (?1 IS NULL OR vm = ?1) ORDER BY id")?;
+        let rows = stmt.query_map(params![vm], |r| r.get::<_, String>(0))?;
+        let mut out = Vec::new();
+        for r in rows {
+            out.push(serde_json::from_str(&r?)?);
+        }
+        Ok(out)
+    }
+
+    /// Drops a launch marker whose QEMU is known not to run.
+    pub fn drop_launch(&self, id: u64) -> Result<(), StoreError> {
+        self.conn()
+            .execute("DELETE FROM launches WHERE id = ?1", params![id as i64])?;
+        Ok(())
+    }
+
+    /// Writes the runtime record of a launched QEMU and drops its launch
+    /// marker, in one transaction: the process is always known by one or
+    /// the other.
+    pub fn record_launch(&self, launch: u64, rec: &RuntimeRecord) -> Result<(), StoreError> {
+        self.with_tx(|tx| {
+            tx.execute(
+                "INSERT INTO runtime (vm, record) VALUES (?1, ?2)
+                 ON CONFLICT (vm) DO UPDATE SET record = excluded.record",
+                params![rec.vm, serde_json::to_string(rec)?],
+            )?;
+            tx.execute("DELETE FROM launches WHERE id = ?1", params![launch as i64])?;
+            Ok(())
+        })
+    }
+
     pub fn intent(&self, vm: &str) -> Result<RunIntent, StoreError> {
         let rec: Option<String> = self
             .conn()
@@ -543,5 +594,68 @@ mod tests {
         assert_eq!(s.intent("vm1").unwrap().want_running, Some(false));
         s.remove(Kind::VirtualMachine, "vm1").unwrap();
         assert_eq!(s.intent("vm1").unwrap(), RunIntent::default());
+    }
+
+    #[test]
+    fn a_launch_marker_is_replaced_by_its_runtime_record_in_one_step() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let record = RuntimeRecord {
+            vm: "vm1".into(),
+            process: hearth_qemu::ProcessIdentity {
+                pid: 0,
+                start_ticks: 0,
+            },
+            qmp_socket: "/run/q.sock".into(),
+            agent_socket: None,
+            serial_log: "/run/serial.log".into(),
+            accel: hearth_qemu::Accel::Tcg,
+            started_at: Utc::now(),
+            spec_fingerprint: "f".into(),
+            restart_nonce: 0,
+            disks: Vec::new(),
+            disk_names: Vec::new(),
+        };
+        let created_at = Utc::now();
+        let marker = |id: u64, vm: &str| LaunchMarker {
+            id,
+            vm: vm.into(),
+            pidfile: format!("/run/launch-{id}.pid").into(),
+            boot_id: "b".into(),
+            not_before_ticks: 1,
+            created_at,
+            record: RuntimeRecord {
+                vm: vm.into(),
+                ..record.clone()
+            },
+        };
+        {
+            let s = Store::open(&path).unwrap();
+            let a = s.next_counter("launch").unwrap();
+            let b = s.next_counter("launch").unwrap();
+            assert_ne!(a, b);
+            s.put_launch(&marker(a, "vm1")).unwrap();
+            s.put_launch(&marker(b, "vm2")).unwrap();
+            assert!(s.put_launch(&marker(a, "vm1")).is_err(), "ids never repeat");
+        }
+        // Durable across a reopen, as after a crash.
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.launches(None).unwrap().len(), 2);
+        let mine = s.launches(Some("vm1")).unwrap();
+        assert_eq!(mine, vec![marker(mine[0].id, "vm1")]);
+        let running = RuntimeRecord {
+            process: hearth_qemu::ProcessIdentity {
+                pid: 42,
+                start_ticks: 7,
+            },
+            ..record.clone()
+        };
+        s.record_launch(mine[0].id, &running).unwrap();
+        assert!(s.launches(Some("vm1")).unwrap().is_empty());
+        assert_eq!(s.runtime("vm1").unwrap(), Some(running));
+        let other = s.launches(Some("vm2")).unwrap();
+        s.drop_launch(other[0].id).unwrap();
+        assert!(s.launches(None).unwrap().is_empty());
+        assert_eq!(s.runtime("vm2").unwrap(), None);
     }
 }

@@ -2,6 +2,7 @@
 //! carries its steps out against QEMU.
 
 pub mod decide;
+pub mod launches;
 pub mod live;
 mod reconcile;
 

@@ -11,13 +11,14 @@ use hearth_api::{
     ConditionStatus, DiskPhase, EventType, Kind, Object, RunPolicy, VirtualDiskStatus,
     VirtualMachine, VmPhase, remove_condition, set_condition,
 };
+use hearth_qemu::ProcessIdentity;
 use hearth_qemu::cmdline::{DiskAttachment, LaunchSpec};
 use hearth_qemu::process;
 use serde_json::json;
 
 use super::decide::{Disks, Observation, Process, Step, StopReason, decide};
 use crate::engine::{Engine, ReconcileError};
-use crate::runtime::RuntimeRecord;
+use crate::runtime::{LaunchMarker, RuntimeRecord};
 
 const LAUNCH_READY_TIMEOUT: Duration = Duration::from_secs(20);
 const FORCED_STOP_WAIT: Duration = Duration::from_secs(5);
@@ -81,7 +82,17 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
                 // Never while a snapshot cut holds the VM or one of its disks.
                 let _ops = engine.lock_vm_ops(vm).await;
                 if engine.store.runtime(name)?.is_none() {
-                    launch(engine, vm, intent.restart_nonce).await?
+                    // A launch a crashed daemon left unrecorded first: its
+                    // QEMU is adopted (then nothing is launched) or stopped.
+                    let adopted = super::launches::settle_vm(engine, name)
+                        .await
+                        .map_err(ReconcileError::Failed)?;
+                    match adopted {
+                        Some(record) => {
+                            engine.ensure_live(&record).await;
+                        }
+                        None => launch(engine, vm, intent.restart_nonce).await?,
+                    }
                 }
             }
             Step::Stop(reason) => {
@@ -281,15 +292,10 @@ async fn try_launch(
     for dir in [&run_dir, &state_dir] {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     }
+    // Stale sockets are removed by `process::launch`, and only if nothing
+    // listens on them: a socket a running QEMU serves is never cut off.
     let qmp_socket = run_dir.join("qmp.sock");
     let agent_socket = vm.spec.guest_agent.then(|| run_dir.join("agent.sock"));
-    for s in [Some(&qmp_socket), agent_socket.as_ref()]
-        .into_iter()
-        .flatten()
-    {
-        // A stale socket from an earlier process would make QEMU fail to bind.
-        let _ = std::fs::remove_file(s);
-    }
     let serial_log = cfg.serial_log(name);
     let spec = LaunchSpec {
         vm_name: name.to_string(),
@@ -305,12 +311,13 @@ async fn try_launch(
         serial_log: serial_log.clone(),
     };
     let qemu_log = state_dir.join("qemu.log");
-    let identity = process::launch(&cfg.qemu_binary, &spec, &qemu_log, LAUNCH_READY_TIMEOUT)
-        .await
-        .map_err(|e| format!("QEMU did not start: {e}"))?;
-    let record = RuntimeRecord {
+    let mut record = RuntimeRecord {
         vm: name.to_string(),
-        process: identity,
+        // Unknown until QEMU runs.
+        process: ProcessIdentity {
+            pid: 0,
+            start_ticks: 0,
+        },
         qmp_socket,
         agent_socket,
         serial_log,
@@ -326,9 +333,51 @@ async fn try_launch(
             .map(|d| d.virtual_disk_name.clone())
             .collect(),
     };
-    // Recorded before anything else happens, so a daemon crash right after
-    // this point still knows the process is ours.
-    if let Err(e) = engine.store.put_runtime(&record) {
+    // Recorded durably before the spawn, under an id that never repeats, so a
+    // daemon that dies before the runtime record below is written leaves a way
+    // to find this QEMU: its pidfile path (which names the launch) is in its
+    // command line.
+    let store_err = |e: crate::store::StoreError| format!("cannot record the launch: {e}");
+    let launch_id = engine.store.next_counter("launch").map_err(store_err)?;
+    let marker = LaunchMarker {
+        id: launch_id,
+        vm: name.to_string(),
+        pidfile: run_dir.join(format!("qemu-launch-{launch_id}.pid")),
+        boot_id: process::boot_id().unwrap_or_default(),
+        not_before_ticks: process::spawn_floor_ticks().unwrap_or(0),
+        created_at: Utc::now(),
+        record: record.clone(),
+    };
+    engine.store.put_launch(&marker).map_err(store_err)?;
+    let launched = process::launch_with(
+        &cfg.qemu_binary,
+        &spec,
+        &qemu_log,
+        LAUNCH_READY_TIMEOUT,
+        Some(&marker.pidfile),
+        super::launches::crash_after_spawn_hook,
+    )
+    .await;
+    let identity = match launched {
+        Ok(identity) => identity,
+        Err(e) => {
+            // Whatever started is gone or being killed: make sure, then drop
+            // the marker. If that fails the marker stays and blocks the next
+            // launch until it is settled.
+            if let Some(id) = super::launches::find(&marker) {
+                let _ = super::launches::stop(&marker.record.qmp_socket, &id).await;
+            }
+            if super::launches::find(&marker).is_none() {
+                let _ = engine.store.drop_launch(launch_id);
+            }
+            return Err(format!("QEMU did not start: {e}"));
+        }
+    };
+    record.process = identity;
+    record.started_at = Utc::now();
+    // The runtime record replaces the marker in one transaction, before
+    // anything else happens.
+    if let Err(e) = engine.store.record_launch(launch_id, &record) {
         let _ = process::signal(&record.process, process::Signal::Kill);
         return Err(format!("cannot record the started process: {e}"));
     }

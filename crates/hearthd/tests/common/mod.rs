@@ -443,3 +443,82 @@ pub fn hook_counts(d: &Daemon, vm: &str) -> (usize, usize) {
         text.matches("fsfreeze hook: thaw").count(),
     )
 }
+
+impl Daemon {
+    /// Like [`Daemon::start`], with extra environment variables for hearthd.
+    pub fn start_env(env: &[(&str, &str)]) -> Daemon {
+        let dir = tempfile::Builder::new()
+            .prefix("hearth-e2e-")
+            .tempdir()
+            .expect("tempdir");
+        let mut d = Daemon {
+            dir,
+            child: None,
+            extra_args: Vec::new(),
+        };
+        d.spawn_env(env);
+        d
+    }
+
+    /// Starts hearthd with extra environment variables and waits until its
+    /// API answers.
+    pub fn spawn_env(&mut self, env: &[(&str, &str)]) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.path().join("hearthd.log"))
+            .expect("log file");
+        let child = Command::new(hearthd_bin())
+            .arg("--state-dir")
+            .arg(self.state_dir())
+            .arg("--run-dir")
+            .arg(self.run_dir())
+            .arg("--image-root")
+            .arg(guest_dir())
+            .arg("--manifests")
+            .arg(self.dir.path().join("manifests"))
+            .envs(env.iter().copied())
+            .env("HEARTH_LOG", "info,hearth_engine=debug")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn hearthd");
+        self.child = Some(child);
+        wait_until("hearthd answers", Duration::from_secs(60), || {
+            matches!(self.try_request("GET", "/v1/health", None), Ok((200, _)))
+        });
+    }
+
+    /// Waits for hearthd to exit by itself and returns how it ended.
+    pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let child = self.child.as_mut().expect("hearthd was started");
+            if let Some(status) = child.try_wait().expect("try_wait") {
+                self.child = None;
+                return status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "hearthd did not exit within {timeout:?}:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// Live QEMU processes of this daemon whose command line names VM `vm`
+    /// (`-name guest=<vm>`), read from the process table.
+    pub fn qemu_pids_of(&self, vm: &str) -> Vec<u32> {
+        let name = format!("guest={vm}");
+        self.qemu_pids()
+            .into_iter()
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .map(|raw| raw.split(|b| *b == 0).any(|a| a == name.as_bytes()))
+                    .unwrap_or(false)
+            })
+            .collect()
+    }
+}
