@@ -701,8 +701,9 @@ impl Sim {
         self.check_i3();
     }
 
-    /// I3: a freeze we sent never holds past the deadline (plus one thaw),
-    /// unless a thaw failed or the daemon crashed in between.
+    /// I3, as the guest sees it: a freeze we sent never holds past the
+    /// deadline plus one thaw, unless a thaw failed or the daemon crashed in
+    /// between.
     fn check_i3(&self) {
         if let (true, Some(sent)) = (self.frozen, self.freeze_sent_at)
             && !self.fault_since_freeze
@@ -870,6 +871,18 @@ impl Sim {
                 timeout,
                 only_if_frozen,
             } => {
+                // I3 (the promise in docs/snapshots.md): the thaw of a
+                // freeze we sent goes out by the deadline, so the guest is
+                // frozen at most the deadline plus the thaw's own duration.
+                if let Some(sent) = self.freeze_sent_at
+                    && !self.fault_since_freeze
+                {
+                    assert!(
+                        self.now - sent <= DEADLINE,
+                        "I3: thaw sent {} ms after the freeze",
+                        self.now - sent
+                    );
+                }
                 self.apply_late_freeze();
                 let d = dur(timeout);
                 let skip = only_if_frozen && !self.frozen;
