@@ -251,6 +251,28 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
         std::thread::sleep(Duration::from_millis(rng.below(500)));
         d.spawn();
     }
+    // Restarts between cuts: two cuts per daemon life, then a kill while
+    // idle. Cut ids (and the QEMU node names made from them) must never
+    // repeat in the adopted QEMU.
+    for life in 0..3 {
+        for k in 0..2 {
+            let n = format!("idle-{life}-{k}");
+            names.push(n.clone());
+            let (status, v) = d.request(
+                "POST",
+                "/v1/apply",
+                Some(&json!({"items": [snapshot(&n, "busy-data")]})),
+            );
+            assert_eq!(status, 200, "{v}");
+            wait_until(&format!("{n} final"), FINAL_TIMEOUT, || {
+                get_snapshot(&d, &n).is_some_and(|v| {
+                    matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed"))
+                })
+            });
+        }
+        d.kill();
+        d.spawn();
+    }
     println!("{ROUNDS} kills, {kills_in_window} inside a freeze window (guest's console)");
     assert!(
         kills_in_window >= 2,
