@@ -32,6 +32,7 @@ use tokio::net::UnixStream;
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::time::Instant;
 
+use crate::fsmap::{FsInfo, parse_fsinfo};
 use crate::lines::{BoundedReader, QapiReply, ReadError, classify_reply, truncate};
 
 /// Default bound for one reply line; `guest-exec-status` carries captured output
@@ -393,6 +394,15 @@ impl AgentClient {
     pub async fn fsfreeze_thaw(&mut self, timeout: Duration) -> Result<u32, AgentError> {
         let v = self.execute("guest-fsfreeze-thaw", None, timeout).await?;
         count("guest-fsfreeze-thaw", &v)
+    }
+
+    /// The guest's mounted filesystems and the disks under each
+    /// (`guest-get-fsinfo`), parsed and bounded by [`crate::fsmap::parse_fsinfo`].
+    /// A reply of the wrong shape is a `Protocol` error; the channel stays in
+    /// sync (the reply was read whole).
+    pub async fn get_fsinfo(&mut self, timeout: Duration) -> Result<Vec<FsInfo>, AgentError> {
+        let v = self.execute("guest-get-fsinfo", None, timeout).await?;
+        parse_fsinfo(&v).map_err(|e| AgentError::Protocol(format!("guest-get-fsinfo: {e}")))
     }
 
     /// Asks the guest to shut down (`mode`: "powerdown", "halt" or "reboot").
@@ -958,6 +968,89 @@ mod tests {
         assert_eq!(out.exit_code, None);
         assert_eq!(out.signal, Some(9));
         assert!(out.stdout.is_empty());
+        guest.await.expect("fake agent");
+    }
+
+    #[tokio::test]
+    async fn get_fsinfo_returns_typed_filesystems_and_ignores_unknown_fields() {
+        let (_dir, mut client, mut fake) = setup().await;
+        let guest = tokio::spawn(async move {
+            fake.handle_sync().await;
+            assert_eq!(fake.recv().await["execute"], "guest-get-fsinfo");
+            fake.reply(json!([
+                {"name": "vdb", "mountpoint": "/mnt/vdb", "type": "ext4",
+                 "used-bytes": 24576, "total-bytes": 55025664, "something-new": {"x": 1},
+                 "disk": [{"serial": "data", "dev": "/dev/vdb", "bus-type": "virtio",
+                           "bus": 0, "target": 0, "unit": 0,
+                           "pci-controller": {"domain": 0, "bus": 0, "slot": 3, "function": 0}}]},
+                {"name": "dm-0", "mountpoint": "/srv", "type": "xfs",
+                 "disk": [{"bus-type": "virtio", "bus": 0, "target": 0, "unit": 0,
+                           "pci-controller": {"domain": 0, "bus": 0, "slot": 2, "function": 0}},
+                          {"bus-type": "virtio", "bus": 0, "target": 0, "unit": 0,
+                           "pci-controller": {"domain": 0, "bus": 0, "slot": 3, "function": 0}}]},
+            ]))
+            .await;
+            fake
+        });
+        let list = client.get_fsinfo(T).await.expect("fsinfo");
+        assert_eq!(list.len(), 2);
+        assert_eq!(list[0].mountpoint, "/mnt/vdb");
+        assert_eq!(list[0].name, "vdb");
+        assert_eq!(list[0].fs_type, "ext4");
+        assert_eq!(list[0].disks.len(), 1);
+        assert_eq!(list[0].disks[0].serial.as_deref(), Some("data"));
+        assert_eq!(list[0].disks[0].dev.as_deref(), Some("/dev/vdb"));
+        assert_eq!(list[0].disks[0].bus_type, "virtio");
+        assert_eq!(
+            list[0].disks[0].pci_controller,
+            Some(crate::fsmap::PciAddress {
+                domain: 0,
+                bus: 0,
+                slot: 3,
+                function: 0
+            })
+        );
+        assert_eq!(list[1].fs_type, "xfs");
+        assert_eq!(list[1].disks.len(), 2);
+        assert_eq!(list[1].disks[1].serial, None);
+        assert!(client.is_synced());
+        guest.await.expect("fake agent");
+    }
+
+    #[tokio::test]
+    async fn a_malformed_fsinfo_reply_is_a_protocol_error_and_the_channel_stays_in_sync() {
+        let (_dir, mut client, mut fake) = setup().await;
+        let guest = tokio::spawn(async move {
+            fake.handle_sync().await;
+            assert_eq!(fake.recv().await["execute"], "guest-get-fsinfo");
+            fake.reply(json!([{"name": "vda", "type": "ext4", "mountpoint": ["/"]}]))
+                .await;
+            // The reply was read whole: the next command comes without a resync.
+            assert_eq!(fake.recv().await["execute"], "guest-get-fsinfo");
+            let entry = json!({"name": "vda", "type": "ext4", "mountpoint": "/", "disk": []});
+            fake.reply(json!(vec![entry; crate::fsmap::MAX_FILESYSTEMS + 1]))
+                .await;
+            assert_eq!(fake.recv().await["execute"], "guest-get-fsinfo");
+            fake.error("GenericError", "failed to open /proc/self/mountinfo")
+                .await;
+            fake
+        });
+        let err = client.get_fsinfo(T).await.expect_err("bad mountpoint");
+        assert!(
+            matches!(&err, AgentError::Protocol(m) if m.contains("mountpoint")),
+            "{err}"
+        );
+        assert!(client.is_synced());
+        let err = client.get_fsinfo(T).await.expect_err("too many");
+        assert!(
+            matches!(&err, AgentError::Protocol(m) if m.contains("257 filesystems")),
+            "{err}"
+        );
+        let err = client.get_fsinfo(T).await.expect_err("error reply");
+        assert!(
+            matches!(&err, AgentError::Command { command, .. } if command == "guest-get-fsinfo"),
+            "{err}"
+        );
         guest.await.expect("fake agent");
     }
 

@@ -8,6 +8,7 @@
 pub mod accel;
 pub mod agent;
 pub mod cmdline;
+pub mod fsmap;
 pub mod img;
 pub mod process;
 pub mod qmp;
