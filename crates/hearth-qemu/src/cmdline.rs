@@ -43,6 +43,10 @@ pub struct DiskAttachment {
     pub node_name: String,
     pub path: PathBuf,
     pub read_only: bool,
+    /// virtio-blk serial the guest sees (`/sys/block/vdX/serial`); hearth sets
+    /// it with [`disk_serial`] so the guest agent's filesystem report names the
+    /// VirtualDisk. At most [`MAX_SERIAL_LEN`] bytes; empty means none.
+    pub serial: String,
 }
 
 /// Everything needed to start one VM.
@@ -70,6 +74,9 @@ pub const AGENT_PORT_NAME: &str = "org.qemu.guest_agent.0";
 /// Upper bounds that keep a typo from asking QEMU for something absurd.
 pub const MAX_CPUS: u32 = 255;
 pub const MAX_MEMORY_MIB: u64 = 4 * 1024 * 1024;
+/// virtio-blk reports at most this many bytes of serial to the guest
+/// (`VIRTIO_BLK_ID_BYTES`); a longer one would be cut silently.
+pub const MAX_SERIAL_LEN: usize = 20;
 /// QEMU rejects node names longer than this (`BLOCK_NODE_NAME` is 32 bytes incl. NUL).
 pub const MAX_NODE_NAME_LEN: usize = 31;
 
@@ -95,6 +102,10 @@ pub enum CmdlineError {
     InvalidNodeName(String),
     #[error("disk node name {0:?} is used twice (or clashes with an internal node name)")]
     DuplicateNodeName(String),
+    #[error("disk serial {0:?} is invalid (at most 20 bytes of A-Z, a-z, 0-9, '-', '.', '_')")]
+    InvalidSerial(String),
+    #[error("disk serial {0:?} is used twice")]
+    DuplicateSerial(String),
     #[error("kernel command line contains a NUL byte")]
     NulInCmdline,
 }
@@ -107,6 +118,42 @@ pub fn file_node_name(index: usize) -> String {
 /// qdev id of the virtio-blk device for disk number `index`.
 pub fn disk_device_id(index: usize) -> String {
     format!("vdisk{index}")
+}
+
+/// The virtio-blk serial of the disk named `name`: the name itself when it fits
+/// in [`MAX_SERIAL_LEN`] bytes, else its first 11 bytes, `-`, and 8 hex digits
+/// of a hash of the whole name (FNV-1a, fixed here so the serial of a disk never
+/// changes between builds). Names sharing a long prefix get different serials.
+pub fn disk_serial(name: &str) -> String {
+    if name.len() <= MAX_SERIAL_LEN {
+        return name.to_owned();
+    }
+    let mut cut = 11;
+    while !name.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}-{:08x}", &name[..cut], fnv1a_32(name.as_bytes()))
+}
+
+/// 32-bit FNV-1a: tiny, specified, and identical on every platform and build.
+fn fnv1a_32(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5u32, |hash, b| {
+        (hash ^ u32::from(*b)).wrapping_mul(0x0100_0193)
+    })
+}
+
+/// A serial QEMU passes to the guest unchanged: short, and of an alphabet no
+/// guest tool (udev escapes others) rewrites.
+pub fn validate_serial(serial: &str) -> Result<(), CmdlineError> {
+    let ok = serial.len() <= MAX_SERIAL_LEN
+        && serial
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'));
+    if ok {
+        Ok(())
+    } else {
+        Err(CmdlineError::InvalidSerial(serial.to_owned()))
+    }
 }
 
 /// Builds the argv (without the binary itself) that starts `spec`.
@@ -171,6 +218,13 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
             return Err(CmdlineError::DuplicateNodeName(disk.node_name.clone()));
         }
     }
+    let mut serials = HashSet::new();
+    for disk in &spec.disks {
+        validate_serial(&disk.serial)?;
+        if !disk.serial.is_empty() && !serials.insert(disk.serial.as_str()) {
+            return Err(CmdlineError::DuplicateSerial(disk.serial.clone()));
+        }
+    }
     for (index, disk) in spec.disks.iter().enumerate() {
         let field = format!("disks[{index}]");
         let filename = plain_path(&field, &disk.path)?;
@@ -195,15 +249,17 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
             })
             .to_string(),
         );
+        let mut device = json!({
+            "driver": "virtio-blk-pci",
+            "drive": disk.node_name,
+            "id": disk_device_id(index),
+        });
+        if !disk.serial.is_empty() {
+            // A JSON string: no byte of it can reach QEMU's option parser.
+            device["serial"] = json!(disk.serial);
+        }
         args.push("-device");
-        args.push(
-            json!({
-                "driver": "virtio-blk-pci",
-                "drive": disk.node_name,
-                "id": disk_device_id(index),
-            })
-            .to_string(),
-        );
+        args.push(device.to_string());
     }
 
     if let Some(agent_socket) = &spec.agent_socket {
@@ -335,11 +391,13 @@ mod tests {
                     node_name: "disk-root".into(),
                     path: "/var/lib/hearth/disks/root.qcow2".into(),
                     read_only: false,
+                    serial: "root".into(),
                 },
                 DiskAttachment {
                     node_name: "disk-data".into(),
                     path: "/var/lib/hearth/disks/data.qcow2".into(),
                     read_only: true,
+                    serial: "data".into(),
                 },
             ],
             agent_socket: Some("/run/hearth/demo/qga.sock".into()),
@@ -449,8 +507,10 @@ mod tests {
         assert_eq!(
             devices,
             vec![
-                json!({"driver": "virtio-blk-pci", "drive": "disk-root", "id": "vdisk0"}),
-                json!({"driver": "virtio-blk-pci", "drive": "disk-data", "id": "vdisk1"}),
+                json!({"driver": "virtio-blk-pci", "drive": "disk-root", "id": "vdisk0",
+                       "serial": "root"}),
+                json!({"driver": "virtio-blk-pci", "drive": "disk-data", "id": "vdisk1",
+                       "serial": "data"}),
                 json!({"driver": "virtio-serial-pci", "id": "vser0"}),
                 json!({"driver": "virtserialport", "bus": "vser0.0", "chardev": "qga0",
                        "name": "org.qemu.guest_agent.0"}),
@@ -694,6 +754,89 @@ mod tests {
             build_args(&s),
             Err(CmdlineError::DuplicateNodeName("file-1".into()))
         );
+    }
+
+    #[test]
+    fn disk_serial_is_the_name_when_it_fits() {
+        assert_eq!(disk_serial("data"), "data");
+        let twenty = "a".repeat(20);
+        assert_eq!(disk_serial(&twenty), twenty);
+        assert_eq!(disk_serial(""), "");
+    }
+
+    #[test]
+    fn long_disk_names_get_a_prefix_and_a_stable_hash() {
+        let name = "postgres-primary-data-volume";
+        let serial = disk_serial(name);
+        assert_eq!(serial.len(), MAX_SERIAL_LEN);
+        assert!(serial.starts_with("postgres-pr-"), "{serial}");
+        // Fixed by the algorithm, not by the build: a serial already in a guest's
+        // fstab or udev rules must not change when hearth is rebuilt.
+        assert_eq!(
+            serial,
+            format!("postgres-pr-{:08x}", fnv1a_32(name.as_bytes()))
+        );
+        assert_eq!(fnv1a_32(b""), 0x811c_9dc5);
+        assert_eq!(fnv1a_32(b"a"), 0xe40c_292c);
+        assert_eq!(fnv1a_32(b"foobar"), 0xbf9c_f968);
+        assert_eq!(disk_serial(name), serial, "same input, same serial");
+        assert!(validate_serial(&serial).is_ok());
+        // Exactly one byte too long still hashes.
+        let twenty_one = "b".repeat(21);
+        assert_eq!(disk_serial(&twenty_one).len(), MAX_SERIAL_LEN);
+        assert_ne!(disk_serial(&twenty_one), twenty_one[..20]);
+    }
+
+    #[test]
+    fn long_disk_names_sharing_a_prefix_get_distinct_serials() {
+        let names: Vec<String> = (0..200)
+            .map(|i| format!("shared-prefix-disk-number-{i}"))
+            .collect();
+        let serials: HashSet<String> = names.iter().map(|n| disk_serial(n)).collect();
+        assert_eq!(serials.len(), names.len(), "a collision among {names:?}");
+        for (name, serial) in names.iter().map(|n| (n, disk_serial(n))) {
+            assert!(serial.len() <= MAX_SERIAL_LEN, "{name}: {serial}");
+            assert!(serial.starts_with("shared-pref-"), "{serial}");
+        }
+    }
+
+    #[test]
+    fn disk_serial_never_splits_a_character_and_stays_short() {
+        // Not a valid disk name, but the function must not panic on it.
+        let name = "abcdefghij\u{e9}klmnopqrstuvwxyz";
+        let serial = disk_serial(name);
+        assert!(serial.len() <= MAX_SERIAL_LEN, "{serial}");
+        assert!(serial.starts_with("abcdefghij-"), "{serial}");
+    }
+
+    #[test]
+    fn serials_are_validated_and_unique() {
+        let mut s = spec();
+        s.disks[0].serial = "x\",id=evil".into();
+        assert_eq!(
+            build_args(&s),
+            Err(CmdlineError::InvalidSerial("x\",id=evil".into()))
+        );
+        let mut s = spec();
+        s.disks[0].serial = "a".repeat(21);
+        assert!(matches!(
+            build_args(&s),
+            Err(CmdlineError::InvalidSerial(_))
+        ));
+        let mut s = spec();
+        s.disks[1].serial = "root".into();
+        assert_eq!(
+            build_args(&s),
+            Err(CmdlineError::DuplicateSerial("root".into()))
+        );
+        // No serial at all: the device gets no serial property.
+        let mut s = spec();
+        s.disks[0].serial = String::new();
+        s.disks[1].serial = String::new();
+        let args = strings(&build_args(&s).expect("valid"));
+        let devices = json_values_of(&args, "-device");
+        assert!(devices[0].get("serial").is_none(), "{}", devices[0]);
+        assert!(devices[1].get("serial").is_none(), "{}", devices[1]);
     }
 
     #[test]

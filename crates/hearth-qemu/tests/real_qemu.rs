@@ -115,11 +115,13 @@ async fn a_vm_with_hostile_paths_runs_and_qmp_sees_them_verbatim() {
                 node_name: "disk-root".into(),
                 path: root.clone(),
                 read_only: false,
+                serial: "root".into(),
             },
             DiskAttachment {
                 node_name: "disk-data".into(),
                 path: data.clone(),
                 read_only: true,
+                serial: hearth_qemu::cmdline::disk_serial("a-data-disk-with-a-long-name"),
             },
         ],
     );
@@ -172,6 +174,23 @@ async fn a_vm_with_hostile_paths_runs_and_qmp_sees_them_verbatim() {
         Some((data.to_str().expect("utf8").to_owned(), true))
     );
 
+    // Each virtio-blk device carries the serial it was given.
+    for (index, disk) in vm.spec.disks.iter().enumerate() {
+        let path = format!(
+            "/machine/peripheral/{}",
+            hearth_qemu::cmdline::disk_device_id(index)
+        );
+        let serial = qmp
+            .execute(
+                "qom-get",
+                Some(json!({"path": path, "property": "serial"})),
+                T,
+            )
+            .await
+            .expect("qom-get serial");
+        assert_eq!(serial, json!(disk.serial), "{path}");
+    }
+
     // The agent chardev exists at the exact path; no agent runs in this guest, so
     // a call must time out rather than hang or succeed.
     let mut agent = AgentClient::connect(vm.spec.agent_socket.as_deref().expect("agent"))
@@ -220,6 +239,7 @@ async fn qemu_failing_at_start_reports_its_own_error_message() {
             node_name: "disk-root".into(),
             path: missing,
             read_only: false,
+            serial: "root".into(),
         }],
     );
     let err = process::launch(&common::qemu(), &vm.spec, &vm.log, READY)

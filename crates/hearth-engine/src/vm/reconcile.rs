@@ -12,7 +12,7 @@ use hearth_api::{
     VirtualMachine, VmPhase, remove_condition, set_condition,
 };
 use hearth_qemu::ProcessIdentity;
-use hearth_qemu::cmdline::{DiskAttachment, LaunchSpec};
+use hearth_qemu::cmdline::{DiskAttachment, LaunchSpec, disk_serial};
 use hearth_qemu::process;
 use serde_json::json;
 
@@ -285,6 +285,9 @@ async fn try_launch(
             node_name: format!("disk{i}"),
             path,
             read_only: false,
+            // The guest sees it as the disk's serial, so the guest agent's
+            // filesystem report can be tied back to this VirtualDisk.
+            serial: disk_serial(&d.virtual_disk_name),
         });
     }
     let run_dir = cfg.vm_run_dir(name);
