@@ -522,6 +522,24 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
         "Ready"
     );
 
+    // A program run through the agent does not hold the agent channel while
+    // it runs: a cut taken meanwhile freezes at once and is consistent,
+    // instead of waiting behind it and failing at the deadline.
+    let runner = std::thread::scope(|scope| {
+        let d = &d;
+        let long = scope.spawn(move || exec(d, "hook", "sleep 12; echo slept"));
+        std::thread::sleep(Duration::from_millis(500));
+        apply(d, vec![disk_snapshot("during-exec", "hook-data", true)]);
+        let s = wait_final(d, "virtualdisksnapshots", "during-exec");
+        let still_running = !long.is_finished();
+        (s, still_running, long.join().expect("exec thread"))
+    });
+    let (s, still_running, out) = runner;
+    assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
+    assert_eq!(s["status"]["consistent"], true, "{s:#}");
+    assert!(still_running, "the cut finished only after the program: it waited behind it");
+    assert_eq!(out["stdout"], "slept\n", "{out}");
+
     // A freeze that cannot finish within the deadline: thawed, not consistent.
     let m = manifest(
         &d,
