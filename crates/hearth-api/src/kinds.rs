@@ -364,6 +364,13 @@ pub struct SnapshotStatus {
     pub consistent: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cut_time: Option<DateTime<Utc>>,
+    /// For a disk snapshot of a running VM: the guest mount points whose
+    /// filesystems lie (wholly or partly) on this disk and were frozen for the
+    /// cut, sorted; empty when none of the frozen filesystems is on this disk.
+    /// Unset when nothing was frozen (offline cut, no freeze) or when the guest
+    /// could not say which filesystems lie on which disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frozen_mount_points: Option<Vec<String>>,
     /// Host-side time from the freeze request to the thaw reply: an upper
     /// bound on the guest's frozen time (it includes the guest's hooks).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -389,4 +396,41 @@ pub struct SnapshotStatus {
     pub message: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+#[cfg(test)]
+mod snapshot_status_tests {
+    use super::*;
+
+    #[test]
+    fn frozen_mount_points_are_camel_case_and_left_out_when_unset() {
+        let unset = SnapshotStatus::default();
+        let json = serde_json::to_value(&unset).expect("serialise");
+        assert!(json.get("frozenMountPoints").is_none(), "{json}");
+
+        // Frozen, but nothing on this disk: an empty list, not "unknown".
+        let none_here = SnapshotStatus {
+            frozen_mount_points: Some(Vec::new()),
+            ..SnapshotStatus::default()
+        };
+        let json = serde_json::to_value(&none_here).expect("serialise");
+        assert_eq!(json["frozenMountPoints"], serde_json::json!([]));
+
+        let some = SnapshotStatus {
+            frozen_mount_points: Some(vec!["/data".into(), "/mnt/vda".into()]),
+            ..SnapshotStatus::default()
+        };
+        let json = serde_json::to_value(&some).expect("serialise");
+        assert_eq!(
+            json["frozenMountPoints"],
+            serde_json::json!(["/data", "/mnt/vda"])
+        );
+        let back: SnapshotStatus = serde_json::from_value(json).expect("deserialise");
+        assert_eq!(back, some);
+
+        // Statuses stored before the field existed still read.
+        let old: SnapshotStatus =
+            serde_json::from_str(r#"{"phase": "Ready", "consistent": true}"#).expect("old");
+        assert_eq!(old.frozen_mount_points, None);
+    }
 }

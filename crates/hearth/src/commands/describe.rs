@@ -233,6 +233,23 @@ impl Fields {
                 ),
                 Err(_) => text,
             },
+            // Guest paths: a newline or ", " in one must not fake another
+            // line or another entry, so such a path is shown quoted.
+            ("frozenMountPoints", Value::Array(items)) if !items.is_empty() => items
+                .iter()
+                .map(|item| match item {
+                    Value::String(path)
+                        if path.is_empty()
+                            || path.contains(", ")
+                            || path.starts_with('"')
+                            || path.chars().any(char::is_control) =>
+                    {
+                        format!("{path:?}")
+                    }
+                    other => scalar(other),
+                })
+                .collect::<Vec<_>>()
+                .join(", "),
             _ => text,
         }
     }
@@ -276,6 +293,7 @@ const SNAPSHOT_FIELD_ORDER: &[&str] = &[
     "requiredConsistency",
     "phase",
     "consistent",
+    "frozenMountPoints",
     "cutTime",
     "freezeWindowMs",
     "cutId",
@@ -447,7 +465,7 @@ Status:
                        "virtualMachineSnapshotName": "pre", "capacity": 1073741824u64,
                        "size": 1258291, "cutId": 3, "freezeWindowMs": 84,
                        "cutTime": "2025-01-01T11:58:01.5Z", "consistent": true, "phase": "Ready",
-                       "futureField": "kept",
+                       "frozenMountPoints": ["/data", "/mnt/vdb"], "futureField": "kept",
                        "conditions": [{"type": "Ready", "status": "True", "reason": "Taken",
                                        "message": "in cut 3", "lastTransitionTime": "2025-01-01T11:58:02Z"}]}
         })
@@ -477,6 +495,7 @@ Spec:
 Status:
   phase:                       Ready
   consistent:                  true
+  frozenMountPoints:           /data, /mnt/vdb
   cutTime:                     2025-01-01T11:58:01.5Z (1m ago)
   freezeWindowMs:              84
   cutId:                       3
@@ -494,6 +513,37 @@ Events:
   1m    Normal   Cut      cut 3: 3 snapshots, frozen 84 ms
 ";
         assert_eq!(text, expected);
+    }
+
+    #[test]
+    fn frozen_mount_points_show_none_for_an_empty_list_and_quote_odd_paths() {
+        let mut snap = disk_snapshot();
+        snap["status"]["frozenMountPoints"] = json!([]);
+        let text = render(Kind::VirtualDiskSnapshot, &snap, Ok(&[]), now());
+        assert!(
+            text.contains("\n  frozenMountPoints:           <none>\n"),
+            "{text}"
+        );
+        snap["status"]["frozenMountPoints"] = json!(["/", "/a, /b", "/x\nphase: Fake", ""]);
+        let text = render(Kind::VirtualDiskSnapshot, &snap, Ok(&[]), now());
+        assert!(
+            text.contains(
+                "\n  frozenMountPoints:           /, \"/a, /b\", \"/x\\nphase: Fake\", \"\"\n"
+            ),
+            "{text}"
+        );
+        let phase_lines = text
+            .lines()
+            .filter(|l| l.trim_start().starts_with("phase:"))
+            .count();
+        assert_eq!(phase_lines, 1, "a mount point added a line: {text}");
+        // Not frozen (offline cut): no line at all.
+        snap["status"]
+            .as_object_mut()
+            .expect("status")
+            .remove("frozenMountPoints");
+        let text = render(Kind::VirtualDiskSnapshot, &snap, Ok(&[]), now());
+        assert!(!text.contains("frozenMountPoints"), "{text}");
     }
 
     #[test]
