@@ -537,7 +537,10 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     let (s, still_running, out) = runner;
     assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
     assert_eq!(s["status"]["consistent"], true, "{s:#}");
-    assert!(still_running, "the cut finished only after the program: it waited behind it");
+    assert!(
+        still_running,
+        "the cut finished only after the program: it waited behind it"
+    );
     assert_eq!(out["stdout"], "slept\n", "{out}");
 
     // A freeze that cannot finish within the deadline: thawed, not consistent.

@@ -1,0 +1,92 @@
+//! Which actor cuts a disk, and whether online or offline, is decided when
+//! the cut starts, not when the snapshot is requested: a disk that a VM
+//! starts using in between is cut under a freeze, never "offline" while
+//! QEMU writes to it. Checked from the guest's own fsfreeze hook and from
+//! the process table.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::{Value, json};
+
+fn apply(d: &Daemon, items: Vec<Value>) {
+    let (status, v) = d.request("POST", "/v1/apply", Some(&json!({"items": items})));
+    assert_eq!(status, 200, "apply: {v}");
+}
+
+/// When the process started, as a wall-clock time (from `/proc/PID/stat`
+/// and the boot time in `/proc/stat`).
+fn process_start(pid: u32) -> chrono::DateTime<chrono::Utc> {
+    let ticks = start_ticks(pid).expect("start ticks");
+    let btime: i64 = std::fs::read_to_string("/proc/stat")
+        .expect("/proc/stat")
+        .lines()
+        .find_map(|l| l.strip_prefix("btime ")?.trim().parse().ok())
+        .expect("btime");
+    // USER_HZ is 100 on Linux/x86_64.
+    chrono::DateTime::from_timestamp(btime, 0).expect("time")
+        + chrono::Duration::milliseconds(ticks as i64 * 10)
+}
+
+#[test]
+fn a_disk_a_vm_starts_using_meanwhile_is_cut_under_a_freeze_never_offline() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let m = manifest(&d, "disk.yaml", &overlay_disk_yaml("late-data"));
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    wait_until("late-data Ready", Duration::from_secs(30), || {
+        d.get_disk("late-data")
+            .is_some_and(|v| v["status"]["phase"] == "Ready")
+    });
+
+    // Requested while no VM uses the disk, then at once a VM that does.
+    apply(
+        &d,
+        vec![
+            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
+            "metadata": {"name": "s-late"},
+            "spec": {"virtualDiskName": "late-data", "requiredConsistency": true}}),
+        ],
+    );
+    let m = manifest(
+        &d,
+        "late.yaml",
+        &vm_yaml("late", "AlwaysOn", &["late-data"], ""),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let snap = loop {
+        let (_, v) = d.request("GET", "/v1/virtualdisksnapshots/s-late", None);
+        if matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed")) {
+            break v;
+        }
+        assert!(std::time::Instant::now() < deadline, "{v:#}\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
+    assert_eq!(snap["status"]["consistent"], true, "{snap:#}");
+
+    // Consistent without a freeze is only true if no QEMU had the disk yet
+    // when the cut was taken.
+    let pids = d.qemu_pids();
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    let (freezes, thaws) = hook_counts(&d, "late");
+    if freezes == 0 {
+        let cut: chrono::DateTime<chrono::Utc> = snap["status"]["cutTime"]
+            .as_str()
+            .expect("cutTime")
+            .parse()
+            .expect("time");
+        let started = process_start(pids[0]);
+        assert!(
+            cut < started,
+            "cut offline at {cut} while QEMU (started {started}) had the disk: {snap:#}"
+        );
+    } else {
+        assert_eq!((freezes, thaws), (1, 1), "one freeze, thawed");
+    }
+    println!("cut with {freezes} freeze(s) in the guest");
+}
