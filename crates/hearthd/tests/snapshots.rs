@@ -189,10 +189,11 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
         &d,
         "vm.yaml",
         &format!(
-            "{}---\n{}---\n{}",
+            "{}---\n{}---\n{}---\n{}",
             overlay_disk_yaml("data-a"),
             overlay_disk_yaml("data-b"),
-            vm_yaml("app", "AlwaysOn", &["data-a", "data-b"], "")
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: data-c\nspec:\n  size: 16Mi\n  source:\n    blank: {}\n",
+            vm_yaml("app", "AlwaysOn", &["data-a", "data-b", "data-c"], "")
         ),
     );
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
@@ -207,6 +208,28 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     assert_eq!(s["status"]["consistent"], true, "{s:#}");
     assert!(s["status"]["freezeWindowMs"].as_u64().is_some(), "{s:#}");
     assert_eq!(freeze_status(&d, "app"), "thawed");
+    // Which of the guest's filesystems were frozen on the disk: exactly
+    // those the guest itself has mounted from its first disk.
+    let mounts = exec(&d, "app", "cat /proc/mounts");
+    let on = |dev: &str| -> Vec<Value> {
+        let mut v: Vec<String> = mounts["stdout"]
+            .as_str()
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| {
+                let mut f = l.split_whitespace();
+                (f.next() == Some(dev)).then(|| f.next().unwrap_or_default().to_string())
+            })
+            .collect();
+        v.sort();
+        v.into_iter().map(Value::from).collect()
+    };
+    assert!(!on("/dev/vda").is_empty(), "{mounts}");
+    assert_eq!(
+        s["status"]["frozenMountPoints"],
+        Value::Array(on("/dev/vda")),
+        "{s:#}"
+    );
 
     apply(&d, vec![restored_disk("restored-a", "s-a")]);
     wait_disk_ready(&d, "restored-a");
@@ -278,7 +301,28 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
         .as_array()
         .cloned()
         .unwrap_or_default();
-    assert_eq!(children.len(), 2, "{vm_snap:#}");
+    assert_eq!(children.len(), 3, "{vm_snap:#}");
+    // The second disk's filesystems; the blank third disk has none, and its
+    // snapshot says that the freeze did not cover it.
+    let b = get(&d, "virtualdisksnapshots", "b-b0").expect("b-b0");
+    assert_eq!(
+        b["status"]["frozenMountPoints"],
+        Value::Array(on("/dev/vdb")),
+        "{b:#}"
+    );
+    let c_name = children
+        .iter()
+        .filter_map(Value::as_str)
+        .find(|c| {
+            get(&d, "virtualdisksnapshots", c)
+                .is_some_and(|v| v["spec"]["virtualDiskName"] == "data-c")
+        })
+        .expect("data-c's snapshot")
+        .to_string();
+    let c = get(&d, "virtualdisksnapshots", &c_name).expect("c");
+    assert_eq!(c["status"]["consistent"], true, "{c:#}");
+    assert_eq!(c["status"]["frozenMountPoints"], json!([]), "{c:#}");
+    assert_eq!(c["status"]["reason"], "NoFilesystemFrozen", "{c:#}");
     let child_cuts: BTreeSet<u64> = children
         .iter()
         .map(|c| get(&d, "virtualdisksnapshots", c.as_str().unwrap_or_default()).expect("child")["status"]["cutId"].as_u64().expect("cut"))
@@ -369,7 +413,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
         d.cli_ok(&["delete", "snapshot", s]);
     }
     d.cli_ok(&["delete", "vmsnapshot", "b-vm"]);
-    for disk in ["data-a", "data-b", "restored-a"] {
+    for disk in ["data-a", "data-b", "data-c", "restored-a"] {
         d.cli_ok(&["delete", "disk", disk]);
     }
     wait_until("all layers removed", Duration::from_secs(60), || {

@@ -23,6 +23,7 @@ use super::storage::{self, Layer};
 use crate::engine::Engine;
 use crate::store::{Store, StoreError};
 use crate::vm::live::LiveVm;
+use hearth_qemu::fsmap::MountMap;
 
 /// How long a cut waits for a just-started guest's agent before giving up.
 const AGENT_WAIT: Duration = Duration::from_secs(20);
@@ -120,6 +121,9 @@ struct CutContext {
     prepared: Vec<Prepared>,
     guards: Vec<tokio::sync::OwnedMutexGuard<()>>,
     freeze_started: Option<chrono::DateTime<Utc>>,
+    /// Which of the guest's filesystems lie on which disk (live cuts with an
+    /// agent), read before the freeze; the error when the agent could not say.
+    mounts: Option<Result<MountMap, String>>,
 }
 
 struct Prepared {
@@ -767,6 +771,12 @@ async fn prepare(
             {
                 overlays::settle(&engine.store, Some(live), &left).await;
             }
+            if live
+                .agent_connected
+                .load(std::sync::atomic::Ordering::SeqCst)
+            {
+                ctx.mounts = Some(filesystems_by_disk(live).await);
+            }
             match Graph::read(live).await {
                 Ok(g) => Some(g),
                 Err(e) => return disks.iter().map(|d| (d.clone(), e.clone())).collect(),
@@ -787,6 +797,27 @@ async fn prepare(
         }
     }
     failed
+}
+
+/// The guest's filesystems by disk, from `guest-get-fsinfo`, matched to
+/// the running QEMU's devices by serial, else by PCI address.
+async fn filesystems_by_disk(live: &LiveVm) -> Result<MountMap, String> {
+    let fsinfo = with_agent(live, QMP_TIMEOUT, async |c, t| c.get_fsinfo(t).await)
+        .await
+        .map_err(|f| format!("guest-get-fsinfo: {f}"))?;
+    let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
+    let pci = hearth_qemu::fsmap::disk_pci_addresses(qmp, QMP_TIMEOUT)
+        .await
+        .map_err(|e| format!("query-pci: {e}"))?;
+    let serials: Vec<String> = live
+        .record
+        .disk_names
+        .iter()
+        .map(|d| hearth_qemu::cmdline::disk_serial(d))
+        .collect();
+    Ok(hearth_qemu::fsmap::map_mount_points(
+        &fsinfo, &serials, &pci,
+    ))
 }
 
 async fn prepare_disk(
@@ -993,6 +1024,42 @@ async fn discard(engine: &Arc<Engine>, target: &str, ctx: &mut CutContext, cut: 
     }
 }
 
+/// The mount points frozen on a cut disk, and a reason when the freeze
+/// cannot be shown to cover it. Every filesystem of the guest is frozen; this
+/// says which of them lie on the disk.
+fn frozen_on(
+    ctx: &CutContext,
+    prepared: Option<&&Prepared>,
+) -> (Option<Vec<String>>, Option<(&'static str, String)>) {
+    let (Some(p), Some(mounts)) = (prepared, &ctx.mounts) else {
+        return (None, None);
+    };
+    let Some(index) = p.device else {
+        return (None, None);
+    };
+    match mounts {
+        Err(e) => (
+            None,
+            Some((
+                "FilesystemsUnknown",
+                format!(
+                    "every filesystem of the guest was frozen, but the guest agent could not say which lie on this disk ({e})"
+                ),
+            )),
+        ),
+        Ok(m) => {
+            let on_disk = m.by_disk.get(index).cloned().unwrap_or_default();
+            let why = on_disk.is_empty().then(|| {
+                (
+                    "NoFilesystemFrozen",
+                    "no mounted filesystem of the guest lies on this disk, so the freeze did not cover it: it holds what the guest had written to the device at the cut".to_string(),
+                )
+            });
+            (Some(on_disk), why)
+        }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn commit(
     engine: &Arc<Engine>,
@@ -1054,6 +1121,12 @@ async fn commit(
                             if *consistent {
                                 s.reason = None;
                                 s.message = None;
+                                let frozen = frozen_on(ctx, layer);
+                                if let Some((reason, message)) = &frozen.1 {
+                                    s.reason = Some(reason.to_string());
+                                    s.message = Some(message.clone());
+                                }
+                                s.frozen_mount_points = frozen.0;
                             } else {
                                 s.reason = Some("NotConsistent".into());
                                 s.message = why_not_consistent.clone();
