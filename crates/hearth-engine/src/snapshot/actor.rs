@@ -178,16 +178,16 @@ async fn run(engine: Weak<Engine>, target: String, mut rx: mpsc::UnboundedReceiv
     };
     drop(e);
     let mut queue: VecDeque<Command> = first.into();
-    let mut ctx = CutContext::default();
+    let mut held = CutContext::default();
     loop {
         while let Some(cmd) = queue.pop_front() {
             let Some(e) = engine.upgrade() else { return };
-            let input = execute(&e, &target, &mut ctx, &core, cmd, now).await;
+            let input = execute(&e, &target, &mut held, &core, cmd, now).await;
             if let Some(input) = input {
                 let committed = matches!(input, Input::Committed { ok: true, .. });
                 queue.extend(core.handle(input));
                 if committed && core.is_idle() {
-                    ctx = CutContext::default();
+                    held = CutContext::default();
                 }
             }
         }
@@ -247,7 +247,7 @@ async fn run(engine: Weak<Engine>, target: String, mut rx: mpsc::UnboundedReceiv
                         now: now(),
                     });
                     if !out.is_empty() {
-                        ctx = CutContext {
+                        held = CutContext {
                             live,
                             guards,
                             ..CutContext::default()
@@ -529,14 +529,14 @@ fn vm_event(engine: &Engine, target: &str, type_: EventType, reason: &str, messa
 async fn execute(
     engine: &Arc<Engine>,
     target: &str,
-    ctx: &mut CutContext,
+    held: &mut CutContext,
     core: &Coordinator,
     cmd: Command,
     now: impl Fn() -> Millis,
 ) -> Option<Input> {
     match cmd {
         Command::Prepare { cut, disks } => {
-            let failed = prepare(engine, target, ctx, cut, &disks).await;
+            let failed = prepare(engine, target, held, cut, &disks).await;
             let names: Vec<String> = core
                 .cut_requests()
                 .iter()
@@ -584,7 +584,7 @@ async fn execute(
             })
         }
         Command::Freeze { cut, timeout } => {
-            ctx.freeze_started = Some(Utc::now());
+            held.freeze_started = Some(Utc::now());
             vm_event(
                 engine,
                 target,
@@ -600,7 +600,7 @@ async fn execute(
                         .join(", ")
                 ),
             );
-            let result = match &ctx.live {
+            let result = match &held.live {
                 Some(live) => {
                     with_agent(live, Duration::from_millis(timeout), async |c, t| {
                         c.fsfreeze_freeze(t).await
@@ -616,7 +616,7 @@ async fn execute(
             })
         }
         Command::QueryFreeze { cut, timeout } => {
-            let result = match &ctx.live {
+            let result = match &held.live {
                 Some(live) => with_agent(live, Duration::from_millis(timeout), async |c, t| {
                     c.fsfreeze_status(t).await
                 })
@@ -631,7 +631,7 @@ async fn execute(
             })
         }
         Command::Transact { cut, timeout } => {
-            let result = transact(ctx, Duration::from_millis(timeout)).await;
+            let result = transact(held, Duration::from_millis(timeout)).await;
             Some(Input::Transacted {
                 cut,
                 result,
@@ -639,7 +639,7 @@ async fn execute(
             })
         }
         Command::Observe { cut } => {
-            let applied = observe(ctx).await;
+            let applied = observe(held).await;
             vm_event(
                 engine,
                 target,
@@ -665,7 +665,7 @@ async fn execute(
             timeout,
             only_if_frozen,
         } => {
-            let live = match &ctx.live {
+            let live = match &held.live {
                 Some(l) => Some(l.clone()),
                 None => live_of(engine, target).await,
             };
@@ -714,7 +714,7 @@ async fn execute(
             })
         }
         Command::Discard { cut } => {
-            discard(engine, target, ctx, cut).await;
+            discard(engine, target, held, cut).await;
             None
         }
         Command::Commit {
@@ -728,7 +728,7 @@ async fn execute(
             let ok = commit(
                 engine,
                 target,
-                ctx,
+                held,
                 core,
                 cut,
                 &outcomes,
@@ -754,7 +754,7 @@ async fn execute(
 async fn prepare(
     engine: &Arc<Engine>,
     target: &str,
-    ctx: &mut CutContext,
+    held: &mut CutContext,
     cut: CutId,
     disks: &[String],
 ) -> Vec<(String, String)> {
@@ -764,7 +764,7 @@ async fn prepare(
     }
     // Overlays an earlier cut left unsettled are settled first: a disk's
     // head must be known before another layer goes on top of it.
-    let graph = match &ctx.live {
+    let graph = match &held.live {
         Some(live) => {
             if let Ok(left) = overlays::of_target(&engine.store, target)
                 && !left.is_empty()
@@ -775,7 +775,7 @@ async fn prepare(
                 .agent_connected
                 .load(std::sync::atomic::Ordering::SeqCst)
             {
-                ctx.mounts = Some(filesystems_by_disk(live).await);
+                held.mounts = Some(filesystems_by_disk(live).await);
             }
             match Graph::read(live).await {
                 Ok(g) => Some(g),
@@ -791,8 +791,8 @@ async fn prepare(
     };
     let mut failed = Vec::new();
     for disk in disks {
-        match prepare_disk(engine, target, ctx, graph.as_ref(), cut, disk).await {
-            Ok(p) => ctx.prepared.push(p),
+        match prepare_disk(engine, target, held, graph.as_ref(), cut, disk).await {
+            Ok(p) => held.prepared.push(p),
             Err(why) => failed.push((disk.clone(), why)),
         }
     }
@@ -823,7 +823,7 @@ async fn filesystems_by_disk(live: &LiveVm) -> Result<MountMap, String> {
 async fn prepare_disk(
     engine: &Arc<Engine>,
     target: &str,
-    ctx: &CutContext,
+    held: &CutContext,
     graph: Option<&Graph>,
     cut: CutId,
     disk: &str,
@@ -842,7 +842,7 @@ async fn prepare_disk(
         .map_err(|e| e.to_string())?
         .ok_or_else(|| format!("VirtualDisk {disk:?} has no image yet"))?;
     let new = storage::allocate(&engine.store, state_dir, disk).map_err(|e| e.to_string())?;
-    let (Some(graph), Some(live)) = (graph, &ctx.live) else {
+    let (Some(graph), Some(live)) = (graph, &held.live) else {
         // Offline: the overlay is recorded, then created; the store switches
         // the head at commit.
         let overlay = Overlay {
@@ -940,11 +940,11 @@ async fn prepare_disk(
 /// One atomic QMP transaction over every disk of the cut. Offline, the
 /// switch happens in the store at commit. An error QEMU answered means it
 /// did not run; no answer means nobody knows yet.
-async fn transact(ctx: &CutContext, timeout: Duration) -> TxResult {
-    let Some(live) = &ctx.live else {
+async fn transact(held: &CutContext, timeout: Duration) -> TxResult {
+    let Some(live) = &held.live else {
         return TxResult::Applied;
     };
-    let actions: Vec<Value> = ctx
+    let actions: Vec<Value> = held
         .prepared
         .iter()
         .filter_map(|p| match (&p.top_node, &p.overlay.node) {
@@ -974,11 +974,11 @@ async fn transact(ctx: &CutContext, timeout: Duration) -> TxResult {
 /// Did the transaction run? Read from QEMU's block graph: each device's top
 /// node is the overlay (ran) or not (did not). A transaction is atomic, so
 /// a mix, or no answer, is unknown.
-async fn observe(ctx: &CutContext) -> Option<bool> {
-    let live = ctx.live.as_ref()?;
+async fn observe(held: &CutContext) -> Option<bool> {
+    let live = held.live.as_ref()?;
     let graph = Graph::read(live).await.ok()?;
     let mut seen = BTreeSet::new();
-    for p in &ctx.prepared {
+    for p in &held.prepared {
         if let (Some(i), Some(node)) = (p.device, &p.overlay.node) {
             seen.insert(graph.top_node(i) == Some(node.as_str()));
         }
@@ -992,8 +992,8 @@ async fn observe(ctx: &CutContext) -> Option<bool> {
 
 /// The cut did not happen (as far as hearth could prove): settle its
 /// overlays by what QEMU really uses.
-async fn discard(engine: &Arc<Engine>, target: &str, ctx: &mut CutContext, cut: CutId) {
-    let overlays: Vec<Overlay> = ctx.prepared.drain(..).map(|p| p.overlay).collect();
+async fn discard(engine: &Arc<Engine>, target: &str, held: &mut CutContext, cut: CutId) {
+    let overlays: Vec<Overlay> = held.prepared.drain(..).map(|p| p.overlay).collect();
     // Also those recorded before a failure stopped `prepare`.
     let recorded = overlays::of_target(&engine.store, target).unwrap_or_default();
     let mut all = overlays;
@@ -1003,7 +1003,7 @@ async fn discard(engine: &Arc<Engine>, target: &str, ctx: &mut CutContext, cut: 
         }
     }
     // A QEMU that exited during the cut uses nothing any more.
-    let live = ctx
+    let live = held
         .live
         .as_deref()
         .filter(|l| hearth_qemu::process::is_alive(&l.record.process));
@@ -1028,10 +1028,10 @@ async fn discard(engine: &Arc<Engine>, target: &str, ctx: &mut CutContext, cut: 
 /// cannot be shown to cover it. Every filesystem of the guest is frozen; this
 /// says which of them lie on the disk.
 fn frozen_on(
-    ctx: &CutContext,
+    held: &CutContext,
     prepared: Option<&&Prepared>,
 ) -> (Option<Vec<String>>, Option<(&'static str, String)>) {
-    let (Some(p), Some(mounts)) = (prepared, &ctx.mounts) else {
+    let (Some(p), Some(mounts)) = (prepared, &held.mounts) else {
         return (None, None);
     };
     let Some(index) = p.device else {
@@ -1064,7 +1064,7 @@ fn frozen_on(
 async fn commit(
     engine: &Arc<Engine>,
     target: &str,
-    ctx: &mut CutContext,
+    held: &mut CutContext,
     core: &Coordinator,
     cut: CutId,
     outcomes: &[(String, Outcome)],
@@ -1078,9 +1078,9 @@ async fn commit(
         .iter()
         .map(|r| (r.snapshot.clone(), r.disk.clone()))
         .collect();
-    let cut_time = ctx.freeze_started.unwrap_or_else(Utc::now);
+    let cut_time = held.freeze_started.unwrap_or_else(Utc::now);
     let prepared: HashMap<String, &Prepared> =
-        ctx.prepared.iter().map(|p| (p.disk.clone(), p)).collect();
+        held.prepared.iter().map(|p| (p.disk.clone(), p)).collect();
     // Results, new heads and the intent: one store transaction.
     let r = engine.store.with_tx(|tx| {
         if took_cut {
@@ -1121,7 +1121,7 @@ async fn commit(
                             if *consistent {
                                 s.reason = None;
                                 s.message = None;
-                                let frozen = frozen_on(ctx, layer);
+                                let frozen = frozen_on(held, layer);
                                 if let Some((reason, message)) = &frozen.1 {
                                     s.reason = Some(reason.to_string());
                                     s.message = Some(message.clone());
@@ -1221,7 +1221,7 @@ async fn commit(
             engine.wake(Kind::VirtualMachineSnapshot, s.object.name());
         }
     }
-    ctx.prepared.clear();
-    ctx.guards.clear();
+    held.prepared.clear();
+    held.guards.clear();
     true
 }
