@@ -10,17 +10,17 @@ use hearth_api::{
 };
 use hearth_qemu::img;
 
-use crate::engine::{Engine, ReconcileError};
+use crate::context::{Context, ReconcileError};
 use crate::snapshot::storage;
 
-pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), ReconcileError> {
-    let Some(stored) = engine.store.get(Kind::VirtualDisk, name)? else {
+pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+    let Some(stored) = ctx.store.get(Kind::VirtualDisk, name)? else {
         return Ok(());
     };
     let Object::VirtualDisk(disk) = &stored.object else {
         return Ok(());
     };
-    let users = engine.vms_using_disk(name)?;
+    let users = ctx.vms_using_disk(name)?;
 
     if stored.deleting {
         if let Some(vm) = users.first() {
@@ -31,15 +31,15 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
         }
         // Never while a snapshot cut of the disk runs: the cut holds this
         // lock until its results are recorded.
-        let _ops = engine.ops_lock(&format!("disk/{name}")).lock_owned().await;
-        crate::snapshot::overlays::settle_offline(&engine.store, &[name.to_string()])
+        let _ops = ctx.ops_lock(&format!("disk/{name}")).lock_owned().await;
+        crate::snapshot::overlays::settle_offline(&ctx.store, &[name.to_string()])
             .await
             .map_err(ReconcileError::Failed)?;
         // Snapshots of the disk keep the layers they need.
-        storage::drop_head(&engine.store, name)?;
-        let freed = storage::collect_garbage(&engine.store)?;
-        engine.store.remove(Kind::VirtualDisk, name)?;
-        engine.event(
+        storage::drop_head(&ctx.store, name)?;
+        let freed = storage::collect_garbage(&ctx.store)?;
+        ctx.store.remove(Kind::VirtualDisk, name)?;
+        ctx.event(
             Kind::VirtualDisk,
             name,
             EventType::Normal,
@@ -55,13 +55,13 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
     let was_ready = serde_json::from_value::<VirtualDiskStatus>(stored.status.clone())
         .map(|s| s.phase == DiskPhase::Ready)
         .unwrap_or(false);
-    let head = match storage::head(&engine.store, name)? {
+    let head = match storage::head(&ctx.store, name)? {
         Some(h) => h,
         None => {
             if let DiskSource::Snapshot(snap) = &disk.spec.source {
                 // A restore waits for its snapshot to be Ready.
-                if let Some(why) = snapshot_not_ready(engine, snap)? {
-                    engine.set_disk_status(name, |s| {
+                if let Some(why) = snapshot_not_ready(ctx, snap)? {
+                    ctx.set_disk_status(name, |s| {
                         s.phase = if why.1 {
                             DiskPhase::Failed
                         } else {
@@ -72,12 +72,12 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
                     return Ok(());
                 }
             }
-            if let Err(message) = create(engine, name, disk).await {
-                engine.set_disk_status(name, |s| {
+            if let Err(message) = create(ctx, name, disk).await {
+                ctx.set_disk_status(name, |s| {
                     s.phase = DiskPhase::Failed;
                     s.last_error = Some(message.clone());
                 });
-                engine.event(
+                ctx.event(
                     Kind::VirtualDisk,
                     name,
                     EventType::Warning,
@@ -86,10 +86,10 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
                 );
                 return Err(ReconcileError::Failed(message));
             }
-            let head = storage::head(&engine.store, name)?.ok_or_else(|| {
+            let head = storage::head(&ctx.store, name)?.ok_or_else(|| {
                 ReconcileError::Failed("the new disk image was not recorded".into())
             })?;
-            engine.event(
+            ctx.event(
                 Kind::VirtualDisk,
                 name,
                 EventType::Normal,
@@ -104,7 +104,7 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
         ReconcileError::Failed(format!("qemu-img info {}: {e}", head.path.display()))
     })?;
     let attached = users.first().cloned();
-    engine.set_disk_status(name, |s| {
+    ctx.set_disk_status(name, |s| {
         s.phase = DiskPhase::Ready;
         s.path = Some(head.path.clone());
         s.capacity = Some(info.virtual_size);
@@ -116,14 +116,14 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
     if !was_ready {
         // VMs and snapshots waiting for this disk can go on now.
         for vm in users {
-            engine.wake(Kind::VirtualMachine, &vm);
+            ctx.wake(Kind::VirtualMachine, &vm);
         }
-        if let Ok(snaps) = engine.store.list(Kind::VirtualDiskSnapshot) {
+        if let Ok(snaps) = ctx.store.list(Kind::VirtualDiskSnapshot) {
             for s in snaps {
                 if let Object::VirtualDiskSnapshot(snap) = &s.object
                     && snap.spec.virtual_disk_name == name
                 {
-                    engine.wake(Kind::VirtualDiskSnapshot, &snap.metadata.name);
+                    ctx.wake(Kind::VirtualDiskSnapshot, &snap.metadata.name);
                 }
             }
         }
@@ -132,11 +132,8 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
 }
 
 /// Why a snapshot cannot be restored yet; `true` when it never will be.
-fn snapshot_not_ready(
-    engine: &Engine,
-    snap: &str,
-) -> Result<Option<(String, bool)>, ReconcileError> {
-    let Some(s) = engine.store.get(Kind::VirtualDiskSnapshot, snap)? else {
+fn snapshot_not_ready(ctx: &Context, snap: &str) -> Result<Option<(String, bool)>, ReconcileError> {
+    let Some(s) = ctx.store.get(Kind::VirtualDiskSnapshot, snap)? else {
         return Ok(Some((
             format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} does not exist"),
             true,
@@ -156,11 +153,11 @@ fn snapshot_not_ready(
     })
 }
 
-async fn create(engine: &Engine, name: &str, disk: &VirtualDisk) -> Result<(), String> {
-    let state_dir = engine.config.state_dir.clone();
+async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), String> {
+    let state_dir = ctx.config.state_dir.clone();
     let dir = storage::layers_dir(&state_dir);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let new = storage::allocate(&engine.store, &state_dir, name).map_err(|e| e.to_string())?;
+    let new = storage::allocate(&ctx.store, &state_dir, name).map_err(|e| e.to_string())?;
     let size = disk.spec.size.as_ref().map(|q| q.bytes());
     let mut backing_layer = None;
     match &disk.spec.source {
@@ -171,7 +168,7 @@ async fn create(engine: &Engine, name: &str, disk: &VirtualDisk) -> Result<(), S
                 .map_err(|e| format!("cannot create blank disk: {e}"))?;
         }
         DiskSource::Image(base) => {
-            let base = engine
+            let base = ctx
                 .config
                 .confine(base)
                 .map_err(|e| format!("spec.source.image: {e}"))?;
@@ -191,7 +188,7 @@ async fn create(engine: &Engine, name: &str, disk: &VirtualDisk) -> Result<(), S
                 .map_err(|e| format!("cannot create overlay: {e}"))?;
         }
         DiskSource::Snapshot(snap) => {
-            let layer = storage::snapshot_layer(&engine.store, snap)
+            let layer = storage::snapshot_layer(&ctx.store, snap)
                 .map_err(|e| e.to_string())?
                 .ok_or_else(|| {
                     format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} has no layer")
@@ -206,8 +203,7 @@ async fn create(engine: &Engine, name: &str, disk: &VirtualDisk) -> Result<(), S
     }
     // Recorded once the file is complete: a crash before this leaves only an
     // unreferenced file, never a disk pointing at a half-made image.
-    engine
-        .store
+    ctx.store
         .with_tx(|tx| storage::set_head_tx(tx, name, &new, backing_layer.as_deref()))
         .map_err(|e| e.to_string())?;
     Ok(())

@@ -1,21 +1,24 @@
 //! The engine: the one command surface (apply, delete, VM actions) that the
 //! HTTP API and the manifest directory both drive, plus the work queue that
-//! runs reconciles — never two at once for one object.
+//! runs reconciles — never two at once for one object. Reconcilers get the
+//! engine's `Context` (store, config, live VMs, locks, a way to wake), never
+//! the engine itself; their wakes come back to the queue over a channel.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::File;
+use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::Utc;
 use hearth_api::{
     DiskSource, Event, EventType, FieldError, Kind, Object, RunPolicy, VirtualDiskStatus,
-    VirtualMachine, VirtualMachineStatus,
+    VirtualMachine,
 };
 use serde_json::Value;
 
 use crate::config::EngineConfig;
-use crate::runtime::RuntimeRecord;
+use crate::context::{Context, Key};
 use crate::store::{Store, StoreError, StoredObject};
 use crate::vm::live::LiveVm;
 
@@ -30,14 +33,6 @@ pub enum RequestError {
     NotFound(String),
     #[error("{0}")]
     Conflict(String),
-    #[error("store: {0}")]
-    Store(#[from] StoreError),
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum ReconcileError {
-    #[error("{0}")]
-    Failed(String),
     #[error("store: {0}")]
     Store(#[from] StoreError),
 }
@@ -80,23 +75,25 @@ pub enum VmAction {
     Restart,
 }
 
-type Key = (Kind, String);
-
 pub struct Engine {
-    pub config: EngineConfig,
-    pub store: Store,
-    live: Mutex<HashMap<String, Arc<LiveVm>>>,
+    /// What the reconcilers get: store, config, live VMs, operations locks,
+    /// snapshot actors, and a sender whose wakes land in `queue`.
+    ctx: Arc<Context>,
     /// Keys with a running worker; `true` means "changed while running: go again".
     queue: Mutex<HashMap<Key, bool>>,
     failures: Mutex<HashMap<Key, u32>>,
     /// Serialises apply/delete so their checks and writes are one step.
     writes: Mutex<()>,
-    /// Per VM or disk: held while a VM starts or stops and for a whole
-    /// snapshot cut, so the two never interleave.
-    ops_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-    /// The freeze coordinators, one per VM (or unattached disk).
-    pub snapshots: crate::snapshot::Actors,
     _lock: File,
+}
+
+/// The API-facing commands read the store, the config and the live VMs
+/// through the context, as the reconcilers do.
+impl Deref for Engine {
+    type Target = Context;
+    fn deref(&self) -> &Context {
+        &self.ctx
+    }
 }
 
 impl Engine {
@@ -120,16 +117,22 @@ impl Engine {
             .map_err(|_| StartError::Locked(config.state_dir.clone()))?;
         let db = config.database_path();
         let store = Store::open(&db).map_err(|source| StartError::Store { path: db, source })?;
+        let (wakes, mut woken) = tokio::sync::mpsc::unbounded_channel::<Key>();
         let engine = Arc::new(Engine {
-            config,
-            store,
-            live: Mutex::new(HashMap::new()),
+            ctx: Arc::new(Context::new(config, store, wakes)),
             queue: Mutex::new(HashMap::new()),
             failures: Mutex::new(HashMap::new()),
             writes: Mutex::new(()),
-            ops_locks: Mutex::new(HashMap::new()),
-            snapshots: crate::snapshot::Actors::default(),
             _lock: lock,
+        });
+        // Wakes sent by reconcilers, live VMs and snapshot actors go through
+        // the same queue as the commands' own.
+        let weak = Arc::downgrade(&engine);
+        tokio::spawn(async move {
+            while let Some((kind, name)) = woken.recv().await {
+                let Some(engine) = weak.upgrade() else { return };
+                engine.wake(kind, &name);
+            }
         });
 
         // Adopt what a previous daemon started: connect to the QEMU processes
@@ -137,7 +140,7 @@ impl Engine {
         if let Ok(records) = engine.store.runtimes() {
             for r in records {
                 if hearth_qemu::process::is_alive(&r.process) {
-                    engine.ensure_live(&r).await;
+                    engine.ctx.ensure_live(&r).await;
                     engine.event(
                         Kind::VirtualMachine,
                         &r.vm,
@@ -154,8 +157,8 @@ impl Engine {
         // Launches a crashed daemon spawned but never recorded: their QEMUs
         // are found from the process table and adopted or stopped, before
         // any reconcile could start a second one.
-        for r in crate::vm::launches::settle_all(&engine).await {
-            engine.ensure_live(&r).await;
+        for r in crate::vm::launches::settle_all(&engine.ctx).await {
+            engine.ctx.ensure_live(&r).await;
         }
         match crate::snapshot::storage::sweep_orphans(&engine.store, &engine.config.state_dir) {
             Ok(removed) if !removed.is_empty() => {
@@ -169,7 +172,7 @@ impl Engine {
         }
         engine.wake_all();
         // Guests a crashed daemon left frozen are thawed right away.
-        engine.snapshots.resume_all(&engine);
+        engine.snapshots.resume_all(&engine.ctx);
         let weak = Arc::downgrade(&engine);
         let interval = engine.config.resync_interval;
         tokio::spawn(async move {
@@ -207,22 +210,6 @@ impl Engine {
     pub fn console_path(&self, name: &str) -> Result<std::path::PathBuf, RequestError> {
         self.get(Kind::VirtualMachine, name)?;
         Ok(self.config.serial_log(name))
-    }
-
-    pub fn vms_using_disk(&self, disk: &str) -> Result<Vec<String>, StoreError> {
-        Ok(self
-            .store
-            .list(Kind::VirtualMachine)?
-            .into_iter()
-            .filter_map(|s| match s.object {
-                Object::VirtualMachine(vm)
-                    if vm.spec.disks.iter().any(|d| d.virtual_disk_name == disk) =>
-                {
-                    Some(vm.metadata.name)
-                }
-                _ => None,
-            })
-            .collect())
     }
 
     // ------------------------------------------------------------ commands
@@ -701,110 +688,6 @@ impl Engine {
         Ok(())
     }
 
-    // ------------------------------------------------------------ status & events
-
-    pub fn event(&self, kind: Kind, name: &str, type_: EventType, reason: &str, message: &str) {
-        tracing::info!(kind = kind.as_str(), name, reason, "{message}");
-        if let Err(e) = self.store.record_event(kind, name, type_, reason, message) {
-            tracing::warn!(error = %e, "cannot record event");
-        }
-    }
-
-    pub fn set_vm_status(&self, name: &str, f: impl FnOnce(&mut VirtualMachineStatus)) {
-        if let Err(e) = self.store.update_status(Kind::VirtualMachine, name, f) {
-            tracing::warn!(vm = name, error = %e, "cannot write status");
-        }
-    }
-
-    pub fn set_snapshot_status(
-        &self,
-        kind: Kind,
-        name: &str,
-        f: impl FnOnce(&mut hearth_api::SnapshotStatus),
-    ) {
-        if let Err(e) = self.store.update_status(kind, name, f) {
-            tracing::warn!(snapshot = name, error = %e, "cannot write status");
-        }
-    }
-
-    /// The operations lock of `vm/NAME` or `disk/NAME`.
-    pub fn ops_lock(&self, target: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.ops_locks
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(target.to_string())
-            .or_default()
-            .clone()
-    }
-
-    /// Takes the operations locks of a VM and of each of its disks, in a
-    /// fixed order (VM first, disks sorted), for a start or a stop.
-    pub async fn lock_vm_ops(&self, vm: &VirtualMachine) -> Vec<tokio::sync::OwnedMutexGuard<()>> {
-        let mut guards = vec![
-            self.ops_lock(&format!("vm/{}", vm.metadata.name))
-                .lock_owned()
-                .await,
-        ];
-        let mut disks: Vec<&str> = vm
-            .spec
-            .disks
-            .iter()
-            .map(|d| d.virtual_disk_name.as_str())
-            .collect();
-        disks.sort();
-        for d in disks {
-            guards.push(self.ops_lock(&format!("disk/{d}")).lock_owned().await);
-        }
-        guards
-    }
-
-    pub fn set_disk_status(&self, name: &str, f: impl FnOnce(&mut VirtualDiskStatus)) {
-        if let Err(e) = self.store.update_status(Kind::VirtualDisk, name, f) {
-            tracing::warn!(disk = name, error = %e, "cannot write status");
-        }
-    }
-
-    // ------------------------------------------------------------ live VMs
-
-    /// The live handle of a recorded running process, attaching if needed.
-    pub async fn ensure_live(self: &Arc<Self>, record: &RuntimeRecord) -> Arc<LiveVm> {
-        if let Some(l) = self.live_get(&record.vm)
-            && l.record.process == record.process
-        {
-            return l;
-        }
-        let live = Arc::new(LiveVm::attach(self, record.clone()).await);
-        self.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(record.vm.clone(), live.clone());
-        live
-    }
-
-    pub fn live_get(&self, vm: &str) -> Option<Arc<LiveVm>> {
-        self.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(vm)
-            .cloned()
-    }
-
-    pub fn take_live(&self, vm: &str) -> Option<Arc<LiveVm>> {
-        self.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(vm)
-    }
-
-    pub fn drop_live(&self, vm: &str) {
-        self.take_live(vm);
-    }
-
-    pub fn live_agent_connected(&self, vm: &str) -> bool {
-        self.live_get(vm)
-            .is_some_and(|l| l.agent_connected.load(std::sync::atomic::Ordering::SeqCst))
-    }
-
     // ------------------------------------------------------------ guest agent
 
     /// The live handle of a running VM whose spec has a guest agent.
@@ -916,13 +799,13 @@ impl Engine {
     async fn worker(self: Arc<Self>, key: Key) {
         loop {
             let result = match key.0 {
-                Kind::VirtualMachine => crate::vm::reconcile(&self, &key.1).await,
-                Kind::VirtualDisk => crate::disk::reconcile(&self, &key.1).await,
+                Kind::VirtualMachine => crate::vm::reconcile(&self.ctx, &key.1).await,
+                Kind::VirtualDisk => crate::disk::reconcile(&self.ctx, &key.1).await,
                 Kind::VirtualDiskSnapshot => {
-                    crate::snapshot::reconcile_disk_snapshot(&self, &key.1).await
+                    crate::snapshot::reconcile_disk_snapshot(&self.ctx, &key.1).await
                 }
                 Kind::VirtualMachineSnapshot => {
-                    crate::snapshot::reconcile_vm_snapshot(&self, &key.1).await
+                    crate::snapshot::reconcile_vm_snapshot(&self.ctx, &key.1).await
                 }
             };
             match result {

@@ -1,7 +1,12 @@
 //! hearth's engine: the store, the reconcilers and the supervision of running
 //! VMs. The HTTP API and the manifest directory drive it through `Engine`.
+//!
+//! Layers, each calling only the ones below it: `engine` (commands, work
+//! queue) → the reconcilers (`vm`, `disk`, `snapshot`), which see only a
+//! `context::Context` → `store` and `hearth_qemu`.
 
 pub mod config;
+pub mod context;
 pub mod disk;
 pub mod engine;
 pub mod manifest;

@@ -20,7 +20,7 @@ use super::coordinator::{
 };
 use super::overlays::{self, Graph, Overlay, Settled};
 use super::storage::{self, Layer};
-use crate::engine::Engine;
+use crate::context::Context;
 use crate::store::{Store, StoreError};
 use crate::vm::live::LiveVm;
 use hearth_qemu::fsmap::MountMap;
@@ -48,7 +48,7 @@ pub struct Actors {
 impl Actors {
     /// Hands requests to the target's actor, starting it if needed. Requests
     /// sent together are always served by the same cut.
-    pub fn request(&self, engine: &Arc<Engine>, target: &str, requests: Vec<Request>) {
+    pub fn request(&self, ctx: &Arc<Context>, target: &str, requests: Vec<Request>) {
         let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(tx) = map.get(target)
             && tx.send(Msg::Requests(requests.clone())).is_ok()
@@ -58,15 +58,15 @@ impl Actors {
         let (tx, rx) = mpsc::unbounded_channel();
         let _ = tx.send(Msg::Requests(requests));
         map.insert(target.to_string(), tx);
-        let weak = Arc::downgrade(engine);
+        let weak = Arc::downgrade(ctx);
         let target = target.to_string();
         tokio::spawn(async move { run(weak, target, rx).await });
     }
 
     /// Starts the actor of every target that has unsettled work in the store
     /// (after a daemon restart), so frozen guests are thawed right away.
-    pub fn resume_all(&self, engine: &Arc<Engine>) {
-        let mut targets: Vec<String> = engine
+    pub fn resume_all(&self, ctx: &Arc<Context>) {
+        let mut targets: Vec<String> = ctx
             .store
             .with_tx(|tx| {
                 let mut stmt = tx.prepare("SELECT target FROM freeze_intents")?;
@@ -74,7 +74,7 @@ impl Actors {
                 Ok(rows.filter_map(Result::ok).collect::<Vec<_>>())
             })
             .unwrap_or_default();
-        if let Ok(snaps) = engine.store.list(Kind::VirtualDiskSnapshot) {
+        if let Ok(snaps) = ctx.store.list(Kind::VirtualDiskSnapshot) {
             for s in snaps {
                 if let Object::VirtualDiskSnapshot(snap) = &s.object {
                     let status: SnapshotStatus =
@@ -82,7 +82,7 @@ impl Actors {
                     if matches!(
                         status.phase,
                         SnapshotPhase::Pending | SnapshotPhase::InProgress
-                    ) && let Ok(t) = target_of(engine, &snap.spec.virtual_disk_name)
+                    ) && let Ok(t) = target_of(ctx, &snap.spec.virtual_disk_name)
                     {
                         targets.push(t);
                     }
@@ -92,7 +92,7 @@ impl Actors {
         targets.sort();
         targets.dedup();
         for t in targets {
-            self.request(engine, &t, Vec::new());
+            self.request(ctx, &t, Vec::new());
         }
     }
 }
@@ -100,15 +100,15 @@ impl Actors {
 /// The actor that serves snapshots of `disk`: the VM whose running QEMU has
 /// it (what the process was started with, whatever the spec says now), else
 /// the VM whose spec lists it, else its own when no VM uses it.
-pub fn target_of(engine: &Engine, disk: &str) -> Result<String, StoreError> {
-    for record in engine.store.runtimes()? {
+pub fn target_of(ctx: &Context, disk: &str) -> Result<String, StoreError> {
+    for record in ctx.store.runtimes()? {
         if record.disk_names.iter().any(|d| d == disk)
             && hearth_qemu::process::is_alive(&record.process)
         {
             return Ok(format!("vm/{}", record.vm));
         }
     }
-    Ok(match engine.vms_using_disk(disk)?.first() {
+    Ok(match ctx.vms_using_disk(disk)?.first() {
         Some(vm) => format!("vm/{vm}"),
         None => format!("disk/{disk}"),
     })
@@ -141,31 +141,31 @@ struct Prepared {
 /// the same order as a VM start or stop (VM first, disks sorted), so a VM
 /// cannot start, stop or be restored, and a disk cannot be deleted or cut by
 /// another actor, while a cut runs.
-async fn lock_target(engine: &Engine, target: &str) -> Vec<tokio::sync::OwnedMutexGuard<()>> {
-    let mut guards = vec![engine.ops_lock(target).lock_owned().await];
+async fn lock_target(ctx: &Context, target: &str) -> Vec<tokio::sync::OwnedMutexGuard<()>> {
+    let mut guards = vec![ctx.ops_lock(target).lock_owned().await];
     if let Some(vm) = target.strip_prefix("vm/") {
         let mut disks: Vec<String> = Vec::new();
-        if let Ok(Some(s)) = engine.store.get(Kind::VirtualMachine, vm)
+        if let Ok(Some(s)) = ctx.store.get(Kind::VirtualMachine, vm)
             && let Object::VirtualMachine(v) = &s.object
         {
             disks.extend(v.spec.disks.iter().map(|d| d.virtual_disk_name.clone()));
         }
-        if let Ok(Some(r)) = engine.store.runtime(vm) {
+        if let Ok(Some(r)) = ctx.store.runtime(vm) {
             disks.extend(r.disk_names);
         }
         disks.sort();
         disks.dedup();
         for d in disks {
-            guards.push(engine.ops_lock(&format!("disk/{d}")).lock_owned().await);
+            guards.push(ctx.ops_lock(&format!("disk/{d}")).lock_owned().await);
         }
     }
     guards
 }
 
-async fn run(engine: Weak<Engine>, target: String, mut rx: mpsc::UnboundedReceiver<Msg>) {
+async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver<Msg>) {
     let epoch = Instant::now();
     let now = || epoch.elapsed().as_millis() as Millis;
-    let Some(e) = engine.upgrade() else { return };
+    let Some(e) = ctx.upgrade() else { return };
     let (mut core, first) = {
         let _guards = lock_target(&e, &target).await;
         match recover(&e, &target).await {
@@ -181,7 +181,7 @@ async fn run(engine: Weak<Engine>, target: String, mut rx: mpsc::UnboundedReceiv
     let mut held = CutContext::default();
     loop {
         while let Some(cmd) = queue.pop_front() {
-            let Some(e) = engine.upgrade() else { return };
+            let Some(e) = ctx.upgrade() else { return };
             let input = execute(&e, &target, &mut held, &core, cmd, now).await;
             if let Some(input) = input {
                 let committed = matches!(input, Input::Committed { ok: true, .. });
@@ -228,7 +228,7 @@ async fn run(engine: Weak<Engine>, target: String, mut rx: mpsc::UnboundedReceiv
             }
         }
         if core.is_idle() && (core.has_pending() || core.needs_thaw()) {
-            let Some(e) = engine.upgrade() else { return };
+            let Some(e) = ctx.upgrade() else { return };
             // A thaw retry holds no lock: stop, start and restore never wait
             // behind a guest agent that does not answer.
             let guards = if core.has_pending() {
@@ -290,10 +290,10 @@ async fn run(engine: Weak<Engine>, target: String, mut rx: mpsc::UnboundedReceiv
 /// started with it, or stopped and no longer lists it) to that actor, so
 /// online or offline is decided when the cut starts, by the one actor that
 /// may cut the disk.
-fn forward_elsewhere(engine: &Arc<Engine>, target: &str, core: &mut Coordinator) {
+fn forward_elsewhere(ctx: &Arc<Context>, target: &str, core: &mut Coordinator) {
     let mut moved: HashMap<String, Vec<Request>> = HashMap::new();
     for r in core.take_pending() {
-        match target_of(engine, &r.disk) {
+        match target_of(ctx, &r.disk) {
             Ok(t) if t != target => moved.entry(t).or_default().push(r),
             _ => {
                 core.handle(Input::Requested(r));
@@ -302,7 +302,7 @@ fn forward_elsewhere(engine: &Arc<Engine>, target: &str, core: &mut Coordinator)
     }
     for (t, rs) in moved {
         tracing::info!(from = target, to = %t, n = rs.len(), "snapshot requests move to the actor now serving their disk");
-        engine.snapshots.request(engine, &t, rs);
+        ctx.snapshots.request(ctx, &t, rs);
     }
 }
 
@@ -310,15 +310,15 @@ fn forward_elsewhere(engine: &Arc<Engine>, target: &str, core: &mut Coordinator)
 /// of a cut the previous daemon did not finish, and the overlays it made,
 /// settled against what QEMU really uses.
 async fn recover(
-    engine: &Arc<Engine>,
+    ctx: &Arc<Context>,
     target: &str,
 ) -> Result<(Coordinator, Vec<Command>), StoreError> {
-    let overlays = overlays::of_target(&engine.store, target)?;
+    let overlays = overlays::of_target(&ctx.store, target)?;
     if !overlays.is_empty() {
-        let live = live_of(engine, target).await;
-        for (o, s) in overlays::settle(&engine.store, live.as_deref(), &overlays).await {
+        let live = live_of(ctx, target).await;
+        for (o, s) in overlays::settle(&ctx.store, live.as_deref(), &overlays).await {
             vm_event(
-                engine,
+                ctx,
                 target,
                 EventType::Normal,
                 "OverlaySettled",
@@ -335,9 +335,9 @@ async fn recover(
             );
         }
     }
-    let deadline_ms = deadline_of(engine, target);
+    let deadline_ms = deadline_of(ctx, target);
     let mut pending = Vec::new();
-    for s in engine.store.list(Kind::VirtualDiskSnapshot)? {
+    for s in ctx.store.list(Kind::VirtualDiskSnapshot)? {
         let Object::VirtualDiskSnapshot(snap) = &s.object else {
             continue;
         };
@@ -348,12 +348,12 @@ async fn recover(
         ) {
             continue;
         }
-        if target_of(engine, &snap.spec.virtual_disk_name)? != target {
+        if target_of(ctx, &snap.spec.virtual_disk_name)? != target {
             continue;
         }
         pending.push(request_of(snap));
     }
-    let intent: Option<(CutId, Vec<Request>)> = engine.store.with_tx(|tx| {
+    let intent: Option<(CutId, Vec<Request>)> = ctx.store.with_tx(|tx| {
         let row: Option<(i64, String)> = rusqlite::OptionalExtension::optional(tx.query_row(
             "SELECT cut, requests FROM freeze_intents WHERE target = ?1",
             params![target],
@@ -372,7 +372,7 @@ async fn recover(
     if let Some((cut, _)) = &intent
         && let Some(vm) = target.strip_prefix("vm/")
     {
-        engine.event(
+        ctx.event(
                 Kind::VirtualMachine,
                 vm,
                 EventType::Warning,
@@ -387,12 +387,12 @@ async fn recover(
 }
 
 /// The VM's `spec.freezeDeadlineSeconds`, in ms (10 s when there is no VM).
-fn deadline_of(engine: &Engine, target: &str) -> Millis {
+fn deadline_of(ctx: &Context, target: &str) -> Millis {
     let default = 10_000;
     let Some(vm) = target.strip_prefix("vm/") else {
         return default;
     };
-    match engine.store.get(Kind::VirtualMachine, vm) {
+    match ctx.store.get(Kind::VirtualMachine, vm) {
         Ok(Some(s)) => match &s.object {
             Object::VirtualMachine(v) => u64::from(v.spec.freeze_deadline_seconds) * 1000,
             _ => default,
@@ -411,21 +411,21 @@ pub fn request_of(snap: &VirtualDiskSnapshot) -> Request {
 
 /// How the target can be reached right now. Called with the target's
 /// operations lock held, so the VM cannot start or stop meanwhile.
-async fn access(engine: &Arc<Engine>, target: &str) -> (Access, Option<Arc<LiveVm>>) {
+async fn access(ctx: &Arc<Context>, target: &str) -> (Access, Option<Arc<LiveVm>>) {
     let Some(vm) = target.strip_prefix("vm/") else {
         return (Access::Offline, None);
     };
-    let Ok(Some(stored)) = engine.store.get(Kind::VirtualMachine, vm) else {
+    let Ok(Some(stored)) = ctx.store.get(Kind::VirtualMachine, vm) else {
         return (Access::Offline, None);
     };
     let Object::VirtualMachine(spec) = &stored.object else {
         return (Access::Offline, None);
     };
-    let record = match engine.store.runtime(vm) {
+    let record = match ctx.store.runtime(vm) {
         Ok(Some(r)) if hearth_qemu::process::is_alive(&r.process) => r,
         _ => return (Access::Offline, None),
     };
-    let live = engine.ensure_live(&record).await;
+    let live = ctx.ensure_live(&record).await;
     if !spec.spec.guest_agent {
         return (
             Access::NoAgent("spec.guestAgent is false".into()),
@@ -506,28 +506,28 @@ async fn with_agent<T>(
 }
 
 /// The live VM of a target, if its process runs.
-async fn live_of(engine: &Arc<Engine>, target: &str) -> Option<Arc<LiveVm>> {
+async fn live_of(ctx: &Arc<Context>, target: &str) -> Option<Arc<LiveVm>> {
     let vm = target.strip_prefix("vm/")?;
-    match engine.store.runtime(vm) {
+    match ctx.store.runtime(vm) {
         Ok(Some(r)) if hearth_qemu::process::is_alive(&r.process) => {
-            Some(engine.ensure_live(&r).await)
+            Some(ctx.ensure_live(&r).await)
         }
         _ => None,
     }
 }
 
-fn vm_event(engine: &Engine, target: &str, type_: EventType, reason: &str, message: &str) {
+fn vm_event(ctx: &Context, target: &str, type_: EventType, reason: &str, message: &str) {
     match target.strip_prefix("vm/") {
-        Some(vm) => engine.event(Kind::VirtualMachine, vm, type_, reason, message),
+        Some(vm) => ctx.event(Kind::VirtualMachine, vm, type_, reason, message),
         None => {
             let disk = target.trim_start_matches("disk/");
-            engine.event(Kind::VirtualDisk, disk, type_, reason, message)
+            ctx.event(Kind::VirtualDisk, disk, type_, reason, message)
         }
     }
 }
 
 async fn execute(
-    engine: &Arc<Engine>,
+    ctx: &Arc<Context>,
     target: &str,
     held: &mut CutContext,
     core: &Coordinator,
@@ -536,7 +536,7 @@ async fn execute(
 ) -> Option<Input> {
     match cmd {
         Command::Prepare { cut, disks } => {
-            let failed = prepare(engine, target, held, cut, &disks).await;
+            let failed = prepare(ctx, target, held, cut, &disks).await;
             let names: Vec<String> = core
                 .cut_requests()
                 .iter()
@@ -544,7 +544,7 @@ async fn execute(
                 .map(|r| r.snapshot.clone())
                 .collect();
             for n in &names {
-                engine.set_snapshot_status(Kind::VirtualDiskSnapshot, n, |s| {
+                ctx.set_snapshot_status(Kind::VirtualDiskSnapshot, n, |s| {
                     s.phase = SnapshotPhase::InProgress;
                     s.cut_id = Some(cut);
                 });
@@ -563,7 +563,7 @@ async fn execute(
                 .collect();
             let left = deadline.saturating_sub(now());
             let wall = Utc::now() + chrono::Duration::milliseconds(left as i64);
-            let result = engine
+            let result = ctx
                 .store
                 .with_tx(|tx| {
                     tx.execute(
@@ -586,7 +586,7 @@ async fn execute(
         Command::Freeze { cut, timeout } => {
             held.freeze_started = Some(Utc::now());
             vm_event(
-                engine,
+                ctx,
                 target,
                 EventType::Normal,
                 "Freezing",
@@ -641,7 +641,7 @@ async fn execute(
         Command::Observe { cut } => {
             let applied = observe(held).await;
             vm_event(
-                engine,
+                ctx,
                 target,
                 EventType::Warning,
                 "TransactionObserved",
@@ -667,7 +667,7 @@ async fn execute(
         } => {
             let live = match &held.live {
                 Some(l) => Some(l.clone()),
-                None => live_of(engine, target).await,
+                None => live_of(ctx, target).await,
             };
             let result = match live {
                 Some(live) => {
@@ -686,21 +686,21 @@ async fn execute(
             };
             match &result {
                 Ok(Some(n)) => vm_event(
-                    engine,
+                    ctx,
                     target,
                     EventType::Normal,
                     "Thawed",
                     &format!("cut {cut}: the guest thawed {n} filesystem(s)"),
                 ),
                 Ok(None) => vm_event(
-                    engine,
+                    ctx,
                     target,
                     EventType::Normal,
                     "NotFrozen",
                     &format!("cut {cut}: the guest is not frozen; nothing to thaw"),
                 ),
                 Err(f) => vm_event(
-                    engine,
+                    ctx,
                     target,
                     EventType::Warning,
                     "ThawFailed",
@@ -714,7 +714,7 @@ async fn execute(
             })
         }
         Command::Discard { cut } => {
-            discard(engine, target, held, cut).await;
+            discard(ctx, target, held, cut).await;
             None
         }
         Command::Commit {
@@ -726,7 +726,7 @@ async fn execute(
             why_not_consistent,
         } => {
             let ok = commit(
-                engine,
+                ctx,
                 target,
                 held,
                 core,
@@ -752,13 +752,13 @@ async fn execute(
 /// store first, then the file, then (live) its QEMU node. Returns the disks
 /// that could not be prepared, with why; the others go on.
 async fn prepare(
-    engine: &Arc<Engine>,
+    ctx: &Arc<Context>,
     target: &str,
     held: &mut CutContext,
     cut: CutId,
     disks: &[String],
 ) -> Vec<(String, String)> {
-    let state_dir = engine.config.state_dir.clone();
+    let state_dir = ctx.config.state_dir.clone();
     if let Err(e) = std::fs::create_dir_all(storage::layers_dir(&state_dir)) {
         return disks.iter().map(|d| (d.clone(), e.to_string())).collect();
     }
@@ -766,10 +766,10 @@ async fn prepare(
     // head must be known before another layer goes on top of it.
     let graph = match &held.live {
         Some(live) => {
-            if let Ok(left) = overlays::of_target(&engine.store, target)
+            if let Ok(left) = overlays::of_target(&ctx.store, target)
                 && !left.is_empty()
             {
-                overlays::settle(&engine.store, Some(live), &left).await;
+                overlays::settle(&ctx.store, Some(live), &left).await;
             }
             if live
                 .agent_connected
@@ -783,7 +783,7 @@ async fn prepare(
             }
         }
         None => {
-            if let Err(e) = overlays::settle_offline(&engine.store, disks).await {
+            if let Err(e) = overlays::settle_offline(&ctx.store, disks).await {
                 return disks.iter().map(|d| (d.clone(), e.clone())).collect();
             }
             None
@@ -791,7 +791,7 @@ async fn prepare(
     };
     let mut failed = Vec::new();
     for disk in disks {
-        match prepare_disk(engine, target, held, graph.as_ref(), cut, disk).await {
+        match prepare_disk(ctx, target, held, graph.as_ref(), cut, disk).await {
             Ok(p) => held.prepared.push(p),
             Err(why) => failed.push((disk.clone(), why)),
         }
@@ -821,15 +821,15 @@ async fn filesystems_by_disk(live: &LiveVm) -> Result<MountMap, String> {
 }
 
 async fn prepare_disk(
-    engine: &Arc<Engine>,
+    ctx: &Arc<Context>,
     target: &str,
     held: &CutContext,
     graph: Option<&Graph>,
     cut: CutId,
     disk: &str,
 ) -> Result<Prepared, String> {
-    let state_dir = &engine.config.state_dir;
-    if overlays::of_disk(&engine.store, disk)
+    let state_dir = &ctx.config.state_dir;
+    if overlays::of_disk(&ctx.store, disk)
         .map_err(|e| e.to_string())?
         .iter()
         .any(|o| o.cut != cut)
@@ -838,10 +838,10 @@ async fn prepare_disk(
             "an earlier cut's overlay of VirtualDisk {disk:?} is not settled yet"
         ));
     }
-    let head = storage::head(&engine.store, disk)
+    let head = storage::head(&ctx.store, disk)
         .map_err(|e| e.to_string())?
         .ok_or_else(|| format!("VirtualDisk {disk:?} has no image yet"))?;
-    let new = storage::allocate(&engine.store, state_dir, disk).map_err(|e| e.to_string())?;
+    let new = storage::allocate(&ctx.store, state_dir, disk).map_err(|e| e.to_string())?;
     let (Some(graph), Some(live)) = (graph, &held.live) else {
         // Offline: the overlay is recorded, then created; the store switches
         // the head at commit.
@@ -854,7 +854,7 @@ async fn prepare_disk(
             node: None,
             base: head.id.clone(),
         };
-        overlays::record(&engine.store, &overlay).map_err(|e| e.to_string())?;
+        overlays::record(&ctx.store, &overlay).map_err(|e| e.to_string())?;
         let info = hearth_qemu::img::info(&head.path)
             .await
             .map_err(|e| e.to_string())?;
@@ -910,7 +910,7 @@ async fn prepare_disk(
         node: Some(node.clone()),
         base: head.id.clone(),
     };
-    overlays::record(&engine.store, &overlay).map_err(|e| e.to_string())?;
+    overlays::record(&ctx.store, &overlay).map_err(|e| e.to_string())?;
     hearth_qemu::img::create_overlay_unopened(&new.path, &head.path, "qcow2", capacity)
         .await
         .map_err(|e| format!("creating the overlay for {disk:?}: {e}"))?;
@@ -992,10 +992,10 @@ async fn observe(held: &CutContext) -> Option<bool> {
 
 /// The cut did not happen (as far as hearth could prove): settle its
 /// overlays by what QEMU really uses.
-async fn discard(engine: &Arc<Engine>, target: &str, held: &mut CutContext, cut: CutId) {
+async fn discard(ctx: &Arc<Context>, target: &str, held: &mut CutContext, cut: CutId) {
     let overlays: Vec<Overlay> = held.prepared.drain(..).map(|p| p.overlay).collect();
     // Also those recorded before a failure stopped `prepare`.
-    let recorded = overlays::of_target(&engine.store, target).unwrap_or_default();
+    let recorded = overlays::of_target(&ctx.store, target).unwrap_or_default();
     let mut all = overlays;
     for o in recorded {
         if o.cut == cut && !all.iter().any(|a| a.disk == o.disk) {
@@ -1007,11 +1007,11 @@ async fn discard(engine: &Arc<Engine>, target: &str, held: &mut CutContext, cut:
         .live
         .as_deref()
         .filter(|l| hearth_qemu::process::is_alive(&l.record.process));
-    let settled = overlays::settle(&engine.store, live, &all).await;
+    let settled = overlays::settle(&ctx.store, live, &all).await;
     for (o, s) in settled {
         if s == Settled::Adopted {
             vm_event(
-                engine,
+                ctx,
                 target,
                 EventType::Warning,
                 "OverlayAdopted",
@@ -1062,7 +1062,7 @@ fn frozen_on(
 
 #[allow(clippy::too_many_arguments)]
 async fn commit(
-    engine: &Arc<Engine>,
+    ctx: &Arc<Context>,
     target: &str,
     held: &mut CutContext,
     core: &Coordinator,
@@ -1082,7 +1082,7 @@ async fn commit(
     let prepared: HashMap<String, &Prepared> =
         held.prepared.iter().map(|p| (p.disk.clone(), p)).collect();
     // Results, new heads and the intent: one store transaction.
-    let r = engine.store.with_tx(|tx| {
+    let r = ctx.store.with_tx(|tx| {
         if took_cut {
             // QEMU answered that it switched every disk: the overlays are
             // the heads now (and their journal records go).
@@ -1166,7 +1166,7 @@ async fn commit(
             (outcome, disk_of.get(name).and_then(|d| prepared.get(d)))
             && let Ok(info) = hearth_qemu::img::info(&p.old_head.path).await
         {
-            engine.set_snapshot_status(Kind::VirtualDiskSnapshot, name, |s| {
+            ctx.set_snapshot_status(Kind::VirtualDiskSnapshot, name, |s| {
                 s.size = Some(info.actual_size)
             });
         }
@@ -1181,7 +1181,7 @@ async fn commit(
         .count();
     if !outcomes.is_empty() {
         vm_event(
-            engine,
+            ctx,
             target,
             if failed > 0 {
                 EventType::Warning
@@ -1212,13 +1212,13 @@ async fn commit(
                 "hearthd restarted during the cut; taking it again".to_string(),
             ),
         };
-        engine.event(Kind::VirtualDiskSnapshot, name, t, reason, &msg);
-        engine.wake(Kind::VirtualDiskSnapshot, name);
+        ctx.event(Kind::VirtualDiskSnapshot, name, t, reason, &msg);
+        ctx.wake(Kind::VirtualDiskSnapshot, name);
     }
     // VM snapshots aggregate their disk snapshots.
-    if let Ok(vmsnaps) = engine.store.list(Kind::VirtualMachineSnapshot) {
+    if let Ok(vmsnaps) = ctx.store.list(Kind::VirtualMachineSnapshot) {
         for s in vmsnaps {
-            engine.wake(Kind::VirtualMachineSnapshot, s.object.name());
+            ctx.wake(Kind::VirtualMachineSnapshot, s.object.name());
         }
     }
     held.prepared.clear();

@@ -12,18 +12,15 @@ use rusqlite::params;
 
 use super::actor::{request_of, target_of};
 use super::storage;
-use crate::engine::{Engine, ReconcileError};
+use crate::context::{Context, ReconcileError};
 use crate::store::Store;
 
 fn status_of(v: &serde_json::Value) -> SnapshotStatus {
     serde_json::from_value(v.clone()).unwrap_or_default()
 }
 
-pub async fn reconcile_disk_snapshot(
-    engine: &Arc<Engine>,
-    name: &str,
-) -> Result<(), ReconcileError> {
-    let Some(stored) = engine.store.get(Kind::VirtualDiskSnapshot, name)? else {
+pub async fn reconcile_disk_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+    let Some(stored) = ctx.store.get(Kind::VirtualDiskSnapshot, name)? else {
         return Ok(());
     };
     let Object::VirtualDiskSnapshot(snap) = &stored.object else {
@@ -35,14 +32,14 @@ pub async fn reconcile_disk_snapshot(
             // Its cut is running: show it, and let the cut's commit wake us.
             // Deleting right away would be safe too (the commit skips objects
             // that are gone), this only keeps the story readable.
-            engine.set_snapshot_status(Kind::VirtualDiskSnapshot, name, |s| {
+            ctx.set_snapshot_status(Kind::VirtualDiskSnapshot, name, |s| {
                 s.phase = SnapshotPhase::Terminating
             });
             return Ok(());
         }
         // The object and its layer reference go together, so a cut committing
         // at the same moment either sees both or neither.
-        engine.store.with_tx(|tx| {
+        ctx.store.with_tx(|tx| {
             tx.execute(
                 "DELETE FROM snapshot_layers WHERE snapshot = ?1",
                 params![name],
@@ -53,8 +50,8 @@ pub async fn reconcile_disk_snapshot(
             )?;
             Ok(())
         })?;
-        let freed = storage::collect_garbage(&engine.store)?;
-        engine.event(
+        let freed = storage::collect_garbage(&ctx.store)?;
+        ctx.event(
             Kind::VirtualDiskSnapshot,
             name,
             EventType::Normal,
@@ -65,7 +62,7 @@ pub async fn reconcile_disk_snapshot(
             ),
         );
         if let Some(parent) = &status.virtual_machine_snapshot_name {
-            engine.wake(Kind::VirtualMachineSnapshot, parent);
+            ctx.wake(Kind::VirtualMachineSnapshot, parent);
         }
         return Ok(());
     }
@@ -73,9 +70,9 @@ pub async fn reconcile_disk_snapshot(
         return Ok(());
     }
     let disk = &snap.spec.virtual_disk_name;
-    let Some(disk_obj) = engine.store.get(Kind::VirtualDisk, disk)? else {
+    let Some(disk_obj) = ctx.store.get(Kind::VirtualDisk, disk)? else {
         fail(
-            engine,
+            ctx,
             Kind::VirtualDiskSnapshot,
             name,
             "DiskNotFound",
@@ -85,7 +82,7 @@ pub async fn reconcile_disk_snapshot(
     };
     if disk_obj.deleting {
         fail(
-            engine,
+            ctx,
             Kind::VirtualDiskSnapshot,
             name,
             "DiskDeleting",
@@ -93,7 +90,7 @@ pub async fn reconcile_disk_snapshot(
         );
         return Ok(());
     }
-    if storage::head(&engine.store, disk)?.is_none() {
+    if storage::head(&ctx.store, disk)?.is_none() {
         // The disk's image is not made yet; its reconcile wakes us.
         return Ok(());
     }
@@ -101,25 +98,23 @@ pub async fn reconcile_disk_snapshot(
         // Requested together with its siblings by the VM snapshot.
         return Ok(());
     }
-    let target = target_of(engine, disk)?;
-    engine
-        .snapshots
-        .request(engine, &target, vec![request_of(snap)]);
+    let target = target_of(ctx, disk)?;
+    ctx.snapshots.request(ctx, &target, vec![request_of(snap)]);
     Ok(())
 }
 
 /// A snapshot of either kind that can never be taken, with the reason.
-fn fail(engine: &Engine, kind: Kind, name: &str, reason: &str, message: &str) {
-    engine.set_snapshot_status(kind, name, |s| {
+fn fail(ctx: &Context, kind: Kind, name: &str, reason: &str, message: &str) {
+    ctx.set_snapshot_status(kind, name, |s| {
         s.phase = SnapshotPhase::Failed;
         s.reason = Some(reason.into());
         s.message = Some(message.into());
     });
-    engine.event(kind, name, EventType::Warning, reason, message);
+    ctx.event(kind, name, EventType::Warning, reason, message);
 }
 
-pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(), ReconcileError> {
-    let Some(stored) = engine.store.get(Kind::VirtualMachineSnapshot, name)? else {
+pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+    let Some(stored) = ctx.store.get(Kind::VirtualMachineSnapshot, name)? else {
         return Ok(());
     };
     let Object::VirtualMachineSnapshot(vmsnap) = &stored.object else {
@@ -127,27 +122,21 @@ pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(
     };
     let status = status_of(&stored.status);
     let fail_vm = |reason: &str, message: &str| {
-        fail(engine, Kind::VirtualMachineSnapshot, name, reason, message)
+        fail(ctx, Kind::VirtualMachineSnapshot, name, reason, message)
     };
 
     if stored.deleting {
         let mut left = 0;
         for child in &status.virtual_disk_snapshot_names {
-            if engine
-                .store
-                .get(Kind::VirtualDiskSnapshot, child)?
-                .is_some()
-            {
+            if ctx.store.get(Kind::VirtualDiskSnapshot, child)?.is_some() {
                 left += 1;
-                engine
-                    .store
-                    .mark_deleting(Kind::VirtualDiskSnapshot, child)?;
-                engine.wake(Kind::VirtualDiskSnapshot, child);
+                ctx.store.mark_deleting(Kind::VirtualDiskSnapshot, child)?;
+                ctx.wake(Kind::VirtualDiskSnapshot, child);
             }
         }
         if left == 0 {
-            engine.store.remove(Kind::VirtualMachineSnapshot, name)?;
-            engine.event(
+            ctx.store.remove(Kind::VirtualMachineSnapshot, name)?;
+            ctx.event(
                 Kind::VirtualMachineSnapshot,
                 name,
                 EventType::Normal,
@@ -161,7 +150,7 @@ pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(
     match status.phase {
         SnapshotPhase::Pending => {
             let vm_name = &vmsnap.spec.virtual_machine_name;
-            let Some(vm) = engine.store.get(Kind::VirtualMachine, vm_name)? else {
+            let Some(vm) = ctx.store.get(Kind::VirtualMachine, vm_name)? else {
                 fail_vm(
                     "VirtualMachineNotFound",
                     &format!("VirtualMachine {vm_name:?} does not exist"),
@@ -188,11 +177,7 @@ pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(
                     );
                     return Ok(());
                 }
-                if engine
-                    .store
-                    .get(Kind::VirtualDiskSnapshot, &child)?
-                    .is_some()
-                {
+                if ctx.store.get(Kind::VirtualDiskSnapshot, &child)?.is_some() {
                     fail_vm(
                         "NameTaken",
                         &format!("a VirtualDiskSnapshot named {child:?} already exists"),
@@ -218,7 +203,7 @@ pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(
             let names: Vec<String> = children.iter().map(|c| c.metadata.name.clone()).collect();
             // Children and the parent's status in one transaction: a crash
             // leaves either no children or all of them, each Pending.
-            engine.store.with_tx(|tx| {
+            ctx.store.with_tx(|tx| {
                 for c in &children {
                     let body = serde_json::to_string(&Object::VirtualDiskSnapshot(c.clone()))?;
                     let status = SnapshotStatus {
@@ -246,7 +231,7 @@ pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(
                 )?;
                 Ok(())
             })?;
-            engine.event(
+            ctx.event(
                 Kind::VirtualMachineSnapshot,
                 name,
                 EventType::Normal,
@@ -254,14 +239,13 @@ pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(
                 &format!("disk snapshots {} requested in one cut", names.join(", ")),
             );
             let requests = children.iter().map(request_of).collect();
-            engine
-                .snapshots
-                .request(engine, &format!("vm/{vm_name}"), requests);
+            ctx.snapshots
+                .request(ctx, &format!("vm/{vm_name}"), requests);
         }
         SnapshotPhase::InProgress => {
             let mut children = Vec::new();
             for c in &status.virtual_disk_snapshot_names {
-                match engine.store.get(Kind::VirtualDiskSnapshot, c)? {
+                match ctx.store.get(Kind::VirtualDiskSnapshot, c)? {
                     Some(s) => {
                         if let Object::VirtualDiskSnapshot(snap) = &s.object {
                             children.push((request_of(snap), status_of(&s.status)));
@@ -284,7 +268,7 @@ pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(
             if !open.is_empty() {
                 // Idempotent: the actor ignores requests it already has.
                 let target = format!("vm/{}", vmsnap.spec.virtual_machine_name);
-                engine.snapshots.request(engine, &target, open);
+                ctx.snapshots.request(ctx, &target, open);
                 return Ok(());
             }
             if children.iter().any(|(_, s)| !s.phase.is_final()) {
@@ -298,7 +282,7 @@ pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(
             let first = children.first().map(|(_, s)| s.clone()).unwrap_or_default();
             let consistent = children.iter().all(|(_, s)| s.consistent == Some(true));
             let size: u64 = children.iter().filter_map(|(_, s)| s.size).sum();
-            engine.set_snapshot_status(Kind::VirtualMachineSnapshot, name, |s| {
+            ctx.set_snapshot_status(Kind::VirtualMachineSnapshot, name, |s| {
                 if failed.is_empty() {
                     s.phase = SnapshotPhase::Ready;
                     s.consistent = Some(consistent);
@@ -312,7 +296,7 @@ pub async fn reconcile_vm_snapshot(engine: &Arc<Engine>, name: &str) -> Result<(
                 s.freeze_window_ms = first.freeze_window_ms;
                 s.size = Some(size);
             });
-            engine.event(
+            ctx.event(
                 Kind::VirtualMachineSnapshot,
                 name,
                 if failed.is_empty() {

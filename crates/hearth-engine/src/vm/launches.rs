@@ -12,7 +12,7 @@ use hearth_qemu::ProcessIdentity;
 use hearth_qemu::process;
 use hearth_qemu::qmp::QmpClient;
 
-use crate::engine::Engine;
+use crate::context::Context;
 use crate::runtime::{LaunchMarker, RuntimeRecord};
 
 /// How long an orphaned QEMU may take to finish starting before it is stopped
@@ -38,8 +38,8 @@ pub fn crash_after_spawn_hook(id: &ProcessIdentity) {
 
 /// Settles every leftover launch (at start-up, before any reconcile runs).
 /// Returns the records of the QEMUs it adopted.
-pub async fn settle_all(engine: &Arc<Engine>) -> Vec<RuntimeRecord> {
-    let markers = match engine.store.launches(None) {
+pub async fn settle_all(ctx: &Arc<Context>) -> Vec<RuntimeRecord> {
+    let markers = match ctx.store.launches(None) {
         Ok(m) => m,
         Err(e) => {
             tracing::warn!(error = %e, "cannot read launch markers");
@@ -48,7 +48,7 @@ pub async fn settle_all(engine: &Arc<Engine>) -> Vec<RuntimeRecord> {
     };
     let mut adopted = Vec::new();
     for marker in markers {
-        match settle(engine, &marker).await {
+        match settle(ctx, &marker).await {
             Ok(Some(record)) => adopted.push(record),
             Ok(None) => {}
             Err(e) => tracing::warn!(vm = marker.vm, launch = marker.id, error = %e,
@@ -61,10 +61,10 @@ pub async fn settle_all(engine: &Arc<Engine>) -> Vec<RuntimeRecord> {
 /// Settles the leftover launches of one VM; called before launching it.
 /// `Some` when a QEMU was adopted (then it must not be launched again).
 /// An error leaves the marker, and so blocks the launch.
-pub async fn settle_vm(engine: &Arc<Engine>, vm: &str) -> Result<Option<RuntimeRecord>, String> {
+pub async fn settle_vm(ctx: &Arc<Context>, vm: &str) -> Result<Option<RuntimeRecord>, String> {
     let mut adopted = None;
-    for marker in engine.store.launches(Some(vm)).map_err(|e| e.to_string())? {
-        if let Some(record) = settle(engine, &marker).await? {
+    for marker in ctx.store.launches(Some(vm)).map_err(|e| e.to_string())? {
+        if let Some(record) = settle(ctx, &marker).await? {
             adopted = Some(record);
         }
     }
@@ -84,12 +84,12 @@ pub fn find(marker: &LaunchMarker) -> Option<ProcessIdentity> {
 /// finishes starting while no other is recorded for its (existing) VM →
 /// adopt it; anything else → stop it, then drop the marker.
 async fn settle(
-    engine: &Arc<Engine>,
+    ctx: &Arc<Context>,
     marker: &LaunchMarker,
 ) -> Result<Option<RuntimeRecord>, String> {
     let store_err = |e: crate::store::StoreError| e.to_string();
     let Some(id) = find(marker) else {
-        engine.store.drop_launch(marker.id).map_err(store_err)?;
+        ctx.store.drop_launch(marker.id).map_err(store_err)?;
         tracing::info!(
             vm = marker.vm,
             launch = marker.id,
@@ -98,8 +98,8 @@ async fn settle(
         return Ok(None);
     };
     let vm = marker.vm.as_str();
-    let recorded = engine.store.runtime(vm).map_err(store_err)?;
-    let exists = engine
+    let recorded = ctx.store.runtime(vm).map_err(store_err)?;
+    let exists = ctx
         .store
         .get(Kind::VirtualMachine, vm)
         .map_err(store_err)?
@@ -110,11 +110,10 @@ async fn settle(
             started_at: marker.created_at,
             ..marker.record.clone()
         };
-        engine
-            .store
+        ctx.store
             .record_launch(marker.id, &record)
             .map_err(store_err)?;
-        engine.set_vm_status(vm, |s| {
+        ctx.set_vm_status(vm, |s| {
             s.phase = VmPhase::Running;
             s.pid = Some(id.pid);
             s.accelerator = Some(record.accel.as_str().to_string());
@@ -122,7 +121,7 @@ async fn settle(
             s.agent_connected = false;
             s.last_error = None;
         });
-        engine.event(
+        ctx.event(
             Kind::VirtualMachine,
             vm,
             EventType::Normal,
@@ -142,9 +141,9 @@ async fn settle(
         "it did not finish starting"
     };
     stop(&marker.record.qmp_socket, &id).await?;
-    engine.store.drop_launch(marker.id).map_err(store_err)?;
+    ctx.store.drop_launch(marker.id).map_err(store_err)?;
     if exists {
-        engine.event(
+        ctx.event(
             Kind::VirtualMachine,
             vm,
             EventType::Warning,

@@ -15,7 +15,7 @@ use hearth_qemu::qmp::QmpClient;
 use tokio::sync::Mutex;
 use tokio::task::JoinHandle;
 
-use crate::engine::Engine;
+use crate::context::Context;
 use crate::runtime::RuntimeRecord;
 
 const AGENT_SYNC_TIMEOUT: Duration = Duration::from_secs(2);
@@ -72,7 +72,7 @@ impl LiveVm {
 
     /// Connects to a VM's QMP socket and starts watching it: QMP events, the
     /// process's exit, and the guest agent.
-    pub async fn attach(engine: &Arc<Engine>, record: RuntimeRecord) -> LiveVm {
+    pub async fn attach(ctx: &Arc<Context>, record: RuntimeRecord) -> LiveVm {
         let vm = record.vm.clone();
         let qmp = match QmpClient::connect(&record.qmp_socket, QMP_CONNECT_TIMEOUT).await {
             Ok((client, _events)) => Some(client),
@@ -93,13 +93,13 @@ impl LiveVm {
 
         // Process exit: the level-triggered reconcile does the rest.
         {
-            let engine = Arc::downgrade(engine);
+            let ctx = Arc::downgrade(ctx);
             let id = record.process.clone();
             let vm = vm.clone();
             live.tasks.push(tokio::spawn(async move {
                 process::wait_for_exit(&id).await;
-                if let Some(engine) = engine.upgrade() {
-                    engine.wake(Kind::VirtualMachine, &vm);
+                if let Some(ctx) = ctx.upgrade() {
+                    ctx.wake(Kind::VirtualMachine, &vm);
                 }
             }));
         }
@@ -107,7 +107,7 @@ impl LiveVm {
         // QMP events.
         if let Some(qmp) = qmp {
             let mut events = qmp.subscribe();
-            let engine = Arc::downgrade(engine);
+            let ctx = Arc::downgrade(ctx);
             let vm = vm.clone();
             let seen = live.shutdown_seen.clone();
             live.tasks.push(tokio::spawn(async move {
@@ -117,7 +117,7 @@ impl LiveVm {
                         Err(tokio::sync::broadcast::error::RecvError::Lagged(_)) => continue,
                         Err(_) => break,
                     };
-                    let Some(engine) = engine.upgrade() else {
+                    let Some(ctx) = ctx.upgrade() else {
                         break;
                     };
                     match ev.event.as_str() {
@@ -130,7 +130,7 @@ impl LiveVm {
                                 .get("reason")
                                 .and_then(|r| r.as_str())
                                 .unwrap_or("unknown");
-                            engine.event(
+                            ctx.event(
                                 Kind::VirtualMachine,
                                 &vm,
                                 EventType::Normal,
@@ -144,19 +144,19 @@ impl LiveVm {
                         "STOP" | "RESUME" => {}
                         _ => continue,
                     }
-                    engine.wake(Kind::VirtualMachine, &vm);
+                    ctx.wake(Kind::VirtualMachine, &vm);
                 }
             }));
         }
 
         // Guest agent: connect, resync, then ping to keep `agentConnected` true.
         if let Some(path) = record.agent_socket.clone() {
-            let engine = Arc::downgrade(engine);
+            let ctx = Arc::downgrade(ctx);
             let agent = live.agent.clone();
             let connected = live.agent_connected.clone();
             let vm = vm.clone();
             live.tasks.push(tokio::spawn(async move {
-                agent_loop(engine, vm, path, agent, connected).await;
+                agent_loop(ctx, vm, path, agent, connected).await;
             }));
         }
         live
@@ -164,24 +164,23 @@ impl LiveVm {
 }
 
 async fn agent_loop(
-    engine: std::sync::Weak<Engine>,
+    ctx: std::sync::Weak<Context>,
     vm: String,
     path: std::path::PathBuf,
     agent: Arc<Mutex<Option<AgentClient>>>,
     connected: Arc<AtomicBool>,
 ) {
-    let set_connected = |engine: &Arc<Engine>, up: bool, message: &str| {
+    let set_connected = |ctx: &Arc<Context>, up: bool, message: &str| {
         connected.store(up, Ordering::SeqCst);
         let mut was = !up;
         let _ =
-            engine
-                .store
+            ctx.store
                 .update_status::<VirtualMachineStatus, _>(Kind::VirtualMachine, &vm, |s| {
                     was = s.agent_connected;
                     s.agent_connected = up;
                 });
         if was != up {
-            engine.event(
+            ctx.event(
                 Kind::VirtualMachine,
                 &vm,
                 if up {
@@ -235,7 +234,7 @@ async fn agent_loop(
                 })
                 .unwrap_or_else(|| "unknown".into());
             drop(guard);
-            let Some(e) = engine.upgrade() else { return };
+            let Some(e) = ctx.upgrade() else { return };
             set_connected(&e, true, &format!("guest agent answered (qemu-ga {info})"));
         }
         // Keep pinging; any failure drops back to resync.
@@ -250,7 +249,7 @@ async fn agent_loop(
                         *guard = None;
                     }
                     drop(guard);
-                    let Some(eng) = engine.upgrade() else { return };
+                    let Some(eng) = ctx.upgrade() else { return };
                     set_connected(&eng, false, &format!("guest agent stopped answering: {e}"));
                     break;
                 }

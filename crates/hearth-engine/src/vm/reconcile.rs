@@ -17,7 +17,7 @@ use hearth_qemu::process;
 use serde_json::json;
 
 use super::decide::{Disks, Observation, Process, Step, StopReason, decide};
-use crate::engine::{Engine, ReconcileError};
+use crate::context::{Context, ReconcileError};
 use crate::runtime::{LaunchMarker, RuntimeRecord};
 
 const LAUNCH_READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -44,21 +44,21 @@ fn want_running(vm: &VirtualMachine, intent: &crate::store::RunIntent) -> bool {
     }
 }
 
-pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), ReconcileError> {
+pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
     for _ in 0..4 {
-        let Some(stored) = engine.store.get(Kind::VirtualMachine, name)? else {
-            engine.drop_live(name);
+        let Some(stored) = ctx.store.get(Kind::VirtualMachine, name)? else {
+            ctx.drop_live(name);
             return Ok(());
         };
         let Object::VirtualMachine(vm) = &stored.object else {
             return Ok(());
         };
-        let intent = engine.store.intent(name)?;
-        let record = engine.store.runtime(name)?;
+        let intent = ctx.store.intent(name)?;
+        let record = ctx.store.runtime(name)?;
         let process = match &record {
             None => Process::None,
             Some(r) if process::is_alive(&r.process) => {
-                engine.ensure_live(r).await;
+                ctx.ensure_live(r).await;
                 Process::Alive
             }
             Some(_) => Process::Gone,
@@ -73,44 +73,44 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
             restart_requested: record
                 .as_ref()
                 .is_some_and(|r| intent.restart_nonce > r.restart_nonce),
-            disks: disks_ready(engine, vm)?,
+            disks: disks_ready(ctx, vm)?,
         };
         let step = decide(&observation);
         tracing::debug!(vm = name, ?observation, ?step, "reconcile");
         match &step {
             Step::Launch => {
                 // Never while a snapshot cut holds the VM or one of its disks.
-                let _ops = engine.lock_vm_ops(vm).await;
-                if engine.store.runtime(name)?.is_none() {
+                let _ops = ctx.lock_vm_ops(vm).await;
+                if ctx.store.runtime(name)?.is_none() {
                     // A launch a crashed daemon left unrecorded first: its
                     // QEMU is adopted (then nothing is launched) or stopped.
-                    let adopted = super::launches::settle_vm(engine, name)
+                    let adopted = super::launches::settle_vm(ctx, name)
                         .await
                         .map_err(ReconcileError::Failed)?;
                     match adopted {
                         Some(record) => {
-                            engine.ensure_live(&record).await;
+                            ctx.ensure_live(&record).await;
                         }
-                        None => launch(engine, vm, intent.restart_nonce).await?,
+                        None => launch(ctx, vm, intent.restart_nonce).await?,
                     }
                 }
             }
             Step::Stop(reason) => {
                 if let Some(r) = &record {
-                    let _ops = engine.lock_vm_ops(vm).await;
-                    stop(engine, vm, r, *reason).await?;
+                    let _ops = ctx.lock_vm_ops(vm).await;
+                    stop(ctx, vm, r, *reason).await?;
                 }
             }
             Step::Forget => {
                 if let Some(r) = &record {
-                    forget(engine, vm, r)?;
+                    forget(ctx, vm, r)?;
                 }
             }
             Step::Remove => {
-                remove(engine, vm)?;
+                remove(ctx, vm)?;
             }
             Step::WaitForDisks(why) => {
-                engine.set_vm_status(name, |s| {
+                ctx.set_vm_status(name, |s| {
                     s.phase = VmPhase::Pending;
                     set_condition(
                         &mut s.conditions,
@@ -123,9 +123,9 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
                 });
             }
             Step::KeepRunning => {
-                let agent = engine.live_agent_connected(name);
+                let agent = ctx.live_agent_connected(name);
                 let generation = vm.metadata.generation;
-                engine.set_vm_status(name, |s| {
+                ctx.set_vm_status(name, |s| {
                     s.phase = VmPhase::Running;
                     s.agent_connected = agent;
                     s.observed_generation = generation;
@@ -141,7 +141,7 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
             }
             Step::KeepStopped => {
                 let generation = vm.metadata.generation;
-                engine.set_vm_status(name, |s| {
+                ctx.set_vm_status(name, |s| {
                     if s.phase != VmPhase::Failed {
                         s.phase = VmPhase::Stopped;
                     }
@@ -159,10 +159,10 @@ pub async fn reconcile(engine: &Arc<Engine>, name: &str) -> Result<(), Reconcile
     Ok(())
 }
 
-fn disks_ready(engine: &Engine, vm: &VirtualMachine) -> Result<Disks, ReconcileError> {
+fn disks_ready(ctx: &Context, vm: &VirtualMachine) -> Result<Disks, ReconcileError> {
     for d in &vm.spec.disks {
         let name = &d.virtual_disk_name;
-        let Some(disk) = engine.store.get(Kind::VirtualDisk, name)? else {
+        let Some(disk) = ctx.store.get(Kind::VirtualDisk, name)? else {
             return Ok(Disks::Waiting(format!(
                 "VirtualDisk {name:?} does not exist yet"
             )));
@@ -184,22 +184,22 @@ fn disks_ready(engine: &Engine, vm: &VirtualMachine) -> Result<Disks, ReconcileE
 }
 
 async fn launch(
-    engine: &Arc<Engine>,
+    ctx: &Arc<Context>,
     vm: &VirtualMachine,
     restart_nonce: u64,
 ) -> Result<(), ReconcileError> {
     let name = vm.metadata.name.as_str();
-    engine.set_vm_status(name, |s| {
+    ctx.set_vm_status(name, |s| {
         s.phase = VmPhase::Starting;
         s.last_error = None;
     });
-    match try_launch(engine, vm, restart_nonce).await {
+    match try_launch(ctx, vm, restart_nonce).await {
         Ok(record) => {
-            let accel = engine.config.accel.clone();
+            let accel = ctx.config.accel.clone();
             let pid = record.process.pid;
             let started = record.started_at;
             let generation = vm.metadata.generation;
-            engine.set_vm_status(name, |s| {
+            ctx.set_vm_status(name, |s| {
                 s.phase = VmPhase::Running;
                 s.pid = Some(pid);
                 s.accelerator = Some(accel.accel.as_str().to_string());
@@ -209,7 +209,7 @@ async fn launch(
                 s.last_error = None;
                 s.observed_generation = generation;
             });
-            engine.event(
+            ctx.event(
                 Kind::VirtualMachine,
                 name,
                 EventType::Normal,
@@ -219,12 +219,12 @@ async fn launch(
             Ok(())
         }
         Err(message) => {
-            engine.set_vm_status(name, |s| {
+            ctx.set_vm_status(name, |s| {
                 s.phase = VmPhase::Failed;
                 s.pid = None;
                 s.last_error = Some(message.clone());
             });
-            engine.event(
+            ctx.event(
                 Kind::VirtualMachine,
                 name,
                 EventType::Warning,
@@ -237,12 +237,12 @@ async fn launch(
 }
 
 async fn try_launch(
-    engine: &Arc<Engine>,
+    ctx: &Arc<Context>,
     vm: &VirtualMachine,
     restart_nonce: u64,
 ) -> Result<RuntimeRecord, String> {
     let name = vm.metadata.name.as_str();
-    let cfg = &engine.config;
+    let cfg = &ctx.config;
     let kernel = cfg
         .confine(&vm.spec.boot.kernel)
         .map_err(|e| format!("spec.boot.kernel: {e}"))?;
@@ -261,10 +261,10 @@ async fn try_launch(
         .iter()
         .map(|d| d.virtual_disk_name.clone())
         .collect();
-    crate::snapshot::overlays::settle_offline(&engine.store, &disk_names).await?;
+    crate::snapshot::overlays::settle_offline(&ctx.store, &disk_names).await?;
     let mut disks = Vec::new();
     for (i, d) in vm.spec.disks.iter().enumerate() {
-        let stored = engine
+        let stored = ctx
             .store
             .get(Kind::VirtualDisk, &d.virtual_disk_name)
             .map_err(|e| e.to_string())?
@@ -341,7 +341,7 @@ async fn try_launch(
     // to find this QEMU: its pidfile path (which names the launch) is in its
     // command line.
     let store_err = |e: crate::store::StoreError| format!("cannot record the launch: {e}");
-    let launch_id = engine.store.next_counter("launch").map_err(store_err)?;
+    let launch_id = ctx.store.next_counter("launch").map_err(store_err)?;
     let marker = LaunchMarker {
         id: launch_id,
         vm: name.to_string(),
@@ -351,7 +351,7 @@ async fn try_launch(
         created_at: Utc::now(),
         record: record.clone(),
     };
-    engine.store.put_launch(&marker).map_err(store_err)?;
+    ctx.store.put_launch(&marker).map_err(store_err)?;
     let launched = process::launch_with(
         &cfg.qemu_binary,
         &spec,
@@ -371,7 +371,7 @@ async fn try_launch(
                 let _ = super::launches::stop(&marker.record.qmp_socket, &id).await;
             }
             if super::launches::find(&marker).is_none() {
-                let _ = engine.store.drop_launch(launch_id);
+                let _ = ctx.store.drop_launch(launch_id);
             }
             return Err(format!("QEMU did not start: {e}"));
         }
@@ -380,16 +380,16 @@ async fn try_launch(
     record.started_at = Utc::now();
     // The runtime record replaces the marker in one transaction, before
     // anything else happens.
-    if let Err(e) = engine.store.record_launch(launch_id, &record) {
+    if let Err(e) = ctx.store.record_launch(launch_id, &record) {
         let _ = process::signal(&record.process, process::Signal::Kill);
         return Err(format!("cannot record the started process: {e}"));
     }
-    engine.ensure_live(&record).await;
+    ctx.ensure_live(&record).await;
     Ok(record)
 }
 
 async fn stop(
-    engine: &Arc<Engine>,
+    ctx: &Arc<Context>,
     vm: &VirtualMachine,
     record: &RuntimeRecord,
     reason: StopReason,
@@ -401,15 +401,15 @@ async fn stop(
         StopReason::SpecChanged => "its spec changed and needs a restart",
         StopReason::RestartRequested => "a restart was requested",
     };
-    engine.set_vm_status(name, |s| s.phase = VmPhase::Stopping);
-    engine.event(
+    ctx.set_vm_status(name, |s| s.phase = VmPhase::Stopping);
+    ctx.event(
         Kind::VirtualMachine,
         name,
         EventType::Normal,
         "Stopping",
         &format!("stopping: {why}"),
     );
-    let live = engine.ensure_live(record).await;
+    let live = ctx.ensure_live(record).await;
     live.stopping.store(true, Ordering::SeqCst);
     let grace = Duration::from_secs(u64::from(vm.spec.stop_timeout_seconds));
 
@@ -437,7 +437,7 @@ async fn stop(
     }
 
     // Forced: ask QEMU to quit, then kill it.
-    engine.event(
+    ctx.event(
         Kind::VirtualMachine,
         name,
         EventType::Warning,
@@ -471,12 +471,12 @@ async fn stop(
 
 /// The recorded process is gone: say how it ended and drop the record.
 fn forget(
-    engine: &Arc<Engine>,
+    ctx: &Arc<Context>,
     vm: &VirtualMachine,
     record: &RuntimeRecord,
 ) -> Result<(), ReconcileError> {
     let name = vm.metadata.name.as_str();
-    let live = engine.take_live(name);
+    let live = ctx.take_live(name);
     let by_us = live
         .as_ref()
         .is_some_and(|l| l.stopping.load(Ordering::SeqCst));
@@ -484,19 +484,18 @@ fn forget(
         .as_ref()
         .is_some_and(|l| l.shutdown_seen.load(Ordering::SeqCst));
     let manual = vm.spec.run_policy == RunPolicy::Manual;
-    engine.store.clear_runtime(name)?;
+    ctx.store.clear_runtime(name)?;
     if let Some(dir) = record.qmp_socket.parent() {
         let _ = std::fs::remove_dir_all(dir);
     }
     let crashed = !by_us && !shutdown;
     if !by_us && manual {
         // A Manual VM that stopped on its own stays stopped.
-        engine
-            .store
+        ctx.store
             .update_intent(name, |i| i.want_running = Some(false))?;
     }
     let last_error = if crashed {
-        let tail = last_lines(&engine.config.vm_state_dir(name).join("qemu.log"), 5);
+        let tail = last_lines(&ctx.config.vm_state_dir(name).join("qemu.log"), 5);
         Some(if tail.is_empty() {
             "QEMU exited unexpectedly".to_string()
         } else {
@@ -505,7 +504,7 @@ fn forget(
     } else {
         None
     };
-    engine.set_vm_status(name, |s| {
+    ctx.set_vm_status(name, |s| {
         s.phase = if crashed {
             VmPhase::Failed
         } else {
@@ -536,7 +535,7 @@ fn forget(
             last_error.clone().unwrap_or_default(),
         ),
     };
-    engine.event(Kind::VirtualMachine, name, kind, reason, &message);
+    ctx.event(Kind::VirtualMachine, name, kind, reason, &message);
     if crashed && !manual {
         // Restart with backoff rather than in a tight loop.
         return Err(ReconcileError::Failed(message));
@@ -544,13 +543,13 @@ fn forget(
     Ok(())
 }
 
-fn remove(engine: &Arc<Engine>, vm: &VirtualMachine) -> Result<(), ReconcileError> {
+fn remove(ctx: &Arc<Context>, vm: &VirtualMachine) -> Result<(), ReconcileError> {
     let name = vm.metadata.name.as_str();
-    engine.drop_live(name);
-    let _ = std::fs::remove_dir_all(engine.config.vm_run_dir(name));
-    let _ = std::fs::remove_dir_all(engine.config.vm_state_dir(name));
-    engine.store.remove(Kind::VirtualMachine, name)?;
-    engine.event(
+    ctx.drop_live(name);
+    let _ = std::fs::remove_dir_all(ctx.config.vm_run_dir(name));
+    let _ = std::fs::remove_dir_all(ctx.config.vm_state_dir(name));
+    ctx.store.remove(Kind::VirtualMachine, name)?;
+    ctx.event(
         Kind::VirtualMachine,
         name,
         EventType::Normal,
@@ -558,7 +557,7 @@ fn remove(engine: &Arc<Engine>, vm: &VirtualMachine) -> Result<(), ReconcileErro
         "the VirtualMachine and its runtime files are gone",
     );
     for d in &vm.spec.disks {
-        engine.wake(Kind::VirtualDisk, &d.virtual_disk_name);
+        ctx.wake(Kind::VirtualDisk, &d.virtual_disk_name);
     }
     Ok(())
 }
