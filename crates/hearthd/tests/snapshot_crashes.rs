@@ -125,32 +125,8 @@ fn check_restored(d: &Daemon, snap: &str, scratch: &Path) -> usize {
         .status()
         .expect("qemu-img");
     assert!(st.success());
-    let header = Command::new("dumpe2fs")
-        .arg("-h")
-        .arg(&raw)
-        .output()
-        .expect("dumpe2fs");
-    let header = String::from_utf8_lossy(&header.stdout);
-    assert!(
-        !header.contains("needs_recovery"),
-        "{snap} claims consistency but its ext4 has a journal to replay:\n{header}"
-    );
-    let fsck = Command::new("e2fsck")
-        .arg("-fn")
-        .arg(&raw)
-        .output()
-        .expect("e2fsck");
-    assert!(
-        fsck.status.success(),
-        "{snap}: e2fsck -fn failed:\n{}",
-        String::from_utf8_lossy(&fsck.stdout)
-    );
-    let cat = Command::new("debugfs")
-        .args(["-R", "cat /seq"])
-        .arg(&raw)
-        .output()
-        .expect("debugfs");
-    let text = String::from_utf8_lossy(&cat.stdout);
+    assert_clean_ext4(&raw, snap);
+    let text = debugfs_cat(&raw, "/seq");
     let lines: Vec<&str> = text.lines().collect();
     for (i, l) in lines.iter().enumerate() {
         assert_eq!(

@@ -235,37 +235,12 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     wait_disk_ready(&d, "restored-a");
     let raw = scratch.join("restored-a.raw");
     to_raw(&disk_path(&d, "restored-a"), &raw);
-    let fsck = Command::new("e2fsck")
-        .arg("-fn")
-        .arg(&raw)
-        .output()
-        .expect("e2fsck");
-    assert!(
-        fsck.status.success(),
-        "e2fsck: {}",
-        String::from_utf8_lossy(&fsck.stdout)
-    );
-    let header = Command::new("dumpe2fs")
-        .arg("-h")
-        .arg(&raw)
-        .output()
-        .expect("dumpe2fs");
-    let header = String::from_utf8_lossy(&header.stdout);
-    assert!(
-        !header.contains("needs_recovery"),
-        "journal not clean: {header}"
-    );
+    let header = assert_clean_ext4(&raw, "s-a restored");
     assert!(
         header.contains("Filesystem state:         clean"),
         "{header}"
     );
-    let cat = Command::new("debugfs")
-        .arg("-R")
-        .arg("cat /precious.txt")
-        .arg(&raw)
-        .output()
-        .expect("debugfs");
-    assert_eq!(String::from_utf8_lossy(&cat.stdout).trim(), token);
+    assert_eq!(debugfs_cat(&raw, "/precious.txt").trim(), token);
 
     // 2. A batch made in parallel: 5 snapshots of each disk and a VM
     // snapshot. Requests arriving during a cut wait for the next one, so at

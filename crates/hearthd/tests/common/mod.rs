@@ -95,6 +95,12 @@ impl Daemon {
 
     /// Starts hearthd and waits until its API answers.
     pub fn spawn(&mut self) {
+        self.spawn_env(&[]);
+    }
+
+    /// Starts hearthd with extra environment variables and waits until its
+    /// API answers.
+    pub fn spawn_env(&mut self, env: &[(&str, &str)]) {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -121,6 +127,7 @@ impl Daemon {
                     .into_iter()
                     .flatten(),
             )
+            .envs(env.iter().copied())
             .env("HEARTH_LOG", "info,hearth_engine=debug")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
@@ -460,36 +467,6 @@ impl Daemon {
         d
     }
 
-    /// Starts hearthd with extra environment variables and waits until its
-    /// API answers.
-    pub fn spawn_env(&mut self, env: &[(&str, &str)]) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.dir.path().join("hearthd.log"))
-            .expect("log file");
-        let child = Command::new(hearthd_bin())
-            .arg("--state-dir")
-            .arg(self.state_dir())
-            .arg("--run-dir")
-            .arg(self.run_dir())
-            .arg("--image-root")
-            .arg(guest_dir())
-            .arg("--manifests")
-            .arg(self.dir.path().join("manifests"))
-            .envs(env.iter().copied())
-            .env("HEARTH_LOG", "info,hearth_engine=debug")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .expect("spawn hearthd");
-        self.child = Some(child);
-        wait_until("hearthd answers", Duration::from_secs(60), || {
-            matches!(self.try_request("GET", "/v1/health", None), Ok((200, _)))
-        });
-    }
-
     /// Waits for hearthd to exit by itself and returns how it ended.
     pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
         let deadline = Instant::now() + timeout;
@@ -521,4 +498,42 @@ impl Daemon {
             })
             .collect()
     }
+}
+
+/// Checks a raw ext4 image on the host: `e2fsck -fn` passes *and* the journal
+/// has nothing to replay (`e2fsck -fn` alone passes an unfrozen, dirty
+/// image). Returns the `dumpe2fs -h` header.
+pub fn assert_clean_ext4(raw: &Path, what: &str) -> String {
+    let fsck = Command::new("e2fsck")
+        .arg("-fn")
+        .arg(raw)
+        .output()
+        .expect("e2fsck");
+    assert!(
+        fsck.status.success(),
+        "{what}: e2fsck -fn failed:\n{}",
+        String::from_utf8_lossy(&fsck.stdout)
+    );
+    let header = Command::new("dumpe2fs")
+        .arg("-h")
+        .arg(raw)
+        .output()
+        .expect("dumpe2fs");
+    let header = String::from_utf8_lossy(&header.stdout).into_owned();
+    assert!(
+        !header.contains("needs_recovery"),
+        "{what}: the ext4 journal has something to replay:\n{header}"
+    );
+    header
+}
+
+/// A file's content in a raw ext4 image, read with `debugfs`.
+pub fn debugfs_cat(raw: &Path, file: &str) -> String {
+    let out = Command::new("debugfs")
+        .arg("-R")
+        .arg(format!("cat {file}"))
+        .arg(raw)
+        .output()
+        .expect("debugfs");
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
