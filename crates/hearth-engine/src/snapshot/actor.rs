@@ -237,16 +237,19 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                 Vec::new()
             };
             forward_elsewhere(&e, &target, &mut core);
-            match e.store.next_counter("cut") {
-                Ok(cut) => {
-                    let (access, live) = access(&e, &target).await;
-                    core.set_deadline(deadline_of(&e, &target));
-                    let out = core.handle(Input::Start {
-                        access,
-                        cut,
-                        now: now(),
-                    });
-                    if !out.is_empty() {
+            let (access, live) = access(&e, &target).await;
+            if core.is_due(&access) {
+                // A cut id is taken from the durable counter only for a cut
+                // that starts, so ids never repeat and are not burnt by idle
+                // thaw retries.
+                match e.store.next_counter("cut") {
+                    Ok(cut) => {
+                        core.set_deadline(deadline_of(&e, &target));
+                        let out = core.handle(Input::Start {
+                            access,
+                            cut,
+                            now: now(),
+                        });
                         held = CutContext {
                             live,
                             guards,
@@ -255,13 +258,13 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                         queue.extend(out);
                         continue;
                     }
-                }
-                Err(err) => {
-                    // Without a durable id no cut starts; try again shortly.
-                    tracing::error!(target, error = %err, "cannot allocate a cut id");
-                    drop(guards);
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    continue;
+                    Err(err) => {
+                        // Without a durable id no cut starts; try again shortly.
+                        tracing::error!(target, error = %err, "cannot allocate a cut id");
+                        drop(guards);
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        continue;
+                    }
                 }
             }
         }
@@ -842,18 +845,19 @@ async fn prepare_disk(
         .map_err(|e| e.to_string())?
         .ok_or_else(|| format!("VirtualDisk {disk:?} has no image yet"))?;
     let new = storage::allocate(&ctx.store, state_dir, disk).map_err(|e| e.to_string())?;
+    let overlay = |node: Option<String>| Overlay {
+        cut,
+        target: target.to_string(),
+        disk: disk.to_string(),
+        layer: new.id.clone(),
+        path: new.path.clone(),
+        node,
+        base: head.id.clone(),
+    };
     let (Some(graph), Some(live)) = (graph, &held.live) else {
         // Offline: the overlay is recorded, then created; the store switches
         // the head at commit.
-        let overlay = Overlay {
-            cut,
-            target: target.to_string(),
-            disk: disk.to_string(),
-            layer: new.id.clone(),
-            path: new.path.clone(),
-            node: None,
-            base: head.id.clone(),
-        };
+        let overlay = overlay(None);
         overlays::record(&ctx.store, &overlay).map_err(|e| e.to_string())?;
         let info = hearth_qemu::img::info(&head.path)
             .await
@@ -901,15 +905,7 @@ async fn prepare_disk(
         ));
     }
     let node = format!("h{cut}d{index}");
-    let overlay = Overlay {
-        cut,
-        target: target.to_string(),
-        disk: disk.to_string(),
-        layer: new.id.clone(),
-        path: new.path.clone(),
-        node: Some(node.clone()),
-        base: head.id.clone(),
-    };
+    let overlay = overlay(Some(node.clone()));
     overlays::record(&ctx.store, &overlay).map_err(|e| e.to_string())?;
     hearth_qemu::img::create_overlay_unopened(&new.path, &head.path, "qcow2", capacity)
         .await

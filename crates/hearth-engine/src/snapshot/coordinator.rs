@@ -351,6 +351,14 @@ impl Coordinator {
         self.needs_thaw
     }
 
+    /// Whether `Start` with this access would start a cut (and so needs a
+    /// fresh cut id): requests are pending, or a thaw is owed and the agent
+    /// can be reached.
+    pub fn is_due(&self, access: &Access) -> bool {
+        self.cut.is_none()
+            && (!self.pending.is_empty() || (self.needs_thaw && *access == Access::Agent))
+    }
+
     pub fn current_cut(&self) -> Option<(CutId, Step)> {
         self.cut.as_ref().map(|c| (c.id, c.step))
     }

@@ -116,24 +116,7 @@ fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
 
 #[test]
 fn a_thaw_count_mismatch_is_not_consistent() {
-    let mut c = Coordinator::new(DEADLINE);
-    c.handle(Input::Requested(req("a1", "a", true)));
-    c.handle(Input::Requested(req("a2", "a", false)));
-    c.handle(Input::Start {
-        access: Access::Agent,
-        cut: 1,
-        now: 0,
-    });
-    c.handle(Input::Prepared {
-        cut: 1,
-        failed: vec![],
-        now: 0,
-    });
-    c.handle(Input::IntentRecorded {
-        cut: 1,
-        result: Ok(()),
-        now: 0,
-    });
+    let mut c = freezing_cut(&[req("a1", "a", true), req("a2", "a", false)]);
     c.handle(Input::FreezeReplied {
         cut: 1,
         result: Ok(2),
@@ -200,23 +183,7 @@ fn no_agent_fails_required_and_cuts_the_rest_without_freezing() {
 
 #[test]
 fn a_freeze_timeout_thaws_and_never_claims_consistency() {
-    let mut c = Coordinator::new(DEADLINE);
-    c.handle(Input::Requested(req("a1", "a", true)));
-    c.handle(Input::Start {
-        access: Access::Agent,
-        cut: 1,
-        now: 0,
-    });
-    c.handle(Input::Prepared {
-        cut: 1,
-        failed: vec![],
-        now: 0,
-    });
-    c.handle(Input::IntentRecorded {
-        cut: 1,
-        result: Ok(()),
-        now: 0,
-    });
+    let mut c = freezing_cut(&[req("a1", "a", true)]);
     let out = c.handle(Input::FreezeReplied {
         cut: 1,
         result: Err(AgentFault::Timeout),
@@ -282,9 +249,9 @@ fn restart_mid_cut_thaws_then_retries() {
     assert!(matches!(out[..], [Command::Prepare { cut: 8, .. }]));
 }
 
-/// Drives a cut up to its transaction: prepared, intent stored, frozen and
-/// confirmed. Returns the coordinator, ready for `Transacted`.
-fn frozen_cut(requests: &[Request]) -> Coordinator {
+/// A cut of `requests` (cut 1) whose intent is stored and whose freeze has
+/// been sent: ready for `FreezeReplied`.
+fn freezing_cut(requests: &[Request]) -> Coordinator {
     let mut c = Coordinator::new(DEADLINE);
     for r in requests {
         c.handle(Input::Requested(r.clone()));
@@ -304,6 +271,13 @@ fn frozen_cut(requests: &[Request]) -> Coordinator {
         result: Ok(()),
         now: 0,
     });
+    c
+}
+
+/// Drives a cut up to its transaction: prepared, intent stored, frozen and
+/// confirmed. Returns the coordinator, ready for `Transacted`.
+fn frozen_cut(requests: &[Request]) -> Coordinator {
+    let mut c = freezing_cut(requests);
     c.handle(Input::FreezeReplied {
         cut: 1,
         result: Ok(1),
@@ -491,23 +465,7 @@ fn one_disk_that_cannot_be_prepared_fails_only_its_own_requests() {
 
 #[test]
 fn a_thaw_after_an_unconfirmed_freeze_checks_that_the_guest_is_frozen() {
-    let mut c = Coordinator::new(DEADLINE);
-    c.handle(Input::Requested(req("a1", "a", true)));
-    c.handle(Input::Start {
-        access: Access::Agent,
-        cut: 1,
-        now: 0,
-    });
-    c.handle(Input::Prepared {
-        cut: 1,
-        failed: vec![],
-        now: 0,
-    });
-    c.handle(Input::IntentRecorded {
-        cut: 1,
-        result: Ok(()),
-        now: 0,
-    });
+    let mut c = freezing_cut(&[req("a1", "a", true)]);
     let out = c.handle(Input::FreezeReplied {
         cut: 1,
         result: Err(AgentFault::Error("boom".into())),
@@ -674,11 +632,17 @@ impl Sim {
             // The shell's durable counter: survives crashes.
             self.next_cut += 1;
             let cut = self.next_cut;
+            let due = self.c.is_due(&a);
             let out = self.c.handle(Input::Start {
                 access: a,
                 cut,
                 now: self.now,
             });
+            assert_eq!(
+                due,
+                !out.is_empty(),
+                "is_due says whether Start starts a cut"
+            );
             if !out.is_empty() {
                 assert!(self.used_cuts.insert(cut), "a cut id was used twice: {cut}");
             }
