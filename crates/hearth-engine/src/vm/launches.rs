@@ -7,7 +7,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use hearth_api::{EventType, Kind, VmPhase};
+use hearth_api::{EventType, Kind};
 use hearth_qemu::ProcessIdentity;
 use hearth_qemu::process;
 use hearth_qemu::qmp::QmpClient;
@@ -113,14 +113,7 @@ async fn settle(
         ctx.store
             .record_launch(marker.id, &record)
             .map_err(store_err)?;
-        ctx.set_vm_status(vm, |s| {
-            s.phase = VmPhase::Running;
-            s.pid = Some(id.pid);
-            s.accelerator = Some(record.accel.as_str().to_string());
-            s.start_time = Some(record.started_at);
-            s.agent_connected = false;
-            s.last_error = None;
-        });
+        super::mark_running(ctx, &record, |_| {});
         ctx.event(
             Kind::VirtualMachine,
             vm,

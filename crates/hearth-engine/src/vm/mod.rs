@@ -7,3 +7,26 @@ pub mod live;
 mod reconcile;
 
 pub use reconcile::{fingerprint, reconcile};
+
+use hearth_api::{VirtualMachineStatus, VmPhase};
+
+use crate::context::Context;
+use crate::runtime::RuntimeRecord;
+
+/// The status of a VM whose QEMU runs now, started or adopted: what the
+/// runtime record says, plus what `more` adds.
+pub(crate) fn mark_running(
+    ctx: &Context,
+    record: &RuntimeRecord,
+    more: impl FnOnce(&mut VirtualMachineStatus),
+) {
+    ctx.set_vm_status(&record.vm, |s| {
+        s.phase = VmPhase::Running;
+        s.pid = Some(record.process.pid);
+        s.accelerator = Some(record.accel.as_str().to_string());
+        s.start_time = Some(record.started_at);
+        s.agent_connected = false;
+        s.last_error = None;
+        more(s);
+    });
+}

@@ -197,16 +197,9 @@ async fn launch(
         Ok(record) => {
             let accel = ctx.config.accel.clone();
             let pid = record.process.pid;
-            let started = record.started_at;
             let generation = vm.metadata.generation;
-            ctx.set_vm_status(name, |s| {
-                s.phase = VmPhase::Running;
-                s.pid = Some(pid);
-                s.accelerator = Some(accel.accel.as_str().to_string());
+            super::mark_running(ctx, &record, |s| {
                 s.accelerator_reason = Some(accel.reason.clone());
-                s.start_time = Some(started);
-                s.agent_connected = false;
-                s.last_error = None;
                 s.observed_generation = generation;
             });
             ctx.event(

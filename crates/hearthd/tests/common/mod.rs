@@ -68,6 +68,15 @@ impl Daemon {
     }
 
     pub fn start_with(extra_args: &[&str]) -> Daemon {
+        Self::start_with_env(extra_args, &[])
+    }
+
+    /// Like [`Daemon::start`], with extra environment variables for hearthd.
+    pub fn start_env(env: &[(&str, &str)]) -> Daemon {
+        Self::start_with_env(&[], env)
+    }
+
+    fn start_with_env(extra_args: &[&str], env: &[(&str, &str)]) -> Daemon {
         let dir = tempfile::Builder::new()
             .prefix("hearth-e2e-")
             .tempdir()
@@ -77,7 +86,7 @@ impl Daemon {
             child: None,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
         };
-        d.spawn();
+        d.spawn_env(env);
         d
     }
 
@@ -452,21 +461,6 @@ pub fn hook_counts(d: &Daemon, vm: &str) -> (usize, usize) {
 }
 
 impl Daemon {
-    /// Like [`Daemon::start`], with extra environment variables for hearthd.
-    pub fn start_env(env: &[(&str, &str)]) -> Daemon {
-        let dir = tempfile::Builder::new()
-            .prefix("hearth-e2e-")
-            .tempdir()
-            .expect("tempdir");
-        let mut d = Daemon {
-            dir,
-            child: None,
-            extra_args: Vec::new(),
-        };
-        d.spawn_env(env);
-        d
-    }
-
     /// Waits for hearthd to exit by itself and returns how it ended.
     pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
         let deadline = Instant::now() + timeout;
