@@ -90,3 +90,118 @@ fn a_disk_a_vm_starts_using_meanwhile_is_cut_under_a_freeze_never_offline() {
     }
     println!("cut with {freezes} freeze(s) in the guest");
 }
+
+/// Every file of `image`'s backing chain, by `qemu-img info --backing-chain`.
+fn chain(image: &str) -> Vec<String> {
+    let out = std::process::Command::new("qemu-img")
+        .args(["info", "-U", "--backing-chain", "--output=json", image])
+        .output()
+        .expect("qemu-img");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    v.as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|i| i["filename"].as_str().map(str::to_string))
+        .collect()
+}
+
+#[test]
+fn a_disk_list_edit_while_the_vm_runs_never_sends_a_cut_to_the_wrong_device() {
+    let _serial = serial();
+    let d = Daemon::start();
+    // sw-a: the test guest's ext4 image; sw-b: blank. Two different chains.
+    let disks = format!(
+        "{}---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: sw-b\nspec:\n  size: 16Mi\n  source:\n    blank: {{}}\n",
+        overlay_disk_yaml("sw-a")
+    );
+    let m = manifest(&d, "disks.yaml", &disks);
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    let m = manifest(
+        &d,
+        "vm.yaml",
+        &vm_yaml("swap", "AlwaysOn", &["sw-a", "sw-b"], ""),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    wait_until("QEMU runs", Duration::from_secs(60), || {
+        d.get_vm("swap")
+            .is_some_and(|v| v["status"]["phase"] == "Running")
+    });
+    // While the guest still boots (the cut waits for its agent), a snapshot
+    // of the second disk, then the disk list reversed in the spec.
+    apply(
+        &d,
+        vec![
+            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
+            "metadata": {"name": "swap-b"},
+            "spec": {"virtualDiskName": "sw-b", "requiredConsistency": false}}),
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    let m = manifest(
+        &d,
+        "vm.yaml",
+        &vm_yaml("swap", "AlwaysOn", &["sw-b", "sw-a"], ""),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let snap = loop {
+        let (_, v) = d.request("GET", "/v1/virtualdisksnapshots/swap-b", None);
+        if matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed")) {
+            break v;
+        }
+        assert!(std::time::Instant::now() < deadline, "{v:#}\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
+    d.wait_agent("swap");
+
+    // The files tell: sw-b's chain never reaches sw-a's base image, sw-a's
+    // always does, and QEMU runs one process with both.
+    let base = guest_dir()
+        .join("data.qcow2")
+        .to_string_lossy()
+        .into_owned();
+    let path = |disk: &str| {
+        d.get_disk(disk).expect("disk")["status"]["path"]
+            .as_str()
+            .expect("path")
+            .to_string()
+    };
+    let b_chain = chain(&path("sw-b"));
+    let a_chain = chain(&path("sw-a"));
+    assert!(
+        !b_chain.contains(&base),
+        "sw-b now lies over sw-a's image: {b_chain:?}"
+    );
+    assert!(a_chain.contains(&base), "{a_chain:?}");
+    assert!(
+        a_chain.iter().all(|f| !b_chain.contains(f)),
+        "the disks share a layer: {a_chain:?} / {b_chain:?}"
+    );
+    // The snapshot, restored, is the blank disk: no ext4 on it.
+    let (status, v) = d.request(
+        "POST",
+        "/v1/apply",
+        Some(
+            &json!({"items": [{"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
+            "metadata": {"name": "chk-swap-b"}, "spec": {"source": {"snapshot": "swap-b"}}}]}),
+        ),
+    );
+    assert_eq!(status, 200, "{v}");
+    wait_until("chk-swap-b Ready", Duration::from_secs(60), || {
+        d.get_disk("chk-swap-b")
+            .is_some_and(|v| v["status"]["phase"] == "Ready")
+    });
+    let restored = chain(&path("chk-swap-b"));
+    assert!(
+        !restored.contains(&base),
+        "the snapshot of sw-b holds sw-a: {restored:?}"
+    );
+    assert_eq!(d.qemu_pids().len(), 1);
+}
