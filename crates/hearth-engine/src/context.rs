@@ -61,20 +61,29 @@ impl Context {
         let _ = self.wakes.send((kind, name.to_string()));
     }
 
+    /// The VMs that use `disk`: first those whose running QEMU has it (what
+    /// the process was started with, whatever the spec says now: a disk just
+    /// removed from a spec is still written until the VM restarts), then
+    /// those whose spec lists it.
     pub fn vms_using_disk(&self, disk: &str) -> Result<Vec<String>, StoreError> {
-        Ok(self
+        let mut vms: Vec<String> = self
             .store
-            .list(Kind::VirtualMachine)?
+            .runtimes()?
             .into_iter()
-            .filter_map(|s| match s.object {
-                Object::VirtualMachine(vm)
-                    if vm.spec.disks.iter().any(|d| d.virtual_disk_name == disk) =>
-                {
-                    Some(vm.metadata.name)
-                }
-                _ => None,
+            .filter(|r| {
+                r.disk_names.iter().any(|d| d == disk) && hearth_qemu::process::is_alive(&r.process)
             })
-            .collect())
+            .map(|r| r.vm)
+            .collect();
+        for s in self.store.list(Kind::VirtualMachine)? {
+            if let Object::VirtualMachine(vm) = s.object
+                && vm.spec.disks.iter().any(|d| d.virtual_disk_name == disk)
+                && !vms.contains(&vm.metadata.name)
+            {
+                vms.push(vm.metadata.name);
+            }
+        }
+        Ok(vms)
     }
 
     // ------------------------------------------------------------ status & events

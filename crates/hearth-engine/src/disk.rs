@@ -23,15 +23,15 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
     let users = ctx.vms_using_disk(name)?;
 
     if stored.deleting {
-        if let Some(vm) = users.first() {
+        // Never while a snapshot cut of the disk runs, or its VM starts: both
+        // hold this lock until they are done.
+        let _ops = ctx.ops_lock(&format!("disk/{name}")).lock_owned().await;
+        if let Some(vm) = ctx.vms_using_disk(name)?.first() {
             // Refused at the API; this only happens if a VM arrived since.
             return Err(ReconcileError::Failed(format!(
                 "VirtualDisk {name:?} is still used by VirtualMachine {vm:?}"
             )));
         }
-        // Never while a snapshot cut of the disk runs: the cut holds this
-        // lock until its results are recorded.
-        let _ops = ctx.ops_lock(&format!("disk/{name}")).lock_owned().await;
         crate::snapshot::overlays::settle_offline(&ctx.store, &[name.to_string()])
             .await
             .map_err(ReconcileError::Failed)?;

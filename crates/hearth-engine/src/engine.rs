@@ -339,7 +339,7 @@ impl Engine {
             && let Some(vm) = self.vms_using_disk(name)?.first()
         {
             return Err(RequestError::Conflict(format!(
-                "VirtualDisk {name:?} is in use by VirtualMachine {vm:?} (spec.disks); delete the VM or remove the disk from it first"
+                "VirtualDisk {name:?} is in use by VirtualMachine {vm:?} (its spec.disks, or its running QEMU until it restarts); delete the VM or remove the disk from it first"
             )));
         }
         if !existing.deleting {

@@ -205,3 +205,104 @@ fn a_disk_list_edit_while_the_vm_runs_never_sends_a_cut_to_the_wrong_device() {
     );
     assert_eq!(d.qemu_pids().len(), 1);
 }
+
+#[test]
+fn a_disk_removed_from_a_running_vms_spec_cannot_be_deleted_until_qemu_lets_go_nor_during_its_cut()
+{
+    let _serial = serial();
+    let d = Daemon::start();
+    let m = manifest(
+        &d,
+        "disks.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("ha"),
+            overlay_disk_yaml("hb")
+        ),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    // The guest's freeze hook sleeps 4 s: the cut is held open that long.
+    let vm = |disks: &[&str]| vm_yaml("hold", "AlwaysOn", disks, "hearth.freeze_hook_sleep=4");
+    let m = manifest(&d, "vm.yaml", &vm(&["ha", "hb"]));
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    d.wait_agent("hold");
+    let first_qemu = d.qemu_pids();
+    assert_eq!(first_qemu.len(), 1);
+
+    apply(
+        &d,
+        vec![
+            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
+            "metadata": {"name": "hold-b"},
+            "spec": {"virtualDiskName": "hb", "requiredConsistency": true}}),
+        ],
+    );
+    wait_until(
+        "the guest's freeze hook runs",
+        Duration::from_secs(60),
+        || hook_counts(&d, "hold").0 == 1,
+    );
+    // Mid-cut, the disk leaves the VM's spec, as the API's own error message
+    // advises before a delete; QEMU still has it until the VM restarts.
+    let m = manifest(&d, "vm.yaml", &vm(&["ha"]));
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    let err = d.cli_err(&["delete", "disk", "hb"]);
+    assert!(
+        err.contains("in use by VirtualMachine \"hold\"") && err.contains("running QEMU"),
+        "{err}"
+    );
+    assert!(d.get_disk("hb").is_some());
+
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let snap = loop {
+        let (_, v) = d.request("GET", "/v1/virtualdisksnapshots/hold-b", None);
+        if matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed")) {
+            break v;
+        }
+        assert!(std::time::Instant::now() < deadline, "{v:#}\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
+    assert_eq!(snap["status"]["consistent"], true, "{snap:#}");
+
+    // Once the VM runs a QEMU without the disk, the delete goes through, and
+    // the snapshot still restores to a clean filesystem.
+    wait_until(
+        "the VM restarted without hb",
+        Duration::from_secs(120),
+        || {
+            let pids = d.qemu_pids();
+            pids.len() == 1 && pids != first_qemu
+        },
+    );
+    d.wait_agent("hold");
+    d.cli_ok(&["delete", "disk", "hb"]);
+    wait_until("hb gone", Duration::from_secs(60), || {
+        d.get_disk("hb").is_none()
+    });
+    apply(
+        &d,
+        vec![
+            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
+            "metadata": {"name": "chk-hold-b"}, "spec": {"source": {"snapshot": "hold-b"}}}),
+        ],
+    );
+    wait_until("chk-hold-b Ready", Duration::from_secs(60), || {
+        d.get_disk("chk-hold-b")
+            .is_some_and(|v| v["status"]["phase"] == "Ready")
+    });
+    let path = d.get_disk("chk-hold-b").expect("disk")["status"]["path"]
+        .as_str()
+        .expect("path")
+        .to_string();
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let raw = scratch.path().join("hold-b.raw");
+    let st = std::process::Command::new("qemu-img")
+        .args(["convert", "-U", "-O", "raw", &path])
+        .arg(&raw)
+        .status()
+        .expect("qemu-img");
+    assert!(st.success());
+    assert_clean_ext4(&raw, "hold-b restored");
+    assert_eq!(debugfs_cat(&raw, "/hello.txt").trim(), "hello from hearth");
+}

@@ -101,13 +101,6 @@ impl Actors {
 /// it (what the process was started with, whatever the spec says now), else
 /// the VM whose spec lists it, else its own when no VM uses it.
 pub fn target_of(ctx: &Context, disk: &str) -> Result<String, StoreError> {
-    for record in ctx.store.runtimes()? {
-        if record.disk_names.iter().any(|d| d == disk)
-            && hearth_qemu::process::is_alive(&record.process)
-        {
-            return Ok(format!("vm/{}", record.vm));
-        }
-    }
     Ok(match ctx.vms_using_disk(disk)?.first() {
         Some(vm) => format!("vm/{vm}"),
         None => format!("disk/{disk}"),
