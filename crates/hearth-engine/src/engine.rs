@@ -138,8 +138,29 @@ impl Engine {
         // Adopt what a previous daemon started: connect to the QEMU processes
         // that still run, so no reconcile ever starts a second one.
         if let Ok(records) = engine.store.runtimes() {
-            for r in records {
+            for mut r in records {
                 if hearth_qemu::process::is_alive(&r.process) {
+                    if r.disk_names.is_empty() && !r.disks.is_empty() {
+                        // A record from before the devices' disks were
+                        // recorded: the launch-time files name them.
+                        match crate::snapshot::storage::disks_of_layer_files(
+                            &engine.store,
+                            &r.disks,
+                        ) {
+                            Ok(Some(names)) => {
+                                r.disk_names = names;
+                                if let Err(e) = engine.store.put_runtime(&r) {
+                                    tracing::warn!(vm = %r.vm, error = %e, "cannot update the runtime record");
+                                }
+                            }
+                            Ok(None) => {
+                                tracing::warn!(vm = %r.vm, "cannot tell which VirtualDisk each device of the running QEMU holds; snapshots of it wait for a restart")
+                            }
+                            Err(e) => {
+                                tracing::warn!(vm = %r.vm, error = %e, "cannot read the layers")
+                            }
+                        }
+                    }
                     engine.ctx.ensure_live(&r).await;
                     engine.event(
                         Kind::VirtualMachine,

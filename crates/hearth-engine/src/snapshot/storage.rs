@@ -46,6 +46,31 @@ pub fn allocate(store: &Store, state_dir: &Path, disk: &str) -> Result<NewLayer,
     })
 }
 
+/// The disk each layer file belongs to (a layer id is `<counter>-<disk>`),
+/// in order; `None` if any file is not a recorded layer.
+pub fn disks_of_layer_files(
+    store: &Store,
+    files: &[PathBuf],
+) -> Result<Option<Vec<String>>, StoreError> {
+    store.with_tx(|tx| {
+        let mut out = Vec::new();
+        for f in files {
+            let id: Option<String> = tx
+                .query_row(
+                    "SELECT id FROM layers WHERE path = ?1",
+                    params![f.to_string_lossy()],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            match id.as_deref().and_then(|i| i.split_once('-')) {
+                Some((_, disk)) => out.push(disk.to_string()),
+                None => return Ok(None),
+            }
+        }
+        Ok(Some(out))
+    })
+}
+
 pub fn head(store: &Store, disk: &str) -> Result<Option<Layer>, StoreError> {
     store.with_tx(|tx| head_tx(tx, disk))
 }
@@ -272,6 +297,29 @@ mod tests {
         std::fs::create_dir_all(l.path.parent().unwrap()).unwrap();
         std::fs::write(&l.path, disk).unwrap();
         l
+    }
+
+    #[test]
+    fn layer_files_name_their_disks() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("db")).unwrap();
+        let a = layer(&store, dir.path(), "data-a");
+        let b = layer(&store, dir.path(), "b-2");
+        store
+            .with_tx(|tx| {
+                set_head_tx(tx, "data-a", &a, None)?;
+                set_head_tx(tx, "b-2", &b, None)
+            })
+            .unwrap();
+        assert_eq!(
+            disks_of_layer_files(&store, &[b.path.clone(), a.path.clone()]).unwrap(),
+            Some(vec!["b-2".to_string(), "data-a".to_string()])
+        );
+        let stranger = dir.path().join("elsewhere.qcow2");
+        assert_eq!(
+            disks_of_layer_files(&store, &[a.path, stranger]).unwrap(),
+            None
+        );
     }
 
     #[test]
