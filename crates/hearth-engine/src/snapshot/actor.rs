@@ -661,7 +661,13 @@ async fn execute(
             timeout,
             only_if_frozen,
         } => {
-            let live = match &held.live {
+            // The QEMU the cut started with may have exited meanwhile: then
+            // nothing is frozen, unless a new one runs.
+            let live = match held
+                .live
+                .as_ref()
+                .filter(|l| hearth_qemu::process::is_alive(&l.record.process))
+            {
                 Some(l) => Some(l.clone()),
                 None => live_of(ctx, target).await,
             };

@@ -353,10 +353,11 @@ impl Coordinator {
 
     /// Whether `Start` with this access would start a cut (and so needs a
     /// fresh cut id): requests are pending, or a thaw is owed and the agent
-    /// can be reached.
+    /// can be reached (or no QEMU runs any more, and the owed thaw is moot).
     pub fn is_due(&self, access: &Access) -> bool {
         self.cut.is_none()
-            && (!self.pending.is_empty() || (self.needs_thaw && *access == Access::Agent))
+            && (!self.pending.is_empty()
+                || (self.needs_thaw && matches!(access, Access::Agent | Access::Offline)))
     }
 
     pub fn current_cut(&self) -> Option<(CutId, Step)> {
@@ -510,7 +511,27 @@ impl Coordinator {
         if self.cut.is_some() {
             return Vec::new();
         }
+        // No QEMU runs: no guest is frozen. An intent kept for an
+        // unconfirmed thaw is settled with the next commit.
+        let owed_thaw = self.needs_thaw;
+        if access == Access::Offline {
+            self.needs_thaw = false;
+        }
         if self.pending.is_empty() {
+            if owed_thaw && access == Access::Offline {
+                let commit = Command::Commit {
+                    cut: id,
+                    outcomes: Vec::new(),
+                    took_cut: false,
+                    freeze_window_ms: None,
+                    keep_intent: false,
+                    why_not_consistent: None,
+                };
+                let mut cut = Cut::new(id, Vec::new(), Mode::Offline, Step::Committing);
+                cut.commit = Some(commit.clone());
+                self.cut = Some(cut);
+                return vec![commit];
+            }
             if self.needs_thaw && access == Access::Agent {
                 // No guest may stay frozen: keep trying to thaw, cut or no cut.
                 self.cut = Some(Cut::new(

@@ -191,22 +191,28 @@ pub async fn settle(
         None => None,
     };
     for o in overlays {
-        let settled = match (&graph, live, &o.node) {
-            (Some(Err(e)), _, Some(_)) => Settled::Unresolved(e.clone()),
-            (Some(Ok(g)), Some(l), Some(node)) => {
-                let in_use = device_index(l, &o.disk).and_then(|i| g.top_node(i)) == Some(node);
-                if in_use {
-                    adopt(store, o)
+        let seen = match (&graph, live) {
+            (None, _) | (_, None) => Seen::QemuGone,
+            (Some(Err(e)), _) => Seen::Unknown(e.clone()),
+            (Some(Ok(g)), Some(l)) => {
+                let top = device_index(l, &o.disk).and_then(|i| g.top_node(i));
+                if top.is_some() && top == o.node.as_deref() {
+                    Seen::InUse
                 } else {
-                    delete_node(l, node)
-                        .await
-                        .map_or_else(Settled::Unresolved, |()| remove(store, o))
+                    Seen::NotInUse
                 }
             }
-            // No QEMU: a live overlay is adopted (empty, or holding the
-            // writes made after the switch), if it was ever created.
-            (None, _, Some(_)) if o.path.exists() => adopt(store, o),
-            _ => remove(store, o),
+        };
+        let settled = match decide(o.node.is_some(), o.path.exists(), seen) {
+            Decision::Adopt => adopt(store, o),
+            Decision::Remove => remove(store, o),
+            Decision::DeleteNodeThenRemove => match (live, &o.node) {
+                (Some(l), Some(node)) => delete_node(l, node)
+                    .await
+                    .map_or_else(Settled::Unresolved, |()| remove(store, o)),
+                _ => remove(store, o),
+            },
+            Decision::Keep(why) => Settled::Unresolved(why),
         };
         if !matches!(settled, Settled::Removed) || o.node.is_some() {
             tracing::info!(cut = o.cut, disk = %o.disk, path = %o.path.display(), ?settled, "settled a cut overlay");
@@ -214,6 +220,49 @@ pub async fn settle(
         out.push((o.clone(), settled));
     }
     out
+}
+
+/// What QEMU shows of one overlay.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Seen {
+    /// The disk's device writes to the overlay's node.
+    InUse,
+    /// QEMU runs and the device writes elsewhere.
+    NotInUse,
+    /// No QEMU of the VM runs.
+    QemuGone,
+    /// QEMU runs but its block graph could not be read.
+    Unknown(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// The overlay is the disk's head.
+    Adopt,
+    /// Nobody uses or ever wrote it: forget it, unlink the file.
+    Remove,
+    /// Delete its QEMU node first (QEMU refuses for a node in use), then
+    /// remove it.
+    DeleteNodeThenRemove,
+    /// Decide later; touch nothing.
+    Keep(String),
+}
+
+/// The settling rule, pure (the freeze coordinator's model uses it too).
+/// `live`: the overlay has a QEMU node (a live cut's); `file`: its file
+/// exists.
+pub fn decide(live: bool, file: bool, seen: Seen) -> Decision {
+    match (live, seen) {
+        // An offline overlay is only ever used through the store's commit.
+        (false, _) => Decision::Remove,
+        (true, Seen::InUse) => Decision::Adopt,
+        (true, Seen::NotInUse) => Decision::DeleteNodeThenRemove,
+        // No QEMU: empty (the switch never ran) or holding the writes made
+        // after it; adopting keeps both right.
+        (true, Seen::QemuGone) if file => Decision::Adopt,
+        (true, Seen::QemuGone) => Decision::Remove,
+        (true, Seen::Unknown(why)) => Decision::Keep(why),
+    }
 }
 
 fn adopt(store: &Store, o: &Overlay) -> Settled {

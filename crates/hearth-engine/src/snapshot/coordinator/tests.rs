@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, VecDeque};
 use proptest::prelude::*;
 
 use super::*;
+use crate::snapshot::overlays;
 
 const DEADLINE: Millis = 10_000;
 
@@ -516,6 +517,8 @@ enum Action {
     Interloper,
     /// hearthd is killed and restarted.
     Crash,
+    /// QEMU exits (the guest powers off, or crashes) and stays stopped.
+    QemuExit,
 }
 
 fn action() -> impl Strategy<Value = Action> {
@@ -524,7 +527,82 @@ fn action() -> impl Strategy<Value = Action> {
         10 => (fault(), 0u8..10).prop_map(|(f, d)| Action::Perform(f, d)),
         1 => Just(Action::Interloper),
         1 => Just(Action::Crash),
+        1 => Just(Action::QemuExit),
     ]
+}
+
+/// One overlay in the shell's journal (`overlays.rs`).
+#[derive(Clone, Debug)]
+struct Row {
+    cut: CutId,
+    disk: String,
+    layer: u64,
+    /// A live cut's overlay (it has a QEMU node).
+    live: bool,
+}
+
+/// The store's layer chains, QEMU's block graph and the journal between
+/// them, as the shell keeps them; the settling rule is the shell's own
+/// (`overlays::decide`).
+#[derive(Default)]
+struct Layers {
+    next: u64,
+    backing: BTreeMap<u64, Option<u64>>,
+    /// The store's head of each disk.
+    head: BTreeMap<String, u64>,
+    /// The layer QEMU writes each disk to (while it runs).
+    top: BTreeMap<String, u64>,
+    /// The layer the guest wrote last: QEMU's top, or its last top once it
+    /// exited.
+    last_written: BTreeMap<String, u64>,
+    rows: Vec<Row>,
+    /// The actor's memory of each cut's overlays (lost in a crash).
+    held: BTreeMap<CutId, Vec<(String, u64)>>,
+    /// Whether each cut was live (a QEMU ran when it started).
+    cut_live: BTreeMap<CutId, bool>,
+}
+
+impl Layers {
+    fn new() -> Layers {
+        let mut l = Layers::default();
+        for d in 0..3 {
+            let disk = format!("d{d}");
+            l.next += 1;
+            l.backing.insert(l.next, None);
+            l.head.insert(disk.clone(), l.next);
+            l.top.insert(disk.clone(), l.next);
+            l.last_written.insert(disk, l.next);
+        }
+        l
+    }
+
+    fn chain(&self, mut layer: u64) -> Vec<u64> {
+        let mut out = vec![layer];
+        while let Some(Some(b)) = self.backing.get(&layer) {
+            out.push(*b);
+            layer = *b;
+        }
+        out
+    }
+
+    /// I7: the guest's last writes are in the disk's chain, or the journal
+    /// still holds the overlay that has them.
+    fn check_no_lost_write(&self) {
+        for (disk, written) in &self.last_written {
+            let in_chain = self.chain(self.head[disk]).contains(written);
+            let journalled = self
+                .rows
+                .iter()
+                .any(|r| r.disk == *disk && r.layer == *written);
+            assert!(
+                in_chain || journalled,
+                "I7: {disk}'s last writes (layer {written}) are lost: head {} chain {:?}, journal {:?}",
+                self.head[disk],
+                self.chain(self.head[disk]),
+                self.rows
+            );
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -555,6 +633,8 @@ struct Sim {
     applied: std::collections::BTreeSet<CutId>,
     /// Every cut id the coordinator was given and used.
     used_cuts: std::collections::BTreeSet<CutId>,
+    qemu_alive: bool,
+    layers: Layers,
     // store
     intent: Option<(CutId, Vec<Request>)>,
     snaps: BTreeMap<String, (Request, Phase)>,
@@ -581,6 +661,8 @@ impl Sim {
             interloped: false,
             applied: Default::default(),
             used_cuts: Default::default(),
+            qemu_alive: vm_running,
+            layers: Layers::new(),
             intent: None,
             snaps: BTreeMap::new(),
             truth: BTreeMap::new(),
@@ -643,6 +725,7 @@ impl Sim {
                 !out.is_empty(),
                 "is_due says whether Start starts a cut"
             );
+            self.layers.cut_live.insert(cut, self.qemu_alive);
             if !out.is_empty() {
                 assert!(self.used_cuts.insert(cut), "a cut id was used twice: {cut}");
             }
@@ -680,6 +763,62 @@ impl Sim {
         }
     }
 
+    /// Settles the journal rows `which` picks, by the shell's rule, against
+    /// what QEMU shows (`readable`: its block graph can be read).
+    fn settle_rows(&mut self, which: impl Fn(&Row) -> bool, readable: bool) {
+        let rows = std::mem::take(&mut self.layers.rows);
+        for r in rows {
+            if !which(&r) {
+                self.layers.rows.push(r);
+                continue;
+            }
+            let seen = if !self.qemu_alive {
+                overlays::Seen::QemuGone
+            } else if !readable {
+                overlays::Seen::Unknown("query-block failed".into())
+            } else if self.layers.top[&r.disk] == r.layer {
+                overlays::Seen::InUse
+            } else {
+                overlays::Seen::NotInUse
+            };
+            match overlays::decide(r.live, true, seen) {
+                overlays::Decision::Adopt => {
+                    self.layers.head.insert(r.disk.clone(), r.layer);
+                }
+                overlays::Decision::Remove | overlays::Decision::DeleteNodeThenRemove => {
+                    // I8: a file QEMU writes to is never removed.
+                    assert!(
+                        !(self.qemu_alive && self.layers.top[&r.disk] == r.layer),
+                        "I8: removed the overlay QEMU writes {} to",
+                        r.disk
+                    );
+                }
+                overlays::Decision::Keep(_) => self.layers.rows.push(r),
+            }
+        }
+    }
+
+    fn qemu_exit(&mut self) {
+        if !self.qemu_alive {
+            return;
+        }
+        self.qemu_alive = false;
+        self.vm_running = false;
+        // The guest is gone, frozen or not.
+        self.frozen = false;
+        self.late_freeze = false;
+        self.frozen_by_us_since = None;
+        self.freeze_sent_at = None;
+        self.unthawed_freeze = false;
+    }
+
+    /// The checks after every step, then the shell's next start.
+    fn after_step(&mut self) {
+        self.check_i1();
+        self.layers.check_no_lost_write();
+        self.kick();
+    }
+
     fn perform(&mut self, fault: Fault, eighths: u8) {
         let Some(cmd) = self.queue.pop_front() else {
             self.kick();
@@ -692,19 +831,56 @@ impl Sim {
             _ => AgentFault::Timeout,
         };
         let input = match cmd {
-            Command::Prepare { cut, disks } => Some(Input::Prepared {
-                cut,
-                failed: match fault {
+            Command::Prepare { cut, disks } => {
+                let live = self.layers.cut_live[&cut];
+                // What earlier cuts left is settled first.
+                self.settle_rows(|r| r.cut != cut, !matches!(fault, Fault::Error));
+                let mut failed: Vec<(String, String)> = match fault {
                     // Every disk fails, or only the first one.
                     Fault::Error => disks
                         .iter()
                         .map(|d| (d.clone(), "disk full".into()))
                         .collect(),
                     Fault::Disconnected => vec![(disks[0].clone(), "detached".into())],
+                    _ if live && !self.qemu_alive => disks
+                        .iter()
+                        .map(|d| (d.clone(), "QMP: connection closed".into()))
+                        .collect(),
                     _ => Vec::new(),
-                },
-                now: self.now,
-            }),
+                };
+                for d in &disks {
+                    if self.layers.rows.iter().any(|r| r.disk == *d)
+                        && !failed.iter().any(|(f, _)| f == d)
+                    {
+                        failed.push((d.clone(), "an earlier overlay is not settled".into()));
+                    }
+                }
+                for d in &disks {
+                    if failed.iter().any(|(f, _)| f == d) {
+                        continue;
+                    }
+                    // Recorded before the file and the node exist.
+                    self.layers.next += 1;
+                    let layer = self.layers.next;
+                    self.layers.backing.insert(layer, Some(self.layers.head[d]));
+                    self.layers.rows.push(Row {
+                        cut,
+                        disk: d.clone(),
+                        layer,
+                        live,
+                    });
+                    self.layers
+                        .held
+                        .entry(cut)
+                        .or_default()
+                        .push((d.clone(), layer));
+                }
+                Some(Input::Prepared {
+                    cut,
+                    failed,
+                    now: self.now,
+                })
+            }
             Command::RecordIntent { cut, .. } => {
                 let result = if matches!(fault, Fault::Error) {
                     Err("disk I/O error".into())
@@ -727,6 +903,17 @@ impl Sim {
                     "I5: a freeze without a stored intent"
                 );
                 self.interloped = false;
+                if !self.qemu_alive {
+                    self.advance(dur(timeout));
+                    let out = self.c.handle(Input::FreezeReplied {
+                        cut,
+                        result: Err(AgentFault::Disconnected),
+                        now: self.now,
+                    });
+                    self.emit(out);
+                    self.after_step();
+                    return;
+                }
                 self.apply_late_freeze();
                 self.freeze_sent_at = Some(self.now);
                 self.fault_since_freeze = false;
@@ -769,6 +956,10 @@ impl Sim {
                 self.apply_late_freeze();
                 let d = dur(timeout);
                 let result = match fault {
+                    _ if !self.qemu_alive => {
+                        self.advance(d);
+                        Err(AgentFault::Disconnected)
+                    }
                     Fault::Ok if d < timeout => {
                         self.advance(d);
                         Ok(self.frozen)
@@ -790,24 +981,30 @@ impl Sim {
             }
             Command::Transact { cut, timeout } => {
                 let d = dur(timeout).min(timeout);
+                let live = self.layers.cut_live[&cut];
                 // Consistent data needs the filesystems frozen when the
                 // transaction runs (by us, or by someone else who froze
                 // the guest again after thawing it under us).
-                let truth = !self.vm_running || self.frozen;
+                let truth = !live || self.frozen;
                 let result = match fault {
+                    // QEMU is gone: QMP answers nothing.
+                    _ if live && !self.qemu_alive => {
+                        self.advance(d);
+                        TxResult::Unknown("QMP connection closed".into())
+                    }
                     Fault::Error => {
                         self.advance(d);
                         TxResult::Rejected("transaction failed".into())
                     }
                     // QEMU ran it; the reply was lost.
-                    Fault::TimeoutLate if self.vm_running => {
+                    Fault::TimeoutLate if live => {
                         self.advance(timeout);
                         self.truth.insert(cut, truth);
                         self.applied.insert(cut);
                         TxResult::Unknown("timeout".into())
                     }
                     // QEMU never got it.
-                    Fault::TimeoutLost | Fault::Disconnected if self.vm_running => {
+                    Fault::TimeoutLost | Fault::Disconnected if live => {
                         self.advance(timeout);
                         TxResult::Unknown("timeout".into())
                     }
@@ -818,6 +1015,13 @@ impl Sim {
                         TxResult::Applied
                     }
                 };
+                if live && self.applied.contains(&cut) {
+                    // Every disk of the cut switches at once.
+                    for (disk, layer) in self.layers.held.get(&cut).cloned().unwrap_or_default() {
+                        self.layers.top.insert(disk.clone(), layer);
+                        self.layers.last_written.insert(disk, layer);
+                    }
+                }
                 Some(Input::Transacted {
                     cut,
                     result,
@@ -827,7 +1031,8 @@ impl Sim {
             Command::Observe { cut } => Some(Input::Observed {
                 cut,
                 // QEMU's block graph, unless QMP does not answer.
-                applied: (!matches!(fault, Fault::Error)).then(|| self.applied.contains(&cut)),
+                applied: (!matches!(fault, Fault::Error) && self.qemu_alive)
+                    .then(|| self.applied.contains(&cut)),
                 now: self.now,
             }),
             Command::Thaw {
@@ -846,6 +1051,17 @@ impl Sim {
                         "I3: thaw sent {} ms after the freeze",
                         self.now - sent
                     );
+                }
+                if !self.qemu_alive {
+                    // No process: nothing frozen.
+                    let out = self.c.handle(Input::ThawReplied {
+                        cut,
+                        result: Ok(0),
+                        now: self.now,
+                    });
+                    self.emit(out);
+                    self.after_step();
+                    return;
                 }
                 self.apply_late_freeze();
                 let d = dur(timeout);
@@ -899,19 +1115,33 @@ impl Sim {
                     now: self.now,
                 })
             }
-            Command::Discard { .. } => None,
+            Command::Discard { cut } => {
+                self.layers.held.remove(&cut);
+                self.settle_rows(|r| r.cut == cut, !matches!(fault, Fault::Error));
+                None
+            }
             Command::Commit {
                 cut,
                 outcomes,
                 keep_intent,
+                took_cut,
                 ..
             } => {
                 if matches!(fault, Fault::Error) {
                     // The store refused the write: nothing changed.
                     let out = self.c.handle(Input::Committed { cut, ok: false });
                     self.emit(out);
-                    self.check_i1();
+                    self.after_step();
                     return;
+                }
+                if took_cut {
+                    // The overlays are the heads, in the same store write.
+                    for (disk, layer) in self.layers.held.remove(&cut).unwrap_or_default() {
+                        self.layers.head.insert(disk.clone(), layer);
+                        self.layers
+                            .rows
+                            .retain(|r| !(r.cut == cut && r.disk == disk));
+                    }
                 }
                 for (name, o) in outcomes {
                     let Some(entry) = self.snaps.get_mut(&name) else {
@@ -933,8 +1163,7 @@ impl Sim {
             let out = self.c.handle(input);
             self.emit(out);
         }
-        self.check_i1();
-        self.kick();
+        self.after_step();
     }
 
     /// I1: consistent only when the cut really happened under our freeze
@@ -967,7 +1196,10 @@ impl Sim {
     fn crash(&mut self) {
         // Everything in memory is lost; the store and the guest remain.
         self.queue.clear();
+        self.layers.held.clear();
         self.fault_since_freeze = true;
+        // The restarted actor settles the journal against QEMU first.
+        self.settle_rows(|_| true, true);
         let pending: Vec<Request> = self
             .snaps
             .values()
@@ -1033,6 +1265,18 @@ impl Sim {
             assert!(!self.late_freeze || !self.frozen);
         }
         assert!(self.intent.is_none(), "an intent outlived its cut");
+        // The store and QEMU agree on every disk nothing is pending for.
+        self.layers.check_no_lost_write();
+        if self.qemu_alive {
+            for (disk, top) in &self.layers.top {
+                if !self.layers.rows.iter().any(|r| r.disk == *disk) {
+                    assert_eq!(
+                        self.layers.head[disk], *top,
+                        "{disk}: the store's head is not what QEMU writes"
+                    );
+                }
+            }
+        }
     }
 }
 
@@ -1044,6 +1288,7 @@ fn run(vm_running: bool, agent_present: bool, actions: Vec<Action>) {
             Action::Perform(f, d) => sim.perform(f, d),
             Action::Interloper => sim.interloper(),
             Action::Crash => sim.crash(),
+            Action::QemuExit => sim.qemu_exit(),
         }
     }
     sim.settle();
