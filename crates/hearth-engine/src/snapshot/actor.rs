@@ -64,12 +64,16 @@ impl Actors {
     }
 
     /// Starts the actor of every target that has unsettled work in the store
-    /// (after a daemon restart), so frozen guests are thawed right away.
+    /// (after a daemon restart), so frozen guests are thawed and journalled
+    /// overlays settled right away.
     pub fn resume_all(&self, ctx: &Arc<Context>) {
         let mut targets: Vec<String> = ctx
             .store
             .with_tx(|tx| {
-                let mut stmt = tx.prepare("SELECT target FROM freeze_intents")?;
+                // Frozen guests, and overlays a cut left to settle.
+                let mut stmt = tx.prepare(
+                    "SELECT target FROM freeze_intents UNION SELECT target FROM cut_overlays",
+                )?;
                 let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
                 Ok(rows.filter_map(Result::ok).collect::<Vec<_>>())
             })
