@@ -306,3 +306,61 @@ fn a_disk_removed_from_a_running_vms_spec_cannot_be_deleted_until_qemu_lets_go_n
     assert_clean_ext4(&raw, "hold-b restored");
     assert_eq!(debugfs_cat(&raw, "/hello.txt").trim(), "hello from hearth");
 }
+
+#[test]
+fn a_stop_goes_before_a_cut_that_waits_for_a_booting_guests_agent() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let m = manifest(
+        &d,
+        "boot.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("boot-data"),
+            vm_yaml("booting", "Manual", &["boot-data"], "")
+        ),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    d.cli_ok(&["start", "booting"]);
+    wait_until("QEMU runs", Duration::from_secs(60), || {
+        d.get_vm("booting")
+            .is_some_and(|v| v["status"]["phase"] == "Running")
+    });
+    assert_ne!(
+        d.get_vm("booting").expect("vm")["status"]["agentConnected"],
+        true,
+        "the guest is still booting"
+    );
+    // The cut must wait for the agent; the stop asked meanwhile must not
+    // wait for the cut.
+    apply(
+        &d,
+        vec![
+            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
+            "metadata": {"name": "s-boot"},
+            "spec": {"virtualDiskName": "boot-data", "requiredConsistency": true}}),
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(400));
+    d.cli_ok(&["stop", "booting"]);
+    d.wait_phase("booting", "Stopped", Duration::from_secs(120));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let snap = loop {
+        let (_, v) = d.request("GET", "/v1/virtualdisksnapshots/s-boot", None);
+        if matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed")) {
+            break v;
+        }
+        assert!(std::time::Instant::now() < deadline, "{v:#}\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    // Cut after the stop, offline: consistent without any freeze in the
+    // guest (its console shows none).
+    assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
+    assert_eq!(snap["status"]["consistent"], true, "{snap:#}");
+    assert_eq!(
+        hook_counts(&d, "booting").0,
+        0,
+        "the stop waited for a freeze"
+    );
+    assert!(d.qemu_pids().is_empty());
+}

@@ -228,13 +228,17 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             let Some(e) = ctx.upgrade() else { return };
             // A thaw retry holds no lock: stop, start and restore never wait
             // behind a guest agent that does not answer.
+            let agent_deadline = Instant::now() + AGENT_WAIT;
             let guards = if core.has_pending() {
+                // A just-started guest's agent is awaited before the locks are
+                // taken, so a stop or restore asked meanwhile goes first.
+                wait_for_agent(&e, &target, agent_deadline).await;
                 lock_target(&e, &target).await
             } else {
                 Vec::new()
             };
             forward_elsewhere(&e, &target, &mut core);
-            let (access, live) = access(&e, &target).await;
+            let (access, live) = access(&e, &target, agent_deadline).await;
             if core.is_due(&access) {
                 // A cut id is taken from the durable counter only for a cut
                 // that starts, so ids never repeat and are not burnt by idle
@@ -409,9 +413,36 @@ pub fn request_of(snap: &VirtualDiskSnapshot) -> Request {
     }
 }
 
-/// How the target can be reached right now. Called with the target's
-/// operations lock held, so the VM cannot start or stop meanwhile.
-async fn access(ctx: &Arc<Context>, target: &str) -> (Access, Option<Arc<LiveVm>>) {
+/// Waits, holding no lock, until the VM's guest agent answers, the VM does
+/// not run (or has no agent), or `deadline`.
+async fn wait_for_agent(ctx: &Arc<Context>, target: &str, deadline: Instant) {
+    let Some(vm) = target.strip_prefix("vm/") else {
+        return;
+    };
+    while Instant::now() < deadline {
+        let wants_agent = matches!(
+            ctx.store.get(Kind::VirtualMachine, vm),
+            Ok(Some(s)) if matches!(&s.object, Object::VirtualMachine(v) if v.spec.guest_agent)
+        );
+        let running = matches!(
+            ctx.store.runtime(vm),
+            Ok(Some(r)) if hearth_qemu::process::is_alive(&r.process)
+        );
+        if !wants_agent || !running || ctx.live_agent_connected(vm) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// How the target can be reached right now, waiting for the guest agent
+/// until `agent_deadline`. Called with the target's operations lock held, so
+/// the VM cannot start or stop meanwhile.
+async fn access(
+    ctx: &Arc<Context>,
+    target: &str,
+    agent_deadline: Instant,
+) -> (Access, Option<Arc<LiveVm>>) {
     let Some(vm) = target.strip_prefix("vm/") else {
         return (Access::Offline, None);
     };
@@ -445,7 +476,7 @@ async fn access(ctx: &Arc<Context>, target: &str) -> (Access, Option<Arc<LiveVm>
             );
         }
     }
-    let deadline = Instant::now() + AGENT_WAIT;
+    let deadline = agent_deadline;
     while !live
         .agent_connected
         .load(std::sync::atomic::Ordering::SeqCst)
