@@ -75,27 +75,6 @@ fn written_by(pid: u32, dir: &Path) -> BTreeSet<PathBuf> {
     out
 }
 
-/// Every file of `image`'s backing chain, by `qemu-img info --backing-chain`.
-fn chain(image: &Path) -> BTreeSet<PathBuf> {
-    let out = Command::new("qemu-img")
-        .args(["info", "-U", "--backing-chain", "--output=json"])
-        .arg(image)
-        .output()
-        .expect("qemu-img");
-    assert!(
-        out.status.success(),
-        "qemu-img info --backing-chain {}: {}",
-        image.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
-    v.as_array()
-        .expect("array")
-        .iter()
-        .filter_map(|i| i["filename"].as_str().map(PathBuf::from))
-        .collect()
-}
-
 /// Restores `snap` to a disk, converts it to raw and checks it on the host:
 /// a clean ext4 (no journal to replay) whose /seq is a gapless prefix of
 /// what the guest wrote. Returns the number of lines.
@@ -307,7 +286,7 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
         Some(&head),
         "QEMU writes {written:?}"
     );
-    let in_chain = chain(&head);
+    let in_chain: BTreeSet<PathBuf> = backing_chain(&head).into_iter().collect();
     let on_disk: BTreeSet<PathBuf> = std::fs::read_dir(&layers)
         .expect("layers")
         .flatten()

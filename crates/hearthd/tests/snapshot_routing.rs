@@ -57,15 +57,7 @@ fn a_disk_a_vm_starts_using_meanwhile_is_cut_under_a_freeze_never_offline() {
     );
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
 
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    let snap = loop {
-        let (_, v) = d.request("GET", "/v1/virtualdisksnapshots/s-late", None);
-        if matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed")) {
-            break v;
-        }
-        assert!(std::time::Instant::now() < deadline, "{v:#}\n{}", d.log());
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let snap = snapshot_final(&d, "s-late", Duration::from_secs(120));
     assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
     assert_eq!(snap["status"]["consistent"], true, "{snap:#}");
 
@@ -91,22 +83,11 @@ fn a_disk_a_vm_starts_using_meanwhile_is_cut_under_a_freeze_never_offline() {
     println!("cut with {freezes} freeze(s) in the guest");
 }
 
-/// Every file of `image`'s backing chain, by `qemu-img info --backing-chain`.
-fn chain(image: &str) -> Vec<String> {
-    let out = std::process::Command::new("qemu-img")
-        .args(["info", "-U", "--backing-chain", "--output=json", image])
-        .output()
-        .expect("qemu-img");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
-    v.as_array()
-        .expect("array")
-        .iter()
-        .filter_map(|i| i["filename"].as_str().map(str::to_string))
+/// A disk image's backing chain, as strings.
+fn string_chain(image: &str) -> Vec<String> {
+    backing_chain(std::path::Path::new(image))
+        .into_iter()
+        .map(|p| p.to_string_lossy().into_owned())
         .collect()
 }
 
@@ -149,15 +130,7 @@ fn a_disk_list_edit_while_the_vm_runs_never_sends_a_cut_to_the_wrong_device() {
     );
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
 
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    let snap = loop {
-        let (_, v) = d.request("GET", "/v1/virtualdisksnapshots/swap-b", None);
-        if matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed")) {
-            break v;
-        }
-        assert!(std::time::Instant::now() < deadline, "{v:#}\n{}", d.log());
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let snap = snapshot_final(&d, "swap-b", Duration::from_secs(120));
     assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
     d.wait_agent("swap");
 
@@ -173,8 +146,8 @@ fn a_disk_list_edit_while_the_vm_runs_never_sends_a_cut_to_the_wrong_device() {
             .expect("path")
             .to_string()
     };
-    let b_chain = chain(&path("sw-b"));
-    let a_chain = chain(&path("sw-a"));
+    let b_chain = string_chain(&path("sw-b"));
+    let a_chain = string_chain(&path("sw-a"));
     assert!(
         !b_chain.contains(&base),
         "sw-b now lies over sw-a's image: {b_chain:?}"
@@ -198,7 +171,7 @@ fn a_disk_list_edit_while_the_vm_runs_never_sends_a_cut_to_the_wrong_device() {
         d.get_disk("chk-swap-b")
             .is_some_and(|v| v["status"]["phase"] == "Ready")
     });
-    let restored = chain(&path("chk-swap-b"));
+    let restored = string_chain(&path("chk-swap-b"));
     assert!(
         !restored.contains(&base),
         "the snapshot of sw-b holds sw-a: {restored:?}"
@@ -253,15 +226,7 @@ fn a_disk_removed_from_a_running_vms_spec_cannot_be_deleted_until_qemu_lets_go_n
     );
     assert!(d.get_disk("hb").is_some());
 
-    let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    let snap = loop {
-        let (_, v) = d.request("GET", "/v1/virtualdisksnapshots/hold-b", None);
-        if matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed")) {
-            break v;
-        }
-        assert!(std::time::Instant::now() < deadline, "{v:#}\n{}", d.log());
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let snap = snapshot_final(&d, "hold-b", Duration::from_secs(120));
     assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
     assert_eq!(snap["status"]["consistent"], true, "{snap:#}");
 
@@ -344,15 +309,7 @@ fn a_stop_goes_before_a_cut_that_waits_for_a_booting_guests_agent() {
     std::thread::sleep(Duration::from_millis(400));
     d.cli_ok(&["stop", "booting"]);
     d.wait_phase("booting", "Stopped", Duration::from_secs(120));
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let snap = loop {
-        let (_, v) = d.request("GET", "/v1/virtualdisksnapshots/s-boot", None);
-        if matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed")) {
-            break v;
-        }
-        assert!(std::time::Instant::now() < deadline, "{v:#}\n{}", d.log());
-        std::thread::sleep(Duration::from_millis(200));
-    };
+    let snap = snapshot_final(&d, "s-boot", Duration::from_secs(60));
     // Cut after the stop, offline: consistent without any freeze in the
     // guest (its console shows none).
     assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");

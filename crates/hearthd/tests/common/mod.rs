@@ -531,3 +531,42 @@ pub fn debugfs_cat(raw: &Path, file: &str) -> String {
         .expect("debugfs");
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
+
+/// Every file of `image`'s backing chain, top first, read by
+/// `qemu-img info --backing-chain` (with `-U`: QEMU may hold the image).
+pub fn backing_chain(image: &Path) -> Vec<PathBuf> {
+    let out = Command::new("qemu-img")
+        .args(["info", "-U", "--backing-chain", "--output=json"])
+        .arg(image)
+        .output()
+        .expect("qemu-img");
+    assert!(
+        out.status.success(),
+        "qemu-img info --backing-chain {}: {}",
+        image.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    v.as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|i| i["filename"].as_str().map(PathBuf::from))
+        .collect()
+}
+
+/// Waits until a disk snapshot is Ready or Failed and returns it.
+pub fn snapshot_final(d: &Daemon, name: &str, timeout: Duration) -> Value {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let (_, v) = d.request("GET", &format!("/v1/virtualdisksnapshots/{name}"), None);
+        if matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed")) {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "snapshot {name} not final after {timeout:?}: {v:#}\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
