@@ -115,12 +115,13 @@ fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
     );
 }
 
-#[test]
-fn a_thaw_count_mismatch_is_not_consistent() {
-    let mut c = freezing_cut(&[req("a1", "a", true), req("a2", "a", false)]);
+/// The frozen window of cut 1, from the freeze reply on: `frozen` file
+/// systems frozen and confirmed, the transaction applied, `thawed` thawed.
+/// Returns what the thaw reply leads to.
+fn freeze_cut_and_thaw(c: &mut Coordinator, frozen: u32, thawed: u32) -> Vec<Command> {
     c.handle(Input::FreezeReplied {
         cut: 1,
-        result: Ok(2),
+        result: Ok(frozen),
         now: 10,
     });
     c.handle(Input::StatusReplied {
@@ -133,11 +134,17 @@ fn a_thaw_count_mismatch_is_not_consistent() {
         result: TxResult::Applied,
         now: 30,
     });
-    let out = c.handle(Input::ThawReplied {
+    c.handle(Input::ThawReplied {
         cut: 1,
-        result: Ok(0),
+        result: Ok(thawed),
         now: 40,
-    });
+    })
+}
+
+#[test]
+fn a_thaw_count_mismatch_is_not_consistent() {
+    let mut c = freezing_cut(&[req("a1", "a", true), req("a2", "a", false)]);
+    let out = freeze_cut_and_thaw(&mut c, 2, 0);
     let Command::Commit { outcomes, .. } = &out[0] else {
         panic!("{out:?}")
     };
@@ -434,26 +441,7 @@ fn one_disk_that_cannot_be_prepared_fails_only_its_own_requests() {
         result: Ok(()),
         now: 0,
     });
-    c.handle(Input::FreezeReplied {
-        cut: 1,
-        result: Ok(1),
-        now: 10,
-    });
-    c.handle(Input::StatusReplied {
-        cut: 1,
-        result: Ok(true),
-        now: 20,
-    });
-    c.handle(Input::Transacted {
-        cut: 1,
-        result: TxResult::Applied,
-        now: 30,
-    });
-    let out = c.handle(Input::ThawReplied {
-        cut: 1,
-        result: Ok(1),
-        now: 40,
-    });
+    let out = freeze_cut_and_thaw(&mut c, 1, 1);
     let (outcomes, took) = commit_of(&out);
     assert!(took);
     let map: BTreeMap<_, _> = outcomes.into_iter().collect();
