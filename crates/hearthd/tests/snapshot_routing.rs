@@ -34,8 +34,7 @@ fn process_start(pid: u32) -> chrono::DateTime<chrono::Utc> {
 fn a_disk_a_vm_starts_using_meanwhile_is_cut_under_a_freeze_never_offline() {
     let _serial = serial();
     let d = Daemon::start();
-    let m = manifest(&d, "disk.yaml", &overlay_disk_yaml("late-data"));
-    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    apply_manifest(&d, "disk.yaml", &overlay_disk_yaml("late-data"));
     wait_until("late-data Ready", Duration::from_secs(30), || {
         d.get_disk("late-data")
             .is_some_and(|v| v["status"]["phase"] == "Ready")
@@ -50,12 +49,11 @@ fn a_disk_a_vm_starts_using_meanwhile_is_cut_under_a_freeze_never_offline() {
             "spec": {"virtualDiskName": "late-data", "requiredConsistency": true}}),
         ],
     );
-    let m = manifest(
+    apply_manifest(
         &d,
         "late.yaml",
         &vm_yaml("late", "AlwaysOn", &["late-data"], ""),
     );
-    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
 
     let snap = snapshot_final(&d, "s-late", Duration::from_secs(120));
     assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
@@ -100,14 +98,12 @@ fn a_disk_list_edit_while_the_vm_runs_never_sends_a_cut_to_the_wrong_device() {
         "{}---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: sw-b\nspec:\n  size: 16Mi\n  source:\n    blank: {{}}\n",
         overlay_disk_yaml("sw-a")
     );
-    let m = manifest(&d, "disks.yaml", &disks);
-    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
-    let m = manifest(
+    apply_manifest(&d, "disks.yaml", &disks);
+    apply_manifest(
         &d,
         "vm.yaml",
         &vm_yaml("swap", "AlwaysOn", &["sw-a", "sw-b"], ""),
     );
-    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
     wait_until("QEMU runs", Duration::from_secs(60), || {
         d.get_vm("swap")
             .is_some_and(|v| v["status"]["phase"] == "Running")
@@ -123,12 +119,11 @@ fn a_disk_list_edit_while_the_vm_runs_never_sends_a_cut_to_the_wrong_device() {
         ],
     );
     std::thread::sleep(Duration::from_millis(300));
-    let m = manifest(
+    apply_manifest(
         &d,
         "vm.yaml",
         &vm_yaml("swap", "AlwaysOn", &["sw-b", "sw-a"], ""),
     );
-    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
 
     let snap = snapshot_final(&d, "swap-b", Duration::from_secs(120));
     assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
@@ -184,7 +179,7 @@ fn a_disk_removed_from_a_running_vms_spec_cannot_be_deleted_until_qemu_lets_go_n
 {
     let _serial = serial();
     let d = Daemon::start();
-    let m = manifest(
+    apply_manifest(
         &d,
         "disks.yaml",
         &format!(
@@ -193,11 +188,9 @@ fn a_disk_removed_from_a_running_vms_spec_cannot_be_deleted_until_qemu_lets_go_n
             overlay_disk_yaml("hb")
         ),
     );
-    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
     // The guest's freeze hook sleeps 4 s: the cut is held open that long.
     let vm = |disks: &[&str]| vm_yaml("hold", "AlwaysOn", disks, "hearth.freeze_hook_sleep=4");
-    let m = manifest(&d, "vm.yaml", &vm(&["ha", "hb"]));
-    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    apply_manifest(&d, "vm.yaml", &vm(&["ha", "hb"]));
     d.wait_agent("hold");
     let first_qemu = d.qemu_pids();
     assert_eq!(first_qemu.len(), 1);
@@ -217,8 +210,7 @@ fn a_disk_removed_from_a_running_vms_spec_cannot_be_deleted_until_qemu_lets_go_n
     );
     // Mid-cut, the disk leaves the VM's spec, as the API's own error message
     // advises before a delete; QEMU still has it until the VM restarts.
-    let m = manifest(&d, "vm.yaml", &vm(&["ha"]));
-    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    apply_manifest(&d, "vm.yaml", &vm(&["ha"]));
     let err = d.cli_err(&["delete", "disk", "hb"]);
     assert!(
         err.contains("in use by VirtualMachine \"hold\"") && err.contains("running QEMU"),
@@ -276,7 +268,7 @@ fn a_disk_removed_from_a_running_vms_spec_cannot_be_deleted_until_qemu_lets_go_n
 fn a_stop_goes_before_a_cut_that_waits_for_a_booting_guests_agent() {
     let _serial = serial();
     let d = Daemon::start();
-    let m = manifest(
+    apply_manifest(
         &d,
         "boot.yaml",
         &format!(
@@ -285,7 +277,6 @@ fn a_stop_goes_before_a_cut_that_waits_for_a_booting_guests_agent() {
             vm_yaml("booting", "Manual", &["boot-data"], "")
         ),
     );
-    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
     d.cli_ok(&["start", "booting"]);
     wait_until("QEMU runs", Duration::from_secs(60), || {
         d.get_vm("booting")

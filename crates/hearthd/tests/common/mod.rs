@@ -570,3 +570,10 @@ pub fn snapshot_final(d: &Daemon, name: &str, timeout: Duration) -> Value {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// Writes a manifest file for this test and applies it with the real CLI
+/// (`hearth apply -f`); returns the CLI's output.
+pub fn apply_manifest(d: &Daemon, file: &str, text: &str) -> String {
+    let m = manifest(d, file, text);
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")])
+}
