@@ -1,4 +1,5 @@
-//! The object kinds: VirtualMachine and VirtualDisk.
+//! The object kinds: VirtualMachine, VirtualDisk, VirtualImage and the two
+//! snapshot kinds.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -15,10 +16,13 @@ pub enum Kind {
     VirtualDisk,
     VirtualDiskSnapshot,
     VirtualMachineSnapshot,
+    VirtualImage,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 4] = [
+    /// In reconcile order at start-up: images before the disks made from them.
+    pub const ALL: [Kind; 5] = [
+        Kind::VirtualImage,
         Kind::VirtualMachine,
         Kind::VirtualDisk,
         Kind::VirtualDiskSnapshot,
@@ -31,6 +35,7 @@ impl Kind {
             Kind::VirtualDisk => "VirtualDisk",
             Kind::VirtualDiskSnapshot => "VirtualDiskSnapshot",
             Kind::VirtualMachineSnapshot => "VirtualMachineSnapshot",
+            Kind::VirtualImage => "VirtualImage",
         }
     }
 
@@ -41,6 +46,7 @@ impl Kind {
             Kind::VirtualDisk => "virtualdisks",
             Kind::VirtualDiskSnapshot => "virtualdisksnapshots",
             Kind::VirtualMachineSnapshot => "virtualmachinesnapshots",
+            Kind::VirtualImage => "virtualimages",
         }
     }
 
@@ -53,6 +59,9 @@ impl Kind {
             ),
             Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => Some(
                 "a snapshot's spec cannot change after it is created; take a new snapshot instead",
+            ),
+            Kind::VirtualImage => Some(
+                "an image's source cannot change after it is created; create a new VirtualImage (disks made from this one keep using it)",
             ),
         }
     }
@@ -76,6 +85,9 @@ impl Kind {
             | "vmsnap"
             | "virtualmachinesnapshot"
             | "virtualmachinesnapshots" => Some(Kind::VirtualMachineSnapshot),
+            "image" | "images" | "vi" | "virtualimage" | "virtualimages" => {
+                Some(Kind::VirtualImage)
+            }
             _ => None,
         }
     }
@@ -120,9 +132,19 @@ pub struct VirtualMachineSpec {
     pub cpus: u32,
     #[serde(default = "default_memory")]
     pub memory: Quantity,
-    pub boot: Boot,
+    /// Direct kernel boot. Without it the VM boots from its disks through
+    /// `firmware`, in disk order.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot: Option<Boot>,
+    /// The firmware: SeaBIOS or OVMF. Used for booting from the disks; with
+    /// `boot.kernel`, UEFI also runs the kernel under OVMF.
+    #[serde(default)]
+    pub firmware: Firmware,
     #[serde(default)]
     pub disks: Vec<DiskRef>,
+    /// A NoCloud seed for cloud-init, attached read-only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_init: Option<CloudInit>,
     #[serde(default = "default_true")]
     pub guest_agent: bool,
     /// Grace period for a guest shutdown before QEMU is stopped by force.
@@ -172,6 +194,47 @@ pub struct Boot {
     #[serde(default)]
     pub cmdline: String,
 }
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Firmware {
+    /// SeaBIOS, QEMU's own BIOS.
+    #[default]
+    #[serde(rename = "BIOS")]
+    Bios,
+    /// OVMF (EDK II); each VM keeps its own variables file.
+    #[serde(rename = "UEFI")]
+    Uefi,
+}
+
+impl fmt::Display for Firmware {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Firmware::Bios => "BIOS",
+            Firmware::Uefi => "UEFI",
+        })
+    }
+}
+
+/// What cloud-init's NoCloud seed (`cidata`) carries.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CloudInit {
+    /// The `user-data` file, as text (`#cloud-config ...`, or a script).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_data: Option<String>,
+    /// The `network-config` file (cloud-init network config v1 or v2).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_config: Option<String>,
+    /// Public keys for the image's default user.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ssh_authorized_keys: Vec<String>,
+    /// The guest's hostname; the VM's name when left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hostname: Option<String>,
+}
+
+/// Longest `userData` or `networkConfig` accepted (NoCloud reads them whole).
+pub const MAX_CLOUD_INIT_TEXT: usize = 256 << 10;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -250,6 +313,8 @@ pub enum DiskSource {
     Image(PathBuf),
     /// A copy-on-write overlay over a Ready VirtualDiskSnapshot.
     Snapshot(String),
+    /// A copy-on-write overlay over a Ready VirtualImage.
+    VirtualImage(String),
 }
 
 /// `{}` in a manifest.
@@ -285,6 +350,104 @@ pub struct VirtualDiskStatus {
     pub attached_to: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
+    #[serde(default)]
+    pub observed_generation: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+// ---------------------------------------------------------------- VirtualImage
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualImage {
+    pub api_version: String,
+    pub kind: String,
+    pub metadata: ObjectMeta,
+    pub spec: VirtualImageSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<VirtualImageStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualImageSpec {
+    pub source: ImageSource,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub enum ImageSource {
+    /// A file under an image root, copied into the image store.
+    File(PathBuf),
+    /// Downloaded, and verified against `sha256` before it is used.
+    Http(HttpSource),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct HttpSource {
+    pub url: String,
+    /// The SHA-256 of the file the URL serves, 64 hex digits.
+    pub sha256: String,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ImagePhase {
+    #[default]
+    Pending,
+    Importing,
+    Ready,
+    Failed,
+}
+
+impl fmt::Display for ImagePhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualImageStatus {
+    pub phase: ImagePhase,
+    /// `42%` while importing (or bytes so far when the size is unknown), `100%` when Ready.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<String>,
+    /// Bytes read from the source so far, while importing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_done: Option<u64>,
+    /// The source's length, when it said (HTTP Content-Length, file size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_total: Option<u64>,
+    /// Import rate over the last moments, bytes per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_per_second: Option<u64>,
+    /// `qcow2` or `raw`, as `qemu-img info` detects it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<String>,
+    /// Bytes of the stored file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size: Option<u64>,
+    /// The disk size the image describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_size: Option<u64>,
+    /// `sha256:<hex>` of the stored file; the store is addressed by it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub digest: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// Failed imports: a short reason (`ChecksumMismatch`, `HttpError`, ...).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    /// Import attempts made for this generation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<u32>,
+    /// Disks made from this image.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub used_by: Vec<String>,
     #[serde(default)]
     pub observed_generation: u64,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -8,19 +8,46 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::kinds::{
-    DiskSource, Kind, MAX_FREEZE_DEADLINE_SECONDS, MIN_FREEZE_DEADLINE_SECONDS, VirtualDisk,
-    VirtualDiskSnapshot, VirtualMachine, VirtualMachineSnapshot,
+    CloudInit, DiskSource, ImageSource, Kind, MAX_CLOUD_INIT_TEXT, MAX_FREEZE_DEADLINE_SECONDS,
+    MIN_FREEZE_DEADLINE_SECONDS, VirtualDisk, VirtualDiskSnapshot, VirtualImage, VirtualMachine,
+    VirtualMachineSnapshot,
 };
 use crate::meta::API_VERSION;
 
-/// Every kind hearth knows, as one value.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// Every kind hearth knows, as one value. Read back by its `kind` field
+/// (never by trying each kind in turn, which could take one for another).
+#[derive(Clone, Debug, PartialEq, Serialize)]
 #[serde(untagged)]
 pub enum Object {
     VirtualMachine(VirtualMachine),
     VirtualDisk(VirtualDisk),
     VirtualDiskSnapshot(VirtualDiskSnapshot),
     VirtualMachineSnapshot(VirtualMachineSnapshot),
+    VirtualImage(VirtualImage),
+}
+
+impl<'de> Deserialize<'de> for Object {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let value = Value::deserialize(d)?;
+        let kind = value
+            .get("kind")
+            .and_then(Value::as_str)
+            .and_then(|k| Kind::ALL.into_iter().find(|x| x.as_str() == k))
+            .ok_or_else(|| D::Error::custom("missing or unknown `kind`"))?;
+        let r = match kind {
+            Kind::VirtualMachine => serde_json::from_value(value).map(Object::VirtualMachine),
+            Kind::VirtualDisk => serde_json::from_value(value).map(Object::VirtualDisk),
+            Kind::VirtualDiskSnapshot => {
+                serde_json::from_value(value).map(Object::VirtualDiskSnapshot)
+            }
+            Kind::VirtualMachineSnapshot => {
+                serde_json::from_value(value).map(Object::VirtualMachineSnapshot)
+            }
+            Kind::VirtualImage => serde_json::from_value(value).map(Object::VirtualImage),
+        };
+        r.map_err(D::Error::custom)
+    }
 }
 
 /// A problem with one object, naming the field so a person can fix it.
@@ -62,6 +89,7 @@ impl Object {
             Object::VirtualDisk(_) => Kind::VirtualDisk,
             Object::VirtualDiskSnapshot(_) => Kind::VirtualDiskSnapshot,
             Object::VirtualMachineSnapshot(_) => Kind::VirtualMachineSnapshot,
+            Object::VirtualImage(_) => Kind::VirtualImage,
         }
     }
 
@@ -75,6 +103,7 @@ impl Object {
             Object::VirtualDisk(o) => &o.metadata,
             Object::VirtualDiskSnapshot(o) => &o.metadata,
             Object::VirtualMachineSnapshot(o) => &o.metadata,
+            Object::VirtualImage(o) => &o.metadata,
         }
     }
 
@@ -84,6 +113,7 @@ impl Object {
             Object::VirtualDisk(o) => &mut o.metadata,
             Object::VirtualDiskSnapshot(o) => &mut o.metadata,
             Object::VirtualMachineSnapshot(o) => &mut o.metadata,
+            Object::VirtualImage(o) => &mut o.metadata,
         }
     }
 
@@ -99,6 +129,7 @@ impl Object {
             Object::VirtualDisk(o) => serde_json::to_value(&o.spec),
             Object::VirtualDiskSnapshot(o) => serde_json::to_value(&o.spec),
             Object::VirtualMachineSnapshot(o) => serde_json::to_value(&o.spec),
+            Object::VirtualImage(o) => serde_json::to_value(&o.spec),
         }
         .unwrap_or(Value::Null)
     }
@@ -110,6 +141,7 @@ impl Object {
             Object::VirtualDisk(o) => o.status = None,
             Object::VirtualDiskSnapshot(o) => o.status = None,
             Object::VirtualMachineSnapshot(o) => o.status = None,
+            Object::VirtualImage(o) => o.status = None,
         }
         let m = self.metadata_mut();
         m.creation_timestamp = None;
@@ -152,15 +184,29 @@ impl Object {
                         format!("{} is not a whole number of MiB", s.memory),
                     ));
                 }
-                check_host_path(&s.boot.kernel).map_err(|m| err("spec.boot.kernel", m))?;
-                if let Some(initrd) = &s.boot.initrd {
-                    check_host_path(initrd).map_err(|m| err("spec.boot.initrd", m))?;
+                match &s.boot {
+                    Some(boot) => {
+                        check_host_path(&boot.kernel).map_err(|m| err("spec.boot.kernel", m))?;
+                        if let Some(initrd) = &boot.initrd {
+                            check_host_path(initrd).map_err(|m| err("spec.boot.initrd", m))?;
+                        }
+                        if boot.cmdline.len() > 4096 {
+                            return Err(err("spec.boot.cmdline", "longer than 4096 bytes".into()));
+                        }
+                        if boot.cmdline.contains('\0') {
+                            return Err(err("spec.boot.cmdline", "contains a NUL byte".into()));
+                        }
+                    }
+                    None if s.disks.is_empty() => {
+                        return Err(err(
+                            "spec.disks",
+                            "a VM without spec.boot boots from its first disk through its firmware; list at least one disk (or give spec.boot.kernel)".into(),
+                        ));
+                    }
+                    None => {}
                 }
-                if s.boot.cmdline.len() > 4096 {
-                    return Err(err("spec.boot.cmdline", "longer than 4096 bytes".into()));
-                }
-                if s.boot.cmdline.contains('\0') {
-                    return Err(err("spec.boot.cmdline", "contains a NUL byte".into()));
+                if let Some(ci) = &s.cloud_init {
+                    check_cloud_init(ci).map_err(|(f, m)| err(&f, m))?;
                 }
                 if s.disks.len() > 16 {
                     return Err(err("spec.disks", "more than 16 disks".into()));
@@ -212,6 +258,9 @@ impl Object {
                     DiskSource::Snapshot(name) => {
                         check_dns_label(name).map_err(|m| err("spec.source.snapshot", m))?
                     }
+                    DiskSource::VirtualImage(name) => {
+                        check_dns_label(name).map_err(|m| err("spec.source.virtualImage", m))?
+                    }
                 }
                 if let Some(size) = &d.spec.size {
                     if matches!(d.spec.source, DiskSource::Snapshot(_)) {
@@ -247,9 +296,130 @@ impl Object {
                 check_dns_label(&snap.spec.virtual_machine_name)
                     .map_err(|m| err("spec.virtualMachineName", m))?;
             }
+            Object::VirtualImage(image) => {
+                check_header(&image.api_version, &image.kind, Kind::VirtualImage)
+                    .map_err(|(f, m)| err(f, m))?;
+                match &image.spec.source {
+                    ImageSource::File(p) => {
+                        check_host_path(p).map_err(|m| err("spec.source.file", m))?
+                    }
+                    ImageSource::Http(h) => {
+                        check_http_url(&h.url).map_err(|m| err("spec.source.http.url", m))?;
+                        check_sha256(&h.sha256).map_err(|m| err("spec.source.http.sha256", m))?;
+                    }
+                }
+            }
         }
         Ok(())
     }
+}
+
+fn check_cloud_init(ci: &CloudInit) -> Result<(), (String, String)> {
+    let f = |field: &str, m: String| (format!("spec.cloudInit.{field}"), m);
+    for (field, text) in [
+        ("userData", &ci.user_data),
+        ("networkConfig", &ci.network_config),
+    ] {
+        let Some(text) = text else { continue };
+        if text.len() > MAX_CLOUD_INIT_TEXT {
+            return Err(f(
+                field,
+                format!(
+                    "{} bytes is more than the {} KiB allowed",
+                    text.len(),
+                    MAX_CLOUD_INIT_TEXT >> 10
+                ),
+            ));
+        }
+        if text.contains('\0') {
+            return Err(f(field, "contains a NUL byte".into()));
+        }
+    }
+    // cloud-config and network config are YAML: a typo found here is found
+    // before the guest boots and silently ignores the file.
+    if let Some(ud) = &ci.user_data
+        && ud.starts_with("#cloud-config")
+    {
+        check_yaml_mapping(ud)
+            .map_err(|m| f("userData", format!("not valid #cloud-config YAML: {m}")))?;
+    }
+    if let Some(nc) = &ci.network_config {
+        check_yaml_mapping(nc).map_err(|m| f("networkConfig", format!("not valid YAML: {m}")))?;
+    }
+    if ci.ssh_authorized_keys.len() > 64 {
+        return Err(f("sshAuthorizedKeys", "more than 64 keys".into()));
+    }
+    for (i, key) in ci.ssh_authorized_keys.iter().enumerate() {
+        let field = format!("sshAuthorizedKeys[{i}]");
+        check_ssh_key(key).map_err(|m| f(&field, m))?;
+    }
+    if let Some(h) = &ci.hostname {
+        check_dns_label(h).map_err(|m| f("hostname", m))?;
+    }
+    Ok(())
+}
+
+fn check_yaml_mapping(text: &str) -> Result<(), String> {
+    match serde_yaml_ng::from_str::<Value>(text) {
+        Ok(Value::Object(_)) => Ok(()),
+        Ok(Value::Null) => Ok(()),
+        Ok(_) => Err("the top level must be a mapping".into()),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// One public key line as in `authorized_keys`: `TYPE BASE64 [COMMENT]`.
+fn check_ssh_key(key: &str) -> Result<(), String> {
+    if key.contains(['\n', '\r', '\0']) {
+        return Err("must be one line".into());
+    }
+    if key.len() > 16 << 10 {
+        return Err("longer than 16 KiB".into());
+    }
+    let mut parts = key.split_whitespace();
+    let (Some(type_), Some(body)) = (parts.next(), parts.next()) else {
+        return Err(format!(
+            "{key:?} is not a public key (expected `ssh-ed25519 AAAA... comment`)"
+        ));
+    };
+    let known =
+        type_.starts_with("ssh-") || type_.starts_with("ecdsa-sha2-") || type_.starts_with("sk-");
+    let base64 = body
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/' || b == b'=');
+    if !known || !base64 {
+        return Err(format!(
+            "{type_:?} key is not a public key (expected `ssh-ed25519 AAAA... comment`, `ssh-rsa ...` or `ecdsa-sha2-... ...`)"
+        ));
+    }
+    Ok(())
+}
+
+fn check_http_url(url: &str) -> Result<(), String> {
+    let rest = url
+        .strip_prefix("http://")
+        .or_else(|| url.strip_prefix("https://"))
+        .ok_or_else(|| format!("{url:?} is not an http:// or https:// URL"))?;
+    let host = rest.split(['/', '?', '#']).next().unwrap_or("");
+    if host.is_empty() {
+        return Err(format!("{url:?} has no host"));
+    }
+    if url.len() > 4096 {
+        return Err("longer than 4096 bytes".into());
+    }
+    if url.bytes().any(|b| b.is_ascii_control() || b == b' ') {
+        return Err("contains spaces or control characters".into());
+    }
+    Ok(())
+}
+
+fn check_sha256(hex: &str) -> Result<(), String> {
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(format!(
+            "{hex:?} is not a SHA-256 (64 hex digits, as `sha256sum` prints)"
+        ));
+    }
+    Ok(())
 }
 
 fn check_header(
@@ -380,6 +550,7 @@ pub fn resolve_relative_paths(value: &mut Value, base: &Path) {
     let fields: &[&[&str]] = match value.get("kind").and_then(Value::as_str) {
         Some("VirtualMachine") => &[&["spec", "boot", "kernel"], &["spec", "boot", "initrd"]],
         Some("VirtualDisk") => &[&["spec", "source", "image"]],
+        Some("VirtualImage") => &[&["spec", "source", "file"]],
         _ => &[],
     };
     for path in fields {
@@ -445,7 +616,7 @@ pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError
             return Err(fe(
                 label.into(),
                 "kind",
-                "is missing (one of: VirtualMachine, VirtualDisk, VirtualDiskSnapshot, VirtualMachineSnapshot)".into(),
+                "is missing (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualDiskSnapshot, VirtualMachineSnapshot)".into(),
             ));
         }
     };
@@ -457,7 +628,7 @@ pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError
                 label.into(),
                 "kind",
                 format!(
-                    "unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk, VirtualDiskSnapshot, VirtualMachineSnapshot)"
+                    "unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualDiskSnapshot, VirtualMachineSnapshot)"
                 ),
             )
         })?;
@@ -495,6 +666,9 @@ pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError
         Kind::VirtualMachineSnapshot => typed(
             serde_path_to_error::deserialize::<_, VirtualMachineSnapshot>(value)
                 .map(Object::VirtualMachineSnapshot),
+        )?,
+        Kind::VirtualImage => typed(
+            serde_path_to_error::deserialize::<_, VirtualImage>(value).map(Object::VirtualImage),
         )?,
     };
     obj.validate()?;

@@ -153,12 +153,12 @@ fn relative_paths_resolve_against_the_manifest_directory() {
         panic!()
     };
     assert_eq!(
-        vm.spec.boot.kernel,
+        vm.spec.boot.as_ref().expect("boot").kernel,
         std::path::PathBuf::from("/repo/examples/../guest/vmlinuz")
     );
     // Absolute paths stay as they are.
     assert_eq!(
-        vm.spec.boot.initrd,
+        vm.spec.boot.as_ref().expect("boot").initrd,
         Some(std::path::PathBuf::from("/boot/initrd.img"))
     );
 }

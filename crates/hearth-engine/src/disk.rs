@@ -200,6 +200,11 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
                 .map_err(|e| format!("cannot create overlay: {e}"))?;
             backing_layer = Some(layer.id);
         }
+        DiskSource::VirtualImage(image) => {
+            return Err(format!(
+                "spec.source.virtualImage: disks from VirtualImage {image:?} are not supported yet"
+            ));
+        }
     }
     // Recorded once the file is complete: a crash before this leaves only an
     // unreferenced file, never a disk pointing at a half-made image.

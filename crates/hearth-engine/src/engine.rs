@@ -624,13 +624,15 @@ impl Engine {
         };
         match obj {
             Object::VirtualMachine(vm) => {
-                self.config
-                    .confine(&vm.spec.boot.kernel)
-                    .map_err(|m| fail("spec.boot.kernel", m))?;
-                if let Some(i) = &vm.spec.boot.initrd {
+                if let Some(boot) = &vm.spec.boot {
                     self.config
-                        .confine(i)
-                        .map_err(|m| fail("spec.boot.initrd", m))?;
+                        .confine(&boot.kernel)
+                        .map_err(|m| fail("spec.boot.kernel", m))?;
+                    if let Some(i) = &boot.initrd {
+                        self.config
+                            .confine(i)
+                            .map_err(|m| fail("spec.boot.initrd", m))?;
+                    }
                 }
             }
             Object::VirtualDisk(d) => {
@@ -638,6 +640,13 @@ impl Engine {
                     self.config
                         .confine(p)
                         .map_err(|m| fail("spec.source.image", m))?;
+                }
+            }
+            Object::VirtualImage(image) => {
+                if let hearth_api::ImageSource::File(p) = &image.spec.source {
+                    self.config
+                        .confine(p)
+                        .map_err(|m| fail("spec.source.file", m))?;
                 }
             }
             Object::VirtualDiskSnapshot(_) | Object::VirtualMachineSnapshot(_) => {}
@@ -828,6 +837,7 @@ impl Engine {
                 Kind::VirtualMachineSnapshot => {
                     crate::snapshot::reconcile_vm_snapshot(&self.ctx, &key.1).await
                 }
+                Kind::VirtualImage => crate::image::reconcile(&self.ctx, &key.1).await,
             };
             match result {
                 Ok(()) => {

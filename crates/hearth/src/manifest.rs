@@ -186,11 +186,11 @@ spec:
         let objs = parse(VM_RELATIVE, "m/vm.yaml", Path::new("/srv/manifests")).expect("parses");
         let vm = vm_of(&objs[0]);
         assert_eq!(
-            vm.spec.boot.kernel,
+            vm.spec.boot.as_ref().expect("boot").kernel,
             PathBuf::from("/srv/manifests/boot/vmlinuz")
         );
         assert_eq!(
-            vm.spec.boot.initrd,
+            vm.spec.boot.as_ref().expect("boot").initrd,
             Some(PathBuf::from("/srv/manifests/../images/initrd.img"))
         );
     }
@@ -200,7 +200,7 @@ spec:
         let text = VM_RELATIVE.replace("boot/vmlinuz", "/boot/vmlinuz-6.1");
         let objs = parse(&text, "vm.yaml", Path::new("/srv/manifests")).expect("parses");
         assert_eq!(
-            vm_of(&objs[0]).spec.boot.kernel,
+            vm_of(&objs[0]).spec.boot.as_ref().expect("boot").kernel,
             PathBuf::from("/boot/vmlinuz-6.1")
         );
     }
@@ -228,7 +228,10 @@ spec: {source: {image: base.qcow2}}
         let base = base_dir(&Source::Stdin).expect("cwd");
         assert_eq!(base, std::env::current_dir().expect("cwd"));
         let objs = parse(VM_RELATIVE, "<stdin>", &base).expect("parses");
-        assert_eq!(vm_of(&objs[0]).spec.boot.kernel, base.join("boot/vmlinuz"));
+        assert_eq!(
+            vm_of(&objs[0]).spec.boot.as_ref().expect("boot").kernel,
+            base.join("boot/vmlinuz")
+        );
     }
 
     #[test]
@@ -370,7 +373,12 @@ spec: {source: {image: base.qcow2}}
         assert_eq!(loaded.len(), 1);
         let abs_sub = std::path::absolute(&sub).expect("absolute");
         assert_eq!(
-            vm_of(&loaded[0].object).spec.boot.kernel,
+            vm_of(&loaded[0].object)
+                .spec
+                .boot
+                .as_ref()
+                .expect("boot")
+                .kernel,
             abs_sub.join("boot/vmlinuz")
         );
 

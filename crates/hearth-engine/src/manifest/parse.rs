@@ -221,7 +221,10 @@ mod tests {
         let Object::VirtualMachine(v) = &objs[0] else {
             panic!("not a VM")
         };
-        assert_eq!(v.spec.boot.kernel, Path::new("/srv/manifests/boot/vmlinuz"));
+        assert_eq!(
+            v.spec.boot.as_ref().expect("boot").kernel,
+            Path::new("/srv/manifests/boot/vmlinuz")
+        );
     }
 
     #[test]

@@ -30,7 +30,9 @@ pub fn fingerprint(vm: &VirtualMachine) -> String {
         "cpus": s.cpus,
         "memoryBytes": s.memory.bytes(),
         "boot": s.boot,
+        "firmware": s.firmware,
         "disks": s.disks,
+        "cloudInit": s.cloud_init,
         "guestAgent": s.guest_agent,
     })
     .to_string()
@@ -236,10 +238,13 @@ async fn try_launch(
 ) -> Result<RuntimeRecord, String> {
     let name = vm.metadata.name.as_str();
     let cfg = &ctx.config;
+    let Some(boot) = &vm.spec.boot else {
+        return Err("spec.boot: booting from disks through firmware is not supported yet".into());
+    };
     let kernel = cfg
-        .confine(&vm.spec.boot.kernel)
+        .confine(&boot.kernel)
         .map_err(|e| format!("spec.boot.kernel: {e}"))?;
-    let initrd = match &vm.spec.boot.initrd {
+    let initrd = match &boot.initrd {
         Some(p) => Some(
             cfg.confine(p)
                 .map_err(|e| format!("spec.boot.initrd: {e}"))?,
@@ -300,7 +305,7 @@ async fn try_launch(
         accel: cfg.accel.accel,
         kernel,
         initrd,
-        cmdline: vm.spec.boot.cmdline.clone(),
+        cmdline: boot.cmdline.clone(),
         disks: disks.clone(),
         agent_socket: agent_socket.clone(),
         qmp_socket: qmp_socket.clone(),

@@ -97,7 +97,7 @@ pub fn render(
 
     let fields = Fields {
         order: match kind {
-            Kind::VirtualMachine | Kind::VirtualDisk => FIELD_ORDER,
+            Kind::VirtualMachine | Kind::VirtualDisk | Kind::VirtualImage => FIELD_ORDER,
             Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => SNAPSHOT_FIELD_ORDER,
         },
         now,

@@ -91,6 +91,7 @@ pub fn table_for(kind: Kind, items: &[Value], now: DateTime<Utc>, wide: bool) ->
     match kind {
         Kind::VirtualMachine => vm_table(items, now, wide),
         Kind::VirtualDisk => disk_table(items, now, wide),
+        Kind::VirtualImage => image_table(items, now, wide),
         Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => {
             snapshot_table(kind, items, now, wide)
         }
@@ -160,6 +161,64 @@ pub fn disk_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
             ]);
         }
         row.push(age_of(disk, now));
+        table.push(row);
+    }
+    table
+}
+
+/// `NAME PHASE PROGRESS FORMAT SIZE VIRTUAL-SIZE AGE`; wide adds SOURCE DIGEST
+/// USED-BY REASON.
+pub fn image_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
+    let mut header = vec![
+        "NAME",
+        "PHASE",
+        "PROGRESS",
+        "FORMAT",
+        "SIZE",
+        "VIRTUAL-SIZE",
+    ];
+    if wide {
+        header.extend(["SOURCE", "DIGEST", "USED-BY", "REASON"]);
+    }
+    header.push("AGE");
+    let mut table = Table::new(&header);
+    let bytes = |v: &Value, f: &str| {
+        u64_at(v, &["status", f])
+            .map(human_bytes)
+            .unwrap_or_else(|| "-".to_string())
+    };
+    for image in items {
+        let mut row = vec![
+            cell(at(image, &["metadata", "name"])),
+            cell(at(image, &["status", "phase"])),
+            cell(at(image, &["status", "progress"])),
+            cell(at(image, &["status", "format"])),
+            bytes(image, "size"),
+            bytes(image, "virtualSize"),
+        ];
+        if wide {
+            let source = str_at(image, &["spec", "source", "http", "url"])
+                .or_else(|| str_at(image, &["spec", "source", "file"]))
+                .unwrap_or("-")
+                .to_string();
+            let used_by = at(image, &["status", "usedBy"])
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_str)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| "-".to_string());
+            row.extend([
+                source,
+                cell(at(image, &["status", "digest"])),
+                used_by,
+                cell(at(image, &["status", "reason"])),
+            ]);
+        }
+        row.push(age_of(image, now));
         table.push(row);
     }
     table

@@ -42,6 +42,7 @@ pub fn short_ref(kind: Kind, name: &str) -> String {
         Kind::VirtualDisk => "disk",
         Kind::VirtualDiskSnapshot => "snapshot",
         Kind::VirtualMachineSnapshot => "vmsnapshot",
+        Kind::VirtualImage => "image",
     };
     format!("{short}/{name}")
 }

@@ -19,6 +19,7 @@ pub const VM_PHASES: [&str; 6] = [
     "Pending", "Starting", "Running", "Stopping", "Stopped", "Failed",
 ];
 pub const DISK_PHASES: [&str; 3] = ["Pending", "Ready", "Failed"];
+pub const IMAGE_PHASES: [&str; 4] = ["Pending", "Importing", "Ready", "Failed"];
 /// Both snapshot kinds.
 pub const SNAPSHOT_PHASES: [&str; 5] = ["Pending", "InProgress", "Ready", "Failed", "Terminating"];
 
@@ -96,6 +97,7 @@ pub fn check_condition(kind: Kind, cond: WaitFor) -> Result<WaitFor, String> {
     let phases: &[&str] = match kind {
         Kind::VirtualMachine => &VM_PHASES,
         Kind::VirtualDisk => &DISK_PHASES,
+        Kind::VirtualImage => &IMAGE_PHASES,
         Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => &SNAPSHOT_PHASES,
     };
     match cond {
