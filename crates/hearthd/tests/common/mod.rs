@@ -5,6 +5,8 @@
 
 #![allow(dead_code)]
 
+pub mod http;
+
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
