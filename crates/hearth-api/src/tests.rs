@@ -348,3 +348,196 @@ fn freeze_deadline_must_leave_room_for_the_transaction() {
             .contains(&vm.spec.freeze_deadline_seconds)
     );
 }
+
+// ---------------------------------------------------------------- images, firmware, cloud-init
+
+const SHA: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+
+fn image_yaml(source: &str) -> String {
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualImage\nmetadata: {{name: debian-12}}\nspec:\n  source: {source}\n"
+    )
+}
+
+fn firmware_vm(extra: &str) -> String {
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: web}}\nspec:\n  disks: [{{virtualDiskName: web-root}}]\n{extra}"
+    )
+}
+
+#[test]
+fn an_http_image_with_its_sha256_parses() {
+    let objs = parse_documents(
+        &image_yaml(&format!(
+            "{{http: {{url: \"http://127.0.0.1:8080/debian-12.qcow2\", sha256: {SHA}}}}}"
+        )),
+        "t",
+    )
+    .unwrap();
+    let Object::VirtualImage(img) = &objs[0] else {
+        panic!("not an image: {objs:?}")
+    };
+    let ImageSource::Http(h) = &img.spec.source else {
+        panic!("not http")
+    };
+    assert_eq!(h.url, "http://127.0.0.1:8080/debian-12.qcow2");
+    assert_eq!(h.sha256, SHA);
+    assert_eq!(Kind::from_user("images"), Some(Kind::VirtualImage));
+    assert_eq!(Kind::VirtualImage.plural(), "virtualimages");
+}
+
+#[test]
+fn image_sources_are_checked_field_by_field() {
+    let e = parse_err(&image_yaml(
+        "{http: {url: \"ftp://host/x.qcow2\", sha256: 9f86}}",
+    ));
+    assert!(e.contains("spec.source.http.url"), "{e}");
+    let e = parse_err(&image_yaml(&format!(
+        "{{http: {{url: \"http:///x\", sha256: {SHA}}}}}"
+    )));
+    assert!(
+        e.contains("spec.source.http.url") && e.contains("no host"),
+        "{e}"
+    );
+    let e = parse_err(&image_yaml("{http: {url: \"http://h/x\", sha256: 9f86}}"));
+    assert!(
+        e.contains("spec.source.http.sha256") && e.contains("64 hex"),
+        "{e}"
+    );
+    let e = parse_err(&image_yaml("{http: {url: \"http://h/x\"}}"));
+    assert!(
+        e.contains("sha256"),
+        "a download without a checksum is refused: {e}"
+    );
+    let e = parse_err(&image_yaml("{file: relative/x.qcow2}"));
+    assert!(
+        e.contains("spec.source.file") && e.contains("absolute"),
+        "{e}"
+    );
+    let e = parse_err(&image_yaml("{oci: {reference: x}}"));
+    assert!(e.contains("spec.source"), "{e}");
+}
+
+#[test]
+fn an_image_file_path_resolves_against_the_manifest() {
+    let objs = parse_documents_in(
+        &image_yaml("{file: images/x.qcow2}"),
+        "t",
+        Some(std::path::Path::new("/srv/m")),
+    )
+    .unwrap();
+    let Object::VirtualImage(img) = &objs[0] else {
+        panic!()
+    };
+    assert_eq!(
+        img.spec.source,
+        ImageSource::File("/srv/m/images/x.qcow2".into())
+    );
+}
+
+#[test]
+fn a_disk_from_an_image_names_it() {
+    let objs = parse_documents(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: web-root}\nspec: {size: 8Gi, source: {virtualImage: debian-12}}\n",
+        "t",
+    )
+    .unwrap();
+    let Object::VirtualDisk(d) = &objs[0] else {
+        panic!()
+    };
+    assert_eq!(d.spec.source, DiskSource::VirtualImage("debian-12".into()));
+    let e = parse_err(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: w}\nspec: {source: {virtualImage: Debian_12}}\n",
+    );
+    assert!(e.contains("spec.source.virtualImage"), "{e}");
+}
+
+#[test]
+fn a_vm_without_boot_uses_firmware_and_needs_a_disk() {
+    let objs = parse_documents(&firmware_vm("  firmware: UEFI\n"), "t").unwrap();
+    let Object::VirtualMachine(vm) = &objs[0] else {
+        panic!()
+    };
+    assert_eq!(vm.spec.firmware, Firmware::Uefi);
+    assert!(vm.spec.boot.is_none());
+    let objs = parse_documents(&firmware_vm(""), "t").unwrap();
+    let Object::VirtualMachine(vm) = &objs[0] else {
+        panic!()
+    };
+    assert_eq!(vm.spec.firmware, Firmware::Bios, "BIOS is the default");
+    let e = parse_err(&firmware_vm("  firmware: CSM\n"));
+    assert!(e.contains("spec.firmware"), "{e}");
+    let e = parse_err(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {name: web}\nspec: {}\n",
+    );
+    assert!(e.contains("spec.disks") && e.contains("firmware"), "{e}");
+}
+
+#[test]
+fn cloud_init_is_checked_before_the_guest_ever_sees_it() {
+    let ok = firmware_vm(
+        "  cloudInit:\n    userData: |\n      #cloud-config\n      runcmd: [[touch, /x]]\n    sshAuthorizedKeys: [\"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA me@laptop\"]\n    hostname: web-1\n",
+    );
+    let objs = parse_documents(&ok, "t").unwrap();
+    let Object::VirtualMachine(vm) = &objs[0] else {
+        panic!()
+    };
+    let ci = vm.spec.cloud_init.as_ref().expect("cloudInit");
+    assert!(ci.user_data.as_deref().unwrap().contains("runcmd"));
+    assert_eq!(ci.ssh_authorized_keys.len(), 1);
+
+    let e = parse_err(&firmware_vm(
+        "  cloudInit:\n    userData: |\n      #cloud-config\n      runcmd: [unclosed\n",
+    ));
+    assert!(
+        e.contains("spec.cloudInit.userData") && e.contains("YAML"),
+        "{e}"
+    );
+    // A script is not YAML and is passed as it is.
+    parse_documents(
+        &firmware_vm("  cloudInit:\n    userData: |\n      #!/bin/sh\n      echo [unclosed\n"),
+        "t",
+    )
+    .unwrap();
+    let e = parse_err(&firmware_vm(
+        "  cloudInit:\n    sshAuthorizedKeys: [\"ssh-ed25519 AAAA me\", \"hunter2\"]\n",
+    ));
+    assert!(e.contains("spec.cloudInit.sshAuthorizedKeys[1]"), "{e}");
+    let e = parse_err(&firmware_vm("  cloudInit:\n    hostname: Web_1\n"));
+    assert!(e.contains("spec.cloudInit.hostname"), "{e}");
+    let e = parse_err(&firmware_vm(
+        "  cloudInit:\n    networkConfig: \"- a\\n- b\"\n",
+    ));
+    assert!(
+        e.contains("spec.cloudInit.networkConfig") && e.contains("mapping"),
+        "{e}"
+    );
+    let e = parse_err(&firmware_vm("  cloudInit:\n    userdata: x\n"));
+    assert!(e.contains("spec.cloudInit.userdata: unknown field"), "{e}");
+    let big = format!(
+        "  cloudInit:\n    userData: \"{}\"\n",
+        "x".repeat(MAX_CLOUD_INIT_TEXT + 1)
+    );
+    let e = parse_err(&firmware_vm(&big));
+    assert!(
+        e.contains("spec.cloudInit.userData") && e.contains("KiB"),
+        "{e}"
+    );
+}
+
+#[test]
+fn stored_objects_are_read_back_as_their_own_kind() {
+    // An image and a disk look alike (both have spec.source); the kind decides.
+    let text = format!(
+        "{}---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {{name: d}}\nspec: {{source: {{virtualImage: debian-12}}}}\n",
+        image_yaml(&format!("{{http: {{url: \"http://h/x\", sha256: {SHA}}}}}"))
+    );
+    for obj in parse_documents(&text, "t").unwrap() {
+        let json = serde_json::to_string(&obj).unwrap();
+        let back: Object = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.kind(), obj.kind());
+        assert_eq!(back, obj);
+    }
+    let e = serde_json::from_str::<Object>(r#"{"kind": "Nope"}"#).unwrap_err();
+    assert!(e.to_string().contains("kind"), "{e}");
+}
