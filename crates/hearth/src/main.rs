@@ -5,6 +5,7 @@ mod client;
 mod commands;
 mod manifest;
 mod output;
+mod progress;
 #[cfg(test)]
 mod test_server;
 

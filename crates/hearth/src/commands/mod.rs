@@ -10,6 +10,7 @@ pub mod logs;
 pub mod restore;
 pub mod snapshot;
 pub mod wait;
+pub mod watch;
 
 use hearth_api::{Kind, check_dns_label};
 
