@@ -24,31 +24,37 @@ pub const SNAPSHOT_PHASES: [&str; 5] = ["Pending", "InProgress", "Ready", "Faile
     about = "Wait until an object reaches a phase, its guest agent connects, or it is gone",
     after_help = "\
 CONDITION is one of:
-  phase=PHASE   status.phase equals PHASE (VM: Pending, Starting, Running,
-                Stopping, Stopped, Failed; disk: Pending, Ready, Failed;
-                snapshot and vmsnapshot: Pending, InProgress, Ready, Failed,
-                Terminating)
+  phase=PHASE   status.phase equals PHASE, any case; PHASE alone works too
+                (VM: Pending, Starting, Running, Stopping, Stopped, Failed;
+                disk: Pending, Ready, Failed; image: Pending, Importing,
+                Ready, Failed; snapshot and vmsnapshot: Pending, InProgress,
+                Ready, Failed, Terminating)
   agent         the VM's guest agent is connected (status.agentConnected)
   delete        the object no longer exists
 
 Waiting for a phase other than Failed, or for the agent, stops early when the
 object fails (with the VM's last error, or the snapshot's reason and message)
-or, for a snapshot, when it is being deleted. Exit status: 0 when the
-condition holds, 1 on failure or timeout.
+or, for a snapshot, when it is being deleted. An image is different: hearthd
+retries a failed import, so the wait goes on, its line showing why the last
+attempt failed, until the image is Ready or --timeout names that reason.
+While an image imports, a terminal shows a progress bar (bytes, percent,
+rate); elsewhere a line is printed at each tenth of the way. Exit status: 0
+when the condition holds, 1 on failure or timeout.
 
 Examples:
   hearth wait vm demo --for phase=Running
   hearth wait vm demo --for agent --timeout 5m
+  hearth wait image debian-12 --for ready --timeout 15m
   hearth wait disk data --for delete --timeout 30s
   hearth wait snapshot data-20250101-120000 --for phase=Ready"
 )]
 pub struct Args {
-    /// vm, disk, snapshot (a disk snapshot) or vmsnapshot.
+    /// vm, disk, image, snapshot (a disk snapshot) or vmsnapshot.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     #[arg(value_name = "NAME", value_parser = super::parse_name)]
     pub name: String,
-    /// phase=PHASE, agent or delete.
+    /// phase=PHASE (or just PHASE: ready, running...), agent or delete.
     #[arg(long = "for", value_name = "CONDITION", value_parser = parse_condition)]
     pub condition: WaitFor,
     /// Give up after this long: 90s, 2m, 1h, 500ms, 1m30s.
@@ -74,16 +80,19 @@ impl fmt::Display for WaitFor {
     }
 }
 
+/// `phase=PHASE`, a bare `PHASE` (`--for ready`), `agent` or `delete`.
 pub fn parse_condition(s: &str) -> Result<WaitFor, String> {
+    let bad = || format!("unknown condition {s:?} (use phase=PHASE or PHASE, agent or delete)");
     match s {
         "agent" => Ok(WaitFor::Agent),
         "delete" => Ok(WaitFor::Delete),
-        _ => match s.strip_prefix("phase=") {
-            Some(p) if !p.is_empty() => Ok(WaitFor::Phase(p.to_string())),
-            _ => Err(format!(
-                "unknown condition {s:?} (use phase=PHASE, agent or delete)"
-            )),
-        },
+        _ => {
+            let phase = s.strip_prefix("phase=").unwrap_or(s);
+            if phase.is_empty() || !phase.chars().all(|c| c.is_ascii_alphabetic()) {
+                return Err(bad());
+            }
+            Ok(WaitFor::Phase(phase.to_string()))
+        }
     }
 }
 
@@ -101,7 +110,17 @@ pub fn check_condition(kind: Kind, cond: WaitFor) -> Result<WaitFor, String> {
             .iter()
             .find(|known| known.eq_ignore_ascii_case(&p))
             .map(|known| WaitFor::Phase(known.to_string()))
-            .ok_or_else(|| format!("{kind} has no phase {p:?} (one of: {})", phases.join(", "))),
+            .ok_or_else(|| {
+                let others = if kind == Kind::VirtualMachine {
+                    "agent or delete"
+                } else {
+                    "delete"
+                };
+                format!(
+                    "{kind} has no phase {p:?} (phases: {}; other conditions: {others})",
+                    phases.join(", ")
+                )
+            }),
         WaitFor::Agent if kind != Kind::VirtualMachine => {
             Err(format!("--for agent applies to VMs only, not to {kind}"))
         }
@@ -213,7 +232,24 @@ mod tests {
             Ok(WaitFor::Phase("running".into()))
         );
         assert!(parse_condition("phase=").is_err());
-        assert!(parse_condition("ready").is_err());
+        assert!(parse_condition("phase=Ready,x").is_err());
+        assert!(parse_condition("").is_err());
+        // A bare phase is the same as phase=PHASE: `--for ready`.
+        assert_eq!(parse_condition("ready"), Ok(WaitFor::Phase("ready".into())));
+        assert_eq!(
+            check_condition(
+                Kind::VirtualImage,
+                parse_condition("ready").expect("parses")
+            ),
+            Ok(WaitFor::Phase("Ready".into()))
+        );
+        let err = check_condition(Kind::VirtualImage, WaitFor::Phase("Running".into()))
+            .expect_err("images do not run");
+        assert_eq!(
+            err,
+            "VirtualImage has no phase \"Running\" (phases: Pending, Importing, Ready, Failed; \
+             other conditions: delete)"
+        );
 
         assert_eq!(
             check_condition(Kind::VirtualMachine, WaitFor::Phase("running".into())),
