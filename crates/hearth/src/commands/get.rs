@@ -64,11 +64,19 @@ pub struct Args {
 }
 
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
+    get(client, args, Utc::now(), &mut std::io::stdout().lock()).await
+}
+
+pub async fn get(
+    client: &ApiClient,
+    args: &Args,
+    now: DateTime<Utc>,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
     let answer = match &args.name {
         Some(name) => client.get(&super::object_path(args.kind, name)).await?,
         None => client.get(&format!("/v1/{}", args.kind.plural())).await?,
     };
-    let mut out = std::io::stdout().lock();
     match args.output {
         Format::Json => {
             writeln!(out, "{}", serde_json::to_string_pretty(&answer)?)?;
@@ -91,7 +99,7 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
                 return Ok(());
             }
             let wide = args.output == Format::Wide;
-            let table = table_for(args.kind, &items, Utc::now(), wide);
+            let table = table_for(args.kind, &items, now, wide);
             out.write_all(table.render().as_bytes())?;
         }
     }
@@ -613,5 +621,36 @@ pre    demo   Ready   false        2025-01-01T08:00:02Z   -           -      4h
             wide.contains("   9     NoGuestAgent   spec.guestAgent is false   4h\n"),
             "{wide}"
         );
+    }
+
+    #[tokio::test]
+    async fn get_image_as_yaml_or_json_is_the_servers_object() {
+        use crate::test_server::{ScriptedServer, ok};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let image = images()[0].clone();
+        let server = ScriptedServer::start(dir.path(), vec![ok(&image.to_string())]);
+        let client = ApiClient::new(&server.socket);
+        let mut args = Args {
+            kind: Kind::VirtualImage,
+            name: Some("debian-12".into()),
+            output: Format::Yaml,
+        };
+        let mut out = Vec::new();
+        get(&client, &args, now(), &mut out).await.expect("yaml");
+        let back: Value = serde_yaml_ng::from_slice(&out).expect("the YAML reads back");
+        assert_eq!(back, image);
+        args.output = Format::Json;
+        let mut out = Vec::new();
+        get(&client, &args, now(), &mut out).await.expect("json");
+        let back: Value = serde_json::from_slice(&out).expect("the JSON reads back");
+        assert_eq!(back, image);
+        assert!(
+            server
+                .seen()
+                .iter()
+                .all(|s| s.path == "/v1/virtualimages/debian-12")
+        );
+        // The full digest is there, not the table's short one.
+        assert!(String::from_utf8_lossy(&out).contains(&"ab".repeat(26)));
     }
 }
