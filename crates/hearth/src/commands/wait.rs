@@ -633,4 +633,28 @@ image/debian-12: Ready (raw)
             "{out}"
         );
     }
+
+    #[tokio::test]
+    async fn waiting_for_a_failed_image_to_go_says_no_more_than_its_state() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![
+                image_answer(json!({"phase": "Failed", "reason": "HttpError"})),
+                (StatusCode::NOT_FOUND, r#"{"error": "not found"}"#.into()),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let (result, out) = waited(
+            &client,
+            &image_args("delete", Duration::from_secs(10)),
+            Duration::from_millis(1),
+        )
+        .await;
+        result.expect("gone");
+        assert_eq!(
+            out,
+            "image/debian-12: Failed: HttpError\nimage/debian-12: deleted\n"
+        );
+    }
 }

@@ -411,7 +411,8 @@ pub async fn watch(
             {
                 w.last_failure = reason_and_message(obj)
                     .or_else(|| str_at(obj, &["status", "lastError"]).map(str::to_string));
-                if verdict == Verdict::Waiting {
+                let deleting = w.target.goal == Goal::Condition(WaitFor::Delete);
+                if verdict == Verdict::Waiting && !deleting {
                     view.text.push_str("; still waiting");
                     if w.target.kind == Kind::VirtualImage {
                         view.text.push_str(" (hearthd retries the import)");
