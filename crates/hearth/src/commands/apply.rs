@@ -27,7 +27,8 @@ against the manifest file's directory, or the current directory for stdin.
 
 An image downloaded over HTTP names the SHA-256 of the file the URL serves;
 hearthd refuses to use a download that does not match. Compute it with
-`sha256sum debian-12.qcow2` (the first 64 hex digits) on a copy you trust:
+`sha256sum debian-12.qcow2` (the 64 hex digits before the file name) on a
+copy you trust:
 
   apiVersion: hearth.dev/v1alpha1
   kind: VirtualImage
