@@ -5,6 +5,7 @@ mod client;
 mod commands;
 mod manifest;
 mod output;
+mod progress;
 #[cfg(test)]
 mod test_server;
 
@@ -215,5 +216,61 @@ mod tests {
         assert!(matches!(cli.command, Command::Restore(_)));
         assert!(Cli::try_parse_from(["hearth", "restore", "vm", "demo"]).is_err());
         assert!(Cli::try_parse_from(["hearth", "snapshot", "disk"]).is_err());
+    }
+
+    #[test]
+    fn image_commands_and_apply_wait_parse() {
+        let cli = Cli::try_parse_from(["hearth", "get", "images", "-o", "wide"]).expect("parses");
+        assert!(
+            matches!(cli.command, Command::Get(ref g) if g.kind == hearth_api::Kind::VirtualImage)
+        );
+        let cli = Cli::try_parse_from(["hearth", "wait", "image", "debian-12", "--for", "ready"])
+            .expect("parses");
+        assert!(
+            matches!(cli.command, Command::Wait(ref w) if w.kind == hearth_api::Kind::VirtualImage
+                && w.condition == commands::wait::WaitFor::Phase("ready".into()))
+        );
+        let cli = Cli::try_parse_from([
+            "hearth",
+            "apply",
+            "-f",
+            "web.yaml",
+            "--wait",
+            "--timeout",
+            "20m",
+        ])
+        .expect("parses");
+        assert!(
+            matches!(cli.command, Command::Apply(ref a) if a.wait && a.timeout == std::time::Duration::from_secs(1200))
+        );
+        let cli =
+            Cli::try_parse_from(["hearth", "apply", "-f", "web.yaml", "--wait"]).expect("parses");
+        assert!(
+            matches!(cli.command, Command::Apply(ref a) if a.timeout == std::time::Duration::from_secs(600))
+        );
+        // --timeout means nothing without --wait.
+        assert!(
+            Cli::try_parse_from(["hearth", "apply", "-f", "web.yaml", "--timeout", "1m"]).is_err()
+        );
+        assert!(Cli::try_parse_from(["hearth", "delete", "vi", "debian-12"]).is_ok());
+    }
+
+    #[test]
+    fn apply_help_teaches_an_http_image_with_its_sha256() {
+        let mut cli = Cli::command();
+        let apply = cli.find_subcommand_mut("apply").expect("apply");
+        let help = apply.render_long_help().to_string();
+        for needle in [
+            "kind: VirtualImage",
+            "sha256:",
+            "sha256sum debian-12.qcow2",
+            "virtualImage: debian-12",
+            "--wait",
+        ] {
+            assert!(
+                help.contains(needle),
+                "apply --help lacks {needle:?}:\n{help}"
+            );
+        }
     }
 }

@@ -26,25 +26,94 @@ pub struct ScriptedServer {
     seen: Arc<Mutex<Vec<Seen>>>,
 }
 
+/// What the server answers.
+enum Script {
+    /// One answer per connection, in order; the last one repeats.
+    InOrder { answers: Vec<Answer>, next: usize },
+    /// Per `METHOD PATH`: its own answers in order, the last one repeating;
+    /// anything else is a 404.
+    Routes(Vec<Route>),
+}
+
+struct Route {
+    method: String,
+    path: String,
+    answers: Vec<Answer>,
+    next: usize,
+}
+
+/// A status and a body.
+pub type Answer = (StatusCode, String);
+
+impl Script {
+    fn answer(&mut self, method: &str, path: &str) -> Answer {
+        fn take(answers: &[Answer], next: &mut usize) -> Option<Answer> {
+            let a = answers.get(*next).or(answers.last()).cloned();
+            *next += 1;
+            a
+        }
+        let found = match self {
+            Script::InOrder { answers, next } => take(answers, next),
+            Script::Routes(routes) => routes
+                .iter_mut()
+                .find(|r| r.method == method && r.path == path)
+                .and_then(|r| take(&r.answers, &mut r.next)),
+        };
+        found.unwrap_or_else(|| {
+            (
+                StatusCode::NOT_FOUND,
+                format!(r#"{{"error": "the test server has no answer for {method} {path}"}}"#),
+            )
+        })
+    }
+}
+
 impl ScriptedServer {
     /// Starts serving `script` in order, one response per connection; after
     /// the last one the last answer repeats.
     pub fn start(dir: &Path, script: Vec<(StatusCode, String)>) -> Self {
+        Self::serve(
+            dir,
+            Script::InOrder {
+                answers: script,
+                next: 0,
+            },
+        )
+    }
+
+    /// Answers by route: each `(method, path, answers)` plays its own answers
+    /// in order (the last repeats), so several objects polled in turn can
+    /// each follow their own story.
+    pub fn routes(dir: &Path, routes: Vec<(&str, &str, Vec<Answer>)>) -> Self {
+        Self::serve(
+            dir,
+            Script::Routes(
+                routes
+                    .into_iter()
+                    .map(|(method, path, answers)| Route {
+                        method: method.to_string(),
+                        path: path.to_string(),
+                        answers,
+                        next: 0,
+                    })
+                    .collect(),
+            ),
+        )
+    }
+
+    fn serve(dir: &Path, script: Script) -> Self {
         let socket = dir.join("hearthd.sock");
         let listener = UnixListener::bind(&socket).expect("bind test socket");
         let seen = Arc::new(Mutex::new(Vec::new()));
         let log = Arc::clone(&seen);
+        let script = Arc::new(Mutex::new(script));
         tokio::spawn(async move {
-            let mut next = 0usize;
             while let Ok((stream, _)) = listener.accept().await {
-                let Some((status, body)) = script.get(next).or(script.last()).cloned() else {
-                    return;
-                };
-                next += 1;
                 let log = Arc::clone(&log);
+                let script = Arc::clone(&script);
                 let service = service_fn(move |req: Request<Incoming>| {
                     let log = Arc::clone(&log);
-                    let body = body.clone();
+                    let script = Arc::clone(&script);
                     async move {
                         let seen = Seen {
                             method: req.method().to_string(),
@@ -65,6 +134,10 @@ impl ScriptedServer {
                                 .map(|b| b.to_bytes().to_vec())
                                 .unwrap_or_default(),
                         };
+                        let (status, body) = script
+                            .lock()
+                            .expect("script lock")
+                            .answer(&seen.method, &seen.path);
                         if let Ok(mut l) = log.lock() {
                             l.push(seen);
                         }

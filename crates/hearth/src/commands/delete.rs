@@ -10,10 +10,12 @@ use crate::client::ApiClient;
 
 #[derive(Debug, clap::Args)]
 #[command(
-    about = "Delete objects; a VM is stopped first, a disk must not be in use",
+    about = "Delete objects; a VM is stopped first, a disk or an image must not be in use",
     after_help = "\
 Objects that come from the manifest directory cannot be deleted here:
-remove their file instead. Deleting a snapshot frees its space once nothing
+remove their file instead. An image that disks were made from is refused
+with the names of those disks (delete the disks first); the command then
+prints hearthd's message and exits 1. Deleting a snapshot frees its space once nothing
 needs it any more (a disk created from it, or a later snapshot, keeps what it
 reads); no other snapshot or disk changes content. It is safe while a cut is
 in progress.
@@ -21,11 +23,12 @@ in progress.
 Examples:
   hearth delete vm demo
   hearth delete disk data scratch
+  hearth delete image debian-12
   hearth delete snapshot data-20250101-120000
   hearth delete vmsnapshot before-upgrade"
 )]
 pub struct Args {
-    /// vm, disk, snapshot (a disk snapshot) or vmsnapshot.
+    /// vm, disk, image, snapshot (a disk snapshot) or vmsnapshot.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     /// One or more names; each is deleted on its own, so one failure does not stop the rest.
@@ -71,6 +74,7 @@ mod tests {
     use super::*;
     use crate::test_server::{ScriptedServer, ok};
     use hyper::StatusCode;
+    use serde_json::json;
 
     #[tokio::test]
     async fn deleting_snapshots_of_both_kinds_uses_their_paths() {
@@ -139,5 +143,53 @@ mod tests {
             "virtualdisksnapshot/b deleted\n"
         );
         assert_eq!(server.seen().len(), 2);
+    }
+
+    #[tokio::test]
+    async fn an_image_in_use_is_refused_with_the_servers_words() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let refusal = "VirtualImage \"debian-12\" is in use by VirtualDisk \"web-root\", \"db-root\"; \
+                       delete those disks first";
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![(
+                StatusCode::CONFLICT,
+                json!({ "error": refusal }).to_string(),
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let args = Args {
+            kind: Kind::VirtualImage,
+            names: vec!["debian-12".into()],
+        };
+        let mut out = Vec::new();
+        let err = delete(&client, &args, &mut out).await.expect_err("refused");
+        // main prints this after `error: ` and exits 1.
+        assert_eq!(format!("{err:#}"), refusal);
+        assert!(out.is_empty());
+        let seen = server.seen();
+        assert_eq!(
+            (seen[0].method.as_str(), seen[0].path.as_str()),
+            ("DELETE", "/v1/virtualimages/debian-12")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_deleted_image_is_reported_like_any_object() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![ok(
+                r#"{"kind": "VirtualImage", "name": "old", "action": "deleted"}"#,
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let args = Args {
+            kind: Kind::VirtualImage,
+            names: vec!["old".into()],
+        };
+        let mut out = Vec::new();
+        delete(&client, &args, &mut out).await.expect("deleted");
+        assert_eq!(String::from_utf8_lossy(&out), "virtualimage/old deleted\n");
     }
 }

@@ -17,14 +17,21 @@ const EVENT_LIMIT: usize = 20;
 #[command(
     about = "Show one object in detail: spec, status, conditions and recent events",
     after_help = "\
+For a VM the header says its firmware (BIOS, UEFI, or kernel for a direct
+kernel boot) and what its cloud-init seed carries; the spec shows the
+cloud-init user data in full. For an image: its source, how the import goes
+(bytes, rate, attempts), the full digest, format, sizes, where it is stored,
+the disks made from it, and why an import failed.
+
 Examples:
   hearth describe vm demo
+  hearth describe image debian-12
   hearth describe disk data
   hearth describe snapshot data-20250101-120000
   hearth describe vmsnapshot before-upgrade"
 )]
 pub struct Args {
-    /// vm, disk, snapshot (a disk snapshot) or vmsnapshot.
+    /// vm, disk, image, snapshot (a disk snapshot) or vmsnapshot.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     #[arg(value_name = "NAME", value_parser = super::parse_name)]
@@ -94,10 +101,15 @@ pub fn render(
         "Generation",
         cell(at(obj, &["metadata", "generation"])),
     );
+    if kind == Kind::VirtualMachine {
+        line(&mut out, "Firmware", super::get::firmware_of(obj));
+        line(&mut out, "Cloud-init", cloud_init_summary(obj));
+    }
 
     let fields = Fields {
         order: match kind {
-            Kind::VirtualMachine | Kind::VirtualDisk | Kind::VirtualImage => FIELD_ORDER,
+            Kind::VirtualMachine | Kind::VirtualDisk => FIELD_ORDER,
+            Kind::VirtualImage => IMAGE_FIELD_ORDER,
             Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => SNAPSHOT_FIELD_ORDER,
         },
         now,
@@ -192,6 +204,20 @@ impl Fields {
         let mut entries: Vec<_> = map.iter().collect();
         entries.sort_by_key(|(k, _)| field_rank(self.order, k));
         for (key, value) in entries {
+            if let Value::String(text) = value
+                && is_multi_line(text)
+            {
+                // YAML's block style: the text as written, one line per line.
+                out.push_str(&format!("{pad}{key}: |\n"));
+                for text_line in text.lines() {
+                    if text_line.is_empty() {
+                        out.push('\n');
+                    } else {
+                        out.push_str(&format!("{pad}  {}\n", printable(text_line)));
+                    }
+                }
+                continue;
+            }
             if is_inline(value) {
                 let label = format!("{key}:");
                 let text = self.humanised(key, value);
@@ -222,8 +248,15 @@ impl Fields {
         let text = inline(value);
         match (key, value) {
             // `size` in a disk's spec is a quantity string like `1Gi`: left as is.
-            ("capacity" | "allocated" | "size", Value::Number(n)) => match n.as_u64() {
+            (
+                "capacity" | "allocated" | "size" | "virtualSize" | "bytesDone" | "bytesTotal",
+                Value::Number(n),
+            ) => match n.as_u64() {
                 Some(bytes) => format!("{text} ({})", human_bytes(bytes)),
+                None => text,
+            },
+            ("bytesPerSecond", Value::Number(n)) => match n.as_u64() {
+                Some(rate) => format!("{text} ({}/s)", human_bytes(rate)),
                 None => text,
             },
             ("cutTime" | "startTime", Value::String(s)) => match DateTime::parse_from_rfc3339(s) {
@@ -267,7 +300,13 @@ const FIELD_ORDER: &[&str] = &[
     "kernel",
     "initrd",
     "cmdline",
+    "firmware",
     "disks",
+    "cloudInit",
+    "hostname",
+    "sshAuthorizedKeys",
+    "userData",
+    "networkConfig",
     "guestAgent",
     "stopTimeoutSeconds",
     "freezeDeadlineSeconds",
@@ -282,6 +321,31 @@ const FIELD_ORDER: &[&str] = &[
     "allocated",
     "attachedTo",
     "lastError",
+    "observedGeneration",
+];
+
+/// A VirtualImage: where it comes from, how the import goes, what it is,
+/// where it is stored, who uses it, and why it failed.
+const IMAGE_FIELD_ORDER: &[&str] = &[
+    "source",
+    "file",
+    "http",
+    "url",
+    "sha256",
+    "phase",
+    "progress",
+    "bytesDone",
+    "bytesTotal",
+    "bytesPerSecond",
+    "digest",
+    "format",
+    "size",
+    "virtualSize",
+    "path",
+    "usedBy",
+    "attempts",
+    "reason",
+    "message",
     "observedGeneration",
 ];
 
@@ -311,9 +375,59 @@ fn field_rank(order: &[&str], key: &str) -> (usize, String) {
     (known.unwrap_or(order.len()), key.to_string())
 }
 
+/// `yes (userData, 1 SSH key, hostname web)` or `no`: what the VM's
+/// cloud-init seed carries, without the contents.
+fn cloud_init_summary(vm: &Value) -> String {
+    let Some(ci) = at(vm, &["spec", "cloudInit"]).and_then(Value::as_object) else {
+        return "no".to_string();
+    };
+    let mut parts = Vec::new();
+    for field in ["userData", "networkConfig"] {
+        if ci.get(field).is_some_and(Value::is_string) {
+            parts.push(field.to_string());
+        }
+    }
+    match ci
+        .get("sshAuthorizedKeys")
+        .and_then(Value::as_array)
+        .map(Vec::len)
+    {
+        Some(1) => parts.push("1 SSH key".to_string()),
+        Some(n) if n > 1 => parts.push(format!("{n} SSH keys")),
+        _ => {}
+    }
+    if let Some(h) = ci.get("hostname").and_then(Value::as_str) {
+        parts.push(format!("hostname {}", printable(h)));
+    }
+    if parts.is_empty() {
+        "yes".to_string()
+    } else {
+        format!("yes ({})", parts.join(", "))
+    }
+}
+
+fn is_multi_line(text: &str) -> bool {
+    text.contains('\n')
+}
+
+/// A line of user text safe to print: control characters other than tabs
+/// (terminal escapes, carriage returns) are shown escaped.
+fn printable(text: &str) -> String {
+    text.chars()
+        .map(|c| {
+            if c.is_control() && c != '\t' {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 /// Fits on the key's line: scalars, `{}`, and lists without objects in them.
 fn is_inline(v: &Value) -> bool {
     match v {
+        Value::String(text) => !is_multi_line(text),
         Value::Object(map) => map.is_empty(),
         Value::Array(items) => items.iter().all(|i| !i.is_object() && !i.is_array()),
         _ => true,
@@ -377,6 +491,8 @@ Kind:       VirtualMachine
 Source:     file:/etc/hearth/manifests/demo.yaml
 Created:    2025-01-01T11:55:00Z (5m ago)
 Generation: 2
+Firmware:   kernel
+Cloud-init: no
 Spec:
   runPolicy:   AlwaysOn
   cpus:        1
@@ -591,6 +707,175 @@ Events:      <none>
         assert_eq!(
             seen[1].path,
             "/v1/events?kind=VirtualDiskSnapshot&name=pre-data&limit=20"
+        );
+    }
+
+    fn debian_image() -> Value {
+        let sha = "0f3a5b7c9d1e".to_string() + &"ab".repeat(26);
+        json!({
+            "apiVersion": "hearth.dev/v1alpha1",
+            "kind": "VirtualImage",
+            "metadata": {"name": "debian-12", "creationTimestamp": "2025-01-01T11:00:00Z",
+                         "generation": 1, "managedBy": "api"},
+            "spec": {"source": {"http": {"sha256": sha, "url": "http://127.0.0.1:8080/debian-12.qcow2"}}},
+            "status": {"usedBy": ["web-root"], "path": "/var/lib/hearth/images/sha256-0f3a.qcow2",
+                       "virtualSize": 2147483648u64, "size": 356515840u64, "format": "qcow2",
+                       "digest": format!("sha256:{sha}"), "message": "", "attempts": 2,
+                       "bytesTotal": 356515840u64, "bytesDone": 356515840u64, "progress": "100%",
+                       "phase": "Ready", "observedGeneration": 1,
+                       "conditions": [{"type": "Ready", "status": "True", "reason": "Imported",
+                                       "message": "verified sha256", "lastTransitionTime": "2025-01-01T11:02:00Z"}]}
+        })
+    }
+
+    #[test]
+    fn describe_image_shows_source_import_digest_sizes_path_and_users_in_order() {
+        let events = [
+            json!({"time": "2025-01-01T11:01:00Z", "type": "Warning", "reason": "ImportFailed",
+                   "message": "attempt 1: HttpError: 503 Service Unavailable"}),
+            json!({"time": "2025-01-01T11:02:00Z", "type": "Normal", "reason": "Imported",
+                   "message": "qcow2, 340.0Mi"}),
+        ];
+        let text = render(Kind::VirtualImage, &debian_image(), Ok(&events), now());
+        let sha = "0f3a5b7c9d1e".to_string() + &"ab".repeat(26);
+        let expected = format!(
+            "\
+Name:       debian-12
+Kind:       VirtualImage
+Source:     api
+Created:    2025-01-01T11:00:00Z (1h ago)
+Generation: 1
+Spec:
+  source:
+    http:
+      url:     http://127.0.0.1:8080/debian-12.qcow2
+      sha256:  {sha}
+Status:
+  phase:               Ready
+  progress:            100%
+  bytesDone:           356515840 (340.0Mi)
+  bytesTotal:          356515840 (340.0Mi)
+  digest:              sha256:{sha}
+  format:              qcow2
+  size:                356515840 (340.0Mi)
+  virtualSize:         2147483648 (2.0Gi)
+  path:                /var/lib/hearth/images/sha256-0f3a.qcow2
+  usedBy:              web-root
+  attempts:            2
+  message:             \"\"
+  observedGeneration:  1
+Conditions:
+  TYPE    STATUS   REASON     MESSAGE           AGE
+  Ready   True     Imported   verified sha256   58m
+Events:
+  AGE   TYPE      REASON         MESSAGE
+  59m   Warning   ImportFailed   attempt 1: HttpError: 503 Service Unavailable
+  58m   Normal    Imported       qcow2, 340.0Mi
+"
+        );
+        assert_eq!(text, expected);
+    }
+
+    #[test]
+    fn describe_a_failing_import_shows_the_rate_and_why() {
+        let image = json!({
+            "metadata": {"name": "alpine"},
+            "spec": {"source": {"file": "/var/lib/hearth/images/alpine.raw"}},
+            "status": {"phase": "Importing", "bytesPerSecond": 3145728, "bytesDone": 1048576,
+                       "reason": "HttpError", "message": "attempt 1: connection reset", "attempts": 2}
+        });
+        let text = render(Kind::VirtualImage, &image, Ok(&[]), now());
+        assert!(
+            text.contains(
+                "\
+Spec:
+  source:
+    file:  /var/lib/hearth/images/alpine.raw
+Status:
+  phase:           Importing
+  bytesDone:       1048576 (1.0Mi)
+  bytesPerSecond:  3145728 (3.0Mi/s)
+  attempts:        2
+  reason:          HttpError
+  message:         attempt 1: connection reset
+"
+            ),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn describe_vm_says_firmware_and_cloud_init_and_shows_the_user_data_as_written() {
+        let vm = json!({
+            "metadata": {"name": "web"},
+            "spec": {"firmware": "UEFI", "cpus": 2, "disks": [{"virtualDiskName": "web-root"}],
+                     "cloudInit": {"userData": "#cloud-config\nruncmd:\n  - [touch, /etc/x]\n\n# \u{1b}[31mred\n",
+                                   "sshAuthorizedKeys": ["ssh-ed25519 AAAA me@laptop"],
+                                   "hostname": "web"}},
+            "status": {"phase": "Running"}
+        });
+        let text = render(Kind::VirtualMachine, &vm, Ok(&[]), now());
+        assert!(
+            text.contains(
+                "Firmware:   UEFI\nCloud-init: yes (userData, 1 SSH key, hostname web)\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "\
+Spec:
+  cpus:      2
+  firmware:  UEFI
+  disks:
+    - virtualDiskName:  web-root
+  cloudInit:
+    hostname:           web
+    sshAuthorizedKeys:  ssh-ed25519 AAAA me@laptop
+    userData: |
+      #cloud-config
+      runcmd:
+        - [touch, /etc/x]
+
+      # \\u{1b}[31mred
+Status:
+"
+            ),
+            "{text}"
+        );
+        assert!(
+            !text.contains('\u{1b}'),
+            "a terminal escape got through: {text}"
+        );
+        let none = json!({"metadata": {"name": "a"}, "spec": {"cloudInit": {}}});
+        assert!(render(Kind::VirtualMachine, &none, Ok(&[]), now()).contains("Cloud-init: yes\n"));
+    }
+
+    #[tokio::test]
+    async fn describe_image_asks_for_the_image_and_its_events() {
+        use crate::test_server::{ScriptedServer, ok};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![ok(&debian_image().to_string()), ok(r#"{"items": []}"#)],
+        );
+        let client = ApiClient::new(&server.socket);
+        let args = Args {
+            kind: Kind::VirtualImage,
+            name: "debian-12".into(),
+        };
+        let text = describe(&client, &args, now()).await.expect("described");
+        assert!(
+            text.starts_with("Name:       debian-12\nKind:       VirtualImage\n"),
+            "{text}"
+        );
+        let paths: Vec<String> = server.seen().into_iter().map(|s| s.path).collect();
+        assert_eq!(
+            paths,
+            [
+                "/v1/virtualimages/debian-12",
+                "/v1/events?kind=VirtualImage&name=debian-12&limit=20"
+            ]
         );
     }
 }

@@ -27,6 +27,14 @@ pub enum Format {
 #[command(
     about = "List objects of a kind, or show one",
     after_help = "\
+For images, PROGRESS is how far an import has come (100% when Ready), SIZE
+the stored file and VIRTUAL-SIZE the disk size it describes; -o wide adds
+the source, the digest (sha256 and its first 12 hex digits; all of it in
+`hearth describe image`), the disks made from it and why an import failed.
+For VMs, -o wide adds FIRMWARE (BIOS, UEFI, or kernel for a direct kernel
+boot) and CLOUD-INIT (yes when spec.cloudInit is set; the user data itself
+is shown only by `hearth describe vm`).
+
 For snapshots, CONSISTENT says whether the guest was frozen (or stopped) at
 the cut, CUT-TIME is when it was taken (UTC) and FREEZE-MS how long the guest
 was frozen for it; -o wide adds the cut's id (snapshots of one VM taken
@@ -36,12 +44,15 @@ Examples:
   hearth get vms
   hearth get vm demo -o yaml
   hearth get disks -o wide
+  hearth get images
+  hearth get image debian-12 -o yaml
+  hearth get vms -o wide
   hearth get snapshots
   hearth get vmsnapshots -o wide"
 )]
 pub struct Args {
-    /// vm, disk, snapshot (a disk snapshot) or vmsnapshot; plurals and the
-    /// full kind names (VirtualDisk, VirtualMachineSnapshot...) work too.
+    /// vm, disk, image, snapshot (a disk snapshot) or vmsnapshot; plurals,
+    /// `vi`, and the full kind names (VirtualDisk, VirtualImage...) work too.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     /// Only this object; 404 if it does not exist.
@@ -53,11 +64,19 @@ pub struct Args {
 }
 
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
+    get(client, args, Utc::now(), &mut std::io::stdout().lock()).await
+}
+
+pub async fn get(
+    client: &ApiClient,
+    args: &Args,
+    now: DateTime<Utc>,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
     let answer = match &args.name {
         Some(name) => client.get(&super::object_path(args.kind, name)).await?,
         None => client.get(&format!("/v1/{}", args.kind.plural())).await?,
     };
-    let mut out = std::io::stdout().lock();
     match args.output {
         Format::Json => {
             writeln!(out, "{}", serde_json::to_string_pretty(&answer)?)?;
@@ -80,7 +99,7 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
                 return Ok(());
             }
             let wide = args.output == Format::Wide;
-            let table = table_for(args.kind, &items, Utc::now(), wide);
+            let table = table_for(args.kind, &items, now, wide);
             out.write_all(table.render().as_bytes())?;
         }
     }
@@ -98,11 +117,19 @@ pub fn table_for(kind: Kind, items: &[Value], now: DateTime<Utc>, wide: bool) ->
     }
 }
 
-/// `NAME PHASE ACCEL AGENT PID AGE`; wide adds CPUS MEMORY POLICY MANAGED-BY.
+/// `NAME PHASE ACCEL AGENT PID AGE`; wide adds CPUS MEMORY POLICY FIRMWARE
+/// CLOUD-INIT MANAGED-BY.
 pub fn vm_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
     let mut header = vec!["NAME", "PHASE", "ACCEL", "AGENT", "PID"];
     if wide {
-        header.extend(["CPUS", "MEMORY", "POLICY", "MANAGED-BY"]);
+        header.extend([
+            "CPUS",
+            "MEMORY",
+            "POLICY",
+            "FIRMWARE",
+            "CLOUD-INIT",
+            "MANAGED-BY",
+        ]);
     }
     header.push("AGE");
     let mut table = Table::new(&header);
@@ -120,6 +147,8 @@ pub fn vm_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
                 cell(at(vm, &["spec", "cpus"])),
                 cell(at(vm, &["spec", "memory"])),
                 cell(at(vm, &["spec", "runPolicy"])),
+                firmware_of(vm),
+                cloud_init_of(vm).to_string(),
                 cell(at(vm, &["metadata", "managedBy"])),
             ]);
         }
@@ -191,16 +220,12 @@ pub fn image_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
         let mut row = vec![
             cell(at(image, &["metadata", "name"])),
             cell(at(image, &["status", "phase"])),
-            cell(at(image, &["status", "progress"])),
+            image_progress(image),
             cell(at(image, &["status", "format"])),
             bytes(image, "size"),
             bytes(image, "virtualSize"),
         ];
         if wide {
-            let source = str_at(image, &["spec", "source", "http", "url"])
-                .or_else(|| str_at(image, &["spec", "source", "file"]))
-                .unwrap_or("-")
-                .to_string();
             let used_by = at(image, &["status", "usedBy"])
                 .and_then(Value::as_array)
                 .map(|a| {
@@ -212,8 +237,10 @@ pub fn image_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
                 .filter(|s| !s.is_empty())
                 .unwrap_or_else(|| "-".to_string());
             row.extend([
-                source,
-                cell(at(image, &["status", "digest"])),
+                image_source(image),
+                str_at(image, &["status", "digest"])
+                    .map(short_digest)
+                    .unwrap_or_else(|| "-".to_string()),
                 used_by,
                 cell(at(image, &["status", "reason"])),
             ]);
@@ -222,6 +249,73 @@ pub fn image_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
         table.push(row);
     }
     table
+}
+
+/// `status.progress` as hearthd wrote it; while importing without one, the
+/// share of `bytesDone` in `bytesTotal`, or the bytes so far.
+fn image_progress(image: &Value) -> String {
+    if let Some(p) = str_at(image, &["status", "progress"]) {
+        return p.to_string();
+    }
+    if str_at(image, &["status", "phase"]) != Some("Importing") {
+        return "-".to_string();
+    }
+    match (
+        u64_at(image, &["status", "bytesDone"]),
+        u64_at(image, &["status", "bytesTotal"]).filter(|t| *t > 0),
+    ) {
+        (Some(done), Some(total)) => {
+            format!("{}%", (u128::from(done) * 100 / u128::from(total)).min(100))
+        }
+        (Some(done), None) => human_bytes(done),
+        _ => "-".to_string(),
+    }
+}
+
+/// The URL of an http source, the path of a file source.
+fn image_source(image: &Value) -> String {
+    str_at(image, &["spec", "source", "http", "url"])
+        .or_else(|| str_at(image, &["spec", "source", "file"]))
+        .map(str::to_string)
+        .or_else(|| {
+            // A source kind this CLI does not know yet (oci, ...): its name.
+            at(image, &["spec", "source"])
+                .and_then(Value::as_object)
+                .and_then(|m| m.keys().next().cloned())
+        })
+        .unwrap_or_else(|| "-".to_string())
+}
+
+/// `sha256:` and the first 12 hex digits, as `docker images` shows them: enough
+/// to tell images apart and to compare with `sha256sum`; describe and
+/// `-o yaml` show all 64.
+pub fn short_digest(digest: &str) -> String {
+    match digest.split_once(':') {
+        Some((algo, hex)) if hex.len() > 12 && hex.is_ascii() => format!("{algo}:{}", &hex[..12]),
+        _ => digest.to_string(),
+    }
+}
+
+/// The FIRMWARE cell of a VM: `BIOS`, `UEFI`, or `kernel` for a direct
+/// kernel boot (`kernel+UEFI` when OVMF runs it).
+pub fn firmware_of(vm: &Value) -> String {
+    let firmware = str_at(vm, &["spec", "firmware"]).unwrap_or("BIOS");
+    let kernel = at(vm, &["spec", "boot", "kernel"]).is_some_and(|k| !k.is_null());
+    match (kernel, firmware) {
+        (true, "BIOS") => "kernel".to_string(),
+        (true, other) => format!("kernel+{other}"),
+        (false, other) => other.to_string(),
+    }
+}
+
+/// The CLOUD-INIT cell: `yes` when the VM has a cloud-init seed, else `no`.
+/// The user data itself never goes in a table (it may hold secrets); see
+/// `hearth describe vm`.
+pub fn cloud_init_of(vm: &Value) -> &'static str {
+    match at(vm, &["spec", "cloudInit"]) {
+        Some(Value::Object(_)) => "yes",
+        _ => "no",
+    }
 }
 
 /// `NAME DISK|VM PHASE CONSISTENT CUT-TIME FREEZE-MS SIZE AGE`; wide adds
@@ -333,10 +427,109 @@ new    -         -       no      -      5s
         );
         let wide = vm_table(&items, now(), true).render();
         assert!(
-            wide.starts_with("NAME   PHASE     ACCEL   AGENT   PID    CPUS   MEMORY   POLICY   MANAGED-BY   AGE\n"),
+            wide.starts_with("NAME   PHASE     ACCEL   AGENT   PID    CPUS   MEMORY   POLICY   FIRMWARE   CLOUD-INIT   MANAGED-BY   AGE\n"),
             "{wide}"
         );
-        assert!(wide.contains("2      512Mi    Manual"), "{wide}");
+        assert!(
+            wide.contains("2      512Mi    Manual   BIOS       no           -            3m"),
+            "{wide}"
+        );
+    }
+
+    #[test]
+    fn wide_vm_table_shows_firmware_and_cloud_init_but_never_the_user_data() {
+        let vm = |spec: Value| json!({"metadata": {"name": "v"}, "spec": spec});
+        let items = [
+            vm(
+                json!({"firmware": "UEFI", "cloudInit": {"userData": "#cloud-config\npassword: hunter2\n"}}),
+            ),
+            vm(json!({"firmware": "BIOS", "boot": {"kernel": "/k/vmlinuz"}})),
+            vm(json!({"firmware": "UEFI", "boot": {"kernel": "/k/vmlinuz"}, "cloudInit": {}})),
+            vm(json!({})),
+        ];
+        assert_eq!(
+            items.iter().map(firmware_of).collect::<Vec<_>>(),
+            ["UEFI", "kernel", "kernel+UEFI", "BIOS"]
+        );
+        assert_eq!(
+            items.iter().map(cloud_init_of).collect::<Vec<_>>(),
+            ["yes", "no", "yes", "no"]
+        );
+        let wide = vm_table(&items, now(), true).render();
+        assert!(!wide.contains("hunter2"), "{wide}");
+        assert!(!wide.contains("cloud-config"), "{wide}");
+        assert!(
+            wide.lines()
+                .nth(1)
+                .is_some_and(|l| l.contains("   UEFI          yes          -")),
+            "{wide}"
+        );
+    }
+
+    fn images() -> [Value; 4] {
+        let sha = "0f3a5b7c9d1e".to_string() + &"ab".repeat(26);
+        [
+            json!({"metadata": {"name": "debian-12", "creationTimestamp": "2025-01-01T11:00:00Z"},
+                   "spec": {"source": {"http": {"url": "http://127.0.0.1:8080/debian-12.qcow2", "sha256": sha}}},
+                   "status": {"phase": "Ready", "progress": "100%", "format": "qcow2",
+                              "size": 356515840u64, "virtualSize": 2147483648u64,
+                              "digest": format!("sha256:{sha}"), "usedBy": ["web-root", "db-root"]}}),
+            json!({"metadata": {"name": "alpine", "creationTimestamp": "2025-01-01T11:59:30Z"},
+                   "spec": {"source": {"http": {"url": "http://127.0.0.1:8080/alpine.img", "sha256": sha}}},
+                   "status": {"phase": "Importing", "progress": "42%", "bytesDone": 44040192u64,
+                              "bytesTotal": 104857600u64}}),
+            json!({"metadata": {"name": "local", "creationTimestamp": "2025-01-01T11:59:00Z"},
+                   "spec": {"source": {"file": "/var/lib/hearth/images/local.raw"}},
+                   "status": {"phase": "Failed", "reason": "NotAnImage", "message": "qemu-img: unknown format",
+                              "attempts": 2}}),
+            json!({"metadata": {"name": "new"},
+                   "spec": {"source": {"http": {"url": "http://127.0.0.1:8080/new.qcow2", "sha256": sha}}},
+                   "status": {"phase": "Importing", "bytesDone": 1048576}}),
+        ]
+    }
+
+    #[test]
+    fn image_table_shows_phase_progress_format_and_sizes() {
+        assert_eq!(
+            table_for(Kind::VirtualImage, &images(), now(), false).render(),
+            "\
+NAME        PHASE       PROGRESS   FORMAT   SIZE      VIRTUAL-SIZE   AGE
+debian-12   Ready       100%       qcow2    340.0Mi   2.0Gi          1h
+alpine      Importing   42%        -        -         -              30s
+local       Failed      -          -        -         -              1m
+new         Importing   1.0Mi      -        -         -              -
+"
+        );
+    }
+
+    #[test]
+    fn wide_image_table_adds_source_short_digest_users_and_reason() {
+        let wide = image_table(&images(), now(), true).render();
+        let lines: Vec<&str> = wide.lines().collect();
+        assert!(
+            lines[0].ends_with(
+                "VIRTUAL-SIZE   SOURCE                                  DIGEST                USED-BY            REASON       AGE"
+            ),
+            "{wide}"
+        );
+        assert!(
+            lines[1].ends_with(
+                "http://127.0.0.1:8080/debian-12.qcow2   sha256:0f3a5b7c9d1e   web-root,db-root   -            1h"
+            ),
+            "{wide}"
+        );
+        assert!(
+            lines[3].ends_with(
+                "/var/lib/hearth/images/local.raw        -                     -                  NotAnImage   1m"
+            ),
+            "{wide}"
+        );
+        assert_eq!(short_digest("sha256:abc"), "sha256:abc");
+        assert_eq!(short_digest("odd"), "odd");
+        assert_eq!(
+            image_source(&json!({"spec": {"source": {"oci": {"reference": "x"}}}})),
+            "oci"
+        );
     }
 
     #[test]
@@ -428,5 +621,36 @@ pre    demo   Ready   false        2025-01-01T08:00:02Z   -           -      4h
             wide.contains("   9     NoGuestAgent   spec.guestAgent is false   4h\n"),
             "{wide}"
         );
+    }
+
+    #[tokio::test]
+    async fn get_image_as_yaml_or_json_is_the_servers_object() {
+        use crate::test_server::{ScriptedServer, ok};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let image = images()[0].clone();
+        let server = ScriptedServer::start(dir.path(), vec![ok(&image.to_string())]);
+        let client = ApiClient::new(&server.socket);
+        let mut args = Args {
+            kind: Kind::VirtualImage,
+            name: Some("debian-12".into()),
+            output: Format::Yaml,
+        };
+        let mut out = Vec::new();
+        get(&client, &args, now(), &mut out).await.expect("yaml");
+        let back: Value = serde_yaml_ng::from_slice(&out).expect("the YAML reads back");
+        assert_eq!(back, image);
+        args.output = Format::Json;
+        let mut out = Vec::new();
+        get(&client, &args, now(), &mut out).await.expect("json");
+        let back: Value = serde_json::from_slice(&out).expect("the JSON reads back");
+        assert_eq!(back, image);
+        assert!(
+            server
+                .seen()
+                .iter()
+                .all(|s| s.path == "/v1/virtualimages/debian-12")
+        );
+        // The full digest is there, not the table's short one.
+        assert!(String::from_utf8_lossy(&out).contains(&"ab".repeat(26)));
     }
 }

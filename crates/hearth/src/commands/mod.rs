@@ -10,6 +10,7 @@ pub mod logs;
 pub mod restore;
 pub mod snapshot;
 pub mod wait;
+pub mod watch;
 
 use hearth_api::{Kind, check_dns_label};
 
@@ -18,8 +19,9 @@ use hearth_api::{Kind, check_dns_label};
 pub fn parse_kind(s: &str) -> Result<Kind, String> {
     Kind::from_user(s).ok_or_else(|| {
         format!(
-            "unknown kind {s:?} (use vm, disk, snapshot or vmsnapshot; \
-             VirtualMachine, VirtualDisk, VirtualDiskSnapshot and VirtualMachineSnapshot work too)"
+            "unknown kind {s:?} (use vm, disk, image, snapshot or vmsnapshot; \
+             VirtualMachine, VirtualDisk, VirtualImage, VirtualDiskSnapshot and \
+             VirtualMachineSnapshot work too)"
         )
     })
 }
@@ -62,6 +64,17 @@ mod tests {
         assert_eq!(parse_kind("Disks"), Ok(Kind::VirtualDisk));
         assert_eq!(parse_kind("snapshots"), Ok(Kind::VirtualDiskSnapshot));
         assert_eq!(parse_kind("vmsnapshot"), Ok(Kind::VirtualMachineSnapshot));
+        for image in ["image", "images", "vi", "VirtualImage"] {
+            assert_eq!(parse_kind(image), Ok(Kind::VirtualImage), "{image}");
+        }
+        assert_eq!(
+            short_ref(Kind::VirtualImage, "debian-12"),
+            "image/debian-12"
+        );
+        assert_eq!(
+            object_path(Kind::VirtualImage, "debian-12"),
+            "/v1/virtualimages/debian-12"
+        );
         let err = parse_kind("pod").expect_err("unknown");
         assert!(err.contains("\"pod\""), "{err}");
         assert_eq!(parse_name("demo-1"), Ok("demo-1".to_string()));

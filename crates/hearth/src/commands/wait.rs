@@ -1,18 +1,14 @@
 //! `hearth wait KIND NAME --for CONDITION`: poll until a condition holds.
 
 use std::fmt;
-use std::io::Write;
 use std::time::Duration;
 
-use anyhow::bail;
 use hearth_api::Kind;
-use serde_json::Value;
 
-use super::{object_path, short_ref};
-use crate::client::{ApiClient, ApiError};
-use crate::output::{at, str_at};
-
-const POLL_INTERVAL: Duration = Duration::from_millis(250);
+pub use super::watch::reason_and_message;
+use super::watch::{Goal, POLL_INTERVAL, Target, watch};
+use crate::client::ApiClient;
+use crate::progress::{self, Reporter};
 
 /// Phases as hearth-api spells them (a test keeps these in step with the enums).
 pub const VM_PHASES: [&str; 6] = [
@@ -28,31 +24,37 @@ pub const SNAPSHOT_PHASES: [&str; 5] = ["Pending", "InProgress", "Ready", "Faile
     about = "Wait until an object reaches a phase, its guest agent connects, or it is gone",
     after_help = "\
 CONDITION is one of:
-  phase=PHASE   status.phase equals PHASE (VM: Pending, Starting, Running,
-                Stopping, Stopped, Failed; disk: Pending, Ready, Failed;
-                snapshot and vmsnapshot: Pending, InProgress, Ready, Failed,
-                Terminating)
+  phase=PHASE   status.phase equals PHASE, any case; PHASE alone works too
+                (VM: Pending, Starting, Running, Stopping, Stopped, Failed;
+                disk: Pending, Ready, Failed; image: Pending, Importing,
+                Ready, Failed; snapshot and vmsnapshot: Pending, InProgress,
+                Ready, Failed, Terminating)
   agent         the VM's guest agent is connected (status.agentConnected)
   delete        the object no longer exists
 
 Waiting for a phase other than Failed, or for the agent, stops early when the
 object fails (with the VM's last error, or the snapshot's reason and message)
-or, for a snapshot, when it is being deleted. Exit status: 0 when the
-condition holds, 1 on failure or timeout.
+or, for a snapshot, when it is being deleted. An image is different: hearthd
+retries a failed import, so the wait goes on, its line showing why the last
+attempt failed, until the image is Ready or --timeout names that reason.
+While an image imports, a terminal shows a progress bar (bytes, percent,
+rate); elsewhere a line is printed at each tenth of the way. Exit status: 0
+when the condition holds, 1 on failure or timeout.
 
 Examples:
   hearth wait vm demo --for phase=Running
   hearth wait vm demo --for agent --timeout 5m
+  hearth wait image debian-12 --for ready --timeout 15m
   hearth wait disk data --for delete --timeout 30s
   hearth wait snapshot data-20250101-120000 --for phase=Ready"
 )]
 pub struct Args {
-    /// vm, disk, snapshot (a disk snapshot) or vmsnapshot.
+    /// vm, disk, image, snapshot (a disk snapshot) or vmsnapshot.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     #[arg(value_name = "NAME", value_parser = super::parse_name)]
     pub name: String,
-    /// phase=PHASE, agent or delete.
+    /// phase=PHASE (or just PHASE: ready, running...), agent or delete.
     #[arg(long = "for", value_name = "CONDITION", value_parser = parse_condition)]
     pub condition: WaitFor,
     /// Give up after this long: 90s, 2m, 1h, 500ms, 1m30s.
@@ -78,16 +80,19 @@ impl fmt::Display for WaitFor {
     }
 }
 
+/// `phase=PHASE`, a bare `PHASE` (`--for ready`), `agent` or `delete`.
 pub fn parse_condition(s: &str) -> Result<WaitFor, String> {
+    let bad = || format!("unknown condition {s:?} (use phase=PHASE or PHASE, agent or delete)");
     match s {
         "agent" => Ok(WaitFor::Agent),
         "delete" => Ok(WaitFor::Delete),
-        _ => match s.strip_prefix("phase=") {
-            Some(p) if !p.is_empty() => Ok(WaitFor::Phase(p.to_string())),
-            _ => Err(format!(
-                "unknown condition {s:?} (use phase=PHASE, agent or delete)"
-            )),
-        },
+        _ => {
+            let phase = s.strip_prefix("phase=").unwrap_or(s);
+            if phase.is_empty() || !phase.chars().all(|c| c.is_ascii_alphabetic()) {
+                return Err(bad());
+            }
+            Ok(WaitFor::Phase(phase.to_string()))
+        }
     }
 }
 
@@ -105,7 +110,17 @@ pub fn check_condition(kind: Kind, cond: WaitFor) -> Result<WaitFor, String> {
             .iter()
             .find(|known| known.eq_ignore_ascii_case(&p))
             .map(|known| WaitFor::Phase(known.to_string()))
-            .ok_or_else(|| format!("{kind} has no phase {p:?} (one of: {})", phases.join(", "))),
+            .ok_or_else(|| {
+                let others = if kind == Kind::VirtualMachine {
+                    "agent or delete"
+                } else {
+                    "delete"
+                };
+                format!(
+                    "{kind} has no phase {p:?} (phases: {}; other conditions: {others})",
+                    phases.join(", ")
+                )
+            }),
         WaitFor::Agent if kind != Kind::VirtualMachine => {
             Err(format!("--for agent applies to VMs only, not to {kind}"))
         }
@@ -156,182 +171,33 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(total)
 }
 
-/// What one poll found.
-#[derive(Clone, Debug)]
-pub enum Observation {
-    Present(Value),
-    Absent,
-    /// hearthd could not be reached this time (restarting?); keep trying.
-    Unreachable(String),
-}
-
-impl Observation {
-    /// The progress state: the phase, or why there is none.
-    fn state(&self) -> String {
-        match self {
-            Observation::Present(obj) => str_at(obj, &["status", "phase"])
-                .unwrap_or("no status yet")
-                .to_string(),
-            Observation::Absent => "not found".to_string(),
-            Observation::Unreachable(_) => "hearthd unreachable, retrying".to_string(),
-        }
-    }
-
-    /// The last status, for a timeout message.
-    fn summary(&self) -> String {
-        match self {
-            Observation::Absent => "not found".to_string(),
-            Observation::Unreachable(why) => why.clone(),
-            Observation::Present(obj) => {
-                let mut parts = vec![format!("phase {}", self.state())];
-                if at(obj, &["status", "agentConnected"]).is_some() {
-                    let connected = at(obj, &["status", "agentConnected"]).and_then(Value::as_bool);
-                    parts.push(
-                        if connected == Some(true) {
-                            "agent connected"
-                        } else {
-                            "agent not connected"
-                        }
-                        .to_string(),
-                    );
-                }
-                if let Some(e) = str_at(obj, &["status", "lastError"]) {
-                    parts.push(format!("last error: {e}"));
-                }
-                if let Some(why) = reason_and_message(obj) {
-                    parts.push(why);
-                }
-                parts.join(", ")
-            }
-        }
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Verdict {
-    Met,
-    Waiting,
-    /// It will not get there by itself; the text says why.
-    Failed(String),
-}
-
-/// Decides one poll. Pure, so every case is tested without a daemon.
-pub fn judge(cond: &WaitFor, obs: &Observation) -> Verdict {
-    let obj = match (cond, obs) {
-        (WaitFor::Delete, Observation::Absent) => return Verdict::Met,
-        (WaitFor::Delete, _) => return Verdict::Waiting,
-        (_, Observation::Present(obj)) => obj,
-        (_, _) => return Verdict::Waiting,
-    };
-    let phase = str_at(obj, &["status", "phase"]);
-    let failed = || {
-        // VMs and disks say why in lastError, snapshots in reason and message.
-        let why = str_at(obj, &["status", "lastError"])
-            .map(str::to_string)
-            .or_else(|| reason_and_message(obj))
-            .unwrap_or_else(|| "no error recorded".to_string());
-        Verdict::Failed(format!("it is Failed: {why}"))
-    };
-    match cond {
-        WaitFor::Phase(want) if phase == Some(want.as_str()) => Verdict::Met,
-        WaitFor::Phase(_) if phase == Some("Failed") => failed(),
-        // A snapshot being deleted only goes on to be gone.
-        WaitFor::Phase(_) if phase == Some("Terminating") => {
-            Verdict::Failed("it is being deleted".to_string())
-        }
-        WaitFor::Phase(_) => Verdict::Waiting,
-        WaitFor::Agent => {
-            if at(obj, &["status", "agentConnected"]).and_then(Value::as_bool) == Some(true) {
-                Verdict::Met
-            } else if phase == Some("Failed") {
-                failed()
-            } else if at(obj, &["spec", "guestAgent"]).and_then(Value::as_bool) == Some(false) {
-                Verdict::Failed(
-                    "its spec.guestAgent is false, so no agent will connect".to_string(),
-                )
-            } else {
-                Verdict::Waiting
-            }
-        }
-        WaitFor::Delete => Verdict::Waiting,
-    }
-}
-
-/// A snapshot's `reason: message`, or whichever of them is set.
-pub fn reason_and_message(obj: &Value) -> Option<String> {
-    let reason = str_at(obj, &["status", "reason"]).filter(|s| !s.is_empty());
-    let message = str_at(obj, &["status", "message"]).filter(|s| !s.is_empty());
-    match (reason, message) {
-        (Some(r), Some(m)) => Some(format!("{r}: {m}")),
-        (Some(one), None) | (None, Some(one)) => Some(one.to_string()),
-        (None, None) => None,
-    }
-}
-
-async fn observe(client: &ApiClient, path: &str) -> Result<Observation, ApiError> {
-    match client.get(path).await {
-        Ok(obj) => Ok(Observation::Present(obj)),
-        Err(e) if e.is_not_found() => Ok(Observation::Absent),
-        Err(e @ ApiError::Unreachable { .. }) => Ok(Observation::Unreachable(e.to_string())),
-        Err(e) => Err(e),
-    }
-}
-
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
-    let mut out = std::io::stdout().lock();
-    run_with(client, args, POLL_INTERVAL, &mut out).await
+    let mut reporter = progress::for_this_process();
+    run_with(client, args, POLL_INTERVAL, reporter.as_mut()).await
 }
 
 pub async fn run_with(
     client: &ApiClient,
     args: &Args,
     poll: Duration,
-    out: &mut impl Write,
+    reporter: &mut dyn Reporter,
 ) -> anyhow::Result<()> {
     let cond = check_condition(args.kind, args.condition.clone()).map_err(anyhow::Error::msg)?;
-    let who = short_ref(args.kind, &args.name);
-    let path = object_path(args.kind, &args.name);
-    let deadline = tokio::time::Instant::now() + args.timeout;
-    let mut shown: Option<String> = None;
-    loop {
-        let obs = observe(client, &path).await?;
-        let verdict = judge(&cond, &obs);
-        let state = match (&verdict, &obs) {
-            (Verdict::Met, Observation::Absent) => "deleted".to_string(),
-            _ => obs.state(),
-        };
-        if shown.as_ref() != Some(&state) {
-            writeln!(out, "{who}: {state}")?;
-            shown = Some(state);
-        }
-        match verdict {
-            Verdict::Met => {
-                if cond == WaitFor::Agent {
-                    writeln!(out, "{who}: agent connected")?;
-                }
-                return Ok(());
-            }
-            Verdict::Failed(why) => bail!("{who} will not reach {cond}: {why}"),
-            Verdict::Waiting => {}
-        }
-        let now = tokio::time::Instant::now();
-        if now >= deadline {
-            bail!(
-                "timed out after {:?} waiting for {who} ({cond}); last status: {}",
-                args.timeout,
-                obs.summary()
-            );
-        }
-        tokio::time::sleep(poll.min(deadline - now)).await;
-    }
+    let target = Target {
+        kind: args.kind,
+        name: args.name.clone(),
+        goal: Goal::Condition(cond),
+    };
+    watch(client, vec![target], args.timeout, poll, reporter).await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::progress::Lines;
     use crate::test_server::{ScriptedServer, ok};
     use hyper::StatusCode;
-    use serde_json::json;
+    use serde_json::{Value, json};
 
     #[test]
     fn durations() {
@@ -366,7 +232,24 @@ mod tests {
             Ok(WaitFor::Phase("running".into()))
         );
         assert!(parse_condition("phase=").is_err());
-        assert!(parse_condition("ready").is_err());
+        assert!(parse_condition("phase=Ready,x").is_err());
+        assert!(parse_condition("").is_err());
+        // A bare phase is the same as phase=PHASE: `--for ready`.
+        assert_eq!(parse_condition("ready"), Ok(WaitFor::Phase("ready".into())));
+        assert_eq!(
+            check_condition(
+                Kind::VirtualImage,
+                parse_condition("ready").expect("parses")
+            ),
+            Ok(WaitFor::Phase("Ready".into()))
+        );
+        let err = check_condition(Kind::VirtualImage, WaitFor::Phase("Running".into()))
+            .expect_err("images do not run");
+        assert_eq!(
+            err,
+            "VirtualImage has no phase \"Running\" (phases: Pending, Importing, Ready, Failed; \
+             other conditions: delete)"
+        );
 
         assert_eq!(
             check_condition(Kind::VirtualMachine, WaitFor::Phase("running".into())),
@@ -404,6 +287,17 @@ mod tests {
         for p in SNAPSHOT_PHASES {
             serde_json::from_value::<hearth_api::SnapshotPhase>(json!(p)).expect(p);
         }
+        for p in IMAGE_PHASES {
+            serde_json::from_value::<hearth_api::ImagePhase>(json!(p)).expect(p);
+        }
+        for p in [
+            hearth_api::ImagePhase::Pending,
+            hearth_api::ImagePhase::Importing,
+            hearth_api::ImagePhase::Ready,
+            hearth_api::ImagePhase::Failed,
+        ] {
+            assert!(IMAGE_PHASES.contains(&p.to_string().as_str()), "{p}");
+        }
         // And every phase of the enums is listed (the Debug form is the API's).
         for p in [
             hearth_api::SnapshotPhase::Pending,
@@ -414,106 +308,6 @@ mod tests {
         ] {
             assert!(SNAPSHOT_PHASES.contains(&p.to_string().as_str()), "{p}");
         }
-    }
-
-    fn vm(status: Value) -> Observation {
-        Observation::Present(
-            json!({"metadata": {"name": "demo"}, "spec": {"guestAgent": true}, "status": status}),
-        )
-    }
-
-    #[test]
-    fn judging_each_poll() {
-        let running = WaitFor::Phase("Running".into());
-        assert_eq!(
-            judge(&running, &vm(json!({"phase": "Running"}))),
-            Verdict::Met
-        );
-        assert_eq!(
-            judge(&running, &vm(json!({"phase": "Starting"}))),
-            Verdict::Waiting
-        );
-        assert_eq!(judge(&running, &Observation::Absent), Verdict::Waiting);
-        assert_eq!(
-            judge(
-                &running,
-                &vm(json!({"phase": "Failed", "lastError": "kernel /k not found"}))
-            ),
-            Verdict::Failed("it is Failed: kernel /k not found".into())
-        );
-        // Waiting for Failed itself is allowed.
-        let failed = WaitFor::Phase("Failed".into());
-        assert_eq!(
-            judge(&failed, &vm(json!({"phase": "Failed"}))),
-            Verdict::Met
-        );
-
-        assert_eq!(
-            judge(
-                &WaitFor::Agent,
-                &vm(json!({"phase": "Running", "agentConnected": true}))
-            ),
-            Verdict::Met
-        );
-        assert_eq!(
-            judge(
-                &WaitFor::Agent,
-                &vm(json!({"phase": "Running", "agentConnected": false}))
-            ),
-            Verdict::Waiting
-        );
-        assert!(matches!(
-            judge(&WaitFor::Agent, &vm(json!({"phase": "Failed"}))),
-            Verdict::Failed(_)
-        ));
-        let no_agent = Observation::Present(
-            json!({"spec": {"guestAgent": false}, "status": {"phase": "Running"}}),
-        );
-        assert!(matches!(
-            judge(&WaitFor::Agent, &no_agent),
-            Verdict::Failed(_)
-        ));
-
-        assert_eq!(judge(&WaitFor::Delete, &Observation::Absent), Verdict::Met);
-        assert_eq!(
-            judge(&WaitFor::Delete, &vm(json!({"phase": "Stopping"}))),
-            Verdict::Waiting
-        );
-        assert_eq!(
-            judge(&WaitFor::Delete, &Observation::Unreachable("down".into())),
-            Verdict::Waiting
-        );
-    }
-
-    #[test]
-    fn judging_a_snapshot() {
-        let ready = WaitFor::Phase("Ready".into());
-        let snap = |status: Value| Observation::Present(json!({"spec": {}, "status": status}));
-        assert_eq!(
-            judge(&ready, &snap(json!({"phase": "InProgress", "cutId": 2}))),
-            Verdict::Waiting
-        );
-        assert_eq!(
-            judge(&ready, &snap(json!({"phase": "Ready"}))),
-            Verdict::Met
-        );
-        assert_eq!(
-            judge(
-                &ready,
-                &snap(
-                    json!({"phase": "Failed", "reason": "FreezeFailed", "message": "fsfreeze: EBUSY"})
-                )
-            ),
-            Verdict::Failed("it is Failed: FreezeFailed: fsfreeze: EBUSY".into())
-        );
-        assert_eq!(
-            judge(&ready, &snap(json!({"phase": "Terminating"}))),
-            Verdict::Failed("it is being deleted".into())
-        );
-        assert_eq!(
-            judge(&WaitFor::Delete, &snap(json!({"phase": "Terminating"}))),
-            Verdict::Waiting
-        );
     }
 
     #[tokio::test]
@@ -537,12 +331,10 @@ mod tests {
             condition: WaitFor::Phase("ready".into()),
             timeout: Duration::from_secs(10),
         };
-        let mut out = Vec::new();
-        run_with(&client, &args, Duration::from_millis(1), &mut out)
-            .await
-            .expect("Ready");
+        let (result, out) = waited(&client, &args, Duration::from_millis(1)).await;
+        result.expect("Ready");
         assert_eq!(
-            String::from_utf8_lossy(&out),
+            out,
             "snapshot/s: Pending\nsnapshot/s: InProgress\nsnapshot/s: Ready\n"
         );
         assert!(
@@ -551,6 +343,18 @@ mod tests {
                 .iter()
                 .all(|s| s.path == "/v1/virtualdisksnapshots/s")
         );
+    }
+
+    /// Runs the wait with plain lines, as when stdout is not a terminal.
+    async fn waited(
+        client: &ApiClient,
+        args: &Args,
+        poll: Duration,
+    ) -> (anyhow::Result<()>, String) {
+        let mut lines = Lines::new(Vec::new());
+        let result = run_with(client, args, poll, &mut lines).await;
+        let out = String::from_utf8(lines.into_inner()).expect("utf-8");
+        (result, out)
     }
 
     fn args(cond: WaitFor, timeout: Duration) -> Args {
@@ -582,17 +386,15 @@ mod tests {
             ],
         );
         let client = ApiClient::new(&server.socket);
-        let mut out = Vec::new();
-        run_with(
+        let (result, out) = waited(
             &client,
             &args(WaitFor::Phase("running".into()), Duration::from_secs(10)),
             Duration::from_millis(5),
-            &mut out,
         )
-        .await
-        .expect("reaches Running");
+        .await;
+        result.expect("reaches Running");
         assert_eq!(
-            String::from_utf8_lossy(&out),
+            out,
             "vm/demo: Pending\nvm/demo: Starting\nvm/demo: Running\n"
         );
         let seen = server.seen();
@@ -614,19 +416,14 @@ mod tests {
             ],
         );
         let client = ApiClient::new(&server.socket);
-        let mut out = Vec::new();
-        run_with(
+        let (result, out) = waited(
             &client,
             &args(WaitFor::Delete, Duration::from_secs(10)),
             Duration::from_millis(5),
-            &mut out,
         )
-        .await
-        .expect("deleted");
-        assert_eq!(
-            String::from_utf8_lossy(&out),
-            "vm/demo: Stopping\nvm/demo: deleted\n"
-        );
+        .await;
+        result.expect("deleted");
+        assert_eq!(out, "vm/demo: Stopping\nvm/demo: deleted\n");
     }
 
     #[tokio::test]
@@ -639,15 +436,13 @@ mod tests {
             .to_string())],
         );
         let client = ApiClient::new(&server.socket);
-        let mut out = Vec::new();
-        let err = run_with(
+        let (result, _out) = waited(
             &client,
             &args(WaitFor::Agent, Duration::from_millis(30)),
             Duration::from_millis(5),
-            &mut out,
         )
-        .await
-        .expect_err("times out");
+        .await;
+        let err = result.expect_err("times out");
         assert_eq!(
             err.to_string(),
             "timed out after 30ms waiting for vm/demo (agent); last status: phase Starting, agent not connected"
@@ -663,18 +458,203 @@ mod tests {
                              "status": {"phase": "Failed", "lastError": "qemu exited with status 1"}}).to_string())],
         );
         let client = ApiClient::new(&server.socket);
-        let mut out = Vec::new();
-        let err = run_with(
+        let (result, _out) = waited(
             &client,
             &args(WaitFor::Phase("Running".into()), Duration::from_secs(60)),
             Duration::from_millis(5),
-            &mut out,
         )
-        .await
-        .expect_err("fails early");
+        .await;
+        let err = result.expect_err("fails early");
         assert_eq!(
             err.to_string(),
             "vm/demo will not reach phase=Running: it is Failed: qemu exited with status 1"
+        );
+    }
+
+    fn image_args(cond: &str, timeout: Duration) -> Args {
+        Args {
+            kind: Kind::VirtualImage,
+            name: "debian-12".into(),
+            condition: check_condition(
+                Kind::VirtualImage,
+                parse_condition(cond).expect("condition"),
+            )
+            .expect("an image condition"),
+            timeout,
+        }
+    }
+
+    fn image_answer(status: Value) -> (StatusCode, String) {
+        ok(
+            &json!({"kind": "VirtualImage", "metadata": {"name": "debian-12"},
+                   "spec": {"source": {"http": {"url": "http://127.0.0.1:8080/d.qcow2",
+                                                "sha256": "ab".repeat(32)}}},
+                   "status": status})
+            .to_string(),
+        )
+    }
+
+    const MIB: u64 = 1 << 20;
+
+    #[tokio::test]
+    async fn waiting_for_an_image_shows_its_import_and_ends_when_ready() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![
+                image_answer(json!({"phase": "Pending"})),
+                image_answer(
+                    json!({"phase": "Importing", "progress": "10%", "bytesDone": 10 * MIB,
+                                    "bytesTotal": 100 * MIB, "bytesPerSecond": 5 * MIB}),
+                ),
+                image_answer(
+                    json!({"phase": "Importing", "progress": "60%", "bytesDone": 60 * MIB,
+                                    "bytesTotal": 100 * MIB, "bytesPerSecond": 25 * MIB}),
+                ),
+                image_answer(
+                    json!({"phase": "Ready", "progress": "100%", "format": "qcow2",
+                                    "size": 100 * MIB, "virtualSize": 2048 * MIB,
+                                    "digest": format!("sha256:{}", "ab".repeat(32))}),
+                ),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let (result, out) = waited(
+            &client,
+            &image_args("phase=ready", Duration::from_secs(10)),
+            Duration::from_millis(1),
+        )
+        .await;
+        result.expect("Ready");
+        assert_eq!(
+            out,
+            "\
+image/debian-12: Pending
+image/debian-12: Importing 10% (10.0Mi of 100.0Mi, 5.0Mi/s)
+image/debian-12: Importing 60% (60.0Mi of 100.0Mi, 25.0Mi/s)
+image/debian-12: Ready (qcow2, 100.0Mi, virtual size 2.0Gi)
+"
+        );
+        assert!(
+            server
+                .seen()
+                .iter()
+                .all(|s| s.method == "GET" && s.path == "/v1/virtualimages/debian-12")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failed_import_keeps_the_wait_going_and_shows_why() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![
+                image_answer(json!({"phase": "Importing", "bytesDone": 0, "attempts": 1})),
+                image_answer(
+                    json!({"phase": "Failed", "attempts": 1, "reason": "HttpError",
+                                    "message": "GET http://127.0.0.1:8080/d.qcow2: 503 Service Unavailable"}),
+                ),
+                image_answer(json!({"phase": "Importing", "bytesDone": 50 * MIB,
+                                    "bytesTotal": 100 * MIB, "attempts": 2})),
+                image_answer(json!({"phase": "Ready", "format": "raw", "attempts": 2})),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let (result, out) = waited(
+            &client,
+            &image_args("phase=Ready", Duration::from_secs(10)),
+            Duration::from_millis(1),
+        )
+        .await;
+        result.expect("Ready after a retry");
+        assert_eq!(
+            out,
+            "\
+image/debian-12: Importing 0B
+image/debian-12: Failed (attempt 1): HttpError: GET http://127.0.0.1:8080/d.qcow2: 503 Service Unavailable; still waiting (hearthd retries the import)
+image/debian-12: Importing 50% (50.0Mi of 100.0Mi)
+image/debian-12: Ready (raw)
+"
+        );
+    }
+
+    #[tokio::test]
+    async fn waiting_for_an_image_to_fail_ends_at_the_failure() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![image_answer(
+                json!({"phase": "Failed", "reason": "ChecksumMismatch", "message": "got sha256:00"}),
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let (result, out) = waited(
+            &client,
+            &image_args("phase=failed", Duration::from_secs(10)),
+            Duration::from_millis(1),
+        )
+        .await;
+        result.expect("Failed is what was waited for");
+        assert_eq!(
+            out,
+            "image/debian-12: Failed: ChecksumMismatch: got sha256:00\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_image_wait_times_out_naming_the_last_failure() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![
+                image_answer(
+                    json!({"phase": "Failed", "attempts": 3, "reason": "HttpError",
+                                    "message": "connection refused"}),
+                ),
+                // The retry clears the reason from the status; the timeout still names it.
+                image_answer(json!({"phase": "Importing", "bytesDone": 0, "attempts": 4})),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let (result, out) = waited(
+            &client,
+            &image_args("phase=Ready", Duration::from_millis(60)),
+            Duration::from_millis(5),
+        )
+        .await;
+        let err = result.expect_err("times out");
+        assert_eq!(
+            err.to_string(),
+            "timed out after 60ms waiting for image/debian-12 (phase=Ready); last status: \
+             phase Importing, 0B, attempt 4, last failure: HttpError: connection refused"
+        );
+        assert!(
+            out.starts_with("image/debian-12: Failed (attempt 3): HttpError: connection refused"),
+            "{out}"
+        );
+    }
+
+    #[tokio::test]
+    async fn waiting_for_a_failed_image_to_go_says_no_more_than_its_state() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![
+                image_answer(json!({"phase": "Failed", "reason": "HttpError"})),
+                (StatusCode::NOT_FOUND, r#"{"error": "not found"}"#.into()),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let (result, out) = waited(
+            &client,
+            &image_args("delete", Duration::from_secs(10)),
+            Duration::from_millis(1),
+        )
+        .await;
+        result.expect("gone");
+        assert_eq!(
+            out,
+            "image/debian-12: Failed: HttpError\nimage/debian-12: deleted\n"
         );
     }
 }
