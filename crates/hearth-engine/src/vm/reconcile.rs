@@ -214,10 +214,14 @@ async fn launch(
             Ok(())
         }
         Err(message) => {
+            // This spec was tried: a waiter can tell this failure from one of
+            // an older generation.
+            let generation = vm.metadata.generation;
             ctx.set_vm_status(name, |s| {
                 s.phase = VmPhase::Failed;
                 s.pid = None;
                 s.last_error = Some(message.clone());
+                s.observed_generation = generation;
             });
             ctx.event(
                 Kind::VirtualMachine,
