@@ -48,9 +48,9 @@ fn default_user() -> String {
     let info = std::fs::read_to_string(repo_root().join("guest/out/debian-12.info"))
         .expect("guest/out/debian-12.info");
     info.lines()
-        .find_map(|l| l.strip_prefix("default-user:"))
+        .find_map(|l| l.strip_prefix("user="))
         .map(|u| u.trim().to_string())
-        .expect("debian-12.info names the default user (default-user: NAME)")
+        .expect("debian-12.info names the default user (user=NAME)")
 }
 
 fn apply(d: &Daemon, items: Vec<Value>) {
