@@ -269,6 +269,19 @@ fn uefi_vm_with_cloud_init_keeps_its_vars_gets_a_seed_and_snapshots_only_its_dis
     let (_, ds) = d.request("GET", &format!("/v1/virtualdisksnapshots/{child}"), None);
     assert_eq!(ds["spec"]["virtualDiskName"], "ci-root", "{ds:#}");
     assert_eq!(ds["status"]["consistent"], true, "{ds:#}");
+    // The guest's filesystems on its first disk are found on the VirtualDisk
+    // with the seed attached too (the test guest has no udev, so this goes by
+    // the disk's PCI address, which the seed after it does not move).
+    let mut on_vda: Vec<String> = exec(&d, "ci", "cat /proc/mounts")
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            (f.next() == Some("/dev/vda")).then(|| f.next().unwrap_or_default().to_string())
+        })
+        .collect();
+    on_vda.sort();
+    assert!(!on_vda.is_empty());
+    assert_eq!(ds["status"]["frozenMountPoints"], json!(on_vda), "{ds:#}");
     // No layer file, nor anything else hearthd keeps, was made from the seed,
     // and the seed itself was not touched.
     let layers = files_under(&d.state_dir().join("layers"));
