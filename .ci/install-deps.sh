@@ -33,6 +33,9 @@ BASE_PKGS=(
     # host copies of qemu-ga's shared libraries (guest/build.sh puts them in
     # the initramfs); qemu-system-x86 pulls most of them in anyway.
     libglib2.0-0 libnuma1 liburing2 libudev1
+    # OVMF for VMs with firmware: UEFI (/usr/share/OVMF/OVMF_CODE_4M.fd and
+    # OVMF_VARS_4M.fd are hearthd's defaults; see docs/guests.md).
+    ovmf
 )
 
 BPO_SOURCES=/etc/apt/sources.list.d/hearth-backports.sources

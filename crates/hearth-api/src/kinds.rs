@@ -278,6 +278,11 @@ pub struct VirtualMachineStatus {
     pub last_error: Option<String>,
     #[serde(default)]
     pub observed_generation: u64,
+    /// The `instance-id` in the cloud-init seed the VM was last started with:
+    /// it changes exactly when the seed's content does, and then cloud-init
+    /// in the guest runs its first-boot steps again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cloud_init_instance_id: Option<String>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
 }

@@ -17,6 +17,32 @@ pub struct EngineConfig {
     pub accel: AccelDecision,
     /// How often every object is reconciled even without a hint.
     pub resync_interval: Duration,
+    // ---- firmware (see docs/guests.md) ----
+    /// OVMF's code image for `firmware: UEFI`, attached read-only.
+    pub ovmf_code: PathBuf,
+    /// The variables store each UEFI VM's own copy starts from.
+    pub ovmf_vars: PathBuf,
+}
+
+// ---- firmware and cloud-init files (see docs/guests.md) ----
+
+/// Debian's OVMF (`apt-get install ovmf`): the 4 MiB build, without Secure
+/// Boot (that one needs SMM, which hearth does not set up).
+pub const DEFAULT_OVMF_CODE: &str = "/usr/share/OVMF/OVMF_CODE_4M.fd";
+/// The variables template that goes with [`DEFAULT_OVMF_CODE`].
+pub const DEFAULT_OVMF_VARS: &str = "/usr/share/OVMF/OVMF_VARS_4M.fd";
+
+impl EngineConfig {
+    /// A UEFI VM's own variables store: copied from `ovmf_vars` on its first
+    /// UEFI start, kept across restarts, removed with the VM.
+    pub fn uefi_vars_path(&self, vm: &str) -> PathBuf {
+        self.vm_state_dir(vm).join("uefi-vars.fd")
+    }
+
+    /// A VM's cloud-init NoCloud seed image, rebuilt before each start.
+    pub fn cloud_init_seed_path(&self, vm: &str) -> PathBuf {
+        self.vm_state_dir(vm).join("cidata.img")
+    }
 }
 
 impl EngineConfig {

@@ -5,7 +5,9 @@
 //! avoid that syntax wherever QEMU offers JSON (`-blockdev`, `-device`), and where
 //! it does not (`-chardev`, `-name`) values are either validated to a safe alphabet
 //! or escaped the QEMU way (`,` doubled). `-kernel`, `-initrd` and `-append` are
-//! stored by QEMU verbatim, so they only get their own argv element.
+//! stored by QEMU verbatim, so they only get their own argv element. The
+//! firmware's flash images are `-blockdev` nodes too; `-machine` names them by
+//! node name, never by path.
 
 use std::collections::HashSet;
 use std::ffi::OsString;
@@ -49,6 +51,34 @@ pub struct DiskAttachment {
     pub serial: String,
 }
 
+/// Direct kernel boot: QEMU loads the kernel itself (through the firmware's
+/// loader with OVMF, through `linuxboot` with SeaBIOS).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelBoot {
+    pub kernel: PathBuf,
+    pub initrd: Option<PathBuf>,
+    pub cmdline: String,
+}
+
+/// The two flash images OVMF runs from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ovmf {
+    /// The firmware code (`OVMF_CODE*.fd`): attached read-only as `pflash0`.
+    pub code: PathBuf,
+    /// This VM's own copy of the variables store (`OVMF_VARS*.fd`):
+    /// attached writable as `pflash1`, so boot entries persist.
+    pub vars: PathBuf,
+}
+
+/// The firmware QEMU runs first.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Firmware {
+    /// SeaBIOS, QEMU's default: nothing to add to the command line.
+    Bios,
+    /// OVMF (EDK II) from two pflash devices.
+    Uefi(Ovmf),
+}
+
 /// Everything needed to start one VM.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LaunchSpec {
@@ -57,16 +87,33 @@ pub struct LaunchSpec {
     pub cpus: u32,
     pub memory_mib: u64,
     pub accel: Accel,
-    pub kernel: PathBuf,
-    pub initrd: Option<PathBuf>,
-    pub cmdline: String,
+    pub firmware: Firmware,
+    /// `None`: the firmware boots from `disks`, in their order (each disk
+    /// device gets its place as `bootindex`, and only those are tried).
+    pub kernel: Option<KernelBoot>,
     /// Order is device order: the first is `vda`, the second `vdb`, ...
     pub disks: Vec<DiskAttachment>,
+    /// A raw image attached read-only after every disk (so the disks keep
+    /// their names and PCI slots), never booted from: the cloud-init seed.
+    /// Its nodes and device have fixed names of their own ([`SEED_NODE_NAME`],
+    /// [`SEED_DEVICE_ID`]) that no disk can take.
+    pub seed: Option<PathBuf>,
     /// `None` means no guest-agent channel at all.
     pub agent_socket: Option<PathBuf>,
     pub qmp_socket: PathBuf,
     pub serial_log: PathBuf,
 }
+
+/// Node name of the seed's format node.
+pub const SEED_NODE_NAME: &str = "cidata";
+/// Node name of the seed's `file` node.
+pub const SEED_FILE_NODE_NAME: &str = "cidata-file";
+/// qdev id of the seed's virtio-blk device; not of the `vdisk<i>` form, so
+/// nothing that looks for the VM's disks by device id finds it.
+pub const SEED_DEVICE_ID: &str = "cidata";
+/// Node names of OVMF's flash images.
+pub const OVMF_CODE_NODE_NAME: &str = "ovmf-code";
+pub const OVMF_VARS_NODE_NAME: &str = "ovmf-vars";
 
 /// Guest-visible name of the agent port; qemu-ga looks for exactly this name.
 pub const AGENT_PORT_NAME: &str = "org.qemu.guest_agent.0";
@@ -109,6 +156,14 @@ pub enum CmdlineError {
     #[error("kernel command line contains a NUL byte")]
     NulInCmdline,
 }
+
+/// Node names hearth uses for things that are not the VM's disks.
+const RESERVED_NODE_NAMES: [&str; 4] = [
+    SEED_NODE_NAME,
+    SEED_FILE_NODE_NAME,
+    OVMF_CODE_NODE_NAME,
+    OVMF_VARS_NODE_NAME,
+];
 
 /// Node name of the `file` protocol node under disk number `index`.
 pub fn file_node_name(index: usize) -> String {
@@ -165,7 +220,11 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
     if spec.memory_mib == 0 || spec.memory_mib > MAX_MEMORY_MIB {
         return Err(CmdlineError::InvalidMemory(spec.memory_mib));
     }
-    if spec.cmdline.contains('\0') {
+    if spec
+        .kernel
+        .as_ref()
+        .is_some_and(|k| k.cmdline.contains('\0'))
+    {
         return Err(CmdlineError::NulInCmdline);
     }
 
@@ -179,7 +238,32 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
         "-sandbox",
         "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
     ]);
-    args.push_all(["-machine", "q35"]);
+    match &spec.firmware {
+        Firmware::Bios => args.push_all(["-machine", "q35"]),
+        Firmware::Uefi(ovmf) => {
+            // The flash images are block nodes: `-machine` only names them, so
+            // no path ever reaches its comma syntax.
+            for (field, path, node, read_only) in [
+                ("ovmf_code", &ovmf.code, OVMF_CODE_NODE_NAME, true),
+                ("ovmf_vars", &ovmf.vars, OVMF_VARS_NODE_NAME, false),
+            ] {
+                args.push("-blockdev");
+                args.push(
+                    json!({
+                        "driver": "file",
+                        "filename": plain_path(field, path)?,
+                        "node-name": node,
+                        "read-only": read_only,
+                    })
+                    .to_string(),
+                );
+            }
+            args.push("-machine");
+            args.push(format!(
+                "q35,pflash0={OVMF_CODE_NODE_NAME},pflash1={OVMF_VARS_NODE_NAME}"
+            ));
+        }
+    }
     match spec.accel {
         Accel::Kvm => args.push_all(["-accel", "kvm", "-cpu", "host"]),
         Accel::Tcg => args.push_all(["-accel", "tcg", "-cpu", "max"]),
@@ -188,27 +272,35 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
     args.push_all(["-m", &format!("{}M", spec.memory_mib)]);
     args.push_all(["-msg", "timestamp=on"]);
 
-    // QEMU keeps these three values as whole strings (no comma parsing).
-    args.push("-kernel");
-    args.push(plain_path("kernel", &spec.kernel)?);
-    if let Some(initrd) = &spec.initrd {
-        // For multiboot kernels QEMU splits -initrd at ',' into a module list, which
-        // would let a path smuggle in extra host files; refuse commas outright.
-        let value = plain_path("initrd", initrd)?;
-        if value.contains(',') {
-            return Err(unsafe_path(
-                "initrd",
-                initrd,
-                "',' is not allowed (QEMU splits multiboot module lists at commas)",
-            ));
+    match &spec.kernel {
+        Some(boot) => {
+            // QEMU keeps these three values as whole strings (no comma parsing).
+            args.push("-kernel");
+            args.push(plain_path("kernel", &boot.kernel)?);
+            if let Some(initrd) = &boot.initrd {
+                // For multiboot kernels QEMU splits -initrd at ',' into a module list, which
+                // would let a path smuggle in extra host files; refuse commas outright.
+                let value = plain_path("initrd", initrd)?;
+                if value.contains(',') {
+                    return Err(unsafe_path(
+                        "initrd",
+                        initrd,
+                        "',' is not allowed (QEMU splits multiboot module lists at commas)",
+                    ));
+                }
+                args.push("-initrd");
+                args.push(value);
+            }
+            args.push("-append");
+            args.push(boot.cmdline.clone());
         }
-        args.push("-initrd");
-        args.push(value);
+        // Only the devices with a bootindex (the disks, in order) are tried:
+        // never the seed, nor a network card's option ROM.
+        None => args.push_all(["-boot", "strict=on"]),
     }
-    args.push("-append");
-    args.push(spec.cmdline.clone());
 
-    let mut node_names = HashSet::new();
+    let mut node_names: HashSet<String> =
+        RESERVED_NODE_NAMES.iter().map(|n| n.to_string()).collect();
     for (index, disk) in spec.disks.iter().enumerate() {
         validate_node_name(&disk.node_name)?;
         node_names.insert(file_node_name(index));
@@ -258,8 +350,45 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
             // A JSON string: no byte of it can reach QEMU's option parser.
             device["serial"] = json!(disk.serial);
         }
+        if spec.kernel.is_none() {
+            // The disk order is the boot order.
+            device["bootindex"] = json!(index);
+        }
         args.push("-device");
         args.push(device.to_string());
+    }
+
+    if let Some(seed) = &spec.seed {
+        args.push("-blockdev");
+        args.push(
+            json!({
+                "driver": "file",
+                "filename": plain_path("seed", seed)?,
+                "node-name": SEED_FILE_NODE_NAME,
+                "read-only": true,
+            })
+            .to_string(),
+        );
+        args.push("-blockdev");
+        args.push(
+            json!({
+                "driver": "raw",
+                "file": SEED_FILE_NODE_NAME,
+                "node-name": SEED_NODE_NAME,
+                "read-only": true,
+            })
+            .to_string(),
+        );
+        // No bootindex and no serial: cloud-init finds it by its label.
+        args.push("-device");
+        args.push(
+            json!({
+                "driver": "virtio-blk-pci",
+                "drive": SEED_NODE_NAME,
+                "id": SEED_DEVICE_ID,
+            })
+            .to_string(),
+        );
     }
 
     if let Some(agent_socket) = &spec.agent_socket {
@@ -383,9 +512,12 @@ mod tests {
             cpus: 2,
             memory_mib: 256,
             accel: Accel::Tcg,
-            kernel: "/var/lib/hearth/boot/vmlinuz".into(),
-            initrd: Some("/var/lib/hearth/boot/initrd.img".into()),
-            cmdline: "console=ttyS0 quiet".into(),
+            firmware: Firmware::Bios,
+            kernel: Some(KernelBoot {
+                kernel: "/var/lib/hearth/boot/vmlinuz".into(),
+                initrd: Some("/var/lib/hearth/boot/initrd.img".into()),
+                cmdline: "console=ttyS0 quiet".into(),
+            }),
             disks: vec![
                 DiskAttachment {
                     node_name: "disk-root".into(),
@@ -400,10 +532,15 @@ mod tests {
                     serial: "data".into(),
                 },
             ],
+            seed: None,
             agent_socket: Some("/run/hearth/demo/qga.sock".into()),
             qmp_socket: "/run/hearth/demo/qmp.sock".into(),
             serial_log: "/var/log/hearth/demo/serial.log".into(),
         }
+    }
+
+    fn kernel_of(s: &mut LaunchSpec) -> &mut KernelBoot {
+        s.kernel.as_mut().expect("the test spec boots a kernel")
     }
 
     fn strings(args: &[OsString]) -> Vec<String> {
@@ -562,7 +699,7 @@ mod tests {
     #[test]
     fn no_initrd_means_no_initrd_flag() {
         let mut s = spec();
-        s.initrd = None;
+        kernel_of(&mut s).initrd = None;
         let args = strings(&build_args(&s).expect("valid"));
         assert!(!args.iter().any(|a| a == "-initrd"));
     }
@@ -627,8 +764,8 @@ mod tests {
     #[test]
     fn kernel_path_and_cmdline_are_single_verbatim_arguments() {
         let mut s = spec();
-        s.kernel = "/boot/vm linuz,initrd=/etc/shadow".into();
-        s.cmdline = "console=ttyS0 root=/dev/vda,x \"quoted\" -device foo".into();
+        kernel_of(&mut s).kernel = "/boot/vm linuz,initrd=/etc/shadow".into();
+        kernel_of(&mut s).cmdline = "console=ttyS0 root=/dev/vda,x \"quoted\" -device foo".into();
         let args = strings(&build_args(&s).expect("valid"));
         assert_eq!(
             values_of(&args, "-kernel"),
@@ -645,7 +782,7 @@ mod tests {
     #[test]
     fn initrd_with_comma_is_rejected_naming_the_field() {
         let mut s = spec();
-        s.initrd = Some("/boot/initrd,/etc/shadow".into());
+        kernel_of(&mut s).initrd = Some("/boot/initrd,/etc/shadow".into());
         let err = build_args(&s).expect_err("comma in initrd");
         assert!(matches!(&err, CmdlineError::UnsafePath { field, .. } if field == "initrd"));
         assert!(err.to_string().contains("/boot/initrd,/etc/shadow"));
@@ -654,7 +791,7 @@ mod tests {
     #[test]
     fn initrd_with_spaces_quotes_and_equals_is_fine() {
         let mut s = spec();
-        s.initrd = Some("/boot/my \"initrd\"=1.img".into());
+        kernel_of(&mut s).initrd = Some("/boot/my \"initrd\"=1.img".into());
         let args = strings(&build_args(&s).expect("valid"));
         assert_eq!(
             values_of(&args, "-initrd"),
@@ -665,7 +802,7 @@ mod tests {
     #[test]
     fn relative_and_control_character_paths_are_rejected() {
         let mut s = spec();
-        s.kernel = "vmlinuz".into();
+        kernel_of(&mut s).kernel = "vmlinuz".into();
         assert!(matches!(
             build_args(&s),
             Err(CmdlineError::UnsafePath {
@@ -852,8 +989,221 @@ mod tests {
     #[test]
     fn nul_in_cmdline_is_rejected() {
         let mut s = spec();
-        s.cmdline = "console=ttyS0\0evil".into();
+        kernel_of(&mut s).cmdline = "console=ttyS0\0evil".into();
         assert_eq!(build_args(&s), Err(CmdlineError::NulInCmdline));
+    }
+
+    fn ovmf() -> Firmware {
+        Firmware::Uefi(Ovmf {
+            code: "/usr/share/OVMF/OVMF_CODE_4M.fd".into(),
+            vars: "/var/lib/hearth/vms/demo/uefi-vars.fd".into(),
+        })
+    }
+
+    /// The `-device` values that are virtio-blk disks, in argv order.
+    fn block_devices(args: &[String]) -> Vec<Value> {
+        json_values_of(args, "-device")
+            .into_iter()
+            .filter(|d| d["driver"] == "virtio-blk-pci")
+            .collect()
+    }
+
+    #[test]
+    fn bios_firmware_boot_has_no_kernel_and_boots_the_disks_in_their_order() {
+        let mut s = spec();
+        s.kernel = None;
+        let args = strings(&build_args(&s).expect("valid"));
+        for flag in ["-kernel", "-initrd", "-append"] {
+            assert!(!args.iter().any(|a| a == flag), "{flag} in {args:?}");
+        }
+        // SeaBIOS is QEMU's default: no flash, no -bios.
+        assert_eq!(values_of(&args, "-machine"), vec!["q35"]);
+        assert!(!args.iter().any(|a| a == "-bios" || a.contains("pflash")));
+        // Only bootindex'd devices are tried.
+        assert_eq!(values_of(&args, "-boot"), vec!["strict=on"]);
+        let disks = block_devices(&args);
+        assert_eq!(
+            disks,
+            vec![
+                json!({"driver": "virtio-blk-pci", "drive": "disk-root", "id": "vdisk0",
+                       "serial": "root", "bootindex": 0}),
+                json!({"driver": "virtio-blk-pci", "drive": "disk-data", "id": "vdisk1",
+                       "serial": "data", "bootindex": 1}),
+            ]
+        );
+        // The order follows the list, whatever the names.
+        s.disks.swap(0, 1);
+        let args = strings(&build_args(&s).expect("valid"));
+        let disks = block_devices(&args);
+        assert_eq!(disks[0]["drive"], "disk-data");
+        assert_eq!(disks[0]["bootindex"], 0);
+        assert_eq!(disks[1]["drive"], "disk-root");
+        assert_eq!(disks[1]["bootindex"], 1);
+    }
+
+    #[test]
+    fn direct_kernel_boot_gives_no_disk_a_bootindex() {
+        let args = strings(&build_args(&spec()).expect("valid"));
+        assert!(!args.iter().any(|a| a == "-boot"));
+        for d in block_devices(&args) {
+            assert!(d.get("bootindex").is_none(), "{d}");
+        }
+    }
+
+    #[test]
+    fn uefi_runs_ovmf_from_pflash_with_read_only_code_and_writable_vars() {
+        let mut s = spec();
+        s.kernel = None;
+        s.firmware = ovmf();
+        let args = strings(&build_args(&s).expect("valid"));
+        let blockdevs = json_values_of(&args, "-blockdev");
+        assert_eq!(
+            blockdevs[..2],
+            [
+                json!({"driver": "file", "filename": "/usr/share/OVMF/OVMF_CODE_4M.fd",
+                       "node-name": "ovmf-code", "read-only": true}),
+                json!({"driver": "file", "filename": "/var/lib/hearth/vms/demo/uefi-vars.fd",
+                       "node-name": "ovmf-vars", "read-only": false}),
+            ]
+        );
+        let machine = values_of(&args, "-machine");
+        assert_eq!(machine, vec!["q35,pflash0=ovmf-code,pflash1=ovmf-vars"]);
+        assert_eq!(
+            legacy_keys(&machine[0]),
+            vec![
+                (String::new(), "q35".into()),
+                ("pflash0".into(), "ovmf-code".into()),
+                ("pflash1".into(), "ovmf-vars".into()),
+            ]
+        );
+        // The nodes exist before -machine refers to them.
+        let first_blockdev = args
+            .iter()
+            .position(|a| a == "-blockdev")
+            .expect("blockdev");
+        let machine_at = args.iter().position(|a| a == "-machine").expect("machine");
+        assert!(first_blockdev < machine_at);
+        assert!(!args.iter().any(|a| a == "-kernel"));
+        assert_eq!(values_of(&args, "-boot"), vec!["strict=on"]);
+        let disks = block_devices(&args);
+        assert_eq!(disks[0]["bootindex"], 0);
+        assert_eq!(disks[1]["bootindex"], 1);
+    }
+
+    #[test]
+    fn a_kernel_under_uefi_gets_both_the_flash_and_the_kernel() {
+        let mut s = spec();
+        s.firmware = ovmf();
+        let args = strings(&build_args(&s).expect("valid"));
+        assert_eq!(
+            values_of(&args, "-machine"),
+            vec!["q35,pflash0=ovmf-code,pflash1=ovmf-vars"]
+        );
+        assert_eq!(
+            values_of(&args, "-kernel"),
+            vec!["/var/lib/hearth/boot/vmlinuz"]
+        );
+        assert_eq!(values_of(&args, "-append"), vec!["console=ttyS0 quiet"]);
+        assert!(!args.iter().any(|a| a == "-boot"));
+        for d in block_devices(&args) {
+            assert!(d.get("bootindex").is_none(), "{d}");
+        }
+    }
+
+    #[test]
+    fn the_seed_is_read_only_after_every_disk_and_never_booted() {
+        for kernel in [true, false] {
+            let mut s = spec();
+            if !kernel {
+                s.kernel = None;
+            }
+            s.seed = Some("/var/lib/hearth/vms/demo/cidata.img".into());
+            let args = strings(&build_args(&s).expect("valid"));
+            let blockdevs = json_values_of(&args, "-blockdev");
+            assert_eq!(
+                blockdevs[blockdevs.len() - 2..],
+                [
+                    json!({"driver": "file", "filename": "/var/lib/hearth/vms/demo/cidata.img",
+                           "node-name": "cidata-file", "read-only": true}),
+                    json!({"driver": "raw", "file": "cidata-file", "node-name": "cidata",
+                           "read-only": true}),
+                ]
+            );
+            let disks = block_devices(&args);
+            assert_eq!(disks.len(), 3);
+            assert_eq!(disks[0]["id"], "vdisk0", "the first user disk stays vda");
+            assert_eq!(disks[1]["id"], "vdisk1");
+            assert_eq!(
+                disks[2],
+                json!({"driver": "virtio-blk-pci", "drive": "cidata", "id": "cidata"}),
+                "last, no bootindex, no serial"
+            );
+            // It is not one of the disks by device id either.
+            assert_eq!(
+                crate::fsmap::parse_query_pci(&json!([{"bus": 0, "devices": [
+                {"bus": 0, "slot": 3, "function": 0, "qdev_id": "cidata"}]}])),
+                Ok(Default::default())
+            );
+        }
+    }
+
+    #[test]
+    fn no_disk_may_take_a_node_name_of_the_seed_or_the_flash() {
+        for name in ["cidata", "cidata-file", "ovmf-code", "ovmf-vars"] {
+            let mut s = spec();
+            s.disks[1].node_name = name.into();
+            assert_eq!(
+                build_args(&s),
+                Err(CmdlineError::DuplicateNodeName(name.into())),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn flash_and_seed_paths_with_option_syntax_stay_json_strings() {
+        let code = "/srv/fw,readonly=off/OVMF CODE \"4M\".fd";
+        let vars = "/var/lib/h,pflash1=x/vars=1,,.fd";
+        let seed = "/var/lib/h/seed,driver=qcow2 \"x\".img";
+        let mut s = spec();
+        s.kernel = None;
+        s.firmware = Firmware::Uefi(Ovmf {
+            code: code.into(),
+            vars: vars.into(),
+        });
+        s.seed = Some(seed.into());
+        let args = strings(&build_args(&s).expect("valid"));
+        let blockdevs = json_values_of(&args, "-blockdev");
+        assert_eq!(blockdevs[0]["filename"], code);
+        assert_eq!(blockdevs[1]["filename"], vars);
+        assert_eq!(blockdevs[blockdevs.len() - 2]["filename"], seed);
+        assert_eq!(
+            values_of(&args, "-machine"),
+            vec!["q35,pflash0=ovmf-code,pflash1=ovmf-vars"]
+        );
+        for b in &blockdevs {
+            let keys: Vec<_> = b.as_object().expect("object").keys().cloned().collect();
+            assert!(
+                keys == ["driver", "filename", "node-name", "read-only"]
+                    || keys == ["driver", "file", "node-name", "read-only"],
+                "{b}"
+            );
+        }
+    }
+
+    #[test]
+    fn relative_flash_and_seed_paths_are_rejected_naming_the_field() {
+        let mut s = spec();
+        s.firmware = Firmware::Uefi(Ovmf {
+            code: "OVMF_CODE.fd".into(),
+            vars: "/v.fd".into(),
+        });
+        let err = build_args(&s).expect_err("relative code");
+        assert!(matches!(&err, CmdlineError::UnsafePath { field, .. } if field == "ovmf_code"));
+        let mut s = spec();
+        s.seed = Some("nbd:evil:1".into());
+        let err = build_args(&s).expect_err("relative seed");
+        assert!(matches!(&err, CmdlineError::UnsafePath { field, .. } if field == "seed"));
     }
 
     proptest::proptest! {
@@ -870,6 +1220,55 @@ mod tests {
             let names: Vec<&str> = keys.iter().map(|(k, _)| k.as_str()).collect();
             proptest::prop_assert_eq!(names, vec!["", "id", "path", "server", "wait"]);
             proptest::prop_assert_eq!(&keys[2].1, &path);
+        }
+
+        /// Whatever printable paths the flash images, the seed and a disk
+        /// have, `-machine` stays the fixed string, every path comes back as
+        /// one JSON `filename`, and the seed stays last and read-only.
+        #[test]
+        fn no_flash_or_seed_path_changes_the_machine_or_the_devices(
+            code in "[ -~]{0,40}",
+            vars in "[ -~]{0,40}",
+            seed in "[ -~]{0,40}",
+            disk in "[ -~]{0,40}",
+            kernel in proptest::bool::ANY,
+        ) {
+            let (code, vars, seed, disk) = (
+                format!("/fw/{code}"),
+                format!("/vars/{vars}"),
+                format!("/seed/{seed}"),
+                format!("/disk/{disk}"),
+            );
+            let mut s = spec();
+            if !kernel {
+                s.kernel = None;
+            }
+            s.firmware = Firmware::Uefi(Ovmf { code: code.clone().into(), vars: vars.clone().into() });
+            s.seed = Some(seed.clone().into());
+            s.disks[0].path = disk.clone().into();
+            let args = strings(&build_args(&s).expect("printable absolute paths are accepted"));
+            proptest::prop_assert_eq!(
+                values_of(&args, "-machine"),
+                vec!["q35,pflash0=ovmf-code,pflash1=ovmf-vars".to_string()]
+            );
+            let filenames: Vec<String> = json_values_of(&args, "-blockdev")
+                .iter()
+                .filter_map(|b| b["filename"].as_str().map(str::to_owned))
+                .collect();
+            proptest::prop_assert_eq!(
+                filenames,
+                vec![code, vars, disk, "/var/lib/hearth/disks/data.qcow2".to_string(), seed]
+            );
+            let disks = block_devices(&args);
+            proptest::prop_assert_eq!(disks.len(), 3);
+            proptest::prop_assert_eq!(&disks[2]["id"], "cidata");
+            proptest::prop_assert!(disks[2].get("bootindex").is_none());
+            let seed_nodes: Vec<Value> = json_values_of(&args, "-blockdev")
+                .into_iter()
+                .filter(|b| b["node-name"].as_str().is_some_and(|n| n.starts_with("cidata")))
+                .collect();
+            proptest::prop_assert_eq!(seed_nodes.len(), 2);
+            proptest::prop_assert!(seed_nodes.iter().all(|b| b["read-only"] == true));
         }
     }
 }

@@ -681,4 +681,29 @@ mod tests {
             assert_eq!(disk_index_of(other), None, "{other:?}");
         }
     }
+
+    #[test]
+    fn the_seed_device_maps_to_no_disk_and_moves_none_of_them() {
+        // query-pci of a VM with two disks and the cloud-init seed after them.
+        let reply = serde_json::json!([{"bus": 0, "devices": [
+            {"bus": 0, "slot": 1, "function": 0, "qdev_id": "vdisk0"},
+            {"bus": 0, "slot": 2, "function": 0, "qdev_id": "vdisk1"},
+            {"bus": 0, "slot": 3, "function": 0, "qdev_id": crate::cmdline::SEED_DEVICE_ID},
+            {"bus": 0, "slot": 4, "function": 0, "qdev_id": "vser0"}]}]);
+        let pci_map = parse_query_pci(&reply).expect("parse");
+        assert_eq!(
+            pci_map,
+            BTreeMap::from([(0, pci(0, 1)), (1, pci(0, 2))]),
+            "only the disks, at their own slots"
+        );
+        // A guest that still has the seed mounted (cloud-init unmounts it).
+        let fsinfo = [
+            fs("/", &[(Some("root"), pci(0, 1))]),
+            fs("/data", &[(None, pci(0, 2))]),
+            fs("/mnt/cidata", &[(None, pci(0, 3))]),
+        ];
+        let map = map_mount_points(&fsinfo, &serials(&["root", "data"]), &pci_map);
+        assert_eq!(map.by_disk, vec![strings(&["/"]), strings(&["/data"])]);
+        assert_eq!(map.unmapped, strings(&["/mnt/cidata"]));
+    }
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use hearth_qemu::agent::{AgentClient, FreezeStatus};
 use std::collections::BTreeSet;
 
-use hearth_qemu::cmdline::{Accel, DiskAttachment, LaunchSpec, disk_serial};
+use hearth_qemu::cmdline::{Accel, DiskAttachment, Firmware, KernelBoot, LaunchSpec, disk_serial};
 use hearth_qemu::fsmap::{self, map_mount_points};
 use hearth_qemu::img::QemuImg;
 use hearth_qemu::process::{self, Signal};
@@ -75,10 +75,14 @@ async fn freeze_thaw_exec_resync_and_fs_mapping_against_the_real_guest_agent() {
         cpus: 1,
         memory_mib: 256,
         accel: Accel::Tcg,
-        kernel: guest.join("vmlinuz"),
-        initrd: Some(guest.join("initrd.img")),
-        cmdline: cmdline.trim().to_owned(),
+        firmware: Firmware::Bios,
+        kernel: Some(KernelBoot {
+            kernel: guest.join("vmlinuz"),
+            initrd: Some(guest.join("initrd.img")),
+            cmdline: cmdline.trim().to_owned(),
+        }),
         disks,
+        seed: None,
         agent_socket: Some(tmp.path().join("qga.sock")),
         qmp_socket: tmp.path().join("qmp.sock"),
         serial_log: tmp.path().join("serial.log"),

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use hearth_qemu::accel::{self, Accel};
 use hearth_qemu::agent::{AgentClient, AgentError};
-use hearth_qemu::cmdline::{DiskAttachment, LaunchSpec};
+use hearth_qemu::cmdline::{DiskAttachment, Firmware, KernelBoot, LaunchSpec};
 use hearth_qemu::img::QemuImg;
 use hearth_qemu::process::{self, LaunchError, Signal};
 use hearth_qemu::qmp::QmpClient;
@@ -34,10 +34,14 @@ fn vm_in(dir: &Path, name: &str, disks: Vec<DiskAttachment>) -> Vm {
             cpus: 1,
             memory_mib: 64,
             accel: Accel::Tcg,
-            kernel,
-            initrd: None,
-            cmdline: "console=ttyS0,115200 a=b,c \"quoted\"".to_owned(),
+            firmware: Firmware::Bios,
+            kernel: Some(KernelBoot {
+                kernel,
+                initrd: None,
+                cmdline: "console=ttyS0,115200 a=b,c \"quoted\"".to_owned(),
+            }),
             disks,
+            seed: None,
             agent_socket: Some(dir.join("qga.sock")),
             qmp_socket: dir.join("qmp.sock"),
             serial_log: dir.join("serial.log"),

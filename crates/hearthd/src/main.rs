@@ -57,6 +57,14 @@ struct Args {
     /// look, before its objects are deleted.
     #[arg(long, default_value_t = 2000)]
     manifests_delete_grace_ms: u64,
+    // ---- firmware (see docs/guests.md) ----
+    /// OVMF's code image, for VMs with `firmware: UEFI` (read-only).
+    #[arg(long, env = "HEARTH_OVMF_CODE", default_value = hearth_engine::config::DEFAULT_OVMF_CODE)]
+    ovmf_code: PathBuf,
+    /// The UEFI variables template a UEFI VM's own variables file is copied
+    /// from on its first UEFI start.
+    #[arg(long, env = "HEARTH_OVMF_VARS", default_value = hearth_engine::config::DEFAULT_OVMF_VARS)]
+    ovmf_vars: PathBuf,
 }
 
 #[tokio::main]
@@ -92,6 +100,8 @@ async fn main() -> anyhow::Result<()> {
         qemu_binary: qemu,
         accel,
         resync_interval: Duration::from_secs(args.resync_seconds.max(1)),
+        ovmf_code: args.ovmf_code.clone(),
+        ovmf_vars: args.ovmf_vars.clone(),
     };
     let engine = Engine::start(config).await?;
     let manifests = std::path::absolute(&args.manifests)

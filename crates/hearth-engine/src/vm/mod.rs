@@ -2,9 +2,11 @@
 //! carries its steps out against QEMU.
 
 pub mod decide;
+pub mod firmware;
 pub mod launches;
 pub mod live;
 mod reconcile;
+pub mod seed;
 
 pub use reconcile::{fingerprint, reconcile};
 

@@ -12,7 +12,7 @@ use hearth_api::{
     VirtualMachine, VmPhase, remove_condition, set_condition,
 };
 use hearth_qemu::ProcessIdentity;
-use hearth_qemu::cmdline::{DiskAttachment, LaunchSpec, disk_serial};
+use hearth_qemu::cmdline::{DiskAttachment, KernelBoot, LaunchSpec, disk_serial};
 use hearth_qemu::process;
 use serde_json::json;
 
@@ -196,13 +196,17 @@ async fn launch(
         s.last_error = None;
     });
     match try_launch(ctx, vm, restart_nonce).await {
-        Ok(record) => {
+        Ok(Launched {
+            record,
+            cloud_init_instance_id,
+        }) => {
             let accel = ctx.config.accel.clone();
             let pid = record.process.pid;
             let generation = vm.metadata.generation;
             super::mark_running(ctx, &record, |s| {
                 s.accelerator_reason = Some(accel.reason.clone());
                 s.observed_generation = generation;
+                s.cloud_init_instance_id = cloud_init_instance_id;
             });
             ctx.event(
                 Kind::VirtualMachine,
@@ -235,24 +239,36 @@ async fn launch(
     }
 }
 
+/// A QEMU that runs now, and what it was given.
+struct Launched {
+    record: RuntimeRecord,
+    /// The `instance-id` of the cloud-init seed it has, if any.
+    cloud_init_instance_id: Option<String>,
+}
+
 async fn try_launch(
     ctx: &Arc<Context>,
     vm: &VirtualMachine,
     restart_nonce: u64,
-) -> Result<RuntimeRecord, String> {
+) -> Result<Launched, String> {
     let name = vm.metadata.name.as_str();
     let cfg = &ctx.config;
-    let Some(boot) = &vm.spec.boot else {
-        return Err("spec.boot: booting from disks through firmware is not supported yet".into());
-    };
-    let kernel = cfg
-        .confine(&boot.kernel)
-        .map_err(|e| format!("spec.boot.kernel: {e}"))?;
-    let initrd = match &boot.initrd {
-        Some(p) => Some(
-            cfg.confine(p)
-                .map_err(|e| format!("spec.boot.initrd: {e}"))?,
-        ),
+    // Without spec.boot the firmware boots from the disks, in their order
+    // (validation made sure there is at least one).
+    let kernel = match &vm.spec.boot {
+        Some(boot) => Some(KernelBoot {
+            kernel: cfg
+                .confine(&boot.kernel)
+                .map_err(|e| format!("spec.boot.kernel: {e}"))?,
+            initrd: match &boot.initrd {
+                Some(p) => Some(
+                    cfg.confine(p)
+                        .map_err(|e| format!("spec.boot.initrd: {e}"))?,
+                ),
+                None => None,
+            },
+            cmdline: boot.cmdline.clone(),
+        }),
         None => None,
     };
     // No QEMU of this VM runs: a snapshot cut its last QEMU left unsettled
@@ -297,6 +313,24 @@ async fn try_launch(
     for dir in [&run_dir, &state_dir] {
         std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     }
+    // No QEMU of this VM runs (a leftover launch was settled first), so the
+    // files it reads can be made or replaced now. Both live in the VM's
+    // state directory and go with it when the VM is deleted.
+    let firmware = super::firmware::prepare(cfg, name, vm.spec.firmware)?;
+    if let Some(template) = &firmware.vars_created_from {
+        ctx.event(
+            Kind::VirtualMachine,
+            name,
+            EventType::Normal,
+            "UefiVarsCreated",
+            &format!(
+                "its UEFI variables file {} starts as a copy of {}",
+                cfg.uefi_vars_path(name).display(),
+                template.display()
+            ),
+        );
+    }
+    let seed = prepare_seed(cfg, vm).await?;
     // Stale sockets are removed by `process::launch`, and only if nothing
     // listens on them: a socket a running QEMU serves is never cut off.
     let qmp_socket = run_dir.join("qmp.sock");
@@ -307,10 +341,12 @@ async fn try_launch(
         cpus: vm.spec.cpus,
         memory_mib: vm.spec.memory.mebibytes(),
         accel: cfg.accel.accel,
+        firmware: firmware.firmware,
         kernel,
-        initrd,
-        cmdline: boot.cmdline.clone(),
         disks: disks.clone(),
+        // After the disks, never in the record's disks: a seed is not a
+        // VirtualDisk, and no snapshot ever covers it.
+        seed: seed.as_ref().map(|_| cfg.cloud_init_seed_path(name)),
         agent_socket: agent_socket.clone(),
         qmp_socket: qmp_socket.clone(),
         serial_log: serial_log.clone(),
@@ -387,7 +423,30 @@ async fn try_launch(
         return Err(format!("cannot record the started process: {e}"));
     }
     ctx.ensure_live(&record).await;
-    Ok(record)
+    Ok(Launched {
+        record,
+        cloud_init_instance_id: seed.map(|s| s.instance_id),
+    })
+}
+
+/// Builds the VM's cloud-init seed afresh (or removes an old one when it has
+/// no `cloudInit` any more). Only called while no QEMU of the VM runs.
+async fn prepare_seed(
+    cfg: &crate::config::EngineConfig,
+    vm: &VirtualMachine,
+) -> Result<Option<super::seed::SeedFiles>, String> {
+    let path = cfg.cloud_init_seed_path(&vm.metadata.name);
+    let files = super::seed::SeedFiles::for_vm(vm);
+    let job = files.clone();
+    let shown = path.display().to_string();
+    tokio::task::spawn_blocking(move || match &job {
+        Some(files) => super::seed::write_seed(&path, files),
+        None => super::seed::remove_seed(&path),
+    })
+    .await
+    .map_err(|e| format!("spec.cloudInit: the seed writer failed: {e}"))?
+    .map_err(|e| format!("spec.cloudInit: cannot write the cloud-init seed {shown}: {e}"))?;
+    Ok(files)
 }
 
 async fn stop(
