@@ -140,6 +140,44 @@ pub fn set_head_tx(
     Ok(())
 }
 
+/// Records that `layer`'s backing file is the image file `path`, which is
+/// not a layer: the image store keeps that file while the layer exists.
+pub fn set_layer_base_tx(
+    tx: &rusqlite::Transaction<'_>,
+    layer: &str,
+    path: &Path,
+) -> Result<(), StoreError> {
+    tx.execute(
+        "INSERT INTO layer_bases (layer, path) VALUES (?1, ?2)
+         ON CONFLICT (layer) DO UPDATE SET path = excluded.path",
+        params![layer, path.to_string_lossy()],
+    )?;
+    Ok(())
+}
+
+/// Whether any layer still has the image file `path` as its base.
+pub fn base_in_use_tx(tx: &rusqlite::Transaction<'_>, path: &Path) -> Result<bool, StoreError> {
+    let n: i64 = tx.query_row(
+        "SELECT COUNT(*) FROM layer_bases WHERE path = ?1",
+        params![path.to_string_lossy()],
+        |r| r.get(0),
+    )?;
+    Ok(n > 0)
+}
+
+/// Every image file some layer has as its base.
+pub fn all_bases(store: &Store) -> Result<BTreeSet<PathBuf>, StoreError> {
+    store.with_tx(|tx| {
+        let mut stmt = tx.prepare("SELECT path FROM layer_bases")?;
+        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+        let mut out = BTreeSet::new();
+        for r in rows {
+            out.insert(PathBuf::from(r?));
+        }
+        Ok(out)
+    })
+}
+
 pub fn drop_head(store: &Store, disk: &str) -> Result<(), StoreError> {
     store.with_tx(|tx| {
         tx.execute("DELETE FROM heads WHERE disk = ?1", params![disk])?;
@@ -174,8 +212,10 @@ pub fn drop_snapshot_layer(store: &Store, snapshot: &str) -> Result<(), StoreErr
 /// snapshot's layer, not below one of those. Returns the files removed.
 /// Rows go first (one transaction), files after: a crash in between leaves
 /// only unreferenced files behind, never a reference to a missing file.
+/// An image file that was the base of a removed layer goes too once no
+/// layer and no VirtualImage has it any more (`image::release_file`).
 pub fn collect_garbage(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
-    let doomed = store.with_tx(|tx| {
+    let (doomed, bases) = store.with_tx(|tx| {
         let mut all: BTreeMap<String, (PathBuf, Option<String>)> = BTreeMap::new();
         {
             let mut stmt = tx.prepare("SELECT id, path, backing FROM layers")?;
@@ -213,18 +253,34 @@ pub fn collect_garbage(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
             }
         }
         let mut doomed = Vec::new();
+        let mut bases = BTreeSet::new();
         for (id, (path, _)) in &all {
             if !live.contains(id) {
+                let base: Option<String> = tx
+                    .query_row(
+                        "SELECT path FROM layer_bases WHERE layer = ?1",
+                        params![id],
+                        |r| r.get(0),
+                    )
+                    .optional()?;
+                bases.extend(base.map(PathBuf::from));
+                tx.execute("DELETE FROM layer_bases WHERE layer = ?1", params![id])?;
                 tx.execute("DELETE FROM layers WHERE id = ?1", params![id])?;
                 doomed.push(path.clone());
             }
         }
-        Ok(doomed)
+        Ok((doomed, bases))
     })?;
     for p in &doomed {
         let _ = std::fs::remove_file(p);
     }
-    Ok(doomed)
+    let mut freed = doomed;
+    for base in bases {
+        if crate::image::release_file(store, &base)? {
+            freed.push(base);
+        }
+    }
+    Ok(freed)
 }
 
 /// Removes layer files a crash left behind: in the layers directory, not
