@@ -374,7 +374,7 @@ pub async fn verify(path: &Path, size: u64) -> Result<Verified, Failure> {
             ));
         }
         Ok(Sniffed::Raw(Some(signature))) => {
-            if size % 512 != 0 {
+            if !size.is_multiple_of(512) {
                 return Err(Failure::new(
                     "NotAnImage",
                     format!(
@@ -421,4 +421,36 @@ pub async fn verify(path: &Path, size: u64) -> Result<Verified, Failure> {
         format,
         virtual_size: info.virtual_size,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_raw_file_must_look_like_a_disk_and_be_whole_sectors() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let text = dir.path().join("notes.txt");
+        std::fs::write(&text, "not a disk\n".repeat(100)).expect("write");
+        let f = verify(&text, 1100).await.expect_err("text");
+        assert_eq!(f.reason, "NotAnImage", "{f:?}");
+
+        let mut mbr = vec![0u8; 1 << 20];
+        mbr[510] = 0x55;
+        mbr[511] = 0xaa;
+        let disk = dir.path().join("disk.raw");
+        std::fs::write(&disk, &mbr).expect("write");
+        assert_eq!(
+            verify(&disk, mbr.len() as u64).await,
+            Ok(Verified {
+                format: "raw",
+                virtual_size: 1 << 20
+            })
+        );
+        let odd = dir.path().join("odd.raw");
+        std::fs::write(&odd, &mbr[..1000]).expect("write");
+        let f = verify(&odd, 1000).await.expect_err("odd size");
+        assert_eq!(f.reason, "NotAnImage");
+        assert!(f.message.contains("512-byte sectors"), "{}", f.message);
+    }
 }

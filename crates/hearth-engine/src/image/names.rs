@@ -91,7 +91,7 @@ mod tests {
             &format!("sha256-{HEX}.vmdk"),
             &format!("sha256-{}.qcow2", HEX.to_uppercase()),
             &format!("sha256-{HEX}"),
-            &format!(".import-1-x.tmp"),
+            ".import-1-x.tmp",
         ] {
             assert_eq!(parse_stored(name), None, "{name}");
         }

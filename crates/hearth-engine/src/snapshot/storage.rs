@@ -433,4 +433,92 @@ mod tests {
         assert_eq!(freed.len(), 3);
         assert!(!base.path.exists() && !s1.path.exists() && !r.path.exists());
     }
+
+    fn image_object(
+        name: &str,
+        status: serde_json::Value,
+    ) -> (hearth_api::Object, serde_json::Value) {
+        let obj = hearth_api::parse_documents(
+            &format!("apiVersion: hearth.dev/v1alpha1\nkind: VirtualImage\nmetadata: {{name: {name}}}\nspec: {{source: {{file: /srv/x.qcow2}}}}\n"),
+            "t",
+        )
+        .unwrap()
+        .remove(0);
+        (obj, status)
+    }
+
+    #[test]
+    fn an_image_file_lives_while_an_image_or_a_layer_made_from_it_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("db")).unwrap();
+        let images = dir.path().join("images");
+        std::fs::create_dir_all(&images).unwrap();
+        let hex = "ab".repeat(32);
+        let file = images.join(format!("sha256-{hex}.qcow2"));
+        std::fs::write(&file, b"image").unwrap();
+        let (obj, status) = image_object(
+            "base",
+            serde_json::json!({"phase": "Ready", "path": file, "digest": format!("sha256:{hex}")}),
+        );
+        store.put_objects(&[obj]).unwrap();
+        store
+            .update_status::<serde_json::Value, _>(hearth_api::Kind::VirtualImage, "base", |s| {
+                *s = status
+            })
+            .unwrap();
+        // disk <- its head, made from the image; a snapshot keeps the bottom.
+        let bottom = layer(&store, dir.path(), "d");
+        let top = layer(&store, dir.path(), "d");
+        store
+            .with_tx(|tx| {
+                set_head_tx(tx, "d", &bottom, None)?;
+                set_layer_base_tx(tx, &bottom.id, &file)?;
+                set_head_tx(tx, "d", &top, Some(&bottom.id))?;
+                set_snapshot_layer_tx(tx, "s", &bottom.id)
+            })
+            .unwrap();
+        assert!(
+            !crate::image::release_file(&store, &file).unwrap(),
+            "in use"
+        );
+        // The image object goes: the layers still need the file.
+        store
+            .remove(hearth_api::Kind::VirtualImage, "base")
+            .unwrap();
+        assert!(!crate::image::release_file(&store, &file).unwrap());
+        drop_head(&store, "d").unwrap();
+        let freed = collect_garbage(&store).unwrap();
+        assert_eq!(
+            freed,
+            vec![top.path.clone()],
+            "the snapshot keeps the bottom"
+        );
+        assert!(file.exists());
+        drop_snapshot_layer(&store, "s").unwrap();
+        let mut freed = collect_garbage(&store).unwrap();
+        freed.sort();
+        let mut want = vec![bottom.path.clone(), file.clone()];
+        want.sort();
+        assert_eq!(freed, want, "the last layer takes the image file with it");
+        assert!(!file.exists());
+    }
+
+    #[test]
+    fn only_image_store_files_are_ever_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("db")).unwrap();
+        let users = dir.path().join("debian.qcow2");
+        std::fs::write(&users, b"a user's base image").unwrap();
+        let l = layer(&store, dir.path(), "d");
+        store
+            .with_tx(|tx| {
+                set_head_tx(tx, "d", &l, None)?;
+                set_layer_base_tx(tx, &l.id, &users)
+            })
+            .unwrap();
+        drop_head(&store, "d").unwrap();
+        collect_garbage(&store).unwrap();
+        assert!(users.exists());
+        assert!(!crate::image::release_file(&store, &users).unwrap());
+    }
 }
