@@ -188,15 +188,16 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
     let failed = result.is_err();
     match result {
         Ok(done) => {
-            let how = if done.reused {
-                "already in the image store".to_string()
-            } else {
-                format!(
-                    "{} in {:.1} s ({}/s)",
-                    format_bytes(done.fetched_bytes),
-                    done.seconds,
-                    format_bytes(done.bytes_per_second)
-                )
+            let read = format!(
+                "{} read in {:.1} s ({}/s)",
+                format_bytes(done.fetched_bytes),
+                done.seconds,
+                format_bytes(done.bytes_per_second)
+            );
+            let how = match (done.reused, done.fetched_bytes) {
+                (true, 0) => "already in the image store: nothing downloaded".to_string(),
+                (true, _) => format!("{read}; the same content was already stored"),
+                (false, _) => read,
             };
             ctx.event(
                 Kind::VirtualImage,
