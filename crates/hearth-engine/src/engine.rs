@@ -374,7 +374,7 @@ impl Engine {
             )));
         }
         if kind == Kind::VirtualImage {
-            let disks = crate::image::disks_from(&self.store, name)?;
+            let disks = crate::image::disks_blocking_delete(&self.store, name)?;
             if !disks.is_empty() {
                 let list: Vec<String> = disks.iter().map(|d| format!("{d:?}")).collect();
                 return Err(RequestError::Conflict(format!(

@@ -899,3 +899,32 @@ fn a_slow_download_shows_its_progress_while_it_runs() {
     assert!(v["status"]["bytesDone"].is_null(), "{v:#}");
     assert_eq!(v["status"]["progress"], "100%");
 }
+
+#[test]
+fn removing_a_manifest_with_an_image_and_a_disk_from_it_removes_both_and_the_file() {
+    let src = roots();
+    make_qcow2(&src.path().join("good.qcow2"));
+    let d = Daemon::start_without_guest(&[src.path()], &["--manifests-delete-grace-ms", "300"]);
+    let manifests = d.dir.path().join("manifests");
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let file = manifests.join("web.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualImage\nmetadata: {{name: base}}\nspec:\n  source: {{file: {}}}\n---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {{name: root}}\nspec:\n  size: 16Mi\n  source: {{virtualImage: base}}\n",
+            src.path().join("good.qcow2").display()
+        ),
+    )
+    .expect("write manifest");
+    let image = wait_image_phase(&d, "base", "Ready");
+    let path = PathBuf::from(image["status"]["path"].as_str().expect("path"));
+    let disk = d.wait_object("virtualdisks", "root", "Ready", IMPORT, |v| {
+        v["status"]["phase"] == "Ready"
+    });
+    assert_eq!(disk["status"]["capacity"], 16u64 << 20);
+    std::fs::remove_file(&file).expect("rm manifest");
+    d.wait_gone("virtualdisks", "root", IMPORT);
+    d.wait_gone("virtualimages", "base", IMPORT);
+    assert!(!path.exists(), "the image file goes with both");
+    assert_eq!(store_files(&d), Vec::<String>::new());
+}

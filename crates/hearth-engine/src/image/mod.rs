@@ -232,6 +232,9 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
                 s.phase = ImagePhase::Failed;
                 s.reason = Some(f.reason.to_string());
                 s.message = Some(message.clone());
+                s.progress = None;
+                s.bytes_done = None;
+                s.bytes_total = None;
                 s.bytes_per_second = None;
             });
             ctx.event(
@@ -469,7 +472,7 @@ fn commit(
 /// another image has the same content or a disk layer is still made from it.
 async fn delete(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
     ctx.imports.cancel(name).await;
-    let users = disks_from(&ctx.store, name)?;
+    let users = disks_blocking_delete(&ctx.store, name)?;
     if !users.is_empty() {
         // Refused at the API; only if a disk arrived since.
         return Err(ReconcileError::Failed(format!(
@@ -516,11 +519,28 @@ fn quoted(names: &[String]) -> String {
         .join(", ")
 }
 
-/// The disks whose spec names this image as their source.
+/// The disks whose spec names this image as their source (`status.usedBy`).
 pub fn disks_from(store: &Store, image: &str) -> Result<Vec<String>, StoreError> {
+    disks_naming(store, image, true)
+}
+
+/// The disks made from this image that keep it from being deleted: those
+/// not being deleted themselves. (A disk on its way out that already has a
+/// layer keeps the image's file through its layer's base, not through the
+/// image object.)
+pub fn disks_blocking_delete(store: &Store, image: &str) -> Result<Vec<String>, StoreError> {
+    disks_naming(store, image, false)
+}
+
+fn disks_naming(
+    store: &Store,
+    image: &str,
+    with_deleting: bool,
+) -> Result<Vec<String>, StoreError> {
     Ok(store
         .list(Kind::VirtualDisk)?
         .into_iter()
+        .filter(|s| with_deleting || !s.deleting)
         .filter_map(|s| match s.object {
             Object::VirtualDisk(d)
                 if matches!(&d.spec.source, DiskSource::VirtualImage(i) if i == image) =>
