@@ -34,6 +34,8 @@ enum Behaviour {
         body: Vec<u8>,
         claimed: u64,
     },
+    /// The body with no Content-Length: it ends when the connection closes.
+    NoLength(Vec<u8>),
     /// The whole body, `chunk` bytes every `pause`.
     Drip {
         body: Vec<u8>,
@@ -171,6 +173,12 @@ fn serve(
         }
         Behaviour::Truncate { body, claimed } => {
             let _ = conn.write_all(head(claimed).as_bytes());
+            let _ = conn.write_all(&body);
+        }
+        Behaviour::NoLength(body) => {
+            let _ = conn.write_all(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
+            );
             let _ = conn.write_all(&body);
         }
         Behaviour::Drip { body, chunk, pause } => {
@@ -927,4 +935,37 @@ fn removing_a_manifest_with_an_image_and_a_disk_from_it_removes_both_and_the_fil
     d.wait_gone("virtualimages", "base", IMPORT);
     assert!(!path.exists(), "the image file goes with both");
     assert_eq!(store_files(&d), Vec::<String>::new());
+}
+
+#[test]
+fn images_larger_than_the_limit_are_refused_whether_or_not_their_length_is_said() {
+    let src = roots();
+    let server = Server::start();
+    let qcow2 = make_qcow2(&src.path().join("good.qcow2"));
+    assert!(qcow2.len() > 1 << 20);
+    let digest = sha256_of(&qcow2);
+    server.route("/big.qcow2", Behaviour::Serve(qcow2.clone()));
+    server.route("/unsaid.qcow2", Behaviour::NoLength(qcow2.clone()));
+    let d = Daemon::start_without_guest(&[src.path()], &["--image-max-bytes", "1Mi"]);
+    apply_ok(
+        &d,
+        vec![
+            http_image("said", &server.url("/big.qcow2"), &digest),
+            http_image("unsaid", &server.url("/unsaid.qcow2"), &digest),
+            file_image("local", &src.path().join("good.qcow2")),
+        ],
+    );
+    for name in ["said", "unsaid", "local"] {
+        let v = wait_failed(&d, name, "TooLarge");
+        let message = v["status"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("--image-max-bytes"), "{name}: {message}");
+    }
+    // Without a limit in the way, a body without a length is fine.
+    let d2 = Daemon::start_without_guest(&[src.path()], &[]);
+    apply_ok(
+        &d2,
+        vec![http_image("unsaid", &server.url("/unsaid.qcow2"), &digest)],
+    );
+    let v = wait_image_phase(&d2, "unsaid", "Ready");
+    assert_eq!(v["status"]["digest"], format!("sha256:{digest}"));
 }
