@@ -140,7 +140,7 @@ pub async fn fetch_http(
         Err(_) => {
             return Err(Failure::new(
                 "Timeout",
-                format!("GET {url}: no response within {secs} s"),
+                format!("spec.source.http.url: GET {url}: no response within {secs} s"),
             ));
         }
         Ok(Err(e)) => {
@@ -151,7 +151,10 @@ pub async fn fetch_http(
             } else {
                 "HttpError"
             };
-            return Err(Failure::new(reason, format!("GET {url}: {}", chain(&e))));
+            return Err(Failure::new(
+                reason,
+                format!("spec.source.http.url: GET {url}: {}", chain(&e)),
+            ));
         }
         Ok(Ok(r)) => r,
     };
@@ -159,7 +162,7 @@ pub async fn fetch_http(
     if !status.is_success() {
         return Err(Failure::new(
             "HttpStatus",
-            format!("GET {url}: the server answered {status}"),
+            format!("spec.source.http.url: GET {url}: the server answered {status}"),
         ));
     }
     let total = response.content_length();
@@ -169,7 +172,7 @@ pub async fn fetch_http(
         return Err(Failure::new(
             "TooLarge",
             format!(
-                "GET {url}: Content-Length {t} is more than the {} bytes allowed (hearthd --image-max-bytes)",
+                "spec.source.http.url: GET {url}: Content-Length {t} is more than the {} bytes allowed (hearthd --image-max-bytes)",
                 cfg.max_bytes
             ),
         ));
@@ -184,7 +187,7 @@ pub async fn fetch_http(
                 return Err(Failure::new(
                     "Timeout",
                     format!(
-                        "GET {url}: nothing received for {secs} s after {} bytes (hearthd --image-read-timeout-seconds)",
+                        "spec.source.http.url: GET {url}: nothing received for {secs} s after {} bytes (hearthd --image-read-timeout-seconds)",
                         progress.done
                     ),
                 ));
@@ -201,7 +204,7 @@ pub async fn fetch_http(
                     return Err(Failure::new(
                         "Truncated",
                         format!(
-                            "GET {url}: the connection ended after {} of {t} bytes: {}",
+                            "spec.source.http.url: GET {url}: the connection ended after {} of {t} bytes: {}",
                             progress.done,
                             chain(&e)
                         ),
@@ -210,7 +213,7 @@ pub async fn fetch_http(
                 return Err(Failure::new(
                     "HttpError",
                     format!(
-                        "GET {url}: reading the body after {} bytes: {}",
+                        "spec.source.http.url: GET {url}: reading the body after {} bytes: {}",
                         progress.done,
                         chain(&e)
                     ),
@@ -221,7 +224,7 @@ pub async fn fetch_http(
             return Err(Failure::new(
                 "TooLarge",
                 format!(
-                    "GET {url}: more than the {} bytes allowed (hearthd --image-max-bytes)",
+                    "spec.source.http.url: GET {url}: more than the {} bytes allowed (hearthd --image-max-bytes)",
                     cfg.max_bytes
                 ),
             ));
@@ -238,7 +241,7 @@ pub async fn fetch_http(
         return Err(Failure::new(
             "Truncated",
             format!(
-                "GET {url}: the body had {} bytes, its Content-Length said {t}",
+                "spec.source.http.url: GET {url}: the body had {} bytes, its Content-Length said {t}",
                 progress.done
             ),
         ));
