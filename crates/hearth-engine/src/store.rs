@@ -213,18 +213,14 @@ impl Store {
     }
 
     pub fn list(&self, kind: Kind) -> Result<Vec<StoredObject>, StoreError> {
-        let mut conn = self.conn();
-        let tx = conn.transaction()?;
-        Self::list_tx(&tx, kind)
+        Self::list_tx(&self.conn(), kind)
     }
 
-    /// `list` inside a caller's transaction.
-    pub fn list_tx(
-        tx: &rusqlite::Transaction<'_>,
-        kind: Kind,
-    ) -> Result<Vec<StoredObject>, StoreError> {
-        let mut stmt =
-            tx.prepare("SELECT body, status, deleting FROM objects WHERE kind = ?1 ORDER BY name")?;
+    /// `list` inside a caller's transaction (a `Transaction` derefs to the
+    /// connection).
+    pub fn list_tx(conn: &Connection, kind: Kind) -> Result<Vec<StoredObject>, StoreError> {
+        let mut stmt = conn
+            .prepare("SELECT body, status, deleting FROM objects WHERE kind = ?1 ORDER BY name")?;
         let rows = stmt.query_map(params![kind.as_str()], |r| {
             Ok((
                 r.get::<_, String>(0)?,
