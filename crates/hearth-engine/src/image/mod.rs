@@ -423,7 +423,11 @@ fn commit(
         .store
         .with_tx(|tx| {
             let reused = path.is_file();
-            if !reused {
+            if reused {
+                // Gone before the image shows Ready: nothing but the
+                // image's own file is left once it is.
+                let _ = std::fs::remove_file(&tmp.path);
+            } else {
                 use std::os::unix::fs::PermissionsExt;
                 // Images are never written: QEMU opens them read-only below
                 // each disk's own layer.
