@@ -294,6 +294,16 @@ fn wait_image_phase(d: &Daemon, name: &str, phase: &str) -> Value {
     )
 }
 
+/// Waits for an event of a VirtualImage (it is recorded after the status
+/// that it reports).
+fn wait_event(d: &Daemon, name: &str, reason: &str) {
+    common::wait_until(&format!("{name}: event {reason}"), IMPORT, || {
+        d.event_reasons("VirtualImage", name)
+            .iter()
+            .any(|r| r == reason)
+    });
+}
+
 fn wait_failed(d: &Daemon, name: &str, reason: &str) -> Value {
     let v = wait_image_phase(d, name, "Failed");
     assert_eq!(v["status"]["reason"], reason, "{v:#}");
@@ -526,6 +536,7 @@ fn failed_downloads_say_why_leave_no_file_and_are_retried_until_the_server_is_fi
     assert_eq!(v["status"]["digest"], format!("sha256:{digest}"));
     assert!(v["status"]["reason"].is_null(), "{v:#}");
     // Failed, then Importing again, then Ready.
+    wait_event(&d, "later", "Imported");
     let reasons = d.event_reasons("VirtualImage", "later");
     let failed = reasons.iter().position(|r| r == "ImportFailed");
     let restarted = reasons.iter().rposition(|r| r == "ImportStarted");
@@ -759,12 +770,12 @@ fn a_snapshot_of_a_disk_keeps_its_image_file_after_the_image_is_deleted() {
         path.is_file(),
         "the snapshot and the restored disk still need it"
     );
-    assert!(
-        d.events("VirtualImage", "base")
-            .iter()
-            .any(|e| e["reason"] == "Deleted"
-                && e["message"].as_str().unwrap_or_default().contains("kept"))
-    );
+    // The event follows the removal.
+    common::wait_until("a Deleted event saying the file is kept", IMPORT, || {
+        d.events("VirtualImage", "base").iter().any(|e| {
+            e["reason"] == "Deleted" && e["message"].as_str().unwrap_or_default().contains("kept")
+        })
+    });
 
     // A restart keeps it too: the store says a layer is made from it.
     d.kill();

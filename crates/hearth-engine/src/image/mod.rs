@@ -228,6 +228,14 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
                 f.message,
                 wait.as_secs_f64().ceil()
             );
+            // The event first: whoever sees Failed finds it.
+            ctx.event(
+                Kind::VirtualImage,
+                &name,
+                EventType::Warning,
+                "ImportFailed",
+                &format!("{}: {message}", f.reason),
+            );
             ctx.set_image_status(&name, |s| {
                 s.phase = ImagePhase::Failed;
                 s.reason = Some(f.reason.to_string());
@@ -237,13 +245,6 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
                 s.bytes_total = None;
                 s.bytes_per_second = None;
             });
-            ctx.event(
-                Kind::VirtualImage,
-                &name,
-                EventType::Warning,
-                "ImportFailed",
-                &format!("{}: {message}", f.reason),
-            );
             let weak = Arc::downgrade(&ctx);
             let key = name.clone();
             tokio::spawn(async move {
