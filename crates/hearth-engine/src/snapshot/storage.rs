@@ -165,19 +165,6 @@ pub fn base_in_use_tx(tx: &rusqlite::Transaction<'_>, path: &Path) -> Result<boo
     Ok(n > 0)
 }
 
-/// Every image file some layer has as its base.
-pub fn all_bases(store: &Store) -> Result<BTreeSet<PathBuf>, StoreError> {
-    store.with_tx(|tx| {
-        let mut stmt = tx.prepare("SELECT path FROM layer_bases")?;
-        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
-        let mut out = BTreeSet::new();
-        for r in rows {
-            out.insert(PathBuf::from(r?));
-        }
-        Ok(out)
-    })
-}
-
 pub fn drop_head(store: &Store, disk: &str) -> Result<(), StoreError> {
     store.with_tx(|tx| {
         tx.execute("DELETE FROM heads WHERE disk = ?1", params![disk])?;
