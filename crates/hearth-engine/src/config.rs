@@ -17,6 +17,8 @@ pub struct EngineConfig {
     pub accel: AccelDecision,
     /// How often every object is reconciled even without a hint.
     pub resync_interval: Duration,
+    /// VirtualImage imports: timeouts, size limit, retry backoff.
+    pub images: ImageImportConfig,
     // ---- firmware (see docs/guests.md) ----
     /// OVMF's code image for `firmware: UEFI`, attached read-only.
     pub ovmf_code: PathBuf,
@@ -45,6 +47,36 @@ impl EngineConfig {
     }
 }
 
+/// Limits of a VirtualImage import (see docs/images.md).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageImportConfig {
+    /// Longest wait for a TCP (and TLS) connection to the server.
+    pub connect_timeout: Duration,
+    /// Longest time without a byte from the server: waiting for the response
+    /// headers, then between two pieces of the body. A stalled server fails
+    /// the attempt instead of holding it forever.
+    pub read_timeout: Duration,
+    /// Largest image accepted, in bytes (the source's length or what was
+    /// read so far, whichever says more first).
+    pub max_bytes: u64,
+    /// The first retry's delay; each further failure doubles it.
+    pub retry_base: Duration,
+    /// The longest delay between two attempts.
+    pub retry_max: Duration,
+}
+
+impl Default for ImageImportConfig {
+    fn default() -> Self {
+        ImageImportConfig {
+            connect_timeout: Duration::from_secs(30),
+            read_timeout: Duration::from_secs(60),
+            max_bytes: 256 << 30,
+            retry_base: Duration::from_secs(2),
+            retry_max: Duration::from_secs(300),
+        }
+    }
+}
+
 impl EngineConfig {
     pub fn database_path(&self) -> PathBuf {
         self.state_dir.join("hearth.db")
@@ -56,6 +88,12 @@ impl EngineConfig {
 
     pub fn disk_path(&self, disk: &str) -> PathBuf {
         self.disks_dir().join(format!("{disk}.qcow2"))
+    }
+
+    /// The content-addressed image store: `sha256-<hex>.<format>` files,
+    /// and the temporaries of imports in progress (`.import-*.tmp`).
+    pub fn images_dir(&self) -> PathBuf {
+        self.state_dir.join("images")
     }
 
     /// Per-VM files that outlive the VM's process (console log, QEMU's stderr).

@@ -8,7 +8,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use hearth_api::{
-    EventType, Kind, Object, VirtualDiskStatus, VirtualMachine, VirtualMachineStatus,
+    EventType, Kind, Object, VirtualDiskStatus, VirtualImageStatus, VirtualMachine,
+    VirtualMachineStatus,
 };
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -38,6 +39,8 @@ pub struct Context {
     ops_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// The freeze coordinators, one per VM (or unattached disk).
     pub snapshots: crate::snapshot::Actors,
+    /// The running VirtualImage imports, one per image at most.
+    pub imports: crate::image::Imports,
     /// Where wakes go: the engine's work queue.
     wakes: UnboundedSender<Key>,
 }
@@ -50,6 +53,7 @@ impl Context {
             live: Mutex::new(HashMap::new()),
             ops_locks: Mutex::new(HashMap::new()),
             snapshots: crate::snapshot::Actors::default(),
+            imports: crate::image::Imports::default(),
             wakes,
         }
     }
@@ -115,6 +119,12 @@ impl Context {
     pub fn set_disk_status(&self, name: &str, f: impl FnOnce(&mut VirtualDiskStatus)) {
         if let Err(e) = self.store.update_status(Kind::VirtualDisk, name, f) {
             tracing::warn!(disk = name, error = %e, "cannot write status");
+        }
+    }
+
+    pub fn set_image_status(&self, name: &str, f: impl FnOnce(&mut VirtualImageStatus)) {
+        if let Err(e) = self.store.update_status(Kind::VirtualImage, name, f) {
+            tracing::warn!(image = name, error = %e, "cannot write status");
         }
     }
 

@@ -39,6 +39,10 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
         storage::drop_head(&ctx.store, name)?;
         let freed = storage::collect_garbage(&ctx.store)?;
         ctx.store.remove(Kind::VirtualDisk, name)?;
+        if let DiskSource::VirtualImage(image) = &disk.spec.source {
+            // Its usedBy changes, and it may be deleted now.
+            ctx.wake(Kind::VirtualImage, image);
+        }
         ctx.event(
             Kind::VirtualDisk,
             name,
@@ -72,6 +76,36 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                     return Ok(());
                 }
             }
+            if let DiskSource::VirtualImage(image) = &disk.spec.source {
+                // A disk from an image waits for the image to be Ready.
+                let size = disk.spec.size.as_ref().map(|q| q.bytes());
+                if let Err(why) = crate::image::ready_for_disk(&ctx.store, image, size)? {
+                    let never = matches!(why, crate::image::NotReady::TooSmall { .. });
+                    let message = why.message();
+                    let old: VirtualDiskStatus =
+                        serde_json::from_value(stored.status.clone()).unwrap_or_default();
+                    if never && old.last_error.as_deref() != Some(message.as_str()) {
+                        ctx.event(
+                            Kind::VirtualDisk,
+                            name,
+                            EventType::Warning,
+                            "CreateFailed",
+                            &message,
+                        );
+                    }
+                    ctx.set_disk_status(name, |s| {
+                        s.phase = if never {
+                            DiskPhase::Failed
+                        } else {
+                            DiskPhase::Pending
+                        };
+                        s.last_error = Some(message.clone());
+                    });
+                    // The image lists the disks waiting for it too.
+                    ctx.wake(Kind::VirtualImage, image);
+                    return Ok(());
+                }
+            }
             if let Err(message) = create(ctx, name, disk).await {
                 ctx.set_disk_status(name, |s| {
                     s.phase = DiskPhase::Failed;
@@ -96,6 +130,9 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                 "Created",
                 &format!("created {}", head.path.display()),
             );
+            if let DiskSource::VirtualImage(image) = &disk.spec.source {
+                ctx.wake(Kind::VirtualImage, image);
+            }
             head
         }
     };
@@ -160,6 +197,7 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
     let new = storage::allocate(&ctx.store, &state_dir, name).map_err(|e| e.to_string())?;
     let size = disk.spec.size.as_ref().map(|q| q.bytes());
     let mut backing_layer = None;
+    let mut base_image = None;
     match &disk.spec.source {
         DiskSource::Blank(_) => {
             let size = size.ok_or("spec.size: a blank disk needs a size")?;
@@ -201,15 +239,29 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
             backing_layer = Some(layer.id);
         }
         DiskSource::VirtualImage(image) => {
-            return Err(format!(
-                "spec.source.virtualImage: disks from VirtualImage {image:?} are not supported yet"
-            ));
+            let ready = crate::image::ready_for_disk(&ctx.store, image, size)
+                .map_err(|e| e.to_string())?
+                .map_err(|why| why.message())?;
+            // The image file is the overlay's backing file, opened read-only;
+            // a larger size grows the disk.
+            img::create_overlay(&new.path, &ready.path, &ready.format, size)
+                .await
+                .map_err(|e| format!("cannot create overlay: {e}"))?;
+            base_image = Some(ready.path);
         }
     }
     // Recorded once the file is complete: a crash before this leaves only an
-    // unreferenced file, never a disk pointing at a half-made image.
+    // unreferenced file, never a disk pointing at a half-made image. The
+    // image file below it is recorded with it, so the image store keeps it
+    // while this layer (or a snapshot or restored disk above it) exists.
     ctx.store
-        .with_tx(|tx| storage::set_head_tx(tx, name, &new, backing_layer.as_deref()))
+        .with_tx(|tx| {
+            storage::set_head_tx(tx, name, &new, backing_layer.as_deref())?;
+            if let Some(base) = &base_image {
+                storage::set_layer_base_tx(tx, &new.id, base)?;
+            }
+            Ok(())
+        })
         .map_err(|e| e.to_string())?;
     Ok(())
 }

@@ -191,6 +191,15 @@ impl Engine {
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "cannot sweep orphan layer files"),
         }
+        // Before any import starts: temporaries of cut-short imports, and
+        // image files nothing refers to.
+        match crate::image::sweep(&engine.store, &engine.config.images_dir()) {
+            Ok(removed) if !removed.is_empty() => {
+                tracing::info!(count = removed.len(), "removed image files no image needs")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot sweep the image store"),
+        }
         engine.wake_all();
         // Guests a crashed daemon left frozen are thawed right away.
         engine.snapshots.resume_all(&engine.ctx);
@@ -255,6 +264,7 @@ impl Engine {
                 )));
             }
             self.check_host_paths(&obj)?;
+            self.check_image_source(&obj)?;
             let existing = self.store.get(obj.kind(), obj.name())?;
             // The owner alone can change (a manifest file renamed, or a file
             // taking over an API object): written, but the spec is unchanged.
@@ -362,6 +372,16 @@ impl Engine {
             return Err(RequestError::Conflict(format!(
                 "VirtualDisk {name:?} is in use by VirtualMachine {vm:?} (its spec.disks, or its running QEMU until it restarts); delete the VM or remove the disk from it first"
             )));
+        }
+        if kind == Kind::VirtualImage {
+            let disks = crate::image::disks_blocking_delete(&self.store, name)?;
+            if !disks.is_empty() {
+                let list: Vec<String> = disks.iter().map(|d| format!("{d:?}")).collect();
+                return Err(RequestError::Conflict(format!(
+                    "VirtualImage {name:?} is in use by VirtualDisk {} (made from it); delete those disks first",
+                    list.join(", ")
+                )));
+            }
         }
         if !existing.deleting {
             self.store.mark_deleting(kind, name)?;
@@ -650,6 +670,42 @@ impl Engine {
                 }
             }
             Object::VirtualDiskSnapshot(_) | Object::VirtualMachineSnapshot(_) => {}
+        }
+        Ok(())
+    }
+
+    /// A disk from an image that is Ready must not be smaller than it; an
+    /// image being deleted makes no new disks.
+    fn check_image_source(&self, obj: &Object) -> Result<(), RequestError> {
+        let Object::VirtualDisk(d) = obj else {
+            return Ok(());
+        };
+        let DiskSource::VirtualImage(image) = &d.spec.source else {
+            return Ok(());
+        };
+        let Some(stored) = self.store.get(Kind::VirtualImage, image)? else {
+            return Ok(());
+        };
+        if stored.deleting {
+            return Err(RequestError::Conflict(format!(
+                "{}: spec.source.virtualImage: VirtualImage {image:?} is being deleted",
+                obj.display_name()
+            )));
+        }
+        if self.store.get(Kind::VirtualDisk, obj.name())?.is_some() {
+            // An existing disk's spec cannot change (checked below).
+            return Ok(());
+        }
+        let size = d.spec.size.as_ref().map(|q| q.bytes());
+        if let Err(why @ crate::image::NotReady::TooSmall { .. }) =
+            crate::image::ready_for_disk(&self.store, image, size)?
+        {
+            let (field, message) = why.field_and_message();
+            return Err(RequestError::Invalid(FieldError {
+                object: obj.display_name(),
+                field: field.into(),
+                message,
+            }));
         }
         Ok(())
     }

@@ -93,6 +93,13 @@ CREATE TABLE IF NOT EXISTS layers (
     path TEXT NOT NULL,
     backing TEXT
 );
+-- The file below a layer that is not a layer itself: the VirtualImage file
+-- a disk was made from (its bottom layer's backing file). It keeps that file
+-- in the image store for as long as the layer exists (docs/images.md).
+CREATE TABLE IF NOT EXISTS layer_bases (
+    layer TEXT PRIMARY KEY,
+    path TEXT NOT NULL
+);
 -- The writable top layer of each disk.
 CREATE TABLE IF NOT EXISTS heads (
     disk TEXT PRIMARY KEY,
@@ -206,7 +213,12 @@ impl Store {
     }
 
     pub fn list(&self, kind: Kind) -> Result<Vec<StoredObject>, StoreError> {
-        let conn = self.conn();
+        Self::list_tx(&self.conn(), kind)
+    }
+
+    /// `list` inside a caller's transaction (a `Transaction` derefs to the
+    /// connection).
+    pub fn list_tx(conn: &Connection, kind: Kind) -> Result<Vec<StoredObject>, StoreError> {
         let mut stmt = conn
             .prepare("SELECT body, status, deleting FROM objects WHERE kind = ?1 ORDER BY name")?;
         let rows = stmt.query_map(params![kind.as_str()], |r| {
@@ -255,8 +267,15 @@ impl Store {
 
     /// Removes an object and everything kept about it, in one transaction.
     pub fn remove(&self, kind: Kind, name: &str) -> Result<(), StoreError> {
-        let mut conn = self.conn();
-        let tx = conn.transaction()?;
+        self.with_tx(|tx| Self::remove_tx(tx, kind, name))
+    }
+
+    /// `remove` inside a caller's transaction.
+    pub fn remove_tx(
+        tx: &rusqlite::Transaction<'_>,
+        kind: Kind,
+        name: &str,
+    ) -> Result<(), StoreError> {
         tx.execute(
             "DELETE FROM objects WHERE kind = ?1 AND name = ?2",
             params![kind.as_str(), name],
@@ -265,7 +284,6 @@ impl Store {
             tx.execute("DELETE FROM runtime WHERE vm = ?1", params![name])?;
             tx.execute("DELETE FROM intents WHERE vm = ?1", params![name])?;
         }
-        tx.commit()?;
         Ok(())
     }
 

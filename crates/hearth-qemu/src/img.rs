@@ -31,6 +31,25 @@ pub struct ImageInfo {
     pub backing_format: Option<String>,
     /// qcow2's "corrupt" flag, when reported.
     pub corrupt: bool,
+    /// qcow2's external data file, when it has one.
+    pub data_file: Option<String>,
+}
+
+/// What `qemu-img check` found in a qcow2 image.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CheckReport {
+    /// Metadata errors: the image is corrupt.
+    pub corruptions: u64,
+    /// Clusters allocated but unused: wasted space, harmless.
+    pub leaks: u64,
+    /// Errors that kept the check from finishing.
+    pub check_errors: u64,
+}
+
+impl CheckReport {
+    pub fn is_clean(&self) -> bool {
+        self.corruptions == 0 && self.check_errors == 0
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -142,13 +161,7 @@ impl QemuImg {
     ) -> Result<(), ImgError> {
         check_new_image(path)?;
         check_absolute(backing)?;
-        if backing_format.is_empty()
-            || !backing_format
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
-        {
-            return Err(ImgError::InvalidFormat(backing_format.to_owned()));
-        }
+        check_format(backing_format)?;
         let mut args: Vec<OsString> = vec!["create".into(), "-q".into()];
         if !open_backing {
             args.push("-u".into());
@@ -179,13 +192,69 @@ impl QemuImg {
             path.into(),
         ];
         let out = self.run("info", path, args).await?;
+        parse_info_output(path, &out)
+    }
+
+    /// `qemu-img info -f FORMAT` of a file that is not open anywhere: the
+    /// format is given, never probed, so qemu-img opens the file with that
+    /// driver alone (see `probe` for why an image is never probed first).
+    pub async fn info_as(&self, path: &Path, format: &str) -> Result<ImageInfo, ImgError> {
+        check_absolute(path)?;
+        check_format(format)?;
+        let args: Vec<OsString> = vec![
+            "info".into(),
+            "--output=json".into(),
+            "-f".into(),
+            format.into(),
+            path.into(),
+        ];
+        let out = self.run("info", path, args).await?;
+        parse_info_output(path, &out)
+    }
+
+    /// The format qemu-img's probes detect. This opens the file with the
+    /// detected driver: only for files `probe::sniff` has already found to
+    /// be a qcow2 without references or raw.
+    pub async fn detect_format(&self, path: &Path) -> Result<String, ImgError> {
+        check_absolute(path)?;
+        let args: Vec<OsString> = vec!["info".into(), "--output=json".into(), path.into()];
+        let out = self.run("info", path, args).await?;
+        Ok(parse_info_output(path, &out)?.format)
+    }
+
+    /// `qemu-img check` of a qcow2 image (read-only: nothing is repaired).
+    pub async fn check(&self, path: &Path) -> Result<CheckReport, ImgError> {
+        check_absolute(path)?;
+        let args: Vec<OsString> = vec![
+            "check".into(),
+            "--output=json".into(),
+            "-f".into(),
+            "qcow2".into(),
+            path.into(),
+        ];
+        // Exit 2 means corruptions, 3 leaks: both still print the report.
+        let (status, out, err) = self.run_status("check", path, args).await?;
+        let code = status.as_ref().ok().and_then(|s| s.code());
+        if !matches!(code, Some(0 | 2 | 3)) {
+            return Err(ImgError::Failed {
+                operation: "check",
+                path: path.to_owned(),
+                status: match &status {
+                    Ok(s) => s.to_string(),
+                    Err(e) => format!("wait failed: {e}"),
+                },
+                stderr: String::from_utf8_lossy(&err).trim().to_owned(),
+            });
+        }
         let value: Value = serde_json::from_slice(&out).map_err(|e| ImgError::BadOutput {
             path: path.to_owned(),
             reason: e.to_string(),
         })?;
-        parse_info(&value).map_err(|reason| ImgError::BadOutput {
-            path: path.to_owned(),
-            reason,
+        let n = |k: &str| value.get(k).and_then(Value::as_u64).unwrap_or(0);
+        Ok(CheckReport {
+            corruptions: n("corruptions"),
+            leaks: n("leaks"),
+            check_errors: n("check-errors"),
         })
     }
 
@@ -218,6 +287,27 @@ impl QemuImg {
         path: &Path,
         args: Vec<OsString>,
     ) -> Result<Vec<u8>, ImgError> {
+        let (status, out, err) = self.run_status(operation, path, args).await?;
+        let failed = |status: String| ImgError::Failed {
+            operation,
+            path: path.to_owned(),
+            status,
+            stderr: String::from_utf8_lossy(&err).trim().to_owned(),
+        };
+        match status {
+            Ok(s) if s.success() => Ok(out),
+            Ok(s) => Err(failed(s.to_string())),
+            Err(e) => Err(failed(format!("wait failed: {e}"))),
+        }
+    }
+
+    /// Runs qemu-img with the timeout; its exit status and bounded output.
+    async fn run_status(
+        &self,
+        operation: &'static str,
+        path: &Path,
+        args: Vec<OsString>,
+    ) -> Result<RunOutput, ImgError> {
         let mut child = tokio::process::Command::new(&self.binary)
             .args(&args)
             .stdin(Stdio::null())
@@ -239,30 +329,21 @@ impl QemuImg {
             );
             (status, out, err)
         };
-        let (status, out, err) = match tokio::time::timeout(self.timeout, run).await {
-            Ok(done) => done,
+        match tokio::time::timeout(self.timeout, run).await {
+            Ok(done) => Ok(done),
             Err(_) => {
                 let _ = child.kill().await;
-                return Err(ImgError::Timeout {
+                Err(ImgError::Timeout {
                     operation,
                     path: path.to_owned(),
                     timeout: self.timeout,
-                });
+                })
             }
-        };
-        let failed = |status: String| ImgError::Failed {
-            operation,
-            path: path.to_owned(),
-            status,
-            stderr: String::from_utf8_lossy(&err).trim().to_owned(),
-        };
-        match status {
-            Ok(s) if s.success() => Ok(out),
-            Ok(s) => Err(failed(s.to_string())),
-            Err(e) => Err(failed(format!("wait failed: {e}"))),
         }
     }
 }
+
+type RunOutput = (std::io::Result<std::process::ExitStatus>, Vec<u8>, Vec<u8>);
 
 /// Reads up to `limit` bytes and drains the rest so the child never blocks on a
 /// full pipe.
@@ -305,6 +386,30 @@ fn check_new_image(path: &Path) -> Result<(), ImgError> {
     Ok(())
 }
 
+/// A format name as qemu-img spells them (`qcow2`, `raw`): never an option
+/// string (`qcow2,backing=...`).
+fn check_format(format: &str) -> Result<(), ImgError> {
+    if format.is_empty()
+        || !format
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+    {
+        return Err(ImgError::InvalidFormat(format.to_owned()));
+    }
+    Ok(())
+}
+
+fn parse_info_output(path: &Path, out: &[u8]) -> Result<ImageInfo, ImgError> {
+    let value: Value = serde_json::from_slice(out).map_err(|e| ImgError::BadOutput {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    parse_info(&value).map_err(|reason| ImgError::BadOutput {
+        path: path.to_owned(),
+        reason,
+    })
+}
+
 fn parse_info(v: &Value) -> Result<ImageInfo, String> {
     let text = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
     Ok(ImageInfo {
@@ -321,6 +426,10 @@ fn parse_info(v: &Value) -> Result<ImageInfo, String> {
             .pointer("/format-specific/data/corrupt")
             .and_then(Value::as_bool)
             .unwrap_or(false),
+        data_file: v
+            .pointer("/format-specific/data/data-file")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
     })
 }
 

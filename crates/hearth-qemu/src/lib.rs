@@ -10,6 +10,7 @@ pub mod agent;
 pub mod cmdline;
 pub mod fsmap;
 pub mod img;
+pub mod probe;
 pub mod process;
 pub mod qmp;
 pub mod tools;

@@ -92,3 +92,124 @@ async fn free_functions_find_qemu_img_in_path() {
     let info = hearth_qemu::img::info(&disk).await.expect("info");
     assert_eq!(info.virtual_size, 4 << 20);
 }
+
+/// The first bytes of a file, as the image import reads them.
+fn head_of(path: &std::path::Path) -> Vec<u8> {
+    let mut bytes = std::fs::read(path).expect("read");
+    bytes.truncate(hearth_qemu::probe::HEAD_BYTES);
+    bytes
+}
+
+fn qemu_img_cmd(args: &[&str]) {
+    let out = std::process::Command::new(common::qemu_img())
+        .args(args)
+        .output()
+        .expect("run qemu-img");
+    assert!(
+        out.status.success(),
+        "qemu-img {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test]
+async fn real_qcow2_files_with_references_are_refused_by_the_header_check() {
+    use hearth_qemu::probe::{Qcow2Refusal, Sniffed, sniff};
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let p = |n: &str| tmp.path().join(n).to_str().expect("utf8").to_owned();
+    qemu_img_cmd(&["create", "-q", "-f", "qcow2", &p("plain.qcow2"), "2M"]);
+    qemu_img_cmd(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-b",
+        "/etc/hostname",
+        "-F",
+        "raw",
+        &p("backed.qcow2"),
+        "2M",
+    ]);
+    qemu_img_cmd(&["create", "-q", "-f", "raw", &p("data.raw"), "2M"]);
+    qemu_img_cmd(&[
+        "create",
+        "-q",
+        "-f",
+        "qcow2",
+        "-o",
+        &format!("data_file={}", p("data.raw")),
+        &p("datafile.qcow2"),
+        "2M",
+    ]);
+
+    let Ok(Sniffed::Qcow2(plain)) = sniff(&head_of(tmp.path().join("plain.qcow2").as_path()))
+    else {
+        panic!("plain.qcow2 is not sniffed as qcow2")
+    };
+    assert_eq!(plain.size, 2 << 20);
+    assert_eq!(plain.check(), Ok(()));
+
+    let Ok(Sniffed::Qcow2(backed)) = sniff(&head_of(tmp.path().join("backed.qcow2").as_path()))
+    else {
+        panic!("backed.qcow2 is not sniffed as qcow2")
+    };
+    let refusal = backed.check().expect_err("backing file refused");
+    assert!(
+        matches!(refusal, Qcow2Refusal::BackingFile { size: 13, .. }),
+        "{refusal:?}"
+    );
+    assert_eq!(refusal.reason(), "UnsafeImage");
+
+    let Ok(Sniffed::Qcow2(with_data)) =
+        sniff(&head_of(tmp.path().join("datafile.qcow2").as_path()))
+    else {
+        panic!("datafile.qcow2 is not sniffed as qcow2")
+    };
+    assert_eq!(with_data.check(), Err(Qcow2Refusal::ExternalDataFile));
+
+    // qemu-img itself, given the format, agrees on what the header says.
+    let img = QemuImg::new(common::qemu_img());
+    let info = img
+        .info_as(&tmp.path().join("plain.qcow2"), "qcow2")
+        .await
+        .expect("info");
+    assert_eq!(
+        (info.format.as_str(), info.virtual_size),
+        ("qcow2", 2 << 20)
+    );
+    assert_eq!((info.backing_filename, info.data_file), (None, None));
+    let report = img
+        .check(&tmp.path().join("plain.qcow2"))
+        .await
+        .expect("check");
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(
+        img.detect_format(&tmp.path().join("plain.qcow2"))
+            .await
+            .expect("detect"),
+        "qcow2"
+    );
+    assert!(matches!(
+        img.info_as(&tmp.path().join("plain.qcow2"), "qcow2,file.x=1")
+            .await,
+        Err(ImgError::InvalidFormat(_))
+    ));
+}
+
+#[tokio::test]
+async fn qemu_img_check_reports_a_damaged_qcow2() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let disk = tmp.path().join("d.qcow2");
+    let img = QemuImg::new(common::qemu_img());
+    img.create_blank(&disk, 4 << 20).await.expect("create");
+    // Point the L1 table past the end of the file.
+    let mut bytes = std::fs::read(&disk).expect("read");
+    bytes[36..40].copy_from_slice(&1u32.to_be_bytes());
+    bytes[40..48].copy_from_slice(&(1u64 << 40).to_be_bytes());
+    std::fs::write(&disk, &bytes).expect("write");
+    match img.check(&disk).await {
+        Ok(report) => assert!(!report.is_clean(), "{report:?}"),
+        Err(ImgError::Failed { .. }) => {}
+        Err(e) => panic!("unexpected error {e}"),
+    }
+}

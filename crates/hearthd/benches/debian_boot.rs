@@ -175,22 +175,11 @@ fn wait_json(d: &Daemon, path: &str, pred: impl Fn(&Value) -> bool) -> Value {
     }
 }
 
-/// The NoCloud seed hearth wrote for a VM (the one FAT file in its state dir
-/// whose name says so).
+/// The NoCloud seed hearth wrote for a VM.
 fn find_seed(dir: &Path) -> PathBuf {
-    std::fs::read_dir(dir)
-        .expect("vm state dir")
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| {
-            let n = p
-                .file_name()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .to_lowercase();
-            n.contains("cidata") || n.contains("seed")
-        })
-        .unwrap_or_else(|| panic!("no cloud-init seed in {}", dir.display()))
+    let seed = dir.join("cidata.img");
+    assert!(seed.is_file(), "no cloud-init seed at {}", seed.display());
+    seed
 }
 
 /// Boots the disk with plain QEMU; returns the time until qemu-ga answers.

@@ -65,6 +65,28 @@ struct Args {
     /// from on its first UEFI start.
     #[arg(long, env = "HEARTH_OVMF_VARS", default_value = hearth_engine::config::DEFAULT_OVMF_VARS)]
     ovmf_vars: PathBuf,
+    /// VirtualImage downloads: seconds to wait for the TCP (and TLS)
+    /// connection to the image server.
+    #[arg(
+        long,
+        env = "HEARTH_IMAGE_CONNECT_TIMEOUT_SECONDS",
+        default_value_t = 30
+    )]
+    image_connect_timeout_seconds: u64,
+    /// VirtualImage downloads: seconds the server may send nothing (before
+    /// the response headers, or between two pieces of the body) before the
+    /// attempt fails with reason Timeout and is retried. A slow download
+    /// that keeps sending is never cut off.
+    #[arg(long, env = "HEARTH_IMAGE_READ_TIMEOUT_SECONDS", default_value_t = 60)]
+    image_read_timeout_seconds: u64,
+    /// The largest VirtualImage accepted (download or file), e.g. 64Gi. A
+    /// larger one fails with reason TooLarge as soon as its length is known.
+    #[arg(long, env = "HEARTH_IMAGE_MAX_BYTES", default_value = "256Gi")]
+    image_max_bytes: String,
+    /// A failed VirtualImage import is retried after 2 s, then 4 s, 8 s ...:
+    /// this caps that delay, in seconds.
+    #[arg(long, env = "HEARTH_IMAGE_RETRY_MAX_SECONDS", default_value_t = 300)]
+    image_retry_max_seconds: u64,
 }
 
 #[tokio::main]
@@ -102,6 +124,15 @@ async fn main() -> anyhow::Result<()> {
         resync_interval: Duration::from_secs(args.resync_seconds.max(1)),
         ovmf_code: args.ovmf_code.clone(),
         ovmf_vars: args.ovmf_vars.clone(),
+        images: hearth_engine::config::ImageImportConfig {
+            connect_timeout: Duration::from_secs(args.image_connect_timeout_seconds.max(1)),
+            read_timeout: Duration::from_secs(args.image_read_timeout_seconds.max(1)),
+            max_bytes: hearth_api::Quantity::parse(&args.image_max_bytes)
+                .map_err(|e| anyhow::anyhow!("--image-max-bytes: {e}"))?
+                .bytes(),
+            retry_max: Duration::from_secs(args.image_retry_max_seconds.max(1)),
+            ..Default::default()
+        },
     };
     let engine = Engine::start(config).await?;
     let manifests = std::path::absolute(&args.manifests)

@@ -140,6 +140,31 @@ pub fn set_head_tx(
     Ok(())
 }
 
+/// Records that `layer`'s backing file is the image file `path`, which is
+/// not a layer: the image store keeps that file while the layer exists.
+pub fn set_layer_base_tx(
+    tx: &rusqlite::Transaction<'_>,
+    layer: &str,
+    path: &Path,
+) -> Result<(), StoreError> {
+    tx.execute(
+        "INSERT INTO layer_bases (layer, path) VALUES (?1, ?2)
+         ON CONFLICT (layer) DO UPDATE SET path = excluded.path",
+        params![layer, path.to_string_lossy()],
+    )?;
+    Ok(())
+}
+
+/// Whether any layer still has the image file `path` as its base.
+pub fn base_in_use_tx(tx: &rusqlite::Transaction<'_>, path: &Path) -> Result<bool, StoreError> {
+    let n: i64 = tx.query_row(
+        "SELECT COUNT(*) FROM layer_bases WHERE path = ?1",
+        params![path.to_string_lossy()],
+        |r| r.get(0),
+    )?;
+    Ok(n > 0)
+}
+
 pub fn drop_head(store: &Store, disk: &str) -> Result<(), StoreError> {
     store.with_tx(|tx| {
         tx.execute("DELETE FROM heads WHERE disk = ?1", params![disk])?;
@@ -174,8 +199,10 @@ pub fn drop_snapshot_layer(store: &Store, snapshot: &str) -> Result<(), StoreErr
 /// snapshot's layer, not below one of those. Returns the files removed.
 /// Rows go first (one transaction), files after: a crash in between leaves
 /// only unreferenced files behind, never a reference to a missing file.
+/// An image file that was the base of a removed layer goes too once no
+/// layer and no VirtualImage has it any more (`image::release_file`).
 pub fn collect_garbage(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
-    let doomed = store.with_tx(|tx| {
+    let (doomed, bases) = store.with_tx(|tx| {
         let mut all: BTreeMap<String, (PathBuf, Option<String>)> = BTreeMap::new();
         {
             let mut stmt = tx.prepare("SELECT id, path, backing FROM layers")?;
@@ -213,18 +240,34 @@ pub fn collect_garbage(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
             }
         }
         let mut doomed = Vec::new();
+        let mut bases = BTreeSet::new();
         for (id, (path, _)) in &all {
             if !live.contains(id) {
+                let base: Option<String> = tx
+                    .query_row(
+                        "SELECT path FROM layer_bases WHERE layer = ?1",
+                        params![id],
+                        |r| r.get(0),
+                    )
+                    .optional()?;
+                bases.extend(base.map(PathBuf::from));
+                tx.execute("DELETE FROM layer_bases WHERE layer = ?1", params![id])?;
                 tx.execute("DELETE FROM layers WHERE id = ?1", params![id])?;
                 doomed.push(path.clone());
             }
         }
-        Ok(doomed)
+        Ok((doomed, bases))
     })?;
     for p in &doomed {
         let _ = std::fs::remove_file(p);
     }
-    Ok(doomed)
+    let mut freed = doomed;
+    for base in bases {
+        if crate::image::release_file(store, &base)? {
+            freed.push(base);
+        }
+    }
+    Ok(freed)
 }
 
 /// Removes layer files a crash left behind: in the layers directory, not
@@ -376,5 +419,93 @@ mod tests {
         freed.sort();
         assert_eq!(freed.len(), 3);
         assert!(!base.path.exists() && !s1.path.exists() && !r.path.exists());
+    }
+
+    fn image_object(
+        name: &str,
+        status: serde_json::Value,
+    ) -> (hearth_api::Object, serde_json::Value) {
+        let obj = hearth_api::parse_documents(
+            &format!("apiVersion: hearth.dev/v1alpha1\nkind: VirtualImage\nmetadata: {{name: {name}}}\nspec: {{source: {{file: /srv/x.qcow2}}}}\n"),
+            "t",
+        )
+        .unwrap()
+        .remove(0);
+        (obj, status)
+    }
+
+    #[test]
+    fn an_image_file_lives_while_an_image_or_a_layer_made_from_it_does() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("db")).unwrap();
+        let images = dir.path().join("images");
+        std::fs::create_dir_all(&images).unwrap();
+        let hex = "ab".repeat(32);
+        let file = images.join(format!("sha256-{hex}.qcow2"));
+        std::fs::write(&file, b"image").unwrap();
+        let (obj, status) = image_object(
+            "base",
+            serde_json::json!({"phase": "Ready", "path": file, "digest": format!("sha256:{hex}")}),
+        );
+        store.put_objects(&[obj]).unwrap();
+        store
+            .update_status::<serde_json::Value, _>(hearth_api::Kind::VirtualImage, "base", |s| {
+                *s = status
+            })
+            .unwrap();
+        // disk <- its head, made from the image; a snapshot keeps the bottom.
+        let bottom = layer(&store, dir.path(), "d");
+        let top = layer(&store, dir.path(), "d");
+        store
+            .with_tx(|tx| {
+                set_head_tx(tx, "d", &bottom, None)?;
+                set_layer_base_tx(tx, &bottom.id, &file)?;
+                set_head_tx(tx, "d", &top, Some(&bottom.id))?;
+                set_snapshot_layer_tx(tx, "s", &bottom.id)
+            })
+            .unwrap();
+        assert!(
+            !crate::image::release_file(&store, &file).unwrap(),
+            "in use"
+        );
+        // The image object goes: the layers still need the file.
+        store
+            .remove(hearth_api::Kind::VirtualImage, "base")
+            .unwrap();
+        assert!(!crate::image::release_file(&store, &file).unwrap());
+        drop_head(&store, "d").unwrap();
+        let freed = collect_garbage(&store).unwrap();
+        assert_eq!(
+            freed,
+            vec![top.path.clone()],
+            "the snapshot keeps the bottom"
+        );
+        assert!(file.exists());
+        drop_snapshot_layer(&store, "s").unwrap();
+        let mut freed = collect_garbage(&store).unwrap();
+        freed.sort();
+        let mut want = vec![bottom.path.clone(), file.clone()];
+        want.sort();
+        assert_eq!(freed, want, "the last layer takes the image file with it");
+        assert!(!file.exists());
+    }
+
+    #[test]
+    fn only_image_store_files_are_ever_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("db")).unwrap();
+        let users = dir.path().join("debian.qcow2");
+        std::fs::write(&users, b"a user's base image").unwrap();
+        let l = layer(&store, dir.path(), "d");
+        store
+            .with_tx(|tx| {
+                set_head_tx(tx, "d", &l, None)?;
+                set_layer_base_tx(tx, &l.id, &users)
+            })
+            .unwrap();
+        drop_head(&store, "d").unwrap();
+        collect_garbage(&store).unwrap();
+        assert!(users.exists());
+        assert!(!crate::image::release_file(&store, &users).unwrap());
     }
 }

@@ -135,6 +135,7 @@ mod tests {
                 reason: "test".into(),
             },
             resync_interval: Duration::from_secs(10),
+            images: Default::default(),
             ovmf_code: dir.join("OVMF_CODE.fd"),
             ovmf_vars: dir.join("OVMF_VARS.fd"),
         }

@@ -7,6 +7,7 @@
 
 pub mod http;
 
+use std::ffi::OsStr;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -62,6 +63,8 @@ pub struct Daemon {
     pub dir: tempfile::TempDir,
     pub child: Option<Child>,
     pub extra_args: Vec<String>,
+    /// `--image-root`s; the test guest's directory when empty.
+    pub image_roots: Vec<PathBuf>,
 }
 
 impl Daemon {
@@ -87,8 +90,28 @@ impl Daemon {
             dir,
             child: None,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            image_roots: Vec::new(),
         };
         d.spawn_env(env);
+        d
+    }
+
+    /// A daemon that runs no VM (so it needs no test guest): `--accel tcg`
+    /// without the probe, the given image roots, and `extra_args`.
+    pub fn start_without_guest(image_roots: &[&Path], extra_args: &[&str]) -> Daemon {
+        let dir = tempfile::Builder::new()
+            .prefix("hearth-e2e-")
+            .tempdir()
+            .expect("tempdir");
+        let mut args = vec!["--accel".to_string(), "tcg".to_string()];
+        args.extend(extra_args.iter().map(|s| s.to_string()));
+        let mut d = Daemon {
+            dir,
+            child: None,
+            extra_args: args,
+            image_roots: image_roots.iter().map(|p| p.to_path_buf()).collect(),
+        };
+        d.spawn();
         d
     }
 
@@ -117,13 +140,21 @@ impl Daemon {
             .append(true)
             .open(self.dir.path().join("hearthd.log"))
             .expect("log file");
+        let roots = if self.image_roots.is_empty() {
+            vec![guest_dir()]
+        } else {
+            self.image_roots.clone()
+        };
         let child = Command::new(hearthd_bin())
             .arg("--state-dir")
             .arg(self.state_dir())
             .arg("--run-dir")
             .arg(self.run_dir())
-            .arg("--image-root")
-            .arg(guest_dir())
+            .args(
+                roots
+                    .iter()
+                    .flat_map(|r| [OsStr::new("--image-root"), r.as_os_str()]),
+            )
             .args(&self.extra_args)
             // Never the host's /etc/hearth/manifests: a test daemon watches a
             // directory of its own unless the test names one.
@@ -206,6 +237,60 @@ impl Daemon {
             (404, _) => None,
             (s, v) => panic!("GET disk {name}: {s} {v}"),
         }
+    }
+
+    pub fn get_image(&self, name: &str) -> Option<Value> {
+        match self.request("GET", &format!("/v1/virtualimages/{name}"), None) {
+            (200, v) => Some(v),
+            (404, _) => None,
+            (s, v) => panic!("GET image {name}: {s} {v}"),
+        }
+    }
+
+    /// Polls an object (`plural` as in the API path) until `pred` holds on
+    /// it, or panics with its last state, its events and the daemon's log.
+    pub fn wait_object(
+        &self,
+        plural: &str,
+        name: &str,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let deadline = Instant::now() + timeout;
+        let mut last = Value::Null;
+        while Instant::now() < deadline {
+            if let (200, v) = self.request("GET", &format!("/v1/{plural}/{name}"), None) {
+                if pred(&v) {
+                    return v;
+                }
+                last = v;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let kind = last["kind"].as_str().unwrap_or_default().to_string();
+        panic!(
+            "{plural}/{name}: {what} not reached in {timeout:?}; last: {last:#}\nevents: {:#?}\nlog:\n{}",
+            self.events(&kind, name),
+            self.log()
+        );
+    }
+
+    /// Waits until an object is gone from the API.
+    pub fn wait_gone(&self, plural: &str, name: &str, timeout: Duration) {
+        wait_until(&format!("{plural}/{name} is gone"), timeout, || {
+            self.request("GET", &format!("/v1/{plural}/{name}"), None).0 == 404
+        });
+    }
+
+    /// Applies objects through the HTTP API (`POST /v1/apply`); the status
+    /// and the answer.
+    pub fn apply_json(&self, items: Vec<Value>) -> (u16, Value) {
+        self.request(
+            "POST",
+            "/v1/apply",
+            Some(&serde_json::json!({"items": items})),
+        )
     }
 
     pub fn events(&self, kind: &str, name: &str) -> Vec<Value> {

@@ -1,0 +1,982 @@
+//! VirtualImage end to end: the real hearthd imports images from a real HTTP
+//! server on 127.0.0.1 (written here: it serves, answers 404, hangs, or cuts
+//! a body short) and from files, with real qemu-img, and makes disks from
+//! them. No VM boots.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::Daemon;
+use serde_json::{Value, json};
+
+const IMPORT: Duration = Duration::from_secs(60);
+
+// ---------------------------------------------------------------- the server
+
+/// What the test server does for one path.
+#[derive(Clone)]
+enum Behaviour {
+    Serve(Vec<u8>),
+    NotFound,
+    /// Headers with a Content-Length, then nothing, until the client goes
+    /// or the server stops.
+    Hang(u64),
+    /// A Content-Length of `claimed` bytes, then only `body`, then close.
+    Truncate {
+        body: Vec<u8>,
+        claimed: u64,
+    },
+    /// The body with no Content-Length: it ends when the connection closes.
+    NoLength(Vec<u8>),
+    /// The whole body, `chunk` bytes every `pause`.
+    Drip {
+        body: Vec<u8>,
+        chunk: usize,
+        pause: Duration,
+    },
+}
+
+struct Server {
+    port: u16,
+    routes: Arc<Mutex<HashMap<String, Behaviour>>>,
+    hits: Arc<Mutex<HashMap<String, usize>>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl Server {
+    fn start() -> Server {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1");
+        let port = listener.local_addr().expect("addr").port();
+        listener.set_nonblocking(true).expect("nonblocking");
+        let server = Server {
+            port,
+            routes: Arc::default(),
+            hits: Arc::default(),
+            stop: Arc::default(),
+        };
+        let (routes, hits, stop) = (
+            server.routes.clone(),
+            server.hits.clone(),
+            server.stop.clone(),
+        );
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((conn, _)) => {
+                        let (routes, hits, stop) = (routes.clone(), hits.clone(), stop.clone());
+                        std::thread::spawn(move || serve(conn, &routes, &hits, &stop));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        });
+        server
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{path}", self.port)
+    }
+
+    fn route(&self, path: &str, b: Behaviour) {
+        self.routes
+            .lock()
+            .expect("routes")
+            .insert(path.to_string(), b);
+    }
+
+    fn hits(&self, path: &str) -> usize {
+        self.hits
+            .lock()
+            .expect("hits")
+            .get(path)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+fn serve(
+    mut conn: TcpStream,
+    routes: &Mutex<HashMap<String, Behaviour>>,
+    hits: &Mutex<HashMap<String, usize>>,
+    stop: &AtomicBool,
+) {
+    let _ = conn.set_nonblocking(false);
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+    let Ok(reader) = conn.try_clone() else { return };
+    let mut reader = BufReader::new(reader);
+    let mut request_line = String::new();
+    if reader.read_line(&mut request_line).is_err() {
+        return;
+    }
+    loop {
+        let mut line = String::new();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) if line == "\r\n" => break,
+            Ok(_) => {}
+        }
+    }
+    let path = request_line
+        .split_whitespace()
+        .nth(1)
+        .unwrap_or("/")
+        .to_string();
+    *hits.lock().expect("hits").entry(path.clone()).or_default() += 1;
+    let behaviour = routes
+        .lock()
+        .expect("routes")
+        .get(&path)
+        .cloned()
+        .unwrap_or(Behaviour::NotFound);
+    let head = |len: u64| {
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n"
+        )
+    };
+    match behaviour {
+        Behaviour::Serve(body) => {
+            let _ = conn.write_all(head(body.len() as u64).as_bytes());
+            let _ = conn.write_all(&body);
+        }
+        Behaviour::NotFound => {
+            let _ = conn.write_all(
+                b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\nConnection: close\r\n\r\nnot found",
+            );
+        }
+        Behaviour::Hang(len) => {
+            let _ = conn.write_all(head(len).as_bytes());
+            let _ = conn.flush();
+            // Bounded: the client's read timeout ends it long before.
+            let until = Instant::now() + Duration::from_secs(60);
+            let _ = conn.set_read_timeout(Some(Duration::from_millis(100)));
+            let mut byte = [0u8; 1];
+            while Instant::now() < until && !stop.load(Ordering::SeqCst) {
+                match std::io::Read::read(&mut conn, &mut byte) {
+                    Ok(0) => return, // the client closed
+                    _ => continue,
+                }
+            }
+        }
+        Behaviour::Truncate { body, claimed } => {
+            let _ = conn.write_all(head(claimed).as_bytes());
+            let _ = conn.write_all(&body);
+        }
+        Behaviour::NoLength(body) => {
+            let _ = conn.write_all(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
+            );
+            let _ = conn.write_all(&body);
+        }
+        Behaviour::Drip { body, chunk, pause } => {
+            let _ = conn.write_all(head(body.len() as u64).as_bytes());
+            for piece in body.chunks(chunk) {
+                if conn.write_all(piece).and_then(|()| conn.flush()).is_err() {
+                    return;
+                }
+                std::thread::sleep(pause);
+            }
+        }
+    }
+    let _ = conn.flush();
+}
+
+// ---------------------------------------------------------------- images
+
+fn run(cmd: &str, args: &[&str]) {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd}: {e} (install it: apt-get install qemu-utils)"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A small real qcow2: 4 MiB virtual, its first MiB written with 0xab.
+fn make_qcow2(path: &Path) -> Vec<u8> {
+    let p = path.to_str().expect("utf8");
+    run("qemu-img", &["create", "-q", "-f", "qcow2", p, "4M"]);
+    run(
+        "qemu-io",
+        &["-f", "qcow2", "-c", "write -q -P 0xab 0 1M", p],
+    );
+    std::fs::read(path).expect("read qcow2")
+}
+
+/// A raw 2 MiB disk with a DOS partition table: one Linux partition.
+fn make_raw_mbr(path: &Path) -> Vec<u8> {
+    let mut disk = vec![0u8; 2 << 20];
+    let entry = &mut disk[446..462];
+    entry[4] = 0x83; // Linux
+    entry[8..12].copy_from_slice(&2048u32.to_le_bytes()); // first sector
+    entry[12..16].copy_from_slice(&2048u32.to_le_bytes()); // sectors
+    disk[510] = 0x55;
+    disk[511] = 0xaa;
+    disk[1 << 20..(1 << 20) + 4].copy_from_slice(b"data");
+    std::fs::write(path, &disk).expect("write raw");
+    disk
+}
+
+fn sha256_hex(path: &Path) -> String {
+    let out = Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("sha256sum");
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .expect("digest")
+        .to_string()
+}
+
+fn sha256_of(bytes: &[u8]) -> String {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let p = dir.path().join("b");
+    std::fs::write(&p, bytes).expect("write");
+    sha256_hex(&p)
+}
+
+fn http_image(name: &str, url: &str, sha256: &str) -> Value {
+    json!({
+        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualImage",
+        "metadata": {"name": name},
+        "spec": {"source": {"http": {"url": url, "sha256": sha256}}}
+    })
+}
+
+fn file_image(name: &str, path: &Path) -> Value {
+    json!({
+        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualImage",
+        "metadata": {"name": name},
+        "spec": {"source": {"file": path}}
+    })
+}
+
+fn disk_from(name: &str, image: &str, size: Option<&str>) -> Value {
+    let mut spec = json!({"source": {"virtualImage": image}});
+    if let Some(s) = size {
+        spec["size"] = json!(s);
+    }
+    json!({
+        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
+        "metadata": {"name": name}, "spec": spec
+    })
+}
+
+fn apply_ok(d: &Daemon, items: Vec<Value>) {
+    let (status, v) = d.apply_json(items);
+    assert_eq!(status, 200, "apply: {v}");
+}
+
+fn wait_image_phase(d: &Daemon, name: &str, phase: &str) -> Value {
+    d.wait_object(
+        "virtualimages",
+        name,
+        &format!("phase {phase}"),
+        IMPORT,
+        |v| v["status"]["phase"] == phase,
+    )
+}
+
+/// Waits for an event of a VirtualImage (it is recorded after the status
+/// that it reports).
+fn wait_event(d: &Daemon, name: &str, reason: &str) {
+    common::wait_until(&format!("{name}: event {reason}"), IMPORT, || {
+        d.event_reasons("VirtualImage", name)
+            .iter()
+            .any(|r| r == reason)
+    });
+}
+
+fn wait_failed(d: &Daemon, name: &str, reason: &str) -> Value {
+    let v = wait_image_phase(d, name, "Failed");
+    assert_eq!(v["status"]["reason"], reason, "{v:#}");
+    v
+}
+
+/// Every file in the daemon's image store, hidden ones included.
+fn store_files(d: &Daemon) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(d.state_dir().join("images"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
+}
+
+fn qemu_img_info(path: &Path) -> Value {
+    let out = Command::new("qemu-img")
+        .args(["info", "-U", "--output=json"])
+        .arg(path)
+        .output()
+        .expect("qemu-img");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("json")
+}
+
+fn delete(d: &Daemon, plural: &str, name: &str) -> (u16, Value) {
+    d.request("DELETE", &format!("/v1/{plural}/{name}"), None)
+}
+
+/// A directory for source files, also the daemon's image root.
+fn roots() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("hearth-images-src-")
+        .tempdir()
+        .expect("tempdir")
+}
+
+// ---------------------------------------------------------------- tests
+
+#[test]
+fn an_http_image_is_verified_stored_by_digest_and_disks_grow_from_it() {
+    let src = roots();
+    let server = Server::start();
+    let qcow2 = make_qcow2(&src.path().join("good.qcow2"));
+    let digest = sha256_of(&qcow2);
+    server.route("/good.qcow2", Behaviour::Serve(qcow2.clone()));
+    let d = Daemon::start_without_guest(&[src.path()], &[]);
+
+    // A disk smaller than the image, applied before the image is Ready,
+    // fails once the image's size is known.
+    apply_ok(
+        &d,
+        vec![
+            http_image("base", &server.url("/good.qcow2"), &digest),
+            disk_from("tiny", "base", Some("2Mi")),
+        ],
+    );
+    let image = wait_image_phase(&d, "base", "Ready");
+    let st = &image["status"];
+    assert_eq!(st["format"], "qcow2", "{image:#}");
+    assert_eq!(st["size"], qcow2.len() as u64);
+    assert_eq!(st["virtualSize"], 4u64 << 20);
+    assert_eq!(st["digest"], format!("sha256:{digest}"));
+    assert_eq!(st["progress"], "100%");
+    let path = PathBuf::from(st["path"].as_str().expect("path"));
+    assert_eq!(
+        path,
+        d.state_dir()
+            .join("images")
+            .join(format!("sha256-{digest}.qcow2"))
+    );
+    assert_eq!(
+        sha256_hex(&path),
+        digest,
+        "the stored file is what was served"
+    );
+    assert_eq!(store_files(&d), vec![format!("sha256-{digest}.qcow2")]);
+    let reasons = d.event_reasons("VirtualImage", "base");
+    assert!(
+        reasons.contains(&"ImportStarted".to_string()) && reasons.contains(&"Imported".to_string()),
+        "{reasons:?}"
+    );
+
+    let tiny = d.wait_object("virtualdisks", "tiny", "Failed", IMPORT, |v| {
+        v["status"]["phase"] == "Failed"
+    });
+    let err = tiny["status"]["lastError"].as_str().unwrap_or_default();
+    assert!(
+        err.contains("spec.size")
+            && err.contains(&(2u64 << 20).to_string())
+            && err.contains(&(4u64 << 20).to_string()),
+        "{err}"
+    );
+    // With the image Ready, a too-small disk is refused at apply time.
+    let (status, v) = d.apply_json(vec![disk_from("small", "base", Some("1Mi"))]);
+    assert_eq!(status, 400, "{v}");
+    let msg = v["error"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("spec.size") && msg.contains("virtualSize 4194304"),
+        "{msg}"
+    );
+
+    // A disk twice the image's size: an overlay whose backing file is the
+    // stored image.
+    apply_ok(&d, vec![disk_from("web-root", "base", Some("8Mi"))]);
+    let disk = d.wait_object("virtualdisks", "web-root", "Ready", IMPORT, |v| {
+        v["status"]["phase"] == "Ready"
+    });
+    let disk_path = PathBuf::from(disk["status"]["path"].as_str().expect("disk path"));
+    let info = qemu_img_info(&disk_path);
+    assert_eq!(info["backing-filename"], path.to_str().expect("utf8"));
+    assert_eq!(info["virtual-size"], 8u64 << 20);
+    assert_eq!(info["backing-filename-format"], "qcow2");
+    // The image was only read.
+    assert_eq!(sha256_hex(&path), digest);
+
+    d.wait_object("virtualimages", "base", "usedBy both disks", IMPORT, |v| {
+        v["status"]["usedBy"] == json!(["tiny", "web-root"])
+    });
+    // In use: refused, naming the disks.
+    let (status, v) = delete(&d, "virtualimages", "base");
+    assert_eq!(status, 409, "{v}");
+    let msg = v["error"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("\"web-root\"") && msg.contains("\"tiny\""),
+        "{msg}"
+    );
+    let out = d.cli(&["delete", "image", "base"]);
+    assert!(!out.status.success(), "the CLI must fail too");
+    assert!(path.is_file());
+
+    for disk in ["tiny", "web-root"] {
+        assert_eq!(delete(&d, "virtualdisks", disk).0, 200);
+        d.wait_gone("virtualdisks", disk, IMPORT);
+    }
+    assert_eq!(delete(&d, "virtualimages", "base").0, 200);
+    d.wait_gone("virtualimages", "base", IMPORT);
+    assert!(!path.exists(), "the image file goes with its last user");
+    assert_eq!(store_files(&d), Vec::<String>::new());
+}
+
+#[test]
+fn failed_downloads_say_why_leave_no_file_and_are_retried_until_the_server_is_fixed() {
+    let src = roots();
+    let server = Server::start();
+    let qcow2 = make_qcow2(&src.path().join("good.qcow2"));
+    let digest = sha256_of(&qcow2);
+    // First retry 2 s after a failure: the store is looked at in between.
+    let d = Daemon::start_without_guest(&[src.path()], &["--image-read-timeout-seconds", "2"]);
+
+    let truncated_says = qcow2.len().to_string();
+    let cases: Vec<(&str, Behaviour, &str, &str)> = vec![
+        (
+            "wrong-sum",
+            Behaviour::Serve(qcow2.clone()),
+            "ChecksumMismatch",
+            "SHA-256",
+        ),
+        (
+            "hang",
+            Behaviour::Hang(qcow2.len() as u64),
+            "Timeout",
+            "2 s",
+        ),
+        (
+            "cut",
+            Behaviour::Truncate {
+                body: qcow2[..qcow2.len() / 2].to_vec(),
+                claimed: qcow2.len() as u64,
+            },
+            "Truncated",
+            &truncated_says,
+        ),
+    ];
+    for (name, behaviour, reason, says) in cases {
+        let path = format!("/{name}.qcow2");
+        server.route(&path, behaviour);
+        let sum = if name == "wrong-sum" {
+            "0".repeat(64)
+        } else {
+            digest.clone()
+        };
+        apply_ok(&d, vec![http_image(name, &server.url(&path), &sum)]);
+        let v = wait_failed(&d, name, reason);
+        let message = v["status"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(says), "{name}: {message}");
+        assert_eq!(
+            store_files(&d),
+            Vec::<String>::new(),
+            "{name}: a failed download leaves nothing in the image store"
+        );
+        assert!(
+            d.event_reasons("VirtualImage", name)
+                .contains(&"ImportFailed".to_string())
+        );
+        assert_eq!(delete(&d, "virtualimages", name).0, 200);
+        d.wait_gone("virtualimages", name, IMPORT);
+        assert_eq!(
+            store_files(&d),
+            Vec::<String>::new(),
+            "{name}: after delete"
+        );
+    }
+
+    // 404 until the file is put on the server; then the retry succeeds.
+    apply_ok(
+        &d,
+        vec![http_image("later", &server.url("/later.qcow2"), &digest)],
+    );
+    let v = wait_failed(&d, "later", "HttpStatus");
+    assert!(
+        v["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("404"),
+        "{v:#}"
+    );
+    assert_eq!(store_files(&d), Vec::<String>::new());
+    server.route("/later.qcow2", Behaviour::Serve(qcow2.clone()));
+    let v = wait_image_phase(&d, "later", "Ready");
+    assert!(v["status"]["attempts"].as_u64().unwrap_or(0) >= 2, "{v:#}");
+    assert_eq!(v["status"]["digest"], format!("sha256:{digest}"));
+    assert!(v["status"]["reason"].is_null(), "{v:#}");
+    // Failed, then Importing again, then Ready.
+    wait_event(&d, "later", "Imported");
+    let reasons = d.event_reasons("VirtualImage", "later");
+    let failed = reasons.iter().position(|r| r == "ImportFailed");
+    let restarted = reasons.iter().rposition(|r| r == "ImportStarted");
+    let imported = reasons.iter().position(|r| r == "Imported");
+    assert!(
+        failed < restarted && restarted < imported && failed.is_some(),
+        "{reasons:?}"
+    );
+    assert_eq!(store_files(&d), vec![format!("sha256-{digest}.qcow2")]);
+}
+
+#[test]
+fn images_that_name_other_files_or_are_not_images_are_refused() {
+    let src = roots();
+    let p = |n: &str| src.path().join(n);
+    let s = |n: &str| p(n).to_str().expect("utf8").to_owned();
+    // A qcow2 whose backing file lies outside every root.
+    run(
+        "qemu-img",
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-u",
+            "-b",
+            "/etc/shadow",
+            "-F",
+            "raw",
+            &s("backed.qcow2"),
+            "4M",
+        ],
+    );
+    run(
+        "qemu-img",
+        &["create", "-q", "-f", "raw", &s("data.raw"), "4M"],
+    );
+    run(
+        "qemu-img",
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-o",
+            &format!("data_file={}", s("data.raw")),
+            &s("external.qcow2"),
+            "4M",
+        ],
+    );
+    std::fs::write(
+        p("notes.txt"),
+        "these are my notes, not a disk\n".repeat(64),
+    )
+    .expect("write");
+    std::fs::write(
+        p("desc.vmdk"),
+        "# Disk DescriptorFile\nversion=1\ncreateType=\"monolithicFlat\"\nRW 8 FLAT \"/etc/shadow\" 0\n",
+    )
+    .expect("write");
+    let d = Daemon::start_without_guest(&[src.path()], &[]);
+    apply_ok(
+        &d,
+        vec![
+            file_image("backed", &p("backed.qcow2")),
+            file_image("external", &p("external.qcow2")),
+            file_image("notes", &p("notes.txt")),
+            file_image("desc", &p("desc.vmdk")),
+        ],
+    );
+    let v = wait_failed(&d, "backed", "UnsafeImage");
+    assert!(
+        v["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("backing file"),
+        "{v:#}"
+    );
+    let v = wait_failed(&d, "external", "UnsafeImage");
+    assert!(
+        v["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("external data file"),
+        "{v:#}"
+    );
+    wait_failed(&d, "notes", "NotAnImage");
+    let v = wait_failed(&d, "desc", "UnsupportedFormat");
+    assert!(
+        v["status"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("vmdk"),
+        "{v:#}"
+    );
+    // None of them was kept.
+    assert!(
+        store_files(&d).iter().all(|f| !f.starts_with("sha256-")),
+        "{:?}",
+        store_files(&d)
+    );
+    // A source outside the roots is refused at apply time.
+    let (status, v) = d.apply_json(vec![file_image("shadow", Path::new("/etc/hostname"))]);
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("spec.source.file"),
+        "{v}"
+    );
+}
+
+#[test]
+fn images_with_the_same_content_share_one_file_and_file_sources_work() {
+    let src = roots();
+    let server = Server::start();
+    let qcow2 = make_qcow2(&src.path().join("good.qcow2"));
+    let digest = sha256_of(&qcow2);
+    server.route("/good.qcow2", Behaviour::Serve(qcow2.clone()));
+    let raw = make_raw_mbr(&src.path().join("disk.raw"));
+    let raw_digest = sha256_of(&raw);
+    let d = Daemon::start_without_guest(&[src.path()], &[]);
+
+    apply_ok(
+        &d,
+        vec![
+            file_image("from-file", &src.path().join("good.qcow2")),
+            file_image("raw", &src.path().join("disk.raw")),
+        ],
+    );
+    let a = wait_image_phase(&d, "from-file", "Ready");
+    assert_eq!(a["status"]["digest"], format!("sha256:{digest}"));
+    assert_eq!(a["status"]["format"], "qcow2");
+    let r = wait_image_phase(&d, "raw", "Ready");
+    assert_eq!(r["status"]["format"], "raw", "{r:#}");
+    assert_eq!(r["status"]["virtualSize"], raw.len() as u64);
+    assert_eq!(r["status"]["digest"], format!("sha256:{raw_digest}"));
+
+    // The same content over http: already stored, so not downloaded.
+    apply_ok(
+        &d,
+        vec![http_image("from-http", &server.url("/good.qcow2"), &digest)],
+    );
+    let b = wait_image_phase(&d, "from-http", "Ready");
+    assert_eq!(b["status"]["path"], a["status"]["path"]);
+    assert_eq!(
+        server.hits("/good.qcow2"),
+        0,
+        "no download for stored content"
+    );
+    assert_eq!(store_files(&d), {
+        let mut v = vec![
+            format!("sha256-{digest}.qcow2"),
+            format!("sha256-{raw_digest}.raw"),
+        ];
+        v.sort();
+        v
+    });
+    // A second file source with the same bytes: one file still.
+    std::fs::copy(src.path().join("good.qcow2"), src.path().join("copy.qcow2")).expect("copy");
+    apply_ok(&d, vec![file_image("copy", &src.path().join("copy.qcow2"))]);
+    let c = wait_image_phase(&d, "copy", "Ready");
+    assert_eq!(c["status"]["path"], a["status"]["path"]);
+    assert_eq!(store_files(&d).len(), 2);
+
+    // Deleting two of three keeps the file; the last one takes it.
+    let shared = PathBuf::from(a["status"]["path"].as_str().expect("path"));
+    for name in ["from-file", "copy"] {
+        assert_eq!(delete(&d, "virtualimages", name).0, 200);
+        d.wait_gone("virtualimages", name, IMPORT);
+        assert!(shared.is_file(), "{name}: still used by from-http");
+    }
+    assert_eq!(delete(&d, "virtualimages", "from-http").0, 200);
+    d.wait_gone("virtualimages", "from-http", IMPORT);
+    assert!(!shared.exists());
+    assert_eq!(store_files(&d), vec![format!("sha256-{raw_digest}.raw")]);
+}
+
+#[test]
+fn a_snapshot_of_a_disk_keeps_its_image_file_after_the_image_is_deleted() {
+    let src = roots();
+    make_qcow2(&src.path().join("good.qcow2"));
+    let mut d = Daemon::start_without_guest(&[src.path()], &[]);
+    apply_ok(
+        &d,
+        vec![
+            file_image("base", &src.path().join("good.qcow2")),
+            disk_from("data", "base", None),
+        ],
+    );
+    let image = wait_image_phase(&d, "base", "Ready");
+    let path = PathBuf::from(image["status"]["path"].as_str().expect("path"));
+    d.wait_object("virtualdisks", "data", "Ready", IMPORT, |v| {
+        v["status"]["phase"] == "Ready"
+    });
+    apply_ok(
+        &d,
+        vec![json!({
+            "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
+            "metadata": {"name": "data-1"},
+            "spec": {"virtualDiskName": "data"}
+        })],
+    );
+    let snap = common::snapshot_final(&d, "data-1", IMPORT);
+    assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
+    // A disk restored from the snapshot also stands on the image.
+    apply_ok(
+        &d,
+        vec![json!({
+            "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
+            "metadata": {"name": "restored"},
+            "spec": {"source": {"snapshot": "data-1"}}
+        })],
+    );
+    let restored = d.wait_object("virtualdisks", "restored", "Ready", IMPORT, |v| {
+        v["status"]["phase"] == "Ready"
+    });
+    let chain = common::backing_chain(Path::new(
+        restored["status"]["path"].as_str().expect("path"),
+    ));
+    assert_eq!(chain.last(), Some(&path), "{chain:?}");
+
+    // The disk made from the image goes; nothing names the image now, so it
+    // may be deleted, but its file stays: the snapshot's layers need it.
+    assert_eq!(delete(&d, "virtualdisks", "data").0, 200);
+    d.wait_gone("virtualdisks", "data", IMPORT);
+    assert_eq!(delete(&d, "virtualimages", "base").0, 200);
+    d.wait_gone("virtualimages", "base", IMPORT);
+    assert!(
+        path.is_file(),
+        "the snapshot and the restored disk still need it"
+    );
+    // The event follows the removal.
+    common::wait_until("a Deleted event saying the file is kept", IMPORT, || {
+        d.events("VirtualImage", "base").iter().any(|e| {
+            e["reason"] == "Deleted" && e["message"].as_str().unwrap_or_default().contains("kept")
+        })
+    });
+
+    // A restart keeps it too: the store says a layer is made from it.
+    d.kill();
+    d.spawn();
+    assert!(path.is_file());
+
+    for (plural, name) in [
+        ("virtualdisksnapshots", "data-1"),
+        ("virtualdisks", "restored"),
+    ] {
+        assert!(path.is_file(), "before deleting {name}");
+        assert_eq!(delete(&d, plural, name).0, 200);
+        d.wait_gone(plural, name, IMPORT);
+    }
+    assert!(!path.exists(), "the last layer made from it is gone");
+}
+
+#[test]
+fn a_restart_removes_leftover_temporaries_but_never_a_stored_image() {
+    let src = roots();
+    make_qcow2(&src.path().join("good.qcow2"));
+    let mut d = Daemon::start_without_guest(&[src.path()], &[]);
+    apply_ok(&d, vec![file_image("base", &src.path().join("good.qcow2"))]);
+    let image = wait_image_phase(&d, "base", "Ready");
+    let path = PathBuf::from(image["status"]["path"].as_str().expect("path"));
+    d.kill();
+    // What a crash mid-import leaves, and a stored file no image refers to.
+    let dir = d.state_dir().join("images");
+    std::fs::write(dir.join(".import-00000099-base.tmp"), b"half").expect("write");
+    let stray = dir.join(format!("sha256-{}.raw", "a".repeat(64)));
+    std::fs::write(&stray, b"x").expect("write");
+    let mine = dir.join("my-own.qcow2");
+    std::fs::write(&mine, b"a user's file").expect("write");
+    d.spawn();
+    let mut want = vec![
+        path.file_name()
+            .expect("name")
+            .to_string_lossy()
+            .into_owned(),
+        "my-own.qcow2".to_string(),
+    ];
+    want.sort();
+    assert_eq!(store_files(&d), want);
+    assert_eq!(
+        wait_image_phase(&d, "base", "Ready")["status"]["path"],
+        image["status"]["path"]
+    );
+}
+
+#[test]
+fn deleting_an_image_while_it_downloads_cancels_the_download_and_leaves_nothing() {
+    let src = roots();
+    let server = Server::start();
+    server.route("/stuck.qcow2", Behaviour::Hang(64 << 20));
+    let d = Daemon::start_without_guest(&[src.path()], &["--image-read-timeout-seconds", "120"]);
+    apply_ok(
+        &d,
+        vec![http_image(
+            "stuck",
+            &server.url("/stuck.qcow2"),
+            &"1".repeat(64),
+        )],
+    );
+    // The response headers came: the status shows the length, nothing done.
+    let v = d.wait_object("virtualimages", "stuck", "importing", IMPORT, |v| {
+        v["status"]["phase"] == "Importing" && v["status"]["bytesTotal"] == (64u64 << 20)
+    });
+    assert_eq!(v["status"]["progress"], "0%", "{v:#}");
+    assert_eq!(v["status"]["bytesDone"], 0);
+    let files = store_files(&d);
+    assert!(
+        files.len() == 1 && files[0].starts_with(".import-") && files[0].ends_with("-stuck.tmp"),
+        "{files:?}"
+    );
+    let asked = Instant::now();
+    assert_eq!(delete(&d, "virtualimages", "stuck").0, 200);
+    d.wait_gone("virtualimages", "stuck", Duration::from_secs(10));
+    assert!(asked.elapsed() < Duration::from_secs(10));
+    assert_eq!(store_files(&d), Vec::<String>::new());
+    assert_eq!(server.hits("/stuck.qcow2"), 1);
+}
+
+#[test]
+fn a_slow_download_shows_its_progress_while_it_runs() {
+    let src = roots();
+    let server = Server::start();
+    let qcow2 = make_qcow2(&src.path().join("good.qcow2"));
+    let digest = sha256_of(&qcow2);
+    // About 3 s for the whole file.
+    let chunk = qcow2.len() / 30 + 1;
+    server.route(
+        "/slow.qcow2",
+        Behaviour::Drip {
+            body: qcow2.clone(),
+            chunk,
+            pause: Duration::from_millis(100),
+        },
+    );
+    let d = Daemon::start_without_guest(&[src.path()], &[]);
+    apply_ok(
+        &d,
+        vec![http_image("slow", &server.url("/slow.qcow2"), &digest)],
+    );
+    let mut seen: Vec<(u64, String, u64)> = Vec::new();
+    let deadline = Instant::now() + IMPORT;
+    loop {
+        let v = d.get_image("slow").expect("image");
+        let st = &v["status"];
+        if st["phase"] == "Ready" {
+            break;
+        }
+        if st["phase"] == "Importing"
+            && let Some(done) = st["bytesDone"].as_u64()
+            && done > 0
+        {
+            assert_eq!(st["bytesTotal"], qcow2.len() as u64, "{v:#}");
+            seen.push((
+                done,
+                st["progress"].as_str().unwrap_or_default().to_string(),
+                st["bytesPerSecond"].as_u64().unwrap_or(0),
+            ));
+        }
+        assert!(Instant::now() < deadline, "not Ready: {v:#}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    seen.dedup_by_key(|s| s.0);
+    assert!(seen.len() >= 2, "at least two progress reports: {seen:?}");
+    assert!(seen.windows(2).all(|w| w[0].0 < w[1].0), "{seen:?}");
+    for (done, progress, rate) in &seen {
+        let pct: u64 = progress
+            .trim_end_matches('%')
+            .parse()
+            .unwrap_or_else(|_| panic!("{progress:?}"));
+        assert_eq!(pct, done * 100 / qcow2.len() as u64, "{seen:?}");
+        assert!(*rate > 0, "{seen:?}");
+    }
+    // Twice a second, not per chunk: ~30 chunks over ~3 s.
+    assert!(seen.len() <= 10, "{seen:?}");
+    let v = wait_image_phase(&d, "slow", "Ready");
+    assert!(v["status"]["bytesDone"].is_null(), "{v:#}");
+    assert_eq!(v["status"]["progress"], "100%");
+}
+
+#[test]
+fn removing_a_manifest_with_an_image_and_a_disk_from_it_removes_both_and_the_file() {
+    let src = roots();
+    make_qcow2(&src.path().join("good.qcow2"));
+    let d = Daemon::start_without_guest(&[src.path()], &["--manifests-delete-grace-ms", "300"]);
+    let manifests = d.dir.path().join("manifests");
+    std::fs::create_dir_all(&manifests).expect("mkdir");
+    let file = manifests.join("web.yaml");
+    std::fs::write(
+        &file,
+        format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualImage\nmetadata: {{name: base}}\nspec:\n  source: {{file: {}}}\n---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {{name: root}}\nspec:\n  size: 16Mi\n  source: {{virtualImage: base}}\n",
+            src.path().join("good.qcow2").display()
+        ),
+    )
+    .expect("write manifest");
+    let image = wait_image_phase(&d, "base", "Ready");
+    let path = PathBuf::from(image["status"]["path"].as_str().expect("path"));
+    let disk = d.wait_object("virtualdisks", "root", "Ready", IMPORT, |v| {
+        v["status"]["phase"] == "Ready"
+    });
+    assert_eq!(disk["status"]["capacity"], 16u64 << 20);
+    std::fs::remove_file(&file).expect("rm manifest");
+    d.wait_gone("virtualdisks", "root", IMPORT);
+    d.wait_gone("virtualimages", "base", IMPORT);
+    assert!(!path.exists(), "the image file goes with both");
+    assert_eq!(store_files(&d), Vec::<String>::new());
+}
+
+#[test]
+fn images_larger_than_the_limit_are_refused_whether_or_not_their_length_is_said() {
+    let src = roots();
+    let server = Server::start();
+    let qcow2 = make_qcow2(&src.path().join("good.qcow2"));
+    assert!(qcow2.len() > 1 << 20);
+    let digest = sha256_of(&qcow2);
+    server.route("/big.qcow2", Behaviour::Serve(qcow2.clone()));
+    server.route("/unsaid.qcow2", Behaviour::NoLength(qcow2.clone()));
+    let d = Daemon::start_without_guest(&[src.path()], &["--image-max-bytes", "1Mi"]);
+    apply_ok(
+        &d,
+        vec![
+            http_image("said", &server.url("/big.qcow2"), &digest),
+            http_image("unsaid", &server.url("/unsaid.qcow2"), &digest),
+            file_image("local", &src.path().join("good.qcow2")),
+        ],
+    );
+    for name in ["said", "unsaid", "local"] {
+        let v = wait_failed(&d, name, "TooLarge");
+        let message = v["status"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("--image-max-bytes"), "{name}: {message}");
+    }
+    // Without a limit in the way, a body without a length is fine.
+    let d2 = Daemon::start_without_guest(&[src.path()], &[]);
+    apply_ok(
+        &d2,
+        vec![http_image("unsaid", &server.url("/unsaid.qcow2"), &digest)],
+    );
+    let v = wait_image_phase(&d2, "unsaid", "Ready");
+    assert_eq!(v["status"]["digest"], format!("sha256:{digest}"));
+}
