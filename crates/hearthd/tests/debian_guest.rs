@@ -152,6 +152,13 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
     let server = HttpServer::start();
     server.route("/debian-12.qcow2", Route::File(image.clone()));
     let d = Daemon::start();
+    let t0 = Instant::now();
+    let mark = |what: &str| {
+        eprintln!(
+            "debian_guest: {:>6.1} s  {what}",
+            t0.elapsed().as_secs_f64()
+        )
+    };
 
     // --- the image, over HTTP, checked against its sha256 -----------------
     apply(
@@ -224,10 +231,12 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
             ),
         ],
     );
+    mark("image Ready, disks Ready, VMs applied");
     for name in ["deb-bios", "deb-uefi"] {
         d.wait_vm(name, "agent connected", DEBIAN_BOOT_TIMEOUT, |v| {
             v["status"]["phase"] == "Running" && v["status"]["agentConnected"] == true
         });
+        mark(&format!("{name}: guest agent connected"));
     }
 
     // The firmware really is what the spec says: only OVMF gives the guest EFI.
@@ -309,6 +318,7 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
     );
     assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
     assert_eq!(s["status"]["consistent"], true, "{s:#}");
+    mark("VM snapshot Ready and consistent");
     let at_cut: u64 = sh_ok(&d, "deb-bios", "wc -l < /var/lib/hearth-writer.log")
         .trim()
         .parse()
@@ -335,6 +345,7 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
                 && v["status"]["pid"] != before
         },
     );
+    mark("restored VM's guest agent connected");
     let pid = after["status"]["pid"].as_u64().expect("pid") as u32;
     assert!(is_alive(pid), "the restored VM's QEMU {pid} runs");
     let log = sh_ok(&d, "deb-bios", "cat /var/lib/hearth-writer.log");
