@@ -36,6 +36,9 @@ BASE_PKGS=(
     # OVMF for VMs with firmware: UEFI (/usr/share/OVMF/OVMF_CODE_4M.fd and
     # OVMF_VARS_4M.fd are hearthd's defaults; see docs/guests.md).
     ovmf
+    # guest/debian/build.sh (the Debian 12 test image): the tree, the ESP, the
+    # partition table; guest/debian/check.sh makes an SSH key for its seed.
+    mmdebstrap dosfstools mtools fdisk openssh-client
 )
 
 BPO_SOURCES=/etc/apt/sources.list.d/hearth-backports.sources
