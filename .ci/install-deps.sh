@@ -39,6 +39,8 @@ BASE_PKGS=(
     # guest/debian/build.sh (the Debian 12 test image): the tree, the ESP, the
     # partition table; guest/debian/check.sh makes an SSH key for its seed.
     mmdebstrap dosfstools mtools fdisk openssh-client
+    # the image-import benchmark compares hearth with curl + qemu-img convert.
+    curl
 )
 
 BPO_SOURCES=/etc/apt/sources.list.d/hearth-backports.sources
