@@ -74,7 +74,7 @@ FORCE="${HEARTH_GUEST_FORCE:-0}"
 for a in "$@"; do
     case "$a" in
         --force | -f) FORCE=1 ;;
-        -h | --help) sed -n '2,26p' "$SELF"; exit 0 ;;
+        -h | --help) sed -n '2,25p' "$SELF"; exit 0 ;;
         *) die "unknown argument: $a" ;;
     esac
 done
