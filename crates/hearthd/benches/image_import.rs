@@ -25,7 +25,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::http::{HttpServer, Route};
+use common::http::{Behaviour, Server};
 use common::*;
 use serde_json::json;
 
@@ -66,8 +66,8 @@ fn main() {
     }
     let size = std::fs::metadata(&file).expect("image").len();
     let sha = sha256sum(&file);
-    let server = HttpServer::start();
-    server.route("/bench.img", Route::File(file.clone()));
+    let server = Server::start();
+    server.route("/bench.img", Behaviour::File(file.clone()));
     let url = server.url("/bench.img");
     let scratch = tempfile::tempdir().expect("scratch");
     let d = Daemon::start();

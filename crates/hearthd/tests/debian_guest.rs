@@ -14,7 +14,7 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use common::http::{HttpServer, Route};
+use common::http::{Behaviour, Server};
 use common::*;
 use serde_json::{Value, json};
 
@@ -54,40 +54,8 @@ fn default_user() -> String {
 }
 
 fn apply(d: &Daemon, items: Vec<Value>) {
-    let (status, v) = d.request("POST", "/v1/apply", Some(&json!({"items": items})));
+    let (status, v) = d.apply_json(items);
     assert_eq!(status, 200, "apply: {v}");
-}
-
-fn get(d: &Daemon, plural: &str, name: &str) -> Option<Value> {
-    match d.request("GET", &format!("/v1/{plural}/{name}"), None) {
-        (200, v) => Some(v),
-        (404, _) => None,
-        (s, v) => panic!("GET {plural}/{name}: {s} {v}"),
-    }
-}
-
-fn wait_for(
-    d: &Daemon,
-    plural: &str,
-    name: &str,
-    timeout: Duration,
-    pred: impl Fn(&Value) -> bool,
-) -> Value {
-    let deadline = Instant::now() + timeout;
-    let mut last = Value::Null;
-    while Instant::now() < deadline {
-        if let Some(v) = get(d, plural, name) {
-            if pred(&v) {
-                return v;
-            }
-            last = v;
-        }
-        std::thread::sleep(Duration::from_millis(250));
-    }
-    panic!(
-        "{plural}/{name}: not reached in {timeout:?}; last: {last:#}\n{}",
-        d.log()
-    );
 }
 
 /// Runs `script` in the guest through the agent; returns (exit code, stdout).
@@ -149,8 +117,8 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
     let _serial = serial();
     let (image, sha) = debian_image();
     let user = default_user();
-    let server = HttpServer::start();
-    server.route("/debian-12.qcow2", Route::File(image.clone()));
+    let server = Server::start();
+    server.route("/debian-12.qcow2", Behaviour::File(image.clone()));
     let d = Daemon::start();
     let t0 = Instant::now();
     let mark = |what: &str| {
@@ -169,7 +137,7 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
                     "spec": {"source": {"http": {"url": server.url("/debian-12.qcow2"), "sha256": sha}}}}),
         ],
     );
-    let img = wait_for(&d, "virtualimages", "debian-12", IMPORT_TIMEOUT, |v| {
+    let img = d.wait_object("virtualimages", "debian-12", "Ready", IMPORT_TIMEOUT, |v| {
         let p = &v["status"]["phase"];
         assert_ne!(p, "Failed", "import failed: {v:#}");
         p == "Ready"
@@ -193,11 +161,15 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
         ],
     );
     for disk in ["deb-bios-root", "deb-uefi-root"] {
-        wait_for(&d, "virtualdisks", disk, Duration::from_secs(60), |v| {
-            v["status"]["phase"] == "Ready"
-        });
+        d.wait_object(
+            "virtualdisks",
+            disk,
+            "Ready",
+            Duration::from_secs(60),
+            |v| v["status"]["phase"] == "Ready",
+        );
     }
-    let bios_disk = get(&d, "virtualdisks", "deb-bios-root").expect("disk");
+    let bios_disk = d.get_disk("deb-bios-root").expect("disk");
     let bios_file = PathBuf::from(bios_disk["status"]["path"].as_str().expect("path"));
     let chain = backing_chain(&bios_file);
     assert_eq!(
@@ -309,10 +281,10 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
                     "metadata": {"name": snap}, "spec": {"virtualMachineName": "deb-bios"}}),
         ],
     );
-    let s = wait_for(
-        &d,
+    let s = d.wait_object(
         "virtualmachinesnapshots",
         snap,
+        "final",
         Duration::from_secs(120),
         |v| matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed")),
     );

@@ -1,6 +1,7 @@
-//! A small HTTP/1.1 file server on 127.0.0.1 for image-import tests: it
-//! serves files, and misbehaves on request (404, a server that hangs, a body
-//! cut short), so the importer is tested against real sockets.
+//! A small HTTP/1.1 server on 127.0.0.1 for image-import tests and
+//! benchmarks: it serves files or bytes, and misbehaves on request (404, a
+//! server that hangs, a body cut short, no length, a slow drip), so the
+//! importer is tested against real sockets.
 
 #![allow(dead_code)]
 
@@ -8,118 +9,119 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// What the server does for one path.
-#[derive(Clone, Debug)]
-pub enum Route {
-    /// 200 with the file's bytes and its Content-Length.
+/// What the test server does for one path.
+#[derive(Clone)]
+pub enum Behaviour {
+    Serve(Vec<u8>),
+    /// A file's bytes, streamed, with its length.
     File(PathBuf),
-    /// 404 Not Found.
     NotFound,
-    /// Headers for a body of `len` bytes, then nothing until the client
-    /// gives up (or the server is dropped).
-    Hang { len: u64 },
-    /// Headers for the whole file, then only its first `send` bytes, then
-    /// the connection is closed.
-    Truncated { file: PathBuf, send: u64 },
+    /// Headers with a Content-Length, then nothing, until the client goes
+    /// or the server stops.
+    Hang(u64),
+    /// A Content-Length of `claimed` bytes, then only `body`, then close.
+    Truncate {
+        body: Vec<u8>,
+        claimed: u64,
+    },
+    /// The body with no Content-Length: it ends when the connection closes.
+    NoLength(Vec<u8>),
+    /// The whole body, `chunk` bytes every `pause`.
+    Drip {
+        body: Vec<u8>,
+        chunk: usize,
+        pause: Duration,
+    },
 }
 
-pub struct HttpServer {
+pub struct Server {
     pub port: u16,
-    routes: Arc<Mutex<HashMap<String, Route>>>,
-    /// Requests seen per path.
+    routes: Arc<Mutex<HashMap<String, Behaviour>>>,
     hits: Arc<Mutex<HashMap<String, usize>>>,
     stop: Arc<AtomicBool>,
-    open: Arc<AtomicUsize>,
 }
 
-impl HttpServer {
-    pub fn start() -> HttpServer {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0");
-        let port = listener.local_addr().expect("local addr").port();
-        let server = HttpServer {
+impl Server {
+    pub fn start() -> Server {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1");
+        let port = listener.local_addr().expect("addr").port();
+        listener.set_nonblocking(true).expect("nonblocking");
+        let server = Server {
             port,
             routes: Arc::default(),
             hits: Arc::default(),
             stop: Arc::default(),
-            open: Arc::default(),
         };
-        let (routes, hits, stop, open) = (
+        let (routes, hits, stop) = (
             server.routes.clone(),
             server.hits.clone(),
             server.stop.clone(),
-            server.open.clone(),
         );
         std::thread::spawn(move || {
-            for conn in listener.incoming() {
-                if stop.load(Ordering::SeqCst) {
-                    return;
+            while !stop.load(Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((conn, _)) => {
+                        let (routes, hits, stop) = (routes.clone(), hits.clone(), stop.clone());
+                        std::thread::spawn(move || serve(conn, &routes, &hits, &stop));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
                 }
-                let Ok(conn) = conn else { continue };
-                // Bounded: a test never needs more than a few at once.
-                if open.load(Ordering::SeqCst) >= 32 {
-                    continue;
-                }
-                let (routes, hits, stop, open) =
-                    (routes.clone(), hits.clone(), stop.clone(), open.clone());
-                open.fetch_add(1, Ordering::SeqCst);
-                std::thread::spawn(move || {
-                    let _ = serve(conn, &routes, &hits, &stop);
-                    open.fetch_sub(1, Ordering::SeqCst);
-                });
             }
         });
         server
-    }
-
-    /// Sets (or replaces) what `path` answers.
-    pub fn route(&self, path: &str, route: Route) {
-        self.routes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(path.to_string(), route);
     }
 
     pub fn url(&self, path: &str) -> String {
         format!("http://127.0.0.1:{}{path}", self.port)
     }
 
-    pub fn hits(&self, path: &str) -> usize {
-        *self
-            .hits
+    pub fn route(&self, path: &str, b: Behaviour) {
+        self.routes
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .expect("routes")
+            .insert(path.to_string(), b);
+    }
+
+    pub fn hits(&self, path: &str) -> usize {
+        self.hits
+            .lock()
+            .expect("hits")
             .get(path)
-            .unwrap_or(&0)
+            .copied()
+            .unwrap_or(0)
     }
 }
 
-impl Drop for HttpServer {
+impl Drop for Server {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        // Wake the accept loop so it sees the flag.
-        let _ = TcpStream::connect(("127.0.0.1", self.port));
     }
 }
 
 fn serve(
     mut conn: TcpStream,
-    routes: &Mutex<HashMap<String, Route>>,
+    routes: &Mutex<HashMap<String, Behaviour>>,
     hits: &Mutex<HashMap<String, usize>>,
     stop: &AtomicBool,
-) -> std::io::Result<()> {
-    conn.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let mut reader = BufReader::new(conn.try_clone()?);
+) {
+    let _ = conn.set_nonblocking(false);
+    let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+    let Ok(reader) = conn.try_clone() else { return };
+    let mut reader = BufReader::new(reader);
     let mut request_line = String::new();
-    reader.read_line(&mut request_line)?;
-    // Headers are read and ignored, up to a bound.
-    for _ in 0..100 {
-        let mut h = String::new();
-        if reader.read_line(&mut h)? == 0 || h == "\r\n" || h == "\n" {
-            break;
+    if reader.read_line(&mut request_line).is_err() {
+        return;
+    }
+    loop {
+        let mut line = String::new();
+        match reader.read_line(&mut line) {
+            Ok(0) | Err(_) => return,
+            Ok(_) if line == "\r\n" => break,
+            Ok(_) => {}
         }
     }
     let path = request_line
@@ -127,53 +129,69 @@ fn serve(
         .nth(1)
         .unwrap_or("/")
         .to_string();
-    *hits
+    *hits.lock().expect("hits").entry(path.clone()).or_default() += 1;
+    let behaviour = routes
         .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .entry(path.clone())
-        .or_insert(0) += 1;
-    let route = routes
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+        .expect("routes")
         .get(&path)
         .cloned()
-        .unwrap_or(Route::NotFound);
-    let header = |len: u64| {
+        .unwrap_or(Behaviour::NotFound);
+    let head = |len: u64| {
         format!(
             "HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {len}\r\nConnection: close\r\n\r\n"
         )
     };
-    match route {
-        Route::NotFound => {
-            conn.write_all(
-                b"HTTP/1.1 404 Not Found\r\nContent-Length: 10\r\nConnection: close\r\n\r\nnot found\n",
-            )?;
+    match behaviour {
+        Behaviour::Serve(body) => {
+            let _ = conn.write_all(head(body.len() as u64).as_bytes());
+            let _ = conn.write_all(&body);
         }
-        Route::File(p) => {
-            let mut f = std::fs::File::open(&p)?;
-            let len = f.metadata()?.len();
-            conn.write_all(header(len).as_bytes())?;
-            std::io::copy(&mut f, &mut conn)?;
+        Behaviour::File(path) => {
+            let Ok(mut file) = std::fs::File::open(&path) else {
+                return;
+            };
+            let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+            let _ = conn.write_all(head(len).as_bytes());
+            let _ = std::io::copy(&mut file, &mut conn);
         }
-        Route::Truncated { file, send } => {
-            let f = std::fs::File::open(&file)?;
-            let len = f.metadata()?.len();
-            conn.write_all(header(len).as_bytes())?;
-            std::io::copy(&mut f.take(send), &mut conn)?;
+        Behaviour::NotFound => {
+            let _ = conn.write_all(
+                b"HTTP/1.1 404 Not Found\r\nContent-Length: 9\r\nConnection: close\r\n\r\nnot found",
+            );
         }
-        Route::Hang { len } => {
-            conn.write_all(header(len).as_bytes())?;
-            conn.flush()?;
-            // Holds the connection open, sending nothing; bounded.
-            for _ in 0..1200 {
-                if stop.load(Ordering::SeqCst) {
-                    break;
+        Behaviour::Hang(len) => {
+            let _ = conn.write_all(head(len).as_bytes());
+            let _ = conn.flush();
+            // Bounded: the client's read timeout ends it long before.
+            let until = Instant::now() + Duration::from_secs(60);
+            let _ = conn.set_read_timeout(Some(Duration::from_millis(100)));
+            let mut byte = [0u8; 1];
+            while Instant::now() < until && !stop.load(Ordering::SeqCst) {
+                match conn.read(&mut byte) {
+                    Ok(0) => return, // the client closed
+                    _ => continue,
                 }
-                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Behaviour::Truncate { body, claimed } => {
+            let _ = conn.write_all(head(claimed).as_bytes());
+            let _ = conn.write_all(&body);
+        }
+        Behaviour::NoLength(body) => {
+            let _ = conn.write_all(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
+            );
+            let _ = conn.write_all(&body);
+        }
+        Behaviour::Drip { body, chunk, pause } => {
+            let _ = conn.write_all(head(body.len() as u64).as_bytes());
+            for piece in body.chunks(chunk) {
+                if conn.write_all(piece).and_then(|()| conn.flush()).is_err() {
+                    return;
+                }
+                std::thread::sleep(pause);
             }
         }
     }
-    conn.flush()?;
-    let _ = conn.shutdown(std::net::Shutdown::Write);
-    Ok(())
+    let _ = conn.flush();
 }

@@ -350,22 +350,7 @@ impl Daemon {
         timeout: Duration,
         pred: impl Fn(&Value) -> bool,
     ) -> Value {
-        let deadline = Instant::now() + timeout;
-        let mut last = Value::Null;
-        while Instant::now() < deadline {
-            if let Some(v) = self.get_vm(name) {
-                if pred(&v) {
-                    return v;
-                }
-                last = v;
-            }
-            std::thread::sleep(Duration::from_millis(200));
-        }
-        panic!(
-            "VM {name}: {what} not reached in {timeout:?}; last: {last:#}\nevents: {:#?}\nlog:\n{}",
-            self.events("VirtualMachine", name),
-            self.log()
-        );
+        self.wait_object("virtualmachines", name, what, timeout, pred)
     }
 
     pub fn wait_phase(&self, name: &str, phase: &str, timeout: Duration) -> Value {
