@@ -240,6 +240,8 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
                 s.phase = ImagePhase::Failed;
                 s.reason = Some(f.reason.to_string());
                 s.message = Some(message.clone());
+                // This spec was tried (and is retried): the failure is its own.
+                s.observed_generation = generation;
                 s.progress = None;
                 s.bytes_done = None;
                 s.bytes_total = None;
