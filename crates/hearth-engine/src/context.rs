@@ -90,6 +90,11 @@ impl Context {
         Ok(vms)
     }
 
+    /// The VMs whose spec has an interface on `network`, sorted.
+    pub fn vms_using_network(&self, network: &str) -> Result<Vec<String>, StoreError> {
+        vms_using_network(&self.store, network)
+    }
+
     // ------------------------------------------------------------ status & events
 
     pub fn event(&self, kind: Kind, name: &str, type_: EventType, reason: &str, message: &str) {
@@ -201,4 +206,26 @@ impl Context {
         self.live_get(vm)
             .is_some_and(|l| l.agent_connected.load(std::sync::atomic::Ordering::SeqCst))
     }
+}
+
+/// The VMs whose spec has an interface on `network`, sorted.
+pub fn vms_using_network(store: &Store, network: &str) -> Result<Vec<String>, StoreError> {
+    let mut vms: Vec<String> = store
+        .list(Kind::VirtualMachine)?
+        .into_iter()
+        .filter_map(|s| match s.object {
+            Object::VirtualMachine(vm)
+                if vm
+                    .spec
+                    .networks
+                    .iter()
+                    .any(|n| n.virtual_network_name == network) =>
+            {
+                Some(vm.metadata.name)
+            }
+            _ => None,
+        })
+        .collect();
+    vms.sort();
+    Ok(vms)
 }

@@ -669,7 +669,9 @@ impl Engine {
                         .map_err(|m| fail("spec.source.file", m))?;
                 }
             }
-            Object::VirtualDiskSnapshot(_) | Object::VirtualMachineSnapshot(_) => {}
+            Object::VirtualDiskSnapshot(_)
+            | Object::VirtualMachineSnapshot(_)
+            | Object::VirtualNetwork(_) => {}
         }
         Ok(())
     }
@@ -894,6 +896,7 @@ impl Engine {
                     crate::snapshot::reconcile_vm_snapshot(&self.ctx, &key.1).await
                 }
                 Kind::VirtualImage => crate::image::reconcile(&self.ctx, &key.1).await,
+                Kind::VirtualNetwork => crate::network::reconcile(&self.ctx, &key.1).await,
             };
             match result {
                 Ok(()) => {

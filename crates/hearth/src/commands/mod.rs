@@ -45,6 +45,7 @@ pub fn short_ref(kind: Kind, name: &str) -> String {
         Kind::VirtualDiskSnapshot => "snapshot",
         Kind::VirtualMachineSnapshot => "vmsnapshot",
         Kind::VirtualImage => "image",
+        Kind::VirtualNetwork => "network",
     };
     format!("{short}/{name}")
 }
