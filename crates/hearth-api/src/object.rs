@@ -341,7 +341,15 @@ fn check_network_spec(spec: &VirtualNetworkSpec) -> Result<(), (&'static str, St
             ));
         }
         (NetworkMode::Bridge, Some(b)) => {
-            net::check_interface_name(b).map_err(|m| ("spec.bridge", m))?
+            net::check_interface_name(b).map_err(|m| ("spec.bridge", m))?;
+            if b.starts_with("hth-") || b.starts_with("htt-") {
+                return Err((
+                    "spec.bridge",
+                    format!(
+                        "{b:?}: names starting with hth- and htt- are hearth's own bridges and taps (removed at start-up when no network has them); attach to a bridge of the host's"
+                    ),
+                ));
+            }
         }
         (mode, Some(_)) => {
             return Err((

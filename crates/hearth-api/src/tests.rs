@@ -622,6 +622,11 @@ fn network_specs_are_checked_field_by_field() {
             "only for mode Bridge",
         ),
         (
+            "{mode: Bridge, bridge: hth-lan}",
+            "spec.bridge",
+            "hearth's own",
+        ),
+        (
             "{mode: Bridge, bridge: br0, dhcp: true}",
             "spec.dhcp",
             "no DHCP",

@@ -661,6 +661,61 @@ mod tests {
         .remove(0)
     }
 
+    fn lease(network: &str, vm: &str, interface: u32, ip: &str) -> StoredLease {
+        StoredLease {
+            network: network.into(),
+            vm: vm.into(),
+            interface,
+            ip: ip.parse().unwrap(),
+            mac: format!("02:00:00:00:00:0{interface}"),
+        }
+    }
+
+    #[test]
+    fn leases_survive_reopen_and_go_with_their_vm_or_network() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hearth.db");
+        {
+            let s = Store::open(&path).unwrap();
+            s.set_vm_leases(
+                "web",
+                &[
+                    lease("lan", "web", 0, "10.77.0.10"),
+                    lease("lab", "web", 1, "10.78.0.10"),
+                ],
+            )
+            .unwrap();
+            s.set_vm_leases("db", &[lease("lan", "db", 0, "10.77.0.11")])
+                .unwrap();
+        }
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.leases().unwrap().len(), 3);
+        assert_eq!(
+            s.leases_of_network("lan").unwrap(),
+            vec![
+                lease("lan", "db", 0, "10.77.0.11"),
+                lease("lan", "web", 0, "10.77.0.10")
+            ]
+        );
+        // Rewriting a VM's set drops what it no longer has.
+        s.set_vm_leases("web", &[lease("lan", "web", 0, "10.77.0.10")])
+            .unwrap();
+        assert!(s.leases_of_network("lab").unwrap().is_empty());
+        // A second holder of one address is refused by the table itself,
+        // and the failed write changes nothing.
+        let taken = s.set_vm_leases("mail", &[lease("lan", "mail", 0, "10.77.0.10")]);
+        assert!(taken.is_err());
+        assert_eq!(s.leases().unwrap().len(), 2);
+        // Removing the VM releases its leases; removing the network, the rest.
+        s.remove(Kind::VirtualMachine, "web").unwrap();
+        assert_eq!(
+            s.leases().unwrap(),
+            vec![lease("lan", "db", 0, "10.77.0.11")]
+        );
+        s.remove(Kind::VirtualNetwork, "lan").unwrap();
+        assert!(s.leases().unwrap().is_empty());
+    }
+
     #[test]
     fn objects_survive_reopen_and_status_is_kept_across_updates() {
         let dir = tempfile::tempdir().unwrap();
