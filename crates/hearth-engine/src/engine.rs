@@ -4,7 +4,7 @@
 //! engine's `Context` (store, config, live VMs, locks, a way to wake), never
 //! the engine itself; their wakes come back to the queue over a channel.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
@@ -304,6 +304,7 @@ impl Engine {
             prepared.push((obj, action, old_owner));
         }
         self.check_disk_exclusivity(prepared.iter().map(|(o, _, _)| o))?;
+        self.check_networks(prepared.iter().map(|(o, _, _)| o))?;
 
         let to_write: Vec<Object> = prepared
             .iter()
@@ -372,6 +373,16 @@ impl Engine {
             return Err(RequestError::Conflict(format!(
                 "VirtualDisk {name:?} is in use by VirtualMachine {vm:?} (its spec.disks, or its running QEMU until it restarts); delete the VM or remove the disk from it first"
             )));
+        }
+        if kind == Kind::VirtualNetwork {
+            let vms = crate::context::vms_using_network(&self.store, name)?;
+            if !vms.is_empty() {
+                let list: Vec<String> = vms.iter().map(|v| format!("{v:?}")).collect();
+                return Err(RequestError::Conflict(format!(
+                    "VirtualNetwork {name:?} is in use by VirtualMachine {} (spec.networks); delete those VMs or remove the network from them first",
+                    list.join(", ")
+                )));
+            }
         }
         if kind == Kind::VirtualImage {
             let disks = crate::image::disks_blocking_delete(&self.store, name)?;
@@ -735,6 +746,91 @@ impl Engine {
             }));
         }
         Ok(())
+    }
+
+    /// Subnets, addresses, port forwards and interface names over the state
+    /// this apply would leave (docs/networking.md).
+    fn check_networks<'a>(
+        &self,
+        batch: impl Iterator<Item = &'a Object>,
+    ) -> Result<(), RequestError> {
+        use crate::network::admission::{self, NetworkView, Refusal, VmView};
+        let batch: Vec<&Object> = batch.collect();
+        let touches_networks = batch.iter().any(|o| match o {
+            Object::VirtualNetwork(_) => true,
+            Object::VirtualMachine(vm) => !vm.spec.networks.is_empty(),
+            _ => false,
+        });
+        if !touches_networks {
+            return Ok(());
+        }
+        let leases = self.store.leases()?;
+        let mut networks = BTreeMap::new();
+        for s in self.store.list(Kind::VirtualNetwork)? {
+            if let Object::VirtualNetwork(n) = s.object {
+                let status = serde_json::from_value(s.status).unwrap_or_default();
+                networks.insert(
+                    n.metadata.name.clone(),
+                    NetworkView {
+                        network: n,
+                        status,
+                        deleting: s.deleting,
+                        in_batch: false,
+                    },
+                );
+            }
+        }
+        let mut vms = BTreeMap::new();
+        for s in self.store.list(Kind::VirtualMachine)? {
+            if let Object::VirtualMachine(vm) = s.object {
+                vms.insert(
+                    vm.metadata.name.clone(),
+                    VmView {
+                        vm,
+                        in_batch: false,
+                    },
+                );
+            }
+        }
+        let refused = |r: Refusal| match r {
+            Refusal::Invalid(e) => RequestError::Invalid(e),
+            Refusal::Conflict(m) => RequestError::Conflict(m),
+        };
+        for o in batch {
+            match o {
+                Object::VirtualNetwork(n) => {
+                    let name = n.metadata.name.clone();
+                    let (status, deleting) = match networks.get(&name) {
+                        Some(old) => {
+                            let held = leases.iter().filter(|l| l.network == name).count();
+                            admission::check_network_update(old, n, held).map_err(refused)?;
+                            (old.status.clone(), old.deleting)
+                        }
+                        None => (Default::default(), false),
+                    };
+                    networks.insert(
+                        name,
+                        NetworkView {
+                            network: n.clone(),
+                            status,
+                            deleting,
+                            in_batch: true,
+                        },
+                    );
+                }
+                Object::VirtualMachine(vm) => {
+                    vms.insert(
+                        vm.metadata.name.clone(),
+                        VmView {
+                            vm: vm.clone(),
+                            in_batch: true,
+                        },
+                    );
+                }
+                _ => {}
+            }
+        }
+        admission::check(&networks, &vms, &leases).map_err(refused)
     }
 
     /// A disk belongs to at most one VM.

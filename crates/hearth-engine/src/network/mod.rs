@@ -4,6 +4,7 @@
 //! side (bridges, taps, dnsmasq, nftables) is a separate layer on top.
 //! See docs/networking.md.
 
+pub mod admission;
 pub mod ipam;
 pub mod names;
 pub mod ports;
