@@ -664,7 +664,7 @@ fn vm_interfaces_parse_with_defaults() {
 
 #[test]
 fn vm_interfaces_are_checked_field_by_field() {
-    let nine = vec!["{virtualNetworkName: lan}"; 9].join(", ");
+    let nine = ["{virtualNetworkName: lan}"; 9].join(", ");
     let cases = [
         (format!("[{nine}]"), "spec.networks", "more than the 8"),
         ("[{virtualNetworkName: Lan}]".into(), "spec.networks[0].virtualNetworkName", "DNS label"),
