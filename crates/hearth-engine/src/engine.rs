@@ -254,6 +254,7 @@ impl Engine {
         let _w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
         let mut seen = HashSet::new();
         let mut prepared = Vec::new();
+        let mut old_networks: Vec<String> = Vec::new();
         for mut obj in objects {
             obj.strip_server_fields();
             obj.validate()?;
@@ -301,6 +302,19 @@ impl Engine {
                 }
             }
             meta.managed_by = Some(managed_by.to_string());
+            // A VM leaving a network frees its address there.
+            if let Some(StoredObject {
+                object: Object::VirtualMachine(old),
+                ..
+            }) = &existing
+            {
+                old_networks.extend(
+                    old.spec
+                        .networks
+                        .iter()
+                        .map(|n| n.virtual_network_name.clone()),
+                );
+            }
             prepared.push((obj, action, old_owner));
         }
         self.check_disk_exclusivity(prepared.iter().map(|(o, _, _)| o))?;
@@ -347,12 +361,19 @@ impl Engine {
                 for d in &vm.spec.disks {
                     self.wake(Kind::VirtualDisk, &d.virtual_disk_name);
                 }
+                // The networks assign (or release) its addresses.
+                for n in &vm.spec.networks {
+                    self.wake(Kind::VirtualNetwork, &n.virtual_network_name);
+                }
             }
             outcomes.push(ApplyOutcome {
                 kind: obj.kind(),
                 name: obj.name().to_string(),
                 action,
             });
+        }
+        for n in old_networks {
+            self.wake(Kind::VirtualNetwork, &n);
         }
         Ok(outcomes)
     }

@@ -293,6 +293,29 @@ impl Store {
         Ok(())
     }
 
+    /// Makes `leases` the whole set of leases on `network`, inside the
+    /// caller's transaction.
+    pub fn set_network_leases_tx(
+        tx: &Connection,
+        network: &str,
+        leases: &[StoredLease],
+    ) -> Result<(), StoreError> {
+        Self::release_network_leases_tx(tx, network)?;
+        for l in leases {
+            tx.execute(
+                "INSERT INTO leases (network, vm, interface, ip, mac) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![
+                    network,
+                    l.vm,
+                    i64::from(l.interface),
+                    l.ip.to_string(),
+                    l.mac
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
     /// Releases every lease of a VM (it is deleted).
     pub fn release_vm_leases_tx(tx: &Connection, vm: &str) -> Result<(), StoreError> {
         tx.execute("DELETE FROM leases WHERE vm = ?1", params![vm])?;
@@ -306,7 +329,15 @@ impl Store {
     }
 
     pub fn get(&self, kind: Kind, name: &str) -> Result<Option<StoredObject>, StoreError> {
-        let conn = self.conn();
+        Self::get_tx(&self.conn(), kind, name)
+    }
+
+    /// `get` inside a caller's transaction.
+    pub fn get_tx(
+        conn: &Connection,
+        kind: Kind,
+        name: &str,
+    ) -> Result<Option<StoredObject>, StoreError> {
         let row: Option<(String, String, bool)> = conn
             .query_row(
                 "SELECT body, status, deleting FROM objects WHERE kind = ?1 AND name = ?2",

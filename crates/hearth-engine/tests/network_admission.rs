@@ -289,6 +289,104 @@ async fn a_network_reports_pending_until_the_host_side_exists() {
     );
 }
 
+fn leases(s: &Setup) -> Vec<(String, u32, String, String)> {
+    let store = hearth_engine::store::Store::open(&s.dir.path().join("state/hearth.db"))
+        .expect("second handle on the store");
+    store
+        .leases()
+        .expect("leases")
+        .into_iter()
+        .map(|l| (l.vm, l.interface, l.ip.to_string(), l.mac))
+        .collect()
+}
+
+fn lease_count(s: &Setup, network: &str) -> Option<u64> {
+    s.engine
+        .get(Kind::VirtualNetwork, network)
+        .ok()?
+        .status
+        .get("leases")?
+        .as_u64()
+}
+
+#[tokio::test]
+async fn the_network_stores_stable_leases_and_releases_them_with_the_interface() {
+    let s = setup().await;
+    s.apply(
+        &(network("lan", "10.77.0.0/24")
+            + &vm(
+                "web",
+                "[{virtualNetworkName: lan}, {virtualNetworkName: lan, macAddress: \"52:54:00:00:00:07\"}]",
+            )
+            + &vm("db", "[{virtualNetworkName: lan, ipAddress: 10.77.0.10}]")),
+    )
+    .expect("apply");
+    wait_until(|| lease_count(&s, "lan") == Some(3)).await;
+    let first = leases(&s);
+    let web_mac = hearth_engine::network::names::derived_mac("web", 0).to_string();
+    assert_eq!(
+        first,
+        vec![
+            (
+                "db".into(),
+                0,
+                "10.77.0.10".into(),
+                hearth_engine::network::names::derived_mac("db", 0).to_string()
+            ),
+            // db reserved .10, so web's dynamic addresses start at .11.
+            ("web".into(), 0, "10.77.0.11".into(), web_mac.clone()),
+            (
+                "web".into(),
+                1,
+                "10.77.0.12".into(),
+                "52:54:00:00:00:07".into()
+            ),
+        ]
+    );
+    // Planned again from what is stored (a resync, a restarted daemon):
+    // the same leases.
+    let store = hearth_engine::store::Store::open(&s.dir.path().join("state/hearth.db"))
+        .expect("second handle on the store");
+    let vms: Vec<hearth_api::VirtualMachine> = s
+        .engine
+        .list(Kind::VirtualMachine)
+        .expect("vms")
+        .into_iter()
+        .filter_map(|o| match o.object {
+            Object::VirtualMachine(vm) => Some(vm),
+            _ => None,
+        })
+        .collect();
+    let stored = store.leases_of_network("lan").expect("leases");
+    let (again, problems) = hearth_engine::network::plan_leases(
+        "lan",
+        "10.77.0.0/24".parse().expect("subnet"),
+        &vms,
+        &stored,
+    );
+    assert_eq!(again, stored);
+    assert!(problems.is_empty(), "{problems:?}");
+
+    // web's second interface leaves its spec: that address is released,
+    // the first one is kept.
+    s.apply(&vm("web", "[{virtualNetworkName: lan}]"))
+        .expect("one nic");
+    wait_until(|| lease_count(&s, "lan") == Some(2)).await;
+    let now = leases(&s);
+    assert_eq!(now[1], ("web".into(), 0, "10.77.0.11".into(), web_mac));
+    // A new VM gets the lowest free address: .12 again.
+    s.apply(&vm("mail", "[{virtualNetworkName: lan}]"))
+        .expect("mail");
+    wait_until(|| lease_count(&s, "lan") == Some(3)).await;
+    assert!(
+        leases(&s)
+            .iter()
+            .any(|l| l.0 == "mail" && l.2 == "10.77.0.12"),
+        "{:?}",
+        leases(&s)
+    );
+}
+
 /// Bounded: the engine's reconciles run on this runtime.
 async fn wait_until(mut f: impl FnMut() -> bool) {
     for _ in 0..200 {

@@ -9,7 +9,7 @@ use std::net::Ipv4Addr;
 use hearth_api::net::{Ipv4Cidr, MacAddr};
 use hearth_api::{FieldError, NetworkMode, VirtualMachine, VirtualNetwork, VirtualNetworkStatus};
 
-use super::ipam::{self, Holder, IpamError, Leases, Request};
+use super::ipam::{self, Holder, IpamError};
 use super::{names, ports, subnets};
 use crate::store::StoredLease;
 
@@ -160,11 +160,40 @@ fn check_vm_networks(v: &VmView, networks: &BTreeMap<String, NetworkView>) -> Re
     Ok(())
 }
 
-fn wanted(vm: &VirtualMachine, i: usize) -> Option<Ipv4Addr> {
-    vm.spec.networks[i]
-        .ip_address
-        .as_deref()
-        .and_then(|a| a.parse().ok())
+/// What each interface of `vm` on `network` asks IPAM for.
+pub fn wants_on(network: &str, vm: &VirtualMachine) -> Vec<(Holder, Option<Ipv4Addr>)> {
+    vm.spec
+        .networks
+        .iter()
+        .enumerate()
+        .filter(|(_, nic)| nic.virtual_network_name == network)
+        .map(|(i, nic)| {
+            (
+                Holder {
+                    vm: vm.metadata.name.clone(),
+                    interface: i as u32,
+                },
+                nic.ip_address.as_deref().and_then(|a| a.parse().ok()),
+            )
+        })
+        .collect()
+}
+
+/// The stored leases of `network` as IPAM holders.
+pub fn stored_on(network: &str, leases: &[StoredLease]) -> Vec<(Holder, Ipv4Addr)> {
+    leases
+        .iter()
+        .filter(|l| l.network == network)
+        .map(|l| {
+            (
+                Holder {
+                    vm: l.vm.clone(),
+                    interface: l.interface,
+                },
+                l.ip,
+            )
+        })
+        .collect()
 }
 
 fn check_addresses(
@@ -173,63 +202,33 @@ fn check_addresses(
     leases: &[StoredLease],
 ) -> Result<(), Refusal> {
     for (net_name, n) in networks {
-        let on_net = |vm: &VirtualMachine| -> Vec<usize> {
-            vm.spec
-                .networks
-                .iter()
-                .enumerate()
-                .filter(|(_, nic)| &nic.virtual_network_name == net_name)
-                .map(|(i, _)| i)
-                .collect()
-        };
         let Some(subnet) = n.subnet() else {
             // No subnet yet: only the address syntax could be checked (done).
             continue;
         };
-        // What others hold: the stored leases, then the reservations of the
-        // VMs this apply does not touch.
-        let stored = leases.iter().filter(|l| &l.network == net_name).map(|l| {
-            (
-                Holder {
-                    vm: l.vm.clone(),
-                    interface: l.interface,
-                },
-                l.ip,
-            )
-        });
-        let (mut pool, _) = Leases::from_stored(subnet, stored);
-        for v in vms.values().filter(|v| !v.in_batch) {
-            for i in on_net(&v.vm) {
-                let holder = Holder {
-                    vm: v.vm.metadata.name.clone(),
-                    interface: i as u32,
-                };
-                if let Some(ip) = wanted(&v.vm, i) {
-                    // Stored state that is already inconsistent is the
-                    // reconcile's to report, not this apply's.
-                    let _ = pool.allocate(&holder, Some(ip));
+        // The VMs this apply does not touch claimed first: a clash is the
+        // applied VM's.
+        let wants: Vec<_> = vms
+            .values()
+            .filter(|v| !v.in_batch)
+            .chain(vms.values().filter(|v| v.in_batch))
+            .flat_map(|v| wants_on(net_name, &v.vm))
+            .collect();
+        let plan = ipam::plan(subnet, stored_on(net_name, leases), &wants);
+        let batch_problem = plan
+            .problems
+            .into_iter()
+            .find(|(h, _)| vms.get(&h.vm).is_some_and(|v| v.in_batch));
+        if let Some((holder, e)) = batch_problem {
+            let object = format!("VirtualMachine {:?}", holder.vm);
+            let field = format!("spec.networks[{}].ipAddress", holder.interface);
+            let message = format!("{e} (VirtualNetwork {net_name:?})");
+            return Err(match e {
+                IpamError::Taken { .. } | IpamError::Exhausted { .. } => {
+                    Refusal::Conflict(format!("{object}: {field}: {message}"))
                 }
-            }
-        }
-        for v in vms.values().filter(|v| v.in_batch) {
-            let vm = &v.vm;
-            let requests: Vec<Request> = on_net(vm)
-                .into_iter()
-                .map(|i| Request {
-                    interface: i as u32,
-                    wanted: wanted(vm, i),
-                })
-                .collect();
-            if let Err((i, e)) = ipam::assign_vm(&mut pool, &vm.metadata.name, &requests) {
-                let object = format!("VirtualMachine {:?}", vm.metadata.name);
-                let message = format!("{e} (VirtualNetwork {net_name:?})");
-                return Err(match e {
-                    IpamError::Taken { .. } | IpamError::Exhausted { .. } => Refusal::Conflict(
-                        format!("{object}: spec.networks[{i}].ipAddress: {message}"),
-                    ),
-                    _ => invalid(object, format!("spec.networks[{i}].ipAddress"), message),
-                });
-            }
+                _ => invalid(object, field, message),
+            });
         }
     }
     Ok(())

@@ -203,58 +203,48 @@ impl Leases {
     }
 }
 
-/// One VM's interfaces on one network: what it asks for.
+/// The outcome of [`plan`]: the network's leases, and the interfaces that
+/// could not get an address (with why).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Request {
-    pub interface: u32,
-    pub wanted: Option<Ipv4Addr>,
+pub struct Plan {
+    pub leases: Leases,
+    pub problems: Vec<(Holder, IpamError)>,
 }
 
-/// The addresses of `vm`'s interfaces on this network, all or nothing:
-/// its interfaces that are no longer asked for are released, reservations
-/// are placed before dynamic addresses (so a dynamic one never takes an
-/// address reserved in the same spec), and on error `leases` is unchanged.
-pub fn assign_vm(
-    leases: &mut Leases,
-    vm: &str,
-    requests: &[Request],
-) -> Result<Vec<(u32, Ipv4Addr)>, (u32, IpamError)> {
-    let mut next = leases.clone();
-    let asked: Vec<u32> = requests.iter().map(|r| r.interface).collect();
-    let stale: Vec<Holder> = next
-        .by_holder
-        .keys()
-        .filter(|h| h.vm == vm && !asked.contains(&h.interface))
-        .cloned()
-        .collect();
-    for h in &stale {
-        next.release(h);
-    }
-    let holder = |interface| Holder {
-        vm: vm.to_string(),
-        interface,
-    };
-    // A holder whose reservation moves frees its old address first, so two
-    // interfaces of one VM may swap addresses.
-    for r in requests.iter().filter(|r| r.wanted.is_some()) {
-        if next.get(&holder(r.interface)) != r.wanted {
-            next.release(&holder(r.interface));
+/// The leases of one network given what is stored and what every interface
+/// on it asks for (`None`: any address). Stored leases of holders no longer
+/// asking are released; then reservations are placed, in the order given,
+/// before any dynamic address, so a dynamic address never takes one that
+/// is reserved; then the dynamic ones. An interface that cannot be placed
+/// is a problem and gets nothing; the others are unaffected. Callers list
+/// the holders whose claim is older first, so a clash is blamed on the
+/// newer one.
+pub fn plan(
+    subnet: Ipv4Cidr,
+    stored: impl IntoIterator<Item = (Holder, Ipv4Addr)>,
+    wants: &[(Holder, Option<Ipv4Addr>)],
+) -> Plan {
+    let asking: HashMap<&Holder, Option<Ipv4Addr>> = wants.iter().map(|(h, w)| (h, *w)).collect();
+    // A stored address the holder no longer reserves (it now asks for
+    // another one) is released first, so two interfaces may swap.
+    let kept = stored.into_iter().filter(|(h, ip)| match asking.get(h) {
+        None => false,
+        Some(None) => true,
+        Some(Some(wanted)) => wanted == ip,
+    });
+    let (mut leases, _) = Leases::from_stored(subnet, kept);
+    let mut problems = Vec::new();
+    for (holder, wanted) in wants.iter().filter(|(_, w)| w.is_some()) {
+        if let Err(e) = leases.allocate(holder, *wanted) {
+            problems.push((holder.clone(), e));
         }
     }
-    let mut out = Vec::new();
-    for r in requests
-        .iter()
-        .filter(|r| r.wanted.is_some())
-        .chain(requests.iter().filter(|r| r.wanted.is_none()))
-    {
-        let ip = next
-            .allocate(&holder(r.interface), r.wanted)
-            .map_err(|e| (r.interface, e))?;
-        out.push((r.interface, ip));
+    for (holder, _) in wants.iter().filter(|(_, w)| w.is_none()) {
+        if let Err(e) = leases.allocate(holder, None) {
+            problems.push((holder.clone(), e));
+        }
     }
-    out.sort();
-    *leases = next;
-    Ok(out)
+    Plan { leases, problems }
 }
 
 #[cfg(test)]
@@ -352,41 +342,70 @@ mod tests {
     }
 
     #[test]
-    fn assign_vm_releases_removed_interfaces_and_is_all_or_nothing() {
-        let mut l = Leases::new(cidr("10.77.0.0/24"));
-        let req = |interface, wanted: Option<&str>| Request {
-            interface,
-            wanted: wanted.map(ip),
-        };
-        let got = assign_vm(&mut l, "web", &[req(0, None), req(1, Some("10.77.0.10"))]).unwrap();
-        // The reservation is placed first: the dynamic one skips .10.
-        assert_eq!(got, vec![(0, ip("10.77.0.11")), (1, ip("10.77.0.10"))]);
-        // Interface 1 leaves the spec: its address is released.
-        assert_eq!(
-            assign_vm(&mut l, "web", &[req(0, None)]).unwrap(),
-            vec![(0, ip("10.77.0.11"))]
+    fn plan_releases_removed_interfaces_and_places_reservations_first() {
+        let s = cidr("10.77.0.0/24");
+        let want = |vm: &str, i, w: Option<&str>| (h(vm, i), w.map(ip));
+        // "a" comes first but asks for any address; "b" reserves .10, so
+        // "a" gets .11 rather than taking .10 from it.
+        let p = plan(
+            s,
+            vec![],
+            &[want("a", 0, None), want("b", 0, Some("10.77.0.10"))],
         );
-        assert_eq!(l.holder_of(ip("10.77.0.10")), None);
-        // Another VM asks for web's address: refused, and nothing changes.
-        let before = l.clone();
-        let e = assign_vm(&mut l, "db", &[req(0, None), req(1, Some("10.77.0.11"))]).unwrap_err();
-        assert_eq!(e.0, 1);
-        assert!(matches!(e.1, IpamError::Taken { ref holder, .. } if holder.vm == "web"));
-        assert_eq!(l, before);
-        // Two interfaces of one VM may swap their reservations.
-        assign_vm(
-            &mut l,
-            "db",
-            &[req(0, Some("10.77.0.20")), req(1, Some("10.77.0.21"))],
-        )
-        .unwrap();
-        let swapped = assign_vm(
-            &mut l,
-            "db",
-            &[req(0, Some("10.77.0.21")), req(1, Some("10.77.0.20"))],
-        )
-        .unwrap();
-        assert_eq!(swapped, vec![(0, ip("10.77.0.21")), (1, ip("10.77.0.20"))]);
+        assert!(p.problems.is_empty(), "{:?}", p.problems);
+        assert_eq!(p.leases.get(&h("a", 0)), Some(ip("10.77.0.11")));
+        assert_eq!(p.leases.get(&h("b", 0)), Some(ip("10.77.0.10")));
+        let stored: Vec<(Holder, Ipv4Addr)> =
+            p.leases.iter().map(|(ip, h)| (h.clone(), ip)).collect();
+
+        // Same wants again: the same addresses (stable).
+        let again = plan(
+            s,
+            stored.clone(),
+            &[want("a", 0, None), want("b", 0, Some("10.77.0.10"))],
+        );
+        assert_eq!(again.leases, p.leases);
+        // "b" leaves the network: its address is released.
+        let gone = plan(s, stored.clone(), &[want("a", 0, None)]);
+        assert_eq!(gone.leases.holder_of(ip("10.77.0.10")), None);
+        assert_eq!(gone.leases.get(&h("a", 0)), Some(ip("10.77.0.11")));
+        // "c" reserves a's address: c is the problem, a keeps it, b is fine.
+        let clash = plan(
+            s,
+            stored,
+            &[
+                want("a", 0, None),
+                want("b", 0, Some("10.77.0.10")),
+                want("c", 0, Some("10.77.0.11")),
+            ],
+        );
+        assert_eq!(clash.problems.len(), 1);
+        assert_eq!(clash.problems[0].0, h("c", 0));
+        assert!(
+            matches!(&clash.problems[0].1, IpamError::Taken { holder, .. } if holder.vm == "a")
+        );
+        assert_eq!(clash.leases.get(&h("a", 0)), Some(ip("10.77.0.11")));
+        assert_eq!(clash.leases.get(&h("c", 0)), None);
+    }
+
+    #[test]
+    fn plan_lets_two_interfaces_swap_their_reservations() {
+        let s = cidr("10.77.0.0/24");
+        let stored = vec![
+            (h("db", 0), ip("10.77.0.20")),
+            (h("db", 1), ip("10.77.0.21")),
+        ];
+        let p = plan(
+            s,
+            stored,
+            &[
+                (h("db", 0), Some(ip("10.77.0.21"))),
+                (h("db", 1), Some(ip("10.77.0.20"))),
+            ],
+        );
+        assert!(p.problems.is_empty(), "{:?}", p.problems);
+        assert_eq!(p.leases.get(&h("db", 0)), Some(ip("10.77.0.21")));
+        assert_eq!(p.leases.get(&h("db", 1)), Some(ip("10.77.0.20")));
     }
 
     #[derive(Clone, Debug)]

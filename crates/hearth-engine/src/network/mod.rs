@@ -12,9 +12,10 @@ pub mod subnets;
 
 use std::sync::Arc;
 
-use hearth_api::{EventType, Kind, NetworkPhase, Object, VirtualNetworkStatus};
+use hearth_api::{EventType, Kind, NetworkPhase, Object, VirtualMachine, VirtualNetworkStatus};
 
 use crate::context::{Context, ReconcileError};
+use crate::store::{Store, StoredLease};
 
 /// What the network reconcile says until the host side is built: the object
 /// is accepted and its addresses are managed, but nothing exists on the
@@ -48,22 +49,94 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
         );
         return Ok(());
     }
-    let leases = ctx.store.leases_of_network(name)?.len();
     let generation = net.metadata.generation;
-    let subnet = net.spec.subnet.clone();
-    let update =
-        ctx.store
-            .update_status::<VirtualNetworkStatus, _>(Kind::VirtualNetwork, name, |s| {
-                s.phase = NetworkPhase::Pending;
-                s.message = Some(NOT_WIRED.to_string());
-                s.leases = u32::try_from(leases).unwrap_or(u32::MAX);
-                if s.subnet.is_none() {
-                    s.subnet = subnet;
-                }
-                s.observed_generation = generation;
+    let spec_subnet = net.spec.subnet.clone();
+    let problems = ctx.store.with_tx(|tx| {
+        let status: VirtualNetworkStatus = Store::get_tx(tx, Kind::VirtualNetwork, name)?
+            .and_then(|s| serde_json::from_value(s.status).ok())
+            .unwrap_or_default();
+        let subnet = spec_subnet.clone().or(status.subnet.clone());
+        let mut problems = Vec::new();
+        let mut count = 0;
+        if let Some(subnet) = subnet.as_deref().and_then(|s| s.parse().ok()) {
+            let vms: Vec<VirtualMachine> = Store::list_tx(tx, Kind::VirtualMachine)?
+                .into_iter()
+                .filter_map(|s| match s.object {
+                    Object::VirtualMachine(vm) => Some(vm),
+                    _ => None,
+                })
+                .collect();
+            let stored = Store::leases_tx(tx, Some(name))?;
+            let (leases, p) = plan_leases(name, subnet, &vms, &stored);
+            if leases != stored {
+                Store::set_network_leases_tx(tx, name, &leases)?;
+            }
+            count = leases.len();
+            problems = p;
+        }
+        Store::update_status_tx::<VirtualNetworkStatus, _>(tx, Kind::VirtualNetwork, name, |s| {
+            s.phase = NetworkPhase::Pending;
+            s.message = Some(if problems.is_empty() {
+                NOT_WIRED.to_string()
+            } else {
+                format!("{NOT_WIRED}; {}", problems.join("; "))
             });
-    if let Err(e) = update {
-        tracing::warn!(network = name, error = %e, "cannot write status");
+            s.leases = u32::try_from(count).unwrap_or(u32::MAX);
+            if s.subnet.is_none() {
+                s.subnet = spec_subnet.clone();
+            }
+            s.observed_generation = generation;
+        })?;
+        Ok(problems)
+    })?;
+    if !problems.is_empty() {
+        tracing::warn!(network = name, ?problems, "interfaces without an address");
     }
     Ok(())
+}
+
+/// The leases of network `name` for `vms` (all of them; those without an
+/// interface on it hold nothing), given what is stored: the stored leases of
+/// interfaces still asking are kept, the others released, new interfaces
+/// placed. VMs are taken by name, so the result depends on the state only.
+/// Also the interfaces that got nothing, as messages.
+pub fn plan_leases(
+    name: &str,
+    subnet: hearth_api::net::Ipv4Cidr,
+    vms: &[VirtualMachine],
+    stored: &[StoredLease],
+) -> (Vec<StoredLease>, Vec<String>) {
+    let mut vms: Vec<&VirtualMachine> = vms.iter().collect();
+    vms.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    let wants: Vec<_> = vms
+        .iter()
+        .flat_map(|vm| admission::wants_on(name, vm))
+        .collect();
+    let plan = ipam::plan(subnet, admission::stored_on(name, stored), &wants);
+    let by_name: std::collections::HashMap<&str, &VirtualMachine> = vms
+        .iter()
+        .map(|vm| (vm.metadata.name.as_str(), *vm))
+        .collect();
+    let mut leases: Vec<StoredLease> = plan
+        .leases
+        .iter()
+        .filter_map(|(ip, holder)| {
+            let vm = by_name.get(holder.vm.as_str())?;
+            let mac = admission::mac_of(vm, holder.interface as usize)?;
+            Some(StoredLease {
+                network: name.to_string(),
+                vm: holder.vm.clone(),
+                interface: holder.interface,
+                ip,
+                mac: mac.to_string(),
+            })
+        })
+        .collect();
+    leases.sort();
+    let problems = plan
+        .problems
+        .iter()
+        .map(|(h, e)| format!("{h}: {e}"))
+        .collect();
+    (leases, problems)
 }
