@@ -364,13 +364,15 @@ const IMAGE_FIELD_ORDER: &[&str] = &[
 ];
 
 /// A VirtualNetwork: what was asked, then what the host has, then why.
+/// One list for both: the spec shows mode, subnet, bridge, dhcp; the status
+/// phase, subnet, bridge, gateway, leases.
 const NETWORK_FIELD_ORDER: &[&str] = &[
     "mode",
+    "phase",
     "subnet",
     "bridge",
-    "dhcp",
-    "phase",
     "gateway",
+    "dhcp",
     "leases",
     "message",
     "observedGeneration",
@@ -801,6 +803,36 @@ Events:
 "
         );
         assert_eq!(text, expected);
+    }
+
+    #[test]
+    fn describe_network_shows_the_spec_then_what_the_host_has_in_order() {
+        // JSON maps iterate by key; the order below is the field order.
+        let net = json!({
+            "metadata": {"name": "lan", "managedBy": "api", "generation": 1},
+            "spec": {"subnet": "10.77.0.0/24", "mode": "NAT", "dhcp": true},
+            "status": {"message": "host networking is not wired yet", "leases": 2,
+                       "subnet": "10.77.0.0/24", "phase": "Pending", "observedGeneration": 1}
+        });
+        let text = render(Kind::VirtualNetwork, &net, Ok(&[]), now());
+        let order = [
+            "mode:",
+            "subnet:",
+            "dhcp:",
+            "phase:",
+            "subnet:",
+            "leases:",
+            "message:",
+            "observedGeneration:",
+        ];
+        let mut at = 0;
+        for key in order {
+            let found = text[at..]
+                .find(key)
+                .unwrap_or_else(|| panic!("{key} after byte {at}:\n{text}"));
+            at += found + key.len();
+        }
+        assert!(text.contains("Kind:       VirtualNetwork"), "{text}");
     }
 
     #[test]
