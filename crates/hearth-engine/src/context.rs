@@ -43,6 +43,10 @@ pub struct Context {
     pub imports: crate::image::Imports,
     /// Where wakes go: the engine's work queue.
     wakes: UnboundedSender<Key>,
+    /// Held by an apply from its network checks until its objects are
+    /// written, and by a network reconcile while it plans and writes leases:
+    /// a lease never lands between an apply's check and its write.
+    pub addresses: Mutex<()>,
 }
 
 impl Context {
@@ -55,6 +59,7 @@ impl Context {
             snapshots: crate::snapshot::Actors::default(),
             imports: crate::image::Imports::default(),
             wakes,
+            addresses: Mutex::new(()),
         }
     }
 

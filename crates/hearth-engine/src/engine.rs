@@ -318,6 +318,7 @@ impl Engine {
             prepared.push((obj, action, old_owner));
         }
         self.check_disk_exclusivity(prepared.iter().map(|(o, _, _)| o))?;
+        let addresses = self.addresses.lock().unwrap_or_else(|p| p.into_inner());
         self.check_networks(prepared.iter().map(|(o, _, _)| o))?;
 
         let to_write: Vec<Object> = prepared
@@ -326,6 +327,7 @@ impl Engine {
             .map(|(o, _, _)| o.clone())
             .collect();
         self.store.put_objects(&to_write)?;
+        drop(addresses);
 
         let mut outcomes = Vec::new();
         for (obj, action, old_owner) in prepared {

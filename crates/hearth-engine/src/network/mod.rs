@@ -51,6 +51,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
     }
     let generation = net.metadata.generation;
     let spec_subnet = net.spec.subnet.clone();
+    let addresses = ctx.addresses.lock().unwrap_or_else(|p| p.into_inner());
     let problems = ctx.store.with_tx(|tx| {
         let status: VirtualNetworkStatus = Store::get_tx(tx, Kind::VirtualNetwork, name)?
             .and_then(|s| serde_json::from_value(s.status).ok())
@@ -89,6 +90,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
         })?;
         Ok(problems)
     })?;
+    drop(addresses);
     if !problems.is_empty() {
         tracing::warn!(network = name, ?problems, "interfaces without an address");
     }
