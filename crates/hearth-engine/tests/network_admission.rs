@@ -361,6 +361,7 @@ async fn the_network_stores_stable_leases_and_releases_them_with_the_interface()
     let (again, problems) = hearth_engine::network::plan_leases(
         "lan",
         "10.77.0.0/24".parse().expect("subnet"),
+        false,
         &vms,
         &stored,
     );
@@ -385,6 +386,21 @@ async fn the_network_stores_stable_leases_and_releases_them_with_the_interface()
         "{:?}",
         leases(&s)
     );
+}
+
+#[tokio::test]
+async fn a_bridge_network_records_reservations_only() {
+    let s = setup().await;
+    s.apply(
+        &("---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: lab}\nspec: {mode: Bridge, bridge: br0, subnet: 192.168.50.0/24}\n".to_string()
+            + &vm("web", "[{virtualNetworkName: lab}]")
+            + &vm("db", "[{virtualNetworkName: lab, ipAddress: 192.168.50.7}]")),
+    )
+    .expect("apply");
+    wait_until(|| lease_count(&s, "lab") == Some(1)).await;
+    let l = leases(&s);
+    assert_eq!(l.len(), 1, "{l:?}");
+    assert_eq!((l[0].0.as_str(), l[0].2.as_str()), ("db", "192.168.50.7"));
 }
 
 /// Bounded: the engine's reconciles run on this runtime.

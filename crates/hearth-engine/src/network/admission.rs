@@ -213,6 +213,8 @@ fn check_addresses(
             .filter(|v| !v.in_batch)
             .chain(vms.values().filter(|v| v.in_batch))
             .flat_map(|v| wants_on(net_name, &v.vm))
+            // hearth hands out no addresses on a Bridge network.
+            .filter(|(_, wanted)| n.network.spec.mode != NetworkMode::Bridge || wanted.is_some())
             .collect();
         let plan = ipam::plan(subnet, stored_on(net_name, leases), &wants);
         let batch_problem = plan

@@ -68,7 +68,8 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                 })
                 .collect();
             let stored = Store::leases_tx(tx, Some(name))?;
-            let (leases, p) = plan_leases(name, subnet, &vms, &stored);
+            let reservations_only = net.spec.mode == hearth_api::NetworkMode::Bridge;
+            let (leases, p) = plan_leases(name, subnet, reservations_only, &vms, &stored);
             if leases != stored {
                 Store::set_network_leases_tx(tx, name, &leases)?;
             }
@@ -101,10 +102,13 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
 /// interface on it hold nothing), given what is stored: the stored leases of
 /// interfaces still asking are kept, the others released, new interfaces
 /// placed. VMs are taken by name, so the result depends on the state only.
-/// Also the interfaces that got nothing, as messages.
+/// Also the interfaces that got nothing, as messages. With
+/// `reservations_only` (a Bridge network: its addresses are handed out by
+/// whoever runs that network) only given `ipAddress`es are recorded.
 pub fn plan_leases(
     name: &str,
     subnet: hearth_api::net::Ipv4Cidr,
+    reservations_only: bool,
     vms: &[VirtualMachine],
     stored: &[StoredLease],
 ) -> (Vec<StoredLease>, Vec<String>) {
@@ -113,6 +117,7 @@ pub fn plan_leases(
     let wants: Vec<_> = vms
         .iter()
         .flat_map(|vm| admission::wants_on(name, vm))
+        .filter(|(_, wanted)| !reservations_only || wanted.is_some())
         .collect();
     let plan = ipam::plan(subnet, admission::stored_on(name, stored), &wants);
     let by_name: std::collections::HashMap<&str, &VirtualMachine> = vms
