@@ -1,5 +1,5 @@
-//! The object kinds: VirtualMachine, VirtualDisk, VirtualImage and the two
-//! snapshot kinds.
+//! The object kinds: VirtualMachine, VirtualDisk, VirtualImage,
+//! VirtualNetwork and the two snapshot kinds.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -17,12 +17,15 @@ pub enum Kind {
     VirtualDiskSnapshot,
     VirtualMachineSnapshot,
     VirtualImage,
+    VirtualNetwork,
 }
 
 impl Kind {
-    /// In reconcile order at start-up: images before the disks made from them.
-    pub const ALL: [Kind; 5] = [
+    /// In reconcile order at start-up: images before the disks made from
+    /// them, networks before the VMs attached to them.
+    pub const ALL: [Kind; 6] = [
         Kind::VirtualImage,
+        Kind::VirtualNetwork,
         Kind::VirtualMachine,
         Kind::VirtualDisk,
         Kind::VirtualDiskSnapshot,
@@ -36,6 +39,7 @@ impl Kind {
             Kind::VirtualDiskSnapshot => "VirtualDiskSnapshot",
             Kind::VirtualMachineSnapshot => "VirtualMachineSnapshot",
             Kind::VirtualImage => "VirtualImage",
+            Kind::VirtualNetwork => "VirtualNetwork",
         }
     }
 
@@ -47,13 +51,16 @@ impl Kind {
             Kind::VirtualDiskSnapshot => "virtualdisksnapshots",
             Kind::VirtualMachineSnapshot => "virtualmachinesnapshots",
             Kind::VirtualImage => "virtualimages",
+            Kind::VirtualNetwork => "virtualnetworks",
         }
     }
 
     /// For kinds whose spec cannot change once created: what to do instead.
     pub fn immutable_spec(self) -> Option<&'static str> {
         match self {
-            Kind::VirtualMachine => None,
+            // A network's mode, subnet and bridge are checked one by one
+            // on update (a network with leases cannot move); dhcp can change.
+            Kind::VirtualMachine | Kind::VirtualNetwork => None,
             Kind::VirtualDisk => Some(
                 "a disk's size and source cannot change after it is created; delete it and create it again",
             ),
@@ -87,6 +94,9 @@ impl Kind {
             | "virtualmachinesnapshots" => Some(Kind::VirtualMachineSnapshot),
             "image" | "images" | "vi" | "virtualimage" | "virtualimages" => {
                 Some(Kind::VirtualImage)
+            }
+            "network" | "networks" | "net" | "vnet" | "virtualnetwork" | "virtualnetworks" => {
+                Some(Kind::VirtualNetwork)
             }
             _ => None,
         }
@@ -142,6 +152,9 @@ pub struct VirtualMachineSpec {
     pub firmware: Firmware,
     #[serde(default)]
     pub disks: Vec<DiskRef>,
+    /// Network interfaces, in guest order (at most [`MAX_INTERFACES`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub networks: Vec<NetworkInterface>,
     /// A NoCloud seed for cloud-init, attached read-only.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cloud_init: Option<CloudInit>,
@@ -242,6 +255,58 @@ pub struct DiskRef {
     pub virtual_disk_name: String,
 }
 
+/// The most interfaces one VM may have.
+pub const MAX_INTERFACES: usize = 8;
+
+/// One VM interface on a VirtualNetwork.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NetworkInterface {
+    pub virtual_network_name: String,
+    /// Derived from the VM's name and the interface's index when left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac_address: Option<String>,
+    /// Reserved for this interface; hearth's IPAM picks one when left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip_address: Option<String>,
+    /// Forwards from the host to this interface's address.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ports: Vec<PortForward>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct PortForward {
+    /// 1..65535 (a wider type so that a bad value gets a clear message).
+    pub host_port: u32,
+    pub guest_port: u32,
+    #[serde(default)]
+    pub protocol: Protocol,
+    /// The host address to listen on; every host address when left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_address: Option<String>,
+}
+
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
+)]
+pub enum Protocol {
+    #[default]
+    #[serde(rename = "TCP")]
+    Tcp,
+    #[serde(rename = "UDP")]
+    Udp,
+}
+
+impl fmt::Display for Protocol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Protocol::Tcp => "TCP",
+            Protocol::Udp => "UDP",
+        })
+    }
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum VmPhase {
     #[default]
@@ -283,6 +348,123 @@ pub struct VirtualMachineStatus {
     /// in the guest runs its first-boot steps again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cloud_init_instance_id: Option<String>,
+    /// The interfaces the running QEMU has, as the host attached them;
+    /// empty until then.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub interfaces: Vec<InterfaceStatus>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct InterfaceStatus {
+    /// The VirtualNetwork.
+    pub network: String,
+    pub mac: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ip_address: Option<String>,
+    /// The host side of the interface (the tap).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_interface: Option<String>,
+}
+
+// ---------------------------------------------------------------- VirtualNetwork
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualNetwork {
+    pub api_version: String,
+    pub kind: String,
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub spec: VirtualNetworkSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<VirtualNetworkStatus>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualNetworkSpec {
+    #[serde(default)]
+    pub mode: NetworkMode,
+    /// IPv4 CIDR, /8../30. When left out hearth picks a free /24 and keeps
+    /// it (status.subnet). For `Bridge` it only names the addresses the
+    /// VMs' `ipAddress` must lie in, when given.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subnet: Option<String>,
+    /// `Bridge` mode only: the existing host bridge to attach to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bridge: Option<String>,
+    /// Serve DHCP (and DNS) on the network. Defaults to true for NAT and
+    /// Isolated; `Bridge` networks belong to someone else, so hearth never
+    /// serves DHCP there and `dhcp: true` is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dhcp: Option<bool>,
+}
+
+impl VirtualNetworkSpec {
+    /// Whether hearth serves DHCP on this network.
+    pub fn dhcp_enabled(&self) -> bool {
+        self.mode != NetworkMode::Bridge && self.dhcp.unwrap_or(true)
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum NetworkMode {
+    /// A hearth bridge, masqueraded out of the host's default route.
+    #[default]
+    #[serde(rename = "NAT")]
+    Nat,
+    /// A hearth bridge that reaches only the host and its own VMs.
+    Isolated,
+    /// Taps on an existing host bridge; hearth runs no DHCP or NAT there.
+    Bridge,
+}
+
+impl fmt::Display for NetworkMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            NetworkMode::Nat => "NAT",
+            NetworkMode::Isolated => "Isolated",
+            NetworkMode::Bridge => "Bridge",
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NetworkPhase {
+    #[default]
+    Pending,
+    Ready,
+    Failed,
+}
+
+impl fmt::Display for NetworkPhase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualNetworkStatus {
+    pub phase: NetworkPhase,
+    /// The host interface the VMs' taps are attached to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bridge: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<String>,
+    /// spec.subnet, or the one hearth picked (and keeps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subnet: Option<String>,
+    /// Addresses leased to VM interfaces.
+    #[serde(default)]
+    pub leases: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    #[serde(default)]
+    pub observed_generation: u64,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
 }

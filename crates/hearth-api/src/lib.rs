@@ -5,6 +5,7 @@
 
 mod kinds;
 mod meta;
+pub mod net;
 mod object;
 mod quantity;
 

@@ -9,10 +9,12 @@ use serde_json::Value;
 
 use crate::kinds::{
     CloudInit, DiskSource, ImageSource, Kind, MAX_CLOUD_INIT_TEXT, MAX_FREEZE_DEADLINE_SECONDS,
-    MIN_FREEZE_DEADLINE_SECONDS, VirtualDisk, VirtualDiskSnapshot, VirtualImage, VirtualMachine,
-    VirtualMachineSnapshot,
+    MAX_INTERFACES, MIN_FREEZE_DEADLINE_SECONDS, NetworkInterface, NetworkMode, VirtualDisk,
+    VirtualDiskSnapshot, VirtualImage, VirtualMachine, VirtualMachineSnapshot, VirtualNetwork,
+    VirtualNetworkSpec,
 };
 use crate::meta::API_VERSION;
+use crate::net;
 
 /// Every kind hearth knows, as one value. Read back by its `kind` field
 /// (never by trying each kind in turn, which could take one for another).
@@ -24,6 +26,7 @@ pub enum Object {
     VirtualDiskSnapshot(VirtualDiskSnapshot),
     VirtualMachineSnapshot(VirtualMachineSnapshot),
     VirtualImage(VirtualImage),
+    VirtualNetwork(VirtualNetwork),
 }
 
 impl<'de> Deserialize<'de> for Object {
@@ -45,6 +48,7 @@ impl<'de> Deserialize<'de> for Object {
                 serde_json::from_value(value).map(Object::VirtualMachineSnapshot)
             }
             Kind::VirtualImage => serde_json::from_value(value).map(Object::VirtualImage),
+            Kind::VirtualNetwork => serde_json::from_value(value).map(Object::VirtualNetwork),
         };
         r.map_err(D::Error::custom)
     }
@@ -90,6 +94,7 @@ impl Object {
             Object::VirtualDiskSnapshot(_) => Kind::VirtualDiskSnapshot,
             Object::VirtualMachineSnapshot(_) => Kind::VirtualMachineSnapshot,
             Object::VirtualImage(_) => Kind::VirtualImage,
+            Object::VirtualNetwork(_) => Kind::VirtualNetwork,
         }
     }
 
@@ -104,6 +109,7 @@ impl Object {
             Object::VirtualDiskSnapshot(o) => &o.metadata,
             Object::VirtualMachineSnapshot(o) => &o.metadata,
             Object::VirtualImage(o) => &o.metadata,
+            Object::VirtualNetwork(o) => &o.metadata,
         }
     }
 
@@ -114,6 +120,7 @@ impl Object {
             Object::VirtualDiskSnapshot(o) => &mut o.metadata,
             Object::VirtualMachineSnapshot(o) => &mut o.metadata,
             Object::VirtualImage(o) => &mut o.metadata,
+            Object::VirtualNetwork(o) => &mut o.metadata,
         }
     }
 
@@ -130,6 +137,7 @@ impl Object {
             Object::VirtualDiskSnapshot(o) => serde_json::to_value(&o.spec),
             Object::VirtualMachineSnapshot(o) => serde_json::to_value(&o.spec),
             Object::VirtualImage(o) => serde_json::to_value(&o.spec),
+            Object::VirtualNetwork(o) => serde_json::to_value(&o.spec),
         }
         .unwrap_or(Value::Null)
     }
@@ -142,6 +150,7 @@ impl Object {
             Object::VirtualDiskSnapshot(o) => o.status = None,
             Object::VirtualMachineSnapshot(o) => o.status = None,
             Object::VirtualImage(o) => o.status = None,
+            Object::VirtualNetwork(o) => o.status = None,
         }
         let m = self.metadata_mut();
         m.creation_timestamp = None;
@@ -208,6 +217,7 @@ impl Object {
                 if let Some(ci) = &s.cloud_init {
                     check_cloud_init(ci).map_err(|(f, m)| err(&f, m))?;
                 }
+                check_interfaces(&s.networks).map_err(|(f, m)| err(&f, m))?;
                 if s.disks.len() > 16 {
                     return Err(err("spec.disks", "more than 16 disks".into()));
                 }
@@ -309,9 +319,112 @@ impl Object {
                     }
                 }
             }
+            Object::VirtualNetwork(n) => {
+                check_header(&n.api_version, &n.kind, Kind::VirtualNetwork)
+                    .map_err(|(f, m)| err(f, m))?;
+                check_network_spec(&n.spec).map_err(|(f, m)| err(f, m))?;
+            }
         }
         Ok(())
     }
+}
+
+fn check_network_spec(spec: &VirtualNetworkSpec) -> Result<(), (&'static str, String)> {
+    if let Some(subnet) = &spec.subnet {
+        net::check_subnet(subnet).map_err(|m| ("spec.subnet", m))?;
+    }
+    match (spec.mode, &spec.bridge) {
+        (NetworkMode::Bridge, None) => {
+            return Err((
+                "spec.bridge",
+                "a Bridge network names the existing host bridge to attach to, for example `bridge: br0`".into(),
+            ));
+        }
+        (NetworkMode::Bridge, Some(b)) => {
+            net::check_interface_name(b).map_err(|m| ("spec.bridge", m))?;
+            if b.starts_with("hth-") || b.starts_with("htt-") {
+                return Err((
+                    "spec.bridge",
+                    format!(
+                        "{b:?}: names starting with hth- and htt- are hearth's own bridges and taps (removed at start-up when no network has them); attach to a bridge of the host's"
+                    ),
+                ));
+            }
+        }
+        (mode, Some(_)) => {
+            return Err((
+                "spec.bridge",
+                format!(
+                    "only for mode Bridge; a {mode} network gets a bridge of its own (status.bridge)"
+                ),
+            ));
+        }
+        (_, None) => {}
+    }
+    if spec.mode == NetworkMode::Bridge && spec.dhcp == Some(true) {
+        return Err((
+            "spec.dhcp",
+            "hearth serves no DHCP on a host bridge it does not own (the bridge's network has its own); leave dhcp out or set it to false".into(),
+        ));
+    }
+    Ok(())
+}
+
+fn check_interfaces(list: &[NetworkInterface]) -> Result<(), (String, String)> {
+    if list.len() > MAX_INTERFACES {
+        return Err((
+            "spec.networks".into(),
+            format!(
+                "{} interfaces is more than the {MAX_INTERFACES} allowed",
+                list.len()
+            ),
+        ));
+    }
+    let mut forwards = std::collections::HashMap::new();
+    let mut macs = std::collections::HashMap::new();
+    for (i, nic) in list.iter().enumerate() {
+        let f = |field: &str| format!("spec.networks[{i}].{field}");
+        check_dns_label(&nic.virtual_network_name).map_err(|m| (f("virtualNetworkName"), m))?;
+        if let Some(mac) = &nic.mac_address {
+            let parsed = net::check_mac(mac).map_err(|m| (f("macAddress"), m))?;
+            if let Some(j) = macs.insert(parsed, i) {
+                return Err((
+                    f("macAddress"),
+                    format!("{mac:?} is also the MAC of spec.networks[{j}]"),
+                ));
+            }
+        }
+        if let Some(ip) = &nic.ip_address {
+            net::parse_ipv4(ip).map_err(|m| (f("ipAddress"), m))?;
+        }
+        if nic.ports.len() > 64 {
+            return Err((f("ports"), "more than 64 port forwards".into()));
+        }
+        for (k, p) in nic.ports.iter().enumerate() {
+            let pf = |field: &str| f(&format!("ports[{k}].{field}"));
+            for (field, port) in [("hostPort", p.host_port), ("guestPort", p.guest_port)] {
+                if !(1..=65535).contains(&port) {
+                    return Err((pf(field), format!("{port} is out of range 1..65535")));
+                }
+            }
+            if let Some(addr) = &p.host_address {
+                net::parse_ipv4(addr).map_err(|m| (pf("hostAddress"), m))?;
+            }
+            // One host port and protocol is one forward, whichever host
+            // address it listens on: a wildcard and a specific address
+            // would both take the same packets.
+            if let Some((j, l)) = forwards.insert((p.host_port, p.protocol), (i, k)) {
+                return Err((
+                    pf("hostPort"),
+                    format!(
+                        "{} {} is already forwarded by spec.networks[{j}].ports[{l}]",
+                        p.protocol, p.host_port
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn check_cloud_init(ci: &CloudInit) -> Result<(), (String, String)> {
@@ -616,7 +729,7 @@ pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError
             return Err(fe(
                 label.into(),
                 "kind",
-                "is missing (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualDiskSnapshot, VirtualMachineSnapshot)".into(),
+                "is missing (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot)".into(),
             ));
         }
     };
@@ -628,7 +741,7 @@ pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError
                 label.into(),
                 "kind",
                 format!(
-                    "unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualDiskSnapshot, VirtualMachineSnapshot)"
+                    "unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot)"
                 ),
             )
         })?;
@@ -669,6 +782,10 @@ pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError
         )?,
         Kind::VirtualImage => typed(
             serde_path_to_error::deserialize::<_, VirtualImage>(value).map(Object::VirtualImage),
+        )?,
+        Kind::VirtualNetwork => typed(
+            serde_path_to_error::deserialize::<_, VirtualNetwork>(value)
+                .map(Object::VirtualNetwork),
         )?,
     };
     obj.validate()?;

@@ -541,3 +541,157 @@ fn stored_objects_are_read_back_as_their_own_kind() {
     let e = serde_json::from_str::<Object>(r#"{"kind": "Nope"}"#).unwrap_err();
     assert!(e.to_string().contains("kind"), "{e}");
 }
+
+fn network_yaml(spec: &str) -> String {
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {{name: lan}}\nspec: {spec}\n"
+    )
+}
+
+fn vm_with_networks(networks: &str) -> String {
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: web}}\nspec:\n  boot: {{kernel: /k}}\n  networks: {networks}\n"
+    )
+}
+
+#[test]
+fn a_network_defaults_to_nat_with_dhcp_and_no_subnet() {
+    let text = "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: lan}\n";
+    let objs = parse_documents(text, "t").unwrap();
+    let Object::VirtualNetwork(n) = &objs[0] else {
+        panic!("not a network: {objs:?}")
+    };
+    assert_eq!(n.spec.mode, NetworkMode::Nat);
+    assert_eq!(n.spec.subnet, None);
+    assert!(n.spec.dhcp_enabled());
+    for short in ["network", "networks", "net", "vnet", "VirtualNetwork"] {
+        assert_eq!(
+            Kind::from_user(short),
+            Some(Kind::VirtualNetwork),
+            "{short}"
+        );
+    }
+    assert_eq!(Kind::VirtualNetwork.plural(), "virtualnetworks");
+    assert!(Kind::ALL.contains(&Kind::VirtualNetwork));
+}
+
+#[test]
+fn network_specs_are_checked_field_by_field() {
+    let ok = parse_documents(
+        &network_yaml("{mode: Isolated, subnet: 10.77.4.0/24, dhcp: false}"),
+        "t",
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+    let bridged = parse_documents(&network_yaml("{mode: Bridge, bridge: br0}"), "t").unwrap();
+    let Object::VirtualNetwork(n) = &bridged[0] else {
+        panic!()
+    };
+    assert!(
+        !n.spec.dhcp_enabled(),
+        "no DHCP on a bridge hearth does not own"
+    );
+
+    let cases = [
+        ("{subnet: 10.77.4.1/24}", "spec.subnet", "host bits"),
+        ("{subnet: 10.77.4.0/31}", "spec.subnet", "/8../30"),
+        ("{subnet: 10.77.4.0}", "spec.subnet", "CIDR"),
+        (
+            "{subnet: 300.1.1.0/24}",
+            "spec.subnet",
+            "not an IPv4 address",
+        ),
+        ("{mode: Bridge}", "spec.bridge", "existing host bridge"),
+        (
+            "{mode: Bridge, bridge: a-name-too-long0}",
+            "spec.bridge",
+            "15 bytes",
+        ),
+        (
+            "{mode: Bridge, bridge: \"br 0\"}",
+            "spec.bridge",
+            "not an interface name",
+        ),
+        (
+            "{mode: Bridge, bridge: \"a/b\"}",
+            "spec.bridge",
+            "not an interface name",
+        ),
+        (
+            "{mode: NAT, bridge: br0}",
+            "spec.bridge",
+            "only for mode Bridge",
+        ),
+        (
+            "{mode: Bridge, bridge: hth-lan}",
+            "spec.bridge",
+            "hearth's own",
+        ),
+        (
+            "{mode: Bridge, bridge: br0, dhcp: true}",
+            "spec.dhcp",
+            "no DHCP",
+        ),
+        ("{mode: Routed}", "spec.mode", "unknown variant"),
+    ];
+    for (spec, field, words) in cases {
+        let e = parse_err(&network_yaml(spec));
+        assert!(
+            e.contains(&format!("VirtualNetwork \"lan\": {field}")) && e.contains(words),
+            "{spec}: {e}"
+        );
+    }
+}
+
+#[test]
+fn vm_interfaces_parse_with_defaults() {
+    let objs = parse_documents(
+        &vm_with_networks(
+            "[{virtualNetworkName: lan, macAddress: \"52:54:00:00:00:01\", ipAddress: 10.77.0.20, ports: [{hostPort: 2222, guestPort: 22}]}, {virtualNetworkName: lab}]",
+        ),
+        "t",
+    )
+    .unwrap();
+    let Object::VirtualMachine(vm) = &objs[0] else {
+        panic!()
+    };
+    assert_eq!(vm.spec.networks.len(), 2);
+    assert_eq!(vm.spec.networks[0].ports[0].protocol, Protocol::Tcp);
+    assert_eq!(vm.spec.networks[1].mac_address, None);
+    // A VM without networks serialises as before: its spec is unchanged.
+    let plain = parse_documents(&vm_with_networks("[]"), "t").unwrap();
+    assert!(plain[0].spec_json().get("networks").is_none());
+}
+
+#[test]
+fn vm_interfaces_are_checked_field_by_field() {
+    let nine = ["{virtualNetworkName: lan}"; 9].join(", ");
+    let cases = [
+        (format!("[{nine}]"), "spec.networks", "more than the 8"),
+        ("[{virtualNetworkName: Lan}]".into(), "spec.networks[0].virtualNetworkName", "DNS label"),
+        ("[{virtualNetworkName: lan, macAddress: \"01:00:5e:00:00:01\"}]".into(), "spec.networks[0].macAddress", "multicast"),
+        ("[{virtualNetworkName: lan, macAddress: \"00:00:00:00:00:00\"}]".into(), "spec.networks[0].macAddress", "all zero"),
+        ("[{virtualNetworkName: lan, macAddress: \"52:54:00:0\"}]".into(), "spec.networks[0].macAddress", "not a MAC"),
+        ("[{virtualNetworkName: a, macAddress: \"52:54:00:00:00:01\"}, {virtualNetworkName: b, macAddress: \"52:54:00:00:00:01\"}]".into(), "spec.networks[1].macAddress", "spec.networks[0]"),
+        ("[{virtualNetworkName: lan, ipAddress: 10.77.0}]".into(), "spec.networks[0].ipAddress", "not an IPv4"),
+        ("[{virtualNetworkName: lan, ports: [{hostPort: 0, guestPort: 22}]}]".into(), "spec.networks[0].ports[0].hostPort", "1..65535"),
+        ("[{virtualNetworkName: lan, ports: [{hostPort: 22, guestPort: 70000}]}]".into(), "spec.networks[0].ports[0].guestPort", "1..65535"),
+        ("[{virtualNetworkName: lan, ports: [{hostPort: 22, guestPort: 22, hostAddress: localhost}]}]".into(), "spec.networks[0].ports[0].hostAddress", "not an IPv4"),
+        ("[{virtualNetworkName: lan, ports: [{hostPort: 22, guestPort: 22, protocol: SCTP}]}]".into(), "spec.networks[0].ports[0].protocol", "unknown variant"),
+        ("[{virtualNetworkName: a, ports: [{hostPort: 80, guestPort: 80}]}, {virtualNetworkName: b, ports: [{hostPort: 80, guestPort: 8080, protocol: TCP}]}]".into(), "spec.networks[1].ports[0].hostPort", "TCP 80 is already forwarded by spec.networks[0].ports[0]"),
+    ];
+    for (networks, field, words) in cases {
+        let e = parse_err(&vm_with_networks(&networks));
+        assert!(
+            e.contains(&format!("VirtualMachine \"web\": {field}")) && e.contains(words),
+            "{networks}: {e}"
+        );
+    }
+    // The same port over the other protocol is another forward.
+    let ok = parse_documents(
+        &vm_with_networks(
+            "[{virtualNetworkName: a, ports: [{hostPort: 53, guestPort: 53}, {hostPort: 53, guestPort: 53, protocol: UDP}]}]",
+        ),
+        "t",
+    );
+    assert!(ok.is_ok(), "{ok:?}");
+}

@@ -43,6 +43,10 @@ pub struct Context {
     pub imports: crate::image::Imports,
     /// Where wakes go: the engine's work queue.
     wakes: UnboundedSender<Key>,
+    /// Held by an apply from its network checks until its objects are
+    /// written, and by a network reconcile while it plans and writes leases:
+    /// a lease never lands between an apply's check and its write.
+    pub addresses: Mutex<()>,
 }
 
 impl Context {
@@ -55,6 +59,7 @@ impl Context {
             snapshots: crate::snapshot::Actors::default(),
             imports: crate::image::Imports::default(),
             wakes,
+            addresses: Mutex::new(()),
         }
     }
 
@@ -88,6 +93,11 @@ impl Context {
             }
         }
         Ok(vms)
+    }
+
+    /// The VMs whose spec has an interface on `network`, sorted.
+    pub fn vms_using_network(&self, network: &str) -> Result<Vec<String>, StoreError> {
+        vms_using_network(&self.store, network)
     }
 
     // ------------------------------------------------------------ status & events
@@ -201,4 +211,26 @@ impl Context {
         self.live_get(vm)
             .is_some_and(|l| l.agent_connected.load(std::sync::atomic::Ordering::SeqCst))
     }
+}
+
+/// The VMs whose spec has an interface on `network`, sorted.
+pub fn vms_using_network(store: &Store, network: &str) -> Result<Vec<String>, StoreError> {
+    let mut vms: Vec<String> = store
+        .list(Kind::VirtualMachine)?
+        .into_iter()
+        .filter_map(|s| match s.object {
+            Object::VirtualMachine(vm)
+                if vm
+                    .spec
+                    .networks
+                    .iter()
+                    .any(|n| n.virtual_network_name == network) =>
+            {
+                Some(vm.metadata.name)
+            }
+            _ => None,
+        })
+        .collect();
+    vms.sort();
+    Ok(vms)
 }

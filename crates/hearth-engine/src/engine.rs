@@ -4,7 +4,7 @@
 //! engine's `Context` (store, config, live VMs, locks, a way to wake), never
 //! the engine itself; their wakes come back to the queue over a channel.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fs::File;
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
@@ -254,6 +254,7 @@ impl Engine {
         let _w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
         let mut seen = HashSet::new();
         let mut prepared = Vec::new();
+        let mut old_networks: Vec<String> = Vec::new();
         for mut obj in objects {
             obj.strip_server_fields();
             obj.validate()?;
@@ -301,9 +302,24 @@ impl Engine {
                 }
             }
             meta.managed_by = Some(managed_by.to_string());
+            // A VM leaving a network frees its address there.
+            if let Some(StoredObject {
+                object: Object::VirtualMachine(old),
+                ..
+            }) = &existing
+            {
+                old_networks.extend(
+                    old.spec
+                        .networks
+                        .iter()
+                        .map(|n| n.virtual_network_name.clone()),
+                );
+            }
             prepared.push((obj, action, old_owner));
         }
         self.check_disk_exclusivity(prepared.iter().map(|(o, _, _)| o))?;
+        let addresses = self.addresses.lock().unwrap_or_else(|p| p.into_inner());
+        self.check_networks(prepared.iter().map(|(o, _, _)| o))?;
 
         let to_write: Vec<Object> = prepared
             .iter()
@@ -311,6 +327,7 @@ impl Engine {
             .map(|(o, _, _)| o.clone())
             .collect();
         self.store.put_objects(&to_write)?;
+        drop(addresses);
 
         let mut outcomes = Vec::new();
         for (obj, action, old_owner) in prepared {
@@ -346,12 +363,19 @@ impl Engine {
                 for d in &vm.spec.disks {
                     self.wake(Kind::VirtualDisk, &d.virtual_disk_name);
                 }
+                // The networks assign (or release) its addresses.
+                for n in &vm.spec.networks {
+                    self.wake(Kind::VirtualNetwork, &n.virtual_network_name);
+                }
             }
             outcomes.push(ApplyOutcome {
                 kind: obj.kind(),
                 name: obj.name().to_string(),
                 action,
             });
+        }
+        for n in old_networks {
+            self.wake(Kind::VirtualNetwork, &n);
         }
         Ok(outcomes)
     }
@@ -372,6 +396,16 @@ impl Engine {
             return Err(RequestError::Conflict(format!(
                 "VirtualDisk {name:?} is in use by VirtualMachine {vm:?} (its spec.disks, or its running QEMU until it restarts); delete the VM or remove the disk from it first"
             )));
+        }
+        if kind == Kind::VirtualNetwork {
+            let vms = crate::context::vms_using_network(&self.store, name)?;
+            if !vms.is_empty() {
+                let list: Vec<String> = vms.iter().map(|v| format!("{v:?}")).collect();
+                return Err(RequestError::Conflict(format!(
+                    "VirtualNetwork {name:?} is in use by VirtualMachine {} (spec.networks); delete those VMs or remove the network from them first",
+                    list.join(", ")
+                )));
+            }
         }
         if kind == Kind::VirtualImage {
             let disks = crate::image::disks_blocking_delete(&self.store, name)?;
@@ -669,7 +703,9 @@ impl Engine {
                         .map_err(|m| fail("spec.source.file", m))?;
                 }
             }
-            Object::VirtualDiskSnapshot(_) | Object::VirtualMachineSnapshot(_) => {}
+            Object::VirtualDiskSnapshot(_)
+            | Object::VirtualMachineSnapshot(_)
+            | Object::VirtualNetwork(_) => {}
         }
         Ok(())
     }
@@ -733,6 +769,91 @@ impl Engine {
             }));
         }
         Ok(())
+    }
+
+    /// Subnets, addresses, port forwards and interface names over the state
+    /// this apply would leave (docs/networking.md).
+    fn check_networks<'a>(
+        &self,
+        batch: impl Iterator<Item = &'a Object>,
+    ) -> Result<(), RequestError> {
+        use crate::network::admission::{self, NetworkView, Refusal, VmView};
+        let batch: Vec<&Object> = batch.collect();
+        let touches_networks = batch.iter().any(|o| match o {
+            Object::VirtualNetwork(_) => true,
+            Object::VirtualMachine(vm) => !vm.spec.networks.is_empty(),
+            _ => false,
+        });
+        if !touches_networks {
+            return Ok(());
+        }
+        let leases = self.store.leases()?;
+        let mut networks = BTreeMap::new();
+        for s in self.store.list(Kind::VirtualNetwork)? {
+            if let Object::VirtualNetwork(n) = s.object {
+                let status = serde_json::from_value(s.status).unwrap_or_default();
+                networks.insert(
+                    n.metadata.name.clone(),
+                    NetworkView {
+                        network: n,
+                        status,
+                        deleting: s.deleting,
+                        in_batch: false,
+                    },
+                );
+            }
+        }
+        let mut vms = BTreeMap::new();
+        for s in self.store.list(Kind::VirtualMachine)? {
+            if let Object::VirtualMachine(vm) = s.object {
+                vms.insert(
+                    vm.metadata.name.clone(),
+                    VmView {
+                        vm,
+                        in_batch: false,
+                    },
+                );
+            }
+        }
+        let refused = |r: Refusal| match r {
+            Refusal::Invalid(e) => RequestError::Invalid(e),
+            Refusal::Conflict(m) => RequestError::Conflict(m),
+        };
+        for o in batch {
+            match o {
+                Object::VirtualNetwork(n) => {
+                    let name = n.metadata.name.clone();
+                    let (status, deleting) = match networks.get(&name) {
+                        Some(old) => {
+                            let held = leases.iter().filter(|l| l.network == name).count();
+                            admission::check_network_update(old, n, held).map_err(refused)?;
+                            (old.status.clone(), old.deleting)
+                        }
+                        None => (Default::default(), false),
+                    };
+                    networks.insert(
+                        name,
+                        NetworkView {
+                            network: n.clone(),
+                            status,
+                            deleting,
+                            in_batch: true,
+                        },
+                    );
+                }
+                Object::VirtualMachine(vm) => {
+                    vms.insert(
+                        vm.metadata.name.clone(),
+                        VmView {
+                            vm: vm.clone(),
+                            in_batch: true,
+                        },
+                    );
+                }
+                _ => {}
+            }
+        }
+        admission::check(&networks, &vms, &leases).map_err(refused)
     }
 
     /// A disk belongs to at most one VM.
@@ -894,6 +1015,7 @@ impl Engine {
                     crate::snapshot::reconcile_vm_snapshot(&self.ctx, &key.1).await
                 }
                 Kind::VirtualImage => crate::image::reconcile(&self.ctx, &key.1).await,
+                Kind::VirtualNetwork => crate::network::reconcile(&self.ctx, &key.1).await,
             };
             match result {
                 Ok(()) => {

@@ -136,12 +136,35 @@ CREATE TABLE IF NOT EXISTS counters (
 );
 -- A QEMU launch, recorded before the spawn and deleted in the transaction
 -- that writes the runtime record; one left over is settled at start-up.
+-- One address per VM interface on a VirtualNetwork: kept across VM and
+-- daemon restarts, removed only with the VM, the interface or the network
+-- (docs/networking.md). One holder per address, one address per holder.
+CREATE TABLE IF NOT EXISTS leases (
+    network TEXT NOT NULL,
+    vm TEXT NOT NULL,
+    interface INTEGER NOT NULL,
+    ip TEXT NOT NULL,
+    mac TEXT NOT NULL,
+    PRIMARY KEY (network, vm, interface),
+    UNIQUE (network, ip)
+);
 CREATE TABLE IF NOT EXISTS launches (
     id INTEGER PRIMARY KEY,
     vm TEXT NOT NULL,
     marker TEXT NOT NULL
 );
 "#;
+
+/// One stored lease: the address of interface `interface` (its index in
+/// the VM's `spec.networks`) of `vm` on `network`.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct StoredLease {
+    pub network: String,
+    pub vm: String,
+    pub interface: u32,
+    pub ip: std::net::Ipv4Addr,
+    pub mac: String,
+}
 
 /// Events kept per object; older ones are dropped.
 const EVENTS_PER_OBJECT: i64 = 200;
@@ -193,8 +216,128 @@ impl Store {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    // ------------------------------------------------------------ leases
+
+    /// Every lease, ordered by network, VM and interface.
+    pub fn leases(&self) -> Result<Vec<StoredLease>, StoreError> {
+        Self::leases_tx(&self.conn(), None)
+    }
+
+    /// The leases on one network.
+    pub fn leases_of_network(&self, network: &str) -> Result<Vec<StoredLease>, StoreError> {
+        Self::leases_tx(&self.conn(), Some(network))
+    }
+
+    pub fn leases_tx(
+        conn: &Connection,
+        network: Option<&str>,
+    ) -> Result<Vec<StoredLease>, StoreError> {
+        let mut stmt = conn.prepare(
+            "SELECT network, vm, interface, ip, mac FROM leases
+             WHERE ?1 IS NULL OR network = ?1 ORDER BY network, vm, interface",
+        )?;
+        let rows = stmt.query_map(params![network], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, i64>(2)?,
+                r.get::<_, String>(3)?,
+                r.get::<_, String>(4)?,
+            ))
+        })?;
+        let mut out = Vec::new();
+        for row in rows {
+            let (network, vm, interface, ip, mac) = row?;
+            // Written by hearthd only; a row that does not read is skipped
+            // (and replaced the next time its VM's leases are written).
+            let (Ok(interface), Ok(ip)) = (u32::try_from(interface), ip.parse()) else {
+                tracing::warn!(network, vm, ip, "skipping an unreadable lease");
+                continue;
+            };
+            out.push(StoredLease {
+                network,
+                vm,
+                interface,
+                ip,
+                mac,
+            });
+        }
+        Ok(out)
+    }
+
+    /// Makes `leases` the whole set of `vm`'s leases, in one transaction:
+    /// its other leases are released. The table's keys refuse a second
+    /// holder of one address, so a bug above cannot store one.
+    pub fn set_vm_leases(&self, vm: &str, leases: &[StoredLease]) -> Result<(), StoreError> {
+        self.with_tx(|tx| Self::set_vm_leases_tx(tx, vm, leases))
+    }
+
+    pub fn set_vm_leases_tx(
+        tx: &Connection,
+        vm: &str,
+        leases: &[StoredLease],
+    ) -> Result<(), StoreError> {
+        tx.execute("DELETE FROM leases WHERE vm = ?1", params![vm])?;
+        for l in leases {
+            tx.execute(
+                "INSERT INTO leases (network, vm, interface, ip, mac) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![
+                    l.network,
+                    vm,
+                    i64::from(l.interface),
+                    l.ip.to_string(),
+                    l.mac
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Makes `leases` the whole set of leases on `network`, inside the
+    /// caller's transaction.
+    pub fn set_network_leases_tx(
+        tx: &Connection,
+        network: &str,
+        leases: &[StoredLease],
+    ) -> Result<(), StoreError> {
+        Self::release_network_leases_tx(tx, network)?;
+        for l in leases {
+            tx.execute(
+                "INSERT INTO leases (network, vm, interface, ip, mac) VALUES (?1, ?2, ?3, ?4, ?5)",
+                params![
+                    network,
+                    l.vm,
+                    i64::from(l.interface),
+                    l.ip.to_string(),
+                    l.mac
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Releases every lease of a VM (it is deleted).
+    pub fn release_vm_leases_tx(tx: &Connection, vm: &str) -> Result<(), StoreError> {
+        tx.execute("DELETE FROM leases WHERE vm = ?1", params![vm])?;
+        Ok(())
+    }
+
+    /// Releases every lease on a network (it is deleted).
+    pub fn release_network_leases_tx(tx: &Connection, network: &str) -> Result<(), StoreError> {
+        tx.execute("DELETE FROM leases WHERE network = ?1", params![network])?;
+        Ok(())
+    }
+
     pub fn get(&self, kind: Kind, name: &str) -> Result<Option<StoredObject>, StoreError> {
-        let conn = self.conn();
+        Self::get_tx(&self.conn(), kind, name)
+    }
+
+    /// `get` inside a caller's transaction.
+    pub fn get_tx(
+        conn: &Connection,
+        kind: Kind,
+        name: &str,
+    ) -> Result<Option<StoredObject>, StoreError> {
         let row: Option<(String, String, bool)> = conn
             .query_row(
                 "SELECT body, status, deleting FROM objects WHERE kind = ?1 AND name = ?2",
@@ -283,6 +426,11 @@ impl Store {
         if kind == Kind::VirtualMachine {
             tx.execute("DELETE FROM runtime WHERE vm = ?1", params![name])?;
             tx.execute("DELETE FROM intents WHERE vm = ?1", params![name])?;
+            // A deleted VM's addresses are free again.
+            Self::release_vm_leases_tx(tx, name)?;
+        }
+        if kind == Kind::VirtualNetwork {
+            Self::release_network_leases_tx(tx, name)?;
         }
         Ok(())
     }
@@ -542,6 +690,61 @@ mod tests {
         )
         .unwrap()
         .remove(0)
+    }
+
+    fn lease(network: &str, vm: &str, interface: u32, ip: &str) -> StoredLease {
+        StoredLease {
+            network: network.into(),
+            vm: vm.into(),
+            interface,
+            ip: ip.parse().unwrap(),
+            mac: format!("02:00:00:00:00:0{interface}"),
+        }
+    }
+
+    #[test]
+    fn leases_survive_reopen_and_go_with_their_vm_or_network() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("hearth.db");
+        {
+            let s = Store::open(&path).unwrap();
+            s.set_vm_leases(
+                "web",
+                &[
+                    lease("lan", "web", 0, "10.77.0.10"),
+                    lease("lab", "web", 1, "10.78.0.10"),
+                ],
+            )
+            .unwrap();
+            s.set_vm_leases("db", &[lease("lan", "db", 0, "10.77.0.11")])
+                .unwrap();
+        }
+        let s = Store::open(&path).unwrap();
+        assert_eq!(s.leases().unwrap().len(), 3);
+        assert_eq!(
+            s.leases_of_network("lan").unwrap(),
+            vec![
+                lease("lan", "db", 0, "10.77.0.11"),
+                lease("lan", "web", 0, "10.77.0.10")
+            ]
+        );
+        // Rewriting a VM's set drops what it no longer has.
+        s.set_vm_leases("web", &[lease("lan", "web", 0, "10.77.0.10")])
+            .unwrap();
+        assert!(s.leases_of_network("lab").unwrap().is_empty());
+        // A second holder of one address is refused by the table itself,
+        // and the failed write changes nothing.
+        let taken = s.set_vm_leases("mail", &[lease("lan", "mail", 0, "10.77.0.10")]);
+        assert!(taken.is_err());
+        assert_eq!(s.leases().unwrap().len(), 2);
+        // Removing the VM releases its leases; removing the network, the rest.
+        s.remove(Kind::VirtualMachine, "web").unwrap();
+        assert_eq!(
+            s.leases().unwrap(),
+            vec![lease("lan", "db", 0, "10.77.0.11")]
+        );
+        s.remove(Kind::VirtualNetwork, "lan").unwrap();
+        assert!(s.leases().unwrap().is_empty());
     }
 
     #[test]

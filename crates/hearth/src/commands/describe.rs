@@ -31,7 +31,7 @@ Examples:
   hearth describe vmsnapshot before-upgrade"
 )]
 pub struct Args {
-    /// vm, disk, image, snapshot (a disk snapshot) or vmsnapshot.
+    /// vm, disk, image, network, snapshot (a disk snapshot) or vmsnapshot.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     #[arg(value_name = "NAME", value_parser = super::parse_name)]
@@ -110,6 +110,7 @@ pub fn render(
         order: match kind {
             Kind::VirtualMachine | Kind::VirtualDisk => FIELD_ORDER,
             Kind::VirtualImage => IMAGE_FIELD_ORDER,
+            Kind::VirtualNetwork => NETWORK_FIELD_ORDER,
             Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => SNAPSHOT_FIELD_ORDER,
         },
         now,
@@ -302,6 +303,15 @@ const FIELD_ORDER: &[&str] = &[
     "cmdline",
     "firmware",
     "disks",
+    "networks",
+    "virtualNetworkName",
+    "macAddress",
+    "ipAddress",
+    "ports",
+    "hostPort",
+    "guestPort",
+    "protocol",
+    "hostAddress",
     "cloudInit",
     "hostname",
     "sshAuthorizedKeys",
@@ -316,6 +326,10 @@ const FIELD_ORDER: &[&str] = &[
     "pid",
     "agentConnected",
     "startTime",
+    "interfaces",
+    "network",
+    "mac",
+    "hostInterface",
     "path",
     "capacity",
     "allocated",
@@ -345,6 +359,21 @@ const IMAGE_FIELD_ORDER: &[&str] = &[
     "usedBy",
     "attempts",
     "reason",
+    "message",
+    "observedGeneration",
+];
+
+/// A VirtualNetwork: what was asked, then what the host has, then why.
+/// One list for both: the spec shows mode, subnet, bridge, dhcp; the status
+/// phase, subnet, bridge, gateway, leases.
+const NETWORK_FIELD_ORDER: &[&str] = &[
+    "mode",
+    "phase",
+    "subnet",
+    "bridge",
+    "gateway",
+    "dhcp",
+    "leases",
     "message",
     "observedGeneration",
 ];
@@ -774,6 +803,36 @@ Events:
 "
         );
         assert_eq!(text, expected);
+    }
+
+    #[test]
+    fn describe_network_shows_the_spec_then_what_the_host_has_in_order() {
+        // JSON maps iterate by key; the order below is the field order.
+        let net = json!({
+            "metadata": {"name": "lan", "managedBy": "api", "generation": 1},
+            "spec": {"subnet": "10.77.0.0/24", "mode": "NAT", "dhcp": true},
+            "status": {"message": "host networking is not wired yet", "leases": 2,
+                       "subnet": "10.77.0.0/24", "phase": "Pending", "observedGeneration": 1}
+        });
+        let text = render(Kind::VirtualNetwork, &net, Ok(&[]), now());
+        let order = [
+            "mode:",
+            "subnet:",
+            "dhcp:",
+            "phase:",
+            "subnet:",
+            "leases:",
+            "message:",
+            "observedGeneration:",
+        ];
+        let mut at = 0;
+        for key in order {
+            let found = text[at..]
+                .find(key)
+                .unwrap_or_else(|| panic!("{key} after byte {at}:\n{text}"));
+            at += found + key.len();
+        }
+        assert!(text.contains("Kind:       VirtualNetwork"), "{text}");
     }
 
     #[test]

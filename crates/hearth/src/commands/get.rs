@@ -51,7 +51,7 @@ Examples:
   hearth get vmsnapshots -o wide"
 )]
 pub struct Args {
-    /// vm, disk, image, snapshot (a disk snapshot) or vmsnapshot; plurals,
+    /// vm, disk, image, network, snapshot (a disk snapshot) or vmsnapshot; plurals,
     /// `vi`, and the full kind names (VirtualDisk, VirtualImage...) work too.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
@@ -111,6 +111,7 @@ pub fn table_for(kind: Kind, items: &[Value], now: DateTime<Utc>, wide: bool) ->
         Kind::VirtualMachine => vm_table(items, now, wide),
         Kind::VirtualDisk => disk_table(items, now, wide),
         Kind::VirtualImage => image_table(items, now, wide),
+        Kind::VirtualNetwork => network_table(items, now, wide),
         Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => {
             snapshot_table(kind, items, now, wide)
         }
@@ -246,6 +247,50 @@ pub fn image_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
             ]);
         }
         row.push(age_of(image, now));
+        table.push(row);
+    }
+    table
+}
+
+/// `NAME MODE SUBNET GATEWAY BRIDGE LEASES PHASE AGE`; wide adds DHCP
+/// MESSAGE MANAGED-BY. SUBNET is the one in use (status), else the one asked
+/// for; BRIDGE is the host interface (status), else the one named in spec.
+pub fn network_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
+    let mut header = vec![
+        "NAME", "MODE", "SUBNET", "GATEWAY", "BRIDGE", "LEASES", "PHASE",
+    ];
+    if wide {
+        header.extend(["DHCP", "MESSAGE", "MANAGED-BY"]);
+    }
+    header.push("AGE");
+    let mut table = Table::new(&header);
+    for net in items {
+        let either = |status: &str, spec: &str| {
+            str_at(net, &["status", status])
+                .or_else(|| str_at(net, &["spec", spec]))
+                .unwrap_or("-")
+                .to_string()
+        };
+        let mode = str_at(net, &["spec", "mode"]).unwrap_or("NAT").to_string();
+        let mut row = vec![
+            cell(at(net, &["metadata", "name"])),
+            mode.clone(),
+            either("subnet", "subnet"),
+            cell(at(net, &["status", "gateway"])),
+            either("bridge", "bridge"),
+            u64_at(net, &["status", "leases"]).unwrap_or(0).to_string(),
+            cell(at(net, &["status", "phase"])),
+        ];
+        if wide {
+            let dhcp = mode != "Bridge"
+                && at(net, &["spec", "dhcp"]).and_then(Value::as_bool) != Some(false);
+            row.extend([
+                if dhcp { "yes" } else { "no" }.to_string(),
+                cell(at(net, &["status", "message"])),
+                cell(at(net, &["metadata", "managedBy"])),
+            ]);
+        }
+        row.push(age_of(net, now));
         table.push(row);
     }
     table
@@ -464,6 +509,41 @@ new    -         -       no      -      5s
                 .is_some_and(|l| l.contains("   UEFI          yes          -")),
             "{wide}"
         );
+    }
+
+    #[test]
+    fn network_table_shows_mode_subnet_gateway_bridge_and_leases() {
+        let items = [
+            json!({"metadata": {"name": "lan", "creationTimestamp": "2025-01-01T11:00:00Z"},
+                   "spec": {"mode": "NAT"},
+                   "status": {"phase": "Ready", "subnet": "10.77.0.0/24", "gateway": "10.77.0.1",
+                              "bridge": "hth-lan", "leases": 2}}),
+            json!({"metadata": {"name": "lab", "creationTimestamp": "2025-01-01T11:59:30Z"},
+                   "spec": {"mode": "Bridge", "bridge": "br0"},
+                   "status": {"phase": "Pending", "message": "host networking is not wired yet"}}),
+            json!({"metadata": {"name": "new"}, "spec": {"subnet": "10.9.0.0/16", "dhcp": false}}),
+        ];
+        assert_eq!(
+            table_for(Kind::VirtualNetwork, &items, now(), false).render(),
+            "\
+NAME   MODE     SUBNET         GATEWAY     BRIDGE    LEASES   PHASE     AGE
+lan    NAT      10.77.0.0/24   10.77.0.1   hth-lan   2        Ready     1h
+lab    Bridge   -              -           br0       0        Pending   30s
+new    NAT      10.9.0.0/16    -           -         0        -         -
+"
+        );
+        let wide = table_for(Kind::VirtualNetwork, &items, now(), true).render();
+        let lines: Vec<&str> = wide.lines().collect();
+        assert!(
+            lines[0].contains("DHCP") && lines[0].contains("MESSAGE"),
+            "{wide}"
+        );
+        assert!(lines[1].contains(" yes "), "{wide}");
+        assert!(
+            lines[2].contains(" no ") && lines[2].contains("host networking is not wired yet"),
+            "{wide}"
+        );
+        assert!(lines[3].contains(" no "), "{wide}");
     }
 
     fn images() -> [Value; 4] {

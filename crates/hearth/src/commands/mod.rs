@@ -19,9 +19,9 @@ use hearth_api::{Kind, check_dns_label};
 pub fn parse_kind(s: &str) -> Result<Kind, String> {
     Kind::from_user(s).ok_or_else(|| {
         format!(
-            "unknown kind {s:?} (use vm, disk, image, snapshot or vmsnapshot; \
-             VirtualMachine, VirtualDisk, VirtualImage, VirtualDiskSnapshot and \
-             VirtualMachineSnapshot work too)"
+            "unknown kind {s:?} (use vm, disk, image, network, snapshot or vmsnapshot; \
+             VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot \
+             and VirtualMachineSnapshot work too)"
         )
     })
 }
@@ -45,6 +45,7 @@ pub fn short_ref(kind: Kind, name: &str) -> String {
         Kind::VirtualDiskSnapshot => "snapshot",
         Kind::VirtualMachineSnapshot => "vmsnapshot",
         Kind::VirtualImage => "image",
+        Kind::VirtualNetwork => "network",
     };
     format!("{short}/{name}")
 }

@@ -16,6 +16,7 @@ pub const VM_PHASES: [&str; 6] = [
 ];
 pub const DISK_PHASES: [&str; 3] = ["Pending", "Ready", "Failed"];
 pub const IMAGE_PHASES: [&str; 4] = ["Pending", "Importing", "Ready", "Failed"];
+pub const NETWORK_PHASES: [&str; 3] = ["Pending", "Ready", "Failed"];
 /// Both snapshot kinds.
 pub const SNAPSHOT_PHASES: [&str; 5] = ["Pending", "InProgress", "Ready", "Failed", "Terminating"];
 
@@ -49,7 +50,7 @@ Examples:
   hearth wait snapshot data-20250101-120000 --for phase=Ready"
 )]
 pub struct Args {
-    /// vm, disk, image, snapshot (a disk snapshot) or vmsnapshot.
+    /// vm, disk, image, network, snapshot (a disk snapshot) or vmsnapshot.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     #[arg(value_name = "NAME", value_parser = super::parse_name)]
@@ -103,6 +104,7 @@ pub fn check_condition(kind: Kind, cond: WaitFor) -> Result<WaitFor, String> {
         Kind::VirtualMachine => &VM_PHASES,
         Kind::VirtualDisk => &DISK_PHASES,
         Kind::VirtualImage => &IMAGE_PHASES,
+        Kind::VirtualNetwork => &NETWORK_PHASES,
         Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => &SNAPSHOT_PHASES,
     };
     match cond {
@@ -289,6 +291,9 @@ mod tests {
         }
         for p in IMAGE_PHASES {
             serde_json::from_value::<hearth_api::ImagePhase>(json!(p)).expect(p);
+        }
+        for p in NETWORK_PHASES {
+            serde_json::from_value::<hearth_api::NetworkPhase>(json!(p)).expect(p);
         }
         for p in [
             hearth_api::ImagePhase::Pending,

@@ -223,7 +223,7 @@ pub fn judge_settled(kind: Kind, configured: bool, obs: &Observation) -> Verdict
             // Failed imports are retried by hearthd; the reason is shown meanwhile.
             _ => Verdict::Waiting,
         },
-        Kind::VirtualDisk => match phase {
+        Kind::VirtualDisk | Kind::VirtualNetwork => match phase {
             Some("Ready") => Verdict::Met,
             Some("Failed") => failed_because(obj),
             _ => Verdict::Waiting,

@@ -72,7 +72,7 @@ fn kind_of(plural: &str) -> Result<Kind, ApiError> {
             ApiError(
                 StatusCode::NOT_FOUND,
                 format!(
-                    "unknown resource {plural:?} (use virtualmachines, virtualdisks, virtualimages, virtualdisksnapshots or virtualmachinesnapshots)"
+                    "unknown resource {plural:?} (use virtualmachines, virtualdisks, virtualimages, virtualnetworks, virtualdisksnapshots or virtualmachinesnapshots)"
                 ),
             )
         })

@@ -1,0 +1,415 @@
+//! Network checks at apply and delete, through the engine and its real
+//! SQLite store. No VM boots (every VM is AlwaysOff) and nothing touches the
+//! host's network: only objects and stored leases.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hearth_api::{Kind, Object, parse_documents};
+use hearth_engine::{Engine, EngineConfig, RequestError};
+
+struct Setup {
+    dir: tempfile::TempDir,
+    engine: Arc<Engine>,
+}
+
+fn config(dir: &Path) -> EngineConfig {
+    EngineConfig {
+        state_dir: dir.join("state"),
+        run_dir: dir.join("run"),
+        image_roots: vec![dir.join("images")],
+        qemu_binary: "/usr/bin/qemu-system-x86_64".into(),
+        accel: hearth_qemu::accel::AccelDecision {
+            accel: hearth_qemu::Accel::Tcg,
+            reason: "test".into(),
+        },
+        resync_interval: Duration::from_secs(3600),
+        images: Default::default(),
+        ovmf_code: dir.join("OVMF_CODE.fd"),
+        ovmf_vars: dir.join("OVMF_VARS.fd"),
+    }
+}
+
+async fn setup() -> Setup {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::create_dir_all(dir.path().join("images")).expect("images dir");
+    std::fs::write(dir.path().join("images/vmlinuz"), b"not booted").expect("kernel");
+    let engine = Engine::start(config(dir.path())).await.expect("engine");
+    Setup { dir, engine }
+}
+
+impl Setup {
+    fn objects(&self, yaml: &str) -> Vec<Object> {
+        let kernel = self.dir.path().join("images/vmlinuz");
+        let text = yaml.replace("KERNEL", &kernel.display().to_string());
+        parse_documents(&text, "test.yaml").expect("valid objects")
+    }
+
+    fn apply(&self, yaml: &str) -> Result<(), RequestError> {
+        self.engine.apply(self.objects(yaml), "api").map(|_| ())
+    }
+
+    fn names(&self, kind: Kind) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .engine
+            .list(kind)
+            .expect("list")
+            .into_iter()
+            .map(|s| s.object.name().to_string())
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+fn network(name: &str, subnet: &str) -> String {
+    format!(
+        "---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {{name: {name}}}\nspec: {{subnet: {subnet}}}\n"
+    )
+}
+
+fn vm(name: &str, networks: &str) -> String {
+    format!(
+        "---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: {name}}}\nspec:\n  runPolicy: AlwaysOff\n  boot: {{kernel: KERNEL}}\n  networks: {networks}\n"
+    )
+}
+
+fn conflict(r: Result<(), RequestError>) -> String {
+    match r {
+        Err(RequestError::Conflict(m)) => m,
+        other => panic!("expected a conflict, got {other:?}"),
+    }
+}
+
+fn invalid(r: Result<(), RequestError>) -> String {
+    match r {
+        Err(RequestError::Invalid(e)) => e.to_string(),
+        other => panic!("expected an invalid field, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn overlapping_subnets_are_refused_naming_the_other_network() {
+    let s = setup().await;
+    s.apply(&network("lan", "10.77.0.0/16"))
+        .expect("first network");
+    let e = conflict(s.apply(&(network("lab", "10.90.0.0/24") + &network("dmz", "10.77.8.0/24"))));
+    assert_eq!(
+        e,
+        "VirtualNetwork \"dmz\": spec.subnet: 10.77.8.0/24 overlaps 10.77.0.0/16 of VirtualNetwork \"lan\""
+    );
+    // The whole apply was refused: "lab" was not stored either.
+    assert_eq!(s.names(Kind::VirtualNetwork), vec!["lan"]);
+    // Two overlapping networks in one apply are refused too.
+    let e = conflict(s.apply(&(network("a", "10.91.0.0/24") + &network("b", "10.91.0.128/25"))));
+    assert!(
+        e.contains("VirtualNetwork \"a\"") && e.contains("\"b\""),
+        "{e}"
+    );
+    assert_eq!(s.names(Kind::VirtualNetwork), vec!["lan"]);
+}
+
+#[tokio::test]
+async fn addresses_outside_the_subnet_or_taken_are_refused_and_change_nothing() {
+    let s = setup().await;
+    s.apply(
+        &(network("lan", "10.77.0.0/24")
+            + &vm("web", "[{virtualNetworkName: lan, ipAddress: 10.77.0.50}]")),
+    )
+    .expect("web reserves .50");
+
+    let e = invalid(s.apply(&vm(
+        "db",
+        "[{virtualNetworkName: lan, ipAddress: 10.78.0.5}]",
+    )));
+    assert_eq!(
+        e,
+        "VirtualMachine \"db\": spec.networks[0].ipAddress: 10.78.0.5 is not in the network's subnet 10.77.0.0/24 (VirtualNetwork \"lan\")"
+    );
+    let e = invalid(s.apply(&vm(
+        "db",
+        "[{virtualNetworkName: lan, ipAddress: 10.77.0.1}]",
+    )));
+    assert!(e.contains("gateway"), "{e}");
+
+    let e = conflict(s.apply(&vm(
+        "db",
+        "[{virtualNetworkName: lan}, {virtualNetworkName: lan, ipAddress: 10.77.0.50}]",
+    )));
+    assert_eq!(
+        e,
+        "VirtualMachine \"db\": spec.networks[1].ipAddress: 10.77.0.50 is already taken by VirtualMachine \"web\" (spec.networks[0]) (VirtualNetwork \"lan\")"
+    );
+    assert_eq!(s.names(Kind::VirtualMachine), vec!["web"]);
+
+    // web itself may be applied again with its reservation.
+    s.apply(&vm(
+        "web",
+        "[{virtualNetworkName: lan, ipAddress: 10.77.0.50}]",
+    ))
+    .expect("re-apply");
+    // Once web lets the address go, db may have it.
+    s.apply(&vm("web", "[{virtualNetworkName: lan}]"))
+        .expect("web without reservation");
+    s.apply(&vm(
+        "db",
+        "[{virtualNetworkName: lan, ipAddress: 10.77.0.50}]",
+    ))
+    .expect("db takes .50");
+}
+
+#[tokio::test]
+async fn a_stored_lease_is_held_against_reservations_of_other_vms() {
+    let s = setup().await;
+    s.apply(&(network("lan", "10.77.0.0/24") + &vm("web", "[{virtualNetworkName: lan}]")))
+        .expect("apply");
+    // What IPAM would store for web (the store is the truth across restarts).
+    let store = hearth_engine::store::Store::open(&s.dir.path().join("state/hearth.db"))
+        .expect("second handle on the store");
+    store
+        .set_vm_leases(
+            "web",
+            &[hearth_engine::store::StoredLease {
+                network: "lan".into(),
+                vm: "web".into(),
+                interface: 0,
+                ip: "10.77.0.10".parse().expect("ip"),
+                mac: "02:00:00:00:00:01".into(),
+            }],
+        )
+        .expect("lease");
+    let e = conflict(s.apply(&vm(
+        "db",
+        "[{virtualNetworkName: lan, ipAddress: 10.77.0.10}]",
+    )));
+    assert!(e.contains("already taken by VirtualMachine \"web\""), "{e}");
+    // The network's subnet cannot move under a lease.
+    let e = conflict(s.apply(&network("lan", "10.88.0.0/24")));
+    assert!(
+        e.contains("cannot move from 10.77.0.0/24 to 10.88.0.0/24"),
+        "{e}"
+    );
+    // Deleting web releases its lease with it (one transaction).
+    s.engine
+        .delete(Kind::VirtualMachine, "web", "api")
+        .expect("delete web");
+    wait_until(|| store.leases().expect("leases").is_empty()).await;
+    s.apply(&vm(
+        "db",
+        "[{virtualNetworkName: lan, ipAddress: 10.77.0.10}]",
+    ))
+    .expect("free now");
+}
+
+#[tokio::test]
+async fn a_host_port_forwarded_by_another_vm_is_refused() {
+    let s = setup().await;
+    let ports = "[{virtualNetworkName: lan, ports: [{hostPort: 2222, guestPort: 22}]}]";
+    s.apply(&(network("lan", "10.77.0.0/24") + &vm("web", ports)))
+        .expect("web forwards 2222");
+    let e = conflict(s.apply(&vm("db", ports)));
+    assert_eq!(
+        e,
+        "VirtualMachine \"db\": spec.networks[0].ports[0].hostPort: host TCP port 2222 is already forwarded to VirtualMachine \"web\" (spec.networks[0].ports[0].hostPort)"
+    );
+    assert_eq!(s.names(Kind::VirtualMachine), vec!["web"]);
+    // UDP 2222 is another forward.
+    s.apply(&vm(
+        "db",
+        "[{virtualNetworkName: lan, ports: [{hostPort: 2222, guestPort: 22, protocol: UDP}]}]",
+    ))
+    .expect("udp");
+}
+
+#[tokio::test]
+async fn a_network_in_use_cannot_be_deleted_and_goes_once_unused() {
+    let s = setup().await;
+    s.apply(
+        &(network("lan", "10.77.0.0/24")
+            + &vm("web", "[{virtualNetworkName: lan}]")
+            + &vm("db", "[{virtualNetworkName: lan}]")),
+    )
+    .expect("apply");
+    let e = match s.engine.delete(Kind::VirtualNetwork, "lan", "api") {
+        Err(RequestError::Conflict(m)) => m,
+        other => panic!("expected a conflict, got {other:?}"),
+    };
+    assert_eq!(
+        e,
+        "VirtualNetwork \"lan\" is in use by VirtualMachine \"db\", \"web\" (spec.networks); delete those VMs or remove the network from them first"
+    );
+    assert!(
+        !s.engine
+            .get(Kind::VirtualNetwork, "lan")
+            .expect("still there")
+            .deleting
+    );
+
+    // Without users it goes, and its reconcile removes it.
+    s.apply(&(vm("web", "[]") + &vm("db", "[]")))
+        .expect("detach");
+    s.engine
+        .delete(Kind::VirtualNetwork, "lan", "api")
+        .expect("delete");
+    wait_until(|| s.names(Kind::VirtualNetwork).is_empty()).await;
+}
+
+#[tokio::test]
+async fn a_network_reports_pending_until_the_host_side_exists() {
+    let s = setup().await;
+    s.apply(&network("lan", "10.77.0.0/24")).expect("apply");
+    wait_until(|| {
+        let st = s
+            .engine
+            .get(Kind::VirtualNetwork, "lan")
+            .expect("get")
+            .status;
+        st["phase"] == "Pending" && st["message"] == "host networking is not wired yet"
+    })
+    .await;
+    let st = s
+        .engine
+        .get(Kind::VirtualNetwork, "lan")
+        .expect("get")
+        .status;
+    assert_eq!(st["subnet"], "10.77.0.0/24");
+    // Nothing is claimed that the host does not have.
+    assert!(
+        st.get("bridge").is_none() && st.get("gateway").is_none(),
+        "{st}"
+    );
+    // The mode of an existing network cannot change.
+    let e = invalid(s.apply(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: lan}\nspec: {mode: Isolated, subnet: 10.77.0.0/24}\n",
+    ));
+    assert!(
+        e.contains("spec.mode") && e.contains("cannot change from NAT to Isolated"),
+        "{e}"
+    );
+}
+
+fn leases(s: &Setup) -> Vec<(String, u32, String, String)> {
+    let store = hearth_engine::store::Store::open(&s.dir.path().join("state/hearth.db"))
+        .expect("second handle on the store");
+    store
+        .leases()
+        .expect("leases")
+        .into_iter()
+        .map(|l| (l.vm, l.interface, l.ip.to_string(), l.mac))
+        .collect()
+}
+
+fn lease_count(s: &Setup, network: &str) -> Option<u64> {
+    s.engine
+        .get(Kind::VirtualNetwork, network)
+        .ok()?
+        .status
+        .get("leases")?
+        .as_u64()
+}
+
+#[tokio::test]
+async fn the_network_stores_stable_leases_and_releases_them_with_the_interface() {
+    let s = setup().await;
+    s.apply(
+        &(network("lan", "10.77.0.0/24")
+            + &vm(
+                "web",
+                "[{virtualNetworkName: lan}, {virtualNetworkName: lan, macAddress: \"52:54:00:00:00:07\"}]",
+            )
+            + &vm("db", "[{virtualNetworkName: lan, ipAddress: 10.77.0.10}]")),
+    )
+    .expect("apply");
+    wait_until(|| lease_count(&s, "lan") == Some(3)).await;
+    let first = leases(&s);
+    let web_mac = hearth_engine::network::names::derived_mac("web", 0).to_string();
+    assert_eq!(
+        first,
+        vec![
+            (
+                "db".into(),
+                0,
+                "10.77.0.10".into(),
+                hearth_engine::network::names::derived_mac("db", 0).to_string()
+            ),
+            // db reserved .10, so web's dynamic addresses start at .11.
+            ("web".into(), 0, "10.77.0.11".into(), web_mac.clone()),
+            (
+                "web".into(),
+                1,
+                "10.77.0.12".into(),
+                "52:54:00:00:00:07".into()
+            ),
+        ]
+    );
+    // Planned again from what is stored (a resync, a restarted daemon):
+    // the same leases.
+    let store = hearth_engine::store::Store::open(&s.dir.path().join("state/hearth.db"))
+        .expect("second handle on the store");
+    let vms: Vec<hearth_api::VirtualMachine> = s
+        .engine
+        .list(Kind::VirtualMachine)
+        .expect("vms")
+        .into_iter()
+        .filter_map(|o| match o.object {
+            Object::VirtualMachine(vm) => Some(vm),
+            _ => None,
+        })
+        .collect();
+    let stored = store.leases_of_network("lan").expect("leases");
+    let (again, problems) = hearth_engine::network::plan_leases(
+        "lan",
+        "10.77.0.0/24".parse().expect("subnet"),
+        false,
+        &vms,
+        &stored,
+    );
+    assert_eq!(again, stored);
+    assert!(problems.is_empty(), "{problems:?}");
+
+    // web's second interface leaves its spec: that address is released,
+    // the first one is kept.
+    s.apply(&vm("web", "[{virtualNetworkName: lan}]"))
+        .expect("one nic");
+    wait_until(|| lease_count(&s, "lan") == Some(2)).await;
+    let now = leases(&s);
+    assert_eq!(now[1], ("web".into(), 0, "10.77.0.11".into(), web_mac));
+    // A new VM gets the lowest free address: .12 again.
+    s.apply(&vm("mail", "[{virtualNetworkName: lan}]"))
+        .expect("mail");
+    wait_until(|| lease_count(&s, "lan") == Some(3)).await;
+    assert!(
+        leases(&s)
+            .iter()
+            .any(|l| l.0 == "mail" && l.2 == "10.77.0.12"),
+        "{:?}",
+        leases(&s)
+    );
+}
+
+#[tokio::test]
+async fn a_bridge_network_records_reservations_only() {
+    let s = setup().await;
+    s.apply(
+        &("---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: lab}\nspec: {mode: Bridge, bridge: br0, subnet: 192.168.50.0/24}\n".to_string()
+            + &vm("web", "[{virtualNetworkName: lab}]")
+            + &vm("db", "[{virtualNetworkName: lab, ipAddress: 192.168.50.7}]")),
+    )
+    .expect("apply");
+    wait_until(|| lease_count(&s, "lab") == Some(1)).await;
+    let l = leases(&s);
+    assert_eq!(l.len(), 1, "{l:?}");
+    assert_eq!((l[0].0.as_str(), l[0].2.as_str()), ("db", "192.168.50.7"));
+}
+
+/// Bounded: the engine's reconciles run on this runtime.
+async fn wait_until(mut f: impl FnMut() -> bool) {
+    for _ in 0..200 {
+        if f() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    panic!("condition not met within 5 s");
+}

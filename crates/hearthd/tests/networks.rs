@@ -1,0 +1,141 @@
+//! VirtualNetworks through the real daemon and CLI: tables, bad input, a
+//! network in use, and lease counts kept across a SIGKILL of hearthd. No
+//! guest boots (VMs are AlwaysOff) and nothing touches the host's network:
+//! the host side of networks is not wired yet, so networks stay Pending.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn net(name: &str, subnet: &str) -> String {
+    format!(
+        "---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {{name: {name}}}\nspec: {{subnet: {subnet}}}\n"
+    )
+}
+
+fn vm(kernel: &std::path::Path, name: &str, networks: &str) -> String {
+    format!(
+        "---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: {name}}}\nspec:\n  runPolicy: AlwaysOff\n  boot: {{kernel: {}}}\n  networks: {networks}\n",
+        kernel.display()
+    )
+}
+
+#[test]
+fn networks_are_listed_refused_when_bad_and_keep_their_leases_across_a_crash() {
+    let _serial = serial();
+    let images = tempfile::tempdir().expect("tempdir");
+    let kernel = images.path().join("vmlinuz");
+    std::fs::write(&kernel, b"never booted").expect("kernel");
+    let mut d = Daemon::start_without_guest(&[images.path()], &[]);
+
+    let m = manifest(
+        &d,
+        "lan.yaml",
+        &(net("lan", "10.77.0.0/24")
+            + &vm(
+                &kernel,
+                "web",
+                "[{virtualNetworkName: lan, ports: [{hostPort: 2222, guestPort: 22}]}]",
+            )),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    let lan = d.wait_object("virtualnetworks", "lan", "one lease", WAIT, |v| {
+        v["status"]["leases"] == 1
+    });
+    assert_eq!(lan["status"]["phase"], "Pending", "{lan}");
+    assert_eq!(lan["status"]["message"], "host networking is not wired yet");
+
+    let table = d.cli_ok(&["get", "networks"]);
+    let mut lines = table.lines();
+    let header: Vec<&str> = lines.next().expect("header").split_whitespace().collect();
+    assert_eq!(
+        header,
+        [
+            "NAME", "MODE", "SUBNET", "GATEWAY", "BRIDGE", "LEASES", "PHASE", "AGE"
+        ]
+    );
+    let row: Vec<&str> = lines.next().expect("row").split_whitespace().collect();
+    assert_eq!(
+        &row[..7],
+        ["lan", "NAT", "10.77.0.0/24", "-", "-", "1", "Pending"],
+        "{table}"
+    );
+
+    // The VM starts exactly as before: no interfaces are claimed.
+    let web = d.wait_object("virtualmachines", "web", "stopped", WAIT, |v| {
+        v["status"]["phase"] == "Stopped"
+    });
+    assert!(web["status"].get("interfaces").is_none(), "{web}");
+
+    // Bad input: refused with the field and the other holder; nothing changes.
+    let overlap = manifest(&d, "dmz.yaml", &net("dmz", "10.77.0.128/25"));
+    let e = d.cli_err(&["apply", "-f", overlap.to_str().expect("utf8")]);
+    assert!(
+        e.contains("VirtualNetwork \"dmz\": spec.subnet: 10.77.0.128/25 overlaps 10.77.0.0/24 of VirtualNetwork \"lan\""),
+        "{e}"
+    );
+    let port = manifest(
+        &d,
+        "db.yaml",
+        &vm(
+            &kernel,
+            "db",
+            "[{virtualNetworkName: lan, ports: [{hostPort: 2222, guestPort: 22}]}]",
+        ),
+    );
+    let e = d.cli_err(&["apply", "-f", port.to_str().expect("utf8")]);
+    assert!(
+        e.contains("host TCP port 2222 is already forwarded to VirtualMachine \"web\""),
+        "{e}"
+    );
+    let mac = manifest(
+        &d,
+        "mc.yaml",
+        &vm(
+            &kernel,
+            "mc",
+            "[{virtualNetworkName: lan, macAddress: \"03:00:00:00:00:01\"}]",
+        ),
+    );
+    let e = d.cli_err(&["apply", "-f", mac.to_str().expect("utf8")]);
+    assert!(
+        e.contains("spec.networks[0].macAddress") && e.contains("multicast"),
+        "{e}"
+    );
+    let e = d.cli_err(&["delete", "network", "lan"]);
+    assert!(e.contains("in use by VirtualMachine \"web\""), "{e}");
+    let names = d.cli_ok(&["get", "networks", "-o", "json"]);
+    assert!(!names.contains("\"dmz\""), "{names}");
+    let vms = d.cli_ok(&["get", "vms", "-o", "json"]);
+    assert!(!vms.contains("\"db\"") && !vms.contains("\"mc\""), "{vms}");
+
+    // A crash and a restart: the lease is still there, and counted with a
+    // new VM's once the restarted daemon reconciles the network.
+    d.kill();
+    d.spawn();
+    let db = manifest(
+        &d,
+        "db2.yaml",
+        &vm(&kernel, "db", "[{virtualNetworkName: lan}]"),
+    );
+    d.cli_ok(&["apply", "-f", db.to_str().expect("utf8")]);
+    d.wait_object(
+        "virtualnetworks",
+        "lan",
+        "two leases after the restart",
+        WAIT,
+        |v| v["status"]["leases"] == 2,
+    );
+
+    // Deleting the VMs frees the network, which then goes.
+    d.cli_ok(&["delete", "vm", "web"]);
+    d.cli_ok(&["delete", "vm", "db"]);
+    d.wait_gone("virtualmachines", "web", WAIT);
+    d.wait_gone("virtualmachines", "db", WAIT);
+    d.cli_ok(&["delete", "network", "lan"]);
+    d.wait_gone("virtualnetworks", "lan", WAIT);
+}
