@@ -1,0 +1,3 @@
+//! hearth-managed networking.
+
+pub mod host;
