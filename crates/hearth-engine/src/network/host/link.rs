@@ -233,8 +233,7 @@ impl Netlink {
                 for m in msg.into_iter().filter(|m| {
                     m.header.prefix_len == p
                         && m.attributes
-                            .iter()
-                            .any(|at| *at == AddressAttribute::Local(IpAddr::V4(a)))
+                            .contains(&AddressAttribute::Local(IpAddr::V4(a)))
                 }) {
                     self.handle
                         .address()

@@ -1,0 +1,509 @@
+//! The host side of networking against the real kernel, nft and dnsmasq,
+//! always inside a network namespace the test creates.
+//!
+//! How the namespace is entered: each test, run normally, creates
+//! `hth-test-<random>` and re-runs itself (this test binary, `--exact` on its
+//! own name) under `ip netns exec NS`, with `HEARTH_TEST_NETNS=NS` set. The
+//! child, whole process with every thread (tokio's workers, dnsmasq and nft
+//! children), lives in the namespace; setns on one thread would leave
+//! tokio's other threads, and so some netlink sockets and children, in the
+//! host's namespace. Before doing anything the child checks that its
+//! `/proc/self/ns/net` is the namespace's (same device and inode). The parent
+//! holds a guard that kills every process left in the namespace and deletes
+//! it, also when the test fails. No packet leaves the namespace: nothing here
+//! sends traffic at all.
+
+use std::net::Ipv4Addr;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::process::Command;
+
+use hearth_engine::network::host::cleanup::{self, CleanupAction};
+use hearth_engine::network::host::dnsmasq::{self, DnsmasqFiles, DnsmasqOutcome};
+use hearth_engine::network::host::link::{LinkChange, Netlink};
+use hearth_engine::network::host::{
+    self, DesiredTap, HostDesired, HostNetwork, Mac, NetworkMode, PortForward, Protocol,
+    StaticLease, network_dir,
+};
+
+const INNER_ENV: &str = "HEARTH_TEST_NETNS";
+const INSTALL: &str = "apt-get install dnsmasq-base nftables iproute2";
+
+fn require_tools() {
+    for (tool, path) in [
+        ("ip", "/usr/sbin/ip"),
+        ("nft", "/usr/sbin/nft"),
+        ("dnsmasq", "/usr/sbin/dnsmasq"),
+    ] {
+        let found = Path::new(path).exists()
+            || Command::new(tool)
+                .arg("--version")
+                .output()
+                .is_ok_and(|o| o.status.success());
+        assert!(found, "{tool} is missing: {INSTALL}");
+    }
+    assert!(
+        rustix::process::geteuid().is_root(),
+        "the host network tests create network namespaces and must run as root"
+    );
+}
+
+/// A namespace the test owns; dropped: its processes are killed and it is
+/// deleted.
+struct Netns {
+    name: String,
+}
+
+impl Netns {
+    fn create() -> Netns {
+        require_tools();
+        static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("hth-test-{}-{seq}-{:x}", std::process::id(), nanos());
+        run("ip", &["netns", "add", &name]);
+        Netns { name }
+    }
+}
+
+fn nanos() -> u32 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos() & 0xffff)
+        .unwrap_or(0)
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // dnsmasq daemonises: a leftover one would keep the namespace alive.
+        if let Ok(out) = Command::new("ip")
+            .args(["netns", "pids", &self.name])
+            .output()
+        {
+            for pid in String::from_utf8_lossy(&out.stdout).split_whitespace() {
+                let _ = Command::new("kill").args(["-KILL", pid]).status();
+            }
+        }
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+fn run(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd} {args:?}: {e} ({INSTALL})"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?}: {}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// In the parent: creates a namespace and runs `test` inside it; returns
+/// `None`. In the child: checks it is in that namespace; returns `Some(())`
+/// so the caller runs the body.
+fn inside_netns(test: &str) -> Option<()> {
+    match std::env::var(INNER_ENV) {
+        Ok(ns) => {
+            let mine = std::fs::metadata("/proc/self/ns/net").expect("/proc/self/ns/net");
+            let theirs = std::fs::metadata(format!("/run/netns/{ns}")).expect("/run/netns/NS");
+            assert_eq!(
+                (mine.dev(), mine.ino()),
+                (theirs.dev(), theirs.ino()),
+                "refusing to run: not inside network namespace {ns}"
+            );
+            Some(())
+        }
+        Err(_) => {
+            let ns = Netns::create();
+            let exe = std::env::current_exe().expect("current_exe");
+            let status = Command::new("ip")
+                .args(["netns", "exec", &ns.name])
+                .arg(exe)
+                .args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(INNER_ENV, &ns.name)
+                .status()
+                .expect("ip netns exec");
+            assert!(
+                status.success(),
+                "{test} inside {} failed: {status}",
+                ns.name
+            );
+            None
+        }
+    }
+}
+
+fn ip_json(args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["-j"];
+    all.extend_from_slice(args);
+    serde_json::from_str(&run("ip", &all)).expect("ip -j output")
+}
+
+/// (name, ifindex) of every hth/htt link, from `ip -j link`.
+fn hearth_links() -> Vec<(String, u64)> {
+    let v = ip_json(&["link", "show"]);
+    let mut out: Vec<(String, u64)> = v
+        .as_array()
+        .expect("array")
+        .iter()
+        .filter_map(|l| {
+            let name = l["ifname"].as_str()?.to_string();
+            (name.starts_with("hth") || name.starts_with("htt"))
+                .then(|| (name, l["ifindex"].as_u64().unwrap_or(0)))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+fn link_detail(name: &str) -> serde_json::Value {
+    ip_json(&["-d", "link", "show", "dev", name])[0].clone()
+}
+
+fn ipv4_of(name: &str) -> Vec<String> {
+    ip_json(&["addr", "show", "dev", name])[0]["addr_info"]
+        .as_array()
+        .expect("addr_info")
+        .iter()
+        .filter(|a| a["family"] == "inet")
+        .map(|a| format!("{}/{}", a["local"].as_str().unwrap_or(""), a["prefixlen"]))
+        .collect()
+}
+
+fn cmdline(pid: u32) -> Vec<String> {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|raw| {
+            raw.split(|b| *b == 0)
+                .filter(|a| !a.is_empty())
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn lease(last: u8, name: &str) -> StaticLease {
+    StaticLease {
+        mac: Mac([0x52, 0x54, 0x00, 0x12, 0x34, last]),
+        ip: Ipv4Addr::new(10, 77, 0, last),
+        hostname: name.into(),
+    }
+}
+
+fn desired() -> HostDesired {
+    HostDesired {
+        networks: vec![
+            HostNetwork {
+                bridge: "hth0".into(),
+                gateway: Ipv4Addr::new(10, 77, 0, 1),
+                prefix_len: 24,
+                mode: NetworkMode::Nat,
+                dhcp: true,
+                static_leases: vec![lease(10, "web")],
+                port_forwards: vec![PortForward {
+                    protocol: Protocol::Tcp,
+                    host_addr: None,
+                    host_port: 2222,
+                    guest_ip: Ipv4Addr::new(10, 77, 0, 10),
+                    guest_port: 22,
+                }],
+            },
+            HostNetwork {
+                bridge: "hth1".into(),
+                gateway: Ipv4Addr::new(10, 78, 0, 1),
+                prefix_len: 24,
+                mode: NetworkMode::Isolated,
+                dhcp: false,
+                static_leases: vec![],
+                port_forwards: vec![],
+            },
+        ],
+        taps: vec![
+            DesiredTap {
+                name: "htt0".into(),
+                bridge: "hth0".into(),
+            },
+            DesiredTap {
+                name: "htt1".into(),
+                bridge: "hth0".into(),
+            },
+        ],
+    }
+}
+
+/// A state dir dnsmasq's unprivileged user can traverse (it rereads the
+/// hosts file as that user on SIGHUP).
+fn state_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    dir
+}
+
+#[tokio::test]
+async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash() {
+    if inside_netns("network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash")
+        .is_none()
+    {
+        return;
+    }
+    let state = state_dir();
+    let networks = state.path().join("networks");
+    let want = desired();
+
+    // First apply: everything is created.
+    let nl = Netlink::open().expect("netlink");
+    let report = host::apply(&nl, &want, &networks).await.expect("apply");
+    assert!(report.links.contains(&LinkChange::Created("hth0".into())));
+    assert!(report.links.contains(&LinkChange::Created("htt1".into())));
+    assert!(report.nft_changed);
+    assert!(matches!(report.dnsmasq[..], [(ref b, DnsmasqOutcome::Started { .. })] if b == "hth0"));
+
+    // Ground truth: links.
+    let links = hearth_links();
+    let names: Vec<&str> = links.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["hth0", "hth1", "htt0", "htt1"]);
+    let br = link_detail("hth0");
+    assert_eq!(br["linkinfo"]["info_kind"], "bridge");
+    assert!(br["flags"].as_array().unwrap().iter().any(|f| f == "UP"));
+    assert_eq!(ipv4_of("hth0"), ["10.77.0.1/24"]);
+    assert_eq!(ipv4_of("hth1"), ["10.78.0.1/24"]);
+    for tap in ["htt0", "htt1"] {
+        let t = link_detail(tap);
+        assert_eq!(t["master"], "hth0", "{tap}: {t}");
+        assert_eq!(t["linkinfo"]["info_kind"], "tun", "{tap}: {t}");
+        let data = &t["linkinfo"]["info_data"];
+        assert_eq!(data["type"], "tap", "{tap}: {data}");
+        assert_eq!(data["pi"], false, "{tap}: {data}");
+        assert_eq!(data["vnet_hdr"], true, "{tap}: {data}");
+        assert_eq!(data["persist"], true, "{tap}: {data}");
+        assert_eq!(data["user"], "root", "{tap}: {data}");
+        assert!(
+            t["flags"].as_array().unwrap().iter().any(|f| f == "UP"),
+            "{tap}: {t}"
+        );
+    }
+
+    // Ground truth: nftables and forwarding.
+    let ruleset = run("nft", &["list", "ruleset"]);
+    assert!(ruleset.contains("table inet hearth"), "{ruleset}");
+    assert!(ruleset.contains("dnat ip to 10.77.0.10:22"), "{ruleset}");
+    assert!(
+        ruleset.contains("oifname != \"hth0\" masquerade"),
+        "{ruleset}"
+    );
+    assert!(ruleset.contains("iifname \"hth1\" drop"), "{ruleset}");
+    let tables = run("nft", &["-j", "list", "tables"]);
+    assert_eq!(
+        tables.matches("\"table\"").count(),
+        1,
+        "only hearth's table: {tables}"
+    );
+    assert_eq!(
+        std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
+            .unwrap()
+            .trim(),
+        "1"
+    );
+
+    // Ground truth: dnsmasq, from its pid file and /proc.
+    let files = DnsmasqFiles::new(network_dir(&networks, "hth0"));
+    let pid: u32 = std::fs::read_to_string(files.pid())
+        .expect("pid file")
+        .trim()
+        .parse()
+        .expect("pid");
+    assert_eq!(report.dnsmasq[0].1.pid(), pid);
+    let args = cmdline(pid);
+    assert!(args[0].ends_with("dnsmasq"), "{args:?}");
+    assert!(args.contains(&files.conf_arg()), "{args:?}");
+    assert_eq!(
+        std::fs::read_to_string(files.hosts()).unwrap(),
+        "52:54:00:12:34:0a,10.77.0.10,web\n"
+    );
+    assert!(
+        !networks.join("hth1").exists(),
+        "no dnsmasq files for a network without DHCP"
+    );
+
+    // Second apply: nothing changes, same dnsmasq, same link indexes.
+    let report = host::apply(&nl, &want, &networks)
+        .await
+        .expect("second apply");
+    assert!(!report.changed(), "{report:?}");
+    assert_eq!(report.dnsmasq[0].1, DnsmasqOutcome::Unchanged { pid });
+    assert_eq!(hearth_links(), links);
+    assert_eq!(run("nft", &["list", "ruleset"]), ruleset);
+
+    // New leases: same process, SIGHUP, hosts file rewritten.
+    let mut more = want.clone();
+    more.networks[0].static_leases.push(lease(11, "db"));
+    let log_before = std::fs::read_to_string(files.log()).unwrap_or_default();
+    let report = host::apply(&nl, &more, &networks)
+        .await
+        .expect("apply leases");
+    assert_eq!(report.dnsmasq[0].1, DnsmasqOutcome::Reloaded { pid });
+    assert_eq!(
+        std::fs::read_to_string(files.hosts()).unwrap(),
+        "52:54:00:12:34:0a,10.77.0.10,web\n52:54:00:12:34:0b,10.77.0.11,db\n"
+    );
+    assert!(report.links.is_empty() && !report.nft_changed, "{report:?}");
+    // dnsmasq logs "read HOSTSFILE" at start and on every SIGHUP.
+    let read_line = format!("read {}", files.hosts().display());
+    let reads_before = log_before.matches(&read_line).count();
+    assert!(reads_before >= 1, "{log_before}");
+    let mut reread = false;
+    for _ in 0..250 {
+        let log = std::fs::read_to_string(files.log()).unwrap_or_default();
+        if log.matches(&read_line).count() > reads_before {
+            reread = true;
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert!(reread, "dnsmasq did not reread its hosts file within 5 s");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
+    eprintln!("dnsmasq {pid}: {uid_line}");
+    assert!(
+        !uid_line.split_whitespace().skip(1).any(|u| u == "0"),
+        "dnsmasq must drop root: {uid_line}"
+    );
+
+    // A changed address is corrected.
+    let mut moved = more.clone();
+    moved.networks[1].gateway = Ipv4Addr::new(10, 78, 0, 254);
+    let report = host::apply(&nl, &moved, &networks)
+        .await
+        .expect("apply address");
+    assert_eq!(
+        report.links,
+        [
+            LinkChange::AddressRemoved {
+                link: "hth1".into(),
+                addr: Ipv4Addr::new(10, 78, 0, 1),
+                prefix_len: 24
+            },
+            LinkChange::AddressAdded {
+                link: "hth1".into(),
+                addr: Ipv4Addr::new(10, 78, 0, 254),
+                prefix_len: 24
+            }
+        ]
+    );
+    assert_eq!(ipv4_of("hth1"), ["10.78.0.254/24"]);
+
+    // A restarted daemon (new netlink socket, no memory) adopts dnsmasq.
+    drop(nl);
+    let nl = Netlink::open().expect("netlink again");
+    let report = host::apply(&nl, &moved, &networks)
+        .await
+        .expect("apply after restart");
+    assert!(!report.changed(), "{report:?}");
+    assert_eq!(report.dnsmasq[0].1, DnsmasqOutcome::Unchanged { pid });
+    assert_eq!(dnsmasq::find_all(&networks).len(), 1);
+
+    // Crash, then start-up with nothing desired: every hearth object goes.
+    drop(nl);
+    let nl = Netlink::open().expect("netlink after crash");
+    let actions = cleanup::run(&nl, &HostDesired::default(), &networks)
+        .await
+        .expect("cleanup");
+    assert!(
+        actions.contains(&CleanupAction::DeleteNftTable),
+        "{actions:?}"
+    );
+    assert!(
+        actions.contains(&CleanupAction::DeleteLink("hth0".into())),
+        "{actions:?}"
+    );
+    assert_eq!(hearth_links(), Vec::<(String, u64)>::new());
+    assert!(cmdline(pid).is_empty(), "dnsmasq {pid} still runs");
+    assert!(dnsmasq::find_all(&networks).is_empty());
+    let tables = run("nft", &["-j", "list", "tables"]);
+    assert!(!tables.contains("hearth"), "{tables}");
+    // Loopback is untouched.
+    assert!(ip_json(&["link", "show", "dev", "lo"])[0]["ifname"] == "lo");
+
+    // A second cleanup finds nothing to do.
+    let again = cleanup::run(&nl, &HostDesired::default(), &networks)
+        .await
+        .expect("cleanup again");
+    assert!(again.is_empty(), "{again:?}");
+}
+
+#[tokio::test]
+async fn bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects_alone() {
+    if inside_netns("bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects_alone")
+        .is_none()
+    {
+        return;
+    }
+    // Objects hearth does not own: two bridges, one named like no
+    // hearth object (htx is no hearth prefix), another nftables table.
+    run("ip", &["link", "add", "br-ext", "type", "bridge"]);
+    run("ip", &["link", "add", "htx0", "type", "bridge"]);
+    run("nft", &["add", "table", "inet", "other"]);
+    let state = state_dir();
+    let networks = state.path().join("networks");
+    let want = HostDesired {
+        networks: vec![HostNetwork {
+            bridge: "hth5".into(),
+            gateway: Ipv4Addr::new(10, 90, 0, 1),
+            prefix_len: 24,
+            mode: NetworkMode::Bridge {
+                existing: "br-ext".into(),
+            },
+            dhcp: true,
+            static_leases: vec![],
+            port_forwards: vec![],
+        }],
+        taps: vec![DesiredTap {
+            name: "htt5".into(),
+            bridge: "br-ext".into(),
+        }],
+    };
+    let nl = Netlink::open().expect("netlink");
+    let report = host::apply(&nl, &want, &networks).await.expect("apply");
+    assert_eq!(
+        report.links,
+        [
+            LinkChange::Created("htt5".into()),
+            LinkChange::Enslaved {
+                link: "htt5".into(),
+                master: "br-ext".into()
+            },
+            LinkChange::BroughtUp("htt5".into())
+        ]
+    );
+    assert!(report.dnsmasq.is_empty(), "no DHCP on an existing bridge");
+    assert_eq!(link_detail("htt5")["master"], "br-ext");
+    assert_eq!(
+        ipv4_of("br-ext"),
+        Vec::<String>::new(),
+        "br-ext is not changed"
+    );
+    assert!(!run("nft", &["list", "tables"]).contains("hearth"));
+
+    // A stale hearth bridge from a crash, and a refused removal of a foreign link.
+    run("ip", &["link", "add", "hth9", "type", "bridge"]);
+    assert!(nl.remove("br-ext").await.is_err());
+    let actions = cleanup::run(&nl, &HostDesired::default(), &networks)
+        .await
+        .expect("cleanup");
+    assert_eq!(
+        actions,
+        [
+            CleanupAction::DeleteLink("htt5".into()),
+            CleanupAction::DeleteLink("hth9".into())
+        ]
+    );
+    assert_eq!(hearth_links(), Vec::<(String, u64)>::new());
+    for foreign in ["br-ext", "htx0"] {
+        assert_eq!(link_detail(foreign)["ifname"], foreign);
+    }
+    assert!(run("nft", &["list", "tables"]).contains("table inet other"));
+}
