@@ -406,6 +406,15 @@ async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash(
     assert_eq!(report.dnsmasq[0].1, DnsmasqOutcome::Unchanged { pid });
     assert_eq!(dnsmasq::find_all(&networks).len(), 1);
 
+    // A lost pid file does not lead to a second dnsmasq: it is found by its
+    // --conf-file in /proc.
+    std::fs::remove_file(files.pid()).expect("remove pid file");
+    let report = host::apply(&nl, &moved, &networks)
+        .await
+        .expect("apply without pid file");
+    assert_eq!(report.dnsmasq[0].1, DnsmasqOutcome::Unchanged { pid });
+    assert_eq!(dnsmasq::find_all(&networks).len(), 1);
+
     // Crash, then start-up with nothing desired: every hearth object goes.
     drop(nl);
     let nl = Netlink::open().expect("netlink after crash");

@@ -171,11 +171,36 @@ fn is_dnsmasq(args: &[String]) -> bool {
         .is_some_and(|n| n == "dnsmasq")
 }
 
-/// The running dnsmasq of these files, from the pid file and `/proc`.
+/// The running dnsmasq of these files: the pid file's process if it is this
+/// network's dnsmasq, otherwise one found in `/proc` by its `--conf-file`
+/// (a pid file lost or overwritten must not lead to a second dnsmasq).
 pub fn observe(files: &DnsmasqFiles) -> Option<Running> {
-    let text = std::fs::read_to_string(files.pid()).ok()?;
-    let pid: u32 = text.trim().parse().ok()?;
-    open_checked(pid, &files.conf_arg())
+    let conf_arg = files.conf_arg();
+    let from_pid_file = std::fs::read_to_string(files.pid())
+        .ok()
+        .and_then(|t| t.trim().parse::<u32>().ok())
+        .and_then(|pid| open_checked(pid, &conf_arg));
+    from_pid_file.or_else(|| {
+        proc_dnsmasqs()
+            .into_iter()
+            .filter(|(_, args)| args.iter().any(|a| *a == conf_arg))
+            .find_map(|(pid, _)| open_checked(pid, &conf_arg))
+    })
+}
+
+/// Every dnsmasq process in `/proc` with its arguments.
+fn proc_dnsmasqs() -> Vec<(u32, Vec<String>)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out: Vec<(u32, Vec<String>)> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| Some((pid, read_cmdline(pid)?)))
+        .filter(|(_, args)| is_dnsmasq(args))
+        .collect();
+    out.sort_by_key(|(pid, _)| *pid);
+    out
 }
 
 impl Running {
@@ -317,20 +342,8 @@ pub struct FoundDnsmasq {
 /// Every dnsmasq whose config lies in `NETWORKS_DIR/*/dnsmasq.conf`,
 /// whatever its pid file says.
 pub fn find_all(networks_dir: &Path) -> Vec<FoundDnsmasq> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
     let mut out = Vec::new();
-    for e in entries.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
-            continue;
-        };
-        let Some(args) = read_cmdline(pid) else {
-            continue;
-        };
-        if !is_dnsmasq(&args) {
-            continue;
-        }
+    for (pid, args) in proc_dnsmasqs() {
         for a in &args {
             if let Some(conf) = a.strip_prefix("--conf-file=") {
                 let conf = Path::new(conf);
@@ -346,7 +359,6 @@ pub fn find_all(networks_dir: &Path) -> Vec<FoundDnsmasq> {
             }
         }
     }
-    out.sort_by_key(|f| f.pid);
     out
 }
 
