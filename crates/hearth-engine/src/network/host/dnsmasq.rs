@@ -183,7 +183,7 @@ pub fn observe(files: &DnsmasqFiles) -> Option<Running> {
     from_pid_file.or_else(|| {
         proc_dnsmasqs()
             .into_iter()
-            .filter(|(_, args)| args.iter().any(|a| *a == conf_arg))
+            .filter(|(_, args)| args.contains(&conf_arg))
             .find_map(|(pid, _)| open_checked(pid, &conf_arg))
     })
 }
