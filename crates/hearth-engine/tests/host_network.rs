@@ -121,16 +121,28 @@ fn inside_netns(test: &str) -> Option<()> {
         Err(_) => {
             let ns = Netns::create();
             let exe = std::env::current_exe().expect("current_exe");
-            let status = Command::new("ip")
+            // The child's output is captured and shown only on failure: its
+            // own "test result:" line would otherwise be counted twice by
+            // scripts/test's total.
+            let out = Command::new("ip")
                 .args(["netns", "exec", &ns.name])
                 .arg(exe)
                 .args([test, "--exact", "--nocapture", "--test-threads=1"])
                 .env(INNER_ENV, &ns.name)
-                .status()
+                .output()
                 .expect("ip netns exec");
             assert!(
-                status.success(),
-                "{test} inside {} failed: {status}",
+                out.status.success(),
+                "{test} inside {} failed: {}\n--- stdout\n{}\n--- stderr\n{}",
+                ns.name,
+                out.status,
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                stdout.contains("test result: ok. 1 passed"),
+                "{test} did not run inside {}: {stdout}",
                 ns.name
             );
             None
