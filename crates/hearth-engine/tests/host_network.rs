@@ -528,3 +528,118 @@ async fn bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects
     }
     assert!(run("nft", &["list", "tables"]).contains("table inet other"));
 }
+
+/// A veth pair inside the namespace: `bridge_end` joins `bridge`, the client
+/// end gets `mac`. Names without hearth's prefix: they are the test's own.
+fn dhcp_client_port(client: &str, bridge_end: &str, bridge: &str, mac: Mac) {
+    run(
+        "ip",
+        &[
+            "link", "add", client, "type", "veth", "peer", "name", bridge_end,
+        ],
+    );
+    run("ip", &["link", "set", bridge_end, "master", bridge, "up"]);
+    run(
+        "ip",
+        &["link", "set", client, "address", &mac.to_string(), "up"],
+    );
+}
+
+/// One DHCP exchange with busybox udhcpc on `iface`, bounded (3 discovers, 1 s
+/// apart). `Some("ip=… router=…")` when it got a lease.
+fn udhcpc(iface: &str, dir: &Path) -> Option<String> {
+    let out_file = dir.join(format!("{iface}.events"));
+    let script = dir.join("udhcpc.sh");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\n[ \"$1\" = bound ] && echo \"ip=$ip router=$router\" > {}\nexit 0\n",
+            out_file.display()
+        ),
+    )
+    .expect("write script");
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let status = Command::new("busybox")
+        .args([
+            "udhcpc", "-f", "-q", "-n", "-t", "3", "-T", "1", "-i", iface, "-s",
+        ])
+        .arg(&script)
+        .output()
+        .expect("busybox udhcpc (apt-get install busybox-static)")
+        .status;
+    status.success().then(|| {
+        std::fs::read_to_string(&out_file)
+            .unwrap_or_default()
+            .trim()
+            .to_string()
+    })
+}
+
+#[tokio::test]
+async fn dhcp_serves_exactly_the_stored_leases() {
+    if inside_netns("dhcp_serves_exactly_the_stored_leases").is_none() {
+        return;
+    }
+    let state = state_dir();
+    let networks = state.path().join("networks");
+    let mut iso = desired().networks[1].clone();
+    iso.dhcp = true;
+    iso.static_leases = vec![StaticLease {
+        mac: Mac([0x52, 0x54, 0x00, 0x99, 0x00, 0x05]),
+        ip: Ipv4Addr::new(10, 78, 0, 5),
+        hostname: "iso".into(),
+    }];
+    let want = HostDesired {
+        networks: vec![desired().networks[0].clone(), iso],
+        taps: vec![],
+    };
+    let nl = Netlink::open().expect("netlink");
+    host::apply(&nl, &want, &networks).await.expect("apply");
+
+    dhcp_client_port("vcl0", "vbr0", "hth0", lease(10, "web").mac);
+    dhcp_client_port(
+        "vcl1",
+        "vbr1",
+        "hth1",
+        Mac([0x52, 0x54, 0x00, 0x99, 0x00, 0x05]),
+    );
+    dhcp_client_port(
+        "vcl2",
+        "vbr2",
+        "hth0",
+        Mac([0x52, 0x54, 0x00, 0x77, 0x77, 0x77]),
+    );
+
+    // The stored address, with the gateway as router on a NAT network...
+    assert_eq!(
+        udhcpc("vcl0", state.path()).as_deref(),
+        Some("ip=10.77.0.10 router=10.77.0.1")
+    );
+    // ...and no router on an Isolated one.
+    assert_eq!(
+        udhcpc("vcl1", state.path()).as_deref(),
+        Some("ip=10.78.0.5 router=")
+    );
+    // A MAC hearth gave no address gets none: dnsmasq allocates nothing itself.
+    assert_eq!(udhcpc("vcl2", state.path()), None);
+    let leases =
+        std::fs::read_to_string(network_dir(&networks, "hth0").join("leases")).expect("lease file");
+    assert!(
+        leases.contains("52:54:00:12:34:0a 10.77.0.10 web"),
+        "{leases}"
+    );
+    assert!(!leases.contains("77:77:77"), "{leases}");
+
+    let actions = cleanup::run(&nl, &HostDesired::default(), &networks)
+        .await
+        .expect("cleanup");
+    assert_eq!(
+        actions
+            .iter()
+            .filter(|a| matches!(a, CleanupAction::StopDnsmasq(_)))
+            .count(),
+        2,
+        "{actions:?}"
+    );
+    assert!(dnsmasq::find_all(&networks).is_empty());
+}
