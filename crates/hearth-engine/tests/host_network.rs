@@ -27,6 +27,7 @@ use hearth_engine::network::host::{
 };
 
 const INNER_ENV: &str = "HEARTH_TEST_NETNS";
+const GUESTS_ENV: &str = "HEARTH_TEST_NETNS_GUESTS";
 const INSTALL: &str = "apt-get install dnsmasq-base nftables iproute2";
 
 fn require_tools() {
@@ -107,6 +108,13 @@ fn run(cmd: &str, args: &[&str]) -> String {
 /// `None`. In the child: checks it is in that namespace; returns `Some(())`
 /// so the caller runs the body.
 fn inside_netns(test: &str) -> Option<()> {
+    inside_netns_with_guests(test, 0).map(|_| ())
+}
+
+/// Like [`inside_netns`], and the parent also creates `guests` more
+/// namespaces (to stand in for VMs: a server behind a port forward); the
+/// child gets their names.
+fn inside_netns_with_guests(test: &str, guests: usize) -> Option<Vec<String>> {
     match std::env::var(INNER_ENV) {
         Ok(ns) => {
             let mine = std::fs::metadata("/proc/self/ns/net").expect("/proc/self/ns/net");
@@ -116,10 +124,19 @@ fn inside_netns(test: &str) -> Option<()> {
                 (theirs.dev(), theirs.ino()),
                 "refusing to run: not inside network namespace {ns}"
             );
-            Some(())
+            let guests = std::env::var(GUESTS_ENV).unwrap_or_default();
+            Some(
+                guests
+                    .split(',')
+                    .filter(|g| !g.is_empty())
+                    .map(str::to_string)
+                    .collect(),
+            )
         }
         Err(_) => {
             let ns = Netns::create();
+            let guest_ns: Vec<Netns> = (0..guests).map(|_| Netns::create()).collect();
+            let guest_names: Vec<&str> = guest_ns.iter().map(|g| g.name.as_str()).collect();
             let exe = std::env::current_exe().expect("current_exe");
             // The child's output is captured and shown only on failure: its
             // own "test result:" line would otherwise be counted twice by
@@ -129,6 +146,7 @@ fn inside_netns(test: &str) -> Option<()> {
                 .arg(exe)
                 .args([test, "--exact", "--nocapture", "--test-threads=1"])
                 .env(INNER_ENV, &ns.name)
+                .env(GUESTS_ENV, guest_names.join(","))
                 .output()
                 .expect("ip netns exec");
             assert!(
@@ -642,4 +660,106 @@ async fn dhcp_serves_exactly_the_stored_leases() {
         "{actions:?}"
     );
     assert!(dnsmasq::find_all(&networks).is_empty());
+}
+
+#[tokio::test]
+async fn a_port_forward_reaches_a_server_behind_the_bridge() {
+    let Some(guests) =
+        inside_netns_with_guests("a_port_forward_reaches_a_server_behind_the_bridge", 1)
+    else {
+        return;
+    };
+    let guest = &guests[0];
+    let state = state_dir();
+    let networks = state.path().join("networks");
+    let mut net = desired().networks[0].clone();
+    net.dhcp = false;
+    let want = HostDesired {
+        networks: vec![net],
+        taps: vec![],
+    };
+    let nl = Netlink::open().expect("netlink");
+    host::apply(&nl, &want, &networks).await.expect("apply");
+
+    // The "guest": another namespace the parent test created, on the bridge
+    // through a veth, at the forward's guest address.
+    run(
+        "ip",
+        &[
+            "link", "add", "vfw0", "type", "veth", "peer", "name", "vfw1", "netns", guest,
+        ],
+    );
+    run("ip", &["link", "set", "vfw0", "master", "hth0", "up"]);
+    let in_guest = |args: &[&str]| {
+        let mut all = vec!["netns", "exec", guest.as_str(), "ip"];
+        all.extend_from_slice(args);
+        run("ip", &all)
+    };
+    in_guest(&["addr", "add", "10.77.0.10/24", "dev", "vfw1"]);
+    in_guest(&["link", "set", "vfw1", "up"]);
+    in_guest(&["route", "add", "default", "via", "10.77.0.1"]);
+    // A one-shot server on the guest's port 22: says where the connection
+    // came from, then exits. It prints "ready" once it listens.
+    let mut server = tokio::process::Command::new("ip")
+        .args(["netns", "exec", guest, "python3", "-c"])
+        .arg(
+            "import socket,sys\n\
+             s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n\
+             s.bind(('10.77.0.10', 22)); s.listen(1); print('ready', flush=True)\n\
+             s.settimeout(20); c,a=s.accept(); c.sendall(('hello from guest, peer %s' % a[0]).encode()); c.close()\n",
+        )
+        .stdout(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("python3 in the guest namespace");
+    let mut lines = tokio::io::BufReader::new(server.stdout.take().expect("stdout"));
+    let mut first = String::new();
+    tokio::time::timeout(
+        std::time::Duration::from_secs(20),
+        tokio::io::AsyncBufReadExt::read_line(&mut lines, &mut first),
+    )
+    .await
+    .expect("server ready in time")
+    .expect("read");
+    assert_eq!(first.trim(), "ready");
+
+    // From this namespace to its own bridge address, port 2222: the output
+    // chain's DNAT sends it to 10.77.0.10:22.
+    let got = tokio::time::timeout(std::time::Duration::from_secs(20), async {
+        let mut conn = tokio::net::TcpStream::connect("10.77.0.1:2222").await?;
+        let mut buf = String::new();
+        tokio::io::AsyncReadExt::read_to_string(&mut conn, &mut buf).await?;
+        Ok::<_, std::io::Error>(buf)
+    })
+    .await
+    .expect("forwarded connection in time")
+    .expect("forwarded connection");
+    assert_eq!(got, "hello from guest, peer 10.77.0.1");
+    let status = server.wait().await.expect("server exit");
+    assert!(status.success(), "{status}");
+
+    // Without the forward, the same connection is refused (by this
+    // namespace's own stack, over its loopback: a new namespace starts with
+    // lo down).
+    run("ip", &["link", "set", "lo", "up"]);
+    let mut unforwarded = want.clone();
+    unforwarded.networks[0].port_forwards.clear();
+    assert!(
+        host::apply(&nl, &unforwarded, &networks)
+            .await
+            .expect("apply")
+            .nft_changed
+    );
+    let err = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        tokio::net::TcpStream::connect("10.77.0.1:2222"),
+    )
+    .await
+    .expect("an answer in time")
+    .expect_err("nothing listens on 2222 itself");
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionRefused);
+
+    cleanup::run(&nl, &HostDesired::default(), &networks)
+        .await
+        .expect("cleanup");
 }
