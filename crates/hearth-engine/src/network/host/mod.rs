@@ -280,8 +280,31 @@ impl HostNetwork {
                 ),
             });
         }
+        let mut macs = std::collections::BTreeSet::new();
+        let mut ips = std::collections::BTreeSet::new();
         for lease in &self.static_leases {
             check_hostname(&object, &lease.hostname)?;
+            if lease.mac.0[0] & 1 != 0 || lease.mac.0 == [0; 6] {
+                return Err(InvalidDesired {
+                    object,
+                    field: "staticLeases.mac",
+                    reason: format!("{} is not a unicast address", lease.mac),
+                });
+            }
+            if !macs.insert(lease.mac) {
+                return Err(InvalidDesired {
+                    object,
+                    field: "staticLeases.mac",
+                    reason: format!("{} has two leases", lease.mac),
+                });
+            }
+            if !ips.insert(lease.ip) {
+                return Err(InvalidDesired {
+                    object,
+                    field: "staticLeases.ip",
+                    reason: format!("{} is leased twice", lease.ip),
+                });
+            }
             if !inside(lease.ip) || lease.ip == self.gateway {
                 return Err(InvalidDesired {
                     object,
@@ -328,6 +351,51 @@ impl HostDesired {
                     field: "bridge",
                     reason: "two networks use this bridge".to_string(),
                 });
+            }
+        }
+        let managed: Vec<&HostNetwork> = self
+            .networks
+            .iter()
+            .filter(|n| n.managed_bridge().is_some())
+            .collect();
+        for (i, a) in managed.iter().enumerate() {
+            for b in &managed[i + 1..] {
+                let len = a.prefix_len.min(b.prefix_len);
+                let mask = prefix_mask(len);
+                if u32::from(a.gateway) & mask == u32::from(b.gateway) & mask {
+                    return Err(InvalidDesired {
+                        object: format!("network {:?}", b.bridge),
+                        field: "subnet",
+                        reason: format!(
+                            "{} overlaps {} of network {:?}",
+                            b.subnet_cidr(),
+                            a.subnet_cidr(),
+                            a.bridge
+                        ),
+                    });
+                }
+            }
+        }
+        let forwards: Vec<(&HostNetwork, &PortForward)> = self
+            .networks
+            .iter()
+            .flat_map(|n| n.port_forwards.iter().map(move |f| (n, f)))
+            .collect();
+        for (i, (net, a)) in forwards.iter().enumerate() {
+            for (_, b) in &forwards[i + 1..] {
+                let same_addr =
+                    a.host_addr.is_none() || b.host_addr.is_none() || a.host_addr == b.host_addr;
+                if a.protocol == b.protocol && a.host_port == b.host_port && same_addr {
+                    return Err(InvalidDesired {
+                        object: format!("network {:?}", net.bridge),
+                        field: "portForwards.hostPort",
+                        reason: format!(
+                            "{} port {} is forwarded twice",
+                            a.protocol.as_nft(),
+                            a.host_port
+                        ),
+                    });
+                }
             }
         }
         let mut taps = std::collections::BTreeSet::new();
@@ -444,6 +512,77 @@ mod tests {
             existing: "hth9".into(),
         };
         assert_eq!(n.validate().unwrap_err().field, "mode.bridge");
+    }
+
+    #[test]
+    fn multicast_and_duplicate_leases_are_refused() {
+        let mut n = nat_net();
+        n.static_leases[0].mac = Mac([0x01, 0, 0x5e, 0, 0, 1]);
+        let e = n.validate().unwrap_err();
+        assert_eq!(e.field, "staticLeases.mac");
+        assert!(e.reason.contains("not a unicast"), "{e}");
+        let mut n = nat_net();
+        let mut again = n.static_leases[0].clone();
+        again.ip = Ipv4Addr::new(10, 77, 0, 11);
+        n.static_leases.push(again);
+        assert!(n.validate().unwrap_err().reason.contains("two leases"));
+        let mut n = nat_net();
+        let mut again = n.static_leases[0].clone();
+        again.mac = Mac([0x52, 0x54, 0, 0xab, 0, 2]);
+        n.static_leases.push(again);
+        assert!(n.validate().unwrap_err().reason.contains("leased twice"));
+    }
+
+    #[test]
+    fn a_host_port_forwarded_twice_is_refused_across_networks() {
+        let fwd = |host_addr, guest: u8| PortForward {
+            protocol: Protocol::Tcp,
+            host_addr,
+            host_port: 2222,
+            guest_ip: Ipv4Addr::new(10, 77, 0, guest),
+            guest_port: 22,
+        };
+        let mut a = nat_net();
+        a.port_forwards = vec![fwd(Some(Ipv4Addr::new(192, 0, 2, 1)), 10)];
+        let mut b = nat_net();
+        b.bridge = "hth1".into();
+        b.gateway = Ipv4Addr::new(10, 78, 0, 1);
+        b.static_leases.clear();
+        b.port_forwards = vec![fwd(Some(Ipv4Addr::new(192, 0, 2, 2)), 11)];
+        b.port_forwards[0].guest_ip = Ipv4Addr::new(10, 78, 0, 11);
+        let mut d = HostDesired {
+            networks: vec![a, b],
+            taps: vec![],
+        };
+        // Different host addresses: both fine.
+        d.validate().unwrap();
+        // "Any address" overlaps every address.
+        d.networks[1].port_forwards[0].host_addr = None;
+        let e = d.validate().unwrap_err();
+        assert_eq!(e.field, "portForwards.hostPort");
+        assert_eq!(e.reason, "tcp port 2222 is forwarded twice");
+        // Another protocol does not.
+        d.networks[1].port_forwards[0].protocol = Protocol::Udp;
+        d.validate().unwrap();
+    }
+
+    #[test]
+    fn overlapping_subnets_are_refused() {
+        let mut b = nat_net();
+        b.bridge = "hth1".into();
+        b.gateway = Ipv4Addr::new(10, 77, 0, 129);
+        b.prefix_len = 25;
+        b.static_leases.clear();
+        let d = HostDesired {
+            networks: vec![nat_net(), b],
+            taps: vec![],
+        };
+        let e = d.validate().unwrap_err();
+        assert_eq!(e.field, "subnet");
+        assert_eq!(
+            e.to_string(),
+            "network \"hth1\": subnet: 10.77.0.128/25 overlaps 10.77.0.0/24 of network \"hth0\""
+        );
     }
 
     #[test]
