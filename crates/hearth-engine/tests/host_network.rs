@@ -350,6 +350,31 @@ async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash(
     let args = cmdline(pid);
     assert!(args[0].ends_with("dnsmasq"), "{args:?}");
     assert!(args.contains(&files.conf_arg()), "{args:?}");
+    // Daemonised: neither our child nor in our session, so a SIGKILL of the
+    // daemon (or of its process group) leaves it running.
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let ppid: u32 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("PPid:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("PPid");
+    assert_ne!(ppid, std::process::id());
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    let own_sid = rustix::process::getsid(None)
+        .expect("getsid")
+        .as_raw_nonzero()
+        .get();
+    assert_ne!(
+        fields[3].parse::<i32>().unwrap(),
+        own_sid,
+        "dnsmasq is in our session"
+    );
     assert_eq!(
         std::fs::read_to_string(files.hosts()).unwrap(),
         "52:54:00:12:34:0a,10.77.0.10,web\n"
