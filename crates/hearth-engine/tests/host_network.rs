@@ -544,6 +544,48 @@ async fn bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects
         ]
     );
     assert!(report.dnsmasq.is_empty(), "no DHCP on an existing bridge");
+    let observed = nl.observe().await.expect("observe");
+    let tap = observed
+        .iter()
+        .find(|l| l.name == "htt5")
+        .expect("htt5 observed");
+    assert_eq!(tap.master.as_deref(), Some("br-ext"));
+    assert!(tap.up);
+    let info = tap.tun.expect("tun info");
+    assert!(info.is_hearth_tap(), "{info:?}");
+    assert_eq!(info.owner, Some(0));
+
+    // A tap of hearth's name without vnet_hdr (made by hand) is made again.
+    run("ip", &["tuntap", "add", "dev", "htt6", "mode", "tap"]);
+    assert_eq!(
+        link_detail("htt6")["linkinfo"]["info_data"]["vnet_hdr"],
+        false
+    );
+    let mut with_six = want.clone();
+    with_six.taps.push(DesiredTap {
+        name: "htt6".into(),
+        bridge: "br-ext".into(),
+    });
+    let report = host::apply(&nl, &with_six, &networks)
+        .await
+        .expect("apply htt6");
+    assert_eq!(
+        report.links[..2],
+        [
+            LinkChange::Deleted("htt6".into()),
+            LinkChange::Created("htt6".into())
+        ]
+    );
+    assert_eq!(
+        link_detail("htt6")["linkinfo"]["info_data"]["vnet_hdr"],
+        true
+    );
+    assert!(
+        !host::apply(&nl, &with_six, &networks)
+            .await
+            .expect("again")
+            .changed()
+    );
     assert_eq!(link_detail("htt5")["master"], "br-ext");
     assert_eq!(
         ipv4_of("br-ext"),
@@ -562,6 +604,7 @@ async fn bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects
         actions,
         [
             CleanupAction::DeleteLink("htt5".into()),
+            CleanupAction::DeleteLink("htt6".into()),
             CleanupAction::DeleteLink("hth9".into())
         ]
     );

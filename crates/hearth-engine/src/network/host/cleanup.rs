@@ -122,6 +122,7 @@ mod tests {
             master: None,
             addresses: vec![],
             up: true,
+            tun: None,
         }
     }
 

@@ -14,8 +14,11 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::AsRawFd;
 
 use futures_util::TryStreamExt;
+use rtnetlink::packet_core::Nla;
 use rtnetlink::packet_route::address::AddressAttribute;
-use rtnetlink::packet_route::link::{InfoKind, LinkAttribute, LinkFlags, LinkInfo, LinkMessage};
+use rtnetlink::packet_route::link::{
+    InfoData, InfoKind, InfoTun, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
+};
 use rtnetlink::{Handle, LinkBridge, LinkUnspec};
 
 use super::{BRIDGE_PREFIX, HostError, TAP_PREFIX, check_ifname};
@@ -43,6 +46,54 @@ pub struct ObservedLink {
     pub addresses: Vec<(Ipv4Addr, u8)>,
     /// Administratively up (`IFF_UP`).
     pub up: bool,
+    /// For tun/tap devices: their settings.
+    pub tun: Option<TunInfo>,
+}
+
+/// A tun/tap device's settings (`IFLA_TUN_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TunInfo {
+    /// A tap (layer 2), not a tun.
+    pub tap: bool,
+    /// Packet information header on (hearth wants it off).
+    pub pi: bool,
+    pub vnet_hdr: bool,
+    pub persist: bool,
+    pub owner: Option<u32>,
+}
+
+impl TunInfo {
+    /// What QEMU's `-netdev tap,ifname=` expects of a persistent tap.
+    pub fn is_hearth_tap(&self) -> bool {
+        self.tap && !self.pi && self.vnet_hdr && self.persist
+    }
+
+    fn parse(nlas: &[InfoTun]) -> Self {
+        // <linux/if_link.h>: IFLA_TUN_OWNER 1, TYPE 3, PI 4, VNET_HDR 5, PERSIST 6.
+        let mut info = TunInfo::default();
+        for item in nlas {
+            let nla = match item {
+                InfoTun::Other(nla) => nla,
+                #[allow(unreachable_patterns)]
+                _ => continue,
+            };
+            let mut value = vec![0u8; nla.value_len()];
+            nla.emit_value(&mut value);
+            let byte = value.first().copied().unwrap_or(0);
+            match nla.kind() {
+                1 if value.len() >= 4 => {
+                    let owner = u32::from_ne_bytes([value[0], value[1], value[2], value[3]]);
+                    info.owner = (owner != u32::MAX).then_some(owner);
+                }
+                3 => info.tap = byte == 2,
+                4 => info.pi = byte != 0,
+                5 => info.vnet_hdr = byte != 0,
+                6 => info.persist = byte != 0,
+                _ => {}
+            }
+        }
+        info
+    }
 }
 
 impl ObservedLink {
@@ -131,16 +182,23 @@ impl Netlink {
             let Some(name) = link_name(m) else { continue };
             let mut kind = LinkKind::None;
             let mut master = None;
+            let mut tun = None;
             for attr in &m.attributes {
                 match attr {
                     LinkAttribute::LinkInfo(infos) => {
                         for info in infos {
-                            if let LinkInfo::Kind(k) = info {
-                                kind = match k {
-                                    InfoKind::Bridge => LinkKind::Bridge,
-                                    InfoKind::Tun => LinkKind::Tun,
-                                    other => LinkKind::Other(other.to_string()),
-                                };
+                            match info {
+                                LinkInfo::Kind(k) => {
+                                    kind = match k {
+                                        InfoKind::Bridge => LinkKind::Bridge,
+                                        InfoKind::Tun => LinkKind::Tun,
+                                        other => LinkKind::Other(other.to_string()),
+                                    };
+                                }
+                                LinkInfo::Data(InfoData::Tun(nlas)) => {
+                                    tun = Some(TunInfo::parse(nlas));
+                                }
+                                _ => {}
                             }
                         }
                     }
@@ -164,6 +222,7 @@ impl Netlink {
                 master,
                 addresses,
                 up: m.header.flags.contains(LinkFlags::Up),
+                tun,
             });
         }
         Ok(out)
@@ -297,8 +356,25 @@ impl Netlink {
             });
         }
         let master_index = master.index;
-        let link = match all.iter().find(|l| l.name == name) {
-            Some(l) => l.clone(),
+        let existing = all.iter().find(|l| l.name == name).cloned();
+        // A tap of hearth's name with other settings (left by an older run or
+        // made by hand) is made again: a tun would make QEMU's open fail, and
+        // the rest must be what hearth made, not what an open happened to set.
+        let existing = match existing {
+            Some(l) if l.kind == LinkKind::Tun && !l.tun.is_some_and(|t| t.is_hearth_tap()) => {
+                self.handle
+                    .link()
+                    .del(l.index)
+                    .execute()
+                    .await
+                    .map_err(nl(format!("deleting mis-set tap {name}")))?;
+                changes.push(LinkChange::Deleted(name.to_string()));
+                None
+            }
+            other => other,
+        };
+        let link = match existing {
+            Some(l) => l,
             None => {
                 create_persistent_tap(name)?;
                 changes.push(LinkChange::Created(name.to_string()));
