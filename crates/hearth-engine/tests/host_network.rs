@@ -28,6 +28,7 @@ use hearth_engine::network::host::{
 
 const INNER_ENV: &str = "HEARTH_TEST_NETNS";
 const GUESTS_ENV: &str = "HEARTH_TEST_NETNS_GUESTS";
+const CHILD_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(180);
 const INSTALL: &str = "apt-get install dnsmasq-base nftables iproute2";
 
 fn require_tools() {
@@ -141,14 +142,32 @@ fn inside_netns_with_guests(test: &str, guests: usize) -> Option<Vec<String>> {
             // The child's output is captured and shown only on failure: its
             // own "test result:" line would otherwise be counted twice by
             // scripts/test's total.
-            let out = Command::new("ip")
+            let child = Command::new("ip")
                 .args(["netns", "exec", &ns.name])
                 .arg(exe)
                 .args([test, "--exact", "--nocapture", "--test-threads=1"])
                 .env(INNER_ENV, &ns.name)
                 .env(GUESTS_ENV, guest_names.join(","))
-                .output()
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
                 .expect("ip netns exec");
+            // Bounded: a child that hangs is killed (`ip netns exec` execs
+            // the test binary, so the pid is the test's) and the test fails.
+            let pid = child.id();
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                let _ = tx.send(child.wait_with_output());
+            });
+            let out = match rx.recv_timeout(CHILD_TIMEOUT) {
+                Ok(out) => out.expect("waiting for the namespaced test"),
+                Err(_) => {
+                    let _ = Command::new("kill")
+                        .args(["-KILL", &pid.to_string()])
+                        .status();
+                    panic!("{test} inside {} took more than {CHILD_TIMEOUT:?}", ns.name);
+                }
+            };
             assert!(
                 out.status.success(),
                 "{test} inside {} failed: {}\n--- stdout\n{}\n--- stderr\n{}",
