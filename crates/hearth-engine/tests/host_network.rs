@@ -10,8 +10,10 @@
 //! host's namespace. Before doing anything the child checks that its
 //! `/proc/self/ns/net` is the namespace's (same device and inode). The parent
 //! holds a guard that kills every process left in the namespace and deletes
-//! it, also when the test fails. No packet leaves the namespace: nothing here
-//! sends traffic at all.
+//! it, also when the test fails. No packet leaves the test's namespaces: the
+//! only traffic is a DHCP exchange over a veth on a bridge inside the
+//! namespace, and a TCP connection to the namespace's own bridge address,
+//! forwarded to a second namespace the parent test also created.
 
 use std::net::Ipv4Addr;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
