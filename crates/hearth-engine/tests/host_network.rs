@@ -852,3 +852,89 @@ async fn a_port_forward_reaches_a_server_behind_the_bridge() {
         .await
         .expect("cleanup");
 }
+
+#[tokio::test]
+async fn resync_removes_a_deleted_network_and_restarts_dnsmasq_on_a_config_change() {
+    if inside_netns("resync_removes_a_deleted_network_and_restarts_dnsmasq_on_a_config_change")
+        .is_none()
+    {
+        return;
+    }
+    let state = state_dir();
+    let networks = state.path().join("networks");
+    let mut two = desired();
+    two.networks[1].dhcp = true;
+    two.taps.push(DesiredTap {
+        name: "htt9".into(),
+        bridge: "hth1".into(),
+    });
+    let nl = Netlink::open().expect("netlink");
+    let (report, removed) = host::resync(&nl, &two, &networks).await.expect("resync");
+    assert!(removed.is_empty(), "{removed:?}");
+    let pid0 = report.dnsmasq[0].1.pid();
+    let pid1 = report.dnsmasq[1].1.pid();
+    assert_eq!(dnsmasq::find_all(&networks).len(), 2);
+
+    // hth1 is deleted: its tap, bridge, dnsmasq and rules go; hth0 stays.
+    let mut one = two.clone();
+    one.networks.truncate(1);
+    one.taps.retain(|t| t.bridge == "hth0");
+    let (report, removed) = host::resync(&nl, &one, &networks)
+        .await
+        .expect("resync one");
+    assert!(report.links.is_empty(), "{report:?}");
+    assert_eq!(report.dnsmasq[0].1, DnsmasqOutcome::Unchanged { pid: pid0 });
+    assert!(report.nft_changed);
+    assert_eq!(
+        removed,
+        [
+            CleanupAction::DeleteLink("htt9".into()),
+            CleanupAction::DeleteLink("hth1".into()),
+            CleanupAction::StopDnsmasq(dnsmasq::FoundDnsmasq {
+                pid: pid1,
+                dir: network_dir(&networks, "hth1")
+            }),
+        ]
+    );
+    let names: Vec<String> = hearth_links().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(names, ["hth0", "htt0", "htt1"]);
+    assert!(cmdline(pid1).is_empty(), "dnsmasq {pid1} still runs");
+    let ruleset = run("nft", &["list", "table", "inet", "hearth"]);
+    assert!(!ruleset.contains("hth1"), "{ruleset}");
+    assert!(ruleset.contains("hth0"), "{ruleset}");
+
+    // A config change (the gateway moves) restarts dnsmasq: a new process,
+    // the old one gone, still exactly one.
+    let mut moved = one.clone();
+    moved.networks[0].gateway = Ipv4Addr::new(10, 77, 0, 254);
+    let (report, _) = host::resync(&nl, &moved, &networks)
+        .await
+        .expect("resync moved");
+    let DnsmasqOutcome::Started { pid: new_pid } = report.dnsmasq[0].1 else {
+        panic!("dnsmasq not restarted: {report:?}");
+    };
+    assert_ne!(new_pid, pid0);
+    assert!(cmdline(pid0).is_empty(), "old dnsmasq {pid0} still runs");
+    assert_eq!(dnsmasq::find_all(&networks).len(), 1);
+    let conf = std::fs::read_to_string(DnsmasqFiles::new(network_dir(&networks, "hth0")).conf())
+        .expect("conf");
+    assert!(
+        conf.contains("dhcp-option=option:router,10.77.0.254"),
+        "{conf}"
+    );
+    assert_eq!(ipv4_of("hth0"), ["10.77.0.254/24"]);
+
+    // Nothing desired: apply already drops the table (the rendered
+    // transaction is only its removal), cleanup takes the rest.
+    let (report, removed) = host::resync(&nl, &HostDesired::default(), &networks)
+        .await
+        .expect("resync empty");
+    assert!(report.nft_changed);
+    assert!(
+        !removed.contains(&CleanupAction::DeleteNftTable),
+        "{removed:?}"
+    );
+    assert!(!run("nft", &["list", "tables"]).contains("hearth"));
+    assert_eq!(hearth_links(), Vec::<(String, u64)>::new());
+    assert!(dnsmasq::find_all(&networks).is_empty());
+}
