@@ -427,8 +427,10 @@ async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash(
         "52:54:00:12:34:0a,10.77.0.10,web\n52:54:00:12:34:0b,10.77.0.11,db\n"
     );
     assert!(report.links.is_empty() && !report.nft_changed, "{report:?}");
-    // dnsmasq logs "read HOSTSFILE" at start and on every SIGHUP.
-    let read_line = format!("read {}", files.hosts().display());
+    // dnsmasq logs ": read HOSTSFILE" at start and on every SIGHUP (and
+    // ": cannot read HOSTSFILE" when it cannot).
+    let read_line = format!(": read {}", files.hosts().display());
+    assert!(!log_before.contains("cannot read"), "{log_before}");
     let reads_before = log_before.matches(&read_line).count();
     assert!(reads_before >= 1, "{log_before}");
     let mut reread = false;
@@ -441,6 +443,8 @@ async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash(
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
     assert!(reread, "dnsmasq did not reread its hosts file within 5 s");
+    let log = std::fs::read_to_string(files.log()).unwrap_or_default();
+    assert!(!log.contains("cannot read"), "{log}");
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap();
     eprintln!("dnsmasq {pid}: {uid_line}");

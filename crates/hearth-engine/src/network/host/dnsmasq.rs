@@ -302,11 +302,35 @@ impl DnsmasqOutcome {
     }
 }
 
+/// dnsmasq reads its hosts file as the unprivileged user it drops to
+/// (`nobody`), at start and on every SIGHUP: every directory above it must be
+/// traversable by others (`o+x`), or dnsmasq logs "cannot read" and serves
+/// no host at all. Checked before starting, so the error is hearth's and
+/// names the directory.
+pub fn check_reachable(dir: &Path) -> Result<(), HostError> {
+    for d in dir.ancestors() {
+        let meta = std::fs::metadata(d)
+            .map_err(|e| HostError::io(format!("reading {}", d.display()), e))?;
+        let mode = meta.permissions().mode() & 0o7777;
+        if mode & 0o001 == 0 {
+            return Err(HostError::Command {
+                what: format!("dnsmasq files in {}", dir.display()),
+                detail: format!(
+                    "dnsmasq runs as nobody and cannot reach them: {} has mode {mode:04o} (needs o+x, e.g. 0711)",
+                    d.display()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Makes the network's dnsmasq run with its current config and hosts.
 pub async fn ensure(net: &HostNetwork, files: &DnsmasqFiles) -> Result<DnsmasqOutcome, HostError> {
     std::fs::create_dir_all(&files.dir)
         .and_then(|()| std::fs::set_permissions(&files.dir, std::fs::Permissions::from_mode(0o755)))
         .map_err(|e| HostError::io(format!("creating {}", files.dir.display()), e))?;
+    check_reachable(&files.dir)?;
     let conf_changed = write_if_changed(&files.conf(), &render_config(net, files))?;
     let hosts_changed = write_if_changed(&files.hosts(), &render_hosts(&net.static_leases))?;
     match observe(files) {
@@ -439,6 +463,21 @@ mod tests {
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "y\n");
         let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o644);
+    }
+
+    #[test]
+    fn a_directory_closed_to_others_is_reported_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let net_dir = dir.path().join("networks").join("hth0");
+        std::fs::create_dir_all(&net_dir).unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        let e = check_reachable(&net_dir).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{} has mode 0700", dir.path().display())),
+            "{e}"
+        );
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+        check_reachable(&net_dir).unwrap();
     }
 
     #[test]
