@@ -41,6 +41,9 @@ BASE_PKGS=(
     mmdebstrap dosfstools mtools fdisk openssh-client
     # the image-import benchmark compares hearth with curl + qemu-img convert.
     curl
+    # host networking (docs/networking-host.md): DHCP per network, the
+    # nftables table, ip netns for the network tests.
+    dnsmasq-base nftables iproute2
 )
 
 BPO_SOURCES=/etc/apt/sources.list.d/hearth-backports.sources

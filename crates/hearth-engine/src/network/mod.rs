@@ -1,10 +1,12 @@
 //! VirtualNetworks: the pure core (names, MACs, subnet picking, IPAM, port
 //! forwards) and the network reconcile. The core is plain functions over
 //! plain data, so every rule is tested without a host network; the host
-//! side (bridges, taps, dnsmasq, nftables) is a separate layer on top.
-//! See docs/networking.md.
+//! side (bridges, taps, dnsmasq, nftables: `host/`) is a separate layer on
+//! top, not yet driven by the reconcile. See docs/networking.md and
+//! docs/networking-host.md.
 
 pub mod admission;
+pub mod host;
 pub mod ipam;
 pub mod names;
 pub mod ports;

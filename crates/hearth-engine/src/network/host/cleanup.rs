@@ -1,0 +1,240 @@
+//! What to remove from the host: a pure plan from the desired state and what
+//! was observed, and the shell that carries it out.
+//!
+//! Run at start-up (after a crash, in-memory state is gone and the host is
+//! the only record) and after a network or tap is deleted. The rules:
+//! - a link with hearth's prefix (`hth`, `htt`) that no desired network or
+//!   tap names is deleted, taps before bridges;
+//! - a dnsmasq whose `--conf-file` lies under the networks directory and
+//!   whose network is not desired with DHCP is stopped;
+//! - the `inet hearth` table is deleted when no desired network needs rules
+//!   (otherwise the next apply replaces it whole, which drops every rule
+//!   that is not desired).
+//!
+//! Nothing without the prefix, outside the networks directory or outside the
+//! table is in the plan, whatever was observed.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use super::dnsmasq::{self, FoundDnsmasq};
+use super::link::{LinkKind, Netlink, ObservedLink, is_hearth_name};
+use super::{HostDesired, HostError, NetworkMode, network_dir, nft};
+
+/// What was found on the host.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Observed {
+    pub links: Vec<ObservedLink>,
+    pub dnsmasq: Vec<FoundDnsmasq>,
+    pub nft_table: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CleanupAction {
+    DeleteLink(String),
+    StopDnsmasq(FoundDnsmasq),
+    DeleteNftTable,
+}
+
+/// The actions that bring `observed` down to what `desired` allows.
+pub fn plan(desired: &HostDesired, observed: &Observed, networks_dir: &Path) -> Vec<CleanupAction> {
+    let mut keep_links: BTreeSet<&str> = desired.taps.iter().map(|t| t.name.as_str()).collect();
+    keep_links.extend(desired.networks.iter().filter_map(|n| n.managed_bridge()));
+    let keep_dirs: BTreeSet<PathBuf> = desired
+        .networks
+        .iter()
+        .filter(|n| n.runs_dnsmasq())
+        .map(|n| network_dir(networks_dir, &n.bridge))
+        .collect();
+    let mut actions = Vec::new();
+    let mut stale: Vec<&ObservedLink> = observed
+        .links
+        .iter()
+        .filter(|l| is_hearth_name(&l.name) && !keep_links.contains(l.name.as_str()))
+        .collect();
+    // Taps (and anything else) first, bridges last: a bridge goes once its
+    // ports are gone.
+    stale.sort_by_key(|l| (l.kind == LinkKind::Bridge, l.name.clone()));
+    actions.extend(
+        stale
+            .into_iter()
+            .map(|l| CleanupAction::DeleteLink(l.name.clone())),
+    );
+    for d in &observed.dnsmasq {
+        if d.dir.parent() == Some(networks_dir) && !keep_dirs.contains(&d.dir) {
+            actions.push(CleanupAction::StopDnsmasq(d.clone()));
+        }
+    }
+    let needs_table = desired
+        .networks
+        .iter()
+        .any(|n| matches!(n.mode, NetworkMode::Nat | NetworkMode::Isolated));
+    if observed.nft_table && !needs_table {
+        actions.push(CleanupAction::DeleteNftTable);
+    }
+    actions
+}
+
+/// Observes the host: hearth's links, hearth's dnsmasqs, hearth's table.
+pub async fn observe(nl: &Netlink, networks_dir: &Path) -> Result<Observed, HostError> {
+    Ok(Observed {
+        links: nl.observe().await?,
+        dnsmasq: dnsmasq::find_all(networks_dir),
+        nft_table: nft::observe().await?.is_some(),
+    })
+}
+
+/// Observes, plans and carries the plan out. Returns the actions taken.
+pub async fn run(
+    nl: &Netlink,
+    desired: &HostDesired,
+    networks_dir: &Path,
+) -> Result<Vec<CleanupAction>, HostError> {
+    let observed = observe(nl, networks_dir).await?;
+    let actions = plan(desired, &observed, networks_dir);
+    for a in &actions {
+        match a {
+            CleanupAction::DeleteLink(name) => {
+                nl.remove(name).await?;
+            }
+            CleanupAction::StopDnsmasq(found) => {
+                dnsmasq::stop_found(found)?;
+            }
+            CleanupAction::DeleteNftTable => {
+                nft::remove().await?;
+            }
+        }
+    }
+    Ok(actions)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::network::host::{DesiredTap, HostNetwork};
+    use std::net::Ipv4Addr;
+
+    fn link(name: &str, kind: LinkKind) -> ObservedLink {
+        ObservedLink {
+            index: 1,
+            name: name.into(),
+            kind,
+            master: None,
+            addresses: vec![],
+            up: true,
+            tun: None,
+        }
+    }
+
+    fn net(bridge: &str, mode: NetworkMode, dhcp: bool) -> HostNetwork {
+        HostNetwork {
+            bridge: bridge.into(),
+            gateway: Ipv4Addr::new(10, 1, 0, 1),
+            prefix_len: 24,
+            mode,
+            dhcp,
+            static_leases: vec![],
+            port_forwards: vec![],
+        }
+    }
+
+    fn observed() -> Observed {
+        Observed {
+            links: vec![
+                link("hth0", LinkKind::Bridge),
+                link("hth1", LinkKind::Bridge),
+                link("htt0", LinkKind::Tun),
+                link("htt1", LinkKind::Tun),
+                link("eth0", LinkKind::None),
+                link("br0", LinkKind::Bridge),
+                link("docker0", LinkKind::Bridge),
+            ],
+            dnsmasq: vec![
+                FoundDnsmasq {
+                    pid: 10,
+                    dir: "/s/networks/hth0".into(),
+                },
+                FoundDnsmasq {
+                    pid: 11,
+                    dir: "/s/networks/hth1".into(),
+                },
+                FoundDnsmasq {
+                    pid: 12,
+                    dir: "/elsewhere/hth1".into(),
+                },
+            ],
+            nft_table: true,
+        }
+    }
+
+    #[test]
+    fn empty_desired_state_removes_every_hearth_object_and_nothing_else() {
+        let actions = plan(
+            &HostDesired::default(),
+            &observed(),
+            Path::new("/s/networks"),
+        );
+        assert_eq!(
+            actions,
+            vec![
+                CleanupAction::DeleteLink("htt0".into()),
+                CleanupAction::DeleteLink("htt1".into()),
+                CleanupAction::DeleteLink("hth0".into()),
+                CleanupAction::DeleteLink("hth1".into()),
+                CleanupAction::StopDnsmasq(FoundDnsmasq {
+                    pid: 10,
+                    dir: "/s/networks/hth0".into()
+                }),
+                CleanupAction::StopDnsmasq(FoundDnsmasq {
+                    pid: 11,
+                    dir: "/s/networks/hth1".into()
+                }),
+                CleanupAction::DeleteNftTable,
+            ]
+        );
+    }
+
+    #[test]
+    fn desired_objects_are_kept() {
+        let desired = HostDesired {
+            networks: vec![
+                net("hth0", NetworkMode::Nat, true),
+                net("hth1", NetworkMode::Isolated, false),
+            ],
+            taps: vec![DesiredTap {
+                name: "htt1".into(),
+                bridge: "hth0".into(),
+            }],
+        };
+        let actions = plan(&desired, &observed(), Path::new("/s/networks"));
+        assert_eq!(
+            actions,
+            vec![
+                CleanupAction::DeleteLink("htt0".into()),
+                // hth1 has DHCP off: its dnsmasq goes, its bridge stays.
+                CleanupAction::StopDnsmasq(FoundDnsmasq {
+                    pid: 11,
+                    dir: "/s/networks/hth1".into()
+                }),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_bridge_mode_network_keeps_no_hearth_bridge_or_table() {
+        let desired = HostDesired {
+            networks: vec![net(
+                "hth0",
+                NetworkMode::Bridge {
+                    existing: "br0".into(),
+                },
+                true,
+            )],
+            taps: vec![],
+        };
+        let actions = plan(&desired, &observed(), Path::new("/s/networks"));
+        assert!(actions.contains(&CleanupAction::DeleteLink("hth0".into())));
+        assert!(actions.contains(&CleanupAction::DeleteNftTable));
+        assert!(!actions.contains(&CleanupAction::DeleteLink("br0".into())));
+    }
+}

@@ -1,0 +1,493 @@
+//! One dnsmasq per managed network with DHCP: hearth's leases are its static
+//! hosts, it hands out no address of its own.
+//!
+//! dnsmasq daemonises itself (it is not hearthd's child for long), so it
+//! outlives a SIGKILLed hearthd. After a restart the process is found again
+//! from its pid file and accepted only when `/proc/PID/cmdline` is dnsmasq
+//! with this network's `--conf-file=` (observe, don't assume); it is then
+//! adopted, never started twice. Signals go through a pidfd opened before
+//! that check, so a recycled pid cannot be signalled by mistake.
+//!
+//! Files, all in the network's directory `NETWORKS_DIR/BRIDGE/`:
+//! `dnsmasq.conf`, `hosts` (`MAC,IP,HOSTNAME` lines), `dnsmasq.pid`,
+//! `leases`, `dnsmasq.log`. Config and hosts are written atomically (temp
+//! file + rename), and only when their content changes.
+
+use std::io::Write;
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rustix::event::{PollFd, PollFlags, poll};
+use rustix::process::{Pid, PidfdFlags, Signal, pidfd_open, pidfd_send_signal};
+
+use super::{HostError, HostNetwork, NetworkMode, StaticLease, prefix_mask};
+
+/// How long a starting dnsmasq may take to daemonise.
+pub const START_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a stopping dnsmasq gets after SIGTERM before SIGKILL.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// The files of one network's dnsmasq.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DnsmasqFiles {
+    pub dir: PathBuf,
+}
+
+impl DnsmasqFiles {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        DnsmasqFiles { dir: dir.into() }
+    }
+    pub fn conf(&self) -> PathBuf {
+        self.dir.join("dnsmasq.conf")
+    }
+    pub fn hosts(&self) -> PathBuf {
+        self.dir.join("hosts")
+    }
+    pub fn pid(&self) -> PathBuf {
+        self.dir.join("dnsmasq.pid")
+    }
+    pub fn leases(&self) -> PathBuf {
+        self.dir.join("leases")
+    }
+    pub fn log(&self) -> PathBuf {
+        self.dir.join("dnsmasq.log")
+    }
+    /// The argument that identifies this network's dnsmasq in `/proc`.
+    pub fn conf_arg(&self) -> String {
+        format!("--conf-file={}", self.conf().display())
+    }
+}
+
+/// The config file (dnsmasq's long options without the `--`).
+///
+/// - `port=0`: no DNS. With `no-resolv` and no upstream, a DNS server on the
+///   gateway would answer only the VMs' names and refuse every other name,
+///   which breaks guests more than no DNS server at all.
+/// - `dhcp-range=NET,static`: dnsmasq answers only the MACs in `hosts`,
+///   hearth's IPAM is the single source of addresses.
+/// - `bind-interfaces` + `interface=BRIDGE` + `except-interface=lo`: it binds
+///   to the bridge only, never to the host's other interfaces.
+/// - Isolated networks get no default route (`dhcp-option=3` with no value).
+pub fn render_config(net: &HostNetwork, files: &DnsmasqFiles) -> String {
+    let mask = std::net::Ipv4Addr::from(prefix_mask(net.prefix_len));
+    let mut s = String::new();
+    s.push_str(&format!(
+        "# hearth: dnsmasq of network bridge {} (generated, rewritten on every resync)\n",
+        net.bridge
+    ));
+    for line in [
+        "no-resolv".to_string(),
+        "no-hosts".to_string(),
+        "port=0".to_string(),
+        "bind-interfaces".to_string(),
+        format!("interface={}", net.bridge),
+        "except-interface=lo".to_string(),
+        format!("dhcp-range={},static,{mask},1h", net.subnet_addr()),
+        format!("dhcp-hostsfile={}", files.hosts().display()),
+        format!("dhcp-leasefile={}", files.leases().display()),
+        format!("pid-file={}", files.pid().display()),
+        format!("log-facility={}", files.log().display()),
+        "dhcp-authoritative".to_string(),
+    ] {
+        s.push_str(&line);
+        s.push('\n');
+    }
+    match net.mode {
+        NetworkMode::Nat => s.push_str(&format!("dhcp-option=option:router,{}\n", net.gateway)),
+        NetworkMode::Isolated | NetworkMode::Bridge { .. } => s.push_str("dhcp-option=3\n"),
+    }
+    s
+}
+
+/// The `dhcp-hostsfile`: one `MAC,IP,HOSTNAME` line per lease, sorted.
+pub fn render_hosts(leases: &[StaticLease]) -> String {
+    let mut lines: Vec<String> = leases
+        .iter()
+        .map(|l| format!("{},{},{}", l.mac, l.ip, l.hostname))
+        .collect();
+    lines.sort();
+    let mut s = lines.join("\n");
+    if !s.is_empty() {
+        s.push('\n');
+    }
+    s
+}
+
+/// Writes `content` to `path` atomically unless it is already there.
+/// `true` when it wrote. Files are 0644: dnsmasq rereads the hosts file as
+/// its unprivileged user on SIGHUP.
+pub fn write_if_changed(path: &Path, content: &str) -> Result<bool, HostError> {
+    if std::fs::read(path).ok().as_deref() == Some(content.as_bytes()) {
+        return Ok(false);
+    }
+    let tmp = path.with_extension("tmp");
+    let write = || -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(content.as_bytes())?;
+        f.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    };
+    write().map_err(|e| HostError::io(format!("writing {}", path.display()), e))?;
+    Ok(true)
+}
+
+/// A running dnsmasq, held by a pidfd.
+#[derive(Debug)]
+pub struct Running {
+    pub pid: u32,
+    pidfd: OwnedFd,
+}
+
+/// The process behind `pid`, if it is dnsmasq started with `conf_arg`.
+fn open_checked(pid: u32, conf_arg: &str) -> Option<Running> {
+    let p = Pid::from_raw(i32::try_from(pid).ok()?)?;
+    let pidfd = pidfd_open(p, PidfdFlags::empty()).ok()?;
+    // Checked after the pidfd is open: if the cmdline matches now, the pidfd
+    // names this very process, whatever happens to the pid later.
+    let args = read_cmdline(pid)?;
+    if is_dnsmasq(&args) && args.iter().any(|a| a == conf_arg) {
+        Some(Running { pid, pidfd })
+    } else {
+        None
+    }
+}
+
+fn read_cmdline(pid: u32) -> Option<Vec<String>> {
+    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    Some(
+        raw.split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect(),
+    )
+}
+
+fn is_dnsmasq(args: &[String]) -> bool {
+    args.first()
+        .and_then(|a| Path::new(a).file_name())
+        .is_some_and(|n| n == "dnsmasq")
+}
+
+/// The running dnsmasq of these files: the pid file's process if it is this
+/// network's dnsmasq, otherwise one found in `/proc` by its `--conf-file`
+/// (a pid file lost or overwritten must not lead to a second dnsmasq).
+pub fn observe(files: &DnsmasqFiles) -> Option<Running> {
+    let conf_arg = files.conf_arg();
+    let from_pid_file = std::fs::read_to_string(files.pid())
+        .ok()
+        .and_then(|t| t.trim().parse::<u32>().ok())
+        .and_then(|pid| open_checked(pid, &conf_arg));
+    from_pid_file.or_else(|| {
+        proc_dnsmasqs()
+            .into_iter()
+            .filter(|(_, args)| args.contains(&conf_arg))
+            .find_map(|(pid, _)| open_checked(pid, &conf_arg))
+    })
+}
+
+/// Every dnsmasq process in `/proc` with its arguments.
+fn proc_dnsmasqs() -> Vec<(u32, Vec<String>)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out: Vec<(u32, Vec<String>)> = entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(|pid| Some((pid, read_cmdline(pid)?)))
+        .filter(|(_, args)| is_dnsmasq(args))
+        .collect();
+    out.sort_by_key(|(pid, _)| *pid);
+    out
+}
+
+impl Running {
+    /// Waits up to `bound` for the process to end. `true` when it did.
+    fn wait_exit(&self, bound: Duration) -> bool {
+        let mut fds = [PollFd::new(&self.pidfd, PollFlags::IN)];
+        let ts = rustix::time::Timespec {
+            tv_sec: bound.as_secs() as i64,
+            tv_nsec: i64::from(bound.subsec_nanos()),
+        };
+        matches!(poll(&mut fds, Some(&ts)), Ok(n) if n > 0)
+    }
+
+    fn signal(&self, sig: Signal) -> Result<(), HostError> {
+        pidfd_send_signal(&self.pidfd, sig)
+            .map_err(|e| HostError::io(format!("signalling dnsmasq {}", self.pid), e.into()))
+    }
+
+    /// SIGHUP: dnsmasq rereads its dhcp-hostsfile.
+    pub fn reload(&self) -> Result<(), HostError> {
+        self.signal(Signal::HUP)
+    }
+
+    /// SIGTERM, then SIGKILL after [`STOP_GRACE`]; returns once it is gone.
+    pub fn stop(self) -> Result<(), HostError> {
+        self.signal(Signal::TERM)?;
+        if self.wait_exit(STOP_GRACE) {
+            return Ok(());
+        }
+        self.signal(Signal::KILL)?;
+        if self.wait_exit(STOP_GRACE) {
+            Ok(())
+        } else {
+            Err(HostError::Command {
+                what: format!("stopping dnsmasq {}", self.pid),
+                detail: "still running after SIGKILL".into(),
+            })
+        }
+    }
+}
+
+/// Starts dnsmasq on these files. It daemonises: the command returns once
+/// dnsmasq has bound its sockets and written its pid file, or failed.
+pub async fn start(files: &DnsmasqFiles) -> Result<Running, HostError> {
+    let mut cmd = tokio::process::Command::new("dnsmasq");
+    cmd.arg(files.conf_arg())
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true);
+    let out = tokio::time::timeout(START_TIMEOUT, cmd.output())
+        .await
+        .map_err(|_| HostError::Command {
+            what: "starting dnsmasq".into(),
+            detail: format!("did not daemonise within {START_TIMEOUT:?}"),
+        })?
+        .map_err(|e| {
+            HostError::io(
+                "running dnsmasq (apt-get install dnsmasq-base)".to_string(),
+                e,
+            )
+        })?;
+    if !out.status.success() {
+        return Err(HostError::Command {
+            what: format!("starting dnsmasq {}", files.conf_arg()),
+            detail: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    observe(files).ok_or_else(|| HostError::Command {
+        what: format!("starting dnsmasq {}", files.conf_arg()),
+        detail: format!(
+            "exited 0 but {} names no running dnsmasq",
+            files.pid().display()
+        ),
+    })
+}
+
+/// What [`ensure`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum DnsmasqOutcome {
+    /// Already running with this config and hosts.
+    Unchanged { pid: u32 },
+    /// Running, hosts rewritten, SIGHUP sent.
+    Reloaded { pid: u32 },
+    /// Started (none was running, or the config changed and the old one was
+    /// stopped).
+    Started { pid: u32 },
+}
+
+impl DnsmasqOutcome {
+    pub fn pid(&self) -> u32 {
+        match *self {
+            DnsmasqOutcome::Unchanged { pid }
+            | DnsmasqOutcome::Reloaded { pid }
+            | DnsmasqOutcome::Started { pid } => pid,
+        }
+    }
+}
+
+/// dnsmasq reads its hosts file as the unprivileged user it drops to
+/// (`nobody`), at start and on every SIGHUP: every directory above it must be
+/// traversable by others (`o+x`), or dnsmasq logs "cannot read" and serves
+/// no host at all. Checked before starting, so the error is hearth's and
+/// names the directory.
+pub fn check_reachable(dir: &Path) -> Result<(), HostError> {
+    for d in dir.ancestors() {
+        let meta = std::fs::metadata(d)
+            .map_err(|e| HostError::io(format!("reading {}", d.display()), e))?;
+        let mode = meta.permissions().mode() & 0o7777;
+        if mode & 0o001 == 0 {
+            return Err(HostError::Command {
+                what: format!("dnsmasq files in {}", dir.display()),
+                detail: format!(
+                    "dnsmasq runs as nobody and cannot reach them: {} has mode {mode:04o} (needs o+x, e.g. 0711)",
+                    d.display()
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Makes the network's dnsmasq run with its current config and hosts.
+pub async fn ensure(net: &HostNetwork, files: &DnsmasqFiles) -> Result<DnsmasqOutcome, HostError> {
+    std::fs::create_dir_all(&files.dir)
+        .and_then(|()| std::fs::set_permissions(&files.dir, std::fs::Permissions::from_mode(0o755)))
+        .map_err(|e| HostError::io(format!("creating {}", files.dir.display()), e))?;
+    check_reachable(&files.dir)?;
+    let conf_changed = write_if_changed(&files.conf(), &render_config(net, files))?;
+    let hosts_changed = write_if_changed(&files.hosts(), &render_hosts(&net.static_leases))?;
+    match observe(files) {
+        Some(running) if !conf_changed => {
+            if hosts_changed {
+                running.reload()?;
+                Ok(DnsmasqOutcome::Reloaded { pid: running.pid })
+            } else {
+                Ok(DnsmasqOutcome::Unchanged { pid: running.pid })
+            }
+        }
+        Some(running) => {
+            running.stop()?;
+            Ok(DnsmasqOutcome::Started {
+                pid: start(files).await?.pid,
+            })
+        }
+        None => Ok(DnsmasqOutcome::Started {
+            pid: start(files).await?.pid,
+        }),
+    }
+}
+
+/// A dnsmasq started by hearth, found in `/proc` by its `--conf-file` under
+/// the networks directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoundDnsmasq {
+    pub pid: u32,
+    /// The network directory (`NETWORKS_DIR/BRIDGE`).
+    pub dir: PathBuf,
+}
+
+/// Every dnsmasq whose config lies in `NETWORKS_DIR/*/dnsmasq.conf`,
+/// whatever its pid file says.
+pub fn find_all(networks_dir: &Path) -> Vec<FoundDnsmasq> {
+    let mut out = Vec::new();
+    for (pid, args) in proc_dnsmasqs() {
+        for a in &args {
+            if let Some(conf) = a.strip_prefix("--conf-file=") {
+                let conf = Path::new(conf);
+                if let Some(dir) = conf.parent()
+                    && dir.parent() == Some(networks_dir)
+                    && conf.file_name().is_some_and(|n| n == "dnsmasq.conf")
+                {
+                    out.push(FoundDnsmasq {
+                        pid,
+                        dir: dir.to_path_buf(),
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Stops a dnsmasq found by [`find_all`], after checking again that the pid
+/// is still that dnsmasq. `false` when it was already gone.
+pub fn stop_found(found: &FoundDnsmasq) -> Result<bool, HostError> {
+    match open_checked(found.pid, &DnsmasqFiles::new(&found.dir).conf_arg()) {
+        Some(r) => r.stop().map(|()| true),
+        None => Ok(false),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::network::host::{Mac, StaticLease};
+    use std::net::Ipv4Addr;
+
+    fn net() -> HostNetwork {
+        HostNetwork {
+            bridge: "hth0".into(),
+            gateway: Ipv4Addr::new(10, 77, 0, 1),
+            prefix_len: 24,
+            mode: NetworkMode::Nat,
+            dhcp: true,
+            static_leases: vec![
+                StaticLease {
+                    mac: Mac([0x52, 0x54, 0, 0, 0, 2]),
+                    ip: Ipv4Addr::new(10, 77, 0, 11),
+                    hostname: "b".into(),
+                },
+                StaticLease {
+                    mac: Mac([0x52, 0x54, 0, 0, 0, 1]),
+                    ip: Ipv4Addr::new(10, 77, 0, 10),
+                    hostname: "a".into(),
+                },
+            ],
+            port_forwards: vec![],
+        }
+    }
+
+    #[test]
+    fn config_is_static_only_on_the_bridge_without_dns() {
+        let files = DnsmasqFiles::new("/var/lib/hearth/networks/hth0");
+        assert_eq!(
+            render_config(&net(), &files),
+            "# hearth: dnsmasq of network bridge hth0 (generated, rewritten on every resync)\n\
+             no-resolv\nno-hosts\nport=0\nbind-interfaces\ninterface=hth0\nexcept-interface=lo\n\
+             dhcp-range=10.77.0.0,static,255.255.255.0,1h\n\
+             dhcp-hostsfile=/var/lib/hearth/networks/hth0/hosts\n\
+             dhcp-leasefile=/var/lib/hearth/networks/hth0/leases\n\
+             pid-file=/var/lib/hearth/networks/hth0/dnsmasq.pid\n\
+             log-facility=/var/lib/hearth/networks/hth0/dnsmasq.log\n\
+             dhcp-authoritative\n\
+             dhcp-option=option:router,10.77.0.1\n"
+        );
+        let mut iso = net();
+        iso.mode = NetworkMode::Isolated;
+        assert!(render_config(&iso, &files).ends_with("dhcp-option=3\n"));
+    }
+
+    #[test]
+    fn hosts_are_sorted_mac_ip_name_lines() {
+        assert_eq!(
+            render_hosts(&net().static_leases),
+            "52:54:00:00:00:01,10.77.0.10,a\n52:54:00:00:00:02,10.77.0.11,b\n"
+        );
+        assert_eq!(render_hosts(&[]), "");
+    }
+
+    #[test]
+    fn write_if_changed_writes_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("hosts");
+        assert!(write_if_changed(&p, "x\n").unwrap());
+        assert!(!write_if_changed(&p, "x\n").unwrap());
+        assert!(write_if_changed(&p, "y\n").unwrap());
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "y\n");
+        let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o644);
+    }
+
+    #[test]
+    fn a_directory_closed_to_others_is_reported_by_name() {
+        let dir = tempfile::tempdir().unwrap();
+        let net_dir = dir.path().join("networks").join("hth0");
+        std::fs::create_dir_all(&net_dir).unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        let e = check_reachable(&net_dir).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{} has mode 0700", dir.path().display())),
+            "{e}"
+        );
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+        check_reachable(&net_dir).unwrap();
+    }
+
+    #[test]
+    fn a_pid_file_naming_another_process_is_not_adopted() {
+        let dir = tempfile::tempdir().unwrap();
+        let files = DnsmasqFiles::new(dir.path());
+        // This test process is alive but is not dnsmasq.
+        std::fs::write(files.pid(), format!("{}\n", std::process::id())).unwrap();
+        assert!(observe(&files).is_none());
+        std::fs::write(files.pid(), "not a pid\n").unwrap();
+        assert!(observe(&files).is_none());
+    }
+}
