@@ -162,6 +162,13 @@ fn delete(d: &Daemon, plural: &str, name: &str) -> (u16, Value) {
     d.request("DELETE", &format!("/v1/{plural}/{name}"), None)
 }
 
+/// Deletes an object (the API must accept it) and waits until it is gone.
+fn delete_and_wait(d: &Daemon, plural: &str, name: &str) {
+    let (status, v) = delete(d, plural, name);
+    assert_eq!(status, 200, "DELETE {plural}/{name}: {v}");
+    d.wait_gone(plural, name, IMPORT);
+}
+
 /// A directory for source files, also the daemon's image root.
 fn roots() -> tempfile::TempDir {
     tempfile::Builder::new()
@@ -265,11 +272,9 @@ fn an_http_image_is_verified_stored_by_digest_and_disks_grow_from_it() {
     assert!(path.is_file());
 
     for disk in ["tiny", "web-root"] {
-        assert_eq!(delete(&d, "virtualdisks", disk).0, 200);
-        d.wait_gone("virtualdisks", disk, IMPORT);
+        delete_and_wait(&d, "virtualdisks", disk);
     }
-    assert_eq!(delete(&d, "virtualimages", "base").0, 200);
-    d.wait_gone("virtualimages", "base", IMPORT);
+    delete_and_wait(&d, "virtualimages", "base");
     assert!(!path.exists(), "the image file goes with its last user");
     assert_eq!(store_files(&d), Vec::<String>::new());
 }
@@ -328,8 +333,7 @@ fn failed_downloads_say_why_leave_no_file_and_are_retried_until_the_server_is_fi
             d.event_reasons("VirtualImage", name)
                 .contains(&"ImportFailed".to_string())
         );
-        assert_eq!(delete(&d, "virtualimages", name).0, 200);
-        d.wait_gone("virtualimages", name, IMPORT);
+        delete_and_wait(&d, "virtualimages", name);
         assert_eq!(
             store_files(&d),
             Vec::<String>::new(),
@@ -527,12 +531,10 @@ fn images_with_the_same_content_share_one_file_and_file_sources_work() {
     // Deleting two of three keeps the file; the last one takes it.
     let shared = PathBuf::from(a["status"]["path"].as_str().expect("path"));
     for name in ["from-file", "copy"] {
-        assert_eq!(delete(&d, "virtualimages", name).0, 200);
-        d.wait_gone("virtualimages", name, IMPORT);
+        delete_and_wait(&d, "virtualimages", name);
         assert!(shared.is_file(), "{name}: still used by from-http");
     }
-    assert_eq!(delete(&d, "virtualimages", "from-http").0, 200);
-    d.wait_gone("virtualimages", "from-http", IMPORT);
+    delete_and_wait(&d, "virtualimages", "from-http");
     assert!(!shared.exists());
     assert_eq!(store_files(&d), vec![format!("sha256-{raw_digest}.raw")]);
 }
@@ -583,10 +585,8 @@ fn a_snapshot_of_a_disk_keeps_its_image_file_after_the_image_is_deleted() {
 
     // The disk made from the image goes; nothing names the image now, so it
     // may be deleted, but its file stays: the snapshot's layers need it.
-    assert_eq!(delete(&d, "virtualdisks", "data").0, 200);
-    d.wait_gone("virtualdisks", "data", IMPORT);
-    assert_eq!(delete(&d, "virtualimages", "base").0, 200);
-    d.wait_gone("virtualimages", "base", IMPORT);
+    delete_and_wait(&d, "virtualdisks", "data");
+    delete_and_wait(&d, "virtualimages", "base");
     assert!(
         path.is_file(),
         "the snapshot and the restored disk still need it"
@@ -608,8 +608,7 @@ fn a_snapshot_of_a_disk_keeps_its_image_file_after_the_image_is_deleted() {
         ("virtualdisks", "restored"),
     ] {
         assert!(path.is_file(), "before deleting {name}");
-        assert_eq!(delete(&d, plural, name).0, 200);
-        d.wait_gone(plural, name, IMPORT);
+        delete_and_wait(&d, plural, name);
     }
     assert!(!path.exists(), "the last layer made from it is gone");
 }
