@@ -210,6 +210,7 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
                 .config
                 .confine(base)
                 .map_err(|e| format!("spec.source.image: {e}"))?;
+            check_base_header(&base).map_err(|e| format!("spec.source.image: {e}"))?;
             let base_info = img::info(&base)
                 .await
                 .map_err(|e| format!("spec.source.image: {}: {e}", base.display()))?;
@@ -264,4 +265,27 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
         })
         .map_err(|e| e.to_string())?;
     Ok(())
+}
+
+/// A base image is read by QEMU with whatever it references: like an
+/// imported image, it may name no other file (a qcow2 backing or data file,
+/// a VMDK extent). Read here, before `qemu-img` or QEMU opens it.
+fn check_base_header(base: &std::path::Path) -> Result<(), String> {
+    use hearth_qemu::probe::{self, Sniffed};
+    use std::io::Read;
+    let mut head = Vec::with_capacity(probe::HEAD_BYTES);
+    std::fs::File::open(base)
+        .and_then(|f| f.take(probe::HEAD_BYTES as u64).read_to_end(&mut head))
+        .map_err(|e| format!("{}: {e}", base.display()))?;
+    match probe::sniff(&head) {
+        Ok(Sniffed::Qcow2(header)) => header
+            .check()
+            .map_err(|r| format!("{}: refused: {r}", base.display())),
+        Ok(Sniffed::Raw(_)) => Ok(()),
+        Ok(Sniffed::Other(format)) => Err(format!(
+            "{}: a {format} image is refused ({format} images can name other files); convert it: qemu-img convert -O qcow2 IN OUT",
+            base.display()
+        )),
+        Err(r) => Err(format!("{}: refused: {r}", base.display())),
+    }
 }

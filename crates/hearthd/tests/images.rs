@@ -463,6 +463,30 @@ fn images_that_name_other_files_or_are_not_images_are_refused() {
         "{:?}",
         store_files(&d)
     );
+    // The same files as a disk's base image (`source: {image: PATH}`) are
+    // refused too, before qemu-img or QEMU opens them.
+    let base_disk = |name: &str, path: PathBuf| {
+        json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
+               "metadata": {"name": name}, "spec": {"source": {"image": path}}})
+    };
+    apply_ok(
+        &d,
+        vec![
+            base_disk("on-backed", p("backed.qcow2")),
+            base_disk("on-desc", p("desc.vmdk")),
+        ],
+    );
+    for (disk, says) in [("on-backed", "backing file"), ("on-desc", "vmdk")] {
+        let v = d.wait_object("virtualdisks", disk, "Failed", IMPORT, |v| {
+            v["status"]["phase"] == "Failed"
+        });
+        let error = v["status"]["lastError"].as_str().unwrap_or_default();
+        assert!(
+            error.contains("spec.source.image") && error.contains(says),
+            "{disk}: {v:#}"
+        );
+        assert!(v["status"]["path"].is_null(), "{disk}: no disk file: {v:#}");
+    }
     // A source outside the roots is refused at apply time.
     let (status, v) = d.apply_json(vec![file_image("shadow", Path::new("/etc/hostname"))]);
     assert_eq!(status, 400, "{v}");
