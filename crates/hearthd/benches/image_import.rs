@@ -65,7 +65,7 @@ fn main() {
         );
     }
     let size = std::fs::metadata(&file).expect("image").len();
-    let sha = sha256sum(&file);
+    let sha = sha256_file(&file);
     let server = Server::start();
     server.route("/bench.img", Behaviour::File(file.clone()));
     let url = server.url("/bench.img");
@@ -185,17 +185,4 @@ fn run(cmd: &mut Command) {
         "{cmd:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-fn sha256sum(file: &std::path::Path) -> String {
-    let out = Command::new("sha256sum")
-        .arg(file)
-        .output()
-        .expect("sha256sum");
-    assert!(out.status.success());
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_string()
 }

@@ -58,22 +58,12 @@ fn apply(d: &Daemon, items: Vec<Value>) {
     assert_eq!(status, 200, "apply: {v}");
 }
 
-/// Runs `script` in the guest through the agent; returns (exit code, stdout).
 fn sh(d: &Daemon, vm: &str, script: &str) -> (i64, String) {
-    let (status, v) = d.request(
-        "POST",
-        &format!("/v1/virtualmachines/{vm}/agent/exec"),
-        Some(&json!({"path": "/bin/sh", "args": ["-c", script], "timeoutSeconds": 120})),
-    );
-    assert_eq!(status, 200, "exec {script:?} in {vm}: {v}");
-    let out = v["stdout"].as_str().unwrap_or_default().to_string();
-    (v["exitCode"].as_i64().unwrap_or(-1), out)
+    d.agent_sh(vm, script)
 }
 
 fn sh_ok(d: &Daemon, vm: &str, script: &str) -> String {
-    let (code, out) = sh(d, vm, script);
-    assert_eq!(code, 0, "exec {script:?} in {vm} exited {code}: {out}");
-    out
+    d.agent_sh_ok(vm, script)
 }
 
 /// Polls the guest until `script` succeeds (cloud-init's final stage runs

@@ -59,14 +59,7 @@ fn guest_kernel_boot() -> Value {
 }
 
 fn exec(d: &Daemon, vm: &str, script: &str) -> String {
-    let (status, v) = d.request(
-        "POST",
-        &format!("/v1/virtualmachines/{vm}/agent/exec"),
-        Some(&json!({"path": "/bin/sh", "args": ["-c", script]})),
-    );
-    assert_eq!(status, 200, "exec {script}: {v}");
-    assert_eq!(v["exitCode"], 0, "exec {script}: {v}");
-    v["stdout"].as_str().unwrap_or_default().to_string()
+    d.agent_sh_ok(vm, script)
 }
 
 /// The argv of a running process, one element each.

@@ -54,23 +54,11 @@ fn make_raw_mbr(path: &Path) -> Vec<u8> {
     disk
 }
 
-fn sha256_hex(path: &Path) -> String {
-    let out = Command::new("sha256sum")
-        .arg(path)
-        .output()
-        .expect("sha256sum");
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .expect("digest")
-        .to_string()
-}
-
 fn sha256_of(bytes: &[u8]) -> String {
     let dir = tempfile::tempdir().expect("tempdir");
     let p = dir.path().join("b");
     std::fs::write(&p, bytes).expect("write");
-    sha256_hex(&p)
+    common::sha256_file(&p)
 }
 
 fn http_image(name: &str, url: &str, sha256: &str) -> Value {
@@ -212,7 +200,7 @@ fn an_http_image_is_verified_stored_by_digest_and_disks_grow_from_it() {
             .join(format!("sha256-{digest}.qcow2"))
     );
     assert_eq!(
-        sha256_hex(&path),
+        common::sha256_file(&path),
         digest,
         "the stored file is what was served"
     );
@@ -254,7 +242,7 @@ fn an_http_image_is_verified_stored_by_digest_and_disks_grow_from_it() {
     assert_eq!(info["virtual-size"], 8u64 << 20);
     assert_eq!(info["backing-filename-format"], "qcow2");
     // The image was only read.
-    assert_eq!(sha256_hex(&path), digest);
+    assert_eq!(common::sha256_file(&path), digest);
 
     d.wait_object("virtualimages", "base", "usedBy both disks", IMPORT, |v| {
         v["status"]["usedBy"] == json!(["tiny", "web-root"])

@@ -62,15 +62,8 @@ fn wait_final(d: &Daemon, plural: &str, name: &str) -> Value {
     panic!("{plural}/{name} not final: {last:#}\n{}", d.log());
 }
 
-fn exec(d: &Daemon, vm: &str, script: &str) -> Value {
-    let (status, v) = d.request(
-        "POST",
-        &format!("/v1/virtualmachines/{vm}/agent/exec"),
-        Some(&json!({"path": "/bin/sh", "args": ["-c", script]})),
-    );
-    assert_eq!(status, 200, "exec {script}: {v}");
-    assert_eq!(v["exitCode"], 0, "exec {script}: {v}");
-    v
+fn exec(d: &Daemon, vm: &str, script: &str) -> String {
+    d.agent_sh_ok(vm, script)
 }
 
 fn freeze_status(d: &Daemon, vm: &str) -> String {
@@ -212,9 +205,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     // those the guest itself has mounted from its first disk.
     let mounts = exec(&d, "app", "cat /proc/mounts");
     let on = |dev: &str| -> Vec<Value> {
-        let mut v: Vec<String> = mounts["stdout"]
-            .as_str()
-            .unwrap_or_default()
+        let mut v: Vec<String> = mounts
             .lines()
             .filter_map(|l| {
                 let mut f = l.split_whitespace();
@@ -367,10 +358,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
         "app",
         "cat /data/chain.txt 2>/dev/null || echo none; cat /data/precious.txt",
     );
-    assert_eq!(
-        out["stdout"].as_str().unwrap_or_default(),
-        format!("none\n{token}\n")
-    );
+    assert_eq!(out, format!("none\n{token}\n"));
 
     // 5. Everything deleted: every layer file is gone.
     d.cli_ok(&["delete", "vm", "app"]);
@@ -560,7 +548,7 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
         still_running,
         "the cut finished only after the program: it waited behind it"
     );
-    assert_eq!(out["stdout"], "slept\n", "{out}");
+    assert_eq!(out, "slept\n", "{out}");
 
     // A freeze that cannot finish within the deadline: thawed, not consistent.
     let m = manifest(

@@ -283,6 +283,31 @@ impl Daemon {
         });
     }
 
+    /// Runs `/bin/sh -c SCRIPT` in a VM's guest through the agent
+    /// (`guest-exec`); its exit code (-1 when killed) and stdout.
+    pub fn agent_sh(&self, vm: &str, script: &str) -> (i64, String) {
+        let (status, v) = self.request(
+            "POST",
+            &format!("/v1/virtualmachines/{vm}/agent/exec"),
+            Some(
+                &serde_json::json!({"path": "/bin/sh", "args": ["-c", script],
+                                     "timeoutSeconds": 120}),
+            ),
+        );
+        assert_eq!(status, 200, "exec {script:?} in {vm}: {v}");
+        (
+            v["exitCode"].as_i64().unwrap_or(-1),
+            v["stdout"].as_str().unwrap_or_default().to_string(),
+        )
+    }
+
+    /// [`Daemon::agent_sh`] that must exit 0; its stdout.
+    pub fn agent_sh_ok(&self, vm: &str, script: &str) -> String {
+        let (code, out) = self.agent_sh(vm, script);
+        assert_eq!(code, 0, "exec {script:?} in {vm} exited {code}: {out}");
+        out
+    }
+
     /// Applies objects through the HTTP API (`POST /v1/apply`); the status
     /// and the answer.
     pub fn apply_json(&self, items: Vec<Value>) -> (u16, Value) {
@@ -648,4 +673,18 @@ pub fn snapshot_final(d: &Daemon, name: &str, timeout: Duration) -> Value {
 pub fn apply_manifest(d: &Daemon, file: &str, text: &str) -> String {
     let m = manifest(d, file, text);
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")])
+}
+
+/// The SHA-256 of a file, as `sha256sum` prints it (64 hex digits).
+pub fn sha256_file(path: &Path) -> String {
+    let out = Command::new("sha256sum")
+        .arg(path)
+        .output()
+        .expect("sha256sum (coreutils)");
+    assert!(out.status.success(), "sha256sum {}", path.display());
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .expect("digest")
+        .to_string()
 }
