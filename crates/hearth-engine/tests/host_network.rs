@@ -380,20 +380,11 @@ async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash(
         .and_then(|v| v.trim().parse().ok())
         .expect("PPid");
     assert_ne!(ppid, std::process::id());
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
-    let fields: Vec<&str> = stat
-        .rsplit(')')
-        .next()
-        .unwrap()
-        .split_whitespace()
-        .collect();
-    let own_sid = rustix::process::getsid(None)
-        .expect("getsid")
-        .as_raw_nonzero()
-        .get();
+    // Both from /proc: a session led from outside our PID namespace reads as
+    // 0 there, which rustix's getsid refuses to represent.
     assert_ne!(
-        fields[3].parse::<i32>().unwrap(),
-        own_sid,
+        session_of(&pid.to_string()),
+        session_of("self"),
         "dnsmasq is in our session"
     );
     assert_eq!(
@@ -941,4 +932,16 @@ async fn resync_removes_a_deleted_network_and_restarts_dnsmasq_on_a_config_chang
     assert!(!run("nft", &["list", "tables"]).contains("hearth"));
     assert_eq!(hearth_links(), Vec::<(String, u64)>::new());
     assert!(dnsmasq::find_all(&networks).is_empty());
+}
+
+/// The session id (field 6) from /proc/PID/stat.
+fn session_of(pid: &str) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit(')')
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .collect();
+    fields[3].parse().expect("session id")
 }
