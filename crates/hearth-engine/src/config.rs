@@ -101,6 +101,13 @@ impl EngineConfig {
         self.state_dir.join("vms").join(vm)
     }
 
+    /// One directory per network's dnsmasq (config, hosts, pid, log).
+    /// Under the run directory, which is 0711 so that dnsmasq, once it drops
+    /// to `nobody`, can still reread its hosts file (docs/networking.md).
+    pub fn networks_dir(&self) -> PathBuf {
+        self.run_dir.join("networks")
+    }
+
     pub fn vm_run_dir(&self, vm: &str) -> PathBuf {
         self.run_dir.join("vms").join(vm)
     }

@@ -47,6 +47,8 @@ pub struct Context {
     /// written, and by a network reconcile while it plans and writes leases:
     /// a lease never lands between an apply's check and its write.
     pub addresses: Mutex<()>,
+    /// The host side of networking: one resync at a time.
+    pub networking: crate::network::sync::HostNetworking,
 }
 
 impl Context {
@@ -60,6 +62,7 @@ impl Context {
             imports: crate::image::Imports::default(),
             wakes,
             addresses: Mutex::new(()),
+            networking: Default::default(),
         }
     }
 

@@ -100,13 +100,22 @@ impl Engine {
     /// Opens the store, takes the state-directory lock, adopts running VMs and
     /// starts reconciling everything.
     pub async fn start(config: EngineConfig) -> Result<Arc<Engine>, StartError> {
-        for dir in [&config.state_dir, &config.run_dir] {
+        // The run directory is 0711: dnsmasq, once it has dropped to
+        // `nobody`, must pass through it to reread its hosts file under
+        // `networks/`. Nothing in it can be listed, and the VMs' sockets sit
+        // one level down in `vms/`, which stays 0700.
+        let vms_run_dir = config.run_dir.join("vms");
+        for (dir, mode) in [
+            (&config.state_dir, 0o700),
+            (&config.run_dir, 0o711),
+            (&vms_run_dir, 0o700),
+        ] {
             std::fs::create_dir_all(dir).map_err(|source| StartError::Dir {
                 path: dir.clone(),
                 source,
             })?;
             let _ =
-                std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700));
+                std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(mode));
         }
         let lock_path = config.state_dir.join("hearthd.lock");
         let lock = File::create(&lock_path).map_err(|source| StartError::Dir {
@@ -200,6 +209,9 @@ impl Engine {
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "cannot sweep the image store"),
         }
+        // Before any VM starts: bridges, taps, dnsmasqs and the table as the
+        // store says, and nothing a crash left behind.
+        crate::network::sync::startup(&engine.ctx).await;
         engine.wake_all();
         // Guests a crashed daemon left frozen are thawed right away.
         engine.snapshots.resume_all(&engine.ctx);

@@ -210,6 +210,19 @@ impl Store {
         })
     }
 
+    /// A named durable counter's value (0 when it was never bumped).
+    pub fn counter(&self, name: &str) -> Result<u64, StoreError> {
+        let conn = self.conn();
+        let v: Option<i64> = conn
+            .query_row(
+                "SELECT value FROM counters WHERE name = ?1",
+                params![name],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(v.unwrap_or(0) as u64)
+    }
+
     fn conn(&self) -> MutexGuard<'_, Connection> {
         // A panic while holding the lock cannot leave SQLite half-written (the
         // transaction rolls back), so a poisoned lock is still usable.

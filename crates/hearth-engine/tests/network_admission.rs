@@ -1,6 +1,10 @@
-//! Network checks at apply and delete, through the engine and its real
-//! SQLite store. No VM boots (every VM is AlwaysOff) and nothing touches the
-//! host's network: only objects and stored leases.
+//! Network checks at apply and delete, and the network reconcile's host
+//! side, through the engine and its real SQLite store. No VM boots (every
+//! VM is AlwaysOff). Each test runs inside a network namespace of its own
+//! (see `netns/`): the engine makes real bridges, taps, dnsmasqs and
+//! nftables rules there, never in the host's namespace.
+
+mod netns;
 
 use std::path::Path;
 use std::sync::Arc;
@@ -33,6 +37,13 @@ fn config(dir: &Path) -> EngineConfig {
 
 async fn setup() -> Setup {
     let dir = tempfile::tempdir().expect("tempdir");
+    // dnsmasq, once it has dropped to `nobody`, must pass through to its
+    // hosts file under the run directory.
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .expect("chmod");
     std::fs::create_dir_all(dir.path().join("images")).expect("images dir");
     std::fs::write(dir.path().join("images/vmlinuz"), b"not booted").expect("kernel");
     let engine = Engine::start(config(dir.path())).await.expect("engine");
@@ -91,6 +102,9 @@ fn invalid(r: Result<(), RequestError>) -> String {
 
 #[tokio::test]
 async fn overlapping_subnets_are_refused_naming_the_other_network() {
+    if netns::inside_netns("overlapping_subnets_are_refused_naming_the_other_network").is_none() {
+        return;
+    }
     let s = setup().await;
     s.apply(&network("lan", "10.77.0.0/16"))
         .expect("first network");
@@ -112,6 +126,11 @@ async fn overlapping_subnets_are_refused_naming_the_other_network() {
 
 #[tokio::test]
 async fn addresses_outside_the_subnet_or_taken_are_refused_and_change_nothing() {
+    if netns::inside_netns("addresses_outside_the_subnet_or_taken_are_refused_and_change_nothing")
+        .is_none()
+    {
+        return;
+    }
     let s = setup().await;
     s.apply(
         &(network("lan", "10.77.0.0/24")
@@ -161,6 +180,9 @@ async fn addresses_outside_the_subnet_or_taken_are_refused_and_change_nothing() 
 
 #[tokio::test]
 async fn a_stored_lease_is_held_against_reservations_of_other_vms() {
+    if netns::inside_netns("a_stored_lease_is_held_against_reservations_of_other_vms").is_none() {
+        return;
+    }
     let s = setup().await;
     s.apply(&(network("lan", "10.77.0.0/24") + &vm("web", "[{virtualNetworkName: lan}]")))
         .expect("apply");
@@ -204,6 +226,9 @@ async fn a_stored_lease_is_held_against_reservations_of_other_vms() {
 
 #[tokio::test]
 async fn a_host_port_forwarded_by_another_vm_is_refused() {
+    if netns::inside_netns("a_host_port_forwarded_by_another_vm_is_refused").is_none() {
+        return;
+    }
     let s = setup().await;
     let ports = "[{virtualNetworkName: lan, ports: [{hostPort: 2222, guestPort: 22}]}]";
     s.apply(&(network("lan", "10.77.0.0/24") + &vm("web", ports)))
@@ -224,6 +249,9 @@ async fn a_host_port_forwarded_by_another_vm_is_refused() {
 
 #[tokio::test]
 async fn a_network_in_use_cannot_be_deleted_and_goes_once_unused() {
+    if netns::inside_netns("a_network_in_use_cannot_be_deleted_and_goes_once_unused").is_none() {
+        return;
+    }
     let s = setup().await;
     s.apply(
         &(network("lan", "10.77.0.0/24")
@@ -256,28 +284,28 @@ async fn a_network_in_use_cannot_be_deleted_and_goes_once_unused() {
 }
 
 #[tokio::test]
-async fn a_network_reports_pending_until_the_host_side_exists() {
+async fn a_network_becomes_ready_once_its_bridge_and_dhcp_exist_and_leaves_nothing() {
+    if netns::inside_netns(
+        "a_network_becomes_ready_once_its_bridge_and_dhcp_exist_and_leaves_nothing",
+    )
+    .is_none()
+    {
+        return;
+    }
     let s = setup().await;
     s.apply(&network("lan", "10.77.0.0/24")).expect("apply");
-    wait_until(|| {
-        let st = s
-            .engine
-            .get(Kind::VirtualNetwork, "lan")
-            .expect("get")
-            .status;
-        st["phase"] == "Pending" && st["message"] == "host networking is not wired yet"
-    })
-    .await;
-    let st = s
-        .engine
-        .get(Kind::VirtualNetwork, "lan")
-        .expect("get")
-        .status;
+    wait_until(|| status(&s, "lan")["phase"] == "Ready").await;
+    let st = status(&s, "lan");
     assert_eq!(st["subnet"], "10.77.0.0/24");
-    // Nothing is claimed that the host does not have.
+    assert_eq!(st["bridge"], "hth-lan", "{st}");
+    assert_eq!(st["gateway"], "10.77.0.1", "{st}");
+    // From the kernel, not from the status: the bridge has the gateway's
+    // address, a dnsmasq serves it, and the table exists.
+    assert_eq!(ipv4_of("hth-lan"), ["10.77.0.1/24"]);
+    assert_eq!(dnsmasq_on("hth-lan").len(), 1);
     assert!(
-        st.get("bridge").is_none() && st.get("gateway").is_none(),
-        "{st}"
+        netns::run("nft", &["list", "tables"]).contains("inet hearth"),
+        "no nftables table"
     );
     // The mode of an existing network cannot change.
     let e = invalid(s.apply(
@@ -287,6 +315,123 @@ async fn a_network_reports_pending_until_the_host_side_exists() {
         e.contains("spec.mode") && e.contains("cannot change from NAT to Isolated"),
         "{e}"
     );
+    // Deleted: the bridge, its dnsmasq and the table go with it.
+    s.engine
+        .delete(Kind::VirtualNetwork, "lan", "api")
+        .expect("delete");
+    wait_until(|| s.names(Kind::VirtualNetwork).is_empty()).await;
+    assert!(!link_exists("hth-lan"), "the bridge is still there");
+    assert!(dnsmasq_on("hth-lan").is_empty(), "dnsmasq still runs");
+    assert!(
+        !netns::run("nft", &["list", "tables"]).contains("inet hearth"),
+        "the table is still there"
+    );
+}
+
+#[tokio::test]
+async fn a_picked_subnet_avoids_the_hosts_addresses_and_routes_and_is_kept() {
+    if netns::inside_netns("a_picked_subnet_avoids_the_hosts_addresses_and_routes_and_is_kept")
+        .is_none()
+    {
+        return;
+    }
+    // The namespace's own interfaces: one takes 10.77.0.0/24 by address,
+    // one 10.77.1.0/24 by a route.
+    netns::run(
+        "ip",
+        &["link", "add", "up0", "type", "veth", "peer", "name", "up1"],
+    );
+    netns::run("ip", &["link", "set", "up0", "up"]);
+    netns::run("ip", &["link", "set", "up1", "up"]);
+    netns::run("ip", &["addr", "add", "10.77.0.5/24", "dev", "up0"]);
+    netns::run("ip", &["route", "add", "10.77.1.0/24", "dev", "up0"]);
+    let s = setup().await;
+    s.apply(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: auto}\nspec: {mode: Isolated}\n",
+    )
+    .expect("apply");
+    wait_until(|| status(&s, "auto")["phase"] == "Ready").await;
+    assert_eq!(status(&s, "auto")["subnet"], "10.77.2.0/24");
+    assert_eq!(ipv4_of("hth-auto"), ["10.77.2.1/24"]);
+    // A given subnet that the host uses is refused by the reconcile,
+    // naming what uses it.
+    s.apply(&network("clash", "10.77.0.0/16"))
+        .expect_err("overlaps auto");
+    s.apply(&network("clash", "10.77.0.0/24")).expect("apply");
+    wait_until(|| status(&s, "clash")["phase"] == "Failed").await;
+    let msg = status(&s, "clash")["message"]
+        .as_str()
+        .unwrap_or("")
+        .to_string();
+    assert!(msg.contains("spec.subnet") && msg.contains("up0"), "{msg}");
+    assert!(!link_exists("hth-clash"));
+    // The picked subnet is kept, even once the host frees a lower one.
+    netns::run("ip", &["route", "del", "10.77.1.0/24", "dev", "up0"]);
+    s.engine
+        .delete(Kind::VirtualNetwork, "clash", "api")
+        .expect("delete");
+    wait_until(|| s.names(Kind::VirtualNetwork) == ["auto"]).await;
+    // A new generation is reconciled with the host's lower subnet free.
+    s.apply(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: auto}\nspec: {mode: Isolated, dhcp: false}\n",
+    )
+    .expect("re-apply");
+    wait_until(|| {
+        let st = status(&s, "auto");
+        st["observedGeneration"] == 2 && st["phase"] == "Ready"
+    })
+    .await;
+    assert_eq!(status(&s, "auto")["subnet"], "10.77.2.0/24");
+    assert_eq!(ipv4_of("hth-auto"), ["10.77.2.1/24"]);
+    assert!(
+        dnsmasq_on("hth-auto").is_empty(),
+        "dhcp: false still runs dnsmasq"
+    );
+}
+
+fn status(s: &Setup, network: &str) -> serde_json::Value {
+    s.engine
+        .get(Kind::VirtualNetwork, network)
+        .expect("get")
+        .status
+}
+
+fn link_exists(name: &str) -> bool {
+    std::process::Command::new("ip")
+        .args(["link", "show", "dev", name])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+fn ipv4_of(name: &str) -> Vec<String> {
+    let v: serde_json::Value =
+        serde_json::from_str(&netns::run("ip", &["-j", "addr", "show", "dev", name]))
+            .expect("ip -j");
+    v[0]["addr_info"]
+        .as_array()
+        .expect("addr_info")
+        .iter()
+        .filter(|a| a["family"] == "inet")
+        .map(|a| format!("{}/{}", a["local"].as_str().unwrap_or(""), a["prefixlen"]))
+        .collect()
+}
+
+/// Pids of the dnsmasqs whose config names `bridge`, from /proc.
+fn dnsmasq_on(bridge: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cmd.contains("dnsmasq") && cmd.contains(&format!("/{bridge}/")) {
+            pids.push(pid);
+        }
+    }
+    pids
 }
 
 fn leases(s: &Setup) -> Vec<(String, u32, String, String)> {
@@ -311,6 +456,11 @@ fn lease_count(s: &Setup, network: &str) -> Option<u64> {
 
 #[tokio::test]
 async fn the_network_stores_stable_leases_and_releases_them_with_the_interface() {
+    if netns::inside_netns("the_network_stores_stable_leases_and_releases_them_with_the_interface")
+        .is_none()
+    {
+        return;
+    }
     let s = setup().await;
     s.apply(
         &(network("lan", "10.77.0.0/24")
@@ -390,6 +540,9 @@ async fn the_network_stores_stable_leases_and_releases_them_with_the_interface()
 
 #[tokio::test]
 async fn a_bridge_network_records_reservations_only() {
+    if netns::inside_netns("a_bridge_network_records_reservations_only").is_none() {
+        return;
+    }
     let s = setup().await;
     s.apply(
         &("---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: lab}\nspec: {mode: Bridge, bridge: br0, subnet: 192.168.50.0/24}\n".to_string()

@@ -2,15 +2,17 @@
 //! forwards) and the network reconcile. The core is plain functions over
 //! plain data, so every rule is tested without a host network; the host
 //! side (bridges, taps, dnsmasq, nftables: `host/`) is a separate layer on
-//! top, not yet driven by the reconcile. See docs/networking.md and
-//! docs/networking-host.md.
+//! top, driven by the reconcile through `sync` (the whole host made to
+//! match the store). See docs/networking.md.
 
 pub mod admission;
+pub mod desired;
 pub mod host;
 pub mod ipam;
 pub mod names;
 pub mod ports;
 pub mod subnets;
+pub mod sync;
 
 use std::sync::Arc;
 
@@ -19,12 +21,10 @@ use hearth_api::{EventType, Kind, NetworkPhase, Object, VirtualMachine, VirtualN
 use crate::context::{Context, ReconcileError};
 use crate::store::{Store, StoredLease};
 
-/// What the network reconcile says until the host side is built: the object
-/// is accepted and its addresses are managed, but nothing exists on the
-/// host, so the phase stays Pending (never Ready on an assumption).
-pub const NOT_WIRED: &str = "host networking is not wired yet";
-
 pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+    // The whole reconcile holds the host lock: two networks never pick the
+    // same subnet, and the host is changed by one resync at a time.
+    let mut host = ctx.networking.lock().await;
     let Some(stored) = ctx.store.get(Kind::VirtualNetwork, name)? else {
         return Ok(());
     };
@@ -40,6 +40,14 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                 users.join(", ")
             )));
         }
+        // The host first (a network being deleted is left out of the
+        // desired state): its bridge, dnsmasq and rules go, and only then
+        // the object, so a failure leaves something that is retried.
+        sync::resync(ctx, &mut host).await.map_err(|e| {
+            ReconcileError::Failed(format!(
+                "VirtualNetwork {name:?}: cannot remove it from the host: {e}"
+            ))
+        })?;
         // Its leases go in the same transaction (Store::remove_tx).
         ctx.store.remove(Kind::VirtualNetwork, name)?;
         ctx.event(
@@ -47,21 +55,24 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
             name,
             EventType::Normal,
             "Deleted",
-            "the network and its leases were removed",
+            "its bridge, DHCP server and rules are gone from the host; the network and its leases were removed",
         );
         return Ok(());
     }
     let generation = net.metadata.generation;
-    let spec_subnet = net.spec.subnet.clone();
+    let old: VirtualNetworkStatus = serde_json::from_value(stored.status).unwrap_or_default();
+    let subnet = match subnet_of(ctx, &mut host, &net, &old).await {
+        Ok(s) => s,
+        Err(message) => {
+            fail(ctx, name, generation, &message);
+            return Err(ReconcileError::Failed(message));
+        }
+    };
     let addresses = ctx.addresses.lock().unwrap_or_else(|p| p.into_inner());
     let problems = ctx.store.with_tx(|tx| {
-        let status: VirtualNetworkStatus = Store::get_tx(tx, Kind::VirtualNetwork, name)?
-            .and_then(|s| serde_json::from_value(s.status).ok())
-            .unwrap_or_default();
-        let subnet = spec_subnet.clone().or(status.subnet.clone());
         let mut problems = Vec::new();
         let mut count = 0;
-        if let Some(subnet) = subnet.as_deref().and_then(|s| s.parse().ok()) {
+        if let Some(subnet) = subnet {
             let vms: Vec<VirtualMachine> = Store::list_tx(tx, Kind::VirtualMachine)?
                 .into_iter()
                 .filter_map(|s| match s.object {
@@ -79,17 +90,9 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
             problems = p;
         }
         Store::update_status_tx::<VirtualNetworkStatus, _>(tx, Kind::VirtualNetwork, name, |s| {
-            s.phase = NetworkPhase::Pending;
-            s.message = Some(if problems.is_empty() {
-                NOT_WIRED.to_string()
-            } else {
-                format!("{NOT_WIRED}; {}", problems.join("; "))
-            });
             s.leases = u32::try_from(count).unwrap_or(u32::MAX);
-            if s.subnet.is_none() {
-                s.subnet = spec_subnet.clone();
-            }
-            s.observed_generation = generation;
+            // Kept from now on: a picked subnet never changes.
+            s.subnet = subnet.map(|s| s.to_string());
         })?;
         Ok(problems)
     })?;
@@ -97,7 +100,148 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
     if !problems.is_empty() {
         tracing::warn!(network = name, ?problems, "interfaces without an address");
     }
+    if net.spec.mode == hearth_api::NetworkMode::Bridge {
+        let bridge = net.spec.bridge.clone().unwrap_or_default();
+        let found = match host.netlink() {
+            Ok(nl) => nl.observe_all().await.map(|links| {
+                links
+                    .iter()
+                    .any(|l| l.name == bridge && l.kind == host::link::LinkKind::Bridge)
+            }),
+            Err(e) => Err(e),
+        };
+        match found {
+            Ok(true) => {}
+            Ok(false) => {
+                let message = format!(
+                    "spec.bridge: the host has no bridge {bridge:?} (a Bridge network joins an existing one; hearth does not create it)"
+                );
+                fail(ctx, name, generation, &message);
+                return Err(ReconcileError::Failed(message));
+            }
+            Err(e) => {
+                let message = format!("cannot list the host's links: {e}");
+                fail(ctx, name, generation, &message);
+                return Err(ReconcileError::Failed(message));
+            }
+        }
+    }
+    if let Err(e) = sync::resync(ctx, &mut host).await {
+        let message = format!("cannot set up the host side: {e}");
+        fail(ctx, name, generation, &message);
+        return Err(ReconcileError::Failed(message));
+    }
+    drop(host);
+    let bridge = desired::host_bridge(&net);
+    let gateway = match net.spec.mode {
+        hearth_api::NetworkMode::Bridge => None,
+        _ => subnet.map(|s| s.gateway().to_string()),
+    };
+    let now_ready = old.phase != NetworkPhase::Ready;
+    ctx.store
+        .update_status::<VirtualNetworkStatus, _>(Kind::VirtualNetwork, name, |s| {
+            s.phase = NetworkPhase::Ready;
+            s.bridge = Some(bridge.clone());
+            s.gateway = gateway.clone();
+            s.message = (!problems.is_empty()).then(|| problems.join("; "));
+            s.observed_generation = generation;
+        })?;
+    if now_ready {
+        ctx.event(
+            Kind::VirtualNetwork,
+            name,
+            EventType::Normal,
+            "Ready",
+            &match &subnet {
+                Some(s) => format!("bridge {bridge} is up with subnet {s}"),
+                None => format!("VMs join the host's bridge {bridge}"),
+            },
+        );
+    }
+    // VMs waiting for this network start now; running ones update their
+    // interfaces.
+    for vm in ctx.vms_using_network(name)? {
+        ctx.wake(Kind::VirtualMachine, &vm);
+    }
     Ok(())
+}
+
+fn fail(ctx: &Context, name: &str, generation: u64, message: &str) {
+    if let Err(e) =
+        ctx.store
+            .update_status::<VirtualNetworkStatus, _>(Kind::VirtualNetwork, name, |s| {
+                s.phase = NetworkPhase::Failed;
+                s.message = Some(message.to_string());
+                s.observed_generation = generation;
+            })
+    {
+        tracing::warn!(network = name, error = %e, "cannot write status");
+    }
+    ctx.event(
+        Kind::VirtualNetwork,
+        name,
+        EventType::Warning,
+        "Failed",
+        message,
+    );
+}
+
+/// The network's subnet: given, or picked before and kept in its status,
+/// or picked now from the pool (one that no other network and nothing on
+/// the host uses). A NAT or Isolated subnet must not overlap the host's
+/// addresses and routes (other networks are checked at apply). `None` only
+/// for a Bridge network without `spec.subnet`.
+async fn subnet_of(
+    ctx: &Context,
+    host: &mut sync::HostGuard<'_>,
+    net: &hearth_api::VirtualNetwork,
+    old: &VirtualNetworkStatus,
+) -> Result<Option<hearth_api::net::Ipv4Cidr>, String> {
+    let given = net.spec.subnet.as_deref().or(old.subnet.as_deref());
+    let given = match given {
+        Some(s) => Some(
+            s.parse::<hearth_api::net::Ipv4Cidr>()
+                .map_err(|e| format!("spec.subnet: {e}"))?,
+        ),
+        None => None,
+    };
+    if net.spec.mode == hearth_api::NetworkMode::Bridge {
+        return Ok(given);
+    }
+    let host_nets: Vec<subnets::HostNet> = host
+        .netlink()
+        .map_err(|e| e.to_string())?
+        .host_networks()
+        .await
+        .map_err(|e| format!("cannot read the host's addresses and routes: {e}"))?
+        .into_iter()
+        .map(|(ip, len, what)| subnets::HostNet {
+            cidr: hearth_api::net::Ipv4Cidr::new_truncating(ip, len),
+            what,
+        })
+        .collect();
+    match given {
+        Some(s) => {
+            subnets::check(s, &[], &host_nets).map_err(|e| format!("spec.subnet: {e}"))?;
+            Ok(Some(s))
+        }
+        None => {
+            let view = sync::StoreView::read(ctx).map_err(|e| e.to_string())?;
+            let others: Vec<(String, hearth_api::net::Ipv4Cidr)> = sync::known_subnets(&view)
+                .into_iter()
+                .filter(|(n, _)| *n != net.metadata.name)
+                .collect();
+            let picked = subnets::pick(&others, &host_nets).map_err(|e| e.to_string())?;
+            ctx.event(
+                Kind::VirtualNetwork,
+                &net.metadata.name,
+                EventType::Normal,
+                "SubnetPicked",
+                &format!("picked {picked}: no other network and nothing on the host uses it"),
+            );
+            Ok(Some(picked))
+        }
+    }
 }
 
 /// The leases of network `name` for `vms` (all of them; those without an

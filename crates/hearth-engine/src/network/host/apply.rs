@@ -60,7 +60,16 @@ pub async fn apply(
             .push((net.bridge.clone(), dnsmasq::ensure(net, &files).await?));
     }
     report.ip_forward_set = nft::ensure_ip_forward(&desired.networks)?;
-    report.nft_changed = nft::apply(&desired.networks).await?;
+    // Without a NAT or Isolated network there is no table to write; one
+    // left over goes in the clean-up. A host where hearth has no network
+    // never sees the table appear.
+    if desired
+        .networks
+        .iter()
+        .any(|n| n.managed_bridge().is_some())
+    {
+        report.nft_changed = nft::apply(&desired.networks).await?;
+    }
     Ok(report)
 }
 

@@ -19,7 +19,8 @@ use rtnetlink::packet_route::address::AddressAttribute;
 use rtnetlink::packet_route::link::{
     InfoData, InfoKind, InfoTun, LinkAttribute, LinkFlags, LinkInfo, LinkMessage,
 };
-use rtnetlink::{Handle, LinkBridge, LinkUnspec};
+use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute, RouteHeader, RouteMessage};
+use rtnetlink::{Handle, LinkBridge, LinkUnspec, RouteMessageBuilder};
 
 use super::{BRIDGE_PREFIX, HostError, TAP_PREFIX, check_ifname};
 
@@ -432,6 +433,63 @@ impl Netlink {
             .await
             .map_err(nl(format!("deleting {name}")))?;
         Ok(true)
+    }
+
+    /// The IPv4 networks the host uses outside hearth's own links: the
+    /// addresses of every other interface and the routes of the main table
+    /// (`cidr`, and how an error names it). What a new network's subnet must
+    /// not overlap.
+    pub async fn host_networks(&self) -> Result<Vec<(Ipv4Addr, u8, String)>, HostError> {
+        let links = self.observe_all().await?;
+        let hearths: std::collections::BTreeMap<u32, &str> = links
+            .iter()
+            .filter(|l| l.is_hearths())
+            .map(|l| (l.index, l.name.as_str()))
+            .collect();
+        let mut out = Vec::new();
+        for l in links.iter().filter(|l| !l.is_hearths()) {
+            for (ip, len) in &l.addresses {
+                out.push((*ip, *len, format!("address of {}", l.name)));
+            }
+        }
+        let routes: Vec<RouteMessage> = self
+            .handle
+            .route()
+            .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
+            .execute()
+            .try_collect()
+            .await
+            .map_err(nl("listing routes"))?;
+        for r in &routes {
+            let mut table = u32::from(r.header.table);
+            let mut dest = Ipv4Addr::UNSPECIFIED;
+            let mut oif = None;
+            let mut via = None;
+            for a in &r.attributes {
+                match a {
+                    RouteAttribute::Table(t) => table = *t,
+                    RouteAttribute::Destination(RouteAddress::Inet(ip)) => dest = *ip,
+                    RouteAttribute::Oif(i) => oif = Some(*i),
+                    RouteAttribute::Gateway(RouteAddress::Inet(ip)) => via = Some(*ip),
+                    _ => {}
+                }
+            }
+            if table != u32::from(RouteHeader::RT_TABLE_MAIN)
+                || oif.is_some_and(|i| hearths.contains_key(&i))
+            {
+                continue;
+            }
+            let dev = oif
+                .and_then(|i| links.iter().find(|l| l.index == i))
+                .map(|l| l.name.as_str())
+                .unwrap_or("?");
+            let what = match via {
+                Some(gw) => format!("route via {gw} dev {dev}"),
+                None => format!("route dev {dev}"),
+            };
+            out.push((dest, r.header.destination_prefix_length, what));
+        }
+        Ok(out)
     }
 }
 

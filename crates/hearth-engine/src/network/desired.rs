@@ -1,0 +1,350 @@
+//! From the store's objects to the host's desired state: which bridges,
+//! dnsmasq hosts, port forwards and taps must exist. A pure function of
+//! what is stored (networks, VMs, leases), so the same store always asks
+//! the host for the same things, and a daemon that restarts after a crash
+//! asks for exactly what the one before it had made.
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+
+use hearth_api::net::Ipv4Cidr;
+use hearth_api::{NetworkMode as ApiMode, Protocol as ApiProtocol, VirtualMachine, VirtualNetwork};
+
+use super::admission::mac_of;
+use super::host::{
+    DesiredTap, HostDesired, HostNetwork, Mac, NetworkMode, PortForward, Protocol, StaticLease,
+};
+use super::names;
+use crate::store::StoredLease;
+
+/// A network as stored: its object, whether it is being deleted, and its
+/// subnet (given or picked; `None` while none is known).
+pub struct StoredNetwork<'a> {
+    pub network: &'a VirtualNetwork,
+    pub deleting: bool,
+    pub subnet: Option<Ipv4Cidr>,
+}
+
+/// The host interface a network's taps join: hearth's bridge, or the
+/// existing bridge of a `Bridge` network.
+pub fn host_bridge(network: &VirtualNetwork) -> String {
+    match network.spec.mode {
+        ApiMode::Bridge => network.spec.bridge.clone().unwrap_or_default(),
+        ApiMode::Nat | ApiMode::Isolated => names::bridge_name(&network.metadata.name),
+    }
+}
+
+/// Everything the host must have for these objects. A network being
+/// deleted, or one without a subnet (a NAT or Isolated network whose
+/// subnet is not picked yet), is left out, and so are the taps of its
+/// interfaces. A VM's taps exist as long as the VM is stored, running or
+/// not, so a restart finds them in place.
+pub fn host_desired(
+    networks: &[StoredNetwork<'_>],
+    vms: &[VirtualMachine],
+    leases: &[StoredLease],
+) -> HostDesired {
+    let mut desired = HostDesired::default();
+    // network name -> bridge its taps join
+    let mut joined: BTreeMap<&str, String> = BTreeMap::new();
+    let lease_of = |network: &str, vm: &str, interface: u32| {
+        leases
+            .iter()
+            .find(|l| l.network == network && l.vm == vm && l.interface == interface)
+    };
+    for stored in networks.iter().filter(|n| !n.deleting) {
+        let net = stored.network;
+        let name = net.metadata.name.as_str();
+        let (mode, gateway, prefix_len) = match (net.spec.mode, stored.subnet) {
+            (ApiMode::Bridge, _) => (
+                NetworkMode::Bridge {
+                    existing: host_bridge(net),
+                },
+                Ipv4Addr::UNSPECIFIED,
+                0,
+            ),
+            (ApiMode::Nat, Some(s)) => (NetworkMode::Nat, s.gateway(), s.prefix()),
+            (ApiMode::Isolated, Some(s)) => (NetworkMode::Isolated, s.gateway(), s.prefix()),
+            (ApiMode::Nat | ApiMode::Isolated, None) => continue,
+        };
+        let mut static_leases: Vec<StaticLease> = leases
+            .iter()
+            .filter(|l| l.network == name)
+            .filter_map(|l| {
+                Some(StaticLease {
+                    mac: Mac(l.mac.parse::<hearth_api::net::MacAddr>().ok()?.0),
+                    ip: l.ip,
+                    hostname: l.vm.clone(),
+                })
+            })
+            .collect();
+        static_leases.sort_by_key(|l| l.ip);
+        let mut port_forwards = Vec::new();
+        if !matches!(mode, NetworkMode::Bridge { .. }) {
+            for vm in vms {
+                for (i, iface) in vm.spec.networks.iter().enumerate() {
+                    if iface.virtual_network_name != name {
+                        continue;
+                    }
+                    let Some(lease) = lease_of(name, &vm.metadata.name, i as u32) else {
+                        continue;
+                    };
+                    for p in &iface.ports {
+                        let (Ok(host_port), Ok(guest_port)) =
+                            (u16::try_from(p.host_port), u16::try_from(p.guest_port))
+                        else {
+                            continue;
+                        };
+                        port_forwards.push(PortForward {
+                            protocol: match p.protocol {
+                                ApiProtocol::Tcp => Protocol::Tcp,
+                                ApiProtocol::Udp => Protocol::Udp,
+                            },
+                            host_addr: p.host_address.as_deref().and_then(|a| a.parse().ok()),
+                            host_port,
+                            guest_ip: lease.ip,
+                            guest_port,
+                        });
+                    }
+                }
+            }
+        }
+        port_forwards.sort_by_key(|f| (f.protocol, f.host_port, f.host_addr));
+        joined.insert(name, host_bridge(net));
+        desired.networks.push(HostNetwork {
+            bridge: names::bridge_name(name),
+            gateway,
+            prefix_len,
+            dhcp: net.spec.dhcp_enabled(),
+            mode,
+            static_leases,
+            port_forwards,
+        });
+    }
+    for vm in vms {
+        for (i, iface) in vm.spec.networks.iter().enumerate() {
+            if let Some(bridge) = joined.get(iface.virtual_network_name.as_str()) {
+                desired.taps.push(DesiredTap {
+                    name: names::tap_name(&vm.metadata.name, i as u32),
+                    bridge: bridge.clone(),
+                });
+            }
+        }
+    }
+    desired.networks.sort_by(|a, b| a.bridge.cmp(&b.bridge));
+    desired.taps.sort_by(|a, b| a.name.cmp(&b.name));
+    desired
+}
+
+/// One NIC of a VM as QEMU gets it: the tap, the MAC and where it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Nic {
+    pub network: String,
+    pub tap: String,
+    pub mac: String,
+    /// The address hearth leased to it (none on a `Bridge` network without
+    /// a reservation).
+    pub ip: Option<Ipv4Addr>,
+}
+
+/// The NICs of `vm`, in guest order.
+pub fn nics_of(vm: &VirtualMachine, leases: &[StoredLease]) -> Vec<Nic> {
+    vm.spec
+        .networks
+        .iter()
+        .enumerate()
+        .map(|(i, iface)| Nic {
+            network: iface.virtual_network_name.clone(),
+            tap: names::tap_name(&vm.metadata.name, i as u32),
+            mac: mac_of(vm, i).map(|m| m.to_string()).unwrap_or_default(),
+            ip: leases
+                .iter()
+                .find(|l| {
+                    l.vm == vm.metadata.name
+                        && l.interface == i as u32
+                        && l.network == iface.virtual_network_name
+                })
+                .map(|l| l.ip),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn network(yaml: &str) -> VirtualNetwork {
+        match hearth_api::parse_documents(yaml, "test")
+            .expect("parse")
+            .remove(0)
+        {
+            hearth_api::Object::VirtualNetwork(n) => n,
+            other => panic!("not a network: {other:?}"),
+        }
+    }
+
+    fn vm(yaml_networks: &str, name: &str) -> VirtualMachine {
+        let doc = format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: {name}}}\nspec:\n  cpus: 1\n  memory: 128Mi\n  boot: {{kernel: /k}}\n  networks: {yaml_networks}\n"
+        );
+        match hearth_api::parse_documents(&doc, "test")
+            .expect("parse")
+            .remove(0)
+        {
+            hearth_api::Object::VirtualMachine(v) => v,
+            other => panic!("not a vm: {other:?}"),
+        }
+    }
+
+    fn lease(network: &str, vm: &VirtualMachine, i: u32, ip: &str) -> StoredLease {
+        StoredLease {
+            network: network.into(),
+            vm: vm.metadata.name.clone(),
+            interface: i,
+            ip: ip.parse().unwrap(),
+            mac: mac_of(vm, i as usize).unwrap().to_string(),
+        }
+    }
+
+    fn subnet(s: &str) -> Option<Ipv4Cidr> {
+        Some(s.parse().unwrap())
+    }
+
+    #[test]
+    fn a_nat_network_gets_its_bridge_leases_forwards_and_taps() {
+        let lan = network(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: lan}\nspec: {}\n",
+        );
+        let web = vm(
+            "[{virtualNetworkName: lan, ports: [{hostPort: 2222, guestPort: 22}, {hostPort: 5353, guestPort: 53, protocol: UDP, hostAddress: 10.9.9.9}]}]",
+            "web",
+        );
+        let db = vm(
+            "[{virtualNetworkName: lan}, {virtualNetworkName: lan}]",
+            "db",
+        );
+        let leases = vec![
+            lease("lan", &web, 0, "10.77.0.10"),
+            lease("lan", &db, 0, "10.77.0.11"),
+            lease("lan", &db, 1, "10.77.0.12"),
+        ];
+        let nets = [StoredNetwork {
+            network: &lan,
+            deleting: false,
+            subnet: subnet("10.77.0.0/24"),
+        }];
+        let d = host_desired(&nets, &[web.clone(), db.clone()], &leases);
+        assert_eq!(d.networks.len(), 1);
+        let n = &d.networks[0];
+        assert_eq!(n.bridge, "hth-lan");
+        assert_eq!(n.gateway, "10.77.0.1".parse::<Ipv4Addr>().unwrap());
+        assert_eq!(n.prefix_len, 24);
+        assert!(n.dhcp);
+        assert_eq!(n.mode, NetworkMode::Nat);
+        assert_eq!(
+            n.static_leases
+                .iter()
+                .map(|l| (l.ip.to_string(), l.hostname.as_str()))
+                .collect::<Vec<_>>(),
+            [
+                ("10.77.0.10".to_string(), "web"),
+                ("10.77.0.11".to_string(), "db"),
+                ("10.77.0.12".to_string(), "db")
+            ]
+        );
+        assert_eq!(n.port_forwards.len(), 2);
+        assert_eq!(n.port_forwards[0].host_port, 2222);
+        assert_eq!(n.port_forwards[0].guest_ip.to_string(), "10.77.0.10");
+        assert_eq!(n.port_forwards[1].protocol, Protocol::Udp);
+        assert_eq!(
+            n.port_forwards[1].host_addr,
+            Some("10.9.9.9".parse().unwrap())
+        );
+        assert_eq!(
+            d.taps
+                .iter()
+                .map(|t| (t.name.as_str(), t.bridge.as_str()))
+                .collect::<Vec<_>>(),
+            [
+                ("htt-db-0", "hth-lan"),
+                ("htt-db-1", "hth-lan"),
+                ("htt-web-0", "hth-lan")
+            ]
+        );
+        d.validate().expect("valid desired state");
+        let nics = nics_of(&db, &leases);
+        assert_eq!(nics[1].tap, "htt-db-1");
+        assert_eq!(nics[1].ip, Some("10.77.0.12".parse().unwrap()));
+    }
+
+    #[test]
+    fn deleted_or_subnetless_networks_and_their_taps_are_left_out() {
+        let gone = network(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: gone}\nspec: {}\n",
+        );
+        let new = network(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: new}\nspec: {mode: Isolated}\n",
+        );
+        let br = network(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: br}\nspec: {mode: Bridge, bridge: br0}\n",
+        );
+        let a = vm(
+            "[{virtualNetworkName: gone}, {virtualNetworkName: new}, {virtualNetworkName: br, ports: [{hostPort: 80, guestPort: 80}]}]",
+            "a",
+        );
+        let nets = [
+            StoredNetwork {
+                network: &gone,
+                deleting: true,
+                subnet: subnet("10.77.0.0/24"),
+            },
+            StoredNetwork {
+                network: &new,
+                deleting: false,
+                subnet: None,
+            },
+            StoredNetwork {
+                network: &br,
+                deleting: false,
+                subnet: None,
+            },
+        ];
+        let d = host_desired(&nets, &[a], &[]);
+        assert_eq!(d.networks.len(), 1, "{d:?}");
+        assert_eq!(
+            d.networks[0].mode,
+            NetworkMode::Bridge {
+                existing: "br0".into()
+            }
+        );
+        assert!(!d.networks[0].dhcp);
+        assert!(d.networks[0].port_forwards.is_empty());
+        assert_eq!(d.taps.len(), 1);
+        assert_eq!(d.taps[0].name, "htt-a-2");
+        assert_eq!(d.taps[0].bridge, "br0");
+        d.validate().expect("valid desired state");
+    }
+
+    #[test]
+    fn the_same_store_always_asks_for_the_same_host() {
+        let lan = network(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: lan}\nspec: {}\n",
+        );
+        let a = vm("[{virtualNetworkName: lan}]", "a");
+        let b = vm("[{virtualNetworkName: lan}]", "b");
+        let leases = vec![
+            lease("lan", &b, 0, "10.77.0.11"),
+            lease("lan", &a, 0, "10.77.0.10"),
+        ];
+        let nets = [StoredNetwork {
+            network: &lan,
+            deleting: false,
+            subnet: subnet("10.77.0.0/24"),
+        }];
+        let one = host_desired(&nets, &[a.clone(), b.clone()], &leases);
+        let mut reversed = leases.clone();
+        reversed.reverse();
+        let two = host_desired(&nets, &[b, a], &reversed);
+        assert_eq!(one, two);
+    }
+}

@@ -1,0 +1,182 @@
+//! The thin shell that makes the host match the store: it reads every
+//! network, VM and lease, asks [`desired::host_desired`] what the host must
+//! have, and runs [`host::resync`] (apply, then clean up what nothing asks
+//! for). Always the whole host, never a piece: after any resync the host has
+//! exactly hearth's desired bridges, taps, dnsmasqs and table, whatever a
+//! crash left behind.
+//!
+//! One resync runs at a time ([`HostNetworking::lock`]); network reconciles
+//! hold the lock for their whole run, so two networks never pick the same
+//! subnet, and a VM launch holds it while its taps are made.
+
+use std::collections::BTreeMap;
+
+use hearth_api::net::Ipv4Cidr;
+use hearth_api::{Kind, Object, VirtualMachine, VirtualNetwork, VirtualNetworkStatus};
+
+use super::desired::{self, StoredNetwork};
+use super::host::cleanup::CleanupAction;
+use super::host::link::Netlink;
+use super::host::{self, ApplyReport, HostError};
+use crate::context::Context;
+use crate::store::{StoreError, StoredLease};
+
+/// Store counter bumped once the host has had a hearth network: from then
+/// on a start-up resync cleans up, even when no network is left.
+const USED_COUNTER: &str = "host-networking-used";
+
+/// The host side's one lock and its netlink socket (opened on first use,
+/// in the namespace hearthd runs in).
+#[derive(Default)]
+pub struct HostNetworking {
+    netlink: tokio::sync::Mutex<Option<Netlink>>,
+}
+
+/// Held while the host is read or changed.
+pub struct HostGuard<'a> {
+    netlink: tokio::sync::MutexGuard<'a, Option<Netlink>>,
+}
+
+impl HostNetworking {
+    pub async fn lock(&self) -> HostGuard<'_> {
+        HostGuard {
+            netlink: self.netlink.lock().await,
+        }
+    }
+}
+
+impl HostGuard<'_> {
+    pub fn netlink(&mut self) -> Result<&Netlink, HostError> {
+        if self.netlink.is_none() {
+            *self.netlink = Some(Netlink::open()?);
+        }
+        Ok(self.netlink.as_ref().expect("just opened"))
+    }
+}
+
+/// Why a resync did not happen or did not finish.
+#[derive(Debug, thiserror::Error)]
+pub enum SyncError {
+    #[error(transparent)]
+    Host(#[from] HostError),
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+}
+
+/// What the store holds that the host side depends on.
+pub struct StoreView {
+    pub networks: Vec<(VirtualNetwork, bool, Option<Ipv4Cidr>)>,
+    pub vms: Vec<VirtualMachine>,
+    pub leases: Vec<StoredLease>,
+}
+
+impl StoreView {
+    pub fn read(ctx: &Context) -> Result<StoreView, StoreError> {
+        let mut networks = Vec::new();
+        for s in ctx.store.list(Kind::VirtualNetwork)? {
+            if let Object::VirtualNetwork(net) = s.object {
+                let status: VirtualNetworkStatus =
+                    serde_json::from_value(s.status).unwrap_or_default();
+                let subnet = net
+                    .spec
+                    .subnet
+                    .as_deref()
+                    .or(status.subnet.as_deref())
+                    .and_then(|s| s.parse().ok());
+                networks.push((net, s.deleting, subnet));
+            }
+        }
+        let vms = ctx
+            .store
+            .list(Kind::VirtualMachine)?
+            .into_iter()
+            .filter_map(|s| match s.object {
+                Object::VirtualMachine(vm) => Some(vm),
+                _ => None,
+            })
+            .collect();
+        Ok(StoreView {
+            networks,
+            vms,
+            leases: ctx.store.leases()?,
+        })
+    }
+
+    pub fn desired(&self) -> host::HostDesired {
+        let stored: Vec<StoredNetwork<'_>> = self
+            .networks
+            .iter()
+            .map(|(network, deleting, subnet)| StoredNetwork {
+                network,
+                deleting: *deleting,
+                subnet: *subnet,
+            })
+            .collect();
+        desired::host_desired(&stored, &self.vms, &self.leases)
+    }
+}
+
+/// Makes the host match the store. The caller holds the guard.
+pub async fn resync(
+    ctx: &Context,
+    guard: &mut HostGuard<'_>,
+) -> Result<(ApplyReport, Vec<CleanupAction>), SyncError> {
+    let view = StoreView::read(ctx)?;
+    let want = view.desired();
+    if !want.networks.is_empty() && ctx.store.counter(USED_COUNTER)? == 0 {
+        ctx.store.next_counter(USED_COUNTER)?;
+    }
+    let dir = ctx.config.networks_dir();
+    let nl = guard.netlink()?;
+    let (report, removed) = host::resync(nl, &want, &dir).await?;
+    if report.changed() {
+        tracing::info!(?report, "host networking changed");
+    }
+    for action in &removed {
+        tracing::info!(
+            ?action,
+            "removed from the host: nothing in the store asks for it"
+        );
+    }
+    Ok((report, removed))
+}
+
+/// At start-up: if this store ever had a network, the host is brought to
+/// what the store says now, so a crash's leftovers (taps of deleted VMs, a
+/// bridge of a deleted network, a stray dnsmasq) go before anything starts.
+/// A store that never had one touches nothing (the host may run another
+/// hearthd's networks, or none).
+pub async fn startup(ctx: &Context) {
+    let needed = match (
+        ctx.store.counter(USED_COUNTER),
+        ctx.store.list(Kind::VirtualNetwork),
+    ) {
+        (Ok(n), Ok(nets)) => n > 0 || !nets.is_empty(),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::warn!(error = %e, "cannot read the store for the start-up network resync");
+            return;
+        }
+    };
+    if !needed {
+        return;
+    }
+    let mut guard = ctx.networking.lock().await;
+    match resync(ctx, &mut guard).await {
+        Ok((_, removed)) => tracing::info!(
+            removed = removed.len(),
+            "start-up network resync: the host matches the store"
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "start-up network resync failed; the network reconciles retry")
+        }
+    }
+}
+
+/// Every network's subnet, given or picked, by name: what a new one must
+/// not overlap.
+pub fn known_subnets(view: &StoreView) -> BTreeMap<String, Ipv4Cidr> {
+    view.networks
+        .iter()
+        .filter_map(|(n, _, s)| Some((n.metadata.name.clone(), (*s)?)))
+        .collect()
+}
