@@ -367,6 +367,14 @@ pub struct InterfaceStatus {
     /// The host side of the interface (the tap).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_interface: Option<String>,
+    /// The IPv4 addresses the guest agent reports on this MAC
+    /// (`guest-network-get-interfaces`); empty without an agent answer.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub guest_ip_addresses: Vec<String>,
+    /// Whether the guest holds `ipAddress` on this MAC, as its agent says;
+    /// unset until an agent has answered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub confirmed: Option<bool>,
 }
 
 // ---------------------------------------------------------------- VirtualNetwork

@@ -98,10 +98,29 @@ pub struct LaunchSpec {
     /// Its nodes and device have fixed names of their own ([`SEED_NODE_NAME`],
     /// [`SEED_DEVICE_ID`]) that no disk can take.
     pub seed: Option<PathBuf>,
+    /// virtio-net cards, in guest order (`eth0`, `eth1`, ...), each on a
+    /// persistent tap that exists before QEMU starts.
+    pub nics: Vec<NicAttachment>,
     /// `None` means no guest-agent channel at all.
     pub agent_socket: Option<PathBuf>,
     pub qmp_socket: PathBuf,
     pub serial_log: PathBuf,
+}
+
+/// A virtio-net card on a tap the host made (QEMU opens it by name, and
+/// never runs a script).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NicAttachment {
+    pub tap: String,
+    /// `aa:bb:cc:dd:ee:ff`, unicast.
+    pub mac: String,
+    /// The in-kernel data path (`/dev/vhost-net`); QEMU's own otherwise.
+    pub vhost: bool,
+}
+
+/// qdev id and netdev id of NIC `index`.
+pub fn nic_device_id(index: usize) -> String {
+    format!("nic{index}")
 }
 
 /// Node name of the seed's format node.
@@ -129,6 +148,12 @@ pub const MAX_NODE_NAME_LEN: usize = 31;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CmdlineError {
+    #[error(
+        "nics[{index}]: tap name {tap:?} must be 1 to 15 of ASCII letters, digits, '-', '_' and '.'"
+    )]
+    BadTapName { index: usize, tap: String },
+    #[error("nics[{index}]: {mac:?} is not a unicast MAC address (six hex pairs separated by ':')")]
+    BadMac { index: usize, mac: String },
     #[error(
         "VM name {0:?} is not a DNS label (1-63 of a-z, 0-9, '-', not starting or ending with '-')"
     )]
@@ -212,6 +237,24 @@ pub fn validate_serial(serial: &str) -> Result<(), CmdlineError> {
 }
 
 /// Builds the argv (without the binary itself) that starts `spec`.
+fn valid_tap_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 15
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+fn valid_unicast_mac(mac: &str) -> bool {
+    let parts: Vec<&str> = mac.split(':').collect();
+    parts.len() == 6
+        && parts
+            .iter()
+            .all(|p| p.len() == 2 && p.bytes().all(|b| b.is_ascii_hexdigit()))
+        && u8::from_str_radix(parts[0], 16).is_ok_and(|b| b & 1 == 0)
+        && parts.iter().any(|p| *p != "00")
+}
+
 pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
     validate_vm_name(&spec.vm_name)?;
     if spec.cpus == 0 || spec.cpus > MAX_CPUS {
@@ -391,6 +434,49 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
         );
     }
 
+    for (index, nic) in spec.nics.iter().enumerate() {
+        if !valid_tap_name(&nic.tap) {
+            return Err(CmdlineError::BadTapName {
+                index,
+                tap: nic.tap.clone(),
+            });
+        }
+        if !valid_unicast_mac(&nic.mac) {
+            return Err(CmdlineError::BadMac {
+                index,
+                mac: nic.mac.clone(),
+            });
+        }
+        let id = nic_device_id(index);
+        // JSON, so no byte of a name reaches QEMU's option parser; no
+        // script: the tap is made, enslaved and brought up by hearth.
+        args.push("-netdev");
+        args.push(
+            json!({
+                "type": "tap",
+                "id": id,
+                "ifname": nic.tap,
+                "script": "no",
+                "downscript": "no",
+                "vhost": nic.vhost,
+            })
+            .to_string(),
+        );
+        // No option ROM: nothing boots from the network (`-boot strict=on`
+        // tries only the disks), and it saves the firmware loading iPXE.
+        args.push("-device");
+        args.push(
+            json!({
+                "driver": "virtio-net-pci",
+                "netdev": id,
+                "id": id,
+                "mac": nic.mac,
+                "romfile": "",
+            })
+            .to_string(),
+        );
+    }
+
     if let Some(agent_socket) = &spec.agent_socket {
         let path = legacy_opt_path("agent_socket", agent_socket)?;
         args.push("-device");
@@ -533,6 +619,7 @@ mod tests {
                 },
             ],
             seed: None,
+            nics: vec![],
             agent_socket: Some("/run/hearth/demo/qga.sock".into()),
             qmp_socket: "/run/hearth/demo/qmp.sock".into(),
             serial_log: "/var/log/hearth/demo/serial.log".into(),
@@ -1188,6 +1275,59 @@ mod tests {
                     || keys == ["driver", "file", "node-name", "read-only"],
                 "{b}"
             );
+        }
+    }
+
+    #[test]
+    fn nics_are_json_netdevs_on_named_taps_without_option_roms() {
+        let mut s = spec();
+        s.nics = vec![
+            NicAttachment {
+                tap: "htt-web-0".into(),
+                mac: "02:12:34:56:78:9a".into(),
+                vhost: false,
+            },
+            NicAttachment {
+                tap: "htt-web-1".into(),
+                mac: "52:54:00:00:00:01".into(),
+                vhost: true,
+            },
+        ];
+        let args = strings(&build_args(&s).expect("valid"));
+        let netdevs: Vec<serde_json::Value> = values_of(&args, "-netdev")
+            .iter()
+            .map(|v| serde_json::from_str(v).expect("json netdev"))
+            .collect();
+        assert_eq!(netdevs.len(), 2);
+        assert_eq!(netdevs[0]["ifname"], "htt-web-0");
+        assert_eq!(netdevs[0]["script"], "no");
+        assert_eq!(netdevs[0]["vhost"], false);
+        assert_eq!(netdevs[1]["vhost"], true);
+        let nics: Vec<serde_json::Value> = values_of(&args, "-device")
+            .iter()
+            .filter_map(|v| serde_json::from_str::<serde_json::Value>(v).ok())
+            .filter(|d| d["driver"] == "virtio-net-pci")
+            .collect();
+        assert_eq!(nics.len(), 2);
+        assert_eq!(nics[1]["netdev"], netdevs[1]["id"]);
+        assert_eq!(nics[1]["mac"], "52:54:00:00:00:01");
+        assert_eq!(nics[0]["romfile"], "");
+        assert!(nics[0].get("bootindex").is_none());
+
+        for (tap, mac, want) in [
+            ("htt-a,script=/x", "02:00:00:00:00:01", "tap name"),
+            ("htt-much-too-long-name", "02:00:00:00:00:01", "tap name"),
+            ("htt-a", "03:00:00:00:00:01", "not a unicast"),
+            ("htt-a", "00:00:00:00:00:00", "not a unicast"),
+            ("htt-a", "02:00:00:00:00", "not a unicast"),
+        ] {
+            s.nics = vec![NicAttachment {
+                tap: tap.into(),
+                mac: mac.into(),
+                vhost: false,
+            }];
+            let e = build_args(&s).expect_err(tap).to_string();
+            assert!(e.starts_with("nics[0]") && e.contains(want), "{e}");
         }
     }
 

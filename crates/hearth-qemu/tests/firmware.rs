@@ -112,6 +112,7 @@ fn firmware_spec(
         kernel: None,
         disks: disks.iter().enumerate().map(|(i, p)| disk(i, p)).collect(),
         seed: seed.map(Path::to_owned),
+        nics: vec![],
         agent_socket: None,
         qmp_socket: dir.join(format!("{name}.qmp")),
         serial_log: dir.join(format!("{name}.serial")),

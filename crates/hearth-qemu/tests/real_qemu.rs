@@ -42,6 +42,7 @@ fn vm_in(dir: &Path, name: &str, disks: Vec<DiskAttachment>) -> Vm {
             }),
             disks,
             seed: None,
+            nics: vec![],
             agent_socket: Some(dir.join("qga.sock")),
             qmp_socket: dir.join("qmp.sock"),
             serial_log: dir.join("serial.log"),

@@ -5,6 +5,7 @@ pub mod decide;
 pub mod firmware;
 pub mod launches;
 pub mod live;
+pub mod nics;
 mod reconcile;
 pub mod seed;
 

@@ -93,7 +93,24 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                         Some(record) => {
                             ctx.ensure_live(&record).await;
                         }
-                        None => launch(ctx, vm, intent.restart_nonce).await?,
+                        None => {
+                            if let Some(why) = super::nics::waiting_for(ctx, vm)? {
+                                // The network's reconcile wakes this VM once it is Ready.
+                                ctx.set_vm_status(name, |s| {
+                                    s.phase = VmPhase::Pending;
+                                    set_condition(
+                                        &mut s.conditions,
+                                        "NetworksReady",
+                                        ConditionStatus::False,
+                                        "NetworkNotReady",
+                                        &why,
+                                        Utc::now(),
+                                    );
+                                });
+                                return Ok(());
+                            }
+                            launch(ctx, vm, intent.restart_nonce).await?
+                        }
                     }
                 }
             }
@@ -140,6 +157,9 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                         Utc::now(),
                     );
                 });
+                if agent && !vm.spec.networks.is_empty() {
+                    super::nics::confirm_with_agent(ctx, name).await;
+                }
             }
             Step::KeepStopped => {
                 let generation = vm.metadata.generation;
@@ -150,7 +170,10 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                     s.pid = None;
                     s.agent_connected = false;
                     s.observed_generation = generation;
+                    // No QEMU, no NIC: nothing is claimed the host does not have.
+                    s.interfaces.clear();
                     remove_condition(&mut s.conditions, "DisksReady");
+                    remove_condition(&mut s.conditions, "NetworksReady");
                 });
             }
         }
@@ -199,6 +222,7 @@ async fn launch(
         Ok(Launched {
             record,
             cloud_init_instance_id,
+            nics,
         }) => {
             let accel = ctx.config.accel.clone();
             let pid = record.process.pid;
@@ -207,13 +231,20 @@ async fn launch(
                 s.accelerator_reason = Some(accel.reason.clone());
                 s.observed_generation = generation;
                 s.cloud_init_instance_id = cloud_init_instance_id;
+                s.interfaces = super::nics::attached(&nics);
+                remove_condition(&mut s.conditions, "NetworksReady");
             });
+            let mut message = format!("QEMU started (pid {pid}) with accelerator {}", accel.reason);
+            if let Some(backend) = super::nics::describe_backend(&nics) {
+                message.push_str("; ");
+                message.push_str(&backend);
+            }
             ctx.event(
                 Kind::VirtualMachine,
                 name,
                 EventType::Normal,
                 "Started",
-                &format!("QEMU started (pid {pid}) with accelerator {}", accel.reason),
+                &message,
             );
             Ok(())
         }
@@ -244,6 +275,11 @@ struct Launched {
     record: RuntimeRecord,
     /// The `instance-id` of the cloud-init seed it has, if any.
     cloud_init_instance_id: Option<String>,
+    /// Its NICs, in guest order.
+    nics: Vec<(
+        crate::network::desired::Nic,
+        hearth_qemu::cmdline::NicAttachment,
+    )>,
 }
 
 async fn try_launch(
@@ -331,6 +367,9 @@ async fn try_launch(
         );
     }
     let seed = prepare_seed(cfg, vm).await?;
+    // The taps exist before QEMU opens them by name (else QEMU, as root,
+    // would make a tap of its own that no bridge has).
+    let nics = super::nics::prepare(ctx, vm).await?;
     // Stale sockets are removed by `process::launch`, and only if nothing
     // listens on them: a socket a running QEMU serves is never cut off.
     let qmp_socket = run_dir.join("qmp.sock");
@@ -347,6 +386,7 @@ async fn try_launch(
         // After the disks, never in the record's disks: a seed is not a
         // VirtualDisk, and no snapshot ever covers it.
         seed: seed.as_ref().map(|_| cfg.cloud_init_seed_path(name)),
+        nics: nics.iter().map(|(_, a)| a.clone()).collect(),
         agent_socket: agent_socket.clone(),
         qmp_socket: qmp_socket.clone(),
         serial_log: serial_log.clone(),
@@ -426,6 +466,7 @@ async fn try_launch(
     Ok(Launched {
         record,
         cloud_init_instance_id: seed.map(|s| s.instance_id),
+        nics,
     })
 }
 
@@ -619,6 +660,10 @@ fn remove(ctx: &Arc<Context>, vm: &VirtualMachine) -> Result<(), ReconcileError>
     );
     for d in &vm.spec.disks {
         ctx.wake(Kind::VirtualDisk, &d.virtual_disk_name);
+    }
+    // Its taps, port forwards and dnsmasq hosts go at the networks' resync.
+    for n in &vm.spec.networks {
+        ctx.wake(Kind::VirtualNetwork, &n.virtual_network_name);
     }
     Ok(())
 }

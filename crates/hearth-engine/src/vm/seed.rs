@@ -62,8 +62,16 @@ struct MetaData<'a> {
 
 impl SeedFiles {
     /// The seed `vm` gets, or `None` when it needs none (no `cloudInit`).
+    /// A VM that boots from its disks and has networks gets one even
+    /// without `cloudInit`: a cloud image then configures its interfaces
+    /// from it at once (a kernel-booted guest is taken to bring its own).
     pub fn for_vm(vm: &VirtualMachine) -> Option<SeedFiles> {
-        let ci = vm.spec.cloud_init.as_ref()?;
+        let default = CloudInit::default();
+        let ci = match &vm.spec.cloud_init {
+            Some(ci) => ci,
+            None if vm.spec.boot.is_none() && !vm.spec.networks.is_empty() => &default,
+            None => return None,
+        };
         Some(Self::new(&vm.metadata.name, ci, network_config(vm, ci)))
     }
 
@@ -150,14 +158,27 @@ impl SeedFiles {
 }
 
 /// The `network-config` the seed of `vm` carries: the one its `cloudInit`
-/// gives, as given.
-///
-/// This is the one place to change for networks: a VM with `spec.networks`
-/// and no `networkConfig` is to get a DHCP config for its interfaces here
-/// (and then a VM with networks needs a seed even without `cloudInit`, see
-/// [`SeedFiles::for_vm`]).
-fn network_config(_vm: &VirtualMachine, ci: &CloudInit) -> Option<String> {
-    ci.network_config.clone()
+/// gives, as given; else, for a VM with networks, DHCP on each of its
+/// interfaces, matched by MAC (so the guest's own names for them do not
+/// matter); else none (cloud-init's own fallback).
+fn network_config(vm: &VirtualMachine, ci: &CloudInit) -> Option<String> {
+    if let Some(given) = &ci.network_config {
+        return Some(given.clone());
+    }
+    if vm.spec.networks.is_empty() {
+        return None;
+    }
+    let mut text = String::from("# hearth: DHCP on every interface\nversion: 2\nethernets:\n");
+    for i in 0..vm.spec.networks.len() {
+        // Validated MACs: six hex pairs, nothing to quote.
+        let mac = crate::network::admission::mac_of(vm, i)
+            .map(|m| m.to_string())
+            .unwrap_or_default();
+        text.push_str(&format!(
+            "  nic{i}:\n    match:\n      macaddress: \"{mac}\"\n    dhcp4: true\n"
+        ));
+    }
+    Some(text)
 }
 
 /// Formats `storage` (already [`SeedFiles::image_bytes`] long) as FAT
@@ -311,6 +332,69 @@ mod tests {
         }
         out.sort();
         (label, root_label, out)
+    }
+
+    fn vm_from(spec: &str) -> VirtualMachine {
+        let doc = format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: web}}\nspec:\n  disks: [{{virtualDiskName: root}}]\n{spec}"
+        );
+        match hearth_api::parse_documents(&doc, "test")
+            .expect("valid")
+            .remove(0)
+        {
+            hearth_api::Object::VirtualMachine(vm) => vm,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_vm_with_networks_gets_dhcp_on_every_interface_by_mac_unless_it_gives_its_own() {
+        let vm = vm_from(
+            "  networks: [{virtualNetworkName: a}, {virtualNetworkName: b, macAddress: \"52:54:00:aa:bb:cc\"}]\n",
+        );
+        // Booted from its disk, no cloudInit: still a seed, for the network.
+        let files = SeedFiles::for_vm(&vm).expect("a seed");
+        let nc = files.network_config.as_deref().expect("network-config");
+        let parsed: serde_yaml_ng::Value = serde_yaml_ng::from_str(nc).expect("yaml");
+        assert_eq!(parsed["version"], 2);
+        let derived = crate::network::admission::mac_of(&vm, 0)
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            parsed["ethernets"]["nic0"]["match"]["macaddress"].as_str(),
+            Some(derived.as_str())
+        );
+        assert_eq!(parsed["ethernets"]["nic0"]["dhcp4"], true);
+        assert_eq!(
+            parsed["ethernets"]["nic1"]["match"]["macaddress"].as_str(),
+            Some("52:54:00:aa:bb:cc")
+        );
+        // The user's own network-config wins.
+        let mut own = vm.clone();
+        own.spec.cloud_init = Some(ci());
+        assert_eq!(
+            SeedFiles::for_vm(&own).unwrap().network_config.as_deref(),
+            Some("version: 2\nethernets: {}\n")
+        );
+        // No networks: no network-config, and no seed without cloudInit.
+        let plain = vm_from("");
+        assert!(SeedFiles::for_vm(&plain).is_none());
+        let mut with_ci = plain.clone();
+        with_ci.spec.cloud_init = Some(CloudInit::default());
+        assert!(
+            SeedFiles::for_vm(&with_ci)
+                .unwrap()
+                .network_config
+                .is_none()
+        );
+        // A kernel-booted guest brings its own network setup.
+        let mut kernel = vm.clone();
+        kernel.spec.boot = Some(hearth_api::Boot {
+            kernel: "/k".into(),
+            initrd: None,
+            cmdline: String::new(),
+        });
+        assert!(SeedFiles::for_vm(&kernel).is_none());
     }
 
     #[test]

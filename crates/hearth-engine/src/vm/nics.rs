@@ -1,0 +1,288 @@
+//! A VM's network cards: waiting for its networks, making its taps before
+//! QEMU opens them, and what its status says about each interface (the
+//! lease, confirmed by the guest agent when there is one).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hearth_api::{
+    InterfaceStatus, Kind, NetworkMode, NetworkPhase, Object, VirtualMachine, VirtualNetworkStatus,
+};
+use hearth_qemu::cmdline::NicAttachment;
+use serde_json::Value;
+
+use crate::context::Context;
+use crate::network::desired::{Nic, nics_of};
+use crate::network::host::TapBackend;
+use crate::network::sync;
+use crate::store::StoreError;
+
+/// Longest wait for the agent's interface list; it answers at once.
+const AGENT_CALL_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Why the VM cannot start yet because of its networks, if it cannot: a
+/// network missing, being deleted or not Ready, or an interface of a NAT or
+/// Isolated network without its lease yet.
+pub fn waiting_for(ctx: &Context, vm: &VirtualMachine) -> Result<Option<String>, StoreError> {
+    let name = &vm.metadata.name;
+    let leases = ctx.store.leases()?;
+    for (i, iface) in vm.spec.networks.iter().enumerate() {
+        let net = &iface.virtual_network_name;
+        let Some(stored) = ctx.store.get(Kind::VirtualNetwork, net)? else {
+            return Ok(Some(format!(
+                "spec.networks[{i}]: VirtualNetwork {net:?} does not exist yet"
+            )));
+        };
+        if stored.deleting {
+            return Ok(Some(format!(
+                "spec.networks[{i}]: VirtualNetwork {net:?} is being deleted"
+            )));
+        }
+        let status: VirtualNetworkStatus =
+            serde_json::from_value(stored.status).unwrap_or_default();
+        if status.phase != NetworkPhase::Ready {
+            return Ok(Some(format!(
+                "spec.networks[{i}]: VirtualNetwork {net:?} is not Ready yet ({}{})",
+                status.phase,
+                status.message.map(|m| format!(": {m}")).unwrap_or_default()
+            )));
+        }
+        let Object::VirtualNetwork(network) = stored.object else {
+            continue;
+        };
+        let leased = leases
+            .iter()
+            .any(|l| l.network == *net && l.vm == *name && l.interface == i as u32);
+        if network.spec.mode != NetworkMode::Bridge && !leased {
+            return Ok(Some(format!(
+                "spec.networks[{i}]: no address on VirtualNetwork {net:?} yet"
+            )));
+        }
+    }
+    Ok(None)
+}
+
+/// The VM's NICs with their taps in place: a whole-host resync (which makes
+/// every stored VM's taps), then QEMU's view of each.
+pub async fn prepare(
+    ctx: &Context,
+    vm: &VirtualMachine,
+) -> Result<Vec<(Nic, NicAttachment)>, String> {
+    if vm.spec.networks.is_empty() {
+        return Ok(Vec::new());
+    }
+    {
+        let mut host = ctx.networking.lock().await;
+        sync::resync(ctx, &mut host)
+            .await
+            .map_err(|e| format!("spec.networks: cannot make the VM's taps: {e}"))?;
+    }
+    let leases = ctx.store.leases().map_err(|e| e.to_string())?;
+    let vhost = TapBackend::detect() == TapBackend::VhostNet;
+    Ok(nics_of(vm, &leases)
+        .into_iter()
+        .map(|nic| {
+            let attachment = NicAttachment {
+                tap: nic.tap.clone(),
+                mac: nic.mac.clone(),
+                vhost,
+            };
+            (nic, attachment)
+        })
+        .collect())
+}
+
+/// What the status says right after QEMU started with these NICs.
+pub fn attached(nics: &[(Nic, NicAttachment)]) -> Vec<InterfaceStatus> {
+    nics.iter()
+        .map(|(nic, _)| InterfaceStatus {
+            network: nic.network.clone(),
+            mac: nic.mac.clone(),
+            ip_address: nic.ip.map(|ip| ip.to_string()),
+            host_interface: Some(nic.tap.clone()),
+            guest_ip_addresses: Vec::new(),
+            confirmed: None,
+        })
+        .collect()
+}
+
+/// For the start event: which data path the NICs use, and why.
+pub fn describe_backend(nics: &[(Nic, NicAttachment)]) -> Option<String> {
+    let (_, first) = nics.first()?;
+    let taps: Vec<&str> = nics.iter().map(|(n, _)| n.tap.as_str()).collect();
+    Some(if first.vhost {
+        format!("NICs on {} with vhost-net", taps.join(", "))
+    } else {
+        format!(
+            "NICs on {} with QEMU's own data path (no /dev/vhost-net on this host)",
+            taps.join(", ")
+        )
+    })
+}
+
+/// The IPv4 addresses per MAC (lowercase) in a `guest-network-get-interfaces`
+/// answer.
+pub fn guest_addresses(answer: &Value) -> Vec<(String, Vec<String>)> {
+    let Some(list) = answer.as_array() else {
+        return Vec::new();
+    };
+    list.iter()
+        .filter_map(|iface| {
+            let mac = iface
+                .get("hardware-address")?
+                .as_str()?
+                .to_ascii_lowercase();
+            let ips = iface
+                .get("ip-addresses")
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter(|ip| {
+                            ip.get("ip-address-type").and_then(Value::as_str) == Some("ipv4")
+                        })
+                        .filter_map(|ip| Some(ip.get("ip-address")?.as_str()?.to_string()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            Some((mac, ips))
+        })
+        .collect()
+}
+
+/// `interfaces` with what the guest reports merged in.
+pub fn confirm(interfaces: &mut [InterfaceStatus], reported: &[(String, Vec<String>)]) {
+    for iface in interfaces {
+        let mac = iface.mac.to_ascii_lowercase();
+        let ips = reported
+            .iter()
+            .find(|(m, _)| *m == mac)
+            .map(|(_, ips)| ips.clone())
+            .unwrap_or_default();
+        iface.confirmed = Some(
+            iface
+                .ip_address
+                .as_ref()
+                .is_some_and(|want| ips.iter().any(|ip| ip == want)),
+        );
+        iface.guest_ip_addresses = ips;
+    }
+}
+
+/// Asks the guest agent for its interfaces, if the channel is free right
+/// now (a snapshot's freeze is never delayed by this), and merges the
+/// answer into the VM's status. Stops asking once every interface is
+/// confirmed; a restart of the VM starts over.
+pub async fn confirm_with_agent(ctx: &Arc<Context>, name: &str) {
+    let Some(live) = ctx.live_get(name) else {
+        return;
+    };
+    if !live
+        .agent_connected
+        .load(std::sync::atomic::Ordering::Relaxed)
+    {
+        return;
+    }
+    let current: Vec<InterfaceStatus> = match ctx.store.get(Kind::VirtualMachine, name) {
+        Ok(Some(stored)) => {
+            serde_json::from_value::<hearth_api::VirtualMachineStatus>(stored.status)
+                .map(|s| s.interfaces)
+                .unwrap_or_default()
+        }
+        _ => return,
+    };
+    if current.is_empty() || current.iter().all(|i| i.confirmed == Some(true)) {
+        return;
+    }
+    let answer = {
+        let Ok(mut agent) = live.agent.try_lock() else {
+            return;
+        };
+        let Some(client) = agent.as_mut() else {
+            return;
+        };
+        match client
+            .execute("guest-network-get-interfaces", None, AGENT_CALL_TIMEOUT)
+            .await
+        {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::debug!(vm = name, error = %e, "guest-network-get-interfaces");
+                return;
+            }
+        }
+    };
+    let reported = guest_addresses(&answer);
+    let mut all_confirmed = false;
+    let mut started = None;
+    ctx.set_vm_status(name, |s| {
+        confirm(&mut s.interfaces, &reported);
+        all_confirmed = s.interfaces.iter().all(|i| i.confirmed == Some(true));
+        started = s.start_time;
+    });
+    // A guest's DHCP client may still be on its way: ask again shortly,
+    // for a bounded time after the start (a guest with its own static
+    // configuration never confirms, and is not asked forever).
+    let young = started
+        .is_some_and(|t| chrono::Utc::now() - t < chrono::Duration::seconds(CONFIRM_WINDOW_SECS));
+    if !all_confirmed && young {
+        let ctx = Arc::downgrade(ctx);
+        let name = name.to_string();
+        tokio::spawn(async move {
+            tokio::time::sleep(CONFIRM_RETRY).await;
+            if let Some(ctx) = ctx.upgrade() {
+                ctx.wake(Kind::VirtualMachine, &name);
+            }
+        });
+    }
+}
+
+/// How long after a start the agent is asked again until it confirms.
+const CONFIRM_WINDOW_SECS: i64 = 300;
+const CONFIRM_RETRY: Duration = Duration::from_secs(2);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_agents_answer_confirms_only_the_leased_address_on_that_mac() {
+        let answer = serde_json::json!([
+            {"name": "lo", "hardware-address": "00:00:00:00:00:00",
+             "ip-addresses": [{"ip-address-type": "ipv4", "ip-address": "127.0.0.1", "prefix": 8}]},
+            {"name": "eth0", "hardware-address": "02:AB:00:00:00:01",
+             "ip-addresses": [
+                {"ip-address-type": "ipv4", "ip-address": "10.77.0.10", "prefix": 24},
+                {"ip-address-type": "ipv6", "ip-address": "fe80::1", "prefix": 64}]},
+            {"name": "eth1", "hardware-address": "02:ab:00:00:00:02",
+             "ip-addresses": [{"ip-address-type": "ipv4", "ip-address": "10.78.0.99", "prefix": 24}]}
+        ]);
+        let reported = guest_addresses(&answer);
+        let mut ifaces = vec![
+            InterfaceStatus {
+                network: "a".into(),
+                mac: "02:ab:00:00:00:01".into(),
+                ip_address: Some("10.77.0.10".into()),
+                ..Default::default()
+            },
+            InterfaceStatus {
+                network: "b".into(),
+                mac: "02:ab:00:00:00:02".into(),
+                ip_address: Some("10.78.0.10".into()),
+                ..Default::default()
+            },
+            InterfaceStatus {
+                network: "c".into(),
+                mac: "02:ab:00:00:00:03".into(),
+                ip_address: Some("10.79.0.10".into()),
+                ..Default::default()
+            },
+        ];
+        confirm(&mut ifaces, &reported);
+        assert_eq!(ifaces[0].confirmed, Some(true));
+        assert_eq!(ifaces[0].guest_ip_addresses, ["10.77.0.10"]);
+        assert_eq!(ifaces[1].confirmed, Some(false), "another address");
+        assert_eq!(ifaces[1].guest_ip_addresses, ["10.78.0.99"]);
+        assert_eq!(ifaces[2].confirmed, Some(false), "no such MAC in the guest");
+        assert!(ifaces[2].guest_ip_addresses.is_empty());
+    }
+}
