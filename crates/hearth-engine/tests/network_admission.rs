@@ -566,3 +566,30 @@ async fn wait_until(mut f: impl FnMut() -> bool) {
     }
     panic!("condition not met within 5 s");
 }
+
+#[tokio::test]
+async fn ports_are_forwarded_only_to_nat_networks() {
+    if netns::inside_netns("ports_are_forwarded_only_to_nat_networks").is_none() {
+        return;
+    }
+    let s = setup().await;
+    let iso = "---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: iso}\nspec: {mode: Isolated, subnet: 10.78.0.0/24}\n";
+    let web = vm(
+        "web",
+        "[{virtualNetworkName: iso, ports: [{hostPort: 8080, guestPort: 80}]}]",
+    );
+    // Together, and the VM after the network: refused, nothing stored.
+    let e = invalid(s.apply(&format!("{iso}{web}")));
+    assert!(
+        e.contains("spec.networks[0].ports") && e.contains("Isolated"),
+        "{e}"
+    );
+    assert!(s.names(Kind::VirtualNetwork).is_empty());
+    s.apply(iso).expect("the network alone");
+    let e = invalid(s.apply(&web));
+    assert!(
+        e.contains("ports are forwarded only to NAT networks"),
+        "{e}"
+    );
+    assert!(s.names(Kind::VirtualMachine).is_empty());
+}

@@ -1,7 +1,7 @@
 //! VirtualNetworks through the real daemon and CLI: tables, bad input, a
-//! network in use, and lease counts kept across a SIGKILL of hearthd. No
-//! guest boots (VMs are AlwaysOff) and nothing touches the host's network:
-//! the host side of networks is not wired yet, so networks stay Pending.
+//! network in use, lease counts kept across a SIGKILL of hearthd, and the
+//! host side appearing and going. No guest boots (VMs are AlwaysOff);
+//! hearthd runs in a network namespace of the test's own.
 
 mod common;
 
@@ -30,7 +30,7 @@ fn networks_are_listed_refused_when_bad_and_keep_their_leases_across_a_crash() {
     let images = tempfile::tempdir().expect("tempdir");
     let kernel = images.path().join("vmlinuz");
     std::fs::write(&kernel, b"never booted").expect("kernel");
-    let mut d = Daemon::start_without_guest(&[images.path()], &[]);
+    let mut d = Daemon::start_in_netns(&[images.path()], &["--accel", "tcg"]);
 
     let m = manifest(
         &d,
@@ -43,11 +43,20 @@ fn networks_are_listed_refused_when_bad_and_keep_their_leases_across_a_crash() {
             )),
     );
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
-    let lan = d.wait_object("virtualnetworks", "lan", "one lease", WAIT, |v| {
-        v["status"]["leases"] == 1
-    });
-    assert_eq!(lan["status"]["phase"], "Pending", "{lan}");
-    assert_eq!(lan["status"]["message"], "host networking is not wired yet");
+    let lan = d.wait_object(
+        "virtualnetworks",
+        "lan",
+        "ready with one lease",
+        WAIT,
+        |v| v["status"]["leases"] == 1 && v["status"]["phase"] == "Ready",
+    );
+    assert_eq!(lan["status"]["bridge"], "hth-lan", "{lan}");
+    assert_eq!(lan["status"]["gateway"], "10.77.0.1", "{lan}");
+    // The kernel's word: the bridge, and the stopped VM's tap on it.
+    assert_eq!(
+        d.netns.as_ref().unwrap().hearth_links(),
+        ["hth-lan", "htt-web-0"]
+    );
 
     let table = d.cli_ok(&["get", "networks"]);
     let mut lines = table.lines();
@@ -61,11 +70,19 @@ fn networks_are_listed_refused_when_bad_and_keep_their_leases_across_a_crash() {
     let row: Vec<&str> = lines.next().expect("row").split_whitespace().collect();
     assert_eq!(
         &row[..7],
-        ["lan", "NAT", "10.77.0.0/24", "-", "-", "1", "Pending"],
+        [
+            "lan",
+            "NAT",
+            "10.77.0.0/24",
+            "10.77.0.1",
+            "hth-lan",
+            "1",
+            "Ready"
+        ],
         "{table}"
     );
 
-    // The VM starts exactly as before: no interfaces are claimed.
+    // A stopped VM claims no interface: nothing is attached.
     let web = d.wait_object("virtualmachines", "web", "stopped", WAIT, |v| {
         v["status"]["phase"] == "Stopped"
     });
@@ -138,4 +155,16 @@ fn networks_are_listed_refused_when_bad_and_keep_their_leases_across_a_crash() {
     d.wait_gone("virtualmachines", "db", WAIT);
     d.cli_ok(&["delete", "network", "lan"]);
     d.wait_gone("virtualnetworks", "lan", WAIT);
+    let ns = d.netns.as_ref().unwrap();
+    assert!(ns.hearth_links().is_empty(), "{:?}", ns.hearth_links());
+    assert!(
+        !ns.exec_ok("nft", &["list", "tables"]).contains("hearth"),
+        "the nftables table is left"
+    );
+    let pids = ns.pids();
+    let hearthd = d.child.as_ref().map(|c| c.id());
+    assert!(
+        pids.iter().all(|p| Some(*p) == hearthd),
+        "processes other than hearthd left in the namespace: {pids:?}"
+    );
 }

@@ -108,6 +108,7 @@ pub fn check(
         check_vm_networks(v, networks)?;
     }
     check_addresses(networks, vms, leases)?;
+    check_forwards_only_to_nat(networks, vms)?;
     check_ports(vms)?;
     check_interface_names(vms, networks)?;
     Ok(())
@@ -155,6 +156,35 @@ fn check_vm_networks(v: &VmView, networks: &BTreeMap<String, NetworkView>) -> Re
                 "VirtualMachine {:?}: spec.networks[{i}].virtualNetworkName: VirtualNetwork {:?} is being deleted",
                 vm.metadata.name, nic.virtual_network_name
             )));
+        }
+    }
+    Ok(())
+}
+
+/// Port forwards exist only on NAT networks: an Isolated network is
+/// reachable from nothing outside it, and a Bridge network's addresses are
+/// someone else's. Checked whichever of the two comes in the batch.
+fn check_forwards_only_to_nat(
+    networks: &BTreeMap<String, NetworkView>,
+    vms: &BTreeMap<String, VmView>,
+) -> Result<(), Refusal> {
+    for v in vms.values() {
+        for (i, nic) in v.vm.spec.networks.iter().enumerate() {
+            let Some(n) = networks.get(&nic.virtual_network_name) else {
+                continue;
+            };
+            let mode = n.network.spec.mode;
+            if nic.ports.is_empty() || mode == NetworkMode::Nat || !(v.in_batch || n.in_batch) {
+                continue;
+            }
+            return Err(invalid(
+                format!("VirtualMachine {:?}", v.vm.metadata.name),
+                format!("spec.networks[{i}].ports"),
+                format!(
+                    "VirtualNetwork {:?} is {mode}: ports are forwarded only to NAT networks",
+                    nic.virtual_network_name
+                ),
+            ));
         }
     }
     Ok(())

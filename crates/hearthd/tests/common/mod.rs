@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod http;
+pub mod netns;
 
 use std::ffi::OsStr;
 use std::io::{Read, Write};
@@ -65,6 +66,10 @@ pub struct Daemon {
     pub extra_args: Vec<String>,
     /// `--image-root`s; the test guest's directory when empty.
     pub image_roots: Vec<PathBuf>,
+    /// The network namespace hearthd (and so every VM and dnsmasq) runs in.
+    /// Dropped after the daemon: whatever is left in it is killed and the
+    /// namespace deleted.
+    pub netns: Option<netns::Netns>,
 }
 
 impl Daemon {
@@ -91,6 +96,7 @@ impl Daemon {
             child: None,
             extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
             image_roots: Vec::new(),
+            netns: None,
         };
         d.spawn_env(env);
         d
@@ -110,9 +116,46 @@ impl Daemon {
             child: None,
             extra_args: args,
             image_roots: image_roots.iter().map(|p| p.to_path_buf()).collect(),
+            netns: None,
         };
         d.spawn();
         d
+    }
+
+    /// A daemon inside a network namespace of its own, created here: every
+    /// bridge, tap, dnsmasq and VM it makes lives there, never in the host's
+    /// namespace. `image_roots` empty: the test guest's directory.
+    pub fn start_in_netns(image_roots: &[&Path], extra_args: &[&str]) -> Daemon {
+        let ns = netns::Netns::create();
+        let dir = tempfile::Builder::new()
+            .prefix("hearth-e2e-")
+            .tempdir()
+            .expect("tempdir");
+        // dnsmasq, once it has dropped to `nobody`, must pass through to
+        // its hosts file under the run directory.
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o711),
+        )
+        .expect("chmod");
+        let mut d = Daemon {
+            dir,
+            child: None,
+            extra_args: extra_args.iter().map(|s| s.to_string()).collect(),
+            image_roots: image_roots.iter().map(|p| p.to_path_buf()).collect(),
+            netns: Some(ns),
+        };
+        d.spawn();
+        d
+    }
+
+    /// Runs a command inside the daemon's namespace (`ip netns exec`).
+    pub fn in_netns(&self, cmd: &str, args: &[&str]) -> Output {
+        let ns = self
+            .netns
+            .as_ref()
+            .expect("a daemon started in a namespace");
+        ns.exec(cmd, args)
     }
 
     pub fn state_dir(&self) -> PathBuf {
@@ -145,7 +188,16 @@ impl Daemon {
         } else {
             self.image_roots.clone()
         };
-        let child = Command::new(hearthd_bin())
+        let mut command = match &self.netns {
+            // `ip netns exec` execs hearthd: the child's pid is hearthd's.
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &ns.name]).arg(hearthd_bin());
+                c
+            }
+            None => Command::new(hearthd_bin()),
+        };
+        let child = command
             .arg("--state-dir")
             .arg(self.state_dir())
             .arg("--run-dir")

@@ -1,0 +1,108 @@
+//! A network namespace a test owns. hearthd runs inside it (`ip netns exec`),
+//! so every bridge, tap, dnsmasq, nftables rule and VM it makes lives there;
+//! the test talks to hearthd over its API socket (a file, reachable from any
+//! namespace) and sends packets only inside the namespace, through
+//! [`Netns::exec`]. Dropped (also when the test fails): every process left
+//! in it is killed and it is deleted, which takes its links and rules along.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+const INSTALL: &str = "apt-get install iproute2 nftables dnsmasq-base";
+
+pub struct Netns {
+    pub name: String,
+}
+
+impl Netns {
+    pub fn create() -> Netns {
+        assert!(
+            rustix::process::geteuid().is_root(),
+            "network tests create network namespaces and must run as root"
+        );
+        for tool in ["/usr/sbin/ip", "/usr/sbin/nft", "/usr/sbin/dnsmasq"] {
+            assert!(Path::new(tool).exists(), "{tool} is missing: {INSTALL}");
+        }
+        static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("hth-e2e-{}-{seq}", std::process::id());
+        let out = Command::new("ip")
+            .args(["netns", "add", &name])
+            .output()
+            .unwrap_or_else(|e| panic!("ip netns add: {e} ({INSTALL})"));
+        assert!(
+            out.status.success(),
+            "ip netns add {name}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let ns = Netns { name };
+        // Loopback up, so that a forwarded port can be tried from inside.
+        ns.exec_ok("ip", &["link", "set", "lo", "up"]);
+        ns
+    }
+
+    /// Runs `cmd args` inside the namespace.
+    pub fn exec(&self, cmd: &str, args: &[&str]) -> Output {
+        Command::new("ip")
+            .args(["netns", "exec", &self.name, cmd])
+            .args(args)
+            .output()
+            .unwrap_or_else(|e| panic!("ip netns exec {} {cmd}: {e}", self.name))
+    }
+
+    /// [`Netns::exec`], and fails the test unless it succeeded; its stdout.
+    pub fn exec_ok(&self, cmd: &str, args: &[&str]) -> String {
+        let out = self.exec(cmd, args);
+        assert!(
+            out.status.success(),
+            "{cmd} {args:?} in {}: {}\n{}",
+            self.name,
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Names of the links whose name starts with hearth's prefixes.
+    pub fn hearth_links(&self) -> Vec<String> {
+        let v: serde_json::Value =
+            serde_json::from_str(&self.exec_ok("ip", &["-j", "link", "show"])).expect("ip -j");
+        let mut names: Vec<String> = v
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|l| l["ifname"].as_str())
+            .filter(|n| n.starts_with("hth") || n.starts_with("htt"))
+            .map(str::to_string)
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// The pids of processes inside the namespace.
+    pub fn pids(&self) -> Vec<u32> {
+        let out = Command::new("ip")
+            .args(["netns", "pids", &self.name])
+            .output()
+            .expect("ip netns pids");
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter_map(|p| p.parse().ok())
+            .collect()
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // dnsmasq daemonises and QEMU may outlive hearthd: anything left
+        // would keep the namespace's devices alive.
+        for pid in self.pids() {
+            let _ = Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+        }
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
