@@ -16,7 +16,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
-use crate::commands::{action, apply, delete, describe, get, logs, restore, snapshot, wait};
+use crate::commands::{action, apply, delete, describe, get, logs, restore, snapshot, ssh, wait};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -68,6 +68,7 @@ enum Command {
     Wait(wait::Args),
     Snapshot(snapshot::Args),
     Restore(restore::Args),
+    Ssh(ssh::Args),
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
@@ -84,6 +85,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Wait(a) => wait::run(&client, a).await,
         Command::Snapshot(a) => snapshot::run(&client, a).await,
         Command::Restore(a) => restore::run(&client, a).await,
+        Command::Ssh(a) => ssh::run(&client, a).await,
     }
 }
 

@@ -118,10 +118,10 @@ pub fn table_for(kind: Kind, items: &[Value], now: DateTime<Utc>, wide: bool) ->
     }
 }
 
-/// `NAME PHASE ACCEL AGENT PID AGE`; wide adds CPUS MEMORY POLICY FIRMWARE
+/// `NAME PHASE IP ACCEL AGENT PID AGE`; wide adds CPUS MEMORY POLICY FIRMWARE
 /// CLOUD-INIT MANAGED-BY.
 pub fn vm_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
-    let mut header = vec!["NAME", "PHASE", "ACCEL", "AGENT", "PID"];
+    let mut header = vec!["NAME", "PHASE", "IP", "ACCEL", "AGENT", "PID"];
     if wide {
         header.extend([
             "CPUS",
@@ -139,6 +139,7 @@ pub fn vm_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
         let mut row = vec![
             cell(at(vm, &["metadata", "name"])),
             cell(at(vm, &["status", "phase"])),
+            first_ip(vm).map_or_else(|| "-".to_string(), |(_, ip)| ip.to_string()),
             cell(at(vm, &["status", "accelerator"])),
             if agent == Some(true) { "yes" } else { "no" }.to_string(),
             cell(at(vm, &["status", "pid"])),
@@ -341,6 +342,21 @@ pub fn short_digest(digest: &str) -> String {
     }
 }
 
+/// The first address in a VM's `status.interfaces` and its index there: the
+/// IP column, and where `hearth ssh` connects. Interfaces without one (not
+/// leased or not seen yet) are skipped.
+pub fn first_ip(vm: &Value) -> Option<(usize, &str)> {
+    at(vm, &["status", "interfaces"])?
+        .as_array()?
+        .iter()
+        .enumerate()
+        .find_map(|(i, nic)| {
+            str_at(nic, &["ipAddress"])
+                .filter(|ip| !ip.is_empty())
+                .map(|ip| (i, ip))
+        })
+}
+
 /// The FIRMWARE cell of a VM: `BIOS`, `UEFI`, or `kernel` for a direct
 /// kernel boot (`kernel+UEFI` when OVMF runs it).
 pub fn firmware_of(vm: &Value) -> String {
@@ -454,25 +470,28 @@ mod tests {
     }
 
     #[test]
-    fn vm_table_shows_phase_accelerator_agent_pid_and_age() {
+    fn vm_table_shows_phase_ip_accelerator_agent_pid_and_age() {
         let items = [
             json!({"metadata": {"name": "demo", "creationTimestamp": "2025-01-01T11:57:00Z"},
                    "spec": {"cpus": 2, "memory": "512Mi", "runPolicy": "Manual"},
-                   "status": {"phase": "Running", "accelerator": "kvm", "agentConnected": true, "pid": 4242}}),
+                   "status": {"phase": "Running", "accelerator": "kvm", "agentConnected": true, "pid": 4242,
+                              "interfaces": [{"network": "lan", "mac": "52:54:00:00:00:01"},
+                                             {"network": "wan", "mac": "52:54:00:00:00:02", "ipAddress": "10.77.0.23"},
+                                             {"network": "lab", "mac": "52:54:00:00:00:03", "ipAddress": "10.88.0.5"}]}}),
             json!({"metadata": {"name": "new", "creationTimestamp": "2025-01-01T11:59:55Z"},
                    "spec": {}}),
         ];
         assert_eq!(
             vm_table(&items, now(), false).render(),
             "\
-NAME   PHASE     ACCEL   AGENT   PID    AGE
-demo   Running   kvm     yes     4242   3m
-new    -         -       no      -      5s
+NAME   PHASE     IP           ACCEL   AGENT   PID    AGE
+demo   Running   10.77.0.23   kvm     yes     4242   3m
+new    -         -            -       no      -      5s
 "
         );
         let wide = vm_table(&items, now(), true).render();
         assert!(
-            wide.starts_with("NAME   PHASE     ACCEL   AGENT   PID    CPUS   MEMORY   POLICY   FIRMWARE   CLOUD-INIT   MANAGED-BY   AGE\n"),
+            wide.starts_with("NAME   PHASE     IP           ACCEL   AGENT   PID    CPUS   MEMORY   POLICY   FIRMWARE   CLOUD-INIT   MANAGED-BY   AGE\n"),
             "{wide}"
         );
         assert!(

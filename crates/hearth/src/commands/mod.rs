@@ -9,6 +9,7 @@ pub mod get;
 pub mod logs;
 pub mod restore;
 pub mod snapshot;
+pub mod ssh;
 pub mod wait;
 pub mod watch;
 
