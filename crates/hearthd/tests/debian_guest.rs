@@ -14,44 +14,13 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use common::debian::*;
 use common::http::{Behaviour, Server};
 use common::*;
 use serde_json::{Value, json};
 
 const IMPORT_TIMEOUT: Duration = Duration::from_secs(300);
-/// Firmware, GRUB, the kernel, systemd and cloud-init, all emulated.
-const DEBIAN_BOOT_TIMEOUT: Duration = Duration::from_secs(600);
 const TEST_KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHearthTestKeyHearthTestKeyHearthTestKey0 hearth-test@host";
-
-/// The built image and its SHA-256; fails loudly when it is not built.
-fn debian_image() -> (PathBuf, String) {
-    let out = repo_root().join("guest/out");
-    let image = out.join("debian-12.qcow2");
-    let sha = out.join("debian-12.sha256");
-    assert!(
-        image.is_file() && sha.is_file(),
-        "the Debian test image is not built ({} missing): run `.ci/install-deps.sh && guest/debian/build.sh`",
-        image.display()
-    );
-    let hex = std::fs::read_to_string(&sha).expect("read sha256");
-    let hex = hex
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_string();
-    assert_eq!(hex.len(), 64, "{}: not a sha256: {hex:?}", sha.display());
-    (image, hex)
-}
-
-/// The image's default user (cloud-init's `default_user`), as the build recorded it.
-fn default_user() -> String {
-    let info = std::fs::read_to_string(repo_root().join("guest/out/debian-12.info"))
-        .expect("guest/out/debian-12.info");
-    info.lines()
-        .find_map(|l| l.strip_prefix("user="))
-        .map(|u| u.trim().to_string())
-        .expect("debian-12.info names the default user (user=NAME)")
-}
 
 fn apply(d: &Daemon, items: Vec<Value>) {
     let (status, v) = d.apply_json(items);
@@ -66,24 +35,6 @@ fn sh_ok(d: &Daemon, vm: &str, script: &str) -> String {
     d.agent_sh_ok(vm, script)
 }
 
-/// Polls the guest until `script` succeeds (cloud-init's final stage runs
-/// after the agent is up).
-fn wait_guest(d: &Daemon, vm: &str, what: &str, script: &str, timeout: Duration) -> String {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let (code, out) = sh(d, vm, script);
-        if code == 0 {
-            return out;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{vm}: {what} not seen in {timeout:?} (last exit {code}: {out})\nconsole:\n{}",
-            std::fs::read_to_string(serial_log(d, vm)).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_secs(2));
-    }
-}
-
 fn vm(name: &str, firmware: &str, disk: &str, cloud_init: Value) -> Value {
     json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualMachine",
            "metadata": {"name": name},
@@ -91,15 +42,6 @@ fn vm(name: &str, firmware: &str, disk: &str, cloud_init: Value) -> Value {
                     "firmware": firmware, "stopTimeoutSeconds": 60,
                     "disks": [{"virtualDiskName": disk}],
                     "cloudInit": cloud_init, "guestAgent": true}})
-}
-
-fn image_disk(name: &str, image: &str, size: Option<u64>) -> Value {
-    let mut spec = json!({"source": {"virtualImage": image}});
-    if let Some(s) = size {
-        spec["size"] = json!(s);
-    }
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-           "metadata": {"name": name}, "spec": spec})
 }
 
 #[test]

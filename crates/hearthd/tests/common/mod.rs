@@ -5,6 +5,7 @@
 
 #![allow(dead_code)]
 
+pub mod debian;
 pub mod http;
 pub mod netns;
 

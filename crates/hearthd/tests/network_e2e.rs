@@ -1,0 +1,254 @@
+//! Networking end to end: real guests (the small test guest, whose udhcpc
+//! asks for an address on every NIC) on the bridges, taps, dnsmasqs and
+//! nftables rules hearthd makes, with hearthd inside a network namespace the
+//! test creates. Every packet stays inside that namespace: guest to guest,
+//! guest to the bridge, and the test's own connection to a forwarded port on
+//! the namespace's bridge address.
+//!
+//! Ground truth throughout: addresses from the guests' own console lines
+//! and `ping` run in the guests, links from the kernel, processes from
+//! /proc, the table from `nft`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+fn network(name: &str, mode: &str, subnet: &str) -> String {
+    format!(
+        "---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {{name: {name}}}\nspec: {{mode: {mode}, subnet: {subnet}}}\n"
+    )
+}
+
+fn guest(name: &str, networks: &str, extra_cmdline: &str) -> String {
+    format!(
+        "---\n{}  networks: {networks}\n",
+        vm_yaml(name, "AlwaysOn", &[], extra_cmdline)
+    )
+}
+
+/// The addresses the guest's DHCP client reported on its console for `iface`
+/// (`hearth-guest: eth0 lease 10.77.0.10/24 router 10.77.0.1 mac ...`), in
+/// order, all boots of the VM together.
+fn console_leases(d: &Daemon, vm: &str, iface: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(serial_log(d, vm)).unwrap_or_default();
+    let marker = format!("hearth-guest: {iface} lease ");
+    text.lines()
+        .filter_map(|l| l.split_once(&marker))
+        .filter_map(|(_, rest)| rest.split('/').next().map(str::to_string))
+        .collect()
+}
+
+/// Waits for the `n`-th lease line of `iface` on `vm`'s console; its address.
+fn wait_console_lease(d: &Daemon, vm: &str, iface: &str, n: usize) -> String {
+    let deadline = Instant::now() + BOOT_TIMEOUT;
+    loop {
+        let leases = console_leases(d, vm, iface);
+        if leases.len() >= n {
+            return leases[n - 1].clone();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{vm} {iface}: lease {n} not on the console within {BOOT_TIMEOUT:?}; console:\n{}\nhearthd:\n{}",
+            std::fs::read_to_string(serial_log(d, vm)).unwrap_or_default(),
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Pids of the dnsmasqs serving `bridge`, from /proc.
+fn dnsmasq_pids(bridge: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
+        let cmd = String::from_utf8_lossy(&raw).replace('\0', " ");
+        let dnsmasq = cmd.starts_with("dnsmasq") || cmd.contains("/dnsmasq ");
+        if dnsmasq && cmd.contains(&format!("/{bridge}/")) && !is_zombie(pid) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .map(|(_, r)| r.trim_start().starts_with('Z'))
+        })
+        .unwrap_or(true)
+}
+
+/// status.interfaces[i].ipAddress of `vm`, once every interface is confirmed
+/// by the guest agent.
+fn wait_confirmed(d: &Daemon, vm: &str, count: usize) -> Vec<String> {
+    let v = d.wait_object(
+        "virtualmachines",
+        vm,
+        "every interface confirmed by the agent",
+        BOOT_TIMEOUT,
+        |v| {
+            v["status"]["interfaces"]
+                .as_array()
+                .is_some_and(|a| a.len() == count && a.iter().all(|i| i["confirmed"] == true))
+        },
+    );
+    v["status"]["interfaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["ipAddress"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+fn ping_ok(d: &Daemon, from: &str, to: &str) {
+    let (code, out) = d.agent_sh(from, &format!("ping -c 1 -W 3 {to}"));
+    assert_eq!(code, 0, "{from} cannot ping {to}: {out}");
+}
+
+fn ping_fails(d: &Daemon, from: &str, to: &str) {
+    let (code, out) = d.agent_sh(from, &format!("ping -c 1 -W 2 {to}"));
+    assert_ne!(code, 0, "{from} reached {to}, which it must not: {out}");
+}
+
+fn fetch_forwarded(d: &Daemon, url: &str) -> String {
+    let out = d.in_netns("curl", &["-s", "--max-time", "5", url]);
+    assert!(
+        out.status.success(),
+        "curl {url} inside the namespace: {}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_leave_nothing() {
+    let _serial = serial();
+    let mut d = Daemon::start_in_netns(&[], &[]);
+    let objects = network("lan", "NAT", "10.77.0.0/24")
+        + &network("iso", "Isolated", "10.78.0.0/24")
+        + &guest(
+            "a",
+            "[{virtualNetworkName: lan, ports: [{hostPort: 8080, guestPort: 80}]}, {virtualNetworkName: iso}]",
+            "hearth.httpd=80",
+        )
+        + &guest("b", "[{virtualNetworkName: lan}]", "")
+        + &guest("c", "[{virtualNetworkName: iso}]", "");
+    apply_manifest(&d, "net.yaml", &objects);
+
+    // Every guest's DHCP client got the address hearth leased, and its agent
+    // confirms it.
+    let a = wait_confirmed(&d, "a", 2);
+    let b = wait_confirmed(&d, "b", 1);
+    let c = wait_confirmed(&d, "c", 1);
+    assert_eq!(wait_console_lease(&d, "a", "eth0", 1), a[0]);
+    assert_eq!(wait_console_lease(&d, "a", "eth1", 1), a[1]);
+    assert_eq!(wait_console_lease(&d, "b", "eth0", 1), b[0]);
+    assert_eq!(wait_console_lease(&d, "c", "eth0", 1), c[0]);
+    assert!(a[0].starts_with("10.77.0.") && b[0].starts_with("10.77.0."));
+    assert!(a[1].starts_with("10.78.0.") && c[0].starts_with("10.78.0."));
+    let ns = d.netns.as_ref().expect("netns");
+    assert_eq!(
+        ns.hearth_links(),
+        [
+            "hth-iso", "hth-lan", "htt-a-0", "htt-a-1", "htt-b-0", "htt-c-0"
+        ]
+    );
+    let vm_a = d.get_vm("a").expect("a");
+    assert_eq!(vm_a["status"]["interfaces"][0]["hostInterface"], "htt-a-0");
+    assert_eq!(vm_a["status"]["interfaces"][1]["network"], "iso");
+
+    // Guests reach each other on both networks.
+    ping_ok(&d, "a", &b[0]);
+    ping_ok(&d, "b", &a[0]);
+    ping_ok(&d, "a", &c[0]);
+    ping_ok(&d, "c", &a[1]);
+
+    // The forward reaches a's httpd from inside the namespace, through the
+    // bridge's own address (the output hook's DNAT).
+    assert_eq!(
+        fetch_forwarded(&d, "http://10.77.0.1:8080/").trim(),
+        "hello from hearth-guest"
+    );
+
+    // Isolated means isolated: even with a route through the host, c gets
+    // nowhere outside its network, and nothing outside reaches c; both
+    // reach their own gateways, so the path exists but for the rules.
+    ping_ok(&d, "c", "10.78.0.1");
+    d.agent_sh_ok("c", "ip route add 10.77.0.0/24 via 10.78.0.1");
+    ping_fails(&d, "c", &b[0]);
+    ping_ok(&d, "b", "10.77.0.1");
+    ping_fails(&d, "b", &c[0]);
+
+    // A VM restart: a new QEMU, the same address from DHCP.
+    let old_pid = d.qemu_pids_of("b");
+    d.cli_ok(&["restart", "b"]);
+    wait_until("b runs a new QEMU", BOOT_TIMEOUT, || {
+        let now = d.qemu_pids_of("b");
+        now.len() == 1 && now != old_pid
+    });
+    assert_eq!(wait_console_lease(&d, "b", "eth0", 2), b[0]);
+    assert_eq!(wait_confirmed(&d, "b", 1), b);
+
+    // SIGKILL of hearthd and a restart: the VMs and the dnsmasq run on,
+    // adopted; nothing on the host is rebuilt; addresses are unchanged.
+    let dnsmasq = dnsmasq_pids("hth-lan");
+    assert_eq!(dnsmasq.len(), 1, "one dnsmasq for lan: {dnsmasq:?}");
+    let links = d.netns.as_ref().unwrap().hearth_links();
+    d.kill();
+    d.spawn();
+    d.wait_object("virtualnetworks", "lan", "ready again", WAIT, |v| {
+        v["status"]["phase"] == "Ready"
+    });
+    assert_eq!(dnsmasq_pids("hth-lan"), dnsmasq, "dnsmasq was replaced");
+    assert_eq!(d.netns.as_ref().unwrap().hearth_links(), links);
+    ping_ok(&d, "a", &b[0]);
+    // ... and a VM started by the new daemon gets its old address too.
+    let old_pid = d.qemu_pids_of("c");
+    d.cli_ok(&["restart", "c"]);
+    wait_until("c runs a new QEMU", BOOT_TIMEOUT, || {
+        let now = d.qemu_pids_of("c");
+        now.len() == 1 && now != old_pid
+    });
+    assert_eq!(wait_console_lease(&d, "c", "eth0", 2), c[0]);
+    assert_eq!(wait_confirmed(&d, "c", 1), c);
+
+    // Deleting everything leaves no tap, bridge, rule or dnsmasq.
+    for vm in ["a", "b", "c"] {
+        d.cli_ok(&["delete", "vm", vm]);
+    }
+    for vm in ["a", "b", "c"] {
+        d.wait_gone("virtualmachines", vm, BOOT_TIMEOUT);
+    }
+    for net in ["lan", "iso"] {
+        d.cli_ok(&["delete", "network", net]);
+    }
+    for net in ["lan", "iso"] {
+        d.wait_gone("virtualnetworks", net, WAIT);
+    }
+    let ns = d.netns.as_ref().unwrap();
+    assert!(ns.hearth_links().is_empty(), "{:?}", ns.hearth_links());
+    assert!(
+        !ns.exec_ok("nft", &["list", "tables"]).contains("hearth"),
+        "the nftables table is left"
+    );
+    let hearthd = d.child.as_ref().map(|c| c.id());
+    let left: Vec<u32> = ns
+        .pids()
+        .into_iter()
+        .filter(|p| Some(*p) != hearthd && !is_zombie(*p))
+        .collect();
+    assert!(left.is_empty(), "processes left in the namespace: {left:?}");
+    assert!(dnsmasq_pids("hth-lan").is_empty() && dnsmasq_pids("hth-iso").is_empty());
+}
