@@ -5,7 +5,8 @@
 #   data.qcow2   64 MiB qcow2 base image, ext4, with /hello.txt
 #   cmdline      recommended kernel cmdline
 #   (the initramfs also holds /bin/stallwatch, built from stallwatch.c with
-#   gcc -static; the freeze-window benchmark runs it in the guest)
+#   gcc -static; the freeze-window benchmark runs it in the guest, and
+#   /etc/hearth/udhcpc.script, from udhcpc.script: the DHCP client's hook)
 #
 # Guest pieces are fetched with `apt-get download` into guest/cache/ (never
 # installed on the host) and unpacked with `dpkg-deb -x`. Host needs (see
@@ -13,8 +14,8 @@
 # and the shared libraries of qemu-ga (libglib2.0-0, libnuma1, liburing2,
 # libudev1), which are copied from the host into the initramfs.
 #
-# Cached: when every output is newer than this script, guest/init and
-# guest/stallwatch.c, it exits at once. `guest/build.sh --force` (or
+# Cached: when every output is newer than this script, guest/init,
+# guest/udhcpc.script and guest/stallwatch.c, it exits at once. `guest/build.sh --force` (or
 # HEARTH_GUEST_FORCE=1) rebuilds.
 # HEARTH_GUEST_CACHE=DIR puts the download cache elsewhere (default
 # guest/cache/), e.g. somewhere that outlives a fresh clone.
@@ -25,6 +26,7 @@ OUT="$GUEST_DIR/out"
 CACHE="${HEARTH_GUEST_CACHE:-$GUEST_DIR/cache}" # downloaded .debs, unpacked trees
 INIT_SRC="$GUEST_DIR/init"
 STALL_SRC="$GUEST_DIR/stallwatch.c"
+DHCP_SRC="$GUEST_DIR/udhcpc.script"
 SELF="$GUEST_DIR/build.sh"
 CMDLINE="console=ttyS0 quiet panic=-1"
 DATA_SIZE=64M
@@ -50,7 +52,8 @@ up_to_date() {
     for f in "${OUTPUTS[@]}"; do
         [ -s "$f" ] || return 1
     done
-    [ "$STAMP" -nt "$SELF" ] && [ "$STAMP" -nt "$INIT_SRC" ] && [ "$STAMP" -nt "$STALL_SRC" ]
+    [ "$STAMP" -nt "$SELF" ] && [ "$STAMP" -nt "$INIT_SRC" ] && [ "$STAMP" -nt "$STALL_SRC" ] &&
+        [ "$STAMP" -nt "$DHCP_SRC" ]
 }
 
 if [ "$FORCE" != 1 ] && up_to_date; then
@@ -175,9 +178,11 @@ while read -r applet; do
 done < <("$BUSYBOX" --list-full)
 ln -sf /bin/busybox "$ROOT/bin/sh"
 
-# Modules: the virtio stack plus whatever of ext4 is not built in, closed over
-# each module's depends= and ordered so dependencies load first.
-WANT_MODS=(virtio_pci virtio_mmio virtio_blk virtio_console ext4)
+# Modules: the virtio stack (disks, the agent's serial port, NICs) plus
+# whatever of ext4 is not built in, closed over each module's depends= and
+# ordered so dependencies load first (virtio_net brings net_failover and
+# failover).
+WANT_MODS=(virtio_pci virtio_mmio virtio_blk virtio_console virtio_net ext4)
 declare -A MOD_PATH=() SEEN=()
 while read -r rel; do
     base="${rel##*/}"
@@ -239,6 +244,10 @@ done < <(awk '/=> \// { print $3 } /^[[:space:]]*\/[^ ]+ \(/ { print $1 }' <<<"$
 
 # /init and helper scripts.
 install -m 0755 "$INIT_SRC" "$ROOT/init"
+install -m 0755 "$DHCP_SRC" "$ROOT/etc/hearth/udhcpc.script"
+# A page for httpd (`httpd -p 80 -h /srv/www`, or hearth.httpd=PORT).
+mkdir -p "$ROOT/srv/www"
+echo "hello from hearth-guest" >"$ROOT/srv/www/index.html"
 # The benchmarks' in-guest write-stall probe (static: no libc in the guest).
 gcc -static -O2 -o "$ROOT/bin/stallwatch" "$STALL_SRC" || die "cannot build $STALL_SRC (needs gcc and libc6-dev)"
 
@@ -310,6 +319,7 @@ done
 
 printf 'root:x:0:0:root:/root:/bin/sh\n' >"$ROOT/etc/passwd"
 printf 'root:x:0:\n' >"$ROOT/etc/group"
+printf '127.0.0.1\tlocalhost\n127.0.1.1\thearth-guest\n::1\t\tlocalhost\n' >"$ROOT/etc/hosts"
 printf 'NAME="hearth test guest"\nID=hearth-guest\nPRETTY_NAME="hearth test guest (%s, %s)"\n' \
     "$KVER" "$(basename "$qdeb" .deb)" >"$ROOT/etc/os-release"
 echo hearth-guest >"$ROOT/etc/hostname"

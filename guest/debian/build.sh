@@ -51,6 +51,9 @@ PACKAGES=(
     linux-image-cloud-amd64 zstd
     grub-efi-amd64 grub-pc-bin
     e2fsprogs iproute2 iputils-ping netbase ca-certificates
+    # Throughput between VMs (the network benchmark); its server is not started
+    # at boot (debconf default), tests run `iperf3 -s` themselves.
+    iperf3
     # Satisfies init-system-helpers' "usrmerge | usr-is-merged" without perl.
     usr-is-merged
 )

@@ -137,6 +137,20 @@ EOF
     # also enables systemd-networkd-wait-online, made conditional by the overlay).
     chroot "$R" systemctl enable systemd-networkd.service systemd-resolved.service >/dev/null 2>&1 ||
         die "systemctl enable systemd-networkd failed"
+    # Nothing else may configure the NICs: no ifupdown (cloud-init would render
+    # to /etc/network/interfaces.d instead, and networking.service would run
+    # dhclient besides networkd), no netplan, no NetworkManager.
+    local pkg
+    for pkg in ifupdown netplan.io network-manager isc-dhcp-server; do
+        if chroot "$R" dpkg-query -W -f '${db:Status-Abbrev}' "$pkg" 2>/dev/null | grep -q '^ii'; then
+            die "$pkg is installed: systemd-networkd alone must configure the network"
+        fi
+    done
+    [ ! -e "$R/etc/network/interfaces" ] || die "/etc/network/interfaces exists (ifupdown leftovers)"
+    # iperf3's own server unit stays off (tests start `iperf3 -s` when they need one).
+    if [ -e "$R/lib/systemd/system/iperf3.service" ]; then
+        chroot "$R" systemctl disable iperf3.service >/dev/null 2>&1 || die "systemctl disable iperf3 failed"
+    fi
     # Periodic jobs that only cost time in a short-lived test VM.
     local u
     for u in apt-daily.timer apt-daily-upgrade.timer dpkg-db-backup.timer e2scrub_all.timer \
