@@ -32,7 +32,7 @@ fn guest(name: &str, networks: &str, extra_cmdline: &str) -> String {
 
 /// The addresses the guest's DHCP client reported on its console for `iface`
 /// (`hearth-guest: eth0 lease 10.77.0.10/24 router 10.77.0.1 mac ...`), in
-/// order, all boots of the VM together.
+/// order. QEMU starts the console file afresh: this boot's only.
 fn console_leases(d: &Daemon, vm: &str, iface: &str) -> Vec<String> {
     let text = std::fs::read_to_string(serial_log(d, vm)).unwrap_or_default();
     let marker = format!("hearth-guest: {iface} lease ");
@@ -109,6 +109,18 @@ fn wait_confirmed(d: &Daemon, vm: &str, count: usize) -> Vec<String> {
         .iter()
         .map(|i| i["ipAddress"].as_str().unwrap_or_default().to_string())
         .collect()
+}
+
+/// Restarts `vm` and waits until a new QEMU runs it (QEMU has opened, and
+/// so emptied, its console file by the time hearthd says Running).
+fn restart(d: &Daemon, vm: &str) {
+    let old = d.get_vm(vm).expect("vm")["status"]["pid"].clone();
+    assert!(old.is_u64(), "{vm} runs before the restart");
+    d.cli_ok(&["restart", vm]);
+    d.wait_vm(vm, "running a new QEMU", BOOT_TIMEOUT, |v| {
+        v["status"]["phase"] == "Running" && v["status"]["pid"] != old
+    });
+    assert_eq!(d.qemu_pids_of(vm).len(), 1, "one QEMU for {vm}");
 }
 
 fn ping_ok(d: &Daemon, from: &str, to: &str) {
@@ -192,13 +204,8 @@ fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_le
     ping_fails(&d, "b", &c[0]);
 
     // A VM restart: a new QEMU, the same address from DHCP.
-    let old_pid = d.qemu_pids_of("b");
-    d.cli_ok(&["restart", "b"]);
-    wait_until("b runs a new QEMU", BOOT_TIMEOUT, || {
-        let now = d.qemu_pids_of("b");
-        now.len() == 1 && now != old_pid
-    });
-    assert_eq!(wait_console_lease(&d, "b", "eth0", 2), b[0]);
+    restart(&d, "b");
+    assert_eq!(wait_console_lease(&d, "b", "eth0", 1), b[0]);
     assert_eq!(wait_confirmed(&d, "b", 1), b);
 
     // SIGKILL of hearthd and a restart: the VMs and the dnsmasq run on,
@@ -215,13 +222,8 @@ fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_le
     assert_eq!(d.netns.as_ref().unwrap().hearth_links(), links);
     ping_ok(&d, "a", &b[0]);
     // ... and a VM started by the new daemon gets its old address too.
-    let old_pid = d.qemu_pids_of("c");
-    d.cli_ok(&["restart", "c"]);
-    wait_until("c runs a new QEMU", BOOT_TIMEOUT, || {
-        let now = d.qemu_pids_of("c");
-        now.len() == 1 && now != old_pid
-    });
-    assert_eq!(wait_console_lease(&d, "c", "eth0", 2), c[0]);
+    restart(&d, "c");
+    assert_eq!(wait_console_lease(&d, "c", "eth0", 1), c[0]);
     assert_eq!(wait_confirmed(&d, "c", 1), c);
 
     // Deleting everything leaves no tap, bridge, rule or dnsmasq.
