@@ -41,7 +41,7 @@ BASE_PKGS=(
     mmdebstrap dosfstools mtools fdisk openssh-client
     # the image-import benchmark compares hearth with curl + qemu-img convert.
     curl
-    # host networking (docs/networking-host.md): DHCP per network, the
+    # host networking (docs/networking.md): DHCP per network, the
     # nftables table, ip netns for the network tests.
     dnsmasq-base nftables iproute2
 )

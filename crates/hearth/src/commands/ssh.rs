@@ -263,7 +263,7 @@ fn ssh_forward(vm: &str, networks: &[Value]) -> Result<Option<Route>, SshError> 
 /// Where a forward is reached: its host address, else the gateway of its
 /// network (the host's address on the VM's bridge; a forward without an
 /// address matches every local address but 127.0.0.1, see
-/// docs/networking-host.md). `network` is the VirtualNetwork object, or
+/// docs/networking.md). `network` is the VirtualNetwork object, or
 /// `None` when it does not exist.
 pub fn forward_target(
     vm: &str,

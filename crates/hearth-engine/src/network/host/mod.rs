@@ -5,7 +5,7 @@
 //! This module takes plain data ([`HostDesired`]) and knows nothing of the
 //! API kinds or the store. Every function observes the host before acting and
 //! is idempotent: applying the same desired state twice changes nothing
-//! (docs/networking-host.md).
+//! (docs/networking.md).
 //!
 //! Names carry a prefix so that hearth's objects are recognisable after a
 //! crash: bridges start with [`BRIDGE_PREFIX`], taps with [`TAP_PREFIX`].
