@@ -593,3 +593,39 @@ async fn ports_are_forwarded_only_to_nat_networks() {
     );
     assert!(s.names(Kind::VirtualMachine).is_empty());
 }
+
+#[tokio::test]
+async fn a_bridge_network_waits_for_its_host_bridge_without_holding_up_the_others() {
+    if netns::inside_netns(
+        "a_bridge_network_waits_for_its_host_bridge_without_holding_up_the_others",
+    )
+    .is_none()
+    {
+        return;
+    }
+    let s = setup().await;
+    s.apply(&format!(
+        "---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {{name: outside}}\nspec: {{mode: Bridge, bridge: br0}}\n{}{}{}",
+        network("lan", "10.77.0.0/24"),
+        vm("a", "[{virtualNetworkName: outside}]"),
+        vm("b", "[{virtualNetworkName: lan}]"),
+    ))
+    .expect("apply");
+    wait_until(|| status(&s, "outside")["phase"] == "Failed").await;
+    let msg = status(&s, "outside")["message"].to_string();
+    assert!(msg.contains("spec.bridge") && msg.contains("br0"), "{msg}");
+    // The other network and its VM's tap are made all the same.
+    wait_until(|| status(&s, "lan")["phase"] == "Ready").await;
+    wait_until(|| link_exists("htt-b-0")).await;
+    assert!(!link_exists("htt-a-0"));
+    // Once the bridge exists, the network is Ready and the tap joins it.
+    netns::run("ip", &["link", "add", "br0", "type", "bridge"]);
+    s.engine.wake(Kind::VirtualNetwork, "outside");
+    wait_until(|| status(&s, "outside")["phase"] == "Ready").await;
+    assert_eq!(status(&s, "outside")["bridge"], "br0");
+    wait_until(|| link_exists("htt-a-0")).await;
+    let v: serde_json::Value =
+        serde_json::from_str(&netns::run("ip", &["-j", "link", "show", "dev", "htt-a-0"]))
+            .expect("ip -j");
+    assert_eq!(v[0]["master"], "br0", "{v}");
+}

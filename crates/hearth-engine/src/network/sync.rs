@@ -128,7 +128,30 @@ pub async fn resync(
     }
     let dir = ctx.config.networks_dir();
     let nl = guard.netlink()?;
-    let (report, removed) = host::resync(nl, &want, &dir).await?;
+    // A Bridge network whose host bridge is missing (not made yet, or gone)
+    // would fail every tap on it, and so the whole apply: its taps are not
+    // made, and the rest of the host goes on. The network's own reconcile
+    // says Failed, naming the bridge. Clean-up still counts them as wanted,
+    // so a running VM's tap is never taken away.
+    let links = nl.observe_all().await?;
+    let mut apply_want = want.clone();
+    let missing: Vec<String> = apply_want
+        .networks
+        .iter()
+        .filter_map(|n| match &n.mode {
+            host::NetworkMode::Bridge { existing }
+                if !links
+                    .iter()
+                    .any(|l| l.name == *existing && l.kind == host::link::LinkKind::Bridge) =>
+            {
+                Some(existing.clone())
+            }
+            _ => None,
+        })
+        .collect();
+    apply_want.taps.retain(|t| !missing.contains(&t.bridge));
+    let report = host::apply(nl, &apply_want, &dir).await?;
+    let removed = host::cleanup::run(nl, &want, &dir).await?;
     if report.changed() {
         tracing::info!(?report, "host networking changed");
     }
