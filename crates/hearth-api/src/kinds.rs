@@ -404,7 +404,7 @@ pub struct VirtualNetworkSpec {
     /// `Bridge` mode only: the existing host bridge to attach to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bridge: Option<String>,
-    /// Serve DHCP (and DNS) on the network. Defaults to true for NAT and
+    /// Serve DHCP on the network (hearth's leases, by dnsmasq; no DNS). Defaults to true for NAT and
     /// Isolated; `Bridge` networks belong to someone else, so hearth never
     /// serves DHCP there and `dhcp: true` is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -446,15 +446,6 @@ impl TapBackend {
             TapBackend::Userspace
         }
     }
-
-    /// QEMU's `-netdev` value for a persistent tap opened by name.
-    pub fn netdev_arg(self, id: &str, tap: &str) -> String {
-        let vhost = match self {
-            TapBackend::VhostNet => "on",
-            TapBackend::Userspace => "off",
-        };
-        format!("tap,id={id},ifname={tap},script=no,downscript=no,vhost={vhost}")
-    }
 }
 
 /// Where one network's dnsmasq files live: `NETWORKS_DIR/BRIDGE/`.
@@ -607,10 +598,6 @@ mod tests {
         assert_eq!(TapBackend::for_device(&dev), TapBackend::Userspace);
         std::fs::write(&dev, b"").unwrap();
         assert_eq!(TapBackend::for_device(&dev), TapBackend::VhostNet);
-        assert_eq!(
-            TapBackend::Userspace.netdev_arg("net0", "htt1"),
-            "tap,id=net0,ifname=htt1,script=no,downscript=no,vhost=off"
-        );
     }
 
     #[test]
