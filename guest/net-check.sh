@@ -15,8 +15,12 @@
 #              then pings the guest from the namespace, pings the gateway from
 #              the guest (agent guest-exec), fetches the guest's httpd page and
 #              sends a line to `nc -l -p 7000` in the guest. Then two more boots:
-#              no NIC (time to "hearth-guest: ready", no DHCP client started) and
-#              a NIC with hearth.net=0 (no udhcpc running).
+#              no NIC (time to "hearth-guest: ready", no DHCP client started), a
+#              NIC with hearth.net=0 (no udhcpc running), and a NIC whose MAC
+#              dnsmasq does not know yet: the guest says
+#                hearth-guest: eth0 no DHCP answer yet; still trying
+#              then the MAC is added to dnsmasq's hosts file (SIGHUP) and the
+#              guest's retry gets the lease.
 #   debian     the Debian image (guest/out/debian-12.qcow2, SeaBIOS) with a NoCloud
 #              seed whose network-config is v2 (match macaddress, dhcp4: true):
 #              waits for dnsmasq's DHCPACK and cloud-init's ci-info line with the
@@ -45,6 +49,7 @@ BR=hth-gt0
 TAP=htt-gt0
 GW=10.77.0.1
 SMALL_MAC=52:54:00:77:00:10 SMALL_IP=10.77.0.10
+LATE_MAC=52:54:00:77:00:12 LATE_IP=10.77.0.12 # not known to dnsmasq at first
 DEB_MAC=52:54:00:77:00:11 DEB_IP=10.77.0.11
 SMALL_TIMEOUT="${SMALL_TIMEOUT:-120}"   # s, QEMU start to lease (TCG)
 DEBIAN_TIMEOUT="${DEBIAN_TIMEOUT:-400}" # s, QEMU start to cloud-init's network stage
@@ -164,8 +169,7 @@ bind-interfaces
 interface=$BR
 except-interface=lo
 dhcp-range=10.77.0.0,static,255.255.255.0,1h
-dhcp-host=$SMALL_MAC,$SMALL_IP,hearth-guest
-dhcp-host=$DEB_MAC,$DEB_IP,hearth-debian
+dhcp-hostsfile=$TMP/hosts
 dhcp-leasefile=$TMP/leases
 pid-file=$TMP/dnsmasq.pid
 log-facility=$TMP/dnsmasq.log
@@ -173,6 +177,8 @@ log-dhcp
 dhcp-authoritative
 dhcp-option=option:router,$GW
 EOF
+printf '%s,%s,hearth-guest\n%s,%s,hearth-debian\n' "$SMALL_MAC" "$SMALL_IP" "$DEB_MAC" "$DEB_IP" >"$TMP/hosts"
+chmod 0644 "$TMP/hosts"
 nsx dnsmasq --conf-file="$TMP/dnsmasq.conf" || die "dnsmasq did not start (see $TMP/dnsmasq.log)"
 DNSMASQ_PID="$(cat "$TMP/dnsmasq.pid")"
 log "dnsmasq $DNSMASQ_PID on $BR ($GW/24); tap $TAP"
@@ -330,6 +336,30 @@ run_small() {
         result "hearth.net=0" FAIL "the guest did not come up"
     fi
     shutdown_vm
+
+    log "small: boot with a NIC dnsmasq does not know yet ($LATE_MAC)"
+    # shellcheck disable=SC2046
+    boot_qemu late -smp 1 -m 256M -kernel "$OUT/vmlinuz" -initrd "$OUT/initrd.img" \
+        -append "$cmdline" $(nic "$LATE_MAC")
+    if line="$(wait_line "$SERIAL" "hearth-guest: eth0 no DHCP answer yet" "$SMALL_TIMEOUT")"; then
+        result "no answer (console)" ok "'$line' $(since "$T0") s after QEMU start"
+        printf '%s,%s,hearth-late\n' "$LATE_MAC" "$LATE_IP" >>"$TMP/hosts"
+        kill -HUP "$DNSMASQ_PID"
+        t="$(now)"
+        want="hearth-guest: eth0 lease $LATE_IP/24 router $GW mac $LATE_MAC"
+        if line="$(wait_line "$SERIAL" "hearth-guest: eth0 lease " 60)" && [ "$line" = "$want" ]; then
+            result "retry gets lease" ok "'$line' $(since "$t") s after dnsmasq learnt the MAC"
+        else
+            result "retry gets lease" FAIL "got '${line:-nothing}' within 60 s, want '$want'"
+        fi
+    else
+        result "no answer (console)" FAIL "no 'no DHCP answer yet' line within ${SMALL_TIMEOUT} s"
+    fi
+    if "${QGA[@]}" "$D/ga.sock" wait 60 >/dev/null 2>&1; then
+        shutdown_vm
+    else
+        stop_qemu
+    fi
 }
 
 # --- the Debian image -------------------------------------------------------------------
