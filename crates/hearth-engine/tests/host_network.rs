@@ -761,14 +761,14 @@ async fn resync_removes_a_deleted_network_and_restarts_dnsmasq_on_a_config_chang
     );
     assert_eq!(ipv4_of("hth0"), ["10.77.0.254/24"]);
 
-    // Nothing desired: apply already drops the table (the rendered
-    // transaction is only its removal), cleanup takes the rest.
+    // Nothing desired: apply writes no table (a host without a hearth
+    // network never sees one appear), cleanup drops the old one and the rest.
     let (report, removed) = host::resync(&nl, &HostDesired::default(), &networks)
         .await
         .expect("resync empty");
-    assert!(report.nft_changed);
+    assert!(!report.nft_changed);
     assert!(
-        !removed.contains(&CleanupAction::DeleteNftTable),
+        removed.contains(&CleanupAction::DeleteNftTable),
         "{removed:?}"
     );
     assert!(!run("nft", &["list", "tables"]).contains("hearth"));

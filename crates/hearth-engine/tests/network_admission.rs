@@ -302,7 +302,7 @@ async fn a_network_becomes_ready_once_its_bridge_and_dhcp_exist_and_leaves_nothi
     // From the kernel, not from the status: the bridge has the gateway's
     // address, a dnsmasq serves it, and the table exists.
     assert_eq!(ipv4_of("hth-lan"), ["10.77.0.1/24"]);
-    assert_eq!(dnsmasq_on("hth-lan").len(), 1);
+    assert_eq!(dnsmasq_on(&s, "hth-lan").len(), 1);
     assert!(
         netns::run("nft", &["list", "tables"]).contains("inet hearth"),
         "no nftables table"
@@ -321,7 +321,7 @@ async fn a_network_becomes_ready_once_its_bridge_and_dhcp_exist_and_leaves_nothi
         .expect("delete");
     wait_until(|| s.names(Kind::VirtualNetwork).is_empty()).await;
     assert!(!link_exists("hth-lan"), "the bridge is still there");
-    assert!(dnsmasq_on("hth-lan").is_empty(), "dnsmasq still runs");
+    assert!(dnsmasq_on(&s, "hth-lan").is_empty(), "dnsmasq still runs");
     assert!(
         !netns::run("nft", &["list", "tables"]).contains("inet hearth"),
         "the table is still there"
@@ -384,7 +384,7 @@ async fn a_picked_subnet_avoids_the_hosts_addresses_and_routes_and_is_kept() {
     assert_eq!(status(&s, "auto")["subnet"], "10.77.2.0/24");
     assert_eq!(ipv4_of("hth-auto"), ["10.77.2.1/24"]);
     assert!(
-        dnsmasq_on("hth-auto").is_empty(),
+        dnsmasq_on(&s, "hth-auto").is_empty(),
         "dhcp: false still runs dnsmasq"
     );
 }
@@ -416,8 +416,10 @@ fn ipv4_of(name: &str) -> Vec<String> {
         .collect()
 }
 
-/// Pids of the dnsmasqs whose config names `bridge`, from /proc.
-fn dnsmasq_on(bridge: &str) -> Vec<u32> {
+/// Pids of this engine's dnsmasqs whose config names `bridge`, from /proc
+/// (tests run in parallel, each with its own namespace and run directory).
+fn dnsmasq_on(s: &Setup, bridge: &str) -> Vec<u32> {
+    let run_dir = s.dir.path().join("run").display().to_string();
     let mut pids = Vec::new();
     for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -427,7 +429,7 @@ fn dnsmasq_on(bridge: &str) -> Vec<u32> {
             continue;
         };
         let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
-        if cmd.contains("dnsmasq") && cmd.contains(&format!("/{bridge}/")) {
+        if cmd.contains("dnsmasq") && cmd.contains(&format!("{run_dir}/networks/{bridge}/")) {
             pids.push(pid);
         }
     }

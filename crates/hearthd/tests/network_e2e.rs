@@ -60,8 +60,9 @@ fn wait_console_lease(d: &Daemon, vm: &str, iface: &str, n: usize) -> String {
     }
 }
 
-/// Pids of the dnsmasqs serving `bridge`, from /proc.
-fn dnsmasq_pids(bridge: &str) -> Vec<u32> {
+/// Pids of this daemon's dnsmasqs serving `bridge`, from /proc.
+fn dnsmasq_pids(d: &Daemon, bridge: &str) -> Vec<u32> {
+    let conf_dir = format!("{}/networks/{bridge}/", d.run_dir().display());
     let mut pids = Vec::new();
     for e in std::fs::read_dir("/proc").expect("/proc").flatten() {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -72,7 +73,7 @@ fn dnsmasq_pids(bridge: &str) -> Vec<u32> {
         };
         let cmd = String::from_utf8_lossy(&raw).replace('\0', " ");
         let dnsmasq = cmd.starts_with("dnsmasq") || cmd.contains("/dnsmasq ");
-        if dnsmasq && cmd.contains(&format!("/{bridge}/")) && !is_zombie(pid) {
+        if dnsmasq && cmd.contains(&conf_dir) && !is_zombie(pid) {
             pids.push(pid);
         }
     }
@@ -210,15 +211,34 @@ fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_le
 
     // SIGKILL of hearthd and a restart: the VMs and the dnsmasq run on,
     // adopted; nothing on the host is rebuilt; addresses are unchanged.
-    let dnsmasq = dnsmasq_pids("hth-lan");
+    let dnsmasq = dnsmasq_pids(&d, "hth-lan");
     assert_eq!(dnsmasq.len(), 1, "one dnsmasq for lan: {dnsmasq:?}");
     let links = d.netns.as_ref().unwrap().hearth_links();
     d.kill();
+    // What a crash could leave: a tap and a bridge with hearth's names that
+    // nothing in the store asks for. The restarted daemon removes them
+    // before it serves its API, and touches nothing else.
+    {
+        let ns = d.netns.as_ref().unwrap();
+        ns.exec_ok("ip", &["tuntap", "add", "htt-stray-0", "mode", "tap"]);
+        ns.exec_ok("ip", &["link", "add", "hth-stray", "type", "bridge"]);
+        ns.exec_ok("ip", &["link", "add", "other0", "type", "bridge"]);
+    }
     d.spawn();
+    let ns = d.netns.as_ref().unwrap();
+    assert_eq!(
+        ns.hearth_links(),
+        links,
+        "the crash's leftovers are still there"
+    );
+    assert!(
+        ns.exec("ip", &["link", "show", "other0"]).status.success(),
+        "a bridge that is not hearth's was removed"
+    );
     d.wait_object("virtualnetworks", "lan", "ready again", WAIT, |v| {
         v["status"]["phase"] == "Ready"
     });
-    assert_eq!(dnsmasq_pids("hth-lan"), dnsmasq, "dnsmasq was replaced");
+    assert_eq!(dnsmasq_pids(&d, "hth-lan"), dnsmasq, "dnsmasq was replaced");
     assert_eq!(d.netns.as_ref().unwrap().hearth_links(), links);
     ping_ok(&d, "a", &b[0]);
     // ... and a VM started by the new daemon gets its old address too.
@@ -252,5 +272,5 @@ fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_le
         .filter(|p| Some(*p) != hearthd && !is_zombie(*p))
         .collect();
     assert!(left.is_empty(), "processes left in the namespace: {left:?}");
-    assert!(dnsmasq_pids("hth-lan").is_empty() && dnsmasq_pids("hth-iso").is_empty());
+    assert!(dnsmasq_pids(&d, "hth-lan").is_empty() && dnsmasq_pids(&d, "hth-iso").is_empty());
 }
