@@ -330,6 +330,8 @@ const FIELD_ORDER: &[&str] = &[
     "network",
     "mac",
     "hostInterface",
+    "guestIpAddresses",
+    "confirmed",
     "path",
     "capacity",
     "allocated",
