@@ -29,7 +29,7 @@ use hearth_engine::network::host::{
     self, DesiredTap, HostDesired, HostNetwork, Mac, NetworkMode, PortForward, Protocol,
     StaticLease, network_dir,
 };
-use netns::{inside_netns, inside_netns_with_guests, run};
+use netns::{inside_netns, inside_netns_with_guests, ipv4_of, run};
 
 fn ip_json(args: &[&str]) -> serde_json::Value {
     let mut all = vec!["-j"];
@@ -56,16 +56,6 @@ fn hearth_links() -> Vec<(String, u64)> {
 
 fn link_detail(name: &str) -> serde_json::Value {
     ip_json(&["-d", "link", "show", "dev", name])[0].clone()
-}
-
-fn ipv4_of(name: &str) -> Vec<String> {
-    ip_json(&["addr", "show", "dev", name])[0]["addr_info"]
-        .as_array()
-        .expect("addr_info")
-        .iter()
-        .filter(|a| a["family"] == "inet")
-        .map(|a| format!("{}/{}", a["local"].as_str().unwrap_or(""), a["prefixlen"]))
-        .collect()
 }
 
 fn cmdline(pid: u32) -> Vec<String> {

@@ -301,7 +301,7 @@ async fn a_network_becomes_ready_once_its_bridge_and_dhcp_exist_and_leaves_nothi
     assert_eq!(st["gateway"], "10.77.0.1", "{st}");
     // From the kernel, not from the status: the bridge has the gateway's
     // address, a dnsmasq serves it, and the table exists.
-    assert_eq!(ipv4_of("hth-lan"), ["10.77.0.1/24"]);
+    assert_eq!(netns::ipv4_of("hth-lan"), ["10.77.0.1/24"]);
     assert_eq!(dnsmasq_on(&s, "hth-lan").len(), 1);
     assert!(
         netns::run("nft", &["list", "tables"]).contains("inet hearth"),
@@ -352,7 +352,7 @@ async fn a_picked_subnet_avoids_the_hosts_addresses_and_routes_and_is_kept() {
     .expect("apply");
     wait_until(|| status(&s, "auto")["phase"] == "Ready").await;
     assert_eq!(status(&s, "auto")["subnet"], "10.77.2.0/24");
-    assert_eq!(ipv4_of("hth-auto"), ["10.77.2.1/24"]);
+    assert_eq!(netns::ipv4_of("hth-auto"), ["10.77.2.1/24"]);
     // A given subnet that the host uses is refused by the reconcile,
     // naming what uses it.
     s.apply(&network("clash", "10.77.0.0/16"))
@@ -382,7 +382,7 @@ async fn a_picked_subnet_avoids_the_hosts_addresses_and_routes_and_is_kept() {
     })
     .await;
     assert_eq!(status(&s, "auto")["subnet"], "10.77.2.0/24");
-    assert_eq!(ipv4_of("hth-auto"), ["10.77.2.1/24"]);
+    assert_eq!(netns::ipv4_of("hth-auto"), ["10.77.2.1/24"]);
     assert!(
         dnsmasq_on(&s, "hth-auto").is_empty(),
         "dhcp: false still runs dnsmasq"
@@ -401,19 +401,6 @@ fn link_exists(name: &str) -> bool {
         .args(["link", "show", "dev", name])
         .output()
         .is_ok_and(|o| o.status.success())
-}
-
-fn ipv4_of(name: &str) -> Vec<String> {
-    let v: serde_json::Value =
-        serde_json::from_str(&netns::run("ip", &["-j", "addr", "show", "dev", name]))
-            .expect("ip -j");
-    v[0]["addr_info"]
-        .as_array()
-        .expect("addr_info")
-        .iter()
-        .filter(|a| a["family"] == "inet")
-        .map(|a| format!("{}/{}", a["local"].as_str().unwrap_or(""), a["prefixlen"]))
-        .collect()
 }
 
 /// Pids of this engine's dnsmasqs whose config names `bridge`, from /proc

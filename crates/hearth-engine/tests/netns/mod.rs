@@ -171,3 +171,16 @@ pub fn inside_netns_with_guests(test: &str, guests: usize) -> Option<Vec<String>
         }
     }
 }
+
+/// `ADDR/LEN` of every IPv4 address on link `name`, from `ip -j addr`.
+pub fn ipv4_of(name: &str) -> Vec<String> {
+    let v: serde_json::Value =
+        serde_json::from_str(&run("ip", &["-j", "addr", "show", "dev", name])).expect("ip -j");
+    v[0]["addr_info"]
+        .as_array()
+        .expect("addr_info")
+        .iter()
+        .filter(|a| a["family"] == "inet")
+        .map(|a| format!("{}/{}", a["local"].as_str().unwrap_or(""), a["prefixlen"]))
+        .collect()
+}
