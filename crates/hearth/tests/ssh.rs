@@ -37,6 +37,22 @@ async fn hearth(socket: &Path, args: &[&str], path: Option<&Path>) -> Output {
     cmd.output().await.expect("run hearth")
 }
 
+/// A scripted hearthd in `dir` answering `routes`, and what
+/// `hearth ssh web --print -- uname -a` printed against it.
+async fn print_uname(
+    dir: &Path,
+    routes: Vec<(&str, &str, Vec<test_server::Answer>)>,
+) -> (ScriptedServer, Output) {
+    let server = ScriptedServer::routes(dir, routes);
+    let out = hearth(
+        &server.socket,
+        &["ssh", "web", "--print", "--", "uname", "-a"],
+        None,
+    )
+    .await;
+    (server, out)
+}
+
 fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
@@ -55,14 +71,9 @@ async fn ssh_print_connects_to_the_first_interface_address_as_the_cloud_init_use
             {"network": "default", "mac": "52:54:00:12:34:56", "ipAddress": "10.77.0.23", "hostInterface": "htt-web-0"}
         ]}),
     );
-    let server = ScriptedServer::routes(
+    let (server, out) = print_uname(
         dir.path(),
         vec![("GET", "/v1/virtualmachines/web", vec![ok(&object)])],
-    );
-    let out = hearth(
-        &server.socket,
-        &["ssh", "web", "--print", "--", "uname", "-a"],
-        None,
     )
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
@@ -122,17 +133,12 @@ async fn ssh_print_goes_through_a_forward_of_port_22_when_the_vm_has_no_address(
                    "subnet": "10.77.0.0/24", "leases": 1}
     })
     .to_string();
-    let server = ScriptedServer::routes(
+    let (server, out) = print_uname(
         dir.path(),
         vec![
             ("GET", "/v1/virtualmachines/web", vec![ok(&wildcard)]),
             ("GET", "/v1/virtualnetworks/default", vec![ok(&network)]),
         ],
-    );
-    let out = hearth(
-        &server.socket,
-        &["ssh", "web", "--print", "--", "uname", "-a"],
-        None,
     )
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
@@ -155,14 +161,9 @@ async fn ssh_print_goes_through_a_forward_of_port_22_when_the_vm_has_no_address(
         ]}]),
         json!({"phase": "Running"}),
     );
-    let server = ScriptedServer::routes(
+    let (server, out) = print_uname(
         dir2.path(),
         vec![("GET", "/v1/virtualmachines/web", vec![ok(&pinned)])],
-    );
-    let out = hearth(
-        &server.socket,
-        &["ssh", "web", "--print", "--", "uname", "-a"],
-        None,
     )
     .await;
     assert!(out.status.success(), "{}", stderr(&out));
