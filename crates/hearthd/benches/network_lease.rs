@@ -170,7 +170,7 @@ fn main() {
 
     println!();
     println!(
-        "network_lease: {started} UTC; the whole bench took {:.0} s",
+        "network_lease: {started}; the whole bench took {:.0} s",
         took.as_secs_f64()
     );
     print_table(
@@ -426,8 +426,12 @@ fn print_table(what: &str, lease: LeaseSeen, samples: &[Sample]) {
     println!("|---|---:|---:|---:|");
     for (name, xs) in [
         (
-            "start → Started event".to_string(),
-            col(&|s| Some(s.to_started_event)),
+            "apply → Started event".to_string(),
+            samples.iter().take(1).map(|s| s.to_started_event).collect(),
+        ),
+        (
+            "restart → Started event (the stop included)".to_string(),
+            samples.iter().skip(1).map(|s| s.to_started_event).collect(),
         ),
         (
             format!("Started → {}", lease.label()),

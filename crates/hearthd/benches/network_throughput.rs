@@ -426,11 +426,12 @@ fn plain_dnsmasq(ns: &Netns, macs: &[String], dir: &Path) -> Child {
 }
 
 /// QEMU started by hand with the settings of hearth's command line
-/// (`crates/hearth-qemu/src/cmdline.rs`): TCG with `-cpu max`, q35,
-/// `-boot strict=on`, the disk and the seed on virtio-blk, the NIC a JSON
-/// tap netdev without scripts on a tap that exists, virtio-net-pci without
-/// an option ROM, qemu-ga on a virtio-serial port. Not hearth's: its
-/// seccomp sandbox and QMP socket, which no packet passes through.
+/// (`crates/hearth-qemu/src/cmdline.rs`): its seccomp sandbox, TCG with
+/// `-cpu max`, q35, `-boot strict=on`, the disk and the seed on virtio-blk,
+/// the NIC a JSON tap netdev without scripts on a tap that exists,
+/// virtio-net-pci without an option ROM, qemu-ga on a virtio-serial port.
+/// Left out: the QMP socket (no packet passes through it; nothing talks to
+/// it here) and the launch pid file.
 #[allow(clippy::too_many_arguments)]
 fn plain_qemu(
     ns: &Netns,
@@ -450,8 +451,15 @@ fn plain_qemu(
     cmd.args(["netns", "exec", &ns.name, "qemu-system-x86_64"]);
     cmd.args(["-name", &format!("guest=plain-{vm}")]);
     cmd.args(["-no-user-config", "-nodefaults", "-nographic", "-no-reboot"]);
+    // hearth's seccomp filter too: without vhost-net every packet is a
+    // syscall of QEMU's, and the filter runs on each.
+    cmd.args([
+        "-sandbox",
+        "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+    ]);
     cmd.args(["-machine", "q35", "-accel", "tcg", "-cpu", "max"]);
     cmd.args(["-smp", &CPUS.to_string(), "-m", &format!("{MEMORY_MIB}M")]);
+    cmd.args(["-msg", "timestamp=on"]);
     cmd.args(["-boot", "strict=on"]);
     cmd.arg("-blockdev").arg(file("f0", disk, false));
     cmd.arg("-blockdev").arg(
