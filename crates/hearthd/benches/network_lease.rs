@@ -127,7 +127,7 @@ fn main() {
         // A network of its own: the small guest's address, freed by its
         // deletion, would be handed to this VM's MAC while dnsmasq still
         // holds the old lease for it (see docs/benchmarks.md).
-        let items = vec![
+        let items = [
             json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualImage",
                    "metadata": {"name": "debian-12"},
                    "spec": {"source": {"file": image.display().to_string()}}}),
