@@ -15,7 +15,14 @@ pub struct Netns {
 }
 
 impl Netns {
+    /// A namespace named `hth-e2e-PID-N`.
     pub fn create() -> Netns {
+        Self::create_prefixed("hth-e2e")
+    }
+
+    /// A namespace named `PREFIX-PID-N` (benchmarks use `hth-bench`, so
+    /// that what they leave, if anything, is told apart from the tests').
+    pub fn create_prefixed(prefix: &str) -> Netns {
         assert!(
             rustix::process::geteuid().is_root(),
             "network tests create network namespaces and must run as root"
@@ -25,7 +32,7 @@ impl Netns {
         }
         static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let name = format!("hth-e2e-{}-{seq}", std::process::id());
+        let name = format!("{prefix}-{}-{seq}", std::process::id());
         let out = Command::new("ip")
             .args(["netns", "add", &name])
             .output()
