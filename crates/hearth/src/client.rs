@@ -101,6 +101,16 @@ impl ApiClient {
         Ok(body)
     }
 
+    /// Opens a stream of JSON lines (`GET /v1/watch...`): only the wait for
+    /// the headers is bounded; then lines come as hearthd sends them.
+    pub async fn lines(&self, path: &str) -> Result<LineStream, ApiError> {
+        Ok(LineStream {
+            body: self.stream(path).await?,
+            buf: Vec::new(),
+            socket: self.socket.clone(),
+        })
+    }
+
     async fn json(
         &self,
         method: Method,
@@ -197,6 +207,51 @@ impl ApiClient {
             }
         }
         Ok(out)
+    }
+
+    fn protocol(&self, detail: String) -> ApiError {
+        ApiError::Protocol {
+            socket: self.socket.clone(),
+            detail,
+        }
+    }
+}
+
+/// A response body read a line at a time.
+pub struct LineStream {
+    body: Incoming,
+    buf: Vec<u8>,
+    socket: PathBuf,
+}
+
+impl LineStream {
+    /// The next line without its newline; None when hearthd ended the
+    /// stream. A last line without a newline is a cut connection, not a line.
+    pub async fn next_line(&mut self) -> Result<Option<Vec<u8>>, ApiError> {
+        loop {
+            if let Some(end) = self.buf.iter().position(|b| *b == b'\n') {
+                let mut line: Vec<u8> = self.buf.drain(..=end).collect();
+                line.pop();
+                return Ok(Some(line));
+            }
+            let Some(frame) = self.body.frame().await else {
+                if self.buf.is_empty() {
+                    return Ok(None);
+                }
+                return Err(self.protocol("the stream ended in the middle of a line".into()));
+            };
+            let frame =
+                frame.map_err(|e| self.protocol(format!("reading the stream failed: {e}")))?;
+            if let Ok(data) = frame.into_data() {
+                if self.buf.len() + data.len() > MAX_BODY_BYTES {
+                    return Err(self.protocol(format!(
+                        "a line of the stream is longer than {} MiB",
+                        MAX_BODY_BYTES >> 20
+                    )));
+                }
+                self.buf.extend_from_slice(&data);
+            }
+        }
     }
 
     fn protocol(&self, detail: String) -> ApiError {
