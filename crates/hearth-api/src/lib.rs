@@ -8,6 +8,7 @@ mod meta;
 pub mod net;
 mod object;
 mod quantity;
+pub mod watch;
 
 pub use kinds::*;
 pub use meta::*;
@@ -16,6 +17,7 @@ pub use object::{
     parse_documents, parse_documents_in, raw_documents, resolve_relative_paths,
 };
 pub use quantity::{Quantity, QuantityError};
+pub use watch::{WatchLine, WatchType};
 
 #[cfg(test)]
 mod tests;

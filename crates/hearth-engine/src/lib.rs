@@ -16,6 +16,7 @@ pub mod runtime;
 pub mod snapshot;
 pub mod store;
 pub mod vm;
+pub mod watch;
 
 pub use config::EngineConfig;
 pub use engine::{ApplyAction, ApplyOutcome, Engine, RequestError, StartError, VmAction};

@@ -4,7 +4,16 @@
 //! so a crash at any point leaves either the old or the new object, never half
 //! of one. Objects, status, runtime records and events all live here so that a
 //! restarted daemon knows everything it had started.
+//!
+//! Every object write and every event also appends to a change log, in the
+//! same transaction, under a durable sequence number (`changes.rs`): the
+//! watch stream's resume point (docs/store.md "Change log").
 
+mod changes;
+
+pub use changes::{CHANGE_HISTORY, ChangePage, StoredChange, WatchSnapshot};
+
+use std::ops::{Deref, DerefMut};
 use std::path::Path;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -58,6 +67,52 @@ pub struct RunIntent {
 #[derive(Clone)]
 pub struct Store {
     conn: Arc<Mutex<Connection>>,
+    /// The change log's last sequence number, sent after each commit that
+    /// moved it: what wakes the watch streams (never polled).
+    head: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+/// The store's connection while one caller holds it. When the holder wrote
+/// something and no transaction is left open, dropping it publishes the
+/// change log's new head, still under the lock, so heads go out in commit
+/// order and a watcher that read the log before the commit is always woken.
+struct Conn<'a> {
+    conn: MutexGuard<'a, Connection>,
+    writes_before: u64,
+    head: &'a tokio::sync::watch::Sender<u64>,
+}
+
+impl Deref for Conn<'_> {
+    type Target = Connection;
+    fn deref(&self) -> &Connection {
+        &self.conn
+    }
+}
+
+impl DerefMut for Conn<'_> {
+    fn deref_mut(&mut self) -> &mut Connection {
+        &mut self.conn
+    }
+}
+
+impl Drop for Conn<'_> {
+    fn drop(&mut self) {
+        if self.conn.total_changes() == self.writes_before || !self.conn.is_autocommit() {
+            return;
+        }
+        match changes::head_of(&self.conn) {
+            Ok(seq) => {
+                self.head.send_if_modified(|h| {
+                    let moved = seq > *h;
+                    if moved {
+                        *h = seq;
+                    }
+                    moved
+                });
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot read the change log's head"),
+        }
+    }
 }
 
 const SCHEMA: &str = r#"
@@ -84,7 +139,10 @@ CREATE TABLE IF NOT EXISTS events (
     name TEXT NOT NULL,
     type TEXT NOT NULL,
     reason TEXT NOT NULL,
-    message TEXT NOT NULL
+    message TEXT NOT NULL,
+    -- Its change-log sequence number; NULL for events recorded before the
+    -- change log existed (added to older databases by `changes::migrate`).
+    seq INTEGER
 );
 CREATE INDEX IF NOT EXISTS events_by_object ON events (kind, name, id);
 -- Disk image layers: qcow2 files, each backed by the one below it.
@@ -153,6 +211,18 @@ CREATE TABLE IF NOT EXISTS launches (
     vm TEXT NOT NULL,
     marker TEXT NOT NULL
 );
+-- Every change to `objects` (written by the triggers in changes.rs) and
+-- every event, in order: the watch stream's history. `seq` never repeats
+-- (AUTOINCREMENT), even after the oldest rows are trimmed.
+CREATE TABLE IF NOT EXISTS changes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL,
+    name TEXT NOT NULL,
+    type TEXT NOT NULL,
+    body TEXT NOT NULL,
+    status TEXT NOT NULL DEFAULT 'null',
+    deleting INTEGER NOT NULL DEFAULT 0
+);
 "#;
 
 /// One stored lease: the address of interface `interface` (its index in
@@ -171,13 +241,22 @@ const EVENTS_PER_OBJECT: i64 = 200;
 
 impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
-        let conn = Connection::open(path)?;
+        Self::open_with_history(path, CHANGE_HISTORY)
+    }
+
+    /// `open`, keeping the newest `history` changes (at least 1) in the
+    /// change log.
+    pub fn open_with_history(path: &Path, history: u64) -> Result<Store, StoreError> {
+        let mut conn = Connection::open(path)?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(SCHEMA)?;
+        changes::migrate(&mut conn, history)?;
+        let head = changes::head_of(&conn)?;
         Ok(Store {
             conn: Arc::new(Mutex::new(conn)),
+            head: Arc::new(tokio::sync::watch::channel(head).0),
         })
     }
 
@@ -223,10 +302,15 @@ impl Store {
         Ok(v.unwrap_or(0) as u64)
     }
 
-    fn conn(&self) -> MutexGuard<'_, Connection> {
+    fn conn(&self) -> Conn<'_> {
         // A panic while holding the lock cannot leave SQLite half-written (the
         // transaction rolls back), so a poisoned lock is still usable.
-        self.conn.lock().unwrap_or_else(|p| p.into_inner())
+        let conn = self.conn.lock().unwrap_or_else(|p| p.into_inner());
+        Conn {
+            writes_before: conn.total_changes(),
+            conn,
+            head: &self.head,
+        }
     }
 
     // ------------------------------------------------------------ leases
@@ -632,9 +716,18 @@ impl Store {
             EventType::Normal => "Normal",
             EventType::Warning => "Warning",
         };
+        let event = Event {
+            time: Utc::now(),
+            kind: kind.as_str().to_string(),
+            name: name.to_string(),
+            type_,
+            reason: reason.to_string(),
+            message: message.to_string(),
+        };
+        let seq = changes::log_event_tx(&tx, &event)?;
         tx.execute(
-            "INSERT INTO events (time, kind, name, type, reason, message) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-            params![Utc::now().to_rfc3339(), kind.as_str(), name, type_text, reason, message],
+            "INSERT INTO events (time, kind, name, type, reason, message, seq) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            params![event.time.to_rfc3339(), kind.as_str(), name, type_text, reason, message, seq as i64],
         )?;
         tx.execute(
             "DELETE FROM events WHERE kind = ?1 AND name = ?2 AND id <= (
@@ -671,23 +764,35 @@ impl Store {
         let mut out = Vec::new();
         for row in rows {
             let (time, kind, name, type_, reason, message) = row?;
-            out.push(Event {
-                time: DateTime::parse_from_rfc3339(&time)
-                    .map(|t| t.with_timezone(&Utc))
-                    .unwrap_or_default(),
-                kind,
-                name,
-                type_: if type_ == "Warning" {
-                    EventType::Warning
-                } else {
-                    EventType::Normal
-                },
-                reason,
-                message,
-            });
+            out.push(event_from_row(time, kind, name, &type_, reason, message));
         }
         out.reverse();
         Ok(out)
+    }
+}
+
+/// An `events` row as the API shows it.
+fn event_from_row(
+    time: String,
+    kind: String,
+    name: String,
+    type_: &str,
+    reason: String,
+    message: String,
+) -> Event {
+    Event {
+        time: DateTime::parse_from_rfc3339(&time)
+            .map(|t| t.with_timezone(&Utc))
+            .unwrap_or_default(),
+        kind,
+        name,
+        type_: if type_ == "Warning" {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason,
+        message,
     }
 }
 

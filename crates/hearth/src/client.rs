@@ -87,18 +87,48 @@ impl ApiClient {
     /// Sends a GET and hands back the body as it arrives (for console logs).
     /// Only the wait for the headers is bounded; the body may stream forever.
     pub async fn stream(&self, path: &str) -> Result<Incoming, ApiError> {
+        Ok(self.start_stream(path).await?.into_body())
+    }
+
+    /// A GET whose answer streams: the response once its headers are in, or
+    /// the server's error.
+    async fn start_stream(&self, path: &str) -> Result<Response<Incoming>, ApiError> {
         let response = self
             .with_timeout(REQUEST_TIMEOUT, self.send(Method::GET, path, None))
             .await?;
         let status = response.status();
-        let body = response.into_body();
         if !status.is_success() {
             let bytes = self
-                .with_timeout(REQUEST_TIMEOUT, self.read_body(body))
+                .with_timeout(REQUEST_TIMEOUT, self.read_body(response.into_body()))
                 .await?;
             return Err(server_error(status, &bytes));
         }
-        Ok(body)
+        Ok(response)
+    }
+
+    /// Opens a stream of JSON lines (`GET /v1/watch...`): only the wait for
+    /// the headers is bounded; then lines come as hearthd sends them. An
+    /// answer that is not `application/x-ndjson` (a hearthd from before the
+    /// stream answers `?watch=true` with a plain list) is refused.
+    pub async fn lines(&self, path: &str) -> Result<LineStream, ApiError> {
+        let response = self.start_stream(path).await?;
+        let content_type = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("no content type")
+            .to_string();
+        if !content_type.starts_with("application/x-ndjson") {
+            return Err(self.protocol(format!(
+                "GET {path} answered {content_type}, not a stream of JSON lines \
+                 (is hearthd older than this hearth?)"
+            )));
+        }
+        Ok(LineStream {
+            body: response.into_body(),
+            buf: Vec::new(),
+            socket: self.socket.clone(),
+        })
     }
 
     async fn json(
@@ -197,6 +227,51 @@ impl ApiClient {
             }
         }
         Ok(out)
+    }
+
+    fn protocol(&self, detail: String) -> ApiError {
+        ApiError::Protocol {
+            socket: self.socket.clone(),
+            detail,
+        }
+    }
+}
+
+/// A response body read a line at a time.
+pub struct LineStream {
+    body: Incoming,
+    buf: Vec<u8>,
+    socket: PathBuf,
+}
+
+impl LineStream {
+    /// The next line without its newline; None when hearthd ended the
+    /// stream. A last line without a newline is a cut connection, not a line.
+    pub async fn next_line(&mut self) -> Result<Option<Vec<u8>>, ApiError> {
+        loop {
+            if let Some(end) = self.buf.iter().position(|b| *b == b'\n') {
+                let mut line: Vec<u8> = self.buf.drain(..=end).collect();
+                line.pop();
+                return Ok(Some(line));
+            }
+            let Some(frame) = self.body.frame().await else {
+                if self.buf.is_empty() {
+                    return Ok(None);
+                }
+                return Err(self.protocol("the stream ended in the middle of a line".into()));
+            };
+            let frame =
+                frame.map_err(|e| self.protocol(format!("reading the stream failed: {e}")))?;
+            if let Ok(data) = frame.into_data() {
+                if self.buf.len() + data.len() > MAX_BODY_BYTES {
+                    return Err(self.protocol(format!(
+                        "a line of the stream is longer than {} MiB",
+                        MAX_BODY_BYTES >> 20
+                    )));
+                }
+                self.buf.extend_from_slice(&data);
+            }
+        }
     }
 
     fn protocol(&self, detail: String) -> ApiError {
@@ -384,6 +459,51 @@ mod tests {
         assert_eq!(
             server.seen()[0].path,
             "/v1/virtualmachines/demo/console?follow=true"
+        );
+    }
+
+    #[tokio::test]
+    async fn lines_come_one_at_a_time_and_a_plain_answer_is_not_a_stream() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![
+                (
+                    "GET",
+                    "/v1/watch?kinds=vm",
+                    vec![ok("{\"seq\":1}\n\n{\"seq\":2}\n{\"seq\":3")],
+                ),
+                (
+                    "GET",
+                    "/v1/virtualdisks?watch=true",
+                    vec![ok(r#"{"items":[]}"#)],
+                ),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let mut lines = client.lines("/v1/watch?kinds=vm").await.expect("stream");
+        assert_eq!(
+            lines.next_line().await.expect("1"),
+            Some(b"{\"seq\":1}".to_vec())
+        );
+        assert_eq!(lines.next_line().await.expect("blank"), Some(Vec::new()));
+        assert_eq!(
+            lines.next_line().await.expect("2"),
+            Some(b"{\"seq\":2}".to_vec())
+        );
+        // The last line has no newline: the connection was cut inside it.
+        let err = lines.next_line().await.expect_err("cut");
+        assert!(err.to_string().contains("in the middle of a line"), "{err}");
+        // An older hearthd ignores ?watch=true and answers the list.
+        let err = client
+            .lines("/v1/virtualdisks?watch=true")
+            .await
+            .err()
+            .expect("not a stream");
+        assert!(
+            err.to_string()
+                .contains("answered application/json, not a stream of JSON lines"),
+            "{err}"
         );
     }
 

@@ -3,6 +3,7 @@
 
 mod client;
 mod commands;
+mod follow;
 mod manifest;
 mod output;
 mod progress;
@@ -16,7 +17,9 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
-use crate::commands::{action, apply, delete, describe, get, logs, restore, snapshot, ssh, wait};
+use crate::commands::{
+    action, apply, delete, describe, events, get, logs, restore, snapshot, ssh, wait,
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -29,6 +32,7 @@ Getting started:
   hearth apply -f demo.yaml
   hearth wait vm demo --for agent
   hearth get vms
+  hearth get vms -w                           # follow changes
   hearth snapshot vm demo --wait
 
 Exit status: 0 on success, 1 on any error (the message starts with `error:`),
@@ -65,6 +69,7 @@ enum Command {
     Restart(action::Args),
     Delete(delete::Args),
     Logs(logs::Args),
+    Events(events::Args),
     Wait(wait::Args),
     Snapshot(snapshot::Args),
     Restore(restore::Args),
@@ -82,6 +87,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Restart(a) => action::run(&client, action::Action::Restart, a).await,
         Command::Delete(a) => delete::run(&client, a).await,
         Command::Logs(a) => logs::run(&client, a).await,
+        Command::Events(a) => events::run(&client, a).await,
         Command::Wait(a) => wait::run(&client, a).await,
         Command::Snapshot(a) => snapshot::run(&client, a).await,
         Command::Restore(a) => restore::run(&client, a).await,

@@ -107,8 +107,8 @@ impl Table {
         );
     }
 
-    /// The table with every line indented by `indent` spaces.
-    pub fn render_indented(&self, indent: usize) -> String {
+    /// Each column's width: its widest cell, the header's included.
+    pub fn widths(&self) -> Vec<usize> {
         let columns = self
             .rows
             .iter()
@@ -122,21 +122,68 @@ impl Table {
                 widths[i] = widths[i].max(c.chars().count());
             }
         }
-        let pad = " ".repeat(indent);
-        let mut out = String::new();
-        for row in std::iter::once(&self.header).chain(&self.rows) {
-            let mut line = pad.clone();
-            for (i, c) in row.iter().enumerate() {
-                if i + 1 == row.len() {
-                    line.push_str(c);
-                } else {
-                    let _ = write!(line, "{c:<w$}   ", w = widths[i]);
-                }
-            }
-            out.push_str(line.trim_end());
-            out.push('\n');
+        widths
+    }
+
+    /// Adds a column at `at` (clamped to the end): its header and one cell
+    /// per row (missing cells are `-`).
+    pub fn insert_column(&mut self, at: usize, header: &str, cells: Vec<String>) {
+        let at = at.min(self.header.len());
+        self.header.insert(at, header.to_string());
+        let mut cells = cells.into_iter();
+        for row in &mut self.rows {
+            let cell = cells.next().unwrap_or_else(|| "-".to_string());
+            row.insert(at.min(row.len()), cell);
         }
-        out
+    }
+
+    fn line(row: &[String], widths: &[usize], pad: &str) -> String {
+        let mut line = pad.to_string();
+        for (i, c) in row.iter().enumerate() {
+            if i + 1 == row.len() {
+                line.push_str(c);
+            } else {
+                let w = widths.get(i).copied().unwrap_or(0);
+                let _ = write!(line, "{c:<w$}   ");
+            }
+        }
+        let mut line = line.trim_end().to_string();
+        line.push('\n');
+        line
+    }
+
+    /// The table with every line indented by `indent` spaces.
+    pub fn render_indented(&self, indent: usize) -> String {
+        let widths = self.widths();
+        let pad = " ".repeat(indent);
+        std::iter::once(&self.header)
+            .chain(&self.rows)
+            .map(|row| Self::line(row, &widths, &pad))
+            .collect()
+    }
+
+    /// The header and the rows, padded to `widths` (at least).
+    pub fn render_with(&self, widths: &[usize]) -> String {
+        let widths: Vec<usize> = self
+            .widths()
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (*w).max(widths.get(i).copied().unwrap_or(0)))
+            .collect();
+        std::iter::once(&self.header)
+            .chain(&self.rows)
+            .map(|row| Self::line(row, &widths, ""))
+            .collect()
+    }
+
+    /// Only the rows, padded to `widths` (those of a table printed before):
+    /// what `get -w` prints under a header already on the screen. A wider
+    /// cell pushes the rest of its own row only.
+    pub fn render_rows(&self, widths: &[usize]) -> String {
+        self.rows
+            .iter()
+            .map(|row| Self::line(row, widths, ""))
+            .collect()
     }
 
     pub fn render(&self) -> String {
@@ -193,6 +240,26 @@ mod tests {
         assert_eq!(human_bytes((1 << 20) - 1), "1.0Mi");
         assert_eq!(human_bytes(3 << 40), "3.0Ti");
         assert_eq!(human_bytes(u64::MAX), "16.0Ei");
+    }
+
+    #[test]
+    fn rows_printed_later_line_up_under_the_first_header() {
+        let mut first = Table::new(&["NAME", "PHASE", "AGE"]);
+        first.push(vec!["data".into(), "Pending".into(), "1s".into()]);
+        first.insert_column(0, "EVENT", vec!["ADDED".into()]);
+        let widths = first.widths();
+        assert_eq!(
+            first.render(),
+            "EVENT   NAME   PHASE     AGE\nADDED   data   Pending   1s\n"
+        );
+        let mut later = Table::new(&["NAME", "PHASE", "AGE"]);
+        later.push(vec!["data".into(), "Ready".into(), "2s".into()]);
+        later.push(vec!["a-longer-name".into(), "-".into(), "0s".into()]);
+        later.insert_column(0, "EVENT", vec!["MODIFIED".into()]);
+        assert_eq!(
+            later.render_rows(&widths),
+            "MODIFIED   data   Ready     2s\n-       a-longer-name   -         0s\n"
+        );
     }
 
     #[test]

@@ -138,12 +138,24 @@ impl ScriptedServer {
                             .lock()
                             .expect("script lock")
                             .answer(&seen.method, &seen.path);
+                        // A stream path answered with lines is the change
+                        // stream (JSON lines); anything else is plain JSON,
+                        // as an older hearthd answers `?watch=true`.
+                        let watch = status.is_success()
+                            && (seen.path.starts_with("/v1/watch")
+                                || seen.path.contains("?watch=true"))
+                            && body.contains('\n');
                         if let Ok(mut l) = log.lock() {
                             l.push(seen);
                         }
+                        let content_type = if watch {
+                            "application/x-ndjson"
+                        } else {
+                            "application/json"
+                        };
                         let response = Response::builder()
                             .status(status)
-                            .header(header::CONTENT_TYPE, "application/json")
+                            .header(header::CONTENT_TYPE, content_type)
                             .body(Full::new(Bytes::from(body)))
                             .expect("canned response");
                         Ok::<_, Infallible>(response)

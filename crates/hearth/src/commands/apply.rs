@@ -11,7 +11,7 @@ use hearth_api::Kind;
 use serde_json::{Value, json};
 
 use super::wait::parse_duration;
-use super::watch::{Goal, POLL_INTERVAL, Target, watch};
+use super::watch::{Follow, Goal, Target, watch};
 use crate::client::ApiClient;
 use crate::manifest;
 use crate::output::str_at;
@@ -84,13 +84,13 @@ pub struct Args {
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
     let mut reporter = progress::for_this_process();
     let mut out = std::io::stdout();
-    run_with(client, args, POLL_INTERVAL, &mut out, reporter.as_mut()).await
+    run_with(client, args, Follow::Stream, &mut out, reporter.as_mut()).await
 }
 
 pub async fn run_with(
     client: &ApiClient,
     args: &Args,
-    poll: Duration,
+    follow: Follow,
     out: &mut impl Write,
     reporter: &mut dyn Reporter,
 ) -> anyhow::Result<()> {
@@ -115,7 +115,7 @@ pub async fn run_with(
         return Ok(());
     }
     let targets = settle_targets(&answer)?;
-    watch(client, targets, args.timeout, poll, reporter).await
+    watch(client, targets, args.timeout, follow, reporter).await
 }
 
 /// What `--wait` follows: every object of the answer, in its order.
@@ -254,7 +254,7 @@ spec:
         let result = run_with(
             &client,
             args,
-            Duration::from_millis(1),
+            Follow::Poll(Duration::from_millis(1)),
             &mut out,
             &mut lines,
         )
@@ -402,6 +402,107 @@ vm/web: Running
         // Settled objects are not read again.
         let reads = |path: &str| server.seen().iter().filter(|s| s.path == path).count();
         assert_eq!((reads(IMAGE), reads(DISK), reads(VM)), (4, 5, 7));
+    }
+
+    #[tokio::test]
+    async fn apply_wait_follows_all_its_objects_on_one_stream() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let line = |seq: u64, type_: &str, kind: &str, name: &str, status: Value| {
+            json!({"seq": seq, "type": type_, "kind": kind, "name": name,
+                   "object": {"kind": kind, "metadata": {"name": name, "generation": 1},
+                              "spec": {"runPolicy": "AlwaysOn"}, "status": status}})
+        };
+        let lines = [
+            line(
+                7,
+                "ADDED",
+                "VirtualImage",
+                "debian-12",
+                json!({"phase": "Pending"}),
+            ),
+            line(
+                7,
+                "ADDED",
+                "VirtualDisk",
+                "web-root",
+                json!({"phase": "Pending"}),
+            ),
+            line(
+                7,
+                "ADDED",
+                "VirtualMachine",
+                "web",
+                json!({"phase": "Pending"}),
+            ),
+            // Another object of a watched kind: not ours, not shown.
+            line(
+                7,
+                "ADDED",
+                "VirtualDisk",
+                "other",
+                json!({"phase": "Failed"}),
+            ),
+            json!({"seq": 7, "type": "BOOKMARK"}),
+            line(
+                8,
+                "MODIFIED",
+                "VirtualImage",
+                "debian-12",
+                json!({"phase": "Ready"}),
+            ),
+            line(
+                9,
+                "MODIFIED",
+                "VirtualDisk",
+                "web-root",
+                json!({"phase": "Ready"}),
+            ),
+            line(
+                10,
+                "MODIFIED",
+                "VirtualMachine",
+                "web",
+                json!({"phase": "Running", "observedGeneration": 1}),
+            ),
+        ];
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![
+                ("POST", "/v1/apply", vec![applied(["created"; 3])]),
+                (
+                    "GET",
+                    "/v1/watch?kinds=virtualimages,virtualdisks,virtualmachines",
+                    vec![ok(&lines
+                        .iter()
+                        .map(|l| format!("{l}\n"))
+                        .collect::<String>())],
+                ),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let mut out = Vec::new();
+        let mut progress = Lines::new(Vec::new());
+        run_with(
+            &client,
+            &args(dir.path(), true, Duration::from_secs(10)),
+            Follow::Stream,
+            &mut out,
+            &mut progress,
+        )
+        .await
+        .expect("settled");
+        assert_eq!(
+            String::from_utf8(progress.into_inner()).expect("utf-8"),
+            "\
+image/debian-12: Pending
+disk/web-root: Pending
+vm/web: Pending
+image/debian-12: Ready
+disk/web-root: Ready
+vm/web: Running
+"
+        );
+        assert_eq!(server.seen().len(), 2, "the apply and one stream");
     }
 
     #[tokio::test]

@@ -4,10 +4,11 @@ use std::io::Write;
 
 use anyhow::Context;
 use chrono::{DateTime, Utc};
-use hearth_api::Kind;
-use serde_json::Value;
+use hearth_api::{Kind, WatchType};
+use serde_json::{Value, json};
 
 use crate::client::ApiClient;
+use crate::follow::{Follower, RECONNECT_FOR, Update};
 use crate::output::{Table, age_of, at, cell, human_bytes, str_at, time_at, u64_at};
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
@@ -40,8 +41,18 @@ the cut, CUT-TIME is when it was taken (UTC) and FREEZE-MS how long the guest
 was frozen for it; -o wide adds the cut's id (snapshots of one VM taken
 together share it) and, for a Failed snapshot, the reason and message.
 
+With -w (--watch), the table is printed once, then one row per change as it
+happens (kubectl style), until interrupted; --output-watch-events adds an
+EVENT column (ADDED, MODIFIED, DELETED). -o json then prints one object per
+line ({type, object} with --output-watch-events), -o yaml one document
+per change. When hearthd restarts, the watch reconnects and goes on from the
+last change it showed (a note on stderr says so); it gives up after a minute
+without hearthd.
+
 Examples:
   hearth get vms
+  hearth get vms -w
+  hearth get vm demo -w --output-watch-events
   hearth get vm demo -o yaml
   hearth get disks -o wide
   hearth get images
@@ -61,10 +72,134 @@ pub struct Args {
     /// Output format.
     #[arg(short = 'o', long = "output", value_enum, default_value_t = Format::Table)]
     pub output: Format,
+    /// After printing, follow the changes and print each one.
+    #[arg(short = 'w', long)]
+    pub watch: bool,
+    /// With --watch: say what each change was (ADDED, MODIFIED, DELETED).
+    #[arg(long, requires = "watch")]
+    pub output_watch_events: bool,
 }
 
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
+    if args.watch {
+        return watch(
+            client,
+            args,
+            &mut std::io::stdout(),
+            Box::new(std::io::stderr()),
+        )
+        .await;
+    }
     get(client, args, Utc::now(), &mut std::io::stdout().lock()).await
+}
+
+/// `get -w`: what exists now, then each change, until interrupted or
+/// hearthd stays away longer than [`RECONNECT_FOR`].
+pub async fn watch(
+    client: &ApiClient,
+    args: &Args,
+    out: &mut impl Write,
+    notes: Box<dyn Write + Send>,
+) -> anyhow::Result<()> {
+    let mut path = format!("/v1/{}?watch=true", args.kind.plural());
+    if let Some(name) = &args.name {
+        path.push_str(&format!("&name={name}"));
+    }
+    let mut follower = Follower::open(client, path, RECONNECT_FOR, notes).await?;
+    // The header's column widths, once a table has been printed.
+    let mut widths: Option<Vec<usize>> = None;
+    loop {
+        let changes: Vec<(WatchType, Value)> = match follower.next().await? {
+            Update::Synced { first: true, .. } => {
+                let now: Vec<(WatchType, Value)> = follower
+                    .informer()
+                    .objects()
+                    .map(|(_, o)| (WatchType::Added, o.clone()))
+                    .collect();
+                if now.is_empty() {
+                    match &args.name {
+                        Some(name) => {
+                            eprintln!("{} {name:?} not found; waiting for it.", args.kind)
+                        }
+                        None => eprintln!("No {}s found; waiting for changes.", args.kind),
+                    }
+                }
+                now
+            }
+            Update::Object { type_, object, .. } => vec![(type_, object)],
+            Update::Synced { .. }
+            | Update::Event { .. }
+            | Update::Relisted(_)
+            | Update::Lost(_) => {
+                continue;
+            }
+        };
+        if changes.is_empty() {
+            continue;
+        }
+        write_changes(args, &changes, Utc::now(), &mut widths, out)?;
+        out.flush()?;
+    }
+}
+
+/// Prints changes in the chosen format; a table's header only once.
+fn write_changes(
+    args: &Args,
+    changes: &[(WatchType, Value)],
+    now: DateTime<Utc>,
+    widths: &mut Option<Vec<usize>>,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let type_name = |t: &WatchType| match t {
+        WatchType::Added => "ADDED",
+        WatchType::Modified => "MODIFIED",
+        WatchType::Deleted => "DELETED",
+        _ => "-",
+    };
+    let shown = |(t, o): &(WatchType, Value)| {
+        if args.output_watch_events {
+            json!({"type": type_name(t), "object": o})
+        } else {
+            o.clone()
+        }
+    };
+    match args.output {
+        Format::Json => {
+            for c in changes {
+                writeln!(out, "{}", serde_json::to_string(&shown(c))?)?;
+            }
+        }
+        Format::Yaml => {
+            for c in changes {
+                out.write_all(b"---\n")?;
+                out.write_all(serde_yaml_ng::to_string(&shown(c))?.as_bytes())?;
+            }
+        }
+        Format::Table | Format::Wide => {
+            let objects: Vec<Value> = changes.iter().map(|(_, o)| o.clone()).collect();
+            let mut table = table_for(args.kind, &objects, now, args.output == Format::Wide);
+            if args.output_watch_events {
+                let types = changes
+                    .iter()
+                    .map(|(t, _)| type_name(t).to_string())
+                    .collect();
+                table.insert_column(0, "EVENT", types);
+            }
+            match widths {
+                Some(w) => out.write_all(table.render_rows(w).as_bytes())?,
+                None => {
+                    let mut w = table.widths();
+                    if args.output_watch_events {
+                        // Room for the longest type, so later rows line up.
+                        w[0] = w[0].max("MODIFIED".len());
+                    }
+                    out.write_all(table.render_with(&w).as_bytes())?;
+                    *widths = Some(w);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 pub async fn get(
@@ -722,6 +857,100 @@ pre    demo   Ready   false        2025-01-01T08:00:02Z   -           -      4h
         );
     }
 
+    /// What the follower notes on stderr, kept for the test.
+    #[derive(Clone, Default)]
+    struct Notes(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+    impl Write for Notes {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            if let Ok(mut v) = self.0.lock() {
+                v.extend_from_slice(buf);
+            }
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    impl Notes {
+        fn text(&self) -> String {
+            self.0
+                .lock()
+                .map(|v| String::from_utf8_lossy(&v).into_owned())
+                .unwrap_or_default()
+        }
+    }
+
+    #[tokio::test]
+    async fn get_watch_prints_the_table_then_a_row_per_change_across_a_reconnect() {
+        use crate::test_server::{ScriptedServer, ok};
+        let dir = tempfile::tempdir().expect("tempdir");
+        let vm = |seq: u64, type_: &str, name: &str, phase: &str| {
+            json!({"seq": seq, "type": type_, "kind": "VirtualMachine", "name": name,
+                   "object": {"metadata": {"name": name}, "spec": {}, "status": {"phase": phase}}})
+        };
+        let body =
+            |lines: Vec<Value>| ok(&lines.iter().map(|l| format!("{l}\n")).collect::<String>());
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![
+                (
+                    "GET",
+                    "/v1/virtualmachines?watch=true",
+                    vec![body(vec![
+                        vm(3, "ADDED", "a", "Pending"),
+                        vm(3, "ADDED", "b", "Stopped"),
+                        json!({"seq": 3, "type": "BOOKMARK"}),
+                        vm(4, "MODIFIED", "a", "Running"),
+                    ])],
+                ),
+                (
+                    "GET",
+                    "/v1/virtualmachines?watch=true&since=4",
+                    vec![body(vec![
+                        vm(5, "DELETED", "b", "Stopped"),
+                        json!({"seq": 5, "type": "BOOKMARK"}),
+                    ])],
+                ),
+            ],
+        );
+        let args = Args {
+            kind: Kind::VirtualMachine,
+            name: None,
+            output: Format::Table,
+            watch: true,
+            output_watch_events: true,
+        };
+        let notes = Notes::default();
+        let mut out = Vec::new();
+        let err = watch(
+            &ApiClient::new(&server.socket),
+            &args,
+            &mut out,
+            Box::new(notes.clone()),
+        )
+        .await
+        .expect_err("ends when hearthd cannot be reached again");
+        assert_eq!(
+            String::from_utf8(out).expect("utf-8"),
+            "\
+EVENT      NAME   PHASE     IP   ACCEL   AGENT   PID   AGE
+ADDED      a      Pending   -    -       no      -     -
+ADDED      b      Stopped   -    -       no      -     -
+MODIFIED   a      Running   -    -       no      -     -
+DELETED    b      Stopped   -    -       no      -     -
+"
+        );
+        let notes = notes.text();
+        assert!(notes.contains("reconnecting from seq 4"), "{notes}");
+        assert!(notes.contains("reconnected to hearthd"), "{notes}");
+        assert!(notes.contains("reconnecting from seq 5"), "{notes}");
+        // The third connection got a 404: not hearthd any more, no retry.
+        assert!(err.to_string().contains("could not reconnect"), "{err}");
+        assert_eq!(server.seen().len(), 3);
+    }
+
     #[tokio::test]
     async fn get_image_as_yaml_or_json_is_the_servers_object() {
         use crate::test_server::{ScriptedServer, ok};
@@ -733,6 +962,8 @@ pre    demo   Ready   false        2025-01-01T08:00:02Z   -           -      4h
             kind: Kind::VirtualImage,
             name: Some("debian-12".into()),
             output: Format::Yaml,
+            watch: false,
+            output_watch_events: false,
         };
         let mut out = Vec::new();
         get(&client, &args, now(), &mut out).await.expect("yaml");

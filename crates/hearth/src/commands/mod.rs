@@ -5,6 +5,7 @@ pub mod action;
 pub mod apply;
 pub mod delete;
 pub mod describe;
+pub mod events;
 pub mod get;
 pub mod logs;
 pub mod restore;

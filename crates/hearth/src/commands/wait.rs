@@ -1,4 +1,4 @@
-//! `hearth wait KIND NAME --for CONDITION`: poll until a condition holds.
+//! `hearth wait KIND NAME --for CONDITION`: follow an object until a condition holds.
 
 use std::fmt;
 use std::time::Duration;
@@ -6,7 +6,7 @@ use std::time::Duration;
 use hearth_api::Kind;
 
 pub use super::watch::reason_and_message;
-use super::watch::{Goal, POLL_INTERVAL, Target, watch};
+use super::watch::{Follow, Goal, Target, watch};
 use crate::client::ApiClient;
 use crate::progress::{self, Reporter};
 
@@ -175,13 +175,13 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
 
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
     let mut reporter = progress::for_this_process();
-    run_with(client, args, POLL_INTERVAL, reporter.as_mut()).await
+    run_with(client, args, Follow::Stream, reporter.as_mut()).await
 }
 
 pub async fn run_with(
     client: &ApiClient,
     args: &Args,
-    poll: Duration,
+    follow: Follow,
     reporter: &mut dyn Reporter,
 ) -> anyhow::Result<()> {
     let cond = check_condition(args.kind, args.condition.clone()).map_err(anyhow::Error::msg)?;
@@ -190,7 +190,7 @@ pub async fn run_with(
         name: args.name.clone(),
         goal: Goal::Condition(cond),
     };
-    watch(client, vec![target], args.timeout, poll, reporter).await
+    watch(client, vec![target], args.timeout, follow, reporter).await
 }
 
 #[cfg(test)]
@@ -350,6 +350,181 @@ mod tests {
         );
     }
 
+    /// A stream body: one JSON line each.
+    fn ndjson(lines: &[Value]) -> String {
+        lines.iter().map(|l| format!("{l}\n")).collect()
+    }
+
+    fn vm_line(seq: u64, type_: &str, phase: &str) -> Value {
+        json!({"seq": seq, "type": type_, "kind": "VirtualMachine", "name": "demo",
+               "object": {"metadata": {"name": "demo"}, "spec": {}, "status": {"phase": phase}}})
+    }
+
+    async fn streamed(client: &ApiClient, args: &Args) -> (anyhow::Result<()>, String) {
+        let mut lines = Lines::new(Vec::new());
+        let result = run_with(client, args, Follow::Stream, &mut lines).await;
+        (
+            result,
+            String::from_utf8(lines.into_inner()).expect("utf-8"),
+        )
+    }
+
+    #[tokio::test]
+    async fn wait_follows_the_stream_and_never_polls() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![(
+                "GET",
+                "/v1/watch?kinds=virtualmachines&name=demo",
+                vec![ok(&ndjson(&[
+                    vm_line(4, "ADDED", "Pending"),
+                    json!({"seq": 4, "type": "BOOKMARK"}),
+                    vm_line(5, "MODIFIED", "Starting"),
+                    json!({"seq": 6, "type": "EVENT", "kind": "VirtualMachine", "name": "demo",
+                           "event": {"reason": "Started"}}),
+                    vm_line(7, "MODIFIED", "Running"),
+                ]))],
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let (result, out) = streamed(
+            &client,
+            &args(WaitFor::Phase("running".into()), Duration::from_secs(10)),
+        )
+        .await;
+        result.expect("Running");
+        assert_eq!(
+            out,
+            "vm/demo: Pending\nvm/demo: Starting\nvm/demo: Running\n"
+        );
+        assert_eq!(server.seen().len(), 1, "one stream, no polls");
+    }
+
+    #[tokio::test]
+    async fn a_dropped_stream_is_resumed_from_its_last_seq() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![
+                (
+                    "GET",
+                    "/v1/watch?kinds=virtualmachines&name=demo",
+                    // The object does not exist yet; then hearthd goes away.
+                    vec![ok(&ndjson(&[
+                        json!({"seq": 9, "type": "BOOKMARK"}),
+                        vm_line(10, "ADDED", "Pending"),
+                    ]))],
+                ),
+                (
+                    "GET",
+                    "/v1/watch?kinds=virtualmachines&name=demo&since=10",
+                    vec![
+                        // Still restarting: tried again.
+                        (StatusCode::SERVICE_UNAVAILABLE, "starting".into()),
+                        ok(&ndjson(&[
+                            vm_line(11, "MODIFIED", "Stopping"),
+                            vm_line(12, "MODIFIED", "Stopped"),
+                        ])),
+                    ],
+                ),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let (result, out) = streamed(
+            &client,
+            &args(WaitFor::Phase("Stopped".into()), Duration::from_secs(10)),
+        )
+        .await;
+        result.expect("Stopped");
+        assert_eq!(
+            out,
+            "\
+vm/demo: not found
+vm/demo: Pending
+vm/demo: hearthd unreachable, retrying
+vm/demo: Stopping
+vm/demo: Stopped
+"
+        );
+        let paths: Vec<String> = server.seen().into_iter().map(|s| s.path).collect();
+        assert_eq!(
+            paths,
+            [
+                "/v1/watch?kinds=virtualmachines&name=demo",
+                "/v1/watch?kinds=virtualmachines&name=demo&since=10",
+                "/v1/watch?kinds=virtualmachines&name=demo&since=10"
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_hearthd_without_the_stream_is_polled() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // No route for /v1/watch: 404, as a hearthd older than the stream answers.
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![(
+                "GET",
+                "/v1/virtualmachines/demo",
+                vec![vm_answer("Starting"), vm_answer("Running")],
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let (result, out) = streamed(
+            &client,
+            &args(WaitFor::Phase("Running".into()), Duration::from_secs(10)),
+        )
+        .await;
+        result.expect("Running");
+        assert_eq!(out, "vm/demo: Starting\nvm/demo: Running\n");
+        let paths: Vec<String> = server.seen().into_iter().map(|s| s.path).collect();
+        assert_eq!(
+            paths,
+            [
+                "/v1/watch?kinds=virtualmachines&name=demo",
+                "/v1/virtualmachines/demo",
+                "/v1/virtualmachines/demo"
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stream_wait_times_out_with_the_last_status() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![
+                (
+                    "GET",
+                    "/v1/watch?kinds=virtualmachines&name=demo",
+                    vec![ok(&ndjson(&[
+                        vm_line(2, "ADDED", "Starting"),
+                        json!({"seq": 2, "type": "BOOKMARK"}),
+                    ]))],
+                ),
+                // hearthd does not come back in time.
+                (
+                    "GET",
+                    "/v1/watch?kinds=virtualmachines&name=demo&since=2",
+                    vec![(StatusCode::SERVICE_UNAVAILABLE, "down".into())],
+                ),
+            ],
+        );
+        let client = ApiClient::new(&server.socket);
+        let (result, out) = streamed(
+            &client,
+            &args(WaitFor::Phase("Running".into()), Duration::from_millis(400)),
+        )
+        .await;
+        let err = result.expect_err("times out").to_string();
+        assert_eq!(
+            err,
+            "timed out after 400ms waiting for vm/demo (phase=Running); last status: hearthd ended the stream"
+        );
+        assert!(out.starts_with("vm/demo: Starting\n"), "{out}");
+    }
+
     /// Runs the wait with plain lines, as when stdout is not a terminal.
     async fn waited(
         client: &ApiClient,
@@ -357,7 +532,7 @@ mod tests {
         poll: Duration,
     ) -> (anyhow::Result<()>, String) {
         let mut lines = Lines::new(Vec::new());
-        let result = run_with(client, args, poll, &mut lines).await;
+        let result = run_with(client, args, Follow::Poll(poll), &mut lines).await;
         let out = String::from_utf8(lines.into_inner()).expect("utf-8");
         (result, out)
     }

@@ -1,24 +1,27 @@
-//! Polling objects until they get where they should: the core of `hearth
+//! Following objects until they get where they should: the core of `hearth
 //! wait` and `hearth apply --wait`.
 //!
-//! Each poll reads the object (`GET /v1/KIND/NAME`), a pure [`Goal::judge`]
-//! decides whether it is there, still on its way, or will not get there, and
-//! a [`Reporter`] shows how it goes. The judging is pure so every case is
-//! tested without a daemon.
+//! The objects are followed on hearthd's change stream ([`Follow::Stream`]:
+//! every change is judged as it is committed, nothing is polled); a
+//! hearthd from before the stream is polled instead (`GET /v1/KIND/NAME`).
+//! Either way a pure [`Goal::judge`] decides whether each observation is
+//! there, still on its way, or will not get there, and a [`Reporter`] shows
+//! how it goes. The judging is pure so every case is tested without a daemon.
 
 use std::time::Duration;
 
 use anyhow::bail;
-use hearth_api::Kind;
+use hearth_api::{Kind, WatchType};
 use serde_json::Value;
 
 use super::wait::WaitFor;
 use super::{object_path, short_ref};
 use crate::client::{ApiClient, ApiError};
+use crate::follow::{Follower, Update};
 use crate::output::{at, human_bytes, str_at, u64_at};
 use crate::progress::{Reporter, Transfer, View};
 
-/// How often each object is read.
+/// How often each object is read when hearthd has no change stream.
 pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
 
 /// What one poll found.
@@ -375,14 +378,25 @@ struct Watched {
     done: bool,
 }
 
-/// Polls every target until each meets its goal (Ok), one will not (its
+/// How the objects are followed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Follow {
+    /// hearthd's change stream (`GET /v1/watch`): each change is judged
+    /// as it is committed, nothing is polled. A hearthd from before the
+    /// stream (it answers 404) is polled every [`POLL_INTERVAL`] instead.
+    Stream,
+    /// Read every object each interval.
+    Poll(Duration),
+}
+
+/// Follows every target until each meets its goal (Ok), one will not (its
 /// error), or `timeout` passes (an error naming every target still waited
 /// for, with its last status and last failure).
 pub async fn watch(
     client: &ApiClient,
     targets: Vec<Target>,
     timeout: Duration,
-    poll: Duration,
+    follow: Follow,
     reporter: &mut dyn Reporter,
 ) -> anyhow::Result<()> {
     let total = targets.len();
@@ -398,86 +412,244 @@ pub async fn watch(
         })
         .collect();
     let deadline = tokio::time::Instant::now() + timeout;
+    let mut follow = follow;
+    loop {
+        match follow {
+            Follow::Stream => {
+                match follow_stream(client, &mut watched, timeout, deadline, reporter).await? {
+                    Followed::Done => return Ok(()),
+                    Followed::TimedOut => {
+                        reporter.abandon()?;
+                        return Err(timed_out(&watched, total, timeout));
+                    }
+                    // A hearthd from before the stream: poll it.
+                    Followed::NoStream => follow = Follow::Poll(POLL_INTERVAL),
+                }
+            }
+            Follow::Poll(every) => {
+                return poll(client, &mut watched, timeout, deadline, every, reporter).await;
+            }
+        }
+    }
+}
+
+/// Reads every target each `every` until all are done.
+async fn poll(
+    client: &ApiClient,
+    watched: &mut [Watched],
+    timeout: Duration,
+    deadline: tokio::time::Instant,
+    every: Duration,
+    reporter: &mut dyn Reporter,
+) -> anyhow::Result<()> {
     loop {
         for w in watched.iter_mut().filter(|w| !w.done) {
             let obs = observe(client, &w.path).await?;
-            let verdict = w.target.goal.judge(w.target.kind, &obs);
-            let mut view = match (&verdict, &obs) {
-                (Verdict::Met, Observation::Absent) => View::state("deleted"),
-                _ => view_of(w.target.kind, &obs),
-            };
-            if let Observation::Present(obj) = &obs
-                && obs.phase() == Some("Failed")
-            {
-                w.last_failure = reason_and_message(obj)
-                    .or_else(|| str_at(obj, &["status", "lastError"]).map(str::to_string));
-                let deleting = w.target.goal == Goal::Condition(WaitFor::Delete);
-                if verdict == Verdict::Waiting && !deleting {
-                    view.text.push_str("; still waiting");
-                    if w.target.kind == Kind::VirtualImage {
-                        view.text.push_str(" (hearthd retries the import)");
-                    }
-                }
-            }
-            reporter.observe(&w.who, &view, tokio::time::Instant::now())?;
-            match verdict {
-                Verdict::Met => {
-                    let note = (w.target.goal == Goal::Condition(WaitFor::Agent))
-                        .then_some("agent connected");
-                    reporter.done(&w.who, note)?;
-                    w.done = true;
-                }
-                Verdict::Failed(why) => {
-                    reporter.failed(&w.who)?;
-                    reporter.abandon()?;
-                    let goal = w.target.goal.describe(w.target.kind, &obs);
-                    match &w.target.goal {
-                        Goal::Condition(_) => bail!("{} will not reach {goal}: {why}", w.who),
-                        Goal::Settled { .. } => bail!("{} will not be {goal}: {why}", w.who),
-                    }
-                }
-                Verdict::Waiting => {}
-            }
-            w.last = obs;
+            settle(w, obs, reporter)?;
         }
-        let pending: Vec<&Watched> = watched.iter().filter(|w| !w.done).collect();
-        if pending.is_empty() {
+        if watched.iter().all(|w| w.done) {
             return Ok(());
         }
         let now = tokio::time::Instant::now();
         if now >= deadline {
             reporter.abandon()?;
-            let describe = |w: &Watched| {
-                let mut status = w.last.summary();
-                if let Some(f) = &w.last_failure
-                    && !status.contains(f.as_str())
-                {
-                    status.push_str(&format!(", last failure: {f}"));
-                }
-                let goal = w.target.goal.describe(w.target.kind, &w.last);
-                (w.who.clone(), goal, status)
-            };
-            if let ([one], 1) = (pending.as_slice(), total) {
-                let (who, goal, status) = describe(one);
-                bail!(
-                    "timed out after {timeout:?} waiting for {who} ({goal}); last status: {status}"
-                );
-            }
-            let list = pending
-                .iter()
-                .map(|w| {
-                    let (who, goal, status) = describe(w);
-                    format!("{who} ({goal}; last status: {status})")
-                })
-                .collect::<Vec<_>>()
-                .join("; ");
-            bail!(
-                "timed out after {timeout:?} waiting for {} of {total} objects: {list}",
-                pending.len()
-            );
+            return Err(timed_out(watched, watched.len(), timeout));
         }
-        tokio::time::sleep(poll.min(deadline - now)).await;
+        tokio::time::sleep(every.min(deadline - now)).await;
     }
+}
+
+/// How following the stream ended, when it did not fail.
+enum Followed {
+    Done,
+    TimedOut,
+    /// hearthd has no stream (older than it): poll.
+    NoStream,
+}
+
+/// The stream's path for these targets: their kinds, and the name when
+/// there is one target.
+fn stream_path(watched: &[Watched]) -> String {
+    let mut kinds: Vec<&str> = Vec::new();
+    for w in watched {
+        let plural = w.target.kind.plural();
+        if !kinds.contains(&plural) {
+            kinds.push(plural);
+        }
+    }
+    let mut path = format!("/v1/watch?kinds={}", kinds.join(","));
+    if let [one] = watched {
+        path.push_str(&format!("&name={}", one.target.name));
+    }
+    path
+}
+
+/// Judges every target on the stream's state each time it is complete and
+/// each time one of them changes.
+async fn follow_stream(
+    client: &ApiClient,
+    watched: &mut [Watched],
+    timeout: Duration,
+    deadline: tokio::time::Instant,
+    reporter: &mut dyn Reporter,
+) -> anyhow::Result<Followed> {
+    let path = stream_path(watched);
+    // hearthd may be starting (or restarting): keep trying, as polling does.
+    let mut pause = Duration::from_millis(100);
+    let mut follower = loop {
+        let opened = tokio::time::timeout_at(
+            deadline,
+            Follower::open(client, path.clone(), timeout, Box::new(std::io::stderr())),
+        )
+        .await;
+        match opened {
+            Err(_) => return Ok(Followed::TimedOut),
+            Ok(Ok(f)) => break f,
+            Ok(Err(e)) if e.is_not_found() => return Ok(Followed::NoStream),
+            Ok(Err(e @ ApiError::Unreachable { .. })) => {
+                let why = e.to_string();
+                for w in watched.iter_mut() {
+                    settle(w, Observation::Unreachable(why.clone()), reporter)?;
+                }
+                if tokio::time::Instant::now() + pause >= deadline {
+                    return Ok(Followed::TimedOut);
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            Ok(Err(e)) => return Err(e.into()),
+        }
+    };
+    loop {
+        let update = match tokio::time::timeout_at(deadline, follower.next()).await {
+            Err(_) => return Ok(Followed::TimedOut),
+            Ok(update) => update?,
+        };
+        match update {
+            Update::Synced { .. } => {
+                for w in watched.iter_mut().filter(|w| !w.done) {
+                    let obs = match follower
+                        .informer()
+                        .get(w.target.kind.as_str(), &w.target.name)
+                    {
+                        Some(obj) => Observation::Present(obj.clone()),
+                        None => Observation::Absent,
+                    };
+                    settle(w, obs, reporter)?;
+                }
+            }
+            Update::Object {
+                type_,
+                kind,
+                name,
+                object,
+                ..
+            } => {
+                let Some(w) = watched
+                    .iter_mut()
+                    .find(|w| !w.done && w.target.kind.as_str() == kind && w.target.name == name)
+                else {
+                    continue;
+                };
+                let obs = if type_ == WatchType::Deleted {
+                    Observation::Absent
+                } else {
+                    Observation::Present(object)
+                };
+                settle(w, obs, reporter)?;
+            }
+            Update::Lost(why) => {
+                for w in watched.iter_mut().filter(|w| !w.done) {
+                    settle(w, Observation::Unreachable(why.clone()), reporter)?;
+                }
+            }
+            Update::Event { .. } | Update::Relisted(_) => {}
+        }
+        if watched.iter().all(|w| w.done) {
+            return Ok(Followed::Done);
+        }
+    }
+}
+
+/// Judges one observation of a target: shows it, and marks the target done
+/// or fails the wait.
+fn settle(w: &mut Watched, obs: Observation, reporter: &mut dyn Reporter) -> anyhow::Result<()> {
+    if w.done {
+        return Ok(());
+    }
+    let verdict = w.target.goal.judge(w.target.kind, &obs);
+    let mut view = match (&verdict, &obs) {
+        (Verdict::Met, Observation::Absent) => View::state("deleted"),
+        _ => view_of(w.target.kind, &obs),
+    };
+    if let Observation::Present(obj) = &obs
+        && obs.phase() == Some("Failed")
+    {
+        w.last_failure = reason_and_message(obj)
+            .or_else(|| str_at(obj, &["status", "lastError"]).map(str::to_string));
+        let deleting = w.target.goal == Goal::Condition(WaitFor::Delete);
+        if verdict == Verdict::Waiting && !deleting {
+            view.text.push_str("; still waiting");
+            if w.target.kind == Kind::VirtualImage {
+                view.text.push_str(" (hearthd retries the import)");
+            }
+        }
+    }
+    reporter.observe(&w.who, &view, tokio::time::Instant::now())?;
+    match verdict {
+        Verdict::Met => {
+            let note =
+                (w.target.goal == Goal::Condition(WaitFor::Agent)).then_some("agent connected");
+            reporter.done(&w.who, note)?;
+            w.done = true;
+        }
+        Verdict::Failed(why) => {
+            reporter.failed(&w.who)?;
+            reporter.abandon()?;
+            let goal = w.target.goal.describe(w.target.kind, &obs);
+            match &w.target.goal {
+                Goal::Condition(_) => bail!("{} will not reach {goal}: {why}", w.who),
+                Goal::Settled { .. } => bail!("{} will not be {goal}: {why}", w.who),
+            }
+        }
+        Verdict::Waiting => {}
+    }
+    w.last = obs;
+    Ok(())
+}
+
+/// The timeout's error: every target still waited for, with its last
+/// status and last failure.
+fn timed_out(watched: &[Watched], total: usize, timeout: Duration) -> anyhow::Error {
+    let pending: Vec<&Watched> = watched.iter().filter(|w| !w.done).collect();
+    let describe = |w: &Watched| {
+        let mut status = w.last.summary();
+        if let Some(f) = &w.last_failure
+            && !status.contains(f.as_str())
+        {
+            status.push_str(&format!(", last failure: {f}"));
+        }
+        let goal = w.target.goal.describe(w.target.kind, &w.last);
+        (w.who.clone(), goal, status)
+    };
+    if let ([one], 1) = (pending.as_slice(), total) {
+        let (who, goal, status) = describe(one);
+        return anyhow::anyhow!(
+            "timed out after {timeout:?} waiting for {who} ({goal}); last status: {status}"
+        );
+    }
+    let list = pending
+        .iter()
+        .map(|w| {
+            let (who, goal, status) = describe(w);
+            format!("{who} ({goal}; last status: {status})")
+        })
+        .collect::<Vec<_>>()
+        .join("; ");
+    anyhow::anyhow!(
+        "timed out after {timeout:?} waiting for {} of {total} objects: {list}",
+        pending.len()
+    )
 }
 
 #[cfg(test)]

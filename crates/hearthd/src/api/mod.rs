@@ -3,6 +3,7 @@
 
 mod console;
 mod sources;
+mod watch;
 
 use std::sync::Arc;
 
@@ -28,7 +29,8 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/apply", post(apply))
         .route("/v1/events", get(events))
         .route("/v1/sources", get(sources::list))
-        .route("/v1/{plural}", get(list))
+        .route("/v1/watch", get(watch::watch))
+        .route("/v1/{plural}", get(watch::list_or_watch))
         .route("/v1/{plural}/{name}", get(get_one).delete(delete))
         .route("/v1/virtualmachines/{name}/console", get(console::console))
         .route("/v1/virtualmachines/{name}/agent/ping", post(agent_ping))
