@@ -246,11 +246,24 @@ fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_le
     assert_eq!(wait_console_lease(&d, "c", "eth0", 1), c[0]);
     assert_eq!(wait_confirmed(&d, "c", 1), c);
 
+    // A deleted VM's address goes to the next VM that asks, and its DHCP
+    // server hands it out (it still remembers the old MAC's lease).
+    d.cli_ok(&["delete", "vm", "b"]);
+    d.wait_gone("virtualmachines", "b", BOOT_TIMEOUT);
+    apply_manifest(&d, "d.yaml", &guest("e", "[{virtualNetworkName: lan}]", ""));
+    let e = wait_confirmed(&d, "e", 1);
+    assert_eq!(e, b, "the freed address is reused");
+    assert_eq!(wait_console_lease(&d, "e", "eth0", 1), b[0]);
+    // e speaks first: a still has b's MAC for that address in its neighbour
+    // cache, as any host on a LAN would, until e's ARP request replaces it.
+    ping_ok(&d, "e", &a[0]);
+    ping_ok(&d, "a", &e[0]);
+
     // Deleting everything leaves no tap, bridge, rule or dnsmasq.
-    for vm in ["a", "b", "c"] {
+    for vm in ["a", "c", "e"] {
         d.cli_ok(&["delete", "vm", vm]);
     }
-    for vm in ["a", "b", "c"] {
+    for vm in ["a", "c", "e"] {
         d.wait_gone("virtualmachines", vm, BOOT_TIMEOUT);
     }
     for net in ["lan", "iso"] {

@@ -195,6 +195,9 @@ async fn agent_loop(
                 },
                 message,
             );
+            // What waits on the agent (the interfaces' confirmation) runs
+            // in the VM's reconcile: now, not at the next periodic resync.
+            ctx.wake(Kind::VirtualMachine, &vm);
         }
     };
     loop {

@@ -332,9 +332,14 @@ pub async fn ensure(net: &HostNetwork, files: &DnsmasqFiles) -> Result<DnsmasqOu
         .map_err(|e| HostError::io(format!("creating {}", files.dir.display()), e))?;
     check_reachable(&files.dir)?;
     let conf_changed = write_if_changed(&files.conf(), &render_config(net, files))?;
-    let hosts_changed = write_if_changed(&files.hosts(), &render_hosts(&net.static_leases))?;
+    let hosts = render_hosts(&net.static_leases);
+    let released = released_hosts(
+        &std::fs::read_to_string(files.hosts()).unwrap_or_default(),
+        &hosts,
+    );
+    let hosts_changed = write_if_changed(&files.hosts(), &hosts)?;
     match observe(files) {
-        Some(running) if !conf_changed => {
+        Some(running) if !conf_changed && !released => {
             if hosts_changed {
                 running.reload()?;
                 Ok(DnsmasqOutcome::Reloaded { pid: running.pid })
@@ -345,13 +350,39 @@ pub async fn ensure(net: &HostNetwork, files: &DnsmasqFiles) -> Result<DnsmasqOu
         Some(running) => {
             running.stop()?;
             Ok(DnsmasqOutcome::Started {
-                pid: start(files).await?.pid,
+                pid: start_fresh(files).await?.pid,
             })
         }
         None => Ok(DnsmasqOutcome::Started {
-            pid: start(files).await?.pid,
+            pid: start_fresh(files).await?.pid,
         }),
     }
+}
+
+/// Whether `new` lacks a line of `old`: a lease was released or moved to
+/// another MAC or address. dnsmasq keeps what it handed out, in memory and
+/// in its lease file, for the lease time even after the host line goes, and
+/// refuses an address IPAM gives to another MAC ("leased to ..."); a SIGHUP
+/// does not make it forget. Then it is restarted on an empty lease file.
+pub fn released_hosts(old: &str, new: &str) -> bool {
+    old.lines().any(|l| !new.lines().any(|n| n == l))
+}
+
+/// [`start`] on an empty lease file. Nothing is lost: every address is a
+/// static host and dnsmasq is authoritative, so a guest's renewal of the
+/// address it has is answered as before.
+async fn start_fresh(files: &DnsmasqFiles) -> Result<Running, HostError> {
+    match std::fs::remove_file(files.leases()) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => {
+            return Err(HostError::io(
+                format!("removing {}", files.leases().display()),
+                e,
+            ));
+        }
+    }
+    start(files).await
 }
 
 /// A dnsmasq started by hearth, found in `/proc` by its `--conf-file` under
@@ -398,6 +429,20 @@ pub fn stop_found(found: &FoundDnsmasq) -> Result<bool, HostError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_released_or_moved_host_line_is_told_from_an_added_one() {
+        let old = "02:00:00:00:00:01,10.77.0.10,a\n02:00:00:00:00:02,10.77.0.11,b\n";
+        let added = format!("{old}02:00:00:00:00:03,10.77.0.12,c\n");
+        assert!(!released_hosts(old, &added));
+        assert!(!released_hosts("", old));
+        assert!(released_hosts(old, "02:00:00:00:00:01,10.77.0.10,a\n"));
+        // b's address now belongs to d's MAC.
+        assert!(released_hosts(
+            old,
+            "02:00:00:00:00:01,10.77.0.10,a\n02:00:00:00:00:04,10.77.0.11,d\n"
+        ));
+    }
     use crate::network::host::{Mac, StaticLease};
     use std::net::Ipv4Addr;
 
