@@ -16,7 +16,9 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
-use crate::commands::{action, apply, delete, describe, get, logs, restore, snapshot, ssh, wait};
+use crate::commands::{
+    action, apply, cp, delete, describe, exec, get, logs, restore, snapshot, ssh, wait,
+};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -69,6 +71,8 @@ enum Command {
     Snapshot(snapshot::Args),
     Restore(restore::Args),
     Ssh(ssh::Args),
+    Exec(exec::Args),
+    Cp(cp::Args),
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
@@ -86,6 +90,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Snapshot(a) => snapshot::run(&client, a).await,
         Command::Restore(a) => restore::run(&client, a).await,
         Command::Ssh(a) => ssh::run(&client, a).await,
+        Command::Exec(a) => exec::run(&client, a).await,
+        Command::Cp(a) => cp::run(&client, a).await,
     }
 }
 
@@ -105,10 +111,19 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         // `hearth get vms | head`: the reader left; that is not our error.
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
+        Err(e) => match e.downcast::<exec::Exit>() {
+            // `hearth exec` ends with the guest program's status.
+            Ok(exit) => {
+                if let Some(message) = &exit.message {
+                    eprintln!("error: {message}");
+                }
+                ExitCode::from(exit.code)
+            }
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
     }
 }
 

@@ -3,8 +3,10 @@
 
 pub mod action;
 pub mod apply;
+pub mod cp;
 pub mod delete;
 pub mod describe;
+pub mod exec;
 pub mod get;
 pub mod logs;
 pub mod restore;
