@@ -152,6 +152,20 @@ fn exec_and_cp_through_the_guest_agent() {
         "{err}"
     );
 
+    // --- output too big for one agent reply fails saying so, and the
+    // channel is fine afterwards.
+    let started = Instant::now();
+    let out = d.cli(&["exec", "box", "--", "head", "-c", "14000000", "/dev/zero"]);
+    assert_eq!(out.status.code(), Some(125), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("hearth cp"),
+        "{}",
+        text(&out.stderr)
+    );
+    eprintln!("14 MB of output refused after {:?}", started.elapsed());
+    let out = d.cli(&["exec", "box", "--", "echo", "still here"]);
+    assert_eq!(text(&out.stdout), "still here\n", "{out:?}");
+
     // --- exec errors name what is wrong, with hearth's own status.
     let out = d.cli(&["exec", "box", "--", "no-such-program"]);
     assert_eq!(out.status.code(), Some(125), "{out:?}");
@@ -159,6 +173,31 @@ fn exec_and_cp_through_the_guest_agent() {
     let out = d.cli(&["exec", "ghost", "--", "true"]);
     assert_eq!(out.status.code(), Some(125), "{out:?}");
     assert!(text(&out.stderr).contains("\"ghost\""), "{out:?}");
+    apply_manifest(
+        &d,
+        "idle.yaml",
+        &format!(
+            "{}---\n{}  guestAgent: false\n",
+            vm_yaml("idle", "Manual", &[], ""),
+            vm_yaml("mute", "Manual", &[], "")
+        ),
+    );
+    let out = d.cli(&["exec", "idle", "--", "true"]);
+    assert_eq!(out.status.code(), Some(125), "{out:?}");
+    assert!(
+        text(&out.stderr).contains("VirtualMachine \"idle\" is not running"),
+        "{out:?}"
+    );
+    let err = d.cli_err(&["cp", "idle:/etc/hostname", "-"]);
+    assert!(
+        err.contains("VirtualMachine \"idle\" is not running"),
+        "{err}"
+    );
+    let out = d.cli(&["exec", "mute", "--", "true"]);
+    assert!(
+        text(&out.stderr).contains("VirtualMachine \"mute\" has no guest agent"),
+        "{out:?}"
+    );
 
     // --- cp into the guest and back: same bytes, same mode.
     let blob = local.path().join("blob.bin");

@@ -211,7 +211,7 @@ impl Engine {
 
     /// The channel guest access uses for a running VM with an agent, and
     /// the QEMU process it belongs to. Errors name the VM: not found, no
-    /// agent in its spec, not running.
+    /// agent in its spec, not running, agent not connected.
     pub(crate) fn guest_channel(
         &self,
         vm: &str,
@@ -230,6 +230,16 @@ impl Engine {
         if live.record.agent_socket.is_none() {
             return Err(RequestError::Conflict(format!(
                 "VirtualMachine {vm:?} was started without a guest agent channel; restart it to get one"
+            )));
+        }
+        // Fail at once rather than after waiting for the agent: a request
+        // in progress waits for a reconnect, a new one does not.
+        if !live
+            .agent_connected
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachine {vm:?}: its guest agent is not connected (the guest may still be booting: hearth wait vm {vm} --for agent)"
             )));
         }
         let process = live.record.process.clone();
