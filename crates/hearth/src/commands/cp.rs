@@ -334,7 +334,13 @@ impl LocalFile {
             .create_new(true)
             .mode(0o600)
             .open(&tmp)
-            .with_context(|| format!("cannot create {}", tmp.display()))?;
+            .with_context(|| {
+                format!(
+                    "cannot write {} (creating {} next to it)",
+                    target.display(),
+                    tmp.display()
+                )
+            })?;
         Ok(LocalFile { file, tmp, target })
     }
 
