@@ -41,6 +41,8 @@ pub struct Context {
     pub snapshots: crate::snapshot::Actors,
     /// The running VirtualImage imports, one per image at most.
     pub imports: crate::image::Imports,
+    /// Programs started in guests through `hearth exec`, until collected.
+    pub execs: crate::guest::Execs,
     /// Where wakes go: the engine's work queue.
     wakes: UnboundedSender<Key>,
     /// Held by an apply from its network checks until its objects are
@@ -60,6 +62,7 @@ impl Context {
             ops_locks: Mutex::new(HashMap::new()),
             snapshots: crate::snapshot::Actors::default(),
             imports: crate::image::Imports::default(),
+            execs: crate::guest::Execs::default(),
             wakes,
             addresses: Mutex::new(()),
             networking: Default::default(),

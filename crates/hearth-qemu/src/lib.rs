@@ -7,6 +7,7 @@
 
 pub mod accel;
 pub mod agent;
+pub mod agent_io;
 pub mod cmdline;
 pub mod fsmap;
 pub mod img;

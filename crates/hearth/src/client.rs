@@ -235,6 +235,102 @@ impl ApiClient {
             detail,
         }
     }
+
+    /// Sends `method path` with a body that streams from `body` (an `Err`
+    /// in it aborts the request, so the server never takes a cut-off body
+    /// for a whole one) and returns the JSON answer. No time limit: a copy
+    /// lasts as long as the data takes, and every step hearthd makes in
+    /// the guest is bounded on its side.
+    pub async fn send_stream(
+        &self,
+        method: Method,
+        path: &str,
+        body: tokio::sync::mpsc::Receiver<io::Result<Bytes>>,
+    ) -> Result<Value, ApiError> {
+        let stream = UnixStream::connect(&self.socket)
+            .await
+            .map_err(|cause| unreachable(&self.socket, cause))?;
+        let (mut sender, connection) =
+            hyper::client::conn::http1::handshake::<_, ChannelBody>(TokioIo::new(stream))
+                .await
+                .map_err(|e| self.protocol(format!("handshake failed: {e}")))?;
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        let request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header(header::HOST, "hearthd")
+            .header(header::ACCEPT, "application/json")
+            .header(header::CONTENT_TYPE, "application/octet-stream")
+            .body(ChannelBody(body))
+            .map_err(|e| self.protocol(format!("bad request path {path:?}: {e}")))?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| self.protocol(format!("request failed: {e}")))?;
+        let status = response.status();
+        let bytes = self
+            .with_timeout(REQUEST_TIMEOUT, self.read_body(response.into_body()))
+            .await?;
+        if !status.is_success() {
+            return Err(server_error(status, &bytes));
+        }
+        serde_json::from_slice(&bytes)
+            .map_err(|e| self.protocol(format!("answer is not JSON: {e}")))
+    }
+
+    /// Sends a GET and hands back the headers and the body as it arrives
+    /// (a file copied out of a guest). Only the wait for the headers is
+    /// bounded.
+    pub async fn stream_with_headers(
+        &self,
+        path: &str,
+    ) -> Result<(hyper::HeaderMap, Incoming), ApiError> {
+        let response = self
+            .with_timeout(REQUEST_TIMEOUT, self.send(Method::GET, path, None))
+            .await?;
+        let status = response.status();
+        let (parts, body) = response.into_parts();
+        if !status.is_success() {
+            let bytes = self
+                .with_timeout(REQUEST_TIMEOUT, self.read_body(body))
+                .await?;
+            return Err(server_error(status, &bytes));
+        }
+        Ok((parts.headers, body))
+    }
+}
+
+/// A request body fed from a channel, chunk by chunk.
+pub struct ChannelBody(tokio::sync::mpsc::Receiver<io::Result<Bytes>>);
+
+impl hyper::body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, io::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|next| next.map(|chunk| chunk.map(hyper::body::Frame::data)))
+    }
+}
+
+/// `value` for a URL query: unreserved characters as they are, every other
+/// byte as `%XX`.
+pub fn query_escape(value: &str) -> String {
+    let mut out = String::with_capacity(value.len());
+    for b in value.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b'/') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// A response body read a line at a time.
@@ -318,6 +414,13 @@ fn server_error(status: StatusCode, body: &[u8]) -> ApiError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn query_values_escape_everything_but_unreserved_bytes_and_slashes() {
+        assert_eq!(query_escape("/data/a b&c=d"), "/data/a%20b%26c%3Dd");
+        assert_eq!(query_escape("/é"), "/%C3%A9");
+        assert_eq!(query_escape("/x-y_z.~"), "/x-y_z.~");
+    }
     use crate::test_server::{ScriptedServer, ok};
     use serde_json::json;
 

@@ -18,7 +18,7 @@ use clap::{Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
 use crate::commands::{
-    action, apply, delete, describe, events, get, logs, restore, snapshot, ssh, wait,
+    action, apply, cp, delete, describe, events, exec, get, logs, restore, snapshot, ssh, wait,
 };
 
 #[derive(Debug, Parser)]
@@ -74,6 +74,8 @@ enum Command {
     Snapshot(snapshot::Args),
     Restore(restore::Args),
     Ssh(ssh::Args),
+    Exec(exec::Args),
+    Cp(cp::Args),
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
@@ -92,6 +94,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Snapshot(a) => snapshot::run(&client, a).await,
         Command::Restore(a) => restore::run(&client, a).await,
         Command::Ssh(a) => ssh::run(&client, a).await,
+        Command::Exec(a) => exec::run(&client, a).await,
+        Command::Cp(a) => cp::run(&client, a).await,
     }
 }
 
@@ -111,10 +115,19 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         // `hearth get vms | head`: the reader left; that is not our error.
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
+        Err(e) => match e.downcast::<exec::Exit>() {
+            // `hearth exec` ends with the guest program's status.
+            Ok(exit) => {
+                if let Some(message) = &exit.message {
+                    eprintln!("error: {message}");
+                }
+                ExitCode::from(exit.code)
+            }
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
     }
 }
 

@@ -3,9 +3,11 @@
 
 pub mod action;
 pub mod apply;
+pub mod cp;
 pub mod delete;
 pub mod describe;
 pub mod events;
+pub mod exec;
 pub mod get;
 pub mod logs;
 pub mod restore;

@@ -2,6 +2,7 @@
 //! The contract is docs/http-api.md.
 
 mod console;
+mod guest;
 mod sources;
 mod watch;
 
@@ -35,6 +36,18 @@ pub fn router(engine: Arc<Engine>) -> Router {
         .route("/v1/virtualmachines/{name}/console", get(console::console))
         .route("/v1/virtualmachines/{name}/agent/ping", post(agent_ping))
         .route("/v1/virtualmachines/{name}/agent/exec", post(agent_exec))
+        .route(
+            "/v1/virtualmachines/{name}/agent/exec/start",
+            post(guest::exec_start),
+        )
+        .route(
+            "/v1/virtualmachines/{name}/agent/exec/{id}",
+            get(guest::exec_status),
+        )
+        .route(
+            "/v1/virtualmachines/{name}/agent/files",
+            get(guest::get_file).put(guest::put_file),
+        )
         .route(
             "/v1/virtualmachines/{name}/agent/fsfreeze-status",
             post(agent_freeze_status),
