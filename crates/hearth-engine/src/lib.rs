@@ -11,6 +11,7 @@ pub mod disk;
 pub mod engine;
 pub mod image;
 pub mod manifest;
+pub mod metrics;
 pub mod network;
 pub mod runtime;
 pub mod snapshot;

@@ -1229,6 +1229,15 @@ async fn commit(
         );
     }
     for (name, outcome) in outcomes {
+        if !matches!(outcome, Outcome::Retry) {
+            crate::metrics::snapshot_settled(
+                ctx,
+                Kind::VirtualDiskSnapshot,
+                name,
+                matches!(outcome, Outcome::Ready { .. }),
+                freeze_window_ms,
+            );
+        }
         let (t, reason, msg) = match outcome {
             Outcome::Ready { consistent } => (
                 EventType::Normal,
