@@ -351,7 +351,9 @@ fn family<M: EncodeMetric, L: EncodeLabelSet>(
     metric_type: MetricType,
     series: impl IntoIterator<Item = (L, M)>,
 ) -> Result<(), std::fmt::Error> {
-    let mut metric = encoder.encode_descriptor(name, help, None, metric_type)?;
+    // As the registry writes its own metrics' help: a sentence.
+    let help = format!("{help}.");
+    let mut metric = encoder.encode_descriptor(name, &help, None, metric_type)?;
     for (labels, value) in series {
         value.encode(metric.encode_family(&labels)?)?;
     }
@@ -513,7 +515,7 @@ impl Collector for ManifestMetrics {
         let counter = ConstCounter::new(self.0.parse_errors);
         let metric = encoder.encode_descriptor(
             "manifest_parse_errors",
-            "New contents of manifest files that did not parse (each bad version of a file counts once; the last good state is kept)",
+            "New contents of manifest files that did not parse (each bad version of a file counts once; the last good state is kept).",
             None,
             counter.metric_type(),
         )?;

@@ -1190,6 +1190,18 @@ async fn commit(
         tracing::error!(target, cut, error = %e, "cannot record the cut's results; retrying");
         return false;
     }
+    // Observed as soon as the store has the results (what a reader sees).
+    for (name, outcome) in outcomes {
+        if !matches!(outcome, Outcome::Retry) {
+            crate::metrics::snapshot_settled(
+                ctx,
+                Kind::VirtualDiskSnapshot,
+                name,
+                matches!(outcome, Outcome::Ready { .. }),
+                freeze_window_ms,
+            );
+        }
+    }
     // Sizes of the new snapshot layers, outside the transaction.
     for (name, outcome) in outcomes {
         if let (Outcome::Ready { .. }, Some(p)) =
@@ -1229,15 +1241,6 @@ async fn commit(
         );
     }
     for (name, outcome) in outcomes {
-        if !matches!(outcome, Outcome::Retry) {
-            crate::metrics::snapshot_settled(
-                ctx,
-                Kind::VirtualDiskSnapshot,
-                name,
-                matches!(outcome, Outcome::Ready { .. }),
-                freeze_window_ms,
-            );
-        }
         let (t, reason, msg) = match outcome {
             Outcome::Ready { consistent } => (
                 EventType::Normal,

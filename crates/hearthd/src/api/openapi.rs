@@ -105,6 +105,8 @@ mod envelopes {
     use hearth_api::{Event, Kind};
     use serde::Serialize;
     use utoipa::ToSchema;
+    use utoipa::openapi::RefOr;
+    use utoipa::openapi::schema::{ObjectBuilder, Schema, SchemaType, Type};
 
     use super::AnyObject;
 
@@ -115,17 +117,21 @@ mod envelopes {
         pub error: String,
     }
 
-    /// The plural of a kind, as it appears in paths.
-    #[derive(Serialize, ToSchema)]
-    #[serde(rename_all = "lowercase")]
-    pub enum Plural {
-        VirtualMachines,
-        VirtualDisks,
-        VirtualImages,
-        VirtualNetworks,
-        VirtualDiskSnapshots,
-        VirtualMachineSnapshots,
+    /// The plural of a kind, as it appears in paths: from `Kind::plural`,
+    /// which is what the router looks the kind up by.
+    pub struct Plural;
+
+    impl utoipa::PartialSchema for Plural {
+        fn schema() -> RefOr<Schema> {
+            ObjectBuilder::new()
+                .schema_type(SchemaType::new(Type::String))
+                .enum_values(Some(Kind::ALL.map(Kind::plural)))
+                .description(Some("The plural of a kind, as it appears in paths."))
+                .into()
+        }
     }
+
+    impl ToSchema for Plural {}
 
     /// A VM action.
     #[derive(Serialize, ToSchema)]
