@@ -11,6 +11,7 @@ use crate::meta::{Condition, ObjectMeta};
 use crate::quantity::Quantity;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum Kind {
     VirtualMachine,
     VirtualDisk,
@@ -112,6 +113,7 @@ impl fmt::Display for Kind {
 // ---------------------------------------------------------------- VirtualMachine
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualMachine {
     pub api_version: String,
@@ -123,6 +125,7 @@ pub struct VirtualMachine {
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum RunPolicy {
     /// Keep it running; start it again when it stops.
     #[default]
@@ -134,6 +137,7 @@ pub enum RunPolicy {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualMachineSpec {
     #[serde(default)]
@@ -199,16 +203,20 @@ fn default_stop_timeout() -> u32 {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Boot {
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     pub kernel: PathBuf,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
     pub initrd: Option<PathBuf>,
     #[serde(default)]
     pub cmdline: String,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum Firmware {
     /// SeaBIOS, QEMU's own BIOS.
     #[default]
@@ -230,6 +238,7 @@ impl fmt::Display for Firmware {
 
 /// What cloud-init's NoCloud seed (`cidata`) carries.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct CloudInit {
     /// The `user-data` file, as text (`#cloud-config ...`, or a script).
@@ -250,6 +259,7 @@ pub struct CloudInit {
 pub const MAX_CLOUD_INIT_TEXT: usize = 256 << 10;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DiskRef {
     pub virtual_disk_name: String,
@@ -260,6 +270,7 @@ pub const MAX_INTERFACES: usize = 8;
 
 /// One VM interface on a VirtualNetwork.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct NetworkInterface {
     pub virtual_network_name: String,
@@ -275,6 +286,7 @@ pub struct NetworkInterface {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct PortForward {
     /// 1..65535 (a wider type so that a bad value gets a clear message).
@@ -290,6 +302,7 @@ pub struct PortForward {
 #[derive(
     Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
 )]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum Protocol {
     #[default]
     #[serde(rename = "TCP")]
@@ -308,6 +321,7 @@ impl fmt::Display for Protocol {
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum VmPhase {
     #[default]
     Pending,
@@ -325,6 +339,7 @@ impl fmt::Display for VmPhase {
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct VirtualMachineStatus {
     pub phase: VmPhase,
@@ -357,6 +372,7 @@ pub struct VirtualMachineStatus {
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct InterfaceStatus {
     /// The VirtualNetwork.
@@ -380,6 +396,7 @@ pub struct InterfaceStatus {
 // ---------------------------------------------------------------- VirtualNetwork
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualNetwork {
     pub api_version: String,
@@ -392,6 +409,7 @@ pub struct VirtualNetwork {
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualNetworkSpec {
     #[serde(default)]
@@ -419,6 +437,7 @@ impl VirtualNetworkSpec {
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum NetworkMode {
     /// A hearth bridge, masqueraded out of the host's default route.
     #[default]
@@ -441,6 +460,7 @@ impl fmt::Display for NetworkMode {
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum NetworkPhase {
     #[default]
     Pending,
@@ -455,6 +475,7 @@ impl fmt::Display for NetworkPhase {
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct VirtualNetworkStatus {
     pub phase: NetworkPhase,
@@ -480,6 +501,7 @@ pub struct VirtualNetworkStatus {
 // ---------------------------------------------------------------- VirtualDisk
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualDisk {
     pub api_version: String,
@@ -491,6 +513,7 @@ pub struct VirtualDisk {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualDiskSpec {
     /// Required for a blank disk; for an image it defaults to the image's size.
@@ -500,11 +523,13 @@ pub struct VirtualDiskSpec {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub enum DiskSource {
     /// An empty disk.
     Blank(Empty),
     /// A copy-on-write overlay over this base image file, which is only read.
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     Image(PathBuf),
     /// A copy-on-write overlay over a Ready VirtualDiskSnapshot.
     Snapshot(String),
@@ -514,10 +539,12 @@ pub enum DiskSource {
 
 /// `{}` in a manifest.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(deny_unknown_fields)]
 pub struct Empty {}
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum DiskPhase {
     #[default]
     Pending,
@@ -532,10 +559,12 @@ impl fmt::Display for DiskPhase {
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct VirtualDiskStatus {
     pub phase: DiskPhase,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
     pub path: Option<PathBuf>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<u64>,
@@ -554,6 +583,7 @@ pub struct VirtualDiskStatus {
 // ---------------------------------------------------------------- VirtualImage
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualImage {
     pub api_version: String,
@@ -565,21 +595,25 @@ pub struct VirtualImage {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualImageSpec {
     pub source: ImageSource,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub enum ImageSource {
     /// A file under an image root, copied into the image store.
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
     File(PathBuf),
     /// Downloaded, and verified against `sha256` before it is used.
     Http(HttpSource),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct HttpSource {
     pub url: String,
@@ -588,6 +622,7 @@ pub struct HttpSource {
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum ImagePhase {
     #[default]
     Pending,
@@ -603,6 +638,7 @@ impl fmt::Display for ImagePhase {
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct VirtualImageStatus {
     pub phase: ImagePhase,
@@ -631,6 +667,7 @@ pub struct VirtualImageStatus {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub digest: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
     pub path: Option<PathBuf>,
     /// Failed imports: a short reason (`ChecksumMismatch`, `HttpError`, ...).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -652,6 +689,7 @@ pub struct VirtualImageStatus {
 // ---------------------------------------------------------------- snapshots
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum SnapshotPhase {
     #[default]
     Pending,
@@ -674,6 +712,7 @@ impl fmt::Display for SnapshotPhase {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualDiskSnapshot {
     pub api_version: String,
@@ -685,6 +724,7 @@ pub struct VirtualDiskSnapshot {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualDiskSnapshotSpec {
     pub virtual_disk_name: String,
@@ -694,6 +734,7 @@ pub struct VirtualDiskSnapshotSpec {
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualMachineSnapshot {
     pub api_version: String,
@@ -705,6 +746,7 @@ pub struct VirtualMachineSnapshot {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct VirtualMachineSnapshotSpec {
     pub virtual_machine_name: String,
@@ -714,6 +756,7 @@ pub struct VirtualMachineSnapshotSpec {
 
 /// Status of both snapshot kinds.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct SnapshotStatus {
     pub phase: SnapshotPhase,

@@ -7,6 +7,8 @@ mod kinds;
 mod meta;
 pub mod net;
 mod object;
+#[cfg(feature = "openapi")]
+pub mod openapi;
 mod quantity;
 pub mod watch;
 

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 pub const API_VERSION: &str = "hearth.dev/v1alpha1";
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ObjectMeta {
     pub name: String,
@@ -26,6 +27,7 @@ fn is_zero(v: &u64) -> bool {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Condition {
     #[serde(rename = "type")]
@@ -39,6 +41,7 @@ pub struct Condition {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum ConditionStatus {
     True,
     False,
@@ -77,6 +80,7 @@ pub fn remove_condition(conditions: &mut Vec<Condition>, type_: &str) {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum EventType {
     Normal,
     Warning,
@@ -84,6 +88,7 @@ pub enum EventType {
 
 /// Something that happened to an object, kept in the store for `describe`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
 pub struct Event {
     pub time: DateTime<Utc>,

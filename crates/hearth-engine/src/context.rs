@@ -51,6 +51,8 @@ pub struct Context {
     pub addresses: Mutex<()>,
     /// The host side of networking: one resync at a time.
     pub networking: crate::network::sync::HostNetworking,
+    /// Reconcile and snapshot histograms for `GET /metrics`.
+    pub metrics: crate::metrics::EngineMetrics,
 }
 
 impl Context {
@@ -66,6 +68,7 @@ impl Context {
             wakes,
             addresses: Mutex::new(()),
             networking: Default::default(),
+            metrics: Default::default(),
         }
     }
 

@@ -1017,6 +1017,7 @@ impl Engine {
 
     async fn worker(self: Arc<Self>, key: Key) {
         loop {
+            let started = std::time::Instant::now();
             let result = match key.0 {
                 Kind::VirtualMachine => crate::vm::reconcile(&self.ctx, &key.1).await,
                 Kind::VirtualDisk => crate::disk::reconcile(&self.ctx, &key.1).await,
@@ -1029,6 +1030,8 @@ impl Engine {
                 Kind::VirtualImage => crate::image::reconcile(&self.ctx, &key.1).await,
                 Kind::VirtualNetwork => crate::network::reconcile(&self.ctx, &key.1).await,
             };
+            self.metrics
+                .reconcile_done(key.0, started.elapsed(), result.is_err());
             match result {
                 Ok(()) => {
                     self.failures

@@ -12,6 +12,7 @@ pub mod engine;
 pub mod guest;
 pub mod image;
 pub mod manifest;
+pub mod metrics;
 pub mod network;
 pub mod runtime;
 pub mod snapshot;

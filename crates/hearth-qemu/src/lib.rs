@@ -14,6 +14,7 @@ pub mod img;
 pub mod probe;
 pub mod process;
 pub mod qmp;
+pub mod stats;
 pub mod tools;
 
 mod lines;

@@ -443,7 +443,7 @@ pub fn boot_id() -> Option<String> {
 
 /// `sysconf(_SC_CLK_TCK)`, from the auxiliary vector (`AT_CLKTCK`); 100, the
 /// value on every common architecture, if it cannot be read.
-fn clock_ticks_per_second() -> u64 {
+pub(crate) fn clock_ticks_per_second() -> u64 {
     const AT_CLKTCK: u64 = 17;
     let auxv = std::fs::read("/proc/self/auxv").unwrap_or_default();
     let words: Vec<u64> = auxv

@@ -87,6 +87,18 @@ struct Args {
     /// this caps that delay, in seconds.
     #[arg(long, env = "HEARTH_IMAGE_RETRY_MAX_SECONDS", default_value_t = 300)]
     image_retry_max_seconds: u64,
+    // ---- metrics (see docs/metrics.md) ----
+    /// Also serve Prometheus metrics (`GET /metrics`, nothing else) over TCP
+    /// on ADDR:PORT, e.g. 127.0.0.1:9464 (port 0: any free port, logged).
+    /// They are always on the API socket too. Loopback addresses only,
+    /// unless --metrics-allow-remote: the metrics name every VM, disk and
+    /// snapshot, and the listener has no access control of its own.
+    #[arg(long, env = "HEARTH_METRICS_LISTEN", value_name = "ADDR:PORT")]
+    metrics_listen: Option<std::net::SocketAddr>,
+    /// Let --metrics-listen bind a non-loopback address (put a firewall or
+    /// an authenticating proxy in front of it).
+    #[arg(long, env = "HEARTH_METRICS_ALLOW_REMOTE")]
+    metrics_allow_remote: bool,
 }
 
 #[tokio::main]
@@ -100,6 +112,14 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let args = Args::parse();
+    if let Some(addr) = args.metrics_listen
+        && !addr.ip().is_loopback()
+        && !args.metrics_allow_remote
+    {
+        bail!(
+            "--metrics-listen {addr}: not a loopback address; the metrics name every VM and the listener has no access control (use 127.0.0.1:PORT, or add --metrics-allow-remote behind a firewall or proxy)"
+        );
+    }
 
     let qemu = hearth_qemu::tools::find_binary("qemu-system-x86_64")?;
     hearth_qemu::tools::find_binary("qemu-img")?;
@@ -146,12 +166,32 @@ async fn main() -> anyhow::Result<()> {
         },
     );
 
+    let metrics = match args.metrics_listen {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("--metrics-listen {addr}: cannot listen"))?;
+            let bound = listener.local_addr().unwrap_or(addr);
+            tracing::info!(metrics_listen = %bound, "serving metrics");
+            let app = api::metrics::listener_router(engine.clone(), source.clone());
+            Some(axum::serve(listener, app))
+        }
+        None => None,
+    };
+    let metrics = async move {
+        match metrics {
+            Some(serve) => serve.await,
+            None => std::future::pending().await,
+        }
+    };
+
     let listener = bind_socket(&socket)?;
     tracing::info!(socket = %socket.display(), "serving the API");
     let app = api::router(engine).layer(axum::Extension(source));
     let serve = axum::serve(listener, app);
     tokio::select! {
         r = serve => r.context("API server failed")?,
+        r = metrics => r.context("metrics server failed")?,
         _ = shutdown_signal() => tracing::info!("stopping; running VMs keep running"),
     }
     let _ = std::fs::remove_file(&socket);

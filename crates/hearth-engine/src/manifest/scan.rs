@@ -88,6 +88,9 @@ pub struct ScanStats {
     pub read: usize,
     /// Files whose bytes had changed and were parsed.
     pub parsed: usize,
+    /// Of those, files whose new bytes did not parse (the last good state
+    /// is kept): each bad version of a file counts once.
+    pub parse_errors: usize,
 }
 
 pub struct Scanner {
@@ -198,7 +201,10 @@ impl Scanner {
                                 Ok(objects) => Content::Valid(
                                     objects.into_iter().map(Decl::new).collect::<Arc<[Decl]>>(),
                                 ),
-                                Err(e) => Content::Invalid(e),
+                                Err(e) => {
+                                    stats.parse_errors += 1;
+                                    Content::Invalid(e)
+                                }
                             }
                         }
                     };
@@ -377,6 +383,28 @@ mod tests {
             panic!("invalid")
         };
         assert!(d3[0].spec.contains("512"), "{}", d3[0].spec);
+    }
+
+    #[test]
+    fn each_bad_version_of_a_file_is_one_parse_error() {
+        let d = tempfile::tempdir().expect("tmp");
+        let f = d.path().join("a.yaml");
+        std::fs::write(&f, "kind: [unclosed").expect("w");
+        std::fs::write(d.path().join("ok.yaml"), vm("ok", 256)).expect("w");
+        let mut s = Scanner::new(d.path().to_path_buf(), 1 << 20);
+        let (_, stats) = s.scan();
+        assert_eq!((stats.parsed, stats.parse_errors), (2, 1));
+        // The same bad bytes read again are not parsed again.
+        age(&mut s);
+        std::fs::write(&f, "kind: [unclosed").expect("w");
+        let (_, stats) = s.scan();
+        assert_eq!(stats.parse_errors, 0);
+        std::fs::write(&f, "kind: {still bad").expect("w");
+        let (_, stats) = s.scan();
+        assert_eq!(stats.parse_errors, 1);
+        std::fs::write(&f, vm("a", 256)).expect("w");
+        let (_, stats) = s.scan();
+        assert_eq!((stats.parsed, stats.parse_errors), (1, 0));
     }
 
     #[test]

@@ -85,6 +85,40 @@ pub enum Reason {
     Due,
 }
 
+impl Reason {
+    pub const ALL: [Reason; 7] = [
+        Reason::Start,
+        Reason::Event,
+        Reason::Periodic,
+        Reason::Overflow,
+        Reason::WatchLost,
+        Reason::Missing,
+        Reason::Due,
+    ];
+
+    /// As `GET /v1/sources` and the metrics name it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Start => "start",
+            Reason::Event => "event",
+            Reason::Periodic => "periodic",
+            Reason::Overflow => "overflow",
+            Reason::WatchLost => "watchLost",
+            Reason::Missing => "missing",
+            Reason::Due => "due",
+        }
+    }
+}
+
+/// What the metrics report about the directory since the daemon started.
+/// Kept apart from the re-list state, so a scrape never waits for a re-list.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ManifestCounters {
+    pub relists: BTreeMap<Reason, u64>,
+    /// New file contents that did not parse (see `ScanStats::parse_errors`).
+    pub parse_errors: u64,
+}
+
 #[derive(Clone, Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
 struct RelistStats {
@@ -117,6 +151,7 @@ pub struct ManifestSource {
     engine: Arc<Engine>,
     state: Mutex<State>,
     watching: AtomicBool,
+    counters: Mutex<ManifestCounters>,
 }
 
 impl ManifestSource {
@@ -137,6 +172,7 @@ impl ManifestSource {
             config,
             engine,
             watching: AtomicBool::new(false),
+            counters: Mutex::new(ManifestCounters::default()),
         });
         tracing::info!(dir = %source.config.dir.display(), "watching the manifest directory");
         let weak = Arc::downgrade(&source);
@@ -146,6 +182,14 @@ impl ManifestSource {
 
     pub fn dir(&self) -> &Path {
         &self.config.dir
+    }
+
+    /// Re-lists by reason and parse errors so far, for `GET /metrics`.
+    pub fn counters(&self) -> ManifestCounters {
+        self.counters
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
@@ -219,6 +263,11 @@ impl ManifestSource {
             self.execute(&r);
         }
         *st.relists.entry(reason).or_insert(0) += 1;
+        {
+            let mut c = self.counters.lock().unwrap_or_else(|p| p.into_inner());
+            *c.relists.entry(reason).or_insert(0) += 1;
+            c.parse_errors += scan.parse_errors as u64;
+        }
         let stats = RelistStats {
             at: Utc::now(),
             reason,

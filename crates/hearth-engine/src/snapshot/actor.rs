@@ -1190,6 +1190,18 @@ async fn commit(
         tracing::error!(target, cut, error = %e, "cannot record the cut's results; retrying");
         return false;
     }
+    // Observed as soon as the store has the results (what a reader sees).
+    for (name, outcome) in outcomes {
+        if !matches!(outcome, Outcome::Retry) {
+            crate::metrics::snapshot_settled(
+                ctx,
+                Kind::VirtualDiskSnapshot,
+                name,
+                matches!(outcome, Outcome::Ready { .. }),
+                freeze_window_ms,
+            );
+        }
+    }
     // Sizes of the new snapshot layers, outside the transaction.
     for (name, outcome) in outcomes {
         if let (Outcome::Ready { .. }, Some(p)) =

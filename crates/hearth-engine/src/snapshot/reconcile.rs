@@ -296,6 +296,13 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
                 s.freeze_window_ms = first.freeze_window_ms;
                 s.size = Some(size);
             });
+            crate::metrics::snapshot_settled(
+                ctx,
+                Kind::VirtualMachineSnapshot,
+                name,
+                failed.is_empty(),
+                first.freeze_window_ms,
+            );
             ctx.event(
                 Kind::VirtualMachineSnapshot,
                 name,

@@ -3,6 +3,8 @@
 
 mod console;
 mod guest;
+pub mod metrics;
+pub mod openapi;
 mod sources;
 mod watch;
 
@@ -25,8 +27,18 @@ pub const API_OWNER: &str = "api";
 const MAX_BODY: usize = 8 << 20;
 
 pub fn router(engine: Arc<Engine>) -> Router {
+    routes()
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .with_state(engine)
+}
+
+/// Every route the API answers; `openapi::tests` checks each is in the
+/// OpenAPI document.
+fn routes() -> Router<Arc<Engine>> {
     Router::new()
         .route("/v1/health", get(health))
+        .route("/v1/openapi.json", get(openapi::serve))
+        .route("/metrics", get(metrics::scrape))
         .route("/v1/apply", post(apply))
         .route("/v1/events", get(events))
         .route("/v1/sources", get(sources::list))
@@ -54,8 +66,6 @@ pub fn router(engine: Arc<Engine>) -> Router {
         )
         .route("/v1/virtualmachines/{name}/restore", post(restore))
         .route("/v1/virtualmachines/{name}/{action}", post(vm_action))
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
-        .with_state(engine)
 }
 
 /// An error as the API shows it: a status and `{"error": message}`.

@@ -1,0 +1,442 @@
+//! `GET /v1/openapi.json`: the OpenAPI 3.1 document of this API.
+//!
+//! The object schemas are derived from the hearth-api types themselves
+//! (`hearth_api::openapi`); the small request and answer envelopes are typed
+//! here. Each operation is declared below with `#[utoipa::path]` on a
+//! function that only carries it (the handlers live in `mod.rs`); a test
+//! reads the routes the real router answers and fails when one is missing
+//! here or declared here but not served. The end-to-end tests check real
+//! answers against these schemas.
+
+use std::sync::OnceLock;
+
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+// `Object` alone is utoipa's name for any JSON object: say which one.
+use hearth_api::Object as AnyObject;
+use hearth_api::{Event, Kind};
+use utoipa::OpenApi;
+use utoipa::openapi::OpenApi as Document;
+
+/// The document, built once.
+pub fn document() -> &'static Document {
+    static DOC: OnceLock<Document> = OnceLock::new();
+    DOC.get_or_init(ApiDoc::openapi)
+}
+
+pub async fn serve() -> Response {
+    // Serialising a derived document cannot fail; say so if it ever does.
+    match serde_json::to_vec(document()) {
+        Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(e) => (
+            axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+            axum::Json(
+                serde_json::json!({"error": format!("cannot serialise the OpenAPI document: {e}")}),
+            ),
+        )
+            .into_response(),
+    }
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "hearth HTTP API",
+        description = "The API hearthd serves on its unix socket (mode 0600: the file mode is the access control). Every change goes through `POST /v1/apply`, `DELETE` and the VM actions; everything else reads. Errors are a non-2xx status with `{\"error\": message}` naming the object and the field.",
+        license(name = "Apache-2.0", identifier = "Apache-2.0")
+    ),
+    paths(
+        health,
+        apply,
+        events,
+        sources,
+        openapi_json,
+        metrics,
+        list,
+        get_one,
+        delete,
+        console,
+        agent_ping,
+        agent_exec,
+        agent_freeze_status,
+        restore,
+        vm_action
+    ),
+    components(schemas(
+        AnyObject,
+        Kind,
+        Event,
+        Plural,
+        VmActionName,
+        ErrorAnswer,
+        Health,
+        ObjectList,
+        ApplyRequest,
+        ApplyResults,
+        ApplyResult,
+        ApplyAction,
+        Deleted,
+        Message,
+        EventList,
+        AgentPing,
+        ExecRequest,
+        ExecResult,
+        FreezeStatus,
+        FreezeState,
+        RestoreRequest
+    )),
+    tags(
+        (name = "objects", description = "Create, read and delete objects of every kind."),
+        (name = "virtualmachines", description = "VM actions, console and guest agent."),
+        (name = "daemon", description = "The daemon itself: health, manifest sources, events, this document, metrics.")
+    )
+)]
+struct ApiDoc;
+
+// ---------------------------------------------------------------- envelopes
+
+pub use envelopes::*;
+
+/// The requests and answers around the objects. The handlers write the same
+/// JSON with `json!` (so these are never built); the end-to-end tests check
+/// real answers against the schemas made from them.
+#[allow(dead_code)]
+mod envelopes {
+    use hearth_api::{Event, Kind};
+    use serde::Serialize;
+    use utoipa::ToSchema;
+    use utoipa::openapi::RefOr;
+    use utoipa::openapi::schema::{ObjectBuilder, Schema, SchemaType, Type};
+
+    use super::AnyObject;
+
+    /// An error: every non-2xx answer.
+    #[derive(Serialize, ToSchema)]
+    pub struct ErrorAnswer {
+        /// Names the object and the field, e.g. `VirtualMachine "demo": spec.memory: ...`.
+        pub error: String,
+    }
+
+    /// The plural of a kind, as it appears in paths: from `Kind::plural`,
+    /// which is what the router looks the kind up by.
+    pub struct Plural;
+
+    impl utoipa::PartialSchema for Plural {
+        fn schema() -> RefOr<Schema> {
+            ObjectBuilder::new()
+                .schema_type(SchemaType::new(Type::String))
+                .enum_values(Some(Kind::ALL.map(Kind::plural)))
+                .description(Some("The plural of a kind, as it appears in paths."))
+                .into()
+        }
+    }
+
+    impl ToSchema for Plural {}
+
+    /// A VM action.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "lowercase")]
+    pub enum VmActionName {
+        Start,
+        Stop,
+        Restart,
+    }
+
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct Health {
+        /// hearthd's version.
+        pub version: String,
+        /// The accelerator VMs run under.
+        pub accelerator: Accelerator,
+        /// Why that accelerator was chosen.
+        pub accelerator_reason: String,
+    }
+
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "lowercase")]
+    pub enum Accelerator {
+        Kvm,
+        Tcg,
+    }
+
+    /// A list of objects of one kind, with their status.
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct ObjectList {
+        pub items: Vec<AnyObject>,
+    }
+
+    /// Objects to create or update, all or nothing.
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct ApplyRequest {
+        pub items: Vec<AnyObject>,
+    }
+
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct ApplyResults {
+        pub results: Vec<ApplyResult>,
+    }
+
+    /// What an apply did to one object.
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct ApplyResult {
+        pub kind: Kind,
+        pub name: String,
+        pub action: ApplyAction,
+    }
+
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "lowercase")]
+    pub enum ApplyAction {
+        Created,
+        Configured,
+        Unchanged,
+    }
+
+    /// A delete was accepted: the object's reconcile tears it down.
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct Deleted {
+        pub kind: Kind,
+        pub name: String,
+        /// Always `deleted`.
+        pub action: String,
+    }
+
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct Message {
+        /// What happened, for a person.
+        pub message: String,
+    }
+
+    /// Events, oldest first.
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct EventList {
+        pub items: Vec<Event>,
+    }
+
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct AgentPing {
+        pub ok: bool,
+        /// Round trip, milliseconds.
+        pub ms: u64,
+    }
+
+    /// A program to run in the guest (`guest-exec`), waited for.
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct ExecRequest {
+        /// The program's path in the guest.
+        pub path: String,
+        #[serde(default)]
+        pub args: Vec<String>,
+        /// 1..600, default 60.
+        #[serde(default)]
+        #[schema(minimum = 1, maximum = 600)]
+        pub timeout_seconds: Option<u64>,
+    }
+
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "camelCase", deny_unknown_fields)]
+    pub struct ExecResult {
+        /// Unset when the program was killed by a signal.
+        pub exit_code: Option<i64>,
+        pub signal: Option<i64>,
+        /// Captured output, as UTF-8 (invalid bytes replaced).
+        pub stdout: String,
+        pub stderr: String,
+        /// The agent cut the captured output short.
+        pub truncated: bool,
+    }
+
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct FreezeStatus {
+        pub status: FreezeState,
+    }
+
+    #[derive(Serialize, ToSchema)]
+    #[serde(rename_all = "lowercase")]
+    pub enum FreezeState {
+        Frozen,
+        Thawed,
+    }
+
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct RestoreRequest {
+        /// A Ready VirtualMachineSnapshot of this VM.
+        pub from: String,
+    }
+}
+
+// ---------------------------------------------------------------- operations
+//
+// Functions that only carry an operation's description; the handlers are in
+// mod.rs, console.rs and sources.rs.
+
+#[utoipa::path(get, path = "/v1/health", tag = "daemon",
+    summary = "The daemon's version and accelerator",
+    responses((status = 200, description = "The daemon answers", body = Health)))]
+#[allow(dead_code)]
+fn health() {}
+
+#[utoipa::path(post, path = "/v1/apply", tag = "objects",
+    summary = "Create or update objects, all or nothing",
+    description = "Every object is validated (syntax, fields, host paths inside the image roots, a disk used by at most one VM, immutable specs, network clashes, ownership) before any is written; the batch is written in one store transaction. Host paths must be absolute.",
+    request_body = ApplyRequest,
+    responses(
+        (status = 200, description = "Every object written (or unchanged), in order", body = ApplyResults),
+        (status = 400, description = "An invalid object: nothing changed", body = ErrorAnswer),
+        (status = 409, description = "A conflict (a disk used by two VMs, an object owned by a manifest file): nothing changed", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn apply() {}
+
+#[utoipa::path(get, path = "/v1/events", tag = "daemon",
+    summary = "Events, oldest first",
+    params(
+        ("kind" = Option<String>, Query, description = "A kind, as the CLI accepts it (`vm`, `VirtualMachine`, ...)"),
+        ("name" = Option<String>, Query, description = "An object name"),
+        ("limit" = Option<u32>, Query, description = "At most this many (default 100, at most 10000)"),
+    ),
+    responses(
+        (status = 200, description = "The events", body = EventList),
+        (status = 400, description = "Unknown kind", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn events() {}
+
+#[utoipa::path(get, path = "/v1/sources", tag = "daemon",
+    summary = "The manifest directory as hearthd sees it",
+    description = "Every file, what it declares and in what state, parse errors with line and column, conflicts, pending deletes, re-list counts and timings (docs/manifest-directory.md).",
+    responses((status = 200, description = "The directory's view", body = serde_json::Value)))]
+#[allow(dead_code)]
+fn sources() {}
+
+#[utoipa::path(get, path = "/v1/openapi.json", tag = "daemon",
+    summary = "This document",
+    responses((status = 200, description = "OpenAPI 3.1", body = serde_json::Value)))]
+#[allow(dead_code)]
+fn openapi_json() {}
+
+#[utoipa::path(get, path = "/metrics", tag = "daemon",
+    summary = "Prometheus metrics",
+    description = "The Prometheus text format (0.0.4), or OpenMetrics 1.0 when the Accept header asks for `application/openmetrics-text`. Every metric is described in docs/metrics.md.",
+    responses((status = 200, description = "Metrics", body = String, content_type = "text/plain")))]
+#[allow(dead_code)]
+fn metrics() {}
+
+#[utoipa::path(get, path = "/v1/{plural}", tag = "objects",
+    summary = "All objects of one kind",
+    params(("plural" = Plural, Path)),
+    responses(
+        (status = 200, description = "The objects, sorted by name", body = ObjectList),
+        (status = 404, description = "Unknown resource", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn list() {}
+
+#[utoipa::path(get, path = "/v1/{plural}/{name}", tag = "objects",
+    summary = "One object, with its status",
+    params(("plural" = Plural, Path), ("name" = String, Path)),
+    responses(
+        (status = 200, description = "The object", body = AnyObject),
+        (status = 404, description = "No such object", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn get_one() {}
+
+#[utoipa::path(delete, path = "/v1/{plural}/{name}", tag = "objects",
+    summary = "Delete an object",
+    description = "Marks the object for deletion; its reconcile tears down what was started. Refused for a disk in use, a network or image something uses, and an object owned by a manifest file.",
+    params(("plural" = Plural, Path), ("name" = String, Path)),
+    responses(
+        (status = 200, description = "Deletion requested", body = Deleted),
+        (status = 404, description = "No such object", body = ErrorAnswer),
+        (status = 409, description = "In use, or owned by a manifest file", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn delete() {}
+
+#[utoipa::path(get, path = "/v1/virtualmachines/{name}/console", tag = "virtualmachines",
+    summary = "The serial console log",
+    params(
+        ("name" = String, Path),
+        ("follow" = Option<bool>, Query, description = "Keep the answer open and stream what the VM writes next"),
+    ),
+    responses(
+        (status = 200, description = "The log", body = String, content_type = "text/plain"),
+        (status = 404, description = "No such VM", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn console() {}
+
+#[utoipa::path(post, path = "/v1/virtualmachines/{name}/agent/ping", tag = "virtualmachines",
+    summary = "Ping the guest agent",
+    params(("name" = String, Path)),
+    responses(
+        (status = 200, description = "The agent answered", body = AgentPing),
+        (status = 404, description = "No such VM", body = ErrorAnswer),
+        (status = 409, description = "Not running, or the agent is not connected", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn agent_ping() {}
+
+#[utoipa::path(post, path = "/v1/virtualmachines/{name}/agent/exec", tag = "virtualmachines",
+    summary = "Run a program in the guest and wait for it",
+    params(("name" = String, Path)),
+    request_body = ExecRequest,
+    responses(
+        (status = 200, description = "The program ended (or was killed at the timeout)", body = ExecResult),
+        (status = 404, description = "No such VM", body = ErrorAnswer),
+        (status = 409, description = "Not running, or the agent is not connected", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn agent_exec() {}
+
+#[utoipa::path(post, path = "/v1/virtualmachines/{name}/agent/fsfreeze-status", tag = "virtualmachines",
+    summary = "The guest's filesystem freeze state, as its agent says",
+    params(("name" = String, Path)),
+    responses(
+        (status = 200, description = "The agent answered", body = FreezeStatus),
+        (status = 404, description = "No such VM", body = ErrorAnswer),
+        (status = 409, description = "Not running, or the agent is not connected", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn agent_freeze_status() {}
+
+#[utoipa::path(post, path = "/v1/virtualmachines/{name}/restore", tag = "virtualmachines",
+    summary = "Rebuild a VM's disks from one of its snapshots",
+    description = "Stops the VM, puts a fresh overlay over each snapshot layer as the disk's head, and starts the VM again if it ran. Answers once the disks are rebuilt.",
+    params(("name" = String, Path)),
+    request_body = RestoreRequest,
+    responses(
+        (status = 200, description = "The disks are rebuilt", body = Message),
+        (status = 404, description = "No such VM or snapshot", body = ErrorAnswer),
+        (status = 409, description = "The snapshot is not Ready or not of this VM", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn restore() {}
+
+#[utoipa::path(post, path = "/v1/virtualmachines/{name}/{action}", tag = "virtualmachines",
+    summary = "Start, stop or restart a VM",
+    description = "Sets the VM's run intent (for `Manual` VMs; start is refused for `AlwaysOff`); the reconcile acts on it.",
+    params(("name" = String, Path), ("action" = VmActionName, Path)),
+    responses(
+        (status = 200, description = "The run intent is set", body = Message),
+        (status = 404, description = "No such VM or action", body = ErrorAnswer),
+        (status = 409, description = "Refused by the run policy, or being deleted", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn vm_action() {}
+
+#[cfg(test)]
+mod tests;
