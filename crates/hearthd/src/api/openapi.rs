@@ -58,6 +58,11 @@ pub async fn serve() -> Response {
         console,
         agent_ping,
         agent_exec,
+        agent_exec_start,
+        agent_exec_status,
+        agent_file_put,
+        agent_file_get,
+        watch,
         agent_freeze_status,
         restore,
         vm_action
@@ -335,10 +340,17 @@ fn openapi_json() {}
 fn metrics() {}
 
 #[utoipa::path(get, path = "/v1/{plural}", tag = "objects",
-    summary = "All objects of one kind",
-    params(("plural" = Plural, Path)),
+    summary = "All objects of one kind, or (watch=true) a stream of their changes",
+    description = "With `watch=true` the answer is the change stream of `GET /v1/watch` for this kind (JSON lines, `application/x-ndjson`); see docs/http-api.md.",
+    params(
+        ("plural" = Plural, Path),
+        ("watch" = Option<bool>, Query, description = "Stream changes instead of listing"),
+        ("since" = Option<u64>, Query, description = "With watch: go on after this sequence number"),
+        ("name" = Option<String>, Query, description = "With watch: only this object"),
+        ("heartbeat" = Option<u64>, Query, description = "With watch: seconds between bookmarks while idle (1 to 300)"),
+    ),
     responses(
-        (status = 200, description = "The objects, sorted by name", body = ObjectList),
+        (status = 200, description = "The objects, sorted by name; with watch=true, JSON lines", body = ObjectList),
         (status = 404, description = "Unknown resource", body = ErrorAnswer),
     ))]
 #[allow(dead_code)]
@@ -401,6 +413,89 @@ fn agent_ping() {}
     ))]
 #[allow(dead_code)]
 fn agent_exec() {}
+
+#[utoipa::path(post, path = "/v1/virtualmachines/{name}/agent/exec/start", tag = "virtualmachines",
+    summary = "Start a program in the guest",
+    description = "Body: `{path, args?, stdinBase64?}`. Answers at once with hearthd's id of the program and its guest pid; poll `GET .../agent/exec/{id}`. Each agent request takes the channel for that request only, so snapshots are never held up.",
+    params(("name" = String, Path)),
+    request_body = serde_json::Value,
+    responses(
+        (status = 200, description = "Started: `{id, pid}`", body = serde_json::Value),
+        (status = 400, description = "A bad body", body = ErrorAnswer),
+        (status = 404, description = "No such VM", body = ErrorAnswer),
+        (status = 409, description = "Not running, no agent, or the agent is not connected", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn agent_exec_start() {}
+
+#[utoipa::path(get, path = "/v1/virtualmachines/{name}/agent/exec/{id}", tag = "virtualmachines",
+    summary = "A started program's state",
+    description = "`{id, pid, exited: false}` while it runs; once it ended `{id, pid, exited: true, exitCode, signal, stdoutBase64, stderrBase64, truncated}`, given once.",
+    params(
+        ("name" = String, Path),
+        ("id" = u64, Path),
+        ("waitMs" = Option<u64>, Query, description = "Wait up to this long for the program to end before answering"),
+    ),
+    responses(
+        (status = 200, description = "Running or ended", body = serde_json::Value),
+        (status = 404, description = "No such VM or program", body = ErrorAnswer),
+        (status = 409, description = "Not running, or the agent is not connected", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn agent_exec_status() {}
+
+#[utoipa::path(put, path = "/v1/virtualmachines/{name}/agent/files", tag = "virtualmachines",
+    summary = "Write a file in the guest",
+    description = "The request body becomes the file at `path`: written to a temporary file next to it in chunks, then given `mode` and renamed into place.",
+    params(
+        ("name" = String, Path),
+        ("path" = String, Query, description = "Absolute path in the guest"),
+        ("mode" = Option<String>, Query, description = "Octal permission mode, 0 to 777"),
+    ),
+    request_body(content = Vec<u8>, content_type = "application/octet-stream"),
+    responses(
+        (status = 200, description = "Written", body = serde_json::Value),
+        (status = 400, description = "A bad path or mode, or the upload broke off", body = ErrorAnswer),
+        (status = 404, description = "No such VM", body = ErrorAnswer),
+        (status = 409, description = "Not running, or the agent is not connected", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn agent_file_put() {}
+
+#[utoipa::path(get, path = "/v1/virtualmachines/{name}/agent/files", tag = "virtualmachines",
+    summary = "Read a file from the guest",
+    description = "The file's bytes, streamed in chunks; size and mode in headers when the guest can tell them.",
+    params(
+        ("name" = String, Path),
+        ("path" = String, Query, description = "Absolute path in the guest"),
+    ),
+    responses(
+        (status = 200, description = "The file", body = Vec<u8>, content_type = "application/octet-stream"),
+        (status = 400, description = "A bad path, or not a regular file", body = ErrorAnswer),
+        (status = 404, description = "No such VM, or no such file in the guest", body = ErrorAnswer),
+        (status = 409, description = "Not running, or the agent is not connected", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn agent_file_get() {}
+
+#[utoipa::path(get, path = "/v1/watch", tag = "objects",
+    summary = "The change stream",
+    description = "JSON lines (`application/x-ndjson`), one per change: `{seq, type: ADDED|MODIFIED|DELETED|EVENT|BOOKMARK|RELIST, kind, name, object|event}`, resumable with `since`. See docs/http-api.md, Watching.",
+    params(
+        ("kinds" = Option<String>, Query, description = "Comma-separated kinds (plurals, kind names or short names); every kind when left out"),
+        ("name" = Option<String>, Query, description = "Only this object"),
+        ("since" = Option<u64>, Query, description = "Go on after this sequence number"),
+        ("objects" = Option<bool>, Query, description = "Object changes (default true)"),
+        ("events" = Option<bool>, Query, description = "Events (default false)"),
+        ("limit" = Option<usize>, Query, description = "Events in the initial list (default 100, at most 10000)"),
+        ("heartbeat" = Option<u64>, Query, description = "Seconds between bookmarks while idle (1 to 300, default 15)"),
+    ),
+    responses(
+        (status = 200, description = "The stream", body = String, content_type = "application/x-ndjson"),
+        (status = 400, description = "A bad parameter, named", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn watch() {}
 
 #[utoipa::path(post, path = "/v1/virtualmachines/{name}/agent/fsfreeze-status", tag = "virtualmachines",
     summary = "The guest's filesystem freeze state, as its agent says",
