@@ -7,7 +7,7 @@ mod common;
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -15,12 +15,8 @@ use serde_json::json;
 
 /// The real CLI with `stdin` written to it, then closed.
 fn cli_with_stdin(d: &Daemon, args: &[&str], stdin: &[u8]) -> Output {
-    let mut child = Command::new(hearth_bin())
-        .args(args)
-        .env("HEARTH_SOCKET", d.socket())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+    let mut child = d
+        .cli_command(args, Stdio::piped())
         .spawn()
         .expect("run hearth");
     let mut pipe = child.stdin.take().expect("stdin");
@@ -36,12 +32,7 @@ fn cli_with_stdin(d: &Daemon, args: &[&str], stdin: &[u8]) -> Output {
 /// The real CLI started in the background (for a copy that runs while
 /// something else happens).
 fn cli_spawn(d: &Daemon, args: &[&str]) -> Child {
-    Command::new(hearth_bin())
-        .args(args)
-        .env("HEARTH_SOCKET", d.socket())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+    d.cli_command(args, Stdio::null())
         .spawn()
         .expect("run hearth")
 }

@@ -9,7 +9,7 @@ mod common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -518,12 +518,8 @@ struct Cli {
 
 impl Cli {
     fn spawn(d: &Daemon, args: &[&str]) -> Cli {
-        let mut child = Command::new(hearth_bin())
-            .args(args)
-            .env("HEARTH_SOCKET", d.socket())
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
+        let mut child = d
+            .cli_command(args, Stdio::null())
             .spawn()
             .expect("run hearth");
         let stdout = child.stdout.take().expect("stdout");

@@ -387,12 +387,22 @@ impl Daemon {
             .collect()
     }
 
-    /// Runs the real CLI against this daemon.
-    pub fn cli(&self, args: &[&str]) -> Output {
-        Command::new(hearth_bin())
-            .args(args)
+    /// The real CLI against this daemon, not started yet: stdout and
+    /// stderr piped, stdin `stdin`.
+    pub fn cli_command(&self, args: &[&str], stdin: Stdio) -> Command {
+        let mut c = Command::new(hearth_bin());
+        c.args(args)
             .env("HEARTH_SOCKET", self.socket())
             .current_dir(repo_root())
+            .stdin(stdin)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        c
+    }
+
+    /// Runs the real CLI against this daemon.
+    pub fn cli(&self, args: &[&str]) -> Output {
+        self.cli_command(args, Stdio::null())
             .output()
             .expect("run hearth")
     }
