@@ -1,13 +1,13 @@
 //! hearthd: wires the engine to its configuration and serves the HTTP API.
 
 mod api;
+mod config;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
-use clap::Parser;
 use hearth_engine::{Engine, EngineConfig};
 use hearth_qemu::accel::{self, AccelDecision};
 use hearth_qemu::cmdline::Accel;
@@ -15,12 +15,26 @@ use hearth_qemu::cmdline::Accel;
 /// The hearth daemon: keeps VirtualMachines and VirtualDisks in their declared
 /// state on this host, takes consistent snapshots of them, and serves the API
 /// that `hearth` talks to.
-#[derive(Parser, Debug)]
+///
+/// Every flag can also be set in the configuration file (its long name as the
+/// key; flags > environment > file > defaults: docs/configuration.md).
+#[derive(clap::Parser, Debug)]
 #[command(
     version,
     after_help = "Example:\n  hearthd --image-root /srv/images\n\nVMs keep running when hearthd stops; a restarted hearthd adopts them."
 )]
 struct Args {
+    /// The configuration file (TOML). Default /etc/hearth/hearthd.toml,
+    /// which may be missing; a file named here must exist.
+    #[arg(long, env = "HEARTH_CONFIG", value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// Print the effective configuration (flags, environment and file
+    /// merged) as a configuration file, and exit.
+    #[arg(long)]
+    print_config: bool,
+    /// Log lines as text, or as one JSON object a line (for log collectors).
+    #[arg(long, env = "HEARTH_LOG_FORMAT", value_enum, default_value = "text")]
+    log_format: LogFormat,
     /// Database, disk images and console logs.
     #[arg(long, env = "HEARTH_STATE_DIR", default_value = "/var/lib/hearth")]
     state_dir: PathBuf,
@@ -35,8 +49,8 @@ struct Args {
     #[arg(long = "image-root", env = "HEARTH_IMAGE_ROOTS", value_delimiter = ':')]
     image_roots: Vec<PathBuf>,
     /// Accelerator: auto (KVM if a probe VM really runs under it, else TCG), kvm or tcg.
-    #[arg(long, env = "HEARTH_ACCEL", default_value = "auto")]
-    accel: String,
+    #[arg(long, env = "HEARTH_ACCEL", value_enum, default_value = "auto")]
+    accel: AccelChoice,
     /// Seconds between full resyncs of every object.
     #[arg(long, default_value_t = 10)]
     resync_seconds: u64,
@@ -101,17 +115,46 @@ struct Args {
     metrics_allow_remote: bool,
 }
 
+#[derive(clap::ValueEnum, serde::Serialize, serde::Deserialize, Clone, Copy, Debug, PartialEq)]
+#[serde(rename_all = "lowercase")]
+enum AccelChoice {
+    Auto,
+    Kvm,
+    Tcg,
+}
+
+#[derive(clap::ValueEnum, serde::Serialize, serde::Deserialize, Clone, Copy, Debug, PartialEq)]
+#[serde(rename_all = "lowercase")]
+enum LogFormat {
+    Text,
+    Json,
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("HEARTH_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
-    let args = Args::parse();
+    let (args, config_file) = config::load()?;
+    if args.print_config {
+        print!("{}", config::render(&args)?);
+        return Ok(());
+    }
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("HEARTH_LOG").unwrap_or_else(|_| "info".into());
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match args.log_format {
+        LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        LogFormat::Json => logs.json().init(),
+    }
+    match &config_file {
+        Some(path) => tracing::info!(config = %path.display(), "configuration file read"),
+        None => tracing::info!(
+            config = config::DEFAULT_PATH,
+            "no configuration file: flags, environment and defaults"
+        ),
+    }
     if let Some(addr) = args.metrics_listen
         && !addr.ip().is_loopback()
         && !args.metrics_allow_remote
@@ -123,7 +166,7 @@ async fn main() -> anyhow::Result<()> {
 
     let qemu = hearth_qemu::tools::find_binary("qemu-system-x86_64")?;
     hearth_qemu::tools::find_binary("qemu-img")?;
-    let accel = choose_accel(&args.accel, &qemu).await?;
+    let accel = choose_accel(args.accel, &qemu).await?;
     tracing::info!(accelerator = accel.accel.as_str(), reason = %accel.reason, "accelerator chosen");
 
     let image_roots = if args.image_roots.is_empty() {
@@ -198,18 +241,20 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn choose_accel(wanted: &str, qemu: &std::path::Path) -> anyhow::Result<AccelDecision> {
+async fn choose_accel(
+    wanted: AccelChoice,
+    qemu: &std::path::Path,
+) -> anyhow::Result<AccelDecision> {
     Ok(match wanted {
-        "auto" => accel::detect(qemu).await,
-        "kvm" => AccelDecision {
+        AccelChoice::Auto => accel::detect(qemu).await,
+        AccelChoice::Kvm => AccelDecision {
             accel: Accel::Kvm,
             reason: "kvm: forced by --accel kvm".into(),
         },
-        "tcg" => AccelDecision {
+        AccelChoice::Tcg => AccelDecision {
             accel: Accel::Tcg,
             reason: "tcg: forced by --accel tcg".into(),
         },
-        other => bail!("--accel {other:?}: use auto, kvm or tcg"),
     })
 }
 

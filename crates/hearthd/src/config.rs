@@ -1,0 +1,416 @@
+//! The configuration file (`/etc/hearth/hearthd.toml`, docs/configuration.md):
+//! every flag of hearthd, merged under the command line and the environment.
+//!
+//! clap parses the command line and the environment first; `ArgMatches::
+//! value_source` then tells, for every argument, whether its value came from
+//! either of them. Only the arguments that did not are taken from the file,
+//! so the precedence is flags > environment > file > defaults without a
+//! second copy of the defaults.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, anyhow, bail};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, FromArgMatches};
+use serde::{Deserialize, Serialize};
+
+use crate::{AccelChoice, Args, LogFormat};
+
+/// Read when neither `--config` nor `HEARTH_CONFIG` names a file; it may be
+/// missing.
+pub const DEFAULT_PATH: &str = "/etc/hearth/hearthd.toml";
+
+/// The file: every key optional, named as its flag (`state-dir` for
+/// `--state-dir`, the list `image-roots` for the repeatable `--image-root`).
+/// An unknown key is an error, not ignored: a misspelt key would otherwise
+/// silently leave its setting at the default.
+#[derive(Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct FileConfig {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_dir: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run_dir: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub socket: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_roots: Option<Vec<PathBuf>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub accel: Option<AccelChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resync_seconds: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub manifests: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub manifests_resync_seconds: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub manifests_delete_grace_ms: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ovmf_code: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ovmf_vars: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_connect_timeout_seconds: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_read_timeout_seconds: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_max_bytes: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_retry_max_seconds: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_listen: Option<SocketAddr>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_allow_remote: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log_format: Option<LogFormat>,
+}
+
+/// Parses a configuration file's text; errors name the file and the key.
+pub fn parse_file(text: &str, path: &Path) -> anyhow::Result<FileConfig> {
+    let de = toml::Deserializer::parse(text).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let file: FileConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+        let key = e.path().to_string();
+        let inner = e.into_inner();
+        // The toml error carries the line and a caret under the value.
+        if key.is_empty() || key == "." {
+            anyhow!("{}: {inner}", path.display())
+        } else {
+            anyhow!("{}: {key}: {inner}", path.display())
+        }
+    })?;
+    if let Some(q) = &file.image_max_bytes {
+        hearth_api::Quantity::parse(q)
+            .map_err(|e| anyhow!("{}: image-max-bytes: {e}", path.display()))?;
+    }
+    Ok(file)
+}
+
+/// Reads the file `--config`/`HEARTH_CONFIG` names, else the default one:
+/// `None` when the default one does not exist (a named one must).
+pub fn read_file(named: Option<&Path>) -> anyhow::Result<Option<(PathBuf, FileConfig)>> {
+    let path = named.unwrap_or(Path::new(DEFAULT_PATH));
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && named.is_none() => return Ok(None),
+        Err(e) => {
+            return Err(e).with_context(|| format!("--config {}: cannot read", path.display()));
+        }
+    };
+    Ok(Some((path.to_path_buf(), parse_file(&text, path)?)))
+}
+
+/// The effective arguments: those clap found on the command line or in the
+/// environment, then the file's, then clap's defaults.
+pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
+    let mut args = Args::from_arg_matches(matches).map_err(|e| anyhow!("{e}"))?;
+    let given = |id: &str| {
+        matches!(
+            matches.value_source(id),
+            Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+        )
+    };
+    // Destructured so that a key added to the file and not merged here does
+    // not compile.
+    let FileConfig {
+        state_dir,
+        run_dir,
+        socket,
+        image_roots,
+        accel,
+        resync_seconds,
+        manifests,
+        manifests_resync_seconds,
+        manifests_delete_grace_ms,
+        ovmf_code,
+        ovmf_vars,
+        image_connect_timeout_seconds,
+        image_read_timeout_seconds,
+        image_max_bytes,
+        image_retry_max_seconds,
+        metrics_listen,
+        metrics_allow_remote,
+        log_format,
+    } = file;
+    macro_rules! fill {
+        ($($field:ident),* ; $($opt:ident),*) => {
+            $(if let Some(v) = $field && !given(stringify!($field)) {
+                args.$field = v;
+            })*
+            $(if let Some(v) = $opt && !given(stringify!($opt)) {
+                args.$opt = Some(v);
+            })*
+        };
+    }
+    fill!(
+        state_dir, run_dir, image_roots, accel, resync_seconds, manifests,
+        manifests_resync_seconds, manifests_delete_grace_ms, ovmf_code, ovmf_vars,
+        image_connect_timeout_seconds, image_read_timeout_seconds, image_max_bytes,
+        image_retry_max_seconds, metrics_allow_remote, log_format;
+        socket, metrics_listen
+    );
+    Ok(args)
+}
+
+/// The effective configuration in the file's format: every key with its
+/// value, except the ones unset whose default is derived from others.
+pub fn to_file(args: &Args) -> FileConfig {
+    FileConfig {
+        state_dir: Some(args.state_dir.clone()),
+        run_dir: Some(args.run_dir.clone()),
+        socket: args.socket.clone(),
+        image_roots: (!args.image_roots.is_empty()).then(|| args.image_roots.clone()),
+        accel: Some(args.accel),
+        resync_seconds: Some(args.resync_seconds),
+        manifests: Some(args.manifests.clone()),
+        manifests_resync_seconds: Some(args.manifests_resync_seconds),
+        manifests_delete_grace_ms: Some(args.manifests_delete_grace_ms),
+        ovmf_code: Some(args.ovmf_code.clone()),
+        ovmf_vars: Some(args.ovmf_vars.clone()),
+        image_connect_timeout_seconds: Some(args.image_connect_timeout_seconds),
+        image_read_timeout_seconds: Some(args.image_read_timeout_seconds),
+        image_max_bytes: Some(args.image_max_bytes.clone()),
+        image_retry_max_seconds: Some(args.image_retry_max_seconds),
+        metrics_listen: args.metrics_listen,
+        metrics_allow_remote: Some(args.metrics_allow_remote),
+        log_format: Some(args.log_format),
+    }
+}
+
+/// `hearthd --print-config`: a valid file that configures what these
+/// arguments do.
+pub fn render(args: &Args) -> anyhow::Result<String> {
+    let file = to_file(args);
+    let mut out = String::from(
+        "# hearthd configuration (hearthd --print-config); keys: docs/configuration.md\n",
+    );
+    for (unset, key, default) in [
+        (file.socket.is_none(), "socket", "RUN_DIR/hearthd.sock"),
+        (
+            file.image_roots.is_none(),
+            "image-roots",
+            "[STATE_DIR/images]",
+        ),
+        (
+            file.metrics_listen.is_none(),
+            "metrics-listen",
+            "no TCP listener",
+        ),
+    ] {
+        if unset {
+            out.push_str(&format!("# {key}: unset ({default})\n"));
+        }
+    }
+    let body = toml::to_string(&file).map_err(|e| {
+        anyhow!("the configuration cannot be written as TOML (paths must be UTF-8): {e}")
+    })?;
+    out.push_str(&body);
+    Ok(out)
+}
+
+/// Parses the command line and the environment, reads the file, merges.
+pub fn load() -> anyhow::Result<(Args, Option<PathBuf>)> {
+    let matches = <Args as clap::CommandFactory>::command().get_matches();
+    load_from(&matches)
+}
+
+fn load_from(matches: &ArgMatches) -> anyhow::Result<(Args, Option<PathBuf>)> {
+    let named: Option<PathBuf> = matches.get_one::<PathBuf>("config").cloned();
+    let (path, file) = match read_file(named.as_deref())? {
+        Some((p, f)) => (Some(p), f),
+        None => (None, FileConfig::default()),
+    };
+    let args = merge(matches, file)?;
+    if args.socket.as_deref() == Some(Path::new("")) {
+        bail!("socket: must not be empty");
+    }
+    Ok((args, path))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+    use std::sync::Mutex;
+
+    /// The tests that set HEARTH_* variables run one at a time; nothing else
+    /// in this binary reads them.
+    static ENV: Mutex<()> = Mutex::new(());
+
+    struct EnvVar(&'static str);
+    impl EnvVar {
+        fn set(name: &'static str, value: &str) -> EnvVar {
+            // SAFETY: under ENV; no other thread of this test binary reads
+            // or writes HEARTH_* variables.
+            unsafe { std::env::set_var(name, value) };
+            EnvVar(name)
+        }
+    }
+    impl Drop for EnvVar {
+        fn drop(&mut self) {
+            // SAFETY: as in `set`.
+            unsafe { std::env::remove_var(self.0) };
+        }
+    }
+
+    fn lock() -> std::sync::MutexGuard<'static, ()> {
+        ENV.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn resolve(argv: &[&str], file: &str) -> Args {
+        let matches = Args::command()
+            .try_get_matches_from(std::iter::once("hearthd").chain(argv.iter().copied()))
+            .expect("arguments parse");
+        let file = parse_file(file, Path::new("/t/hearthd.toml")).expect("file parses");
+        merge(&matches, file).expect("merge")
+    }
+
+    const FILE: &str = r#"
+state-dir = "/from/file/state"
+accel = "tcg"
+resync-seconds = 5
+image-roots = ["/a", "/b"]
+metrics-listen = "127.0.0.1:9464"
+log-format = "json"
+"#;
+
+    #[test]
+    fn the_file_fills_what_nothing_else_sets() {
+        let _g = lock();
+        let a = resolve(&[], FILE);
+        assert_eq!(a.state_dir, PathBuf::from("/from/file/state"));
+        assert_eq!(a.accel, AccelChoice::Tcg);
+        assert_eq!(a.resync_seconds, 5);
+        assert_eq!(
+            a.image_roots,
+            vec![PathBuf::from("/a"), PathBuf::from("/b")]
+        );
+        assert_eq!(a.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(a.log_format, LogFormat::Json);
+        // Not in the file: clap's defaults.
+        assert_eq!(a.run_dir, PathBuf::from("/run/hearth"));
+        assert_eq!(a.manifests_resync_seconds, 30);
+        assert_eq!(a.image_max_bytes, "256Gi");
+        assert_eq!(a.socket, None);
+        // And no file at all: every default.
+        let d = resolve(&[], "");
+        assert_eq!(d.state_dir, PathBuf::from("/var/lib/hearth"));
+        assert_eq!(d.accel, AccelChoice::Auto);
+        assert_eq!(d.log_format, LogFormat::Text);
+        assert!(d.image_roots.is_empty());
+    }
+
+    #[test]
+    fn the_environment_wins_over_the_file() {
+        let _g = lock();
+        let _accel = EnvVar::set("HEARTH_ACCEL", "kvm");
+        let _state = EnvVar::set("HEARTH_STATE_DIR", "/from/env");
+        let _roots = EnvVar::set("HEARTH_IMAGE_ROOTS", "/e1:/e2");
+        let a = resolve(&[], FILE);
+        assert_eq!(a.accel, AccelChoice::Kvm);
+        assert_eq!(a.state_dir, PathBuf::from("/from/env"));
+        assert_eq!(
+            a.image_roots,
+            vec![PathBuf::from("/e1"), PathBuf::from("/e2")]
+        );
+        // What the environment does not set still comes from the file.
+        assert_eq!(a.resync_seconds, 5);
+    }
+
+    #[test]
+    fn a_flag_wins_over_the_environment_and_the_file() {
+        let _g = lock();
+        let _accel = EnvVar::set("HEARTH_ACCEL", "kvm");
+        let _format = EnvVar::set("HEARTH_LOG_FORMAT", "json");
+        let a = resolve(
+            &[
+                "--accel",
+                "auto",
+                "--resync-seconds",
+                "9",
+                "--log-format",
+                "text",
+                "--image-root",
+                "/f",
+            ],
+            FILE,
+        );
+        assert_eq!(a.accel, AccelChoice::Auto);
+        assert_eq!(a.resync_seconds, 9);
+        assert_eq!(a.log_format, LogFormat::Text);
+        assert_eq!(a.image_roots, vec![PathBuf::from("/f")]);
+        assert_eq!(a.state_dir, PathBuf::from("/from/file/state"));
+    }
+
+    #[test]
+    fn a_flag_false_by_default_is_set_by_the_file() {
+        let _g = lock();
+        let a = resolve(&[], "metrics-allow-remote = true");
+        assert!(a.metrics_allow_remote);
+    }
+
+    #[test]
+    fn an_unknown_key_is_refused_with_its_name_and_the_file() {
+        let e = parse_file(
+            "state-dir = \"/x\"\nresync-secs = 3\n",
+            Path::new("/t/h.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("resync-secs"), "{e}");
+        assert!(e.contains("/t/h.toml"), "{e}");
+        // An unknown table too.
+        let e = parse_file("[metrics]\nlisten = 1\n", Path::new("/t/h.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("metrics"), "{e}");
+    }
+
+    #[test]
+    fn a_bad_value_is_refused_with_its_key() {
+        for (text, key) in [
+            ("resync-seconds = \"soon\"", "resync-seconds"),
+            ("resync-seconds = -1", "resync-seconds"),
+            ("accel = \"fast\"", "accel"),
+            ("log-format = \"xml\"", "log-format"),
+            ("metrics-listen = \"localhost\"", "metrics-listen"),
+            ("image-roots = \"/one\"", "image-roots"),
+            ("image-max-bytes = \"lots\"", "image-max-bytes"),
+            ("metrics-allow-remote = \"yes\"", "metrics-allow-remote"),
+        ] {
+            let e = parse_file(text, Path::new("/t/h.toml"))
+                .expect_err(text)
+                .to_string();
+            assert!(e.starts_with(&format!("/t/h.toml: {key}: ")), "{text}: {e}");
+        }
+        // Not TOML at all: the file and the line.
+        let e = parse_file("state-dir = ", Path::new("/t/h.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("/t/h.toml: ") && e.contains("line 1"), "{e}");
+    }
+
+    #[test]
+    fn a_named_file_must_exist() {
+        let e = read_file(Some(Path::new("/nonexistent/hearthd.toml")))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/nonexistent/hearthd.toml"), "{e}");
+    }
+
+    #[test]
+    fn the_printed_configuration_reads_back_to_itself() {
+        let _g = lock();
+        for (argv, file) in [
+            (&[][..], ""),
+            (&[][..], FILE),
+            (&["--socket", "/s.sock", "--metrics-allow-remote"][..], FILE),
+        ] {
+            let a = resolve(argv, file);
+            let printed = render(&a).expect("render");
+            let again = resolve(&[], &printed);
+            assert_eq!(render(&again).expect("render"), printed);
+            assert_eq!(to_file(&again), to_file(&a));
+        }
+    }
+}
