@@ -224,6 +224,17 @@ impl Daemon {
             )
             .envs(env.iter().copied())
             .env("HEARTH_LOG", "info,hearth_engine=debug")
+            // Never the host's /etc/hearth/hearthd.toml: an empty file of
+            // its own unless the test names one.
+            .envs(
+                (!env.iter().any(|(k, _)| *k == "HEARTH_CONFIG")
+                    && !self.extra_args.iter().any(|a| a == "--config"))
+                .then(|| {
+                    let empty = self.dir.path().join("hearthd.toml");
+                    std::fs::write(&empty, "").expect("empty config file");
+                    ("HEARTH_CONFIG", empty)
+                }),
+            )
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
