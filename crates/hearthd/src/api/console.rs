@@ -17,7 +17,7 @@ use hearth_api::Kind;
 use hearth_engine::Engine;
 use hyper_util::rt::TokioIo;
 use serde::Deserialize;
-use tokio::io::{AsyncReadExt, AsyncSeekExt};
+use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use super::ApiError;
@@ -171,17 +171,26 @@ pub async fn attach(
     })?;
     let on_upgrade = hyper::upgrade::on(&mut req);
     tokio::spawn(async move {
-        let _claim = claim;
-        let mut serial = serial;
-        match on_upgrade.await {
-            Ok(upgraded) => {
-                let mut client = TokioIo::new(upgraded);
-                if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut serial).await {
-                    tracing::debug!(vm = %name, "console attach ended: {e}");
-                }
+        let upgraded = match on_upgrade.await {
+            Ok(u) => u,
+            Err(e) => {
+                tracing::warn!(vm = %name, "console attach: upgrade failed: {e}");
+                return;
             }
-            Err(e) => tracing::warn!(vm = %name, "console attach: upgrade failed: {e}"),
+        };
+        let (mut client_rx, mut client_tx) = tokio::io::split(TokioIo::new(upgraded));
+        let (mut serial_rx, mut serial_tx) = serial.into_split();
+        // Either side ending ends the attach: the client hung up or
+        // detached, or QEMU went away.
+        tokio::select! {
+            _ = tokio::io::copy(&mut client_rx, &mut serial_tx) => {}
+            _ = tokio::io::copy(&mut serial_rx, &mut client_tx) => {}
         }
+        drop((serial_rx, serial_tx));
+        // The next client may attach before this one sees its connection
+        // close: a client that waits for the close can attach again at once.
+        drop(claim);
+        let _ = client_tx.shutdown().await;
     });
     Ok((
         StatusCode::SWITCHING_PROTOCOLS,
