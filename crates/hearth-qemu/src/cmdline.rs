@@ -770,6 +770,28 @@ mod tests {
     }
 
     #[test]
+    fn serial_socket_serves_the_port_and_keeps_the_log_as_its_logfile() {
+        let mut s = spec();
+        s.serial_socket = Some("/run/hearth/demo/serial,x.sock".into());
+        let args = strings(&build_args(&s).expect("valid"));
+        let chardevs = values_of(&args, "-chardev");
+        let serial = legacy_keys(chardevs.last().expect("serial chardev"));
+        assert_eq!(
+            serial,
+            vec![
+                (String::new(), "socket".into()),
+                ("id".into(), "serial0".into()),
+                ("path".into(), "/run/hearth/demo/serial,x.sock".into()),
+                ("server".into(), "on".into()),
+                ("wait".into(), "off".into()),
+                ("logfile".into(), "/var/log/hearth/demo/serial.log".into()),
+                ("logappend".into(), "off".into()),
+            ]
+        );
+        assert_eq!(values_of(&args, "-serial"), vec!["chardev:serial0"]);
+    }
+
+    #[test]
     fn accel_serialises_in_lowercase_as_status_fields_expect() {
         assert_eq!(serde_json::to_string(&Accel::Kvm).expect("ser"), "\"kvm\"");
         assert_eq!(

@@ -18,7 +18,8 @@ use clap::{Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
 use crate::commands::{
-    action, apply, console, cp, delete, describe, events, exec, get, logs, restore, snapshot, ssh, wait,
+    action, apply, console, cp, delete, describe, events, exec, get, logs, restore, snapshot, ssh,
+    wait,
 };
 
 #[derive(Debug, Parser)]

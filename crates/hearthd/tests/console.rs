@@ -128,7 +128,10 @@ fn console_attach_pipes_both_ways_one_writer_at_a_time() {
 
     let err = first.detach();
     assert!(err.contains("Detach with Ctrl-]"), "{err}");
-    assert!(err.contains("Detached from VirtualMachine \"con\""), "{err}");
+    assert!(
+        err.contains("Detached from VirtualMachine \"con\""),
+        "{err}"
+    );
 
     // The output also reached the log file, client or not.
     let text = std::fs::read_to_string(&log).expect("serial.log");
@@ -140,9 +143,11 @@ fn console_attach_pipes_both_ways_one_writer_at_a_time() {
     second.send(cmd2.as_bytes());
     second.wait_for(&want2, Duration::from_secs(60));
     second.detach();
-    wait_until("second marker in serial.log", Duration::from_secs(10), || {
-        std::fs::read_to_string(&log).is_ok_and(|s| s.contains(&want2))
-    });
+    wait_until(
+        "second marker in serial.log",
+        Duration::from_secs(10),
+        || std::fs::read_to_string(&log).is_ok_and(|s| s.contains(&want2)),
+    );
 
     // Unknown VM: 404 naming it.
     let out = d.cli(&["console", "nope", "--tail", "0"]);
