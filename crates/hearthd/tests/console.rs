@@ -149,6 +149,25 @@ fn console_attach_pipes_both_ways_one_writer_at_a_time() {
         || std::fs::read_to_string(&log).is_ok_and(|s| s.contains(&want2)),
     );
 
+    // A restart truncates the log (logappend=off, as the file backend did),
+    // and the new QEMU's socket takes an attach again.
+    d.cli_ok(&["restart", "con"]);
+    wait_until(
+        "a fresh serial.log after the restart",
+        Duration::from_secs(120),
+        || {
+            std::fs::read_to_string(&log).is_ok_and(|s| {
+                !s.contains(&want) && !s.contains(&want2) && s.contains("console shell on ttyS0")
+            })
+        },
+    );
+    d.wait_agent("con");
+    let (cmd3, want3) = marker_command(seed + 13);
+    let mut third = Attached::start(&d, "con");
+    third.send(cmd3.as_bytes());
+    third.wait_for(&want3, Duration::from_secs(60));
+    third.detach();
+
     // Unknown VM: 404 naming it.
     let out = d.cli(&["console", "nope", "--tail", "0"]);
     assert!(!out.status.success());
