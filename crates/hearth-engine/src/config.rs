@@ -116,6 +116,12 @@ impl EngineConfig {
         self.vm_state_dir(vm).join("serial.log")
     }
 
+    /// The serial port's unix socket (QEMU serves it; `hearth console`
+    /// attaches through hearthd). Next to `agent.sock`, so as short.
+    pub fn serial_socket(&self, vm: &str) -> PathBuf {
+        self.vm_run_dir(vm).join("serial.sock")
+    }
+
     /// Canonicalises a user-supplied host path and checks it lies inside an
     /// allowed root, so a manifest cannot hand QEMU an arbitrary host file.
     pub fn confine(&self, path: &Path) -> Result<PathBuf, String> {

@@ -254,6 +254,13 @@ impl Engine {
         Ok(self.config.serial_log(name))
     }
 
+    /// The serial console socket of a VM that exists (QEMU serves it while
+    /// the VM runs).
+    pub fn console_socket(&self, name: &str) -> Result<std::path::PathBuf, RequestError> {
+        self.get(Kind::VirtualMachine, name)?;
+        Ok(self.config.serial_socket(name))
+    }
+
     // ------------------------------------------------------------ commands
 
     /// Creates or updates objects. All or nothing: every object is checked

@@ -105,6 +105,11 @@ pub struct LaunchSpec {
     pub agent_socket: Option<PathBuf>,
     pub qmp_socket: PathBuf,
     pub serial_log: PathBuf,
+    /// With a path, the serial port is a unix socket server there (one
+    /// client at a time: `hearth console`), and `serial_log` is its logfile,
+    /// which still gets every byte the guest writes, client or not. `None`:
+    /// the serial port writes `serial_log` alone.
+    pub serial_socket: Option<PathBuf>,
 }
 
 /// A virtio-net card on a tap the host made (QEMU opens it by name, and
@@ -504,7 +509,18 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
 
     let serial = legacy_opt_path("serial_log", &spec.serial_log)?;
     args.push("-chardev");
-    args.push(format!("file,id=serial0,path={serial}"));
+    match &spec.serial_socket {
+        // `logappend=off` truncates the log when QEMU starts, as the file
+        // backend does; `wait=off` never holds the guest for a client, and
+        // output while no client is attached still reaches the logfile.
+        Some(sock) => {
+            let sock = legacy_opt_path("serial_socket", sock)?;
+            args.push(format!(
+                "socket,id=serial0,path={sock},server=on,wait=off,logfile={serial},logappend=off"
+            ));
+        }
+        None => args.push(format!("file,id=serial0,path={serial}")),
+    }
     args.push_all(["-serial", "chardev:serial0"]);
 
     Ok(args.0)
@@ -623,6 +639,7 @@ mod tests {
             agent_socket: Some("/run/hearth/demo/qga.sock".into()),
             qmp_socket: "/run/hearth/demo/qmp.sock".into(),
             serial_log: "/var/log/hearth/demo/serial.log".into(),
+            serial_socket: None,
         }
     }
 
@@ -749,6 +766,28 @@ mod tests {
             ]
         );
         assert_eq!(values_of(&args, "-mon"), vec!["chardev=qmp0,mode=control"]);
+        assert_eq!(values_of(&args, "-serial"), vec!["chardev:serial0"]);
+    }
+
+    #[test]
+    fn serial_socket_serves_the_port_and_keeps_the_log_as_its_logfile() {
+        let mut s = spec();
+        s.serial_socket = Some("/run/hearth/demo/serial,x.sock".into());
+        let args = strings(&build_args(&s).expect("valid"));
+        let chardevs = values_of(&args, "-chardev");
+        let serial = legacy_keys(chardevs.last().expect("serial chardev"));
+        assert_eq!(
+            serial,
+            vec![
+                (String::new(), "socket".into()),
+                ("id".into(), "serial0".into()),
+                ("path".into(), "/run/hearth/demo/serial,x.sock".into()),
+                ("server".into(), "on".into()),
+                ("wait".into(), "off".into()),
+                ("logfile".into(), "/var/log/hearth/demo/serial.log".into()),
+                ("logappend".into(), "off".into()),
+            ]
+        );
         assert_eq!(values_of(&args, "-serial"), vec!["chardev:serial0"]);
     }
 

@@ -279,6 +279,9 @@ pub async fn launch_with(
         args.push(pidfile.as_os_str().to_owned());
     }
     clear_stale_socket(&spec.qmp_socket)?;
+    if let Some(serial) = &spec.serial_socket {
+        clear_stale_socket(serial)?;
+    }
     if let Some(agent) = &spec.agent_socket {
         clear_stale_socket(agent)?;
     }

@@ -116,6 +116,7 @@ fn firmware_spec(
         agent_socket: None,
         qmp_socket: dir.join(format!("{name}.qmp")),
         serial_log: dir.join(format!("{name}.serial")),
+        serial_socket: None,
     }
 }
 

@@ -87,6 +87,7 @@ async fn freeze_thaw_exec_resync_and_fs_mapping_against_the_real_guest_agent() {
         agent_socket: Some(tmp.path().join("qga.sock")),
         qmp_socket: tmp.path().join("qmp.sock"),
         serial_log: tmp.path().join("serial.log"),
+        serial_socket: None,
     };
     let id = process::launch(
         &common::qemu(),

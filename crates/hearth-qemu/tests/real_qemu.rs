@@ -46,6 +46,7 @@ fn vm_in(dir: &Path, name: &str, disks: Vec<DiskAttachment>) -> Vm {
             agent_socket: Some(dir.join("qga.sock")),
             qmp_socket: dir.join("qmp.sock"),
             serial_log: dir.join("serial.log"),
+            serial_socket: None,
         },
         log: dir.join("qemu.log"),
     }

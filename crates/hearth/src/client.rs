@@ -90,6 +90,49 @@ impl ApiClient {
         Ok(self.start_stream(path).await?.into_body())
     }
 
+    /// Opens `GET path` as an HTTP/1.1 upgrade to `protocol` and hands back
+    /// the raw connection once hearthd answers 101; its error otherwise.
+    pub async fn upgrade(
+        &self,
+        path: &str,
+        protocol: &str,
+    ) -> Result<TokioIo<hyper::upgrade::Upgraded>, ApiError> {
+        self.with_timeout(REQUEST_TIMEOUT, async {
+            let stream = UnixStream::connect(&self.socket)
+                .await
+                .map_err(|cause| unreachable(&self.socket, cause))?;
+            let (mut sender, connection) =
+                hyper::client::conn::http1::handshake::<_, Full<Bytes>>(TokioIo::new(stream))
+                    .await
+                    .map_err(|e| self.protocol(format!("handshake failed: {e}")))?;
+            tokio::spawn(async move {
+                let _ = connection.with_upgrades().await;
+            });
+            let request = Request::builder()
+                .method(Method::GET)
+                .uri(path)
+                .header(header::HOST, "hearthd")
+                .header(header::CONNECTION, "upgrade")
+                .header(header::UPGRADE, protocol)
+                .body(Full::new(Bytes::new()))
+                .map_err(|e| self.protocol(format!("bad request path {path:?}: {e}")))?;
+            let response = sender
+                .send_request(request)
+                .await
+                .map_err(|e| self.protocol(format!("request failed: {e}")))?;
+            let status = response.status();
+            if status != StatusCode::SWITCHING_PROTOCOLS {
+                let bytes = self.read_body(response.into_body()).await?;
+                return Err(server_error(status, &bytes));
+            }
+            let upgraded = hyper::upgrade::on(response)
+                .await
+                .map_err(|e| self.protocol(format!("upgrade to {protocol} failed: {e}")))?;
+            Ok(TokioIo::new(upgraded))
+        })
+        .await
+    }
+
     /// A GET whose answer streams: the response once its headers are in, or
     /// the server's error.
     async fn start_stream(&self, path: &str) -> Result<Response<Incoming>, ApiError> {

@@ -18,7 +18,8 @@ use clap::{Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
 use crate::commands::{
-    action, apply, cp, delete, describe, events, exec, get, logs, restore, snapshot, ssh, wait,
+    action, apply, console, cp, delete, describe, events, exec, get, logs, restore, snapshot, ssh,
+    wait,
 };
 
 #[derive(Debug, Parser)]
@@ -69,6 +70,7 @@ enum Command {
     Restart(action::Args),
     Delete(delete::Args),
     Logs(logs::Args),
+    Console(console::Args),
     Events(events::Args),
     Wait(wait::Args),
     Snapshot(snapshot::Args),
@@ -89,6 +91,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Restart(a) => action::run(&client, action::Action::Restart, a).await,
         Command::Delete(a) => delete::run(&client, a).await,
         Command::Logs(a) => logs::run(&client, a).await,
+        Command::Console(a) => console::run(&client, a).await,
         Command::Events(a) => events::run(&client, a).await,
         Command::Wait(a) => wait::run(&client, a).await,
         Command::Snapshot(a) => snapshot::run(&client, a).await,

@@ -390,6 +390,7 @@ async fn try_launch(
         agent_socket: agent_socket.clone(),
         qmp_socket: qmp_socket.clone(),
         serial_log: serial_log.clone(),
+        serial_socket: Some(cfg.serial_socket(name)),
     };
     let qemu_log = state_dir.join("qemu.log");
     let mut record = RuntimeRecord {

@@ -3,6 +3,7 @@
 
 pub mod action;
 pub mod apply;
+pub mod console;
 pub mod cp;
 pub mod delete;
 pub mod describe;

@@ -46,6 +46,10 @@ fn routes() -> Router<Arc<Engine>> {
         .route("/v1/{plural}", get(watch::list_or_watch))
         .route("/v1/{plural}/{name}", get(get_one).delete(delete))
         .route("/v1/virtualmachines/{name}/console", get(console::console))
+        .route(
+            "/v1/virtualmachines/{name}/console/attach",
+            get(console::attach),
+        )
         .route("/v1/virtualmachines/{name}/agent/ping", post(agent_ping))
         .route("/v1/virtualmachines/{name}/agent/exec", post(agent_exec))
         .route(

@@ -56,6 +56,7 @@ pub async fn serve() -> Response {
         get_one,
         delete,
         console,
+        console_attach,
         agent_ping,
         agent_exec,
         agent_exec_start,
@@ -390,6 +391,20 @@ fn delete() {}
     ))]
 #[allow(dead_code)]
 fn console() {}
+
+#[utoipa::path(get, path = "/v1/virtualmachines/{name}/console/attach", tag = "virtualmachines",
+    summary = "Attach to the serial console (HTTP/1.1 upgrade)",
+    description = "Send `Connection: upgrade` and `Upgrade: hearth-console`. After the 101 the \
+connection carries raw serial bytes both ways until either side closes. One client at a time.",
+    params(("name" = String, Path)),
+    responses(
+        (status = 101, description = "Attached: raw bytes follow"),
+        (status = 400, description = "Not an upgrade request", body = ErrorAnswer),
+        (status = 404, description = "No such VM", body = ErrorAnswer),
+        (status = 409, description = "Another client is attached, or the VM is not running", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn console_attach() {}
 
 #[utoipa::path(post, path = "/v1/virtualmachines/{name}/agent/ping", tag = "virtualmachines",
     summary = "Ping the guest agent",
