@@ -18,8 +18,8 @@ use clap::{Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
 use crate::commands::{
-    action, apply, console, cp, delete, describe, events, exec, get, logs, restore, snapshot, ssh,
-    wait,
+    action, apply, completion, console, cp, delete, describe, events, exec, get, logs, manpages,
+    restore, snapshot, ssh, wait,
 };
 
 #[derive(Debug, Parser)]
@@ -78,6 +78,9 @@ enum Command {
     Ssh(ssh::Args),
     Exec(exec::Args),
     Cp(cp::Args),
+    Completion(completion::Args),
+    #[command(hide = true)]
+    Manpages(manpages::Args),
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
@@ -99,6 +102,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Ssh(a) => ssh::run(&client, a).await,
         Command::Exec(a) => exec::run(&client, a).await,
         Command::Cp(a) => cp::run(&client, a).await,
+        Command::Completion(a) => completion::run(a),
+        Command::Manpages(a) => manpages::run(a),
     }
 }
 

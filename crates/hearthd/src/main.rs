@@ -2,6 +2,7 @@
 
 mod api;
 mod config;
+mod generate;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -113,6 +114,10 @@ struct Args {
     /// an authenticating proxy in front of it).
     #[arg(long, env = "HEARTH_METRICS_ALLOW_REMOTE")]
     metrics_allow_remote: bool,
+    /// Print a file generated from these definitions and exit (for
+    /// packaging; docs/packaging.md). No configuration file is read.
+    #[arg(long, value_enum, value_name = "WHAT", hide = true)]
+    generate: Option<generate::Generate>,
 }
 
 #[derive(clap::ValueEnum, serde::Serialize, serde::Deserialize, Clone, Copy, Debug, PartialEq)]
@@ -132,7 +137,11 @@ enum LogFormat {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let (args, config_file) = config::load()?;
+    let matches = <Args as clap::CommandFactory>::command().get_matches();
+    if let Some(what) = matches.get_one::<generate::Generate>("generate") {
+        return generate::print(*what);
+    }
+    let (args, config_file) = config::load(&matches)?;
     if args.print_config {
         print!("{}", config::render(&args)?);
         return Ok(());
