@@ -114,10 +114,6 @@ struct Args {
     /// an authenticating proxy in front of it).
     #[arg(long, env = "HEARTH_METRICS_ALLOW_REMOTE")]
     metrics_allow_remote: bool,
-    /// Print a file generated from these definitions and exit (for
-    /// packaging; docs/packaging.md). No configuration file is read.
-    #[arg(long, value_enum, value_name = "WHAT", hide = true)]
-    generate: Option<generate::Generate>,
 }
 
 #[derive(clap::ValueEnum, serde::Serialize, serde::Deserialize, Clone, Copy, Debug, PartialEq)]
@@ -137,8 +133,12 @@ enum LogFormat {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let matches = <Args as clap::CommandFactory>::command().get_matches();
-    if let Some(what) = matches.get_one::<generate::Generate>("generate") {
+    // --generate is not part of `Args`: hidden, and absent from the man page
+    // and the completion scripts it writes.
+    let matches = <Args as clap::CommandFactory>::command()
+        .arg(generate::arg())
+        .get_matches();
+    if let Some(what) = matches.get_one::<generate::Generate>(generate::ID) {
         return generate::print(*what);
     }
     let (args, config_file) = config::load(&matches)?;

@@ -2,11 +2,16 @@
 //! `hearth` and of every subcommand (`hearth.1`, `hearth-get.1`,
 //! `hearth-snapshot-disk.1`, ...) with clap_mangen, from the command line's
 //! own definition.
+//!
+//! It is added to the command line in `main` rather than declared in `Cli`:
+//! clap_complete's bash script would offer even a hidden subcommand.
 
 use std::path::PathBuf;
 
 use anyhow::Context;
-use clap::CommandFactory;
+use clap::{CommandFactory, FromArgMatches};
+
+pub const NAME: &str = "manpages";
 
 #[derive(Debug, clap::Args)]
 #[command(
@@ -21,12 +26,22 @@ pub struct Args {
     pub dir: PathBuf,
 }
 
-pub fn run(args: &Args) -> anyhow::Result<()> {
-    if !args.dir.is_dir() {
-        anyhow::bail!("manpages: {} is not a directory", args.dir.display());
+/// The hidden subcommand, for `main` to add to `Cli`'s.
+pub fn command() -> clap::Command {
+    <Args as clap::Args>::augment_args(clap::Command::new(NAME)).hide(true)
+}
+
+pub fn run(matches: &clap::ArgMatches) -> anyhow::Result<()> {
+    let args = Args::from_arg_matches(matches).map_err(|e| anyhow::anyhow!("{e}"))?;
+    write(&args.dir)
+}
+
+fn write(dir: &std::path::Path) -> anyhow::Result<()> {
+    if !dir.is_dir() {
+        anyhow::bail!("manpages: {} is not a directory", dir.display());
     }
-    clap_mangen::generate_to(crate::Cli::command(), &args.dir)
-        .with_context(|| format!("manpages: cannot write into {}", args.dir.display()))
+    clap_mangen::generate_to(crate::Cli::command(), dir)
+        .with_context(|| format!("manpages: cannot write into {}", dir.display()))
 }
 
 #[cfg(test)]
@@ -34,12 +49,29 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_hidden_command_parses_and_teaches() {
+        let mut cli = crate::Cli::command().subcommand(command());
+        let m = cli
+            .try_get_matches_from_mut(["hearth", "manpages", "/tmp/man"])
+            .expect("parses");
+        let (name, m) = m.subcommand().expect("a subcommand");
+        assert_eq!(name, NAME);
+        let args = Args::from_arg_matches(m).expect("args");
+        assert_eq!(args.dir, PathBuf::from("/tmp/man"));
+        let sub = cli.find_subcommand(NAME).expect("added");
+        assert!(sub.is_hide_set());
+        assert!(sub.get_about().is_some());
+        let help = cli.render_help().to_string();
+        assert!(
+            !help.contains(NAME),
+            "--help lists the hidden command:\n{help}"
+        );
+    }
+
+    #[test]
     fn a_page_for_every_visible_command_and_none_for_the_hidden_one() {
         let dir = tempfile::tempdir().expect("tempdir");
-        run(&Args {
-            dir: dir.path().to_path_buf(),
-        })
-        .expect("writes");
+        write(dir.path()).expect("writes");
         for page in [
             "hearth.1",
             "hearth-get.1",
@@ -53,7 +85,17 @@ mod tests {
         }
         assert!(!dir.path().join("hearth-manpages.1").exists());
         assert!(!dir.path().join("hearth-help.1").exists());
+        let top = std::fs::read_to_string(dir.path().join("hearth.1")).expect("hearth.1");
+        assert!(!top.contains(NAME), "hearth.1 lists the hidden command");
         let get = std::fs::read_to_string(dir.path().join("hearth-get.1")).expect("get");
         assert!(get.contains("wide"), "hearth-get.1 lacks its -o values");
+    }
+
+    #[test]
+    fn a_missing_directory_is_named() {
+        let e = write(std::path::Path::new("/nonexistent/man"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/nonexistent/man"), "{e}");
     }
 }
