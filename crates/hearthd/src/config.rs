@@ -262,7 +262,7 @@ pub fn render_defaults() -> anyhow::Result<String> {
             .ok_or_else(|| anyhow!("configuration key {key}: no flag of that name"))?;
         // clap drops the doc comment's final period; the file is prose.
         let mut help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
-        if !help.is_empty() && !help.ends_with(['.', ')']) {
+        if !help.is_empty() && !help.ends_with('.') {
             help.push('.');
         }
         out.push('\n');
