@@ -44,6 +44,10 @@ BASE_PKGS=(
     # host networking (docs/networking.md): DHCP per network, the
     # nftables table, ip netns for the network tests.
     dnsmasq-base nftables iproute2
+    # the Debian package (docs/packaging.md): cargo-deb runs dpkg-shlibdeps
+    # and strip; scripts/check-package builds its root with mmdebstrap
+    # (above) and enters it with chroot and mountpoint.
+    dpkg-dev binutils util-linux tar
 )
 
 BPO_SOURCES=/etc/apt/sources.list.d/hearth-backports.sources

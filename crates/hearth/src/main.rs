@@ -14,12 +14,12 @@ use std::io;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
 use crate::commands::{
-    action, apply, console, cp, delete, describe, events, exec, get, logs, restore, snapshot, ssh,
-    wait,
+    action, apply, completion, console, cp, delete, describe, events, exec, get, logs, manpages,
+    restore, snapshot, ssh, wait,
 };
 
 #[derive(Debug, Parser)]
@@ -78,6 +78,7 @@ enum Command {
     Ssh(ssh::Args),
     Exec(exec::Args),
     Cp(cp::Args),
+    Completion(completion::Args),
 }
 
 async fn dispatch(cli: Cli) -> anyhow::Result<()> {
@@ -99,11 +100,18 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Ssh(a) => ssh::run(&client, a).await,
         Command::Exec(a) => exec::run(&client, a).await,
         Command::Cp(a) => cp::run(&client, a).await,
+        Command::Completion(a) => completion::run(a),
     }
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    // `hearth manpages DIR` is not part of `Cli`: hidden from --help, and
+    // absent from the completion scripts and the man pages it writes.
+    let matches = Cli::command().subcommand(manpages::command()).get_matches();
+    if let Some((manpages::NAME, m)) = matches.subcommand() {
+        return report(manpages::run(m));
+    }
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -114,7 +122,12 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(dispatch(cli)) {
+    report(runtime.block_on(dispatch(cli)))
+}
+
+/// The exit status for a command's result, with the error on stderr.
+fn report(result: anyhow::Result<()>) -> ExitCode {
+    match result {
         Ok(()) => ExitCode::SUCCESS,
         // `hearth get vms | head`: the reader left; that is not our error.
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
@@ -145,7 +158,6 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use clap::CommandFactory;
 
     #[test]
     fn the_command_line_is_consistent() {

@@ -208,13 +208,102 @@ pub fn render(args: &Args) -> anyhow::Result<String> {
     Ok(out)
 }
 
-/// Parses the command line and the environment, reads the file, merges.
-pub fn load() -> anyhow::Result<(Args, Option<PathBuf>)> {
-    let matches = <Args as clap::CommandFactory>::command().get_matches();
-    load_from(&matches)
+/// The default configuration file (`hearthd --generate config`, shipped as
+/// /etc/hearth/hearthd.toml): every key commented out, each under its
+/// flag's help, with its default value. Built from clap's defaults alone:
+/// neither the environment nor an existing file leaks into it.
+pub fn render_defaults() -> anyhow::Result<String> {
+    let cmd = <Args as clap::CommandFactory>::command().mut_args(|a| a.env(None));
+    let matches = cmd
+        .clone()
+        .try_get_matches_from(["hearthd"])
+        .map_err(|e| anyhow!("{e}"))?;
+    let args = Args::from_arg_matches(&matches).map_err(|e| anyhow!("{e}"))?;
+    let mut file = to_file(&args);
+    // The keys unset by default, shown with what their default amounts to
+    // (or an example), and a note saying so.
+    let mut notes = vec![];
+    if file.socket.is_none() {
+        file.socket = Some(args.run_dir.join("hearthd.sock"));
+        notes.push((
+            "socket",
+            "Unset by default; the value shown is what that comes to.",
+        ));
+    }
+    if file.image_roots.is_none() {
+        file.image_roots = Some(vec![args.state_dir.join("images")]);
+        notes.push((
+            "image-roots",
+            "Unset by default; the value shown is what that comes to.",
+        ));
+    }
+    if file.metrics_listen.is_none() {
+        file.metrics_listen = Some(SocketAddr::from(([127, 0, 0, 1], 9464)));
+        notes.push((
+            "metrics-listen",
+            "Unset by default (no TCP listener); the value shown is an example.",
+        ));
+    }
+    let body = toml::to_string(&file)
+        .map_err(|e| anyhow!("the default configuration cannot be written as TOML: {e}"))?;
+    let mut out = String::from(
+        "# hearthd configuration. Every key is shown commented out with its default;\n\
+         # uncomment and change the ones to set. Flags and HEARTH_* environment\n\
+         # variables win over this file (docs/configuration.md, hearthd(8)).\n",
+    );
+    for line in body.lines() {
+        let Some((key, _)) = line.split_once(" = ") else {
+            bail!("the default configuration has an unexpected line {line:?}");
+        };
+        let id = key.replace('-', "_");
+        let arg = cmd
+            .get_arguments()
+            .find(|a| a.get_id() == id.as_str())
+            .ok_or_else(|| anyhow!("configuration key {key}: no flag of that name"))?;
+        // clap drops the doc comment's final period; the file is prose.
+        let mut help = arg.get_help().map(|h| h.to_string()).unwrap_or_default();
+        if !help.is_empty() && !help.ends_with('.') {
+            help.push('.');
+        }
+        out.push('\n');
+        for text in std::iter::once(help.as_str())
+            .chain(notes.iter().filter(|(k, _)| *k == key).map(|(_, n)| *n))
+        {
+            for wrapped in wrap(text, 76) {
+                out.push_str("# ");
+                out.push_str(&wrapped);
+                out.push('\n');
+            }
+        }
+        out.push('#');
+        out.push_str(line);
+        out.push('\n');
+    }
+    Ok(out)
 }
 
-fn load_from(matches: &ArgMatches) -> anyhow::Result<(Args, Option<PathBuf>)> {
+/// Greedy word wrap at `width` columns.
+fn wrap(text: &str, width: usize) -> Vec<String> {
+    let mut lines = vec![];
+    let mut line = String::new();
+    for word in text.split_whitespace() {
+        if !line.is_empty() && line.len() + 1 + word.len() > width {
+            lines.push(std::mem::take(&mut line));
+        }
+        if !line.is_empty() {
+            line.push(' ');
+        }
+        line.push_str(word);
+    }
+    if !line.is_empty() {
+        lines.push(line);
+    }
+    lines
+}
+
+/// Reads the file and merges it under the parsed command line and
+/// environment.
+pub fn load(matches: &ArgMatches) -> anyhow::Result<(Args, Option<PathBuf>)> {
     let named: Option<PathBuf> = matches.get_one::<PathBuf>("config").cloned();
     let (path, file) = match read_file(named.as_deref())? {
         Some((p, f)) => (Some(p), f),
@@ -388,6 +477,40 @@ log-format = "json"
             .unwrap_err()
             .to_string();
         assert!(e.starts_with("/t/h.toml: ") && e.contains("line 1"), "{e}");
+    }
+
+    #[test]
+    fn the_default_file_sets_nothing_and_uncommented_gives_the_defaults() {
+        let _g = lock();
+        let _state = EnvVar::set("HEARTH_STATE_DIR", "/from/env");
+        let text = render_defaults().expect("renders");
+        // The environment did not leak into the shipped file.
+        assert!(!text.contains("/from/env"), "{text}");
+        // As shipped: loads, and sets nothing.
+        let file = parse_file(&text, Path::new("/etc/hearth/hearthd.toml")).expect("parses");
+        assert_eq!(file, FileConfig::default());
+        // Every key of the file is there, commented out.
+        let uncommented: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix('#').filter(|l| !l.starts_with(' ')))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let all = parse_file(&uncommented, Path::new("/t/all.toml")).expect("uncommented parses");
+        drop(_state);
+        let all =
+            to_file(&merge(&Args::command().get_matches_from(["hearthd"]), all).expect("merge"));
+        let mut expected = to_file(&resolve(&[], ""));
+        expected.socket = Some("/run/hearth/hearthd.sock".into());
+        expected.image_roots = Some(vec!["/var/lib/hearth/images".into()]);
+        expected.metrics_listen = Some("127.0.0.1:9464".parse().unwrap());
+        assert_eq!(all, expected);
+        // Each key under its flag's help.
+        assert!(
+            text.contains(
+                "# Database, disk images and console logs.\n#state-dir = \"/var/lib/hearth\"\n"
+            ),
+            "{text}"
+        );
     }
 
     #[test]

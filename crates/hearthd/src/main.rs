@@ -2,6 +2,7 @@
 
 mod api;
 mod config;
+mod generate;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -132,7 +133,15 @@ enum LogFormat {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let (args, config_file) = config::load()?;
+    // --generate is not part of `Args`: hidden, and absent from the man page
+    // and the completion scripts it writes.
+    let matches = <Args as clap::CommandFactory>::command()
+        .arg(generate::arg())
+        .get_matches();
+    if let Some(what) = matches.get_one::<generate::Generate>(generate::ID) {
+        return generate::print(*what);
+    }
+    let (args, config_file) = config::load(&matches)?;
     if args.print_config {
         print!("{}", config::render(&args)?);
         return Ok(());

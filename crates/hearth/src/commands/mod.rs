@@ -3,6 +3,7 @@
 
 pub mod action;
 pub mod apply;
+pub mod completion;
 pub mod console;
 pub mod cp;
 pub mod delete;
@@ -11,6 +12,7 @@ pub mod events;
 pub mod exec;
 pub mod get;
 pub mod logs;
+pub mod manpages;
 pub mod restore;
 pub mod snapshot;
 pub mod ssh;
