@@ -18,8 +18,8 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
 use crate::commands::{
-    action, apply, completion, console, cp, delete, describe, events, exec, export, get, logs, manpages,
-    restore, snapshot, ssh, wait,
+    action, apply, completion, console, cp, delete, describe, events, exec, export, get, logs,
+    manpages, restore, snapshot, ssh, wait,
 };
 
 #[derive(Debug, Parser)]

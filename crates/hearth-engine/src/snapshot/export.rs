@@ -120,9 +120,12 @@ impl Engine {
     ) -> Result<Export, RequestError> {
         let pin = self.exports.of(name);
         let _pinned = pin.read().await;
-        let stored = self.store.get(Kind::VirtualDiskSnapshot, name)?.ok_or_else(|| {
-            RequestError::NotFound(format!("VirtualDiskSnapshot {name:?} not found"))
-        })?;
+        let stored = self
+            .store
+            .get(Kind::VirtualDiskSnapshot, name)?
+            .ok_or_else(|| {
+                RequestError::NotFound(format!("VirtualDiskSnapshot {name:?} not found"))
+            })?;
         let Object::VirtualDiskSnapshot(_) = &stored.object else {
             return Err(RequestError::NotFound(format!(
                 "VirtualDiskSnapshot {name:?} not found"
@@ -153,13 +156,9 @@ impl Engine {
             ))
         })?;
         let dir = exports_dir(&self.config.state_dir);
-        std::fs::create_dir_all(&dir).map_err(|e| {
-            RequestError::Conflict(format!("cannot create {}: {e}", dir.display()))
-        })?;
-        let _ = std::fs::set_permissions(
-            &dir,
-            std::os::unix::fs::PermissionsExt::from_mode(0o700),
-        );
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| RequestError::Conflict(format!("cannot create {}: {e}", dir.display())))?;
+        let _ = std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700));
         let n = self.store.next_counter("export")?;
         let temp = TempFile(dir.join(format!("{n:08}-{name}.{}", format.as_str())));
         hearth_qemu::img::convert_standalone(
@@ -176,9 +175,9 @@ impl Engine {
                 format.as_str()
             ))
         })?;
-        let info = hearth_qemu::img::info(&temp.0).await.map_err(|e| {
-            RequestError::Conflict(format!("VirtualDiskSnapshot {name:?}: {e}"))
-        })?;
+        let info = hearth_qemu::img::info(&temp.0)
+            .await
+            .map_err(|e| RequestError::Conflict(format!("VirtualDiskSnapshot {name:?}: {e}")))?;
         let file = std::fs::File::open(&temp.0).map_err(|e| {
             RequestError::Conflict(format!("cannot open {}: {e}", temp.0.display()))
         })?;
@@ -206,7 +205,10 @@ mod tests {
         assert_eq!(ExportFormat::parse("qcow2"), Ok(ExportFormat::Qcow2));
         assert_eq!(ExportFormat::parse("raw"), Ok(ExportFormat::Raw));
         let err = ExportFormat::parse("vmdk").expect_err("vmdk");
-        assert!(err.contains("\"vmdk\"") && err.contains("qcow2 or raw"), "{err}");
+        assert!(
+            err.contains("\"vmdk\"") && err.contains("qcow2 or raw"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -120,7 +120,7 @@ pub struct VmSnapshotArgs {
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
     match &args.target {
         Target::Snapshot(a) => {
-            refuse_existing(&[a.output.clone()], a.force)?;
+            refuse_existing(std::slice::from_ref(&a.output), a.force)?;
             let done = export_one(client, &a.name, &a.output, a.format, a.force).await?;
             println!("{}  {}", done.sha256, a.output.display());
             Ok(())
@@ -468,7 +468,11 @@ async fn export_vm(client: &ApiClient, a: &VmSnapshotArgs) -> anyhow::Result<()>
     let mut out = OutFile::create(&manifest_path)?;
     out.write(text.as_bytes())?;
     out.commit(text.len() as u64, a.force)?;
-    println!("{}  {}", hex(&Sha256::digest(text.as_bytes())), manifest_path.display());
+    println!(
+        "{}  {}",
+        hex(&Sha256::digest(text.as_bytes())),
+        manifest_path.display()
+    );
     eprintln!(
         "wrote {} for VirtualMachine {vm_name:?}: `hearth apply -f {}` where the directory lies under an image root of hearthd",
         manifest_path.display(),

@@ -35,8 +35,12 @@ pub async fn export(
     Path(name): Path<String>,
     Query(q): Query<ExportQuery>,
 ) -> Result<Response, ApiError> {
-    let format = ExportFormat::parse(q.format.as_deref().unwrap_or("qcow2"))
-        .map_err(|e| ApiError(StatusCode::BAD_REQUEST, format!("VirtualDiskSnapshot {name:?}: {e}")))?;
+    let format = ExportFormat::parse(q.format.as_deref().unwrap_or("qcow2")).map_err(|e| {
+        ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("VirtualDiskSnapshot {name:?}: {e}"),
+        )
+    })?;
     let export = engine.export_snapshot(&name, format).await?;
     let (size, virtual_size) = (export.size, export.virtual_size);
     let file = tokio::fs::File::from_std(export.file);
