@@ -267,7 +267,13 @@ fn exported_snapshots_hold_the_cut_and_the_exported_vm_boots_elsewhere() {
     assert_eq!(qi["virtual-size"], 64 << 20, "{qi:#}");
     let ri = img_info(&r);
     assert_eq!(ri["format"], "raw", "{ri:#}");
-    assert_eq!(std::fs::metadata(&r).expect("raw").len(), 64 << 20);
+    let raw_meta = std::fs::metadata(&r).expect("raw");
+    assert_eq!(raw_meta.len(), 64 << 20);
+    assert!(
+        std::os::unix::fs::MetadataExt::blocks(&raw_meta) * 512 < 16 << 20,
+        "the raw file is written sparse: {} blocks",
+        std::os::unix::fs::MetadataExt::blocks(&raw_meta)
+    );
     let (same, text) = compare(&q, &r);
     assert!(same, "the qcow2 and raw exports differ: {text}");
     // Against the snapshot's own chain: the layer the cut froze is right

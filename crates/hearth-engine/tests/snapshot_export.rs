@@ -1,0 +1,106 @@
+//! Export of a disk snapshot through the engine, with the real store and the
+//! real qemu-img (no VM: the disk is cut offline): the export is standalone,
+//! and a delete of the snapshot waits while an export holds its pin.
+
+use std::io::Read;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hearth_api::{Kind, parse_documents};
+use hearth_engine::snapshot::export::ExportFormat;
+use hearth_engine::{Engine, EngineConfig, RequestError};
+
+fn config(dir: &Path) -> EngineConfig {
+    EngineConfig {
+        state_dir: dir.join("state"),
+        run_dir: dir.join("run"),
+        image_roots: vec![],
+        qemu_binary: "/usr/bin/qemu-system-x86_64".into(),
+        accel: hearth_qemu::accel::AccelDecision {
+            accel: hearth_qemu::Accel::Tcg,
+            reason: "test".into(),
+        },
+        resync_interval: Duration::from_secs(3600),
+        images: Default::default(),
+        ovmf_code: dir.join("OVMF_CODE.fd"),
+        ovmf_vars: dir.join("OVMF_VARS.fd"),
+    }
+}
+
+async fn until(what: &str, f: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}: not within 30 s");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn phase(engine: &Engine, kind: Kind, name: &str) -> Option<String> {
+    engine
+        .get(kind, name)
+        .ok()
+        .and_then(|s| s.status["phase"].as_str().map(str::to_string))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_waits_for_the_export_that_reads_the_snapshot() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let engine: Arc<Engine> = Engine::start(config(dir.path())).await.expect("engine");
+    let objects = parse_documents(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: d}\nspec: {size: 16Mi, source: {blank: {}}}\n---\n\
+         apiVersion: hearth.dev/v1alpha1\nkind: VirtualDiskSnapshot\nmetadata: {name: s}\nspec: {virtualDiskName: d}\n",
+        "t.yaml",
+    )
+    .expect("objects");
+    engine.apply(objects, "api").expect("apply");
+    until("the snapshot is Ready", || {
+        phase(&engine, Kind::VirtualDiskSnapshot, "s").as_deref() == Some("Ready")
+    })
+    .await;
+
+    // The export itself: standalone, the disk's size, its copy already unlinked.
+    let export = engine
+        .export_snapshot("s", ExportFormat::Raw)
+        .await
+        .expect("export");
+    assert_eq!(export.size, 16 << 20);
+    assert_eq!(export.virtual_size, 16 << 20);
+    let mut data = Vec::new();
+    (&export.file).read_to_end(&mut data).expect("read");
+    assert_eq!(data.len(), 16 << 20);
+    let exports = dir.path().join("state/exports");
+    assert_eq!(std::fs::read_dir(&exports).expect("dir").count(), 0);
+    drop(export);
+
+    // An export holds the pin (as it does while it converts): the delete waits.
+    let pin = engine.exports.of("s").read_owned().await;
+    engine
+        .delete(Kind::VirtualDiskSnapshot, "s", "api")
+        .expect("delete");
+    until("the delete says it waits", || {
+        engine
+            .events(Some(Kind::VirtualDiskSnapshot), Some("s"), 50)
+            .expect("events")
+            .iter()
+            .any(|e| e.reason == "DeleteWaiting")
+    })
+    .await;
+    // Nothing signals "did not delete": give a delete that would not wait
+    // time to go wrong.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        engine.get(Kind::VirtualDiskSnapshot, "s").is_ok(),
+        "still there while the pin is held"
+    );
+    drop(pin);
+    until("the snapshot is gone", || {
+        engine.get(Kind::VirtualDiskSnapshot, "s").is_err()
+    })
+    .await;
+    match engine.export_snapshot("s", ExportFormat::Qcow2).await {
+        Err(RequestError::NotFound(m)) => assert!(m.contains("\"s\""), "{m}"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("exported a deleted snapshot"),
+    }
+}
