@@ -72,9 +72,9 @@ Example:
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Format {
-    /// qcow2: only the data the disk holds, no backing file
+    /// Only the data the disk holds, no backing file
     Qcow2,
-    /// raw: the whole disk, byte for byte; written sparse here
+    /// The whole disk, byte for byte (written sparse)
     Raw,
 }
 
@@ -95,6 +95,7 @@ pub struct SnapshotArgs {
     /// The image file to write.
     #[arg(short, long, value_name = "FILE")]
     pub output: PathBuf,
+    /// The image format to write.
     #[arg(long, value_enum, default_value = "qcow2")]
     pub format: Format,
     /// Replace FILE if it exists.
@@ -110,6 +111,7 @@ pub struct VmSnapshotArgs {
     /// The directory to write into (created if missing).
     #[arg(short, long, value_name = "DIR")]
     pub output: PathBuf,
+    /// The image format to write, for every disk.
     #[arg(long, value_enum, default_value = "qcow2")]
     pub format: Format,
     /// Replace files of the same names in DIR.
