@@ -104,3 +104,100 @@ async fn a_delete_waits_for_the_export_that_reads_the_snapshot() {
         Ok(_) => panic!("exported a deleted snapshot"),
     }
 }
+
+/// qemu-img processes whose command line names `path`.
+fn converters_of(path: &Path) -> Vec<u32> {
+    let want = path.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|p| p.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|raw| {
+                    let args: Vec<String> = raw
+                        .split(|b| *b == 0)
+                        .map(|a| String::from_utf8_lossy(a).into_owned())
+                        .collect();
+                    args.first().is_some_and(|a| a.ends_with("qemu-img"))
+                        && args.iter().any(|a| a.starts_with(&want))
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_export_dropped_during_its_conversion_kills_qemu_img_and_leaves_no_file() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let engine: Arc<Engine> = Engine::start(config(dir.path())).await.expect("engine");
+    engine
+        .apply(
+            parse_documents(
+                "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: big}\nspec: {size: 1Gi, source: {blank: {}}}\n",
+                "t.yaml",
+            )
+            .expect("disk"),
+            "api",
+        )
+        .expect("apply");
+    until("the disk is Ready", || {
+        phase(&engine, Kind::VirtualDisk, "big").as_deref() == Some("Ready")
+    })
+    .await;
+    // Data to convert, so the conversion takes a while: written into the
+    // disk's layer on the host (no VM has it).
+    let head = engine.get(Kind::VirtualDisk, "big").expect("disk").status["path"]
+        .as_str()
+        .expect("path")
+        .to_string();
+    let out = std::process::Command::new("qemu-io")
+        .args(["-f", "qcow2", "-c", "write -P 0x5a 0 768M", &head])
+        .output()
+        .expect("qemu-io (apt-get install qemu-utils)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    engine
+        .apply(
+            parse_documents(
+                "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDiskSnapshot\nmetadata: {name: s}\nspec: {virtualDiskName: big}\n",
+                "t.yaml",
+            )
+            .expect("snapshot"),
+            "api",
+        )
+        .expect("apply");
+    until("the snapshot is Ready", || {
+        phase(&engine, Kind::VirtualDiskSnapshot, "s").as_deref() == Some("Ready")
+    })
+    .await;
+
+    let exports = dir.path().join("state/exports");
+    let task = {
+        let engine = engine.clone();
+        tokio::spawn(async move { engine.export_snapshot("s", ExportFormat::Raw).await })
+    };
+    let named = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(&exports)
+            .map(|d| d.flatten().map(|e| e.path()).collect())
+            .unwrap_or_default()
+    };
+    until("the conversion runs", || {
+        named()
+            .first()
+            .is_some_and(|p| !converters_of(p).is_empty())
+    })
+    .await;
+    let file = named().remove(0);
+    // What a client that goes away does to its request.
+    task.abort();
+    assert!(
+        matches!(task.await, Err(e) if e.is_cancelled()),
+        "cancelled"
+    );
+    until("qemu-img is gone", || converters_of(&file).is_empty()).await;
+    assert!(named().is_empty(), "the conversion's file went with it");
+}

@@ -79,6 +79,28 @@ fn compare(a: &Path, b: &Path) -> (bool, String) {
     )
 }
 
+/// qemu-img processes whose command line names `path`.
+fn converters_of(path: &Path) -> Vec<u32> {
+    let want = path.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .expect("/proc")
+        .flatten()
+        .filter_map(|p| p.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|raw| {
+                    let args: Vec<String> = raw
+                        .split(|b| *b == 0)
+                        .map(|a| String::from_utf8_lossy(a).into_owned())
+                        .collect();
+                    args.first().is_some_and(|a| a.ends_with("qemu-img"))
+                        && args.iter().any(|a| a.starts_with(&want))
+                })
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
 /// The `HEX  FILE` line `hearth export` printed for `file`.
 fn printed_sha(stdout: &str, file: &Path) -> String {
     let want = file.display().to_string();
@@ -249,8 +271,22 @@ fn exported_snapshots_hold_the_cut_and_the_exported_vm_boots_elsewhere() {
     // ---- qcow2 and raw exports of pre-d1.
     let q = out.join("d1.qcow2");
     let r = out.join("d1.raw");
-    let stdout = a.cli_ok(&["export", "snapshot", "pre-d1", "-o", q.to_str().unwrap()]);
+    let run = a.cli(&["export", "snapshot", "pre-d1", "-o", q.to_str().unwrap()]);
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&run.stdout).into_owned();
     assert_eq!(printed_sha(&stdout, &q), sha256_file(&q));
+    assert_eq!(stdout.lines().count(), 1, "{stdout}");
+    // Not a terminal: no bar, one final line.
+    let stderr = String::from_utf8_lossy(&run.stderr).into_owned();
+    assert_eq!(stderr.lines().count(), 1, "{stderr:?}");
+    assert!(
+        stderr.starts_with("exported snapshot/pre-d1 to ") && stderr.contains("(qcow2, "),
+        "{stderr}"
+    );
     let stdout = a.cli_ok(&[
         "export",
         "snapshot",
@@ -378,6 +414,53 @@ fn exported_snapshots_hold_the_cut_and_the_exported_vm_boots_elsewhere() {
         export_fds(hearthd, &state).is_empty()
     });
     assert!(named_exports(&state).is_empty());
+
+    // ---- a client that goes away while hearthd converts: the same. A disk
+    // no VM uses, with data written into its layer on the host so that the
+    // conversion takes a while.
+    apply_manifest(
+        &a,
+        "big.yaml",
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: big}\nspec: {size: 1Gi, source: {blank: {}}}\n",
+    );
+    let big = a.wait_object("virtualdisks", "big", "Ready", SNAP_TIMEOUT, |v| {
+        v["status"]["phase"] == "Ready"
+    });
+    let big_head = big["status"]["path"].as_str().expect("path").to_string();
+    let filled = Command::new("qemu-io")
+        .args(["-f", "qcow2", "-c", "write -P 0x5a 0 768M", &big_head])
+        .output()
+        .expect("qemu-io (apt-get install qemu-utils)");
+    assert!(
+        filled.status.success(),
+        "{}",
+        String::from_utf8_lossy(&filled.stderr)
+    );
+    let (status, v) = a.apply_json(vec![json!({
+        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
+        "metadata": {"name": "big-snap"}, "spec": {"virtualDiskName": "big"}})]);
+    assert_eq!(status, 200, "{v}");
+    let snap = wait_snapshot(&a, "virtualdisksnapshots", "big-snap");
+    assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
+    let mut s = UnixStream::connect(a.socket()).expect("connect");
+    write!(
+        s,
+        "GET /v1/virtualdisksnapshots/big-snap/export?format=raw HTTP/1.1\r\nHost: hearthd\r\n\r\n"
+    )
+    .expect("send");
+    wait_until("the conversion runs", Duration::from_secs(30), || {
+        named_exports(&state)
+            .first()
+            .is_some_and(|p| !converters_of(p).is_empty())
+    });
+    let converting = named_exports(&state).remove(0);
+    drop(s);
+    wait_until("qemu-img is gone", Duration::from_secs(60), || {
+        converters_of(&converting).is_empty()
+    });
+    wait_until("hearthd holds no copy", Duration::from_secs(20), || {
+        named_exports(&state).is_empty() && export_fds(hearthd, &state).is_empty()
+    });
 
     // ---- the VM snapshot: an image per disk and the manifest.
     let vmdir = root.path().join("pre");
