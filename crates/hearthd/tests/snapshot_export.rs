@@ -208,6 +208,12 @@ fn exported_snapshots_hold_the_cut_and_the_exported_vm_boots_elsewhere() {
     );
     let (status, v) = a.request("GET", "/v1/virtualdisksnapshots/nope/export", None);
     assert_eq!(status, 404, "{v}");
+    let (status, v) = a.request(
+        "GET",
+        "/v1/virtualdisksnapshots/..%2F..%2Fescape/export",
+        None,
+    );
+    assert_eq!(status, 404, "{v}");
     let err = a.cli_err(&[
         "export",
         "snapshot",

@@ -118,6 +118,13 @@ impl Engine {
         name: &str,
         format: ExportFormat,
     ) -> Result<Export, RequestError> {
+        // A name from a URL: only a valid object name ever becomes part of
+        // a file name under the state directory.
+        if hearth_api::check_dns_label(name).is_err() {
+            return Err(RequestError::NotFound(format!(
+                "VirtualDiskSnapshot {name:?} not found"
+            )));
+        }
         let pin = self.exports.of(name);
         let _pinned = pin.read().await;
         let stored = self
