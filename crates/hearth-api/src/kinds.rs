@@ -791,6 +791,10 @@ pub struct SnapshotStatus {
     /// For a disk snapshot made by a VM snapshot: that VM snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub virtual_machine_snapshot_name: Option<String>,
+    /// For a VM snapshot: the VM's spec when its disk snapshots were
+    /// requested (what `hearth export vmsnapshot` writes back out).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_machine_spec: Option<Box<VirtualMachineSpec>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

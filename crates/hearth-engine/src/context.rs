@@ -41,6 +41,8 @@ pub struct Context {
     pub snapshots: crate::snapshot::Actors,
     /// The running VirtualImage imports, one per image at most.
     pub imports: crate::image::Imports,
+    /// Disk snapshots an export is reading: their deletes wait.
+    pub exports: crate::snapshot::export::Pins,
     /// Programs started in guests through `hearth exec`, until collected.
     pub execs: crate::guest::Execs,
     /// Where wakes go: the engine's work queue.
@@ -64,6 +66,7 @@ impl Context {
             ops_locks: Mutex::new(HashMap::new()),
             snapshots: crate::snapshot::Actors::default(),
             imports: crate::image::Imports::default(),
+            exports: Default::default(),
             execs: crate::guest::Execs::default(),
             wakes,
             addresses: Mutex::new(()),

@@ -200,6 +200,11 @@ impl Engine {
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "cannot sweep orphan layer files"),
         }
+        // Conversions a crash cut short (docs/snapshots.md "Export").
+        let n = crate::snapshot::export::sweep(&engine.config.state_dir);
+        if n > 0 {
+            tracing::info!(count = n, "removed export files a crash left behind");
+        }
         // Before any import starts: temporaries of cut-short imports, and
         // image files nothing refers to.
         match crate::image::sweep(&engine.store, &engine.config.images_dir()) {

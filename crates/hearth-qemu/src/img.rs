@@ -181,6 +181,36 @@ impl QemuImg {
         self.run("create", path, args).await.map(|_| ())
     }
 
+    /// Writes `source` with its whole backing chain flattened into `dest`, a
+    /// new image in `format` with no backing file (`qemu-img convert`; raw
+    /// output is sparse). `-U`: `source` may be a layer below a running VM's
+    /// head, which QEMU holds open; nothing writes to such a layer, so the
+    /// read is consistent without the lock.
+    pub async fn convert_standalone(
+        &self,
+        source: &Path,
+        source_format: &str,
+        dest: &Path,
+        format: &str,
+    ) -> Result<(), ImgError> {
+        check_absolute(source)?;
+        check_new_image(dest)?;
+        check_format(source_format)?;
+        check_format(format)?;
+        let args: Vec<OsString> = vec![
+            "convert".into(),
+            "-q".into(),
+            "-U".into(),
+            "-f".into(),
+            source_format.into(),
+            "-O".into(),
+            format.into(),
+            source.into(),
+            dest.into(),
+        ];
+        self.run("convert", dest, args).await.map(|_| ())
+    }
+
     /// `qemu-img info` of one image. `-U` so it also works on images a running VM
     /// holds locked.
     pub async fn info(&self, path: &Path) -> Result<ImageInfo, ImgError> {
@@ -459,6 +489,21 @@ pub async fn create_overlay_unopened(
 ) -> Result<(), ImgError> {
     QemuImg::locate()?
         .create_overlay_unopened(path, backing, backing_format, size)
+        .await
+}
+
+/// [`QemuImg::convert_standalone`] with `qemu-img` from `PATH`, bounded by
+/// `timeout` (a copy takes time in proportion to the disk's data).
+pub async fn convert_standalone(
+    source: &Path,
+    source_format: &str,
+    dest: &Path,
+    format: &str,
+    timeout: Duration,
+) -> Result<(), ImgError> {
+    QemuImg::locate()?
+        .with_timeout(timeout)
+        .convert_standalone(source, source_format, dest, format)
         .await
 }
 

@@ -330,8 +330,18 @@ impl ApiClient {
         &self,
         path: &str,
     ) -> Result<(hyper::HeaderMap, Incoming), ApiError> {
+        self.stream_with_headers_within(path, REQUEST_TIMEOUT).await
+    }
+
+    /// [`ApiClient::stream_with_headers`], waiting up to `limit` for the
+    /// headers (an export answers once its conversion is done).
+    pub async fn stream_with_headers_within(
+        &self,
+        path: &str,
+        limit: Duration,
+    ) -> Result<(hyper::HeaderMap, Incoming), ApiError> {
         let response = self
-            .with_timeout(REQUEST_TIMEOUT, self.send(Method::GET, path, None))
+            .with_timeout(limit, self.send(Method::GET, path, None))
             .await?;
         let status = response.status();
         let (parts, body) = response.into_parts();

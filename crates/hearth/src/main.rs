@@ -18,8 +18,8 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
 use crate::commands::{
-    action, apply, completion, console, cp, delete, describe, events, exec, get, logs, manpages,
-    restore, snapshot, ssh, wait,
+    action, apply, completion, console, cp, delete, describe, events, exec, export, get, logs,
+    manpages, restore, snapshot, ssh, wait,
 };
 
 #[derive(Debug, Parser)]
@@ -78,6 +78,7 @@ enum Command {
     Ssh(ssh::Args),
     Exec(exec::Args),
     Cp(cp::Args),
+    Export(export::Args),
     Completion(completion::Args),
 }
 
@@ -100,6 +101,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Ssh(a) => ssh::run(&client, a).await,
         Command::Exec(a) => exec::run(&client, a).await,
         Command::Cp(a) => cp::run(&client, a).await,
+        Command::Export(a) => export::run(&client, a).await,
         Command::Completion(a) => completion::run(a),
     }
 }

@@ -1,8 +1,9 @@
 //! Consistent snapshots: the pure freeze coordinator, its async shell (one
-//! actor per VM), the snapshot reconcilers and the layer storage.
+//! actor per VM), the snapshot reconcilers, the layer storage and export.
 
 mod actor;
 pub mod coordinator;
+pub mod export;
 pub mod overlays;
 mod reconcile;
 pub mod storage;

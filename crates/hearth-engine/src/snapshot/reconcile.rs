@@ -37,6 +37,22 @@ pub async fn reconcile_disk_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(
             });
             return Ok(());
         }
+        // An export reading the snapshot's layers holds its pin: wait for it,
+        // so the layers are not collected under the conversion.
+        let pin = ctx.exports.of(name);
+        let _pin = match pin.clone().try_write_owned() {
+            Ok(held) => held,
+            Err(_) => {
+                ctx.event(
+                    Kind::VirtualDiskSnapshot,
+                    name,
+                    EventType::Normal,
+                    "DeleteWaiting",
+                    "an export is reading the snapshot's layers; it is deleted when the export's conversion ends",
+                );
+                pin.write_owned().await
+            }
+        };
         // The object and its layer reference go together, so a cut committing
         // at the same moment either sees both or neither.
         ctx.store.with_tx(|tx| {
@@ -227,6 +243,7 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
                     |s| {
                         s.phase = SnapshotPhase::InProgress;
                         s.virtual_disk_snapshot_names = names.clone();
+                        s.virtual_machine_spec = Some(Box::new(vm.spec.clone()));
                     },
                 )?;
                 Ok(())

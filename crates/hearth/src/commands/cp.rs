@@ -110,7 +110,7 @@ fn files_path(vm: &str, guest_path: &str) -> String {
 
 /// A byte bar on stderr when a person watches and the file is large (or
 /// of unknown size); hidden otherwise.
-fn progress(label: &str, total: Option<u64>) -> ProgressBar {
+pub(crate) fn progress(label: &str, total: Option<u64>) -> ProgressBar {
     let watched = std::io::stderr().is_terminal()
         && std::env::var_os("TERM").is_none_or(|t| t != "dumb")
         && total.is_none_or(|t| t >= BAR_FROM);

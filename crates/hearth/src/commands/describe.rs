@@ -123,6 +123,15 @@ pub fn render(
 
     out.push_str("Status:\n");
     let mut status = at(obj, &["status"]).cloned().unwrap_or(Value::Null);
+    if let Some(map) = status.as_object_mut()
+        && let Some(spec) = map.get("virtualMachineSpec")
+    {
+        // A whole VM spec would drown the rest: say it is there.
+        let disks = spec["disks"].as_array().map_or(0, Vec::len);
+        let summary =
+            format!("recorded, {disks} disk(s) (`hearth get vmsnapshot NAME -o yaml` shows it)");
+        map.insert("virtualMachineSpec".into(), Value::String(summary));
+    }
     let conditions = match status.as_object_mut() {
         Some(map) => map.remove("conditions"),
         None => None,
@@ -395,6 +404,7 @@ const SNAPSHOT_FIELD_ORDER: &[&str] = &[
     "size",
     "capacity",
     "virtualDiskSnapshotNames",
+    "virtualMachineSpec",
     "virtualMachineSnapshotName",
     "reason",
     "message",
@@ -699,6 +709,8 @@ Events:
             "metadata": {"name": "pre"},
             "spec": {"virtualMachineName": "demo", "requiredConsistency": true},
             "status": {"phase": "Failed", "virtualDiskSnapshotNames": ["pre-root", "pre-data"],
+                       "virtualMachineSpec": {"memory": "256Mi",
+                           "disks": [{"virtualDiskName": "root"}, {"virtualDiskName": "data"}]},
                        "reason": "FreezeTimeout", "message": "the guest did not freeze within 10 s"}
         });
         let text = render(Kind::VirtualMachineSnapshot, &snap, Ok(&[]), now());
@@ -709,6 +721,7 @@ Spec:
 Status:
   phase:                     Failed
   virtualDiskSnapshotNames:  pre-root, pre-data
+  virtualMachineSpec:        recorded, 2 disk(s) (`hearth get vmsnapshot NAME -o yaml` shows it)
   reason:                    FreezeTimeout
   message:                   the guest did not freeze within 10 s
 Conditions:  <none>

@@ -10,6 +10,7 @@ pub mod delete;
 pub mod describe;
 pub mod events;
 pub mod exec;
+pub mod export;
 pub mod get;
 pub mod logs;
 pub mod manpages;

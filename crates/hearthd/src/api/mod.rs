@@ -2,6 +2,7 @@
 //! The contract is docs/http-api.md.
 
 mod console;
+mod export;
 mod guest;
 pub mod metrics;
 pub mod openapi;
@@ -45,6 +46,10 @@ fn routes() -> Router<Arc<Engine>> {
         .route("/v1/watch", get(watch::watch))
         .route("/v1/{plural}", get(watch::list_or_watch))
         .route("/v1/{plural}/{name}", get(get_one).delete(delete))
+        .route(
+            "/v1/virtualdisksnapshots/{name}/export",
+            get(export::export),
+        )
         .route("/v1/virtualmachines/{name}/console", get(console::console))
         .route(
             "/v1/virtualmachines/{name}/console/attach",

@@ -66,6 +66,7 @@ pub async fn serve() -> Response {
         watch,
         agent_freeze_status,
         restore,
+        snapshot_export,
         vm_action
     ),
     components(schemas(
@@ -94,6 +95,7 @@ pub async fn serve() -> Response {
     tags(
         (name = "objects", description = "Create, read and delete objects of every kind."),
         (name = "virtualmachines", description = "VM actions, console and guest agent."),
+        (name = "snapshots", description = "Disk snapshots as standalone images."),
         (name = "daemon", description = "The daemon itself: health, manifest sources, events, this document, metrics.")
     )
 )]
@@ -535,6 +537,22 @@ fn agent_freeze_status() {}
     ))]
 #[allow(dead_code)]
 fn restore() {}
+
+#[utoipa::path(get, path = "/v1/virtualdisksnapshots/{name}/export", tag = "snapshots",
+    summary = "A disk snapshot as one standalone image",
+    description = "Converts the Ready snapshot's layer chain into one image with no backing file (in a private file of hearthd's, unlinked once open) and streams it. The answer starts once the conversion is done: Content-Length is the file's size, `x-hearth-export-format` its format and `x-hearth-virtual-size` the disk's size. Deleting the snapshot meanwhile waits for the conversion. hearthd writes nothing outside its state directory: the client writes the file.",
+    params(
+        ("name" = String, Path),
+        ("format" = Option<String>, Query, description = "qcow2 (the default) or raw; raw streams the whole virtual size, holes as zeros"),
+    ),
+    responses(
+        (status = 200, description = "The image", body = Vec<u8>, content_type = "application/octet-stream"),
+        (status = 400, description = "A format other than qcow2 or raw", body = ErrorAnswer),
+        (status = 404, description = "No such disk snapshot", body = ErrorAnswer),
+        (status = 409, description = "The snapshot is not Ready, or is being deleted", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn snapshot_export() {}
 
 #[utoipa::path(post, path = "/v1/virtualmachines/{name}/{action}", tag = "virtualmachines",
     summary = "Start, stop or restart a VM",
