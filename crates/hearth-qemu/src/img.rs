@@ -462,6 +462,11 @@ pub async fn create_overlay_unopened(
         .await
 }
 
+/// [`QemuImg::backing_chain`] with `qemu-img` from `PATH`.
+pub async fn backing_chain(path: &Path) -> Result<Vec<ImageInfo>, ImgError> {
+    QemuImg::locate()?.backing_chain(path).await
+}
+
 /// [`QemuImg::info`] with `qemu-img` from `PATH`.
 pub async fn info(path: &Path) -> Result<ImageInfo, ImgError> {
     QemuImg::locate()?.info(path).await

@@ -122,12 +122,14 @@ async fn a_vm_with_hostile_paths_runs_and_qmp_sees_them_verbatim() {
                 path: root.clone(),
                 read_only: false,
                 serial: "root".into(),
+                backing: vec![],
             },
             DiskAttachment {
                 node_name: "disk-data".into(),
                 path: data.clone(),
                 read_only: true,
                 serial: hearth_qemu::cmdline::disk_serial("a-data-disk-with-a-long-name"),
+                backing: vec![],
             },
         ],
     );
@@ -246,6 +248,7 @@ async fn qemu_failing_at_start_reports_its_own_error_message() {
             path: missing,
             read_only: false,
             serial: "root".into(),
+            backing: vec![],
         }],
     );
     let err = process::launch(&common::qemu(), &vm.spec, &vm.log, READY)
@@ -395,6 +398,7 @@ async fn a_launch_with_a_pidfile_can_be_found_again_from_the_pidfile_alone() {
         &vm.log,
         READY,
         Some(&pidfile),
+        None,
         |id| spawned = Some(id.clone()),
     )
     .await
@@ -402,13 +406,17 @@ async fn a_launch_with_a_pidfile_can_be_found_again_from_the_pidfile_alone() {
     let _cleanup = Cleanup(Some(id.clone()));
     assert_eq!(spawned.as_ref(), Some(&id), "after_spawn saw the process");
     let written: u32 = std::fs::read_to_string(&pidfile)
-        .expect("QEMU wrote its pidfile")
+        .expect("the launch wrote the pidfile")
         .trim()
         .parse()
         .expect("a pid");
     assert_eq!(written, id.pid);
     assert_eq!(process::find_launched(&pidfile, floor), Some(id.clone()));
     assert_eq!(process::vm_name_of(&id).as_deref(), Some("marked"));
+    // Without the pidfile (a launcher that died before writing it), the
+    // process is found by the launch variable in its environment.
+    std::fs::remove_file(&pidfile).expect("rm pidfile");
+    assert_eq!(process::find_launched(&pidfile, floor), Some(id.clone()));
 
     process::signal(&id, Signal::Kill).expect("kill");
     tokio::time::timeout(T, process::wait_for_exit(&id))
@@ -422,6 +430,7 @@ async fn a_launch_with_a_pidfile_can_be_found_again_from_the_pidfile_alone() {
         &vm.log,
         READY,
         Some(Path::new("relative.pid")),
+        None,
         |_| panic!("nothing may be spawned"),
     )
     .await

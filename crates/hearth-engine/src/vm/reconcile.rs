@@ -12,7 +12,7 @@ use hearth_api::{
     VirtualMachine, VmPhase, remove_condition, set_condition,
 };
 use hearth_qemu::ProcessIdentity;
-use hearth_qemu::cmdline::{DiskAttachment, KernelBoot, LaunchSpec, disk_serial};
+use hearth_qemu::cmdline::{BackingLayer, DiskAttachment, KernelBoot, LaunchSpec, disk_serial};
 use hearth_qemu::process;
 use serde_json::json;
 
@@ -335,6 +335,12 @@ async fn try_launch(
                 d.virtual_disk_name
             )
         })?;
+        let backing = backing_layers(&path).await.map_err(|e| {
+            format!(
+                "spec.disks[{i}]: VirtualDisk {:?}: {e}",
+                d.virtual_disk_name
+            )
+        })?;
         disks.push(DiskAttachment {
             node_name: format!("disk{i}"),
             path,
@@ -342,6 +348,7 @@ async fn try_launch(
             // The guest sees it as the disk's serial, so the guest agent's
             // filesystem report can be tied back to this VirtualDisk.
             serial: disk_serial(&d.virtual_disk_name),
+            backing,
         });
     }
     let run_dir = cfg.vm_run_dir(name);
@@ -437,6 +444,7 @@ async fn try_launch(
         &qemu_log,
         LAUNCH_READY_TIMEOUT,
         Some(&marker.pidfile),
+        cfg.qemu_user.as_ref(),
         super::launches::crash_after_spawn_hook,
     )
     .await;
@@ -469,6 +477,32 @@ async fn try_launch(
         cloud_init_instance_id: seed.map(|s| s.instance_id),
         nics,
     })
+}
+
+/// The layers below a disk's head, top first, as its qcow2 headers chain
+/// them (read by `qemu-img`, which opens each in turn; the chain was
+/// checked to stay inside hearth's files and the image roots when the
+/// disk was made). QEMU gets each as a node of its own, by descriptor.
+async fn backing_layers(head: &std::path::Path) -> Result<Vec<BackingLayer>, String> {
+    let chain = hearth_qemu::img::backing_chain(head)
+        .await
+        .map_err(|e| format!("reading the layer chain of {}: {e}", head.display()))?;
+    let mut layers = Vec::new();
+    for info in chain.into_iter().skip(1) {
+        let path = std::path::PathBuf::from(&info.filename);
+        if !path.is_absolute() {
+            return Err(format!(
+                "a layer below {} is named by the relative path {:?}",
+                head.display(),
+                info.filename
+            ));
+        }
+        layers.push(BackingLayer {
+            path,
+            format: info.format,
+        });
+    }
+    Ok(layers)
 }
 
 /// Builds the VM's cloud-init seed afresh (or removes an old one when it has
