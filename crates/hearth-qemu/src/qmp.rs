@@ -472,8 +472,15 @@ fn parse_fdsets(sets: &Value) -> Vec<(u64, String)> {
 }
 
 /// The file a node's `filename` (from `query-block`) stands for: for
-/// `/dev/fdset/S`, the path set `S` is labelled with; else the name itself.
+/// `/dev/fdset/S`, the path set `S` is labelled with; for a `json:{...}`
+/// name (what QEMU reports for a format node whose backing was given
+/// explicitly), that of its own `file` child; else the name itself.
 pub fn resolve_filename(filename: &str, fdsets: &[(u64, String)]) -> String {
+    let own_file = filename
+        .strip_prefix("json:")
+        .and_then(|j| serde_json::from_str::<Value>(j).ok())
+        .and_then(|v| v.pointer("/file/filename")?.as_str().map(str::to_owned));
+    let filename = own_file.as_deref().unwrap_or(filename);
     filename
         .strip_prefix("/dev/fdset/")
         .and_then(|n| n.parse::<u64>().ok())
@@ -761,6 +768,36 @@ mod tests {
             .expect("connect");
         let fake = server.await.expect("server task");
         (dir, client, events, fake)
+    }
+
+    #[test]
+    fn a_node_filename_resolves_to_the_label_of_its_fd_set() {
+        let sets = parse_fdsets(&json!([
+            {"fdset-id": 2, "fds": [{"fd": 9, "opaque": "/state/layers/2-a.qcow2"}]},
+            {"fdset-id": 1, "fds": [{"fd": 8, "opaque": "/images/base.qcow2"}]},
+            {"fdset-id": 3, "fds": []},
+        ]));
+        assert_eq!(
+            sets,
+            vec![
+                (2, "/state/layers/2-a.qcow2".into()),
+                (1, "/images/base.qcow2".into())
+            ]
+        );
+        assert_eq!(
+            resolve_filename("/dev/fdset/2", &sets),
+            "/state/layers/2-a.qcow2"
+        );
+        let json_name = r#"json:{"backing": {"driver": "qcow2", "file": {"driver": "file", "filename": "/dev/fdset/1"}}, "driver": "qcow2", "file": {"driver": "file", "filename": "/dev/fdset/2"}}"#;
+        assert_eq!(
+            resolve_filename(json_name, &sets),
+            "/state/layers/2-a.qcow2"
+        );
+        assert_eq!(resolve_filename("/dev/fdset/7", &sets), "/dev/fdset/7");
+        assert_eq!(
+            resolve_filename("/plain/file.qcow2", &sets),
+            "/plain/file.qcow2"
+        );
     }
 
     #[tokio::test]
