@@ -348,3 +348,63 @@ pub(crate) fn child_setup(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn root_resolves_to_uid_zero_and_a_missing_user_names_the_command_to_create_it() {
+        let root = QemuUser::lookup("root").expect("root exists");
+        assert!(root.is_root());
+        assert_eq!(root.gid, 0);
+        let err = QemuUser::lookup("hearth-no-such-user").expect_err("missing");
+        let text = err.to_string();
+        assert!(
+            text.contains("\"hearth-no-such-user\": no such user"),
+            "{text}"
+        );
+        assert!(
+            text.contains("useradd --system --user-group --no-create-home --shell /usr/sbin/nologin hearth-no-such-user"),
+            "{text}"
+        );
+        assert!(matches!(
+            QemuUser::lookup("a\0b"),
+            Err(UserError::NoSuchUser { .. })
+        ));
+    }
+
+    #[test]
+    fn only_kvm_and_only_with_kvm() {
+        let user = QemuUser {
+            name: "q".into(),
+            uid: 1000,
+            gid: 1000,
+            kvm_gid: Some(u32::MAX - 1),
+        };
+        assert!(user.groups_for(Accel::Tcg).is_empty());
+        // /dev/kvm (if any) does not belong to this made-up group.
+        assert!(user.groups_for(Accel::Kvm).is_empty());
+        let no_kvm_group = QemuUser {
+            kvm_gid: None,
+            ..user
+        };
+        assert!(no_kvm_group.groups_for(Accel::Kvm).is_empty());
+    }
+
+    #[test]
+    fn a_live_socket_is_never_taken_over_and_a_stale_one_is_replaced() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("qmp.sock");
+        let first = listen(&path).expect("listen");
+        assert!(matches!(
+            listen(&path),
+            Err(HandoverError::SocketInUse { .. })
+        ));
+        drop(first);
+        // The file is left behind, nobody listens: it is replaced.
+        assert!(path.exists());
+        let _second = listen(&path).expect("stale socket replaced");
+        assert!(std::os::unix::net::UnixStream::connect(&path).is_ok());
+    }
+}

@@ -204,6 +204,55 @@ fn qemu_runs_as_its_user_holds_only_its_own_files_and_cannot_open_others() {
     assert!(!files_a.contains(&layers_b[0]), "{files_a:?}");
     assert!(!files_b.contains(&layers_a[0]), "{files_b:?}");
 
+    // A second cut: fd sets do not pile up. Each layer of the chain is held
+    // exactly twice (its fd set's descriptor and the node's own copy),
+    // however many cuts handed files over.
+    let (status, v) = d.request(
+        "POST",
+        "/v1/apply",
+        Some(&json!({"items": [{"apiVersion": "hearth.dev/v1alpha1",
+            "kind": "VirtualDiskSnapshot", "metadata": {"name": "snap-a2"},
+            "spec": {"virtualDiskName": "disk-a", "requiredConsistency": true}}]})),
+    );
+    assert_eq!(status, 200, "{v}");
+    let snap = d.wait_object(
+        "virtualdisksnapshots",
+        "snap-a2",
+        "final",
+        Duration::from_secs(90),
+        |s| s["status"]["phase"] == "Ready" || s["status"]["phase"] == "Failed",
+    );
+    assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
+    let layers_a = layers(&disk_head(&d, "disk-a"));
+    assert_eq!(layers_a.len(), 4, "{layers_a:?}");
+    let files_a = open_files(pids[0]);
+    for l in &layers_a {
+        let held = files_a.iter().filter(|f| *f == l).count();
+        assert_eq!(held, 2, "{l:?} held {held} times: {files_a:?}");
+    }
+
+    // hearth's directories are root's and private, and everything in the
+    // VMs' run and state directories is root's: QEMU made none of it.
+    use std::os::unix::fs::MetadataExt;
+    for (dir, mode) in [(d.state_dir(), 0o700), (d.run_dir().join("vms"), 0o700)] {
+        let meta = std::fs::metadata(&dir).expect("dir");
+        assert_eq!(meta.mode() & 0o777, mode, "{}", dir.display());
+        assert_eq!(meta.uid(), 0, "{}", dir.display());
+    }
+    for vm in ["vm-a", "vm-b"] {
+        for dir in [
+            d.run_dir().join("vms").join(vm),
+            d.state_dir().join("vms").join(vm),
+        ] {
+            for e in std::fs::read_dir(&dir).expect("vm dir").flatten() {
+                let meta = e.metadata().expect("meta");
+                assert_eq!(meta.uid(), 0, "{} is not root's", e.path().display());
+            }
+        }
+        let log = std::fs::metadata(serial_log(&d, vm)).expect("serial log");
+        assert_eq!(log.mode() & 0o777, 0o600);
+    }
+
     // As the QEMU user, by path: no disk layer of either VM opens (the
     // shared base image under the image root aside: it is readable on
     // purpose, like the kernel), and no VM's QMP socket connects.

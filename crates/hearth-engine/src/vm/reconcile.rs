@@ -374,8 +374,8 @@ async fn try_launch(
         );
     }
     let seed = prepare_seed(cfg, vm).await?;
-    // The taps exist before QEMU opens them by name (else QEMU, as root,
-    // would make a tap of its own that no bridge has).
+    // The taps exist before hearthd attaches to them for QEMU (by name: a
+    // missing one would be a new tap that no bridge has).
     let nics = super::nics::prepare(ctx, vm).await?;
     // Stale sockets are removed by `process::launch`, and only if nothing
     // listens on them: a socket a running QEMU serves is never cut off.
@@ -425,7 +425,7 @@ async fn try_launch(
     // Recorded durably before the spawn, under an id that never repeats, so a
     // daemon that dies before the runtime record below is written leaves a way
     // to find this QEMU: its pidfile path (which names the launch) is in its
-    // command line.
+    // environment.
     let store_err = |e: crate::store::StoreError| format!("cannot record the launch: {e}");
     let launch_id = ctx.store.next_counter("launch").map_err(store_err)?;
     let marker = LaunchMarker {
