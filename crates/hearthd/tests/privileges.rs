@@ -277,3 +277,45 @@ fn qemu_runs_as_its_user_holds_only_its_own_files_and_cannot_open_others() {
         assert_denied(&serial_log(&d, vm));
     }
 }
+
+#[test]
+fn a_kernel_the_qemu_user_cannot_read_fails_the_start_naming_the_user() {
+    let _serial = serial();
+    // An image root in a private (0700) directory: hearthd may use it, the
+    // QEMU user cannot pass through it, and a kernel goes by path.
+    let root = tempfile::tempdir().expect("tempdir");
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(root.path(), std::fs::Permissions::from_mode(0o700))
+            .expect("chmod 0700");
+    }
+    let g = guest_dir();
+    for f in ["vmlinuz", "initrd.img"] {
+        std::fs::copy(g.join(f), root.path().join(f)).expect("copy");
+    }
+    let d = Daemon::start_without_guest(&[root.path()], &[]);
+    let (status, v) = d.request(
+        "POST",
+        "/v1/apply",
+        Some(&json!({"items": [{"apiVersion": "hearth.dev/v1alpha1",
+            "kind": "VirtualMachine", "metadata": {"name": "hidden"},
+            "spec": {"runPolicy": "AlwaysOn", "memory": "128Mi", "disks": [],
+                     "boot": {"kernel": root.path().join("vmlinuz"),
+                              "initrd": root.path().join("initrd.img"),
+                              "cmdline": "console=ttyS0"}}}]})),
+    );
+    assert_eq!(status, 200, "{v}");
+    let v = d.wait_vm("hidden", "a start-up error", Duration::from_secs(60), |v| {
+        v["status"]["lastError"]
+            .as_str()
+            .is_some_and(|e| !e.is_empty())
+    });
+    let err = v["status"]["lastError"].as_str().unwrap_or_default();
+    assert!(err.contains("Permission denied"), "{err}");
+    assert!(err.contains("vmlinuz"), "{err}");
+    assert!(
+        err.contains(&format!("QEMU runs as user \"{QEMU_USER}\"")),
+        "{err}"
+    );
+    assert!(d.qemu_pids().is_empty(), "no QEMU runs");
+}

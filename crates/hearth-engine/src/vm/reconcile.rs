@@ -460,7 +460,10 @@ async fn try_launch(
             if super::launches::find(&marker).is_none() {
                 let _ = ctx.store.drop_launch(launch_id);
             }
-            return Err(format!("QEMU did not start: {e}"));
+            return Err(format!(
+                "QEMU did not start: {e}{}",
+                permission_hint(&e, cfg.qemu_user.as_ref())
+            ));
         }
     };
     record.process = identity;
@@ -477,6 +480,26 @@ async fn try_launch(
         cloud_init_instance_id: seed.map(|s| s.instance_id),
         nics,
     })
+}
+
+/// What to add to a start-up failure that was a denied open: QEMU runs as
+/// an unprivileged user, and the files it opens by path (kernel, initrd,
+/// OVMF code) must be readable by that user.
+fn permission_hint(
+    e: &process::LaunchError,
+    user: Option<&hearth_qemu::handover::QemuUser>,
+) -> String {
+    match (e, user) {
+        (process::LaunchError::Exited { stderr_tail, .. }, Some(user))
+            if stderr_tail.contains("Permission denied") =>
+        {
+            format!(
+                " (QEMU runs as user {:?}: the kernel, initrd and OVMF code must be readable by it, and every directory above them passable)",
+                user.name
+            )
+        }
+        _ => String::new(),
+    }
 }
 
 /// The layers below a disk's head, top first, as its qcow2 headers chain
@@ -709,4 +732,34 @@ fn last_lines(path: &std::path::Path, n: usize) -> String {
     let text = String::from_utf8_lossy(&text[start..]);
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     lines[lines.len().saturating_sub(n)..].join(" | ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hearth_qemu::handover::QemuUser;
+
+    #[test]
+    fn a_denied_open_at_start_up_names_the_qemu_user() {
+        let user = QemuUser {
+            name: "hearth-qemu".into(),
+            uid: 995,
+            gid: 995,
+            kvm_gid: None,
+        };
+        let denied = process::LaunchError::Exited {
+            status: "exit status: 1".into(),
+            stderr_tail: "qemu: could not open kernel file '/root/vmlinuz': Permission denied"
+                .into(),
+        };
+        let hint = permission_hint(&denied, Some(&user));
+        assert!(hint.contains("\"hearth-qemu\""), "{hint}");
+        assert!(hint.contains("kernel, initrd and OVMF code"), "{hint}");
+        assert_eq!(permission_hint(&denied, None), "", "QEMU as root");
+        let other = process::LaunchError::Exited {
+            status: "exit status: 1".into(),
+            stderr_tail: "qemu: could not open kernel file '/x': No such file or directory".into(),
+        };
+        assert_eq!(permission_hint(&other, Some(&user)), "");
+    }
 }
