@@ -163,11 +163,19 @@ async fn a_vm_with_hostile_paths_runs_and_qmp_sees_them_verbatim() {
         .execute("query-named-block-nodes", Some(json!({"flat": true})), T)
         .await
         .expect("nodes");
+    // Every file went by descriptor: QEMU names the fd set, whose label is
+    // the path, byte for byte.
+    let fdsets = hearth_qemu::qmp::fdsets(&qmp, T)
+        .await
+        .expect("query-fdsets");
     let file_of = |node: &str| -> Option<(String, bool)> {
         nodes.as_array()?.iter().find_map(|n: &Value| {
             (n["node-name"] == node).then(|| {
                 (
-                    n["file"].as_str().unwrap_or_default().to_owned(),
+                    hearth_qemu::qmp::resolve_filename(
+                        n["file"].as_str().unwrap_or_default(),
+                        &fdsets,
+                    ),
                     n["ro"].as_bool().unwrap_or(false),
                 )
             })
@@ -239,28 +247,42 @@ async fn a_vm_with_hostile_paths_runs_and_qmp_sees_them_verbatim() {
 #[tokio::test]
 async fn qemu_failing_at_start_reports_its_own_error_message() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let missing = tmp.path().join("no such disk.qcow2");
-    let vm = vm_in(
-        tmp.path(),
-        "broken",
-        vec![DiskAttachment {
-            node_name: "disk-root".into(),
-            path: missing,
-            read_only: false,
-            serial: "root".into(),
-            backing: vec![],
-        }],
-    );
+    // A file that opens but is no qcow2 image: QEMU itself refuses it.
+    let garbage = tmp.path().join("not a disk.qcow2");
+    std::fs::write(&garbage, vec![0x5a; 4096]).expect("write");
+    let disk = |path: PathBuf| DiskAttachment {
+        node_name: "disk-root".into(),
+        path,
+        read_only: false,
+        serial: "root".into(),
+        backing: vec![],
+    };
+    let vm = vm_in(tmp.path(), "broken", vec![disk(garbage)]);
     let err = process::launch(&common::qemu(), &vm.spec, &vm.log, READY)
         .await
-        .expect_err("QEMU cannot open the disk");
+        .expect_err("QEMU cannot use the disk");
     match err {
         LaunchError::Exited { stderr_tail, .. } => {
-            assert!(stderr_tail.contains("no such disk.qcow2"), "{stderr_tail}");
+            assert!(stderr_tail.contains("qcow2"), "{stderr_tail}");
             assert!(stderr_tail.contains("qemu-system-x86_64"), "{stderr_tail}");
         }
         other => panic!("expected Exited, got {other}"),
     }
+
+    // A missing file never reaches QEMU: opening it for the handover fails,
+    // naming the disk and the path, and nothing is spawned or bound.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let missing = tmp.path().join("no such disk.qcow2");
+    let vm = vm_in(tmp.path(), "missing", vec![disk(missing.clone())]);
+    let err = process::launch(&common::qemu(), &vm.spec, &vm.log, READY)
+        .await
+        .expect_err("no disk file");
+    assert!(
+        matches!(&err, LaunchError::Handover(hearth_qemu::handover::HandoverError::Open { path, .. }) if path == &missing),
+        "{err}"
+    );
+    assert!(err.to_string().contains("disks[0]"), "{err}");
+    assert!(!vm.spec.qmp_socket.exists(), "nothing was bound");
 }
 
 #[tokio::test]
