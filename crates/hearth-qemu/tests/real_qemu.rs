@@ -459,3 +459,165 @@ async fn a_launch_with_a_pidfile_can_be_found_again_from_the_pidfile_alone() {
     .expect_err("relative pidfile");
     assert!(matches!(err, LaunchError::Pidfile { .. }), "{err}");
 }
+
+/// What QEMU needs of each fd set, checked on the installed release, as the
+/// unprivileged user and with disk files only root can open: a chain's
+/// backing layer opens from an `O_RDONLY` descriptor alone and the top from
+/// an `O_RDWR` one alone; a snapshot overlay handed over at run time
+/// (`add_file_node`, `SCM_RIGHTS`) becomes the top with `blockdev-snapshot`,
+/// which reopens the old top's format node read-only but leaves its file
+/// node on its descriptor; an unused node and its fd set go again with
+/// `remove_file_node`.
+#[tokio::test]
+async fn chain_layers_and_a_runtime_overlay_each_need_one_descriptor_in_their_nodes_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let user = hearth_qemu::handover::QemuUser::lookup("hearth-qemu")
+        .expect("the hearth-qemu user: run .ci/install-deps.sh");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let img = QemuImg::new(common::qemu_img());
+    let base = tmp.path().join("base.qcow2");
+    let top = tmp.path().join("top.qcow2");
+    img.create_blank(&base, 16 << 20).await.expect("base");
+    img.create_overlay(&top, &base, "qcow2", None)
+        .await
+        .expect("top");
+    let private = |p: &Path| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600)).expect("chmod 0600")
+    };
+    private(&base);
+    private(&top);
+    let mut vm = vm_in(
+        tmp.path(),
+        "chain",
+        vec![DiskAttachment {
+            node_name: "disk-root".into(),
+            path: top.clone(),
+            read_only: false,
+            serial: "root".into(),
+            backing: vec![hearth_qemu::cmdline::BackingLayer {
+                path: base.clone(),
+                format: "qcow2".into(),
+            }],
+        }],
+    );
+    vm.spec.agent_socket = None;
+    let id = process::launch_with(
+        &common::qemu(),
+        &vm.spec,
+        &vm.log,
+        READY,
+        None,
+        Some(&user),
+        |_| {},
+    )
+    .await
+    .expect("QEMU starts as hearth-qemu");
+    let _cleanup = Cleanup(Some(id.clone()));
+    let status = std::fs::read_to_string(format!("/proc/{}/status", id.pid)).expect("status");
+    assert!(
+        status.contains(&format!("Uid:\t{0}\t{0}\t{0}\t{0}", user.uid)),
+        "{status}"
+    );
+
+    let (qmp, _events) = QmpClient::connect(&vm.spec.qmp_socket, T)
+        .await
+        .expect("QMP");
+    let fdsets = hearth_qemu::qmp::fdsets(&qmp, T).await.expect("fdsets");
+    let labels: Vec<&str> = fdsets.iter().map(|(_, l)| l.as_str()).collect();
+    for want in [&base, &top, &vm.spec.serial_log] {
+        assert!(labels.contains(&want.to_str().expect("utf8")), "{fdsets:?}");
+    }
+    let raw = qmp.execute("query-fdsets", None, T).await.expect("fdsets");
+    for set in raw.as_array().expect("array") {
+        assert_eq!(set["fds"].as_array().map(Vec::len), Some(1), "{set}");
+    }
+
+    // The runtime overlay: a file the QEMU user cannot open by path.
+    let overlay = tmp.path().join("overlay.qcow2");
+    img.create_overlay_unopened(&overlay, &top, "qcow2", 16 << 20)
+        .await
+        .expect("overlay");
+    private(&overlay);
+    let node = hearth_qemu::qmp::add_file_node(&qmp, "ov1", &overlay, false, T)
+        .await
+        .expect("overlay node");
+    qmp.execute(
+        "transaction",
+        Some(json!({"actions": [{"type": "blockdev-snapshot",
+                                 "data": {"node": "disk-root", "overlay": "ov1"}}]})),
+        T,
+    )
+    .await
+    .expect("blockdev-snapshot");
+    let block = qmp.execute("query-block", None, T).await.expect("block");
+    let inserted = &block[0]["inserted"];
+    assert_eq!(inserted["node-name"], "ov1", "{block:#}");
+    let fdsets = hearth_qemu::qmp::fdsets(&qmp, T).await.expect("fdsets");
+    assert_eq!(
+        hearth_qemu::qmp::resolve_filename(inserted["file"].as_str().unwrap_or_default(), &fdsets),
+        overlay.to_str().expect("utf8")
+    );
+    assert!(fdsets.contains(&(node.fdset, overlay.to_string_lossy().into_owned())));
+    // The guest's disk works on the new chain: a write goes to the overlay.
+    qmp.execute(
+        "human-monitor-command",
+        Some(json!({"command-line": "qemu-io ov1 \"write -P 0x61 0 4096\""})),
+        T,
+    )
+    .await
+    .expect("write through the overlay");
+    let names = qmp
+        .execute("query-named-block-nodes", Some(json!({"flat": true})), T)
+        .await
+        .expect("nodes");
+    let ro_of = |name: &str| {
+        names
+            .as_array()
+            .and_then(|a| a.iter().find(|n| n["node-name"] == name))
+            .map(|n| n["ro"].as_bool())
+    };
+    // The old top's format node is reopened read-only by the snapshot; its
+    // file node (read-write by explicit option) keeps its O_RDWR
+    // descriptor, so no O_RDONLY one was needed in its set.
+    assert_eq!(ro_of("disk-root"), Some(Some(true)), "{names:#}");
+    assert_eq!(ro_of("file-0"), Some(Some(false)), "{names:#}");
+
+    // An unused node goes, and its fd set with it.
+    let spare = tmp.path().join("spare.qcow2");
+    img.create_overlay_unopened(&spare, &top, "qcow2", 16 << 20)
+        .await
+        .expect("spare");
+    private(&spare);
+    hearth_qemu::qmp::add_file_node(&qmp, "spare", &spare, false, T)
+        .await
+        .expect("spare node");
+    hearth_qemu::qmp::remove_file_node(&qmp, "spare", &spare, T)
+        .await
+        .expect("removed");
+    let fdsets = hearth_qemu::qmp::fdsets(&qmp, T).await.expect("fdsets");
+    assert!(
+        !fdsets
+            .iter()
+            .any(|(_, l)| l == spare.to_str().expect("utf8")),
+        "{fdsets:?}"
+    );
+    let names = qmp
+        .execute("query-named-block-nodes", Some(json!({"flat": true})), T)
+        .await
+        .expect("nodes");
+    assert!(!names.to_string().contains("\"spare\""), "{names}");
+    // Removing it again is fine: a node QEMU does not know counts as gone.
+    hearth_qemu::qmp::remove_file_node(&qmp, "spare", &spare, T)
+        .await
+        .expect("removed twice");
+    // A node in use is refused, and its set stays.
+    assert!(
+        hearth_qemu::qmp::remove_file_node(&qmp, "ov1", &overlay, T)
+            .await
+            .is_err()
+    );
+    let fdsets = hearth_qemu::qmp::fdsets(&qmp, T).await.expect("fdsets");
+    assert!(fdsets.iter().any(|(id, _)| *id == node.fdset), "{fdsets:?}");
+    let _ = qmp.execute("quit", None, T).await;
+}
