@@ -121,7 +121,8 @@ impl QemuImg {
             path.into(),
             size_bytes.to_string().into(),
         ];
-        self.run("create", path, args).await.map(|_| ())
+        self.run("create", path, args).await?;
+        private(path)
     }
 
     /// Creates a qcow2 overlay of `backing` (recorded by absolute path). Without
@@ -178,7 +179,8 @@ impl QemuImg {
         if let Some(size) = size {
             args.push(size.to_string().into());
         }
-        self.run("create", path, args).await.map(|_| ())
+        self.run("create", path, args).await?;
+        private(path)
     }
 
     /// `qemu-img info` of one image. `-U` so it also works on images a running VM
@@ -430,6 +432,20 @@ fn parse_info(v: &Value) -> Result<ImageInfo, String> {
             .pointer("/format-specific/data/data-file")
             .and_then(Value::as_str)
             .map(str::to_owned),
+    })
+}
+
+/// A new image is root's alone (0600; qemu-img makes it 0644 under the
+/// umask): QEMU gets it by descriptor, nobody needs it by path.
+fn private(path: &Path) -> Result<(), ImgError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|e| {
+        ImgError::Failed {
+            operation: "create",
+            path: path.to_owned(),
+            status: "created, but its mode could not be set to 0600".into(),
+            stderr: e.to_string(),
+        }
     })
 }
 

@@ -259,6 +259,8 @@ fn qemu_runs_as_its_user_holds_only_its_own_files_and_cannot_open_others() {
     for l in layers_a.iter().chain(&layers_b) {
         if l.starts_with(d.state_dir()) {
             assert_denied(l);
+            let meta = std::fs::metadata(l).expect("layer");
+            assert_eq!((meta.uid(), meta.mode() & 0o777), (0, 0o600), "{l:?}");
         }
     }
     for vm in ["vm-a", "vm-b"] {
