@@ -377,8 +377,9 @@ async fn try_launch(
     // The taps exist before hearthd attaches to them for QEMU (by name: a
     // missing one would be a new tap that no bridge has).
     let nics = super::nics::prepare(ctx, vm).await?;
-    // Stale sockets are removed by `process::launch`, and only if nothing
-    // listens on them: a socket a running QEMU serves is never cut off.
+    // `process::launch` binds the sockets for QEMU, removing a stale file
+    // only if nothing listens on it: a socket a running QEMU serves is
+    // never cut off.
     let qmp_socket = run_dir.join("qmp.sock");
     let agent_socket = vm.spec.guest_agent.then(|| run_dir.join("agent.sock"));
     let serial_log = cfg.serial_log(name);
