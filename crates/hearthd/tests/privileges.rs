@@ -264,18 +264,20 @@ fn qemu_runs_as_its_user_holds_only_its_own_files_and_cannot_open_others() {
         }
     }
     for vm in ["vm-a", "vm-b"] {
-        let qmp = d.run_dir().join("vms").join(vm).join("qmp.sock");
-        assert!(qmp.exists(), "{}", qmp.display());
-        let (ok, err) = as_qemu_user(&[
-            "timeout",
-            "5",
-            "socat",
-            "-u",
-            &format!("UNIX-CONNECT:{}", qmp.display()),
-            "STDOUT",
-        ]);
-        assert!(!ok, "the QEMU user connected to {}", qmp.display());
-        assert!(err.contains("Permission denied"), "{err}");
+        for socket in ["qmp.sock", "agent.sock", "serial.sock"] {
+            let socket = d.run_dir().join("vms").join(vm).join(socket);
+            assert!(socket.exists(), "{}", socket.display());
+            let (ok, err) = as_qemu_user(&[
+                "timeout",
+                "5",
+                "socat",
+                "-u",
+                &format!("UNIX-CONNECT:{}", socket.display()),
+                "STDOUT",
+            ]);
+            assert!(!ok, "the QEMU user connected to {}", socket.display());
+            assert!(err.contains("Permission denied"), "{err}");
+        }
         assert_denied(&serial_log(&d, vm));
     }
 }
