@@ -263,6 +263,17 @@ fn qemu_runs_as_its_user_holds_only_its_own_files_and_cannot_open_others() {
             assert_eq!((meta.uid(), meta.mode() & 0o777), (0, 0o600), "{l:?}");
         }
     }
+    // Nor through another QEMU's descriptors: /proc/PID/fd of a process of
+    // the same user can be walked, but reopening a layer checks the file
+    // itself, which is root's 0600.
+    let fd_of_b = std::fs::read_dir(format!("/proc/{}/fd", pids[1]))
+        .expect("fd dir")
+        .flatten()
+        .find(|e| std::fs::read_link(e.path()).ok().as_ref() == Some(&layers_b[0]))
+        .map(|e| e.path())
+        .expect("vm-b holds its head");
+    assert_denied(&fd_of_b);
+
     for vm in ["vm-a", "vm-b"] {
         for socket in ["qmp.sock", "agent.sock", "serial.sock"] {
             let socket = d.run_dir().join("vms").join(vm).join(socket);
