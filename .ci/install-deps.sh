@@ -72,6 +72,20 @@ for p in "${BPO_VERSIONED[@]}"; do
     fi
 done
 
+# --- the user QEMU runs as (hearthd --qemu-user, default hearth-qemu) --------
+# hearthd refuses to start without it; the tests and the demo use the default.
+# In the kvm group when there is one, so a host with usable KVM reaches
+# /dev/kvm (hearthd passes kvm as QEMU's only supplementary group).
+QEMU_USER=hearth-qemu
+if ! getent passwd "$QEMU_USER" >/dev/null; then
+    log "useradd $QEMU_USER"
+    useradd --system --user-group --no-create-home --shell /usr/sbin/nologin "$QEMU_USER"
+fi
+if getent group kvm >/dev/null && ! id -nG "$QEMU_USER" | tr ' ' '\n' | grep -qx kvm; then
+    log "usermod -aG kvm $QEMU_USER"
+    usermod -aG kvm "$QEMU_USER"
+fi
+
 if [ "${#missing[@]}" -eq 0 ] && [ -f "$BPO_SOURCES" ]; then
     log "all packages present (qemu-system-x86 $(pkg_version qemu-system-x86), qemu-utils $(pkg_version qemu-utils)); nothing to do"
     exit 0

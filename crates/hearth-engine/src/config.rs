@@ -14,6 +14,9 @@ pub struct EngineConfig {
     /// Kernels, initrds and base images must resolve inside one of these.
     pub image_roots: Vec<PathBuf>,
     pub qemu_binary: PathBuf,
+    /// The user every QEMU runs as; `None`: as hearthd itself (root), the
+    /// escape hatch `--qemu-user root`.
+    pub qemu_user: Option<hearth_qemu::handover::QemuUser>,
     pub accel: AccelDecision,
     /// How often every object is reconciled even without a hint.
     pub resync_interval: Duration,

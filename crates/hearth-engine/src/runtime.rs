@@ -38,8 +38,9 @@ pub struct LaunchMarker {
     /// From the store's `launch` counter: never repeats.
     pub id: u64,
     pub vm: String,
-    /// Passed to QEMU as `-pidfile`; its path names the launch, so it is also
-    /// the token looked for in the process's command line.
+    /// Written by the launch with QEMU's pid; its path names the launch, so
+    /// it is also the token looked for in the process's environment
+    /// (`HEARTH_LAUNCH`).
     pub pidfile: PathBuf,
     /// The kernel boot the launch happened in; after a reboot nothing runs.
     pub boot_id: String,

@@ -24,6 +24,7 @@ fn config(dir: &Path) -> EngineConfig {
         run_dir: dir.join("run"),
         image_roots: vec![dir.join("images")],
         qemu_binary: "/usr/bin/qemu-system-x86_64".into(),
+        qemu_user: None,
         accel: hearth_qemu::accel::AccelDecision {
             accel: hearth_qemu::Accel::Tcg,
             reason: "test".into(),

@@ -49,6 +49,76 @@ pub struct DiskAttachment {
     /// it with [`disk_serial`] so the guest agent's filesystem report names the
     /// VirtualDisk. At most [`MAX_SERIAL_LEN`] bytes; empty means none.
     pub serial: String,
+    /// The layers below `path`, top first (what its qcow2 header chains
+    /// to). Each becomes a node of its own, linked by `backing`, so QEMU
+    /// never opens a backing file by the name written in a header.
+    pub backing: Vec<BackingLayer>,
+}
+
+/// One read-only layer below a disk's top layer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BackingLayer {
+    pub path: PathBuf,
+    /// `qcow2` (which may chain further) or `raw` (the bottom).
+    pub format: String,
+}
+
+/// The descriptor numbers QEMU inherits for one launch
+/// ([`crate::handover::Handover`] opens them; unit tests make some up).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FdNumbers {
+    /// Per disk, one per layer of its chain, top first.
+    pub disk_layers: Vec<Vec<i32>>,
+    pub seed: Option<i32>,
+    pub ovmf_vars: Option<i32>,
+    /// Opened for writing (and truncated) by hearthd.
+    pub serial_log: i32,
+    /// Listening sockets.
+    pub qmp: i32,
+    pub agent: Option<i32>,
+    pub serial_socket: Option<i32>,
+    /// Per NIC, in order.
+    pub nics: Vec<NicFds>,
+}
+
+impl FdNumbers {
+    /// Made-up numbers of the right shape for `spec` (from 100 up): enough
+    /// to check a spec, and for tests.
+    pub fn for_spec(spec: &LaunchSpec) -> FdNumbers {
+        let mut n = 99;
+        let mut next = || {
+            n += 1;
+            n
+        };
+        FdNumbers {
+            disk_layers: spec
+                .disks
+                .iter()
+                .map(|d| (0..=d.backing.len()).map(|_| next()).collect())
+                .collect(),
+            seed: spec.seed.as_ref().map(|_| next()),
+            ovmf_vars: matches!(spec.firmware, Firmware::Uefi(_)).then(&mut next),
+            serial_log: next(),
+            qmp: next(),
+            agent: spec.agent_socket.as_ref().map(|_| next()),
+            serial_socket: spec.serial_socket.as_ref().map(|_| next()),
+            nics: spec
+                .nics
+                .iter()
+                .map(|nic| NicFds {
+                    tap: next(),
+                    vhost: nic.vhost.then(&mut next),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A tap hearthd attached to, and `/dev/vhost-net` when the NIC uses it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NicFds {
+    pub tap: i32,
+    pub vhost: Option<i32>,
 }
 
 /// Direct kernel boot: QEMU loads the kernel itself (through the firmware's
@@ -185,6 +255,12 @@ pub enum CmdlineError {
     DuplicateSerial(String),
     #[error("kernel command line contains a NUL byte")]
     NulInCmdline,
+    #[error("disks[{index}]: backing layer format {format:?} is not qcow2 or raw")]
+    BadLayerFormat { index: usize, format: String },
+    #[error("disks[{index}]: a raw layer can only be the bottom of a chain")]
+    RawLayerNotAtBottom { index: usize },
+    #[error("descriptors for {0} do not match the launch spec")]
+    FdMismatch(&'static str),
 }
 
 /// Node names hearth uses for things that are not the VM's disks.
@@ -198,6 +274,21 @@ const RESERVED_NODE_NAMES: [&str; 4] = [
 /// Node name of the `file` protocol node under disk number `index`.
 pub fn file_node_name(index: usize) -> String {
     format!("file-{index}")
+}
+
+/// Node names of backing layer `depth` (1 is right below the top) of disk
+/// `index`: its format node and its `file` node.
+pub fn backing_node_names(index: usize, depth: usize) -> (String, String) {
+    (
+        format!("back-{index}-{depth}"),
+        format!("file-{index}-{depth}"),
+    )
+}
+
+/// The path QEMU opens for fd set `set`: it takes a descriptor of the set
+/// whose access mode matches (`-add-fd`, QMP `add-fd`).
+pub fn fdset_path(set: u64) -> String {
+    format!("/dev/fdset/{set}")
 }
 
 /// qdev id of the virtio-blk device for disk number `index`.
@@ -241,7 +332,6 @@ pub fn validate_serial(serial: &str) -> Result<(), CmdlineError> {
     }
 }
 
-/// Builds the argv (without the binary itself) that starts `spec`.
 fn valid_tap_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 15
@@ -260,7 +350,37 @@ fn valid_unicast_mac(mac: &str) -> bool {
         && parts.iter().any(|p| *p != "00")
 }
 
-pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
+/// Builds the argv (without the binary itself) that starts `spec` with the
+/// descriptors `fds`: every file and socket of the VM is one of them (disk
+/// layers, seed, UEFI variables and serial log through fd sets, sockets and
+/// taps as `fd=`), so no path of hearth's reaches QEMU to be opened; a
+/// path is only the `opaque` label of its fd set (`query-fdsets` shows
+/// it). Only the kernel, initrd and OVMF code (shared, read-only) go by path.
+pub fn build_args(spec: &LaunchSpec, fds: &FdNumbers) -> Result<Vec<OsString>, CmdlineError> {
+    if fds.disk_layers.len() != spec.disks.len()
+        || spec
+            .disks
+            .iter()
+            .zip(&fds.disk_layers)
+            .any(|(d, l)| l.len() != 1 + d.backing.len())
+    {
+        return Err(CmdlineError::FdMismatch("disk layers"));
+    }
+    if fds.seed.is_some() != spec.seed.is_some() {
+        return Err(CmdlineError::FdMismatch("the seed"));
+    }
+    if fds.ovmf_vars.is_some() != matches!(spec.firmware, Firmware::Uefi(_)) {
+        return Err(CmdlineError::FdMismatch("the UEFI variables"));
+    }
+    if fds.agent.is_some() != spec.agent_socket.is_some() {
+        return Err(CmdlineError::FdMismatch("the agent socket"));
+    }
+    if fds.serial_socket.is_some() != spec.serial_socket.is_some() {
+        return Err(CmdlineError::FdMismatch("the serial socket"));
+    }
+    if fds.nics.len() != spec.nics.len() {
+        return Err(CmdlineError::FdMismatch("the NICs"));
+    }
     validate_vm_name(&spec.vm_name)?;
     if spec.cpus == 0 || spec.cpus > MAX_CPUS {
         return Err(CmdlineError::InvalidCpus(spec.cpus));
@@ -277,6 +397,15 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
     }
 
     let mut args = Args::default();
+    let mut next_set = 0u64;
+    // `-add-fd fd=N,set=S,opaque=PATH`: the path only labels the set.
+    let mut fdset = |args: &mut Args, field: &str, fd: i32, path: &Path| {
+        next_set += 1;
+        let label = legacy_opt_path(field, path)?;
+        args.push("-add-fd");
+        args.push(format!("fd={fd},set={next_set},opaque={label}"));
+        Ok::<_, CmdlineError>(fdset_path(next_set))
+    };
     args.push_all(["-name", &format!("guest={}", spec.vm_name)]);
     // Host-wide /etc/qemu config must not change what a manifest describes.
     args.push_all(["-no-user-config", "-nodefaults", "-nographic", "-no-reboot"]);
@@ -291,15 +420,25 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
         Firmware::Uefi(ovmf) => {
             // The flash images are block nodes: `-machine` only names them, so
             // no path ever reaches its comma syntax.
-            for (field, path, node, read_only) in [
-                ("ovmf_code", &ovmf.code, OVMF_CODE_NODE_NAME, true),
-                ("ovmf_vars", &ovmf.vars, OVMF_VARS_NODE_NAME, false),
+            // The code is a shared read-only file of the OVMF package
+            // (world-readable): by path. The variables are the VM's own.
+            let vars_fd = fds
+                .ovmf_vars
+                .ok_or(CmdlineError::FdMismatch("the UEFI variables"))?;
+            let vars = fdset(&mut args, "ovmf_vars", vars_fd, &ovmf.vars)?;
+            for (filename, node, read_only) in [
+                (
+                    plain_path("ovmf_code", &ovmf.code)?,
+                    OVMF_CODE_NODE_NAME,
+                    true,
+                ),
+                (vars, OVMF_VARS_NODE_NAME, false),
             ] {
                 args.push("-blockdev");
                 args.push(
                     json!({
                         "driver": "file",
-                        "filename": plain_path(field, path)?,
+                        "filename": filename,
                         "node-name": node,
                         "read-only": read_only,
                     })
@@ -352,6 +491,24 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
     for (index, disk) in spec.disks.iter().enumerate() {
         validate_node_name(&disk.node_name)?;
         node_names.insert(file_node_name(index));
+        for depth in 1..=disk.backing.len() {
+            let (format, file) = backing_node_names(index, depth);
+            node_names.insert(format);
+            node_names.insert(file);
+        }
+        for (j, layer) in disk.backing.iter().enumerate() {
+            match layer.format.as_str() {
+                "qcow2" => {}
+                "raw" if j + 1 == disk.backing.len() => {}
+                "raw" => return Err(CmdlineError::RawLayerNotAtBottom { index }),
+                other => {
+                    return Err(CmdlineError::BadLayerFormat {
+                        index,
+                        format: other.to_owned(),
+                    });
+                }
+            }
+        }
     }
     for disk in &spec.disks {
         if !node_names.insert(disk.node_name.clone()) {
@@ -366,8 +523,41 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
         }
     }
     for (index, disk) in spec.disks.iter().enumerate() {
+        // Bottom first, so each node's backing exists when it is added.
+        // The top names the first backing node, the bottom `null`: QEMU
+        // never follows a header's backing file name.
+        let layer_fds = &fds.disk_layers[index];
+        let mut below: Option<String> = None;
+        for (j, layer) in disk.backing.iter().enumerate().rev() {
+            let depth = j + 1;
+            let field = format!("disks[{index}].backing[{j}]");
+            let filename = fdset(&mut args, &field, layer_fds[depth], &layer.path)?;
+            let (format_node, file_node) = backing_node_names(index, depth);
+            args.push("-blockdev");
+            args.push(
+                json!({
+                    "driver": "file",
+                    "filename": filename,
+                    "node-name": file_node,
+                    "read-only": true,
+                })
+                .to_string(),
+            );
+            let mut node = json!({
+                "driver": layer.format,
+                "file": file_node,
+                "node-name": format_node,
+                "read-only": true,
+            });
+            if layer.format == "qcow2" {
+                node["backing"] = json!(below);
+            }
+            args.push("-blockdev");
+            args.push(node.to_string());
+            below = Some(format_node);
+        }
         let field = format!("disks[{index}]");
-        let filename = plain_path(&field, &disk.path)?;
+        let filename = fdset(&mut args, &field, layer_fds[0], &disk.path)?;
         let file_node = file_node_name(index);
         args.push("-blockdev");
         args.push(
@@ -386,6 +576,7 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
                 "file": file_node,
                 "node-name": disk.node_name,
                 "read-only": disk.read_only,
+                "backing": below,
             })
             .to_string(),
         );
@@ -407,11 +598,13 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
     }
 
     if let Some(seed) = &spec.seed {
+        let seed_fd = fds.seed.ok_or(CmdlineError::FdMismatch("the seed"))?;
+        let filename = fdset(&mut args, "seed", seed_fd, seed)?;
         args.push("-blockdev");
         args.push(
             json!({
                 "driver": "file",
-                "filename": plain_path("seed", seed)?,
+                "filename": filename,
                 "node-name": SEED_FILE_NODE_NAME,
                 "read-only": true,
             })
@@ -453,20 +646,22 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
             });
         }
         let id = nic_device_id(index);
-        // JSON, so no byte of a name reaches QEMU's option parser; no
-        // script: the tap is made, enslaved and brought up by hearth.
+        // The tap is made, enslaved and brought up by hearth, and attached
+        // by hearthd: QEMU gets the descriptor (no name, no script, no
+        // CAP_NET_ADMIN), and /dev/vhost-net's too when it is used.
+        let nic_fds = fds.nics[index];
+        let mut netdev = json!({
+            "type": "tap",
+            "id": id,
+            "fd": nic_fds.tap.to_string(),
+            "vhost": nic.vhost,
+        });
+        if nic.vhost {
+            let vhost = nic_fds.vhost.ok_or(CmdlineError::FdMismatch("the NICs"))?;
+            netdev["vhostfd"] = json!(vhost.to_string());
+        }
         args.push("-netdev");
-        args.push(
-            json!({
-                "type": "tap",
-                "id": id,
-                "ifname": nic.tap,
-                "script": "no",
-                "downscript": "no",
-                "vhost": nic.vhost,
-            })
-            .to_string(),
-        );
+        args.push(netdev.to_string());
         // No option ROM: nothing boots from the network (`-boot strict=on`
         // tries only the disks), and it saves the firmware loading iPXE.
         args.push("-device");
@@ -482,12 +677,17 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
         );
     }
 
+    // Every socket is one hearthd listens on and hands over (`fd=`): QEMU
+    // creates nothing in the run directory.
     if let Some(agent_socket) = &spec.agent_socket {
-        let path = legacy_opt_path("agent_socket", agent_socket)?;
+        plain_path("agent_socket", agent_socket)?;
+        let fd = fds
+            .agent
+            .ok_or(CmdlineError::FdMismatch("the agent socket"))?;
         args.push("-device");
         args.push(json!({"driver": "virtio-serial-pci", "id": "vser0"}).to_string());
         args.push("-chardev");
-        args.push(format!("socket,id=qga0,path={path},server=on,wait=off"));
+        args.push(format!("socket,id=qga0,fd={fd},server=on,wait=off"));
         args.push("-device");
         args.push(
             json!({
@@ -502,21 +702,25 @@ pub fn build_args(spec: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
 
     // `-qmp unix:PATH,...` would need its own escaping rules; a chardev plus `-mon`
     // is what `-qmp` expands to anyway.
-    let qmp = legacy_opt_path("qmp_socket", &spec.qmp_socket)?;
+    plain_path("qmp_socket", &spec.qmp_socket)?;
     args.push("-chardev");
-    args.push(format!("socket,id=qmp0,path={qmp},server=on,wait=off"));
+    args.push(format!("socket,id=qmp0,fd={},server=on,wait=off", fds.qmp));
     args.push_all(["-mon", "chardev=qmp0,mode=control"]);
 
-    let serial = legacy_opt_path("serial_log", &spec.serial_log)?;
+    // hearthd truncated the log when it opened it (a descriptor from an fd
+    // set is dup'ed: QEMU's own O_TRUNC would not reach the file).
+    let serial = fdset(&mut args, "serial_log", fds.serial_log, &spec.serial_log)?;
     args.push("-chardev");
     match &spec.serial_socket {
-        // `logappend=off` truncates the log when QEMU starts, as the file
-        // backend does; `wait=off` never holds the guest for a client, and
-        // output while no client is attached still reaches the logfile.
+        // `wait=off` never holds the guest for a client, and output while
+        // no client is attached still reaches the logfile.
         Some(sock) => {
-            let sock = legacy_opt_path("serial_socket", sock)?;
+            plain_path("serial_socket", sock)?;
+            let fd = fds
+                .serial_socket
+                .ok_or(CmdlineError::FdMismatch("the serial socket"))?;
             args.push(format!(
-                "socket,id=serial0,path={sock},server=on,wait=off,logfile={serial},logappend=off"
+                "socket,id=serial0,fd={fd},server=on,wait=off,logfile={serial},logappend=off"
             ));
         }
         None => args.push(format!("file,id=serial0,path={serial}")),
@@ -608,6 +812,11 @@ mod tests {
     use super::*;
     use serde_json::Value;
 
+    /// The argv with made-up descriptor numbers of the right shape.
+    fn build_args(s: &LaunchSpec) -> Result<Vec<OsString>, CmdlineError> {
+        super::build_args(s, &FdNumbers::for_spec(s))
+    }
+
     fn spec() -> LaunchSpec {
         LaunchSpec {
             vm_name: "demo".into(),
@@ -626,12 +835,14 @@ mod tests {
                     path: "/var/lib/hearth/disks/root.qcow2".into(),
                     read_only: false,
                     serial: "root".into(),
+                    backing: vec![],
                 },
                 DiskAttachment {
                     node_name: "disk-data".into(),
                     path: "/var/lib/hearth/disks/data.qcow2".into(),
                     read_only: true,
                     serial: "data".into(),
+                    backing: vec![],
                 },
             ],
             seed: None,
@@ -665,6 +876,35 @@ mod tests {
         values_of(args, flag)
             .iter()
             .map(|v| serde_json::from_str(v).expect("JSON option value"))
+            .collect()
+    }
+
+    /// The `-blockdev` values, each `/dev/fdset/S` filename replaced by the
+    /// label (`opaque`) of its `-add-fd`: the file the set stands for.
+    fn blockdevs(args: &[String]) -> Vec<Value> {
+        let sets: Vec<(String, String)> = values_of(args, "-add-fd")
+            .iter()
+            .map(|v| {
+                let keys = legacy_keys(v);
+                let get = |k: &str| {
+                    keys.iter()
+                        .find(|(key, _)| key == k)
+                        .map(|(_, v)| v.clone())
+                        .expect("-add-fd key")
+                };
+                (fdset_path(get("set").parse().expect("set")), get("opaque"))
+            })
+            .collect();
+        json_values_of(args, "-blockdev")
+            .into_iter()
+            .map(|mut b| {
+                if let Some(f) = b["filename"].as_str()
+                    && let Some((_, label)) = sets.iter().find(|(p, _)| p == f)
+                {
+                    b["filename"] = json!(label);
+                }
+                b
+            })
             .collect()
     }
 
@@ -730,20 +970,33 @@ mod tests {
         ];
         assert_eq!(&args[..expected_prefix.len()], &expected_prefix[..]);
 
-        let blockdevs = json_values_of(&args, "-blockdev");
+        let blockdevs = blockdevs(&args);
         assert_eq!(
             blockdevs,
             vec![
                 json!({"driver": "file", "filename": "/var/lib/hearth/disks/root.qcow2",
                        "node-name": "file-0", "read-only": false}),
                 json!({"driver": "qcow2", "file": "file-0", "node-name": "disk-root",
-                       "read-only": false}),
+                       "read-only": false, "backing": null}),
                 json!({"driver": "file", "filename": "/var/lib/hearth/disks/data.qcow2",
                        "node-name": "file-1", "read-only": true}),
                 json!({"driver": "qcow2", "file": "file-1", "node-name": "disk-data",
-                       "read-only": true}),
+                       "read-only": true, "backing": null}),
             ]
         );
+        // Every file by descriptor: the two layers and the serial log, each
+        // in a set of its own labelled with its path.
+        assert_eq!(
+            values_of(&args, "-add-fd"),
+            vec![
+                "fd=100,set=1,opaque=/var/lib/hearth/disks/root.qcow2",
+                "fd=101,set=2,opaque=/var/lib/hearth/disks/data.qcow2",
+                "fd=102,set=3,opaque=/var/log/hearth/demo/serial.log",
+            ]
+        );
+        let json_blockdevs = json_values_of(&args, "-blockdev");
+        assert_eq!(json_blockdevs[0]["filename"], "/dev/fdset/1");
+        assert_eq!(json_blockdevs[2]["filename"], "/dev/fdset/2");
         let devices = json_values_of(&args, "-device");
         assert_eq!(
             devices,
@@ -760,9 +1013,9 @@ mod tests {
         assert_eq!(
             values_of(&args, "-chardev"),
             vec![
-                "socket,id=qga0,path=/run/hearth/demo/qga.sock,server=on,wait=off",
-                "socket,id=qmp0,path=/run/hearth/demo/qmp.sock,server=on,wait=off",
-                "file,id=serial0,path=/var/log/hearth/demo/serial.log",
+                "socket,id=qga0,fd=104,server=on,wait=off",
+                "socket,id=qmp0,fd=103,server=on,wait=off",
+                "file,id=serial0,path=/dev/fdset/3",
             ]
         );
         assert_eq!(values_of(&args, "-mon"), vec!["chardev=qmp0,mode=control"]);
@@ -781,10 +1034,10 @@ mod tests {
             vec![
                 (String::new(), "socket".into()),
                 ("id".into(), "serial0".into()),
-                ("path".into(), "/run/hearth/demo/serial,x.sock".into()),
+                ("fd".into(), "105".into()),
                 ("server".into(), "on".into()),
                 ("wait".into(), "off".into()),
-                ("logfile".into(), "/var/log/hearth/demo/serial.log".into()),
+                ("logfile".into(), "/dev/fdset/3".into()),
                 ("logappend".into(), "off".into()),
             ]
         );
@@ -836,7 +1089,7 @@ mod tests {
         let nasty = r#"/tmp/a,driver=x,file=/etc/shadow "quoted" = sp ace.qcow2"#;
         s.disks[0].path = nasty.into();
         let args = strings(&build_args(&s).expect("valid"));
-        let file_node = &json_values_of(&args, "-blockdev")[0];
+        let file_node = &blockdevs(&args)[0];
         assert_eq!(file_node["filename"], nasty);
         assert_eq!(file_node["driver"], "file", "driver not overridden");
         let keys: Vec<_> = file_node
@@ -855,34 +1108,26 @@ mod tests {
         s.agent_socket = Some("/tmp/q ga,id=x=y \"q\".sock".into());
         s.serial_log = "/tmp/log,append=on".into();
         let args = strings(&build_args(&s).expect("valid"));
+        // Sockets go by descriptor: no socket path reaches the argv at all.
+        assert!(
+            !args
+                .iter()
+                .any(|a| a.contains("/tmp/a") || a.contains("q ga")),
+            "{args:?}"
+        );
         let chardevs = values_of(&args, "-chardev");
         assert_eq!(chardevs.len(), 3);
-
-        let agent = legacy_keys(&chardevs[0]);
-        assert_eq!(
-            agent,
-            vec![
-                (String::new(), "socket".into()),
-                ("id".into(), "qga0".into()),
-                ("path".into(), "/tmp/q ga,id=x=y \"q\".sock".into()),
-                ("server".into(), "on".into()),
-                ("wait".into(), "off".into()),
-            ]
-        );
         let qmp = legacy_keys(&chardevs[1]);
+        assert_eq!(qmp.len(), 5, "{qmp:?}");
+        // The log's path is only a label, escaped, of its fd set.
+        let sets = values_of(&args, "-add-fd");
+        let log = legacy_keys(sets.last().expect("serial log set"));
         assert_eq!(
-            qmp[2],
-            ("path".into(), "/tmp/a,server=off,path=/evil".into())
-        );
-        assert_eq!(qmp.len(), 5, "no key was injected: {qmp:?}");
-        assert_eq!(qmp[3], ("server".into(), "on".into()));
-        let serial = legacy_keys(&chardevs[2]);
-        assert_eq!(
-            serial,
+            log,
             vec![
-                (String::new(), "file".into()),
-                ("id".into(), "serial0".into()),
-                ("path".into(), "/tmp/log,append=on".into()),
+                ("fd".into(), "102".into()),
+                ("set".into(), "3".into()),
+                ("opaque".into(), "/tmp/log,append=on".into()),
             ]
         );
     }
@@ -1182,7 +1427,7 @@ mod tests {
         s.kernel = None;
         s.firmware = ovmf();
         let args = strings(&build_args(&s).expect("valid"));
-        let blockdevs = json_values_of(&args, "-blockdev");
+        let blockdevs = blockdevs(&args);
         assert_eq!(
             blockdevs[..2],
             [
@@ -1245,7 +1490,7 @@ mod tests {
             }
             s.seed = Some("/var/lib/hearth/vms/demo/cidata.img".into());
             let args = strings(&build_args(&s).expect("valid"));
-            let blockdevs = json_values_of(&args, "-blockdev");
+            let blockdevs = blockdevs(&args);
             assert_eq!(
                 blockdevs[blockdevs.len() - 2..],
                 [
@@ -1299,7 +1544,7 @@ mod tests {
         });
         s.seed = Some(seed.into());
         let args = strings(&build_args(&s).expect("valid"));
-        let blockdevs = json_values_of(&args, "-blockdev");
+        let blockdevs = blockdevs(&args);
         assert_eq!(blockdevs[0]["filename"], code);
         assert_eq!(blockdevs[1]["filename"], vars);
         assert_eq!(blockdevs[blockdevs.len() - 2]["filename"], seed);
@@ -1311,10 +1556,91 @@ mod tests {
             let keys: Vec<_> = b.as_object().expect("object").keys().cloned().collect();
             assert!(
                 keys == ["driver", "filename", "node-name", "read-only"]
-                    || keys == ["driver", "file", "node-name", "read-only"],
+                    || keys == ["driver", "file", "node-name", "read-only"]
+                    || keys == ["backing", "driver", "file", "node-name", "read-only"],
                 "{b}"
             );
         }
+    }
+
+    #[test]
+    fn every_layer_of_a_chain_is_a_node_of_its_own_from_its_own_fd_set() {
+        let mut s = spec();
+        s.disks[0].backing = vec![
+            BackingLayer {
+                path: "/var/lib/hearth/layers/00000002-root.qcow2".into(),
+                format: "qcow2".into(),
+            },
+            BackingLayer {
+                path: "/var/lib/hearth/images/sha256-ab.raw".into(),
+                format: "raw".into(),
+            },
+        ];
+        let fds = FdNumbers::for_spec(&s);
+        assert_eq!(fds.disk_layers, vec![vec![100, 101, 102], vec![103]]);
+        let args = strings(&super::build_args(&s, &fds).expect("valid"));
+        // Bottom first, so every node's backing exists when it is added;
+        // the top names the next layer, the bottom has none.
+        assert_eq!(
+            json_values_of(&args, "-blockdev")[..6],
+            [
+                json!({"driver": "file", "filename": "/dev/fdset/1",
+                       "node-name": "file-0-2", "read-only": true}),
+                json!({"driver": "raw", "file": "file-0-2",
+                       "node-name": "back-0-2", "read-only": true}),
+                json!({"driver": "file", "filename": "/dev/fdset/2",
+                       "node-name": "file-0-1", "read-only": true}),
+                json!({"driver": "qcow2", "file": "file-0-1", "node-name": "back-0-1",
+                       "read-only": true, "backing": "back-0-2"}),
+                json!({"driver": "file", "filename": "/dev/fdset/3",
+                       "node-name": "file-0", "read-only": false}),
+                json!({"driver": "qcow2", "file": "file-0", "node-name": "disk-root",
+                       "read-only": false, "backing": "back-0-1"}),
+            ]
+        );
+        assert_eq!(
+            values_of(&args, "-add-fd")[..3],
+            [
+                "fd=102,set=1,opaque=/var/lib/hearth/images/sha256-ab.raw",
+                "fd=101,set=2,opaque=/var/lib/hearth/layers/00000002-root.qcow2",
+                "fd=100,set=3,opaque=/var/lib/hearth/disks/root.qcow2",
+            ]
+        );
+        // A chain's node names are taken: no disk may use them.
+        s.disks[1].node_name = "back-0-1".into();
+        assert_eq!(
+            build_args(&s),
+            Err(CmdlineError::DuplicateNodeName("back-0-1".into()))
+        );
+        s.disks[1].node_name = "disk-data".into();
+        // A raw layer has no backing: it can only be the bottom.
+        s.disks[0].backing.swap(0, 1);
+        assert_eq!(
+            build_args(&s),
+            Err(CmdlineError::RawLayerNotAtBottom { index: 0 })
+        );
+        s.disks[0].backing[0].format = "vmdk".into();
+        assert!(matches!(
+            build_args(&s),
+            Err(CmdlineError::BadLayerFormat { index: 0, .. })
+        ));
+    }
+
+    #[test]
+    fn descriptors_must_match_the_spec() {
+        let s = spec();
+        let mut fds = FdNumbers::for_spec(&s);
+        fds.disk_layers[0].push(7);
+        assert_eq!(
+            super::build_args(&s, &fds),
+            Err(CmdlineError::FdMismatch("disk layers"))
+        );
+        let mut fds = FdNumbers::for_spec(&s);
+        fds.agent = None;
+        assert_eq!(
+            super::build_args(&s, &fds),
+            Err(CmdlineError::FdMismatch("the agent socket"))
+        );
     }
 
     #[test]
@@ -1337,11 +1663,16 @@ mod tests {
             .iter()
             .map(|v| serde_json::from_str(v).expect("json netdev"))
             .collect();
-        assert_eq!(netdevs.len(), 2);
-        assert_eq!(netdevs[0]["ifname"], "htt-web-0");
-        assert_eq!(netdevs[0]["script"], "no");
-        assert_eq!(netdevs[0]["vhost"], false);
-        assert_eq!(netdevs[1]["vhost"], true);
+        // Attached by hearthd, handed over: QEMU gets descriptors, never a
+        // name to open (nor a script to run).
+        assert_eq!(
+            netdevs,
+            vec![
+                json!({"type": "tap", "id": "nic0", "fd": "105", "vhost": false}),
+                json!({"type": "tap", "id": "nic1", "fd": "106", "vhost": true,
+                       "vhostfd": "107"}),
+            ]
+        );
         let nics: Vec<serde_json::Value> = values_of(&args, "-device")
             .iter()
             .filter_map(|v| serde_json::from_str::<serde_json::Value>(v).ok())
@@ -1392,12 +1723,12 @@ mod tests {
         fn no_path_can_add_a_legacy_option_key(tail in "[ -~]{0,40}") {
             let path = format!("/tmp/{tail}");
             let mut s = spec();
-            s.qmp_socket = path.clone().into();
+            s.serial_log = path.clone().into();
             let args = strings(&build_args(&s).expect("printable absolute path is accepted"));
-            let qmp = values_of(&args, "-chardev")[1].clone();
-            let keys = legacy_keys(&qmp);
+            let set = values_of(&args, "-add-fd").last().expect("log set").clone();
+            let keys = legacy_keys(&set);
             let names: Vec<&str> = keys.iter().map(|(k, _)| k.as_str()).collect();
-            proptest::prop_assert_eq!(names, vec!["", "id", "path", "server", "wait"]);
+            proptest::prop_assert_eq!(names, vec!["fd", "set", "opaque"]);
             proptest::prop_assert_eq!(&keys[2].1, &path);
         }
 
@@ -1430,7 +1761,7 @@ mod tests {
                 values_of(&args, "-machine"),
                 vec!["q35,pflash0=ovmf-code,pflash1=ovmf-vars".to_string()]
             );
-            let filenames: Vec<String> = json_values_of(&args, "-blockdev")
+            let filenames: Vec<String> = blockdevs(&args)
                 .iter()
                 .filter_map(|b| b["filename"].as_str().map(str::to_owned))
                 .collect();
@@ -1442,7 +1773,7 @@ mod tests {
             proptest::prop_assert_eq!(disks.len(), 3);
             proptest::prop_assert_eq!(&disks[2]["id"], "cidata");
             proptest::prop_assert!(disks[2].get("bootindex").is_none());
-            let seed_nodes: Vec<Value> = json_values_of(&args, "-blockdev")
+            let seed_nodes: Vec<Value> = blockdevs(&args)
                 .into_iter()
                 .filter(|b| b["node-name"].as_str().is_some_and(|n| n.starts_with("cidata")))
                 .collect();

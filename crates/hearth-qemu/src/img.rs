@@ -121,7 +121,8 @@ impl QemuImg {
             path.into(),
             size_bytes.to_string().into(),
         ];
-        self.run("create", path, args).await.map(|_| ())
+        self.run("create", path, args).await?;
+        private(path)
     }
 
     /// Creates a qcow2 overlay of `backing` (recorded by absolute path). Without
@@ -178,7 +179,8 @@ impl QemuImg {
         if let Some(size) = size {
             args.push(size.to_string().into());
         }
-        self.run("create", path, args).await.map(|_| ())
+        self.run("create", path, args).await?;
+        private(path)
     }
 
     /// Writes `source` with its whole backing chain flattened into `dest`, a
@@ -463,6 +465,20 @@ fn parse_info(v: &Value) -> Result<ImageInfo, String> {
     })
 }
 
+/// A new image is root's alone (0600; qemu-img makes it 0644 under the
+/// umask): QEMU gets it by descriptor, nobody needs it by path.
+fn private(path: &Path) -> Result<(), ImgError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(|e| {
+        ImgError::Failed {
+            operation: "create",
+            path: path.to_owned(),
+            status: "created, but its mode could not be set to 0600".into(),
+            stderr: e.to_string(),
+        }
+    })
+}
+
 /// [`QemuImg::create_blank`] with `qemu-img` from `PATH`.
 pub async fn create_blank(path: &Path, size_bytes: u64) -> Result<(), ImgError> {
     QemuImg::locate()?.create_blank(path, size_bytes).await
@@ -505,6 +521,11 @@ pub async fn convert_standalone(
         .with_timeout(timeout)
         .convert_standalone(source, source_format, dest, format)
         .await
+}
+
+/// [`QemuImg::backing_chain`] with `qemu-img` from `PATH`.
+pub async fn backing_chain(path: &Path) -> Result<Vec<ImageInfo>, ImgError> {
+    QemuImg::locate()?.backing_chain(path).await
 }
 
 /// [`QemuImg::info`] with `qemu-img` from `PATH`.

@@ -10,6 +10,7 @@ pub mod agent;
 pub mod agent_io;
 pub mod cmdline;
 pub mod fsmap;
+pub mod handover;
 pub mod img;
 pub mod probe;
 pub mod process;

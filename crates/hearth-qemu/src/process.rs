@@ -8,7 +8,7 @@
 
 use std::io::{Read, Seek, SeekFrom};
 use std::os::fd::{AsFd, OwnedFd};
-use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -18,7 +18,13 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::oneshot;
 
 use crate::cmdline::{CmdlineError, LaunchSpec, build_args};
+use crate::handover::{Handover, HandoverError, QemuUser};
 use crate::qmp::QmpClient;
+
+/// The environment variable that carries a marked launch's pidfile path into
+/// QEMU's environment (`/proc/<pid>/environ`), where [`find_launched`] looks
+/// for it. QEMU ignores it.
+pub const LAUNCH_ENV: &str = "HEARTH_LAUNCH";
 
 /// How often liveness is polled when pidfds are unavailable.
 const POLL_INTERVAL: Duration = Duration::from_millis(200);
@@ -103,8 +109,25 @@ pub enum LaunchError {
     SocketInUse { path: PathBuf },
     #[error("cannot read the identity of the new QEMU process {pid}")]
     NoIdentity { pid: u32 },
-    #[error("pidfile path {path:?} is not usable on a QEMU command line: {why}")]
+    #[error("pidfile path {path:?} is not usable: {why}")]
     Pidfile { path: PathBuf, why: &'static str },
+    #[error("cannot write the pidfile {path}")]
+    PidfileWrite {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Handover(HandoverError),
+}
+
+impl From<HandoverError> for LaunchError {
+    fn from(e: HandoverError) -> Self {
+        match e {
+            HandoverError::SocketInUse { path } => LaunchError::SocketInUse { path },
+            other => LaunchError::Handover(other),
+        }
+    }
 }
 
 /// Parsed bits of `/proc/<pid>/stat`.
@@ -248,43 +271,55 @@ pub async fn wait_for_exit(id: &ProcessIdentity) {
 /// stdout/stderr appended to `stderr_log`, so it survives the daemon being killed.
 /// The child is reaped by a background task while the daemon lives. If QEMU exits
 /// first, the error carries the end of its log; if it is not ready by
-/// `ready_timeout`, it is killed and the error says so.
+/// `ready_timeout`, it is killed and the error says so. It runs as the
+/// calling user (see [`launch_with`] for another one).
 pub async fn launch(
     qemu_binary: &Path,
     spec: &LaunchSpec,
     stderr_log: &Path,
     ready_timeout: Duration,
 ) -> Result<ProcessIdentity, LaunchError> {
-    launch_with(qemu_binary, spec, stderr_log, ready_timeout, None, |_| {}).await
+    launch_with(
+        qemu_binary,
+        spec,
+        stderr_log,
+        ready_timeout,
+        None,
+        None,
+        |_| {},
+    )
+    .await
 }
 
-/// [`launch`], plus: with `pidfile`, QEMU gets `-pidfile <pidfile>`, so a
-/// launch whose caller died before learning the pid can be found again with
-/// [`find_launched`] (give every launch a path that never repeats: the path is
-/// also the token looked for in `/proc/<pid>/cmdline`). `after_spawn` runs
-/// right after the process exists, before waiting for it to become ready.
+/// [`launch`], plus:
+///
+/// - with `pidfile`, QEMU's environment carries [`LAUNCH_ENV`]`=<pidfile>`
+///   and the pidfile is written (by us, right after the spawn: QEMU could
+///   not create it in the private run directory), so a launch whose caller
+///   died before learning the pid can be found again with [`find_launched`]
+///   (give every launch a path that never repeats: the path is the token);
+/// - with `user`, QEMU runs as that user: its uid, its primary gid, and as
+///   supplementary groups only `kvm` when KVM is used and `/dev/kvm` belongs
+///   to it. Every file and socket it needs is opened here and inherited
+///   ([`Handover`]), so the user needs access to none of them;
+/// - `after_spawn` runs right after the process exists (and its pidfile is
+///   written), before waiting for it to become ready.
 pub async fn launch_with(
     qemu_binary: &Path,
     spec: &LaunchSpec,
     stderr_log: &Path,
     ready_timeout: Duration,
     pidfile: Option<&Path>,
+    user: Option<&QemuUser>,
     after_spawn: impl FnOnce(&ProcessIdentity),
 ) -> Result<ProcessIdentity, LaunchError> {
-    let mut args = build_args(spec)?;
     if let Some(pidfile) = pidfile {
         check_pidfile_path(pidfile)?;
-        // Its own argv element: QEMU takes `-pidfile`'s value verbatim.
-        args.push("-pidfile".into());
-        args.push(pidfile.as_os_str().to_owned());
     }
-    clear_stale_socket(&spec.qmp_socket)?;
-    if let Some(serial) = &spec.serial_socket {
-        clear_stale_socket(serial)?;
-    }
-    if let Some(agent) = &spec.agent_socket {
-        clear_stale_socket(agent)?;
-    }
+    // The argv is checked before anything is opened or bound.
+    build_args(spec, &crate::cmdline::FdNumbers::for_spec(spec))?;
+    let handover = Handover::open(spec)?;
+    let args = build_args(spec, &handover.numbers)?;
 
     let log_err = |source| LaunchError::Log {
         path: stderr_log.to_owned(),
@@ -293,7 +328,7 @@ pub async fn launch_with(
     let log = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
-        .mode(0o640)
+        .mode(0o600)
         .open(stderr_log)
         .map_err(log_err)?;
     let log_start = log.metadata().map(|m| m.len()).unwrap_or(0);
@@ -307,10 +342,33 @@ pub async fn launch_with(
         .stderr(Stdio::from(log))
         .process_group(0)
         .kill_on_drop(false);
+    if let Some(pidfile) = pidfile {
+        command.env(LAUNCH_ENV, pidfile);
+    }
+    let inherit = handover.inherited();
+    let creds = user
+        .filter(|u| !u.is_root())
+        .map(|u| (u.uid, u.gid, u.groups_for(spec.accel)));
+    // SAFETY: the closure runs between fork and exec and only makes
+    // async-signal-safe syscalls (fcntl, setgroups, setresgid, setresuid)
+    // on data prepared before the fork; it allocates nothing.
+    unsafe {
+        command.pre_exec(move || {
+            crate::handover::child_setup(
+                &inherit,
+                creds
+                    .as_ref()
+                    .map(|(u, g, groups)| (*u, *g, groups.as_slice())),
+            )
+        });
+    }
     let mut child = command.spawn().map_err(|source| LaunchError::Spawn {
         binary: qemu_binary.to_owned(),
         source,
     })?;
+    // QEMU holds its copies now; ours go (a listening socket we kept would
+    // still accept connections after QEMU died).
+    drop(handover);
     let pid = child.id().ok_or(LaunchError::NoIdentity { pid: 0 })?;
     // Until we wait on it the child cannot be reaped, so its stat is readable.
     let identity = identity_of(pid).ok_or(LaunchError::NoIdentity { pid })?;
@@ -318,6 +376,12 @@ pub async fn launch_with(
     // If our caller abandons this future, the half-started QEMU must not linger
     // with nobody knowing its identity.
     let mut kill_guard = KillOnDrop(Some(identity.clone()));
+    if let Some(pidfile) = pidfile {
+        write_pidfile(pidfile, pid).map_err(|source| LaunchError::PidfileWrite {
+            path: pidfile.to_owned(),
+            source,
+        })?;
+    }
     after_spawn(&identity);
 
     let (exit_tx, mut exit_rx) = oneshot::channel();
@@ -384,30 +448,43 @@ fn check_pidfile_path(path: &Path) -> Result<(), LaunchError> {
     Ok(())
 }
 
-/// Whether `args` (a NUL-separated `/proc/<pid>/cmdline`) has `-pidfile <path>`.
-fn argv_names_pidfile(raw: &[u8], pidfile: &Path) -> bool {
-    let want = pidfile.as_os_str().as_encoded_bytes();
-    let args: Vec<&[u8]> = raw.split(|b| *b == 0).collect();
-    args.windows(2).any(|w| w[0] == b"-pidfile" && w[1] == want)
+/// Writes `pid` to a new pidfile (mode 0600), replacing none.
+fn write_pidfile(path: &Path, pid: u32) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    writeln!(file, "{pid}")?;
+    file.sync_all()
 }
 
-/// The process `pid` if it was started with `-pidfile <pidfile>` and no
-/// earlier than `not_before` (boot clock ticks). The identity is read before
-/// and checked after reading the command line, so a pid recycled in between
-/// is never taken.
+/// Whether `environ` (a NUL-separated `/proc/<pid>/environ`) has
+/// [`LAUNCH_ENV`]`=<path>`.
+fn environ_names_pidfile(raw: &[u8], pidfile: &Path) -> bool {
+    let mut want = format!("{LAUNCH_ENV}=").into_bytes();
+    want.extend_from_slice(pidfile.as_os_str().as_encoded_bytes());
+    raw.split(|b| *b == 0).any(|v| v == want.as_slice())
+}
+
+/// The process `pid` if it was started with [`LAUNCH_ENV`]`=<pidfile>` and
+/// no earlier than `not_before` (boot clock ticks). The identity is read
+/// before and checked after reading the environment, so a pid recycled in
+/// between is never taken.
 fn launched_as(pid: u32, pidfile: &Path, not_before: u64) -> Option<ProcessIdentity> {
     let id = identity_of(pid)?;
-    let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    if !argv_names_pidfile(&raw, pidfile) || id.start_ticks < not_before || !is_alive(&id) {
+    let raw = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    if !environ_names_pidfile(&raw, pidfile) || id.start_ticks < not_before || !is_alive(&id) {
         return None;
     }
     Some(id)
 }
 
 /// Finds the process a [`launch_with`] with this `pidfile` started, if it
-/// still runs: first the pid QEMU wrote into the pidfile, then (QEMU may have
-/// died before writing it, or not have written it yet) every process. A pid
-/// is taken only if its command line names this pidfile (whose path never
+/// still runs: first the pid written into the pidfile, then (the launcher
+/// may have died before writing it) every process. A pid
+/// is taken only if its environment names this pidfile (whose path never
 /// repeats) and it started no earlier than `not_before` (from
 /// [`spawn_floor_ticks`] taken before the launch); a bare pid is never trusted.
 pub fn find_launched(pidfile: &Path, not_before: u64) -> Option<ProcessIdentity> {
@@ -472,26 +549,6 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// Removes a leftover unix socket so that only the new QEMU can answer on it.
-/// A socket somebody still listens on belongs to a running VM: deleting it would cut
-/// that VM off from its manager, so refuse instead. Anything that is not a socket
-/// is left alone (QEMU will then fail and say why).
-fn clear_stale_socket(path: &Path) -> Result<(), LaunchError> {
-    let Ok(meta) = std::fs::symlink_metadata(path) else {
-        return Ok(());
-    };
-    if !meta.file_type().is_socket() {
-        return Ok(());
-    }
-    if std::os::unix::net::UnixStream::connect(path).is_ok() {
-        return Err(LaunchError::SocketInUse {
-            path: path.to_owned(),
-        });
-    }
-    let _ = std::fs::remove_file(path);
-    Ok(())
-}
-
 /// The last few lines QEMU wrote since `start`, bounded in size.
 fn log_tail(path: &Path, start: u64) -> String {
     let read = || -> std::io::Result<Vec<u8>> {
@@ -552,28 +609,25 @@ mod tests {
     }
 
     #[test]
-    fn only_an_exact_pidfile_argument_counts() {
+    fn only_an_exact_launch_variable_counts() {
         let pidfile = Path::new("/run/hearth/vms/a/qemu-launch-7.pid");
-        let argv = |parts: &[&str]| parts.join("\0").into_bytes();
-        assert!(argv_names_pidfile(
-            &argv(&[
-                "qemu",
-                "-name",
-                "guest=a",
-                "-pidfile",
-                "/run/hearth/vms/a/qemu-launch-7.pid",
+        let env = |parts: &[&str]| parts.join("\0").into_bytes();
+        assert!(environ_names_pidfile(
+            &env(&[
+                "PATH=/usr/bin",
+                "HEARTH_LAUNCH=/run/hearth/vms/a/qemu-launch-7.pid",
                 ""
             ]),
             pidfile
         ));
         for other in [
-            argv(&["qemu", "-pidfile", "/run/hearth/vms/a/qemu-launch-70.pid"]),
-            argv(&["qemu", "-pidfile", "/run/hearth/vms/a/qemu-launch-7.pid.x"]),
-            argv(&["qemu", "/run/hearth/vms/a/qemu-launch-7.pid"]),
-            argv(&["qemu", "-name", "/run/hearth/vms/a/qemu-launch-7.pid"]),
+            env(&["HEARTH_LAUNCH=/run/hearth/vms/a/qemu-launch-70.pid"]),
+            env(&["HEARTH_LAUNCH=/run/hearth/vms/a/qemu-launch-7.pid.x"]),
+            env(&["X=/run/hearth/vms/a/qemu-launch-7.pid"]),
+            env(&["XHEARTH_LAUNCH=/run/hearth/vms/a/qemu-launch-7.pid"]),
             Vec::new(),
         ] {
-            assert!(!argv_names_pidfile(&other, pidfile), "{other:?}");
+            assert!(!environ_names_pidfile(&other, pidfile), "{other:?}");
         }
     }
 

@@ -14,6 +14,7 @@
 //! - a reply whose id nobody waits for (the waiter timed out) is dropped.
 
 use std::collections::HashMap;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -149,7 +150,7 @@ impl Shared {
 struct Inner {
     shared: Arc<Shared>,
     next_id: AtomicU64,
-    lines_tx: mpsc::UnboundedSender<Vec<u8>>,
+    lines_tx: mpsc::UnboundedSender<Outgoing>,
     version: QemuVersion,
     tasks: [AbortHandle; 2],
 }
@@ -283,6 +284,31 @@ impl QmpClient {
         arguments: Option<Value>,
         timeout: Duration,
     ) -> Result<Value, QmpError> {
+        self.execute_passing(command, arguments, None, timeout)
+            .await
+    }
+
+    /// [`execute`](Self::execute), sending `fd` along with the command
+    /// (`SCM_RIGHTS`): for `add-fd` and `getfd`, which take the descriptor
+    /// that came with them.
+    pub async fn execute_with_fd(
+        &self,
+        command: &str,
+        arguments: Option<Value>,
+        fd: OwnedFd,
+        timeout: Duration,
+    ) -> Result<Value, QmpError> {
+        self.execute_passing(command, arguments, Some(fd), timeout)
+            .await
+    }
+
+    async fn execute_passing(
+        &self,
+        command: &str,
+        arguments: Option<Value>,
+        fd: Option<OwnedFd>,
+        timeout: Duration,
+    ) -> Result<Value, QmpError> {
         let shared = &*self.inner.shared;
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -301,7 +327,7 @@ impl QmpClient {
         }
         let mut line = msg.to_string().into_bytes();
         line.push(b'\n');
-        if self.inner.lines_tx.send(line).is_err() {
+        if self.inner.lines_tx.send(Outgoing { line, fd }).is_err() {
             return Err(QmpError::Disconnected);
         }
 
@@ -325,6 +351,142 @@ impl QmpClient {
         // `wait_for` only errs if the sender is gone, which means closed too.
         let _ = rx.wait_for(|closed| *closed).await;
     }
+}
+
+/// A file QEMU opened through an fd set hearthd passed over QMP.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileNode {
+    pub node: String,
+    pub fdset: u64,
+}
+
+/// Opens `path` here (read-write unless `read_only`), hands the descriptor
+/// to QEMU (`add-fd` with `SCM_RIGHTS`, a new fd set labelled with the
+/// path) and adds a `qcow2` node `node` over it (`blockdev-add`, file
+/// `/dev/fdset/S`, `backing: null`: whoever links it in gives it its
+/// backing, as `blockdev-snapshot` does). QEMU itself never opens the path,
+/// so it needs no access to it. If the node cannot be added, the fd set is
+/// removed again. The one place a running QEMU gets a new file: every
+/// runtime `blockdev-add` of hearth goes through here.
+pub async fn add_file_node(
+    qmp: &QmpClient,
+    node: &str,
+    path: &Path,
+    read_only: bool,
+    timeout: Duration,
+) -> Result<FileNode, QmpError> {
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .open(path)
+        .map_err(QmpError::Io)?;
+    let added = qmp
+        .execute_with_fd(
+            "add-fd",
+            Some(json!({"opaque": path.to_string_lossy()})),
+            file.into(),
+            timeout,
+        )
+        .await?;
+    let fdset = added
+        .get("fdset-id")
+        .and_then(Value::as_u64)
+        .ok_or_else(|| QmpError::Protocol(format!("add-fd answered {added}")))?;
+    let result = qmp
+        .execute(
+            "blockdev-add",
+            Some(json!({
+                "driver": "qcow2",
+                "node-name": node,
+                "read-only": read_only,
+                "file": {
+                    "driver": "file",
+                    "filename": crate::cmdline::fdset_path(fdset),
+                    "read-only": read_only,
+                },
+                "backing": null,
+            })),
+            timeout,
+        )
+        .await;
+    if let Err(e) = result {
+        let _ = qmp
+            .execute("remove-fd", Some(json!({"fdset-id": fdset})), timeout)
+            .await;
+        return Err(e);
+    }
+    Ok(FileNode {
+        node: node.to_owned(),
+        fdset,
+    })
+}
+
+/// Deletes node `node` (`blockdev-del`; QEMU refuses for a node in use, and
+/// a node it does not know counts as deleted), then removes every fd set
+/// labelled `path` (`remove-fd`), so fd sets do not pile up across cuts.
+pub async fn remove_file_node(
+    qmp: &QmpClient,
+    node: &str,
+    path: &Path,
+    timeout: Duration,
+) -> Result<(), QmpError> {
+    match qmp
+        .execute("blockdev-del", Some(json!({"node-name": node})), timeout)
+        .await
+    {
+        Ok(_) => {}
+        Err(QmpError::Command { desc, .. })
+            if desc.contains("Failed to find node") || desc.contains("Cannot find node") => {}
+        Err(e) => return Err(e),
+    }
+    let label = path.to_string_lossy();
+    for (set, opaque) in fdsets(qmp, timeout).await? {
+        if opaque == label {
+            qmp.execute("remove-fd", Some(json!({"fdset-id": set})), timeout)
+                .await?;
+        }
+    }
+    Ok(())
+}
+
+/// Every fd set with the label of its first descriptor (`query-fdsets`).
+pub async fn fdsets(qmp: &QmpClient, timeout: Duration) -> Result<Vec<(u64, String)>, QmpError> {
+    let sets = qmp.execute("query-fdsets", None, timeout).await?;
+    Ok(parse_fdsets(&sets))
+}
+
+fn parse_fdsets(sets: &Value) -> Vec<(u64, String)> {
+    sets.as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|set| {
+            let id = set.get("fdset-id")?.as_u64()?;
+            let opaque = set
+                .get("fds")?
+                .as_array()?
+                .iter()
+                .find_map(|fd| fd.get("opaque")?.as_str())?;
+            Some((id, opaque.to_owned()))
+        })
+        .collect()
+}
+
+/// The file a node's `filename` (from `query-block`) stands for: for
+/// `/dev/fdset/S`, the path set `S` is labelled with; for a `json:{...}`
+/// name (what QEMU reports for a format node whose backing was given
+/// explicitly), that of its own `file` child; else the name itself.
+pub fn resolve_filename(filename: &str, fdsets: &[(u64, String)]) -> String {
+    let own_file = filename
+        .strip_prefix("json:")
+        .and_then(|j| serde_json::from_str::<Value>(j).ok())
+        .and_then(|v| v.pointer("/file/filename")?.as_str().map(str::to_owned));
+    let filename = own_file.as_deref().unwrap_or(filename);
+    filename
+        .strip_prefix("/dev/fdset/")
+        .and_then(|n| n.parse::<u64>().ok())
+        .and_then(|n| fdsets.iter().find(|(id, _)| *id == n))
+        .map(|(_, label)| label.clone())
+        .unwrap_or_else(|| filename.to_owned())
 }
 
 async fn read_json_line(
@@ -446,17 +608,88 @@ async fn read_loop(mut reader: BoundedReader<OwnedReadHalf>, shared: Arc<Shared>
     shared.close(reason);
 }
 
+/// One command line for the writer, with the descriptor QEMU is to receive
+/// with it (`SCM_RIGHTS` on the line's first bytes, so it arrives before
+/// QEMU runs the command).
+struct Outgoing {
+    line: Vec<u8>,
+    fd: Option<OwnedFd>,
+}
+
 async fn write_loop(
     mut write: OwnedWriteHalf,
-    mut lines: mpsc::UnboundedReceiver<Vec<u8>>,
+    mut lines: mpsc::UnboundedReceiver<Outgoing>,
     shared: Arc<Shared>,
 ) {
-    while let Some(line) = lines.recv().await {
-        if let Err(e) = write.write_all(&line).await {
+    while let Some(Outgoing { line, fd }) = lines.recv().await {
+        let mut sent = 0;
+        if let Some(fd) = fd {
+            match send_with_fd(&write, &line, &fd).await {
+                Ok(n) => sent = n,
+                Err(e) => {
+                    tracing::warn!(error = %e, "QMP write (with a descriptor) failed; closing");
+                    shared.close(CloseReason::Disconnected);
+                    return;
+                }
+            }
+            // Closing our copy now is fine: the kernel holds the one in flight.
+        }
+        if let Err(e) = write.write_all(&line[sent..]).await {
             tracing::warn!(error = %e, "QMP write failed; closing");
             shared.close(CloseReason::Disconnected);
             return;
         }
+    }
+}
+
+/// Sends a first part of `line` with `fd` attached; returns how many bytes
+/// went.
+async fn send_with_fd(write: &OwnedWriteHalf, line: &[u8], fd: &OwnedFd) -> std::io::Result<usize> {
+    let stream: &UnixStream = write.as_ref();
+    loop {
+        stream.writable().await?;
+        match stream.try_io(tokio::io::Interest::WRITABLE, || {
+            sendmsg_fd(stream.as_raw_fd(), line, fd.as_raw_fd())
+        }) {
+            Ok(n) => return Ok(n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+fn sendmsg_fd(socket: RawFd, data: &[u8], fd: RawFd) -> std::io::Result<usize> {
+    let fd_len = std::mem::size_of::<RawFd>() as u32;
+    // SAFETY: CMSG_SPACE is a pure size computation.
+    let space = unsafe { libc::CMSG_SPACE(fd_len) } as usize;
+    let mut control = vec![0u8; space];
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // SAFETY: all-zero is a valid msghdr; the pointers set below stay valid
+    // (iov, control) for the duration of the call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: the control buffer is CMSG_SPACE(sizeof fd) bytes, so the
+    // first header and its data fit; CMSG_FIRSTHDR is non-null for it.
+    unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(fd_len) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<RawFd>(), fd);
+    }
+    // SAFETY: `msg` describes live buffers; MSG_NOSIGNAL: a closed peer is an
+    // error value, not SIGPIPE.
+    let n = unsafe { libc::sendmsg(socket, &msg, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
     }
 }
 
@@ -535,6 +768,36 @@ mod tests {
             .expect("connect");
         let fake = server.await.expect("server task");
         (dir, client, events, fake)
+    }
+
+    #[test]
+    fn a_node_filename_resolves_to_the_label_of_its_fd_set() {
+        let sets = parse_fdsets(&json!([
+            {"fdset-id": 2, "fds": [{"fd": 9, "opaque": "/state/layers/2-a.qcow2"}]},
+            {"fdset-id": 1, "fds": [{"fd": 8, "opaque": "/images/base.qcow2"}]},
+            {"fdset-id": 3, "fds": []},
+        ]));
+        assert_eq!(
+            sets,
+            vec![
+                (2, "/state/layers/2-a.qcow2".into()),
+                (1, "/images/base.qcow2".into())
+            ]
+        );
+        assert_eq!(
+            resolve_filename("/dev/fdset/2", &sets),
+            "/state/layers/2-a.qcow2"
+        );
+        let json_name = r#"json:{"backing": {"driver": "qcow2", "file": {"driver": "file", "filename": "/dev/fdset/1"}}, "driver": "qcow2", "file": {"driver": "file", "filename": "/dev/fdset/2"}}"#;
+        assert_eq!(
+            resolve_filename(json_name, &sets),
+            "/state/layers/2-a.qcow2"
+        );
+        assert_eq!(resolve_filename("/dev/fdset/7", &sets), "/dev/fdset/7");
+        assert_eq!(
+            resolve_filename("/plain/file.qcow2", &sets),
+            "/plain/file.qcow2"
+        );
     }
 
     #[tokio::test]

@@ -89,6 +89,7 @@ fn disk(index: usize, path: &Path) -> DiskAttachment {
         path: path.to_owned(),
         read_only: false,
         serial: format!("disk{index}"),
+        backing: vec![],
     }
 }
 
@@ -313,13 +314,18 @@ async fn ovmf_tries_each_disk_in_list_order_never_the_seed_and_writes_the_vms_va
         .execute("query-named-block-nodes", Some(json!({"flat": true})), T)
         .await
         .expect("nodes");
+    // The VM's own files came by descriptor: a node names its fd set, and
+    // the set is labelled with the file's path.
+    let fdsets = hearth_qemu::qmp::fdsets(&qmp, T)
+        .await
+        .expect("query-fdsets");
     let node = |name: &str| -> (String, bool) {
         let n: &Value = nodes
             .as_array()
             .and_then(|a| a.iter().find(|n| n["node-name"] == name))
             .unwrap_or_else(|| panic!("no node {name}: {nodes:#}"));
         (
-            n["file"].as_str().unwrap_or_default().to_owned(),
+            hearth_qemu::qmp::resolve_filename(n["file"].as_str().unwrap_or_default(), &fdsets),
             n["ro"].as_bool().unwrap_or(false),
         )
     };

@@ -39,6 +39,12 @@ async fn blank_overlay_and_info_round_trip_with_an_awkward_directory_name() {
         .await
         .expect("create bigger overlay");
     assert_eq!(img.info(&bigger).await.expect("info").virtual_size, 2 << 30);
+    // Every new image is root's alone: QEMU gets it by descriptor.
+    for made in [&base, &overlay, &bigger] {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(made).expect("meta").permissions().mode();
+        assert_eq!(mode & 0o777, 0o600, "{}", made.display());
+    }
 
     let chain = img.backing_chain(&overlay).await.expect("chain");
     let names: Vec<&str> = chain.iter().map(|i| i.filename.as_str()).collect();

@@ -111,23 +111,25 @@ async fn a_pid_that_does_not_exist_is_gone() {
         .expect("resolves at once");
 }
 
-/// A process whose argv carries `-pidfile <path>` like a marked QEMU launch;
-/// it writes its pid there when `write` is set.
+/// A process whose environment carries `HEARTH_LAUNCH=<path>` like a
+/// marked QEMU launch; it writes its pid there when `write` is set.
 fn marked(path: &std::path::Path, write: bool) -> std::process::Child {
     let script = if write {
-        "echo $$ > \"$1\"; sleep 30; true"
+        "echo $$ > \"$HEARTH_LAUNCH\"; exec sleep 30"
     } else {
-        "sleep 30; true"
+        "exec sleep 30"
     };
+    // `exec`: one process carries the variable, as QEMU (which may not
+    // spawn anything) does; a forked child would inherit it.
     Command::new("sh")
-        .args(["-c", script, "-pidfile"])
-        .arg(path)
+        .args(["-c", script])
+        .env(hearth_qemu::process::LAUNCH_ENV, path)
         .spawn()
         .expect("spawn sh")
 }
 
 #[tokio::test]
-async fn a_marked_launch_is_found_by_its_pidfile_or_its_command_line_and_nothing_else_is() {
+async fn a_marked_launch_is_found_by_its_pidfile_or_its_environment_and_nothing_else_is() {
     let dir = tempfile::tempdir().expect("tempdir");
     let floor = spawn_floor_ticks().expect("floor");
 
@@ -143,12 +145,12 @@ async fn a_marked_launch_is_found_by_its_pidfile_or_its_command_line_and_nothing
     assert!(is_alive(&found));
 
     // Found without a pidfile, and despite one naming an unrelated live process
-    // (our own pid: alive, but its command line does not name the pidfile).
+    // (our own pid: alive, but its environment does not name the pidfile).
     let without = dir.path().join("launch-2.pid");
     let mut b = marked(&without, false);
     tokio::time::sleep(Duration::from_millis(100)).await;
     std::fs::write(&without, format!("{}\n", std::process::id())).expect("write");
-    let found = find_launched(&without, floor).expect("found by command line");
+    let found = find_launched(&without, floor).expect("found by its environment");
     assert_eq!(found.pid, b.id());
 
     // Started before the marker: not this launch.

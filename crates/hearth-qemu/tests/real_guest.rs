@@ -66,6 +66,11 @@ async fn freeze_thaw_exec_resync_and_fs_mapping_against_the_real_guest_agent() {
             path,
             read_only: false,
             serial: disk_serial(name),
+            // The guest data disk below the overlay, as its own node.
+            backing: vec![hearth_qemu::cmdline::BackingLayer {
+                path: guest.join("data.qcow2"),
+                format: "qcow2".into(),
+            }],
         });
     }
     assert_eq!(disks[1].serial.len(), 20, "{}", disks[1].serial);

@@ -122,12 +122,14 @@ async fn a_vm_with_hostile_paths_runs_and_qmp_sees_them_verbatim() {
                 path: root.clone(),
                 read_only: false,
                 serial: "root".into(),
+                backing: vec![],
             },
             DiskAttachment {
                 node_name: "disk-data".into(),
                 path: data.clone(),
                 read_only: true,
                 serial: hearth_qemu::cmdline::disk_serial("a-data-disk-with-a-long-name"),
+                backing: vec![],
             },
         ],
     );
@@ -161,11 +163,19 @@ async fn a_vm_with_hostile_paths_runs_and_qmp_sees_them_verbatim() {
         .execute("query-named-block-nodes", Some(json!({"flat": true})), T)
         .await
         .expect("nodes");
+    // Every file went by descriptor: QEMU names the fd set, whose label is
+    // the path, byte for byte.
+    let fdsets = hearth_qemu::qmp::fdsets(&qmp, T)
+        .await
+        .expect("query-fdsets");
     let file_of = |node: &str| -> Option<(String, bool)> {
         nodes.as_array()?.iter().find_map(|n: &Value| {
             (n["node-name"] == node).then(|| {
                 (
-                    n["file"].as_str().unwrap_or_default().to_owned(),
+                    hearth_qemu::qmp::resolve_filename(
+                        n["file"].as_str().unwrap_or_default(),
+                        &fdsets,
+                    ),
                     n["ro"].as_bool().unwrap_or(false),
                 )
             })
@@ -237,27 +247,42 @@ async fn a_vm_with_hostile_paths_runs_and_qmp_sees_them_verbatim() {
 #[tokio::test]
 async fn qemu_failing_at_start_reports_its_own_error_message() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    let missing = tmp.path().join("no such disk.qcow2");
-    let vm = vm_in(
-        tmp.path(),
-        "broken",
-        vec![DiskAttachment {
-            node_name: "disk-root".into(),
-            path: missing,
-            read_only: false,
-            serial: "root".into(),
-        }],
-    );
+    // A file that opens but is no qcow2 image: QEMU itself refuses it.
+    let garbage = tmp.path().join("not a disk.qcow2");
+    std::fs::write(&garbage, vec![0x5a; 4096]).expect("write");
+    let disk = |path: PathBuf| DiskAttachment {
+        node_name: "disk-root".into(),
+        path,
+        read_only: false,
+        serial: "root".into(),
+        backing: vec![],
+    };
+    let vm = vm_in(tmp.path(), "broken", vec![disk(garbage)]);
     let err = process::launch(&common::qemu(), &vm.spec, &vm.log, READY)
         .await
-        .expect_err("QEMU cannot open the disk");
+        .expect_err("QEMU cannot use the disk");
     match err {
         LaunchError::Exited { stderr_tail, .. } => {
-            assert!(stderr_tail.contains("no such disk.qcow2"), "{stderr_tail}");
+            assert!(stderr_tail.contains("qcow2"), "{stderr_tail}");
             assert!(stderr_tail.contains("qemu-system-x86_64"), "{stderr_tail}");
         }
         other => panic!("expected Exited, got {other}"),
     }
+
+    // A missing file never reaches QEMU: opening it for the handover fails,
+    // naming the disk and the path, and nothing is spawned or bound.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let missing = tmp.path().join("no such disk.qcow2");
+    let vm = vm_in(tmp.path(), "missing", vec![disk(missing.clone())]);
+    let err = process::launch(&common::qemu(), &vm.spec, &vm.log, READY)
+        .await
+        .expect_err("no disk file");
+    assert!(
+        matches!(&err, LaunchError::Handover(hearth_qemu::handover::HandoverError::Open { path, .. }) if path == &missing),
+        "{err}"
+    );
+    assert!(err.to_string().contains("disks[0]"), "{err}");
+    assert!(!vm.spec.qmp_socket.exists(), "nothing was bound");
 }
 
 #[tokio::test]
@@ -395,6 +420,7 @@ async fn a_launch_with_a_pidfile_can_be_found_again_from_the_pidfile_alone() {
         &vm.log,
         READY,
         Some(&pidfile),
+        None,
         |id| spawned = Some(id.clone()),
     )
     .await
@@ -402,13 +428,17 @@ async fn a_launch_with_a_pidfile_can_be_found_again_from_the_pidfile_alone() {
     let _cleanup = Cleanup(Some(id.clone()));
     assert_eq!(spawned.as_ref(), Some(&id), "after_spawn saw the process");
     let written: u32 = std::fs::read_to_string(&pidfile)
-        .expect("QEMU wrote its pidfile")
+        .expect("the launch wrote the pidfile")
         .trim()
         .parse()
         .expect("a pid");
     assert_eq!(written, id.pid);
     assert_eq!(process::find_launched(&pidfile, floor), Some(id.clone()));
     assert_eq!(process::vm_name_of(&id).as_deref(), Some("marked"));
+    // Without the pidfile (a launcher that died before writing it), the
+    // process is found by the launch variable in its environment.
+    std::fs::remove_file(&pidfile).expect("rm pidfile");
+    assert_eq!(process::find_launched(&pidfile, floor), Some(id.clone()));
 
     process::signal(&id, Signal::Kill).expect("kill");
     tokio::time::timeout(T, process::wait_for_exit(&id))
@@ -422,9 +452,172 @@ async fn a_launch_with_a_pidfile_can_be_found_again_from_the_pidfile_alone() {
         &vm.log,
         READY,
         Some(Path::new("relative.pid")),
+        None,
         |_| panic!("nothing may be spawned"),
     )
     .await
     .expect_err("relative pidfile");
     assert!(matches!(err, LaunchError::Pidfile { .. }), "{err}");
+}
+
+/// What QEMU needs of each fd set, checked on the installed release, as the
+/// unprivileged user and with disk files only root can open: a chain's
+/// backing layer opens from an `O_RDONLY` descriptor alone and the top from
+/// an `O_RDWR` one alone; a snapshot overlay handed over at run time
+/// (`add_file_node`, `SCM_RIGHTS`) becomes the top with `blockdev-snapshot`,
+/// which reopens the old top's format node read-only but leaves its file
+/// node on its descriptor; an unused node and its fd set go again with
+/// `remove_file_node`.
+#[tokio::test]
+async fn chain_layers_and_a_runtime_overlay_each_need_one_descriptor_in_their_nodes_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let user = hearth_qemu::handover::QemuUser::lookup("hearth-qemu")
+        .expect("the hearth-qemu user: run .ci/install-deps.sh");
+    let tmp = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    let img = QemuImg::new(common::qemu_img());
+    let base = tmp.path().join("base.qcow2");
+    let top = tmp.path().join("top.qcow2");
+    img.create_blank(&base, 16 << 20).await.expect("base");
+    img.create_overlay(&top, &base, "qcow2", None)
+        .await
+        .expect("top");
+    let private = |p: &Path| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600)).expect("chmod 0600")
+    };
+    private(&base);
+    private(&top);
+    let mut vm = vm_in(
+        tmp.path(),
+        "chain",
+        vec![DiskAttachment {
+            node_name: "disk-root".into(),
+            path: top.clone(),
+            read_only: false,
+            serial: "root".into(),
+            backing: vec![hearth_qemu::cmdline::BackingLayer {
+                path: base.clone(),
+                format: "qcow2".into(),
+            }],
+        }],
+    );
+    vm.spec.agent_socket = None;
+    let id = process::launch_with(
+        &common::qemu(),
+        &vm.spec,
+        &vm.log,
+        READY,
+        None,
+        Some(&user),
+        |_| {},
+    )
+    .await
+    .expect("QEMU starts as hearth-qemu");
+    let _cleanup = Cleanup(Some(id.clone()));
+    let status = std::fs::read_to_string(format!("/proc/{}/status", id.pid)).expect("status");
+    assert!(
+        status.contains(&format!("Uid:\t{0}\t{0}\t{0}\t{0}", user.uid)),
+        "{status}"
+    );
+
+    let (qmp, _events) = QmpClient::connect(&vm.spec.qmp_socket, T)
+        .await
+        .expect("QMP");
+    let fdsets = hearth_qemu::qmp::fdsets(&qmp, T).await.expect("fdsets");
+    let labels: Vec<&str> = fdsets.iter().map(|(_, l)| l.as_str()).collect();
+    for want in [&base, &top, &vm.spec.serial_log] {
+        assert!(labels.contains(&want.to_str().expect("utf8")), "{fdsets:?}");
+    }
+    let raw = qmp.execute("query-fdsets", None, T).await.expect("fdsets");
+    for set in raw.as_array().expect("array") {
+        assert_eq!(set["fds"].as_array().map(Vec::len), Some(1), "{set}");
+    }
+
+    // The runtime overlay: a file the QEMU user cannot open by path.
+    let overlay = tmp.path().join("overlay.qcow2");
+    img.create_overlay_unopened(&overlay, &top, "qcow2", 16 << 20)
+        .await
+        .expect("overlay");
+    private(&overlay);
+    let node = hearth_qemu::qmp::add_file_node(&qmp, "ov1", &overlay, false, T)
+        .await
+        .expect("overlay node");
+    qmp.execute(
+        "transaction",
+        Some(json!({"actions": [{"type": "blockdev-snapshot",
+                                 "data": {"node": "disk-root", "overlay": "ov1"}}]})),
+        T,
+    )
+    .await
+    .expect("blockdev-snapshot");
+    let block = qmp.execute("query-block", None, T).await.expect("block");
+    let inserted = &block[0]["inserted"];
+    assert_eq!(inserted["node-name"], "ov1", "{block:#}");
+    let fdsets = hearth_qemu::qmp::fdsets(&qmp, T).await.expect("fdsets");
+    assert_eq!(
+        hearth_qemu::qmp::resolve_filename(inserted["file"].as_str().unwrap_or_default(), &fdsets),
+        overlay.to_str().expect("utf8")
+    );
+    assert!(fdsets.contains(&(node.fdset, overlay.to_string_lossy().into_owned())));
+    // The guest's disk works on the new chain: a write goes to the overlay.
+    qmp.execute(
+        "human-monitor-command",
+        Some(json!({"command-line": "qemu-io ov1 \"write -P 0x61 0 4096\""})),
+        T,
+    )
+    .await
+    .expect("write through the overlay");
+    let names = qmp
+        .execute("query-named-block-nodes", Some(json!({"flat": true})), T)
+        .await
+        .expect("nodes");
+    let ro_of = |name: &str| {
+        names
+            .as_array()
+            .and_then(|a| a.iter().find(|n| n["node-name"] == name))
+            .map(|n| n["ro"].as_bool())
+    };
+    // The old top's format node is reopened read-only by the snapshot; its
+    // file node (read-write by explicit option) keeps its O_RDWR
+    // descriptor, so no O_RDONLY one was needed in its set.
+    assert_eq!(ro_of("disk-root"), Some(Some(true)), "{names:#}");
+    assert_eq!(ro_of("file-0"), Some(Some(false)), "{names:#}");
+
+    // An unused node goes, and its fd set with it.
+    let spare = tmp.path().join("spare.qcow2");
+    img.create_overlay_unopened(&spare, &top, "qcow2", 16 << 20)
+        .await
+        .expect("spare");
+    private(&spare);
+    hearth_qemu::qmp::add_file_node(&qmp, "spare", &spare, false, T)
+        .await
+        .expect("spare node");
+    hearth_qemu::qmp::remove_file_node(&qmp, "spare", &spare, T)
+        .await
+        .expect("removed");
+    let fdsets = hearth_qemu::qmp::fdsets(&qmp, T).await.expect("fdsets");
+    assert!(
+        !fdsets
+            .iter()
+            .any(|(_, l)| l == spare.to_str().expect("utf8")),
+        "{fdsets:?}"
+    );
+    let names = qmp
+        .execute("query-named-block-nodes", Some(json!({"flat": true})), T)
+        .await
+        .expect("nodes");
+    assert!(!names.to_string().contains("\"spare\""), "{names}");
+    // Removing it again is fine: a node QEMU does not know counts as gone.
+    hearth_qemu::qmp::remove_file_node(&qmp, "spare", &spare, T)
+        .await
+        .expect("removed twice");
+    // A node in use is refused, and its set stays.
+    assert!(
+        hearth_qemu::qmp::remove_file_node(&qmp, "ov1", &overlay, T)
+            .await
+            .is_err()
+    );
+    let fdsets = hearth_qemu::qmp::fdsets(&qmp, T).await.expect("fdsets");
+    assert!(fdsets.iter().any(|(id, _)| *id == node.fdset), "{fdsets:?}");
+    let _ = qmp.execute("quit", None, T).await;
 }

@@ -37,6 +37,8 @@ pub struct FileConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_roots: Option<Vec<PathBuf>>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub qemu_user: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub accel: Option<AccelChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resync_seconds: Option<u64>,
@@ -117,6 +119,7 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         run_dir,
         socket,
         image_roots,
+        qemu_user,
         accel,
         resync_seconds,
         manifests,
@@ -143,7 +146,7 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         };
     }
     fill!(
-        state_dir, run_dir, image_roots, accel, resync_seconds, manifests,
+        state_dir, run_dir, image_roots, qemu_user, accel, resync_seconds, manifests,
         manifests_resync_seconds, manifests_delete_grace_ms, ovmf_code, ovmf_vars,
         image_connect_timeout_seconds, image_read_timeout_seconds, image_max_bytes,
         image_retry_max_seconds, metrics_allow_remote, log_format;
@@ -160,6 +163,7 @@ pub fn to_file(args: &Args) -> FileConfig {
         run_dir: Some(args.run_dir.clone()),
         socket: args.socket.clone(),
         image_roots: (!args.image_roots.is_empty()).then(|| args.image_roots.clone()),
+        qemu_user: Some(args.qemu_user.clone()),
         accel: Some(args.accel),
         resync_seconds: Some(args.resync_seconds),
         manifests: Some(args.manifests.clone()),

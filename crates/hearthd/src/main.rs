@@ -49,6 +49,13 @@ struct Args {
     /// Repeat it for several; default STATE_DIR/images.
     #[arg(long = "image-root", env = "HEARTH_IMAGE_ROOTS", value_delimiter = ':')]
     image_roots: Vec<PathBuf>,
+    /// The user every VM's QEMU runs as: its uid, its primary group, and
+    /// `kvm` as the only supplementary group (when KVM is used and /dev/kvm
+    /// belongs to it). It needs access to none of hearth's files: hearthd
+    /// opens them and hands them over. `root` keeps QEMU as root (not
+    /// recommended; logged as a warning).
+    #[arg(long, env = "HEARTH_QEMU_USER", default_value = hearth_qemu::handover::DEFAULT_QEMU_USER)]
+    qemu_user: String,
     /// Accelerator: auto (KVM if a probe VM really runs under it, else TCG), kvm or tcg.
     #[arg(long, env = "HEARTH_ACCEL", value_enum, default_value = "auto")]
     accel: AccelChoice,
@@ -173,6 +180,22 @@ async fn main() -> anyhow::Result<()> {
         );
     }
 
+    let qemu_user = hearth_qemu::handover::QemuUser::lookup(&args.qemu_user)?;
+    let qemu_user = if qemu_user.is_root() {
+        tracing::warn!(
+            qemu_user = %args.qemu_user,
+            "QEMU runs as root: a guest that takes over its QEMU can open any file of the host"
+        );
+        None
+    } else {
+        tracing::info!(
+            qemu_user = %qemu_user.name,
+            uid = qemu_user.uid,
+            gid = qemu_user.gid,
+            "QEMU runs unprivileged"
+        );
+        Some(qemu_user)
+    };
     let qemu = hearth_qemu::tools::find_binary("qemu-system-x86_64")?;
     hearth_qemu::tools::find_binary("qemu-img")?;
     let accel = choose_accel(args.accel, &qemu).await?;
@@ -192,6 +215,7 @@ async fn main() -> anyhow::Result<()> {
         run_dir: args.run_dir.clone(),
         image_roots,
         qemu_binary: qemu,
+        qemu_user,
         accel,
         resync_interval: Duration::from_secs(args.resync_seconds.max(1)),
         ovmf_code: args.ovmf_code.clone(),

@@ -142,3 +142,67 @@ fn log_format_json_writes_one_json_object_a_line() {
         );
     }
 }
+
+#[test]
+fn a_qemu_user_that_does_not_exist_stops_hearthd_naming_the_command_that_creates_it() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let file = write(
+        dir.path(),
+        "user.toml",
+        "qemu-user = \"hearth-no-such-user\"\n",
+    );
+    let run = dir.path().join("run");
+    let state = dir.path().join("state");
+    let out = hearthd(
+        &[
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--state-dir",
+            state.to_str().unwrap(),
+            "--accel",
+            "tcg",
+        ],
+        &[("HEARTH_CONFIG", &file)],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "started without its QEMU user: {err}"
+    );
+    assert!(
+        err.contains("\"hearth-no-such-user\": no such user"),
+        "{err}"
+    );
+    assert!(
+        err.contains(
+            "useradd --system --user-group --no-create-home --shell /usr/sbin/nologin hearth-no-such-user"
+        ),
+        "{err}"
+    );
+    assert!(err.contains("usermod -aG kvm hearth-no-such-user"), "{err}");
+    assert!(
+        !run.exists() && !state.exists(),
+        "it got as far as its directories"
+    );
+    // The flag wins over the file; the default is hearth-qemu.
+    let printed = print_config(&["--qemu-user", "root", "--config", &file], &[]);
+    assert!(printed.contains("qemu-user = \"root\""), "{printed}");
+    let printed = print_config(&[], &[]);
+    assert!(printed.contains("qemu-user = \"hearth-qemu\""), "{printed}");
+}
+
+#[test]
+fn qemu_user_root_is_allowed_with_a_warning() {
+    let _serial = common::serial();
+    let images = tempfile::tempdir().expect("tempdir");
+    let mut d = common::Daemon::start_without_guest(&[images.path()], &["--qemu-user", "root"]);
+    d.kill();
+    let log = d.log();
+    assert!(
+        log.contains(
+            "QEMU runs as root: a guest that takes over its QEMU can open any file of the host"
+        ),
+        "{log}"
+    );
+    assert!(log.contains("WARN"), "{log}");
+}

@@ -929,6 +929,12 @@ async fn prepare_disk(
         .pointer("/image/virtual-size")
         .and_then(Value::as_u64)
         .ok_or("query-block gave no virtual-size")?;
+    // The top layer is open through an fd set: its label is the path.
+    let qmp = live.qmp.clone().ok_or("no QMP connection")?;
+    let fdsets = hearth_qemu::qmp::fdsets(&qmp, QMP_TIMEOUT)
+        .await
+        .map_err(|e| format!("query-fdsets: {e}"))?;
+    let top_file = hearth_qemu::qmp::resolve_filename(&top_file, &fdsets);
     if !top_file.is_empty() && std::path::Path::new(&top_file) != head.path {
         // QEMU writes to a layer the store does not know as the head. The
         // journal makes this impossible for hearth's own overlays; refuse
@@ -944,19 +950,10 @@ async fn prepare_disk(
     hearth_qemu::img::create_overlay_unopened(&new.path, &head.path, "qcow2", capacity)
         .await
         .map_err(|e| format!("creating the overlay for {disk:?}: {e}"))?;
-    let qmp = live.qmp.clone().ok_or("no QMP connection")?;
-    qmp.execute(
-        "blockdev-add",
-        Some(json!({
-            "driver": "qcow2",
-            "node-name": node,
-            "file": {"driver": "file", "filename": new.path.to_string_lossy()},
-            "backing": null,
-        })),
-        QMP_TIMEOUT,
-    )
-    .await
-    .map_err(|e| format!("blockdev-add for {disk:?}: {e}"))?;
+    // QEMU cannot open the overlay by path: hearthd hands it over.
+    hearth_qemu::qmp::add_file_node(&qmp, &node, &new.path, false, QMP_TIMEOUT)
+        .await
+        .map_err(|e| format!("adding the overlay node for {disk:?}: {e}"))?;
     Ok(Prepared {
         disk: disk.to_string(),
         overlay,

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 
 use hearth_api::{Kind, VirtualDiskStatus};
 use rusqlite::params;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use super::coordinator::CutId;
 use super::storage::{self, NewLayer};
@@ -207,7 +207,7 @@ pub async fn settle(
             Decision::Adopt => adopt(store, o),
             Decision::Remove => remove(store, o),
             Decision::DeleteNodeThenRemove => match (live, &o.node) {
-                (Some(l), Some(node)) => delete_node(l, node)
+                (Some(l), Some(node)) => delete_node(l, node, &o.path)
                     .await
                     .map_or_else(Settled::Unresolved, |()| remove(store, o)),
                 _ => remove(store, o),
@@ -291,27 +291,15 @@ fn remove(store: &Store, o: &Overlay) -> Settled {
     }
 }
 
-/// Deletes a node QEMU does not use. QEMU refuses to delete a node that
-/// has users, so this can never pull a disk out from under the guest. A
-/// node QEMU does not know (never added) counts as deleted.
-async fn delete_node(live: &LiveVm, node: &str) -> Result<(), String> {
+/// Deletes a node QEMU does not use, and the fd set its file came in.
+/// QEMU refuses to delete a node that has users, so this can never pull a
+/// disk out from under the guest. A node QEMU does not know (never added)
+/// counts as deleted.
+async fn delete_node(live: &LiveVm, node: &str, path: &std::path::Path) -> Result<(), String> {
     let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
-    match qmp
-        .execute(
-            "blockdev-del",
-            Some(json!({"node-name": node})),
-            QMP_TIMEOUT,
-        )
+    hearth_qemu::qmp::remove_file_node(qmp, node, path, QMP_TIMEOUT)
         .await
-    {
-        Ok(_) => Ok(()),
-        Err(hearth_qemu::qmp::QmpError::Command { desc, .. })
-            if desc.contains("Failed to find node") || desc.contains("Cannot find node") =>
-        {
-            Ok(())
-        }
-        Err(e) => Err(format!("blockdev-del {node}: {e}")),
-    }
+        .map_err(|e| format!("removing node {node}: {e}"))
 }
 
 /// Settles every overlay of `disks` when no QEMU of theirs runs: before a

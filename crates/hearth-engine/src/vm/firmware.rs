@@ -130,6 +130,7 @@ mod tests {
             run_dir: dir.join("run"),
             image_roots: vec![],
             qemu_binary: "/usr/bin/qemu-system-x86_64".into(),
+            qemu_user: None,
             accel: hearth_qemu::accel::AccelDecision {
                 accel: hearth_qemu::Accel::Tcg,
                 reason: "test".into(),

@@ -12,7 +12,7 @@ use hearth_api::{
     VirtualMachine, VmPhase, remove_condition, set_condition,
 };
 use hearth_qemu::ProcessIdentity;
-use hearth_qemu::cmdline::{DiskAttachment, KernelBoot, LaunchSpec, disk_serial};
+use hearth_qemu::cmdline::{BackingLayer, DiskAttachment, KernelBoot, LaunchSpec, disk_serial};
 use hearth_qemu::process;
 use serde_json::json;
 
@@ -335,6 +335,12 @@ async fn try_launch(
                 d.virtual_disk_name
             )
         })?;
+        let backing = backing_layers(&path).await.map_err(|e| {
+            format!(
+                "spec.disks[{i}]: VirtualDisk {:?}: {e}",
+                d.virtual_disk_name
+            )
+        })?;
         disks.push(DiskAttachment {
             node_name: format!("disk{i}"),
             path,
@@ -342,6 +348,7 @@ async fn try_launch(
             // The guest sees it as the disk's serial, so the guest agent's
             // filesystem report can be tied back to this VirtualDisk.
             serial: disk_serial(&d.virtual_disk_name),
+            backing,
         });
     }
     let run_dir = cfg.vm_run_dir(name);
@@ -367,11 +374,12 @@ async fn try_launch(
         );
     }
     let seed = prepare_seed(cfg, vm).await?;
-    // The taps exist before QEMU opens them by name (else QEMU, as root,
-    // would make a tap of its own that no bridge has).
+    // The taps exist before hearthd attaches to them for QEMU (by name: a
+    // missing one would be a new tap that no bridge has).
     let nics = super::nics::prepare(ctx, vm).await?;
-    // Stale sockets are removed by `process::launch`, and only if nothing
-    // listens on them: a socket a running QEMU serves is never cut off.
+    // `process::launch` binds the sockets for QEMU, removing a stale file
+    // only if nothing listens on it: a socket a running QEMU serves is
+    // never cut off.
     let qmp_socket = run_dir.join("qmp.sock");
     let agent_socket = vm.spec.guest_agent.then(|| run_dir.join("agent.sock"));
     let serial_log = cfg.serial_log(name);
@@ -418,7 +426,7 @@ async fn try_launch(
     // Recorded durably before the spawn, under an id that never repeats, so a
     // daemon that dies before the runtime record below is written leaves a way
     // to find this QEMU: its pidfile path (which names the launch) is in its
-    // command line.
+    // environment.
     let store_err = |e: crate::store::StoreError| format!("cannot record the launch: {e}");
     let launch_id = ctx.store.next_counter("launch").map_err(store_err)?;
     let marker = LaunchMarker {
@@ -437,6 +445,7 @@ async fn try_launch(
         &qemu_log,
         LAUNCH_READY_TIMEOUT,
         Some(&marker.pidfile),
+        cfg.qemu_user.as_ref(),
         super::launches::crash_after_spawn_hook,
     )
     .await;
@@ -452,7 +461,10 @@ async fn try_launch(
             if super::launches::find(&marker).is_none() {
                 let _ = ctx.store.drop_launch(launch_id);
             }
-            return Err(format!("QEMU did not start: {e}"));
+            return Err(format!(
+                "QEMU did not start: {e}{}",
+                permission_hint(&e, cfg.qemu_user.as_ref())
+            ));
         }
     };
     record.process = identity;
@@ -469,6 +481,52 @@ async fn try_launch(
         cloud_init_instance_id: seed.map(|s| s.instance_id),
         nics,
     })
+}
+
+/// What to add to a start-up failure that was a denied open: QEMU runs as
+/// an unprivileged user, and the files it opens by path (kernel, initrd,
+/// OVMF code) must be readable by that user.
+fn permission_hint(
+    e: &process::LaunchError,
+    user: Option<&hearth_qemu::handover::QemuUser>,
+) -> String {
+    match (e, user) {
+        (process::LaunchError::Exited { stderr_tail, .. }, Some(user))
+            if stderr_tail.contains("Permission denied") =>
+        {
+            format!(
+                " (QEMU runs as user {:?}: the kernel, initrd and OVMF code must be readable by it, and every directory above them passable)",
+                user.name
+            )
+        }
+        _ => String::new(),
+    }
+}
+
+/// The layers below a disk's head, top first, as its qcow2 headers chain
+/// them (read by `qemu-img`, which opens each in turn; the chain was
+/// checked to stay inside hearth's files and the image roots when the
+/// disk was made). QEMU gets each as a node of its own, by descriptor.
+async fn backing_layers(head: &std::path::Path) -> Result<Vec<BackingLayer>, String> {
+    let chain = hearth_qemu::img::backing_chain(head)
+        .await
+        .map_err(|e| format!("reading the layer chain of {}: {e}", head.display()))?;
+    let mut layers = Vec::new();
+    for info in chain.into_iter().skip(1) {
+        let path = std::path::PathBuf::from(&info.filename);
+        if !path.is_absolute() {
+            return Err(format!(
+                "a layer below {} is named by the relative path {:?}",
+                head.display(),
+                info.filename
+            ));
+        }
+        layers.push(BackingLayer {
+            path,
+            format: info.format,
+        });
+    }
+    Ok(layers)
 }
 
 /// Builds the VM's cloud-init seed afresh (or removes an old one when it has
@@ -675,4 +733,34 @@ fn last_lines(path: &std::path::Path, n: usize) -> String {
     let text = String::from_utf8_lossy(&text[start..]);
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     lines[lines.len().saturating_sub(n)..].join(" | ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hearth_qemu::handover::QemuUser;
+
+    #[test]
+    fn a_denied_open_at_start_up_names_the_qemu_user() {
+        let user = QemuUser {
+            name: "hearth-qemu".into(),
+            uid: 995,
+            gid: 995,
+            kvm_gid: None,
+        };
+        let denied = process::LaunchError::Exited {
+            status: "exit status: 1".into(),
+            stderr_tail: "qemu: could not open kernel file '/root/vmlinuz': Permission denied"
+                .into(),
+        };
+        let hint = permission_hint(&denied, Some(&user));
+        assert!(hint.contains("\"hearth-qemu\""), "{hint}");
+        assert!(hint.contains("kernel, initrd and OVMF code"), "{hint}");
+        assert_eq!(permission_hint(&denied, None), "", "QEMU as root");
+        let other = process::LaunchError::Exited {
+            status: "exit status: 1".into(),
+            stderr_tail: "qemu: could not open kernel file '/x': No such file or directory".into(),
+        };
+        assert_eq!(permission_hint(&other, Some(&user)), "");
+    }
 }

@@ -464,9 +464,11 @@ impl Daemon {
         })
     }
 
-    /// QEMU processes started by this daemon (found by their socket paths).
+    /// QEMU processes started by this daemon, found by the paths of this
+    /// daemon's directory in their command line (the fd sets' labels: every
+    /// QEMU has at least its serial log there).
     pub fn qemu_pids(&self) -> Vec<u32> {
-        let marker = self.run_dir().to_string_lossy().into_owned();
+        let marker = format!("{}/", self.dir.path().display());
         let mut pids = Vec::new();
         for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
             let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
