@@ -125,6 +125,16 @@ struct CutContext {
     mounts: Option<Result<MountMap, String>>,
     /// The cut's snapshots show InProgress.
     in_progress: bool,
+    /// The `Thawed` event, written with the commit: when, and its message.
+    thawed: Option<(chrono::DateTime<Utc>, String)>,
+}
+
+/// The object a target's events are about.
+fn event_subject(target: &str) -> (Kind, &str) {
+    match target.strip_prefix("vm/") {
+        Some(vm) => (Kind::VirtualMachine, vm),
+        None => (Kind::VirtualDisk, target.trim_start_matches("disk/")),
+    }
 }
 
 /// Shows the cut's snapshots InProgress, in a store transaction of the
@@ -258,6 +268,10 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                 match e.store.next_counter("cut") {
                     Ok(cut) => {
                         core.set_deadline(deadline_of(&e, &target));
+                        // The start of a cut, in the log only (no store
+                        // write in the request's path); the latency
+                        // benchmark reads it.
+                        tracing::info!(target, cut, requests = core.pending().len(), "cut starts");
                         let out = core.handle(Input::Start {
                             access,
                             cut,
@@ -599,6 +613,7 @@ async fn execute(
             // same store transaction), or, for a cut without a freeze, just
             // before its transaction.
             let failed = prepare(ctx, target, held, cut, &disks).await;
+            tracing::info!(target, cut, failed = failed.len(), "cut prepared");
             Some(Input::Prepared {
                 cut,
                 failed,
@@ -622,6 +637,21 @@ async fn execute(
                     params![target, cut as i64, wall.to_rfc3339(), serde_json::to_string(&names)?],
                 )?;
                     mark_in_progress_tx(tx, &names, cut)?;
+                    // The event of the freeze that follows, in the same write.
+                    let (kind, name) = event_subject(target);
+                    Store::record_event_tx(
+                        tx,
+                        Utc::now(),
+                        kind,
+                        name,
+                        EventType::Normal,
+                        "Freezing",
+                        &format!(
+                            "cut {cut}: freezing the guest's filesystems for {} snapshot(s): {}",
+                            names.len(),
+                            names.join(", ")
+                        ),
+                    )?;
                     Ok(())
                 })
                 .map_err(|e| e.to_string());
@@ -636,22 +666,8 @@ async fn execute(
             })
         }
         Command::Freeze { cut, timeout } => {
+            // Its event went with the intent.
             held.freeze_started = Some(Utc::now());
-            vm_event(
-                ctx,
-                target,
-                EventType::Normal,
-                "Freezing",
-                &format!(
-                    "cut {cut}: freezing the guest's filesystems for {} snapshot(s): {}",
-                    core.cut_requests().len(),
-                    core.cut_requests()
-                        .iter()
-                        .map(|r| r.snapshot.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            );
             let result = match &held.live {
                 Some(live) => {
                     with_agent(live, Duration::from_millis(timeout), async |c, t| {
@@ -757,13 +773,16 @@ async fn execute(
                 None => Ok(None),
             };
             match &result {
-                Ok(Some(n)) => vm_event(
-                    ctx,
-                    target,
-                    EventType::Normal,
-                    "Thawed",
-                    &format!("cut {cut}: the guest thawed {n} filesystem(s)"),
-                ),
+                // Recorded with the cut's commit (the next store write),
+                // with the time of the thaw: no write of its own between
+                // the thaw and Ready.
+                Ok(Some(n)) => {
+                    tracing::info!(target, cut, filesystems = n, "thawed");
+                    held.thawed = Some((
+                        Utc::now(),
+                        format!("cut {cut}: the guest thawed {n} filesystem(s)"),
+                    ));
+                }
                 Ok(None) => vm_event(
                     ctx,
                     target,
@@ -932,25 +951,33 @@ async fn prepare_disk(
     let head = storage::head(&ctx.store, disk)
         .map_err(|e| e.to_string())?
         .ok_or_else(|| format!("VirtualDisk {disk:?} has no image yet"))?;
-    let new = storage::allocate(&ctx.store, state_dir, disk).map_err(|e| e.to_string())?;
-    let overlay = |node: Option<String>| Overlay {
-        cut,
-        target: target.to_string(),
-        disk: disk.to_string(),
-        layer: new.id.clone(),
-        path: new.path.clone(),
-        node,
-        base: head.id.clone(),
+    // The overlay's layer id and its journal row, in one store write.
+    let journal = |node: Option<String>| {
+        ctx.store
+            .with_tx(|tx| {
+                let new = storage::allocate_tx(tx, state_dir, disk)?;
+                let overlay = Overlay {
+                    cut,
+                    target: target.to_string(),
+                    disk: disk.to_string(),
+                    layer: new.id,
+                    path: new.path,
+                    node,
+                    base: head.id.clone(),
+                };
+                overlays::record_tx(tx, &overlay)?;
+                Ok(overlay)
+            })
+            .map_err(|e| e.to_string())
     };
     let (Some(graph), Some(live)) = (graph, live) else {
         // Offline: the overlay is recorded, then created; the store switches
         // the head at commit.
-        let overlay = overlay(None);
-        overlays::record(&ctx.store, &overlay).map_err(|e| e.to_string())?;
+        let overlay = journal(None)?;
         let info = hearth_qemu::img::info(&head.path)
             .await
             .map_err(|e| e.to_string())?;
-        hearth_qemu::img::create_overlay(&new.path, &head.path, "qcow2", None)
+        hearth_qemu::img::create_overlay(&overlay.path, &head.path, "qcow2", None)
             .await
             .map_err(|e| format!("creating the overlay for {disk:?}: {e}"))?;
         return Ok(Prepared {
@@ -993,9 +1020,8 @@ async fn prepare_disk(
         ));
     }
     let node = format!("h{cut}d{index}");
-    let overlay = overlay(Some(node.clone()));
-    overlays::record(&ctx.store, &overlay).map_err(|e| e.to_string())?;
-    add_overlay_node(live, &new.path, &head.path, capacity, &node)
+    let overlay = journal(Some(node.clone()))?;
+    add_overlay_node(live, &overlay.path, &head.path, capacity, &node)
         .await
         .map_err(|e| format!("the overlay of VirtualDisk {disk:?}: {e}"))?;
     Ok(Prepared {
@@ -1264,12 +1290,17 @@ async fn commit(
                 params![target],
             )?;
         }
+        if let Some((time, message)) = &held.thawed {
+            let (kind, name) = event_subject(target);
+            Store::record_event_tx(tx, *time, kind, name, EventType::Normal, "Thawed", message)?;
+        }
         Ok(())
     });
     if let Err(e) = r {
         tracing::error!(target, cut, error = %e, "cannot record the cut's results; retrying");
         return false;
     }
+    held.thawed = None;
     // Observed as soon as the store has the results (what a reader sees).
     for (name, outcome) in outcomes {
         if !matches!(outcome, Outcome::Retry) {

@@ -46,22 +46,25 @@ pub struct Overlay {
 /// Records `o` in its own store transaction. Called before the overlay's
 /// file is created.
 pub fn record(store: &Store, o: &Overlay) -> Result<(), StoreError> {
-    store.with_tx(|tx| {
-        tx.execute(
-            "INSERT INTO cut_overlays (cut, target, disk, layer, path, node, base)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            params![
-                o.cut as i64,
-                o.target,
-                o.disk,
-                o.layer,
-                o.path.to_string_lossy(),
-                o.node,
-                o.base
-            ],
-        )?;
-        Ok(())
-    })
+    store.with_tx(|tx| record_tx(tx, o))
+}
+
+/// `record` inside a caller's transaction.
+pub fn record_tx(tx: &rusqlite::Transaction<'_>, o: &Overlay) -> Result<(), StoreError> {
+    tx.execute(
+        "INSERT INTO cut_overlays (cut, target, disk, layer, path, node, base)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        params![
+            o.cut as i64,
+            o.target,
+            o.disk,
+            o.layer,
+            o.path.to_string_lossy(),
+            o.node,
+            o.base
+        ],
+    )?;
+    Ok(())
 }
 
 fn select(store: &Store, sql_where: &str, arg: &str) -> Result<Vec<Overlay>, StoreError> {
