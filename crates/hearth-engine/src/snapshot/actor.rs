@@ -1038,7 +1038,13 @@ async fn prepare_disk(
 /// the overlay's recorded backing file) and adds it to the running QEMU as
 /// node `node`, unattached (`"backing": null`; the cut's transaction puts
 /// it on top of the device). The one place where a file is made for QEMU
-/// and handed to it: the caller has journalled the overlay already.
+/// and handed to it; the caller has journalled the overlay already.
+///
+/// No process is started: hearthd creates the empty file, QEMU opens it as
+/// a `file` node ([`overlays::file_node`]), formats it as qcow2 with a
+/// `blockdev-create` job on that node, and the qcow2 node is added over it.
+/// (QEMU never needs to create a file by path, so the same steps work when
+/// it may only open what hearthd hands it.)
 async fn add_overlay_node(
     live: &LiveVm,
     path: &std::path::Path,
@@ -1046,22 +1052,61 @@ async fn add_overlay_node(
     capacity: u64,
     node: &str,
 ) -> Result<(), String> {
-    hearth_qemu::img::create_overlay_unopened(path, base, "qcow2", capacity)
-        .await
-        .map_err(|e| format!("creating {}: {e}", path.display()))?;
     let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
-    qmp.execute(
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(path)
+        .map_err(|e| format!("creating {}: {e}", path.display()))?;
+    let file_node = overlays::file_node(node);
+    let run = async |command: &str, args: Value| {
+        qmp.execute(command, Some(args), QMP_TIMEOUT)
+            .await
+            .map_err(|e| format!("{command} for {node}: {e}"))
+    };
+    run(
         "blockdev-add",
-        Some(json!({
-            "driver": "qcow2",
-            "node-name": node,
-            "file": {"driver": "file", "filename": path.to_string_lossy()},
-            "backing": null,
-        })),
-        QMP_TIMEOUT,
+        json!({"driver": "file", "node-name": file_node, "filename": path.to_string_lossy()}),
     )
-    .await
-    .map_err(|e| format!("blockdev-add {node}: {e}"))?;
+    .await?;
+    let job = format!("{node}-create");
+    run(
+        "blockdev-create",
+        json!({"job-id": job, "options": {
+            "driver": "qcow2",
+            "file": file_node,
+            "size": capacity,
+            "backing-file": base.to_string_lossy(),
+            "backing-fmt": "qcow2",
+        }}),
+    )
+    .await?;
+    // The job formats a few clusters; its end is read from QEMU.
+    let deadline = Instant::now() + QMP_TIMEOUT;
+    loop {
+        let jobs = run("query-jobs", json!({})).await?;
+        let mine = jobs
+            .as_array()
+            .and_then(|a| a.iter().find(|j| j["id"] == job.as_str()))
+            .cloned()
+            .ok_or_else(|| format!("QEMU lost the job {job}"))?;
+        if mine["status"] == "concluded" {
+            run("job-dismiss", json!({"id": job})).await?;
+            if let Some(e) = mine.get("error").and_then(Value::as_str) {
+                return Err(format!("formatting {} as qcow2: {e}", path.display()));
+            }
+            break;
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("the job {job} did not end within {QMP_TIMEOUT:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    run(
+        "blockdev-add",
+        json!({"driver": "qcow2", "node-name": node, "file": file_node, "backing": null}),
+    )
+    .await?;
     Ok(())
 }
 
