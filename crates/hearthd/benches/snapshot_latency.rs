@@ -18,6 +18,11 @@
 //! - libvirt: `virsh snapshot-create-as DOM --disk-only --quiesce --atomic
 //!   --no-metadata`, also a new process.
 //!
+//! - limit: on libvirt's guest, `guest-fsfreeze-freeze` then
+//!   `guest-fsfreeze-thaw` through `virsh qemu-agent-command`, back to back
+//!   in one virsh session (one process, one connection): the shortest
+//!   window the agent itself allows, no snapshot at all.
+//!
 //! Measured: the command's wall time (spawn to exit); the guest-seen window
 //! (the longest gap between the writer's completed writes that overlaps the
 //! command, over the disks; the guest's clock is related to the host's as in
@@ -52,6 +57,9 @@ const SNAP_TIMEOUT: Duration = Duration::from_secs(60);
 enum Side {
     Hearth,
     Libvirt,
+    /// The floor: on libvirt's guest, the agent's own `guest-fsfreeze-freeze`
+    /// then `guest-fsfreeze-thaw`, back to back in one virsh session.
+    Limit,
 }
 
 /// A running guest of either side.
@@ -117,12 +125,24 @@ fn main() {
         }
     }
 
-    let mut results: Vec<(usize, Vec<Rep>, Vec<Rep>)> =
-        pairs.iter().map(|(h, _)| (h.disks.len(), Vec::new(), Vec::new())).collect();
+    let mut results: Vec<(usize, Vec<Rep>, Vec<Rep>, Vec<Rep>)> = pairs
+        .iter()
+        .map(|(h, _)| (h.disks.len(), Vec::new(), Vec::new(), Vec::new()))
+        .collect();
     let mut load = Vec::new();
     for round in 0..reps {
         for (k, (h, l)) in pairs.iter().enumerate() {
-            let order = if round % 2 == 0 { [h, l] } else { [l, h] };
+            let limit = Guest {
+                side: Side::Limit,
+                name: l.name.clone(),
+                disks: l.disks.clone(),
+                devs: l.devs.clone(),
+            };
+            let order = if round % 2 == 0 {
+                [h, l, &limit]
+            } else {
+                [l, h, &limit]
+            };
             for g in order {
                 let r = one_rep(&d, g, round, seconds);
                 eprintln!(
@@ -138,6 +158,7 @@ fn main() {
                 match g.side {
                     Side::Hearth => results[k].1.push(r),
                     Side::Libvirt => results[k].2.push(r),
+                    Side::Limit => results[k].3.push(r),
                 }
             }
         }
@@ -330,6 +351,16 @@ fn wait_libvirt_agent(dom: &str) {
 /// Runs a shell script in the guest; (exit code, stdout).
 fn exec(d: &Daemon, g: &Guest, script: &str) -> (i64, String) {
     match g.side {
+        Side::Limit => exec(
+            d,
+            &Guest {
+                side: Side::Libvirt,
+                name: g.name.clone(),
+                disks: Vec::new(),
+                devs: Vec::new(),
+            },
+            script,
+        ),
         Side::Hearth => {
             let (status, v) = d.request(
                 "POST",
@@ -507,13 +538,33 @@ fn one_rep(d: &Daemon, g: &Guest, round: usize, seconds: u64) -> Rep {
             .stderr(Stdio::piped());
             c
         }
+        Side::Limit => {
+            let mut c = Command::new("virsh");
+            c.args(["-c", VIRSH_URI])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            c
+        }
     };
+    // The limit's two commands, read by virsh's shell from stdin.
+    let session = format!(
+        "qemu-agent-command {n} '{{\"execute\":\"guest-fsfreeze-freeze\"}}'\n\
+         qemu-agent-command {n} '{{\"execute\":\"guest-fsfreeze-thaw\"}}'\n",
+        n = g.name
+    );
     let from = host_ms();
     let spawned = SystemTime::now();
     let t0 = Instant::now();
     let out = cmd
         .spawn()
-        .and_then(|c| c.wait_with_output())
+        .and_then(|mut c| {
+            if let Some(mut stdin) = c.stdin.take() {
+                use std::io::Write as _;
+                stdin.write_all(session.as_bytes())?;
+            }
+            c.wait_with_output()
+        })
         .expect("snapshot command");
     let wall_ms = t0.elapsed().as_secs_f64() * 1e3;
     let to = host_ms();
@@ -532,6 +583,14 @@ fn one_rep(d: &Daemon, g: &Guest, round: usize, seconds: u64) -> Rep {
     };
     if g.side == Side::Hearth {
         hearth_marks(d, g, &snap, unix_ms(spawned), &mut rep);
+    }
+    if g.side == Side::Limit {
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            text.matches("\"return\"").count(),
+            2,
+            "freeze and thaw both answered: {text}"
+        );
     }
     let remaining = Duration::from_secs(seconds).saturating_sub(epoch.elapsed());
     std::thread::sleep(remaining + Duration::from_millis(300));
@@ -574,7 +633,8 @@ fn hearth_marks(d: &Daemon, g: &Guest, snap: &str, spawned: f64, rep: &mut Rep) 
         events
             .iter()
             .find(|e| {
-                e["reason"] == reason && e["message"].as_str().is_some_and(|m| m.starts_with(prefix))
+                e["reason"] == reason
+                    && e["message"].as_str().is_some_and(|m| m.starts_with(prefix))
             })
             .and_then(|e| rfc3339_ms(&e["time"]))
     };
@@ -586,7 +646,11 @@ fn hearth_marks(d: &Daemon, g: &Guest, snap: &str, spawned: f64, rep: &mut Rep) 
     let logged = |what: &str| {
         log.lines()
             .find(|l| l.contains(what) && l.contains(&needle))
-            .and_then(|l| l.split_whitespace().next().map(|t| Value::from(t.to_string())))
+            .and_then(|l| {
+                l.split_whitespace()
+                    .next()
+                    .map(|t| Value::from(t.to_string()))
+            })
             .and_then(|t| rfc3339_ms(&t))
     };
     let (start, prepared) = (logged("cut starts"), logged("cut prepared"));
@@ -609,7 +673,7 @@ fn fmt(xs: &[f64], decimals: usize) -> String {
     format!("{m:.decimals$} ({lo:.decimals$}–{hi:.decimals$})")
 }
 
-fn print_tables(results: &[(usize, Vec<Rep>, Vec<Rep>)], load: &[String], seconds: u64) {
+fn print_tables(results: &[(usize, Vec<Rep>, Vec<Rep>, Vec<Rep>)], load: &[String], seconds: u64) {
     let n = results.first().map_or(0, |r| r.1.len());
     println!();
     println!(
@@ -619,23 +683,27 @@ fn print_tables(results: &[(usize, Vec<Rep>, Vec<Rep>)], load: &[String], second
     );
     println!();
     println!(
-        "| disks | hearth CLI wall (ms) | virsh wall (ms) | wall ratio hearth/virsh | guest-seen window hearth (ms) | guest-seen window libvirt (ms) | window ratio | hearth freezeWindowMs | hearth consistent |"
+        "| disks | hearth CLI wall (ms) | virsh wall (ms) | wall ratio hearth/virsh | guest-seen window hearth (ms) | guest-seen window libvirt (ms) | window ratio | limit: agent freeze + thaw back to back, guest-seen (ms) | limit: its virsh session wall (ms) | hearth freezeWindowMs | hearth consistent |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---|");
-    for (disks, h, l) in results {
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
+    for (disks, h, l, limit) in results {
+        let mg: Vec<f64> = limit.iter().map(|r| r.guest_ms).collect();
+        let mw: Vec<f64> = limit.iter().map(|r| r.wall_ms).collect();
         let hw: Vec<f64> = h.iter().map(|r| r.wall_ms).collect();
         let lw: Vec<f64> = l.iter().map(|r| r.wall_ms).collect();
         let hg: Vec<f64> = h.iter().map(|r| r.guest_ms).collect();
         let lg: Vec<f64> = l.iter().map(|r| r.guest_ms).collect();
         let hf: Vec<f64> = h.iter().filter_map(|r| r.host_window_ms).collect();
         println!(
-            "| {disks} | {} | {} | {:.2} | {} | {} | {:.2} | {} | {}/{} |",
+            "| {disks} | {} | {} | {:.2} | {} | {} | {:.2} | {} | {} | {} | {}/{} |",
             fmt(&hw, 0),
             fmt(&lw, 0),
             stats(&hw).0 / stats(&lw).0,
             fmt(&hg, 1),
             fmt(&lg, 1),
             stats(&hg).0 / stats(&lg).0,
+            fmt(&mg, 1),
+            fmt(&mw, 0),
             fmt(&hf, 0),
             h.iter().filter(|r| r.consistent).count(),
             h.len()
@@ -650,8 +718,9 @@ fn print_tables(results: &[(usize, Vec<Rep>, Vec<Rep>)], load: &[String], second
         "| disks | CLI spawn → stored | stored → cut starts | cut starts → prepared | prepared → freeze sent | freeze sent → thaw replied | thaw → Ready (commit) | Ready → CLI exits | total (CLI wall) |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for (disks, h, _) in results {
-        let with: Vec<(&Rep, [f64; 6])> = h.iter().filter_map(|r| r.marks.map(|m| (r, m))).collect();
+    for (disks, h, _, _) in results {
+        let with: Vec<(&Rep, [f64; 6])> =
+            h.iter().filter_map(|r| r.marks.map(|m| (r, m))).collect();
         let step = |i: usize| -> f64 {
             med(with.iter().map(|(r, m)| match i {
                 0 => m[0],
@@ -678,8 +747,8 @@ fn print_tables(results: &[(usize, Vec<Rep>, Vec<Rep>)], load: &[String], second
         "| disks | side | rep | wall (ms) | guest-seen window (ms) | freezeWindowMs | stored / cut / prepared / freeze / thaw / Ready, ms after spawn |"
     );
     println!("|---:|---|---:|---:|---:|---:|---|");
-    for (disks, h, l) in results {
-        for (side, reps) in [("hearth", h), ("libvirt", l)] {
+    for (disks, h, l, limit) in results {
+        for (side, reps) in [("hearth", h), ("libvirt", l), ("limit", limit)] {
             for (i, r) in reps.iter().enumerate() {
                 println!(
                     "| {disks} | {side} | {} | {:.0} | {:.1} | {} | {} |",

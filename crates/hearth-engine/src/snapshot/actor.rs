@@ -705,10 +705,7 @@ async fn execute(
                     .iter()
                     .map(|r| r.snapshot.clone())
                     .collect();
-                if let Err(e) = ctx
-                    .store
-                    .with_tx(|tx| mark_in_progress_tx(tx, &names, cut))
-                {
+                if let Err(e) = ctx.store.with_tx(|tx| mark_in_progress_tx(tx, &names, cut)) {
                     tracing::warn!(target, cut, error = %e, "cannot write InProgress");
                 }
                 held.in_progress = true;

@@ -17,8 +17,8 @@ use super::wait::{parse_duration, reason_and_message};
 use super::{object_path, short_ref};
 use crate::client::{ApiClient, ApiError};
 use crate::follow::{Follower, Update};
-use hearth_api::WatchType;
 use crate::output::{at, human_bytes, str_at, u64_at};
+use hearth_api::WatchType;
 
 /// Only for a hearthd without the change stream (it answers 404).
 const POLL_INTERVAL: Duration = Duration::from_millis(250);
@@ -829,7 +829,10 @@ mod tests {
         )
         .await
         .expect_err("Failed");
-        assert_eq!(err.to_string(), "snapshot/s failed: NotConsistent: no agent");
+        assert_eq!(
+            err.to_string(),
+            "snapshot/s failed: NotConsistent: no agent"
+        );
 
         let dir = tempfile::tempdir().expect("tempdir");
         // Deleted before the stream opened: the first list lacks it.
@@ -838,7 +841,9 @@ mod tests {
             vec![(
                 "GET",
                 "/v1/watch?kinds=virtualdisksnapshots&name=s",
-                vec![ok(&(json!({"seq": 9, "type": "BOOKMARK"}).to_string() + "\n"))],
+                vec![ok(
+                    &(json!({"seq": 9, "type": "BOOKMARK"}).to_string() + "\n")
+                )],
             )],
         );
         let client = ApiClient::new(&server.socket);

@@ -144,8 +144,16 @@ fn requests_made_while_a_cut_is_prepared_join_it_when_their_disk_is_ready() {
         now: 5,
     });
     assert!(matches!(out[..], [Command::RecordIntent { cut: 1, .. }]));
-    let names: Vec<&str> = c.cut_requests().iter().map(|r| r.snapshot.as_str()).collect();
-    assert_eq!(names, ["also-a", "first"], "the request of a prepared disk joins");
+    let names: Vec<&str> = c
+        .cut_requests()
+        .iter()
+        .map(|r| r.snapshot.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        ["also-a", "first"],
+        "the request of a prepared disk joins"
+    );
     assert_eq!(c.pending(), &[req("on-b", "b", true)][..]);
     let out = c.handle(Input::IntentRecorded {
         cut: 1,
@@ -225,7 +233,11 @@ fn a_late_request_of_a_disk_that_failed_to_prepare_waits_for_the_next_cut() {
         now: 5,
     });
     assert!(matches!(out[..], [Command::RecordIntent { cut: 1, .. }]));
-    let names: Vec<&str> = c.cut_requests().iter().map(|r| r.snapshot.as_str()).collect();
+    let names: Vec<&str> = c
+        .cut_requests()
+        .iter()
+        .map(|r| r.snapshot.as_str())
+        .collect();
     assert_eq!(names, ["a1", "a2"]);
     assert_eq!(c.pending(), &[req("b2", "b", true)][..]);
 }
