@@ -71,6 +71,9 @@ struct Guest {
     devs: Vec<String>,
 }
 
+/// Per disk count: hearth's, libvirt's and the limit's repetitions.
+type Results = (usize, Vec<Rep>, Vec<Rep>, Vec<Rep>);
+
 #[derive(Default, Clone)]
 struct Rep {
     wall_ms: f64,
@@ -125,7 +128,7 @@ fn main() {
         }
     }
 
-    let mut results: Vec<(usize, Vec<Rep>, Vec<Rep>, Vec<Rep>)> = pairs
+    let mut results: Vec<Results> = pairs
         .iter()
         .map(|(h, _)| (h.disks.len(), Vec::new(), Vec::new(), Vec::new()))
         .collect();
@@ -673,7 +676,7 @@ fn fmt(xs: &[f64], decimals: usize) -> String {
     format!("{m:.decimals$} ({lo:.decimals$}–{hi:.decimals$})")
 }
 
-fn print_tables(results: &[(usize, Vec<Rep>, Vec<Rep>, Vec<Rep>)], load: &[String], seconds: u64) {
+fn print_tables(results: &[Results], load: &[String], seconds: u64) {
     let n = results.first().map_or(0, |r| r.1.len());
     println!();
     println!(
