@@ -12,9 +12,10 @@
 //! atomic transaction over every disk in the cut, one thaw. A cut starts as
 //! soon as a request finds the coordinator idle (a lone request waits for
 //! nobody). Requests that arrive while the cut is being prepared join it
-//! when their disk is among those prepared; the others wait for the next
-//! cut, which the shell gathers briefly first (see [`Coordinator::gather_first`]),
-//! so a burst of requests takes at most two cuts.
+//! when all their disks are among those prepared (all or none: requests made
+//! together are never split); otherwise they wait for the next cut, which
+//! the shell gathers briefly first (see [`Coordinator::gather_first`]), so a
+//! burst of requests takes at most two cuts.
 //!
 //! The coordinator holds no counter of its own: the shell hands it a cut id
 //! from the store's durable counter, so ids (and the QEMU node names made
@@ -628,24 +629,22 @@ impl Coordinator {
             });
         }
         // Requests that came while the cut was being prepared join it when
-        // their disk's overlay is ready: they are cut in the same freeze.
-        // (A cut without an agent failed its required requests at the start;
-        // its late requests take the next cut, which does the same.)
+        // every one of them has its disk's overlay ready: all or none, so
+        // requests made together (a VM snapshot's disks) are never split
+        // between two cuts. (A cut without an agent failed its required
+        // requests at the start; its late requests take the next cut, which
+        // does the same.)
         if c.mode != (Mode::Live { freeze: false }) {
             let ready: BTreeSet<&String> = c
                 .disks
                 .iter()
                 .filter(|d| !failed.iter().any(|(f, _)| f == *d))
                 .collect();
-            let (join, stay): (Vec<Request>, Vec<Request>) = std::mem::take(&mut self.pending)
-                .into_iter()
-                .partition(|r| ready.contains(&r.disk));
-            self.pending = stay;
-            if self.pending.is_empty() {
+            if !self.pending.is_empty() && self.pending.iter().all(|r| ready.contains(&r.disk)) {
+                c.requests.append(&mut self.pending);
+                c.requests.sort();
                 self.burst = false;
             }
-            c.requests.extend(join);
-            c.requests.sort();
         }
         if c.requests.is_empty() {
             c.transacted = Some(TxResult::Rejected("nothing left to cut".into()));

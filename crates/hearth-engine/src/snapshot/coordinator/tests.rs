@@ -135,9 +135,8 @@ fn requests_made_while_a_cut_is_prepared_join_it_when_their_disk_is_ready() {
             disks: vec!["a".into()]
         }]
     );
-    // While the overlay of "a" is made: one more of "a", one of "b".
+    // While the overlay of "a" is made: one more of "a".
     c.handle(Input::Requested(req("also-a", "a", true)));
-    c.handle(Input::Requested(req("on-b", "b", true)));
     let out = c.handle(Input::Prepared {
         cut: 1,
         failed: vec![],
@@ -154,7 +153,9 @@ fn requests_made_while_a_cut_is_prepared_join_it_when_their_disk_is_ready() {
         ["also-a", "first"],
         "the request of a prepared disk joins"
     );
-    assert_eq!(c.pending(), &[req("on-b", "b", true)][..]);
+    assert!(c.pending().is_empty());
+    // Once the intent names the cut's snapshots, a request waits.
+    c.handle(Input::Requested(req("on-b", "b", true)));
     let out = c.handle(Input::IntentRecorded {
         cut: 1,
         result: Ok(()),
@@ -226,20 +227,38 @@ fn a_late_request_of_a_disk_that_failed_to_prepare_waits_for_the_next_cut() {
         now: 0,
     });
     c.handle(Input::Requested(req("b2", "b", true)));
-    c.handle(Input::Requested(req("a2", "a", false)));
     let out = c.handle(Input::Prepared {
         cut: 1,
         failed: vec![("b".into(), "disk full".into())],
         now: 5,
     });
     assert!(matches!(out[..], [Command::RecordIntent { cut: 1, .. }]));
-    let names: Vec<&str> = c
-        .cut_requests()
-        .iter()
-        .map(|r| r.snapshot.as_str())
-        .collect();
-    assert_eq!(names, ["a1", "a2"]);
+    assert_eq!(c.cut_requests(), &[req("a1", "a", true)][..]);
     assert_eq!(c.pending(), &[req("b2", "b", true)][..]);
+}
+
+/// A VM snapshot's disks arrive together while a cut of one of them is
+/// prepared: none of them joins, so they are cut together, in the next cut.
+#[test]
+fn requests_made_together_are_never_split_between_two_cuts() {
+    let mut c = Coordinator::new(DEADLINE);
+    c.handle(Input::Requested(req("a1", "a", true)));
+    c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 1,
+        now: 0,
+    });
+    for (n, d) in [("vm-a", "a"), ("vm-b", "b"), ("vm-c", "c")] {
+        c.handle(Input::Requested(req(n, d, true)));
+    }
+    let out = c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![],
+        now: 5,
+    });
+    assert!(matches!(out[..], [Command::RecordIntent { cut: 1, .. }]));
+    assert_eq!(c.cut_requests(), &[req("a1", "a", true)][..]);
+    assert_eq!(c.pending().len(), 3, "all three wait for the next cut");
 }
 
 /// Without an agent the late request is not slipped into a cut that
@@ -648,6 +667,8 @@ fn fault() -> impl Strategy<Value = Fault> {
 enum Action {
     /// A new snapshot request (disk index, required).
     Request(u8, bool),
+    /// A VM snapshot: one request per disk, in one message.
+    RequestAll(bool),
     /// Perform the next queued command with this behaviour and duration (fraction of its timeout, in 1/8).
     Perform(Fault, u8),
     /// Someone else thaws the guest.
@@ -661,6 +682,7 @@ enum Action {
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
         2 => (0u8..3, any::<bool>()).prop_map(|(d, r)| Action::Request(d, r)),
+        1 => any::<bool>().prop_map(Action::RequestAll),
         10 => (fault(), 0u8..10).prop_map(|(f, d)| Action::Perform(f, d)),
         1 => Just(Action::Interloper),
         1 => Just(Action::Crash),
@@ -781,6 +803,8 @@ struct Sim {
     next_cut: CutId,
     /// Starts are the test's to make (the shell's gathering, by hand).
     hold: bool,
+    /// Requests made together (a VM snapshot's).
+    groups: Vec<Vec<String>>,
 }
 
 impl Sim {
@@ -808,6 +832,7 @@ impl Sim {
             next_id: 0,
             next_cut: 0,
             hold: false,
+            groups: Vec::new(),
         }
     }
 
@@ -1331,6 +1356,22 @@ impl Sim {
         }
     }
 
+    /// A VM snapshot's disk snapshots, handed over together (the shell
+    /// feeds one message's requests before anything else happens).
+    fn request_all(&mut self, required: bool) {
+        let mut group = Vec::new();
+        for disk in 0..3 {
+            self.next_id += 1;
+            let r = req(&format!("s{}", self.next_id), &format!("d{disk}"), required);
+            self.snaps
+                .insert(r.snapshot.clone(), (r.clone(), Phase::Pending));
+            group.push(r.snapshot.clone());
+            self.c.handle(Input::Requested(r));
+        }
+        self.groups.push(group);
+        self.kick();
+    }
+
     fn request(&mut self, disk: u8, required: bool) {
         self.next_id += 1;
         let r = req(&format!("s{}", self.next_id), &format!("d{disk}"), required);
@@ -1412,6 +1453,18 @@ impl Sim {
             assert!(!self.late_freeze || !self.frozen);
         }
         assert!(self.intent.is_none(), "an intent outlived its cut");
+        // Requests made together are cut together: their Ready snapshots
+        // all name one cut.
+        for g in &self.groups {
+            let cuts: BTreeSet<CutId> = g
+                .iter()
+                .filter_map(|n| match self.snaps.get(n) {
+                    Some((_, Phase::Ready { cut, .. })) => Some(*cut),
+                    _ => None,
+                })
+                .collect();
+            assert!(cuts.len() <= 1, "a VM snapshot split between cuts {cuts:?}");
+        }
         // The store and QEMU agree on every disk nothing is pending for.
         self.layers.check_no_lost_write();
         if self.qemu_alive {
@@ -1432,6 +1485,7 @@ fn run(vm_running: bool, agent_present: bool, actions: Vec<Action>) {
     for a in actions {
         match a {
             Action::Request(d, r) => sim.request(d, r),
+            Action::RequestAll(r) => sim.request_all(r),
             Action::Perform(f, d) => sim.perform(f, d),
             Action::Interloper => sim.interloper(),
             Action::Crash => sim.crash(),
