@@ -1066,7 +1066,7 @@ async fn add_overlay_node(
         json!({"driver": "file", "node-name": file_node, "filename": path.to_string_lossy()}),
     )
     .await?;
-    let job = format!("{node}-create");
+    let job = overlays::create_job(node);
     run(
         "blockdev-create",
         json!({"job-id": job, "options": {

@@ -325,8 +325,26 @@ pub fn file_node(node: &str) -> String {
 /// can never pull a disk out from under the guest. A node QEMU does not know
 /// (never added) counts as deleted.
 async fn delete_node(live: &LiveVm, node: &str) -> Result<(), String> {
+    // A formatting job that a crash left concluded but not dismissed holds
+    // nothing, but would stay listed in QEMU: dismiss it (best effort; QEMU
+    // refuses for a job that still runs, and then the file node is in use
+    // and its deletion below is refused too, so a later settle decides).
+    if let Some(qmp) = live.qmp.as_ref() {
+        let _ = qmp
+            .execute(
+                "job-dismiss",
+                Some(json!({"id": create_job(node)})),
+                QMP_TIMEOUT,
+            )
+            .await;
+    }
     delete_one(live, node).await?;
     delete_one(live, &file_node(node)).await
+}
+
+/// The id of the `blockdev-create` job that formats overlay node `node`.
+pub fn create_job(node: &str) -> String {
+    format!("{node}-create")
 }
 
 async fn delete_one(live: &LiveVm, node: &str) -> Result<(), String> {
