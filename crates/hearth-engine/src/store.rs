@@ -274,19 +274,22 @@ impl Store {
 
     /// Bumps and returns a named durable counter.
     pub fn next_counter(&self, name: &str) -> Result<u64, StoreError> {
-        self.with_tx(|tx| {
-            tx.execute(
-                "INSERT INTO counters (name, value) VALUES (?1, 1)
-                 ON CONFLICT (name) DO UPDATE SET value = value + 1",
-                params![name],
-            )?;
-            let v: i64 = tx.query_row(
-                "SELECT value FROM counters WHERE name = ?1",
-                params![name],
-                |r| r.get(0),
-            )?;
-            Ok(v as u64)
-        })
+        self.with_tx(|tx| Self::next_counter_tx(tx, name))
+    }
+
+    /// `next_counter` inside a caller's transaction.
+    pub fn next_counter_tx(tx: &rusqlite::Transaction<'_>, name: &str) -> Result<u64, StoreError> {
+        tx.execute(
+            "INSERT INTO counters (name, value) VALUES (?1, 1)
+             ON CONFLICT (name) DO UPDATE SET value = value + 1",
+            params![name],
+        )?;
+        let v: i64 = tx.query_row(
+            "SELECT value FROM counters WHERE name = ?1",
+            params![name],
+            |r| r.get(0),
+        )?;
+        Ok(v as u64)
     }
 
     /// A named durable counter's value (0 when it was never bumped).
@@ -710,21 +713,33 @@ impl Store {
         reason: &str,
         message: &str,
     ) -> Result<(), StoreError> {
-        let mut conn = self.conn();
-        let tx = conn.transaction()?;
+        self.with_tx(|tx| Self::record_event_tx(tx, Utc::now(), kind, name, type_, reason, message))
+    }
+
+    /// `record_event` inside a caller's transaction, with the time the
+    /// event happened (so a write that joins a later transaction keeps it).
+    pub fn record_event_tx(
+        tx: &rusqlite::Transaction<'_>,
+        time: DateTime<Utc>,
+        kind: Kind,
+        name: &str,
+        type_: EventType,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), StoreError> {
         let type_text = match type_ {
             EventType::Normal => "Normal",
             EventType::Warning => "Warning",
         };
         let event = Event {
-            time: Utc::now(),
+            time,
             kind: kind.as_str().to_string(),
             name: name.to_string(),
             type_,
             reason: reason.to_string(),
             message: message.to_string(),
         };
-        let seq = changes::log_event_tx(&tx, &event)?;
+        let seq = changes::log_event_tx(tx, &event)?;
         tx.execute(
             "INSERT INTO events (time, kind, name, type, reason, message, seq) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
             params![event.time.to_rfc3339(), kind.as_str(), name, type_text, reason, message, seq as i64],
@@ -734,7 +749,6 @@ impl Store {
                 SELECT id FROM events WHERE kind = ?1 AND name = ?2 ORDER BY id DESC LIMIT 1 OFFSET ?3)",
             params![kind.as_str(), name, EVENTS_PER_OBJECT],
         )?;
-        tx.commit()?;
         Ok(())
     }
 

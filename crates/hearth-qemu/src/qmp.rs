@@ -360,21 +360,15 @@ pub struct FileNode {
     pub fdset: u64,
 }
 
-/// Opens `path` here (read-write unless `read_only`), hands the descriptor
-/// to QEMU (`add-fd` with `SCM_RIGHTS`, a new fd set labelled with the
-/// path) and adds a `qcow2` node `node` over it (`blockdev-add`, file
-/// `/dev/fdset/S`, `backing: null`: whoever links it in gives it its
-/// backing, as `blockdev-snapshot` does). QEMU itself never opens the path,
-/// so it needs no access to it. If the node cannot be added, the fd set is
-/// removed again. The one place a running QEMU gets a new file: every
-/// runtime `blockdev-add` of hearth goes through here.
-pub async fn add_file_node(
+/// Opens `path` here (read-write unless `read_only`) and hands the
+/// descriptor to QEMU (`add-fd` with `SCM_RIGHTS`, a new fd set labelled
+/// with the path). Returns the set's id; `/dev/fdset/S` then opens it.
+async fn hand_over(
     qmp: &QmpClient,
-    node: &str,
     path: &Path,
     read_only: bool,
     timeout: Duration,
-) -> Result<FileNode, QmpError> {
+) -> Result<u64, QmpError> {
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(!read_only)
@@ -388,24 +382,28 @@ pub async fn add_file_node(
             timeout,
         )
         .await?;
-    let fdset = added
+    added
         .get("fdset-id")
         .and_then(Value::as_u64)
-        .ok_or_else(|| QmpError::Protocol(format!("add-fd answered {added}")))?;
+        .ok_or_else(|| QmpError::Protocol(format!("add-fd answered {added}")))
+}
+
+/// Hands `path` over ([`hand_over`]) and adds `node` (`blockdev-add` of
+/// `file_node(filename)`); if the node cannot be added, the fd set is
+/// removed again.
+async fn add_handed_over(
+    qmp: &QmpClient,
+    node: &str,
+    path: &Path,
+    read_only: bool,
+    timeout: Duration,
+    node_args: impl FnOnce(String) -> Value,
+) -> Result<FileNode, QmpError> {
+    let fdset = hand_over(qmp, path, read_only, timeout).await?;
     let result = qmp
         .execute(
             "blockdev-add",
-            Some(json!({
-                "driver": "qcow2",
-                "node-name": node,
-                "read-only": read_only,
-                "file": {
-                    "driver": "file",
-                    "filename": crate::cmdline::fdset_path(fdset),
-                    "read-only": read_only,
-                },
-                "backing": null,
-            })),
+            Some(node_args(crate::cmdline::fdset_path(fdset))),
             timeout,
         )
         .await;
@@ -421,6 +419,73 @@ pub async fn add_file_node(
     })
 }
 
+/// Adds a `qcow2` node `node` over `path`, handed over by descriptor
+/// (file `/dev/fdset/S`, `backing: null`: whoever links it in gives it its
+/// backing, as `blockdev-snapshot` does). QEMU itself never opens the path,
+/// so it needs no access to it. With [`add_protocol_node`], the one way a
+/// running QEMU gets a new file: every runtime `blockdev-add` of hearth
+/// goes through these two.
+pub async fn add_file_node(
+    qmp: &QmpClient,
+    node: &str,
+    path: &Path,
+    read_only: bool,
+    timeout: Duration,
+) -> Result<FileNode, QmpError> {
+    add_handed_over(qmp, node, path, read_only, timeout, |filename| {
+        json!({
+            "driver": "qcow2",
+            "node-name": node,
+            "read-only": read_only,
+            "file": {
+                "driver": "file",
+                "filename": filename,
+                "read-only": read_only,
+            },
+            "backing": null,
+        })
+    })
+    .await
+}
+
+/// Adds a protocol (`file` driver) node `node` over `path`, handed over by
+/// descriptor: the node a `blockdev-create` job formats, and the format
+/// node is then added over it by name.
+pub async fn add_protocol_node(
+    qmp: &QmpClient,
+    node: &str,
+    path: &Path,
+    read_only: bool,
+    timeout: Duration,
+) -> Result<FileNode, QmpError> {
+    add_handed_over(qmp, node, path, read_only, timeout, |filename| {
+        json!({
+            "driver": "file",
+            "node-name": node,
+            "filename": filename,
+            "read-only": read_only,
+        })
+    })
+    .await
+}
+
+/// Deletes node `node` (`blockdev-del`). QEMU refuses for a node in use; a
+/// node it does not know counts as deleted.
+pub async fn delete_node(qmp: &QmpClient, node: &str, timeout: Duration) -> Result<(), QmpError> {
+    match qmp
+        .execute("blockdev-del", Some(json!({"node-name": node})), timeout)
+        .await
+    {
+        Ok(_) => Ok(()),
+        Err(QmpError::Command { desc, .. })
+            if desc.contains("Failed to find node") || desc.contains("Cannot find node") =>
+        {
+            Ok(())
+        }
+        Err(e) => Err(e),
+    }
+}
+
 /// Deletes node `node` (`blockdev-del`; QEMU refuses for a node in use, and
 /// a node it does not know counts as deleted), then removes every fd set
 /// labelled `path` (`remove-fd`), so fd sets do not pile up across cuts.
@@ -430,15 +495,7 @@ pub async fn remove_file_node(
     path: &Path,
     timeout: Duration,
 ) -> Result<(), QmpError> {
-    match qmp
-        .execute("blockdev-del", Some(json!({"node-name": node})), timeout)
-        .await
-    {
-        Ok(_) => {}
-        Err(QmpError::Command { desc, .. })
-            if desc.contains("Failed to find node") || desc.contains("Cannot find node") => {}
-        Err(e) => return Err(e),
-    }
+    delete_node(qmp, node, timeout).await?;
     let label = path.to_string_lossy();
     for (set, opaque) in fdsets(qmp, timeout).await? {
         if opaque == label {

@@ -20,14 +20,17 @@ fn apply(d: &Daemon, items: Vec<Value>) {
 /// and the boot time in `/proc/stat`).
 fn process_start(pid: u32) -> chrono::DateTime<chrono::Utc> {
     let ticks = start_ticks(pid).expect("start ticks");
-    let btime: i64 = std::fs::read_to_string("/proc/stat")
-        .expect("/proc/stat")
-        .lines()
-        .find_map(|l| l.strip_prefix("btime ")?.trim().parse().ok())
-        .expect("btime");
+    // The boot time to 10 ms: now minus the uptime (`btime` in /proc/stat
+    // is whole seconds, too coarse to order a cut and a process start).
+    let uptime: f64 = std::fs::read_to_string("/proc/uptime")
+        .expect("/proc/uptime")
+        .split_whitespace()
+        .next()
+        .and_then(|u| u.parse().ok())
+        .expect("uptime");
+    let boot = chrono::Utc::now() - chrono::Duration::milliseconds((uptime * 1000.0) as i64);
     // USER_HZ is 100 on Linux/x86_64.
-    chrono::DateTime::from_timestamp(btime, 0).expect("time")
-        + chrono::Duration::milliseconds(ticks as i64 * 10)
+    boot + chrono::Duration::milliseconds(ticks as i64 * 10)
 }
 
 #[test]
@@ -60,7 +63,9 @@ fn a_disk_a_vm_starts_using_meanwhile_is_cut_under_a_freeze_never_offline() {
     assert_eq!(snap["status"]["consistent"], true, "{snap:#}");
 
     // Consistent without a freeze is only true if no QEMU had the disk yet
-    // when the cut was taken.
+    // when the cut was taken. (An offline cut starts at once, so it may be
+    // Ready before the VM's QEMU is even started.)
+    d.wait_phase("late", "Running", Duration::from_secs(120));
     let pids = d.qemu_pids();
     assert_eq!(pids.len(), 1, "{pids:?}");
     let (freezes, thaws) = hook_counts(&d, "late");

@@ -6,6 +6,7 @@
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
+use std::os::unix::fs::OpenOptionsExt;
 
 use chrono::Utc;
 use hearth_api::{EventType, Kind, Object, SnapshotPhase, SnapshotStatus, VirtualDiskSnapshot};
@@ -28,9 +29,11 @@ use hearth_qemu::fsmap::MountMap;
 /// How long a cut waits for a just-started guest's agent before giving up.
 const AGENT_WAIT: Duration = Duration::from_secs(20);
 const QMP_TIMEOUT: Duration = Duration::from_secs(5);
-/// Quiet time that ends the gathering of requests for a cut...
+/// While a burst is under way (requests came during a cut), quiet time
+/// that ends the gathering of its stragglers for the next cut...
 const GATHER: Duration = Duration::from_millis(50);
-/// ...and the longest a request waits for company.
+/// ...and the longest they wait for company. A request that finds the
+/// actor idle waits for nobody.
 const MAX_GATHER: Duration = Duration::from_millis(300);
 /// Pause before writing a cut's results again after the store refused.
 const COMMIT_RETRY: Duration = Duration::from_secs(1);
@@ -121,6 +124,34 @@ struct CutContext {
     /// Which of the guest's filesystems lie on which disk (live cuts with an
     /// agent), read before the freeze; the error when the agent could not say.
     mounts: Option<Result<MountMap, String>>,
+    /// The cut's snapshots show InProgress.
+    in_progress: bool,
+    /// The `Thawed` event, written with the commit: when, and its message.
+    thawed: Option<(chrono::DateTime<Utc>, String)>,
+}
+
+/// The object a target's events are about.
+fn event_subject(target: &str) -> (Kind, &str) {
+    match target.strip_prefix("vm/") {
+        Some(vm) => (Kind::VirtualMachine, vm),
+        None => (Kind::VirtualDisk, target.trim_start_matches("disk/")),
+    }
+}
+
+/// Shows the cut's snapshots InProgress, in a store transaction of the
+/// caller's (the intent's, for a cut with a freeze).
+fn mark_in_progress_tx(
+    tx: &rusqlite::Transaction<'_>,
+    names: &[String],
+    cut: CutId,
+) -> Result<(), StoreError> {
+    for n in names {
+        Store::update_status_tx::<SnapshotStatus, _>(tx, Kind::VirtualDiskSnapshot, n, |s| {
+            s.phase = SnapshotPhase::InProgress;
+            s.cut_id = Some(cut);
+        })?;
+    }
+    Ok(())
 }
 
 struct Prepared {
@@ -176,11 +207,16 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
     drop(e);
     let mut queue: VecDeque<Command> = first.into();
     let mut held = CutContext::default();
+    let mut closed = false;
     loop {
         while let Some(cmd) = queue.pop_front() {
             let Some(e) = ctx.upgrade() else { return };
             let input = execute(&e, &target, &mut held, &core, cmd, now).await;
             if let Some(input) = input {
+                // Requests that came meanwhile are the coordinator's to
+                // place: into this cut while it is being prepared, else
+                // into the next.
+                closed |= take_waiting(&mut rx, &mut core);
                 let committed = matches!(input, Input::Committed { ok: true, .. });
                 queue.extend(core.handle(input));
                 if committed && core.is_idle() {
@@ -189,25 +225,12 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             }
         }
         // Take every message already waiting, so simultaneous requests share a cut.
-        let mut closed = false;
-        loop {
-            match rx.try_recv() {
-                Ok(Msg::Requests(rs)) => {
-                    for r in rs {
-                        core.handle(Input::Requested(r));
-                    }
-                }
-                Err(mpsc::error::TryRecvError::Empty) => break,
-                Err(mpsc::error::TryRecvError::Disconnected) => {
-                    closed = true;
-                    break;
-                }
-            }
-        }
-        if core.is_idle() && core.has_pending() && !closed {
-            // Requests made together (one apply, a VM snapshot and its
-            // siblings, parallel clients) arrive a few ms apart: gather them
-            // briefly so they share one cut and one freeze.
+        closed |= take_waiting(&mut rx, &mut core);
+        if core.is_idle() && core.gather_first(now()) && !closed {
+            // Requests came while the last cut ran (one apply, a VM
+            // snapshot and its siblings, parallel clients): a burst is under
+            // way, so gather its stragglers briefly to share one cut and one
+            // freeze. A request that found the actor idle skips this.
             let started = Instant::now();
             while started.elapsed() < MAX_GATHER {
                 match tokio::time::timeout(GATHER, rx.recv()).await {
@@ -246,6 +269,10 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                 match e.store.next_counter("cut") {
                     Ok(cut) => {
                         core.set_deadline(deadline_of(&e, &target));
+                        // The start of a cut, in the log only (no store
+                        // write in the request's path); the latency
+                        // benchmark reads it.
+                        tracing::info!(target, cut, requests = core.pending().len(), "cut starts");
                         let out = core.handle(Input::Start {
                             access,
                             cut,
@@ -286,6 +313,22 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             }
             Ok(None) => return,
             Err(_) => {}
+        }
+    }
+}
+
+/// Hands every message already waiting to the coordinator; true when the
+/// channel is closed.
+fn take_waiting(rx: &mut mpsc::UnboundedReceiver<Msg>, core: &mut Coordinator) -> bool {
+    loop {
+        match rx.try_recv() {
+            Ok(Msg::Requests(rs)) => {
+                for r in rs {
+                    core.handle(Input::Requested(r));
+                }
+            }
+            Err(mpsc::error::TryRecvError::Empty) => return false,
+            Err(mpsc::error::TryRecvError::Disconnected) => return true,
         }
     }
 }
@@ -567,19 +610,11 @@ async fn execute(
 ) -> Option<Input> {
     match cmd {
         Command::Prepare { cut, disks } => {
+            // The snapshots show InProgress from the intent's write on (the
+            // same store transaction), or, for a cut without a freeze, just
+            // before its transaction.
             let failed = prepare(ctx, target, held, cut, &disks).await;
-            let names: Vec<String> = core
-                .cut_requests()
-                .iter()
-                .filter(|r| !failed.iter().any(|(d, _)| *d == r.disk))
-                .map(|r| r.snapshot.clone())
-                .collect();
-            for n in &names {
-                ctx.set_snapshot_status(Kind::VirtualDiskSnapshot, n, |s| {
-                    s.phase = SnapshotPhase::InProgress;
-                    s.cut_id = Some(cut);
-                });
-            }
+            tracing::info!(target, cut, failed = failed.len(), "cut prepared");
             Some(Input::Prepared {
                 cut,
                 failed,
@@ -602,9 +637,26 @@ async fn execute(
                      ON CONFLICT (target) DO UPDATE SET cut = excluded.cut, deadline = excluded.deadline, requests = excluded.requests",
                     params![target, cut as i64, wall.to_rfc3339(), serde_json::to_string(&names)?],
                 )?;
+                    mark_in_progress_tx(tx, &names, cut)?;
+                    // The event of the freeze that follows, in the same write.
+                    let (kind, name) = event_subject(target);
+                    Store::record_event_tx(
+                        tx,
+                        Utc::now(),
+                        kind,
+                        name,
+                        EventType::Normal,
+                        "Freezing",
+                        &format!(
+                            "cut {cut}: freezing the guest's filesystems for {} snapshot(s): {}",
+                            names.len(),
+                            names.join(", ")
+                        ),
+                    )?;
                     Ok(())
                 })
                 .map_err(|e| e.to_string());
+            held.in_progress = result.is_ok();
             if let Err(e) = &result {
                 tracing::error!(target, error = %e, "cannot record the freeze intent; not freezing");
             }
@@ -615,22 +667,8 @@ async fn execute(
             })
         }
         Command::Freeze { cut, timeout } => {
+            // Its event went with the intent.
             held.freeze_started = Some(Utc::now());
-            vm_event(
-                ctx,
-                target,
-                EventType::Normal,
-                "Freezing",
-                &format!(
-                    "cut {cut}: freezing the guest's filesystems for {} snapshot(s): {}",
-                    core.cut_requests().len(),
-                    core.cut_requests()
-                        .iter()
-                        .map(|r| r.snapshot.as_str())
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                ),
-            );
             let result = match &held.live {
                 Some(live) => {
                     with_agent(live, Duration::from_millis(timeout), async |c, t| {
@@ -662,6 +700,17 @@ async fn execute(
             })
         }
         Command::Transact { cut, timeout } => {
+            if !held.in_progress {
+                let names: Vec<String> = core
+                    .cut_requests()
+                    .iter()
+                    .map(|r| r.snapshot.clone())
+                    .collect();
+                if let Err(e) = ctx.store.with_tx(|tx| mark_in_progress_tx(tx, &names, cut)) {
+                    tracing::warn!(target, cut, error = %e, "cannot write InProgress");
+                }
+                held.in_progress = true;
+            }
             let result = transact(held, Duration::from_millis(timeout)).await;
             Some(Input::Transacted {
                 cut,
@@ -722,13 +771,16 @@ async fn execute(
                 None => Ok(None),
             };
             match &result {
-                Ok(Some(n)) => vm_event(
-                    ctx,
-                    target,
-                    EventType::Normal,
-                    "Thawed",
-                    &format!("cut {cut}: the guest thawed {n} filesystem(s)"),
-                ),
+                // Recorded with the cut's commit (the next store write),
+                // with the time of the thaw: no write of its own between
+                // the thaw and Ready.
+                Ok(Some(n)) => {
+                    tracing::info!(target, cut, filesystems = n, "thawed");
+                    held.thawed = Some((
+                        Utc::now(),
+                        format!("cut {cut}: the guest thawed {n} filesystem(s)"),
+                    ));
+                }
                 Ok(None) => vm_event(
                     ctx,
                     target,
@@ -801,34 +853,53 @@ async fn prepare(
     }
     // Overlays an earlier cut left unsettled are settled first: a disk's
     // head must be known before another layer goes on top of it.
-    let graph = match &held.live {
-        Some(live) => {
-            if let Ok(left) = overlays::of_target(&ctx.store, target)
-                && !left.is_empty()
-            {
-                overlays::settle(&ctx.store, Some(live), &left).await;
-            }
-            if live
-                .agent_connected
-                .load(std::sync::atomic::Ordering::SeqCst)
-            {
-                held.mounts = Some(filesystems_by_disk(live).await);
-            }
-            match Graph::read(live).await {
-                Ok(g) => Some(g),
-                Err(e) => return disks.iter().map(|d| (d.clone(), e.clone())).collect(),
+    let Some(live) = held.live.clone() else {
+        if let Err(e) = overlays::settle_offline(&ctx.store, disks).await {
+            return disks.iter().map(|d| (d.clone(), e.clone())).collect();
+        }
+        let mut failed = Vec::new();
+        for disk in disks {
+            match prepare_disk(ctx, target, None, None, cut, disk).await {
+                Ok(p) => held.prepared.push(p),
+                Err(why) => failed.push((disk.clone(), why)),
             }
         }
-        None => {
-            if let Err(e) = overlays::settle_offline(&ctx.store, disks).await {
-                return disks.iter().map(|d| (d.clone(), e.clone())).collect();
-            }
+        return failed;
+    };
+    if let Ok(left) = overlays::of_target(&ctx.store, target)
+        && !left.is_empty()
+    {
+        overlays::settle(&ctx.store, Some(&live), &left).await;
+    }
+    // The guest's filesystems are asked for while the overlays are made,
+    // and the disks' overlays are made side by side: the agent, QMP and the
+    // overlay files do not wait for one another.
+    let mounts = async {
+        if live
+            .agent_connected
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            Some(filesystems_by_disk(&live).await)
+        } else {
             None
         }
     };
+    let overlays = async {
+        let graph = Graph::read(&live).await?;
+        let each = disks
+            .iter()
+            .map(|disk| prepare_disk(ctx, target, Some(&live), Some(&graph), cut, disk));
+        Ok::<_, String>(futures_util::future::join_all(each).await)
+    };
+    let (mounts, made) = tokio::join!(mounts, overlays);
+    held.mounts = mounts;
+    let made = match made {
+        Ok(m) => m,
+        Err(e) => return disks.iter().map(|d| (d.clone(), e.clone())).collect(),
+    };
     let mut failed = Vec::new();
-    for disk in disks {
-        match prepare_disk(ctx, target, held, graph.as_ref(), cut, disk).await {
+    for (disk, m) in disks.iter().zip(made) {
+        match m {
             Ok(p) => held.prepared.push(p),
             Err(why) => failed.push((disk.clone(), why)),
         }
@@ -860,7 +931,7 @@ async fn filesystems_by_disk(live: &LiveVm) -> Result<MountMap, String> {
 async fn prepare_disk(
     ctx: &Arc<Context>,
     target: &str,
-    held: &CutContext,
+    live: Option<&Arc<LiveVm>>,
     graph: Option<&Graph>,
     cut: CutId,
     disk: &str,
@@ -878,25 +949,33 @@ async fn prepare_disk(
     let head = storage::head(&ctx.store, disk)
         .map_err(|e| e.to_string())?
         .ok_or_else(|| format!("VirtualDisk {disk:?} has no image yet"))?;
-    let new = storage::allocate(&ctx.store, state_dir, disk).map_err(|e| e.to_string())?;
-    let overlay = |node: Option<String>| Overlay {
-        cut,
-        target: target.to_string(),
-        disk: disk.to_string(),
-        layer: new.id.clone(),
-        path: new.path.clone(),
-        node,
-        base: head.id.clone(),
+    // The overlay's layer id and its journal row, in one store write.
+    let journal = |node: Option<String>| {
+        ctx.store
+            .with_tx(|tx| {
+                let new = storage::allocate_tx(tx, state_dir, disk)?;
+                let overlay = Overlay {
+                    cut,
+                    target: target.to_string(),
+                    disk: disk.to_string(),
+                    layer: new.id,
+                    path: new.path,
+                    node,
+                    base: head.id.clone(),
+                };
+                overlays::record_tx(tx, &overlay)?;
+                Ok(overlay)
+            })
+            .map_err(|e| e.to_string())
     };
-    let (Some(graph), Some(live)) = (graph, &held.live) else {
+    let (Some(graph), Some(live)) = (graph, live) else {
         // Offline: the overlay is recorded, then created; the store switches
         // the head at commit.
-        let overlay = overlay(None);
-        overlays::record(&ctx.store, &overlay).map_err(|e| e.to_string())?;
+        let overlay = journal(None)?;
         let info = hearth_qemu::img::info(&head.path)
             .await
             .map_err(|e| e.to_string())?;
-        hearth_qemu::img::create_overlay(&new.path, &head.path, "qcow2", None)
+        hearth_qemu::img::create_overlay(&overlay.path, &head.path, "qcow2", None)
             .await
             .map_err(|e| format!("creating the overlay for {disk:?}: {e}"))?;
         return Ok(Prepared {
@@ -945,15 +1024,10 @@ async fn prepare_disk(
         ));
     }
     let node = format!("h{cut}d{index}");
-    let overlay = overlay(Some(node.clone()));
-    overlays::record(&ctx.store, &overlay).map_err(|e| e.to_string())?;
-    hearth_qemu::img::create_overlay_unopened(&new.path, &head.path, "qcow2", capacity)
+    let overlay = journal(Some(node.clone()))?;
+    add_overlay_node(live, &overlay.path, &head.path, capacity, &node)
         .await
-        .map_err(|e| format!("creating the overlay for {disk:?}: {e}"))?;
-    // QEMU cannot open the overlay by path: hearthd hands it over.
-    hearth_qemu::qmp::add_file_node(&qmp, &node, &new.path, false, QMP_TIMEOUT)
-        .await
-        .map_err(|e| format!("adding the overlay node for {disk:?}: {e}"))?;
+        .map_err(|e| format!("the overlay of VirtualDisk {disk:?}: {e}"))?;
     Ok(Prepared {
         disk: disk.to_string(),
         overlay,
@@ -962,6 +1036,84 @@ async fn prepare_disk(
         device: Some(index),
         capacity,
     })
+}
+
+/// Creates a cut overlay's file at `path` over `base` (the disk's head, as
+/// the overlay's recorded backing file) and adds it to the running QEMU as
+/// node `node`, unattached (`"backing": null`; the cut's transaction puts
+/// it on top of the device). The one place where a file is made for QEMU
+/// and handed to it; the caller has journalled the overlay already.
+///
+/// No process is started: hearthd creates the empty file, QEMU opens it as
+/// a `file` node ([`overlays::file_node`]), formats it as qcow2 with a
+/// `blockdev-create` job on that node, and the qcow2 node is added over it.
+/// QEMU never opens the file by path: hearthd hands it over by descriptor
+/// (`qmp::add_protocol_node`), as QEMU runs as an unprivileged user.
+async fn add_overlay_node(
+    live: &LiveVm,
+    path: &std::path::Path,
+    base: &std::path::Path,
+    capacity: u64,
+    node: &str,
+) -> Result<(), String> {
+    let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
+    // Private to hearthd, as every layer: QEMU gets it by descriptor.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(|e| format!("creating {}: {e}", path.display()))?;
+    let file_node = overlays::file_node(node);
+    let run = async |command: &str, args: Value| {
+        qmp.execute(command, Some(args), QMP_TIMEOUT)
+            .await
+            .map_err(|e| format!("{command} for {node}: {e}"))
+    };
+    // QEMU runs unprivileged and cannot open the file by path: hearthd
+    // hands it over (an fd set), and QEMU formats it through that node.
+    hearth_qemu::qmp::add_protocol_node(qmp, &file_node, path, false, QMP_TIMEOUT)
+        .await
+        .map_err(|e| format!("handing {} to QEMU: {e}", path.display()))?;
+    let job = overlays::create_job(node);
+    run(
+        "blockdev-create",
+        json!({"job-id": job, "options": {
+            "driver": "qcow2",
+            "file": file_node,
+            "size": capacity,
+            "backing-file": base.to_string_lossy(),
+            "backing-fmt": "qcow2",
+        }}),
+    )
+    .await?;
+    // The job formats a few clusters; its end is read from QEMU.
+    let deadline = Instant::now() + QMP_TIMEOUT;
+    loop {
+        let jobs = run("query-jobs", json!({})).await?;
+        let mine = jobs
+            .as_array()
+            .and_then(|a| a.iter().find(|j| j["id"] == job.as_str()))
+            .cloned()
+            .ok_or_else(|| format!("QEMU lost the job {job}"))?;
+        if mine["status"] == "concluded" {
+            run("job-dismiss", json!({"id": job})).await?;
+            if let Some(e) = mine.get("error").and_then(Value::as_str) {
+                return Err(format!("formatting {} as qcow2: {e}", path.display()));
+            }
+            break;
+        }
+        if Instant::now() >= deadline {
+            return Err(format!("the job {job} did not end within {QMP_TIMEOUT:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    run(
+        "blockdev-add",
+        json!({"driver": "qcow2", "node-name": node, "file": file_node, "backing": null}),
+    )
+    .await?;
+    Ok(())
 }
 
 /// One atomic QMP transaction over every disk of the cut. Offline, the
@@ -1132,6 +1284,13 @@ async fn commit(
             if let (Outcome::Ready { .. }, Some(p)) = (outcome, layer) {
                 storage::set_snapshot_layer_tx(tx, name, &p.old_head.id)?;
             }
+            // The snapshot layer's space on the host (what `qemu-img info`
+            // calls actual-size), read from the file, not by a process.
+            let size = layer.and_then(|p| {
+                std::fs::metadata(&p.old_head.path)
+                    .ok()
+                    .map(|m| std::os::unix::fs::MetadataExt::blocks(&m) * 512)
+            });
             Store::update_status_tx::<SnapshotStatus, _>(
                 tx,
                 Kind::VirtualDiskSnapshot,
@@ -1145,6 +1304,7 @@ async fn commit(
                             s.cut_time = Some(cut_time);
                             s.freeze_window_ms = freeze_window_ms;
                             s.capacity = layer.map(|p| p.capacity);
+                            s.size = size;
                             if *consistent {
                                 s.reason = None;
                                 s.message = None;
@@ -1181,12 +1341,17 @@ async fn commit(
                 params![target],
             )?;
         }
+        if let Some((time, message)) = &held.thawed {
+            let (kind, name) = event_subject(target);
+            Store::record_event_tx(tx, *time, kind, name, EventType::Normal, "Thawed", message)?;
+        }
         Ok(())
     });
     if let Err(e) = r {
         tracing::error!(target, cut, error = %e, "cannot record the cut's results; retrying");
         return false;
     }
+    held.thawed = None;
     // Observed as soon as the store has the results (what a reader sees).
     for (name, outcome) in outcomes {
         if !matches!(outcome, Outcome::Retry) {
@@ -1197,17 +1362,6 @@ async fn commit(
                 matches!(outcome, Outcome::Ready { .. }),
                 freeze_window_ms,
             );
-        }
-    }
-    // Sizes of the new snapshot layers, outside the transaction.
-    for (name, outcome) in outcomes {
-        if let (Outcome::Ready { .. }, Some(p)) =
-            (outcome, disk_of.get(name).and_then(|d| prepared.get(d)))
-            && let Ok(info) = hearth_qemu::img::info(&p.old_head.path).await
-        {
-            ctx.set_snapshot_status(Kind::VirtualDiskSnapshot, name, |s| {
-                s.size = Some(info.actual_size)
-            });
         }
     }
     let ready = outcomes

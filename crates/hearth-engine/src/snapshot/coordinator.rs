@@ -9,8 +9,13 @@
 //! together with the rest of the protocol's invariants.
 //!
 //! A *cut* serves every request pending when it starts: one freeze, one
-//! atomic transaction over every disk in the cut, one thaw. Requests that
-//! arrive during a cut wait for the next one.
+//! atomic transaction over every disk in the cut, one thaw. A cut starts as
+//! soon as a request finds the coordinator idle (a lone request waits for
+//! nobody). Requests that arrive while the cut is being prepared join it
+//! when all their disks are among those prepared (all or none: requests made
+//! together are never split); otherwise they wait for the next cut, which
+//! the shell gathers briefly first (see [`Coordinator::gather_first`]), so a
+//! burst of requests takes at most two cuts.
 //!
 //! The coordinator holds no counter of its own: the shell hands it a cut id
 //! from the store's durable counter, so ids (and the QEMU node names made
@@ -29,6 +34,9 @@ pub type Millis = u64;
 pub const TRANSACTION_BUDGET_MS: Millis = 2_000;
 /// Bound for one thaw attempt.
 pub const THAW_TIMEOUT_MS: Millis = 5_000;
+/// A request that comes this soon after a cut ended may be a straggler of
+/// the burst that cut served: the shell gathers before the next cut.
+pub const BURST_WINDOW_MS: Millis = 300;
 
 /// One disk snapshot to take.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -236,6 +244,8 @@ struct Cut {
     settled: Vec<(String, Outcome)>,
     mode: Mode,
     step: Step,
+    /// The disks `Prepare` was asked for.
+    disks: Vec<String>,
     deadline: Option<Millis>,
     freeze_sent_at: Option<Millis>,
     frozen_count: Option<u32>,
@@ -267,6 +277,10 @@ pub struct Coordinator {
     cut: Option<Cut>,
     /// An earlier cut's thaw was never confirmed: the guest may be frozen.
     needs_thaw: bool,
+    /// Requests arrived while a cut was running: a burst is under way.
+    burst: bool,
+    /// When the last cut was decided (its outcomes fixed).
+    last_cut_end: Option<Millis>,
 }
 
 impl Cut {
@@ -277,6 +291,7 @@ impl Cut {
             settled: Vec::new(),
             mode,
             step,
+            disks: Vec::new(),
             deadline: None,
             freeze_sent_at: None,
             frozen_count: None,
@@ -298,6 +313,8 @@ impl Coordinator {
             pending: Vec::new(),
             cut: None,
             needs_thaw: false,
+            burst: false,
+            last_cut_end: None,
         }
     }
 
@@ -351,6 +368,19 @@ impl Coordinator {
         self.needs_thaw
     }
 
+    /// Whether the shell should gather more requests before the next
+    /// `Start`: only when the pending ones arrived while a cut was running
+    /// or within [`BURST_WINDOW_MS`] of its end (a burst is under way, and
+    /// its stragglers should share the next cut rather than each take one).
+    /// A request that finds the coordinator idle, with no cut just ended,
+    /// starts its cut at once.
+    pub fn gather_first(&self, now: Millis) -> bool {
+        let just_cut = self
+            .last_cut_end
+            .is_some_and(|t| now < t.saturating_add(BURST_WINDOW_MS));
+        (self.burst || just_cut) && self.cut.is_none() && !self.pending.is_empty()
+    }
+
     /// Whether `Start` with this access would start a cut (and so needs a
     /// fresh cut id): requests are pending, or a thaw is owed and the agent
     /// can be reached (or no QEMU runs any more, and the owed thaw is moot).
@@ -392,6 +422,9 @@ impl Coordinator {
                         .is_some_and(|c| c.requests.iter().any(|p| p.snapshot == r.snapshot));
                 if !known {
                     self.pending.push(r);
+                    if self.cut.is_some() {
+                        self.burst = true;
+                    }
                 }
                 Vec::new()
             }
@@ -548,6 +581,7 @@ impl Coordinator {
             }
             return Vec::new();
         }
+        self.burst = false;
         let mut requests = std::mem::take(&mut self.pending);
         requests.sort();
         let mode = match &access {
@@ -569,6 +603,7 @@ impl Coordinator {
             return out;
         }
         let disks = cut_disks(&cut);
+        cut.disks = disks.clone();
         self.cut = Some(cut);
         vec![Command::Prepare { cut: id, disks }]
     }
@@ -592,6 +627,24 @@ impl Coordinator {
                     true
                 }
             });
+        }
+        // Requests that came while the cut was being prepared join it when
+        // every one of them has its disk's overlay ready: all or none, so
+        // requests made together (a VM snapshot's disks) are never split
+        // between two cuts. (A cut without an agent failed its required
+        // requests at the start; its late requests take the next cut, which
+        // does the same.)
+        if c.mode != (Mode::Live { freeze: false }) {
+            let ready: BTreeSet<&String> = c
+                .disks
+                .iter()
+                .filter(|d| !failed.iter().any(|(f, _)| f == *d))
+                .collect();
+            if !self.pending.is_empty() && self.pending.iter().all(|r| ready.contains(&r.disk)) {
+                c.requests.append(&mut self.pending);
+                c.requests.sort();
+                self.burst = false;
+            }
         }
         if c.requests.is_empty() {
             c.transacted = Some(TxResult::Rejected("nothing left to cut".into()));
@@ -826,7 +879,8 @@ impl Coordinator {
         self.finish(c, now)
     }
 
-    fn finish(&mut self, c: &mut Cut, _now: Millis) -> Vec<Command> {
+    fn finish(&mut self, c: &mut Cut, now: Millis) -> Vec<Command> {
+        self.last_cut_end = Some(now);
         let mut outcomes = std::mem::take(&mut c.settled);
         let took_cut = matches!(c.transacted, Some(TxResult::Applied));
         if c.recovered {

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 
 use hearth_api::{Kind, VirtualDiskStatus};
 use rusqlite::params;
-use serde_json::Value;
+use serde_json::{Value, json};
 
 use super::coordinator::CutId;
 use super::storage::{self, NewLayer};
@@ -46,22 +46,25 @@ pub struct Overlay {
 /// Records `o` in its own store transaction. Called before the overlay's
 /// file is created.
 pub fn record(store: &Store, o: &Overlay) -> Result<(), StoreError> {
-    store.with_tx(|tx| {
-        tx.execute(
-            "INSERT INTO cut_overlays (cut, target, disk, layer, path, node, base)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            params![
-                o.cut as i64,
-                o.target,
-                o.disk,
-                o.layer,
-                o.path.to_string_lossy(),
-                o.node,
-                o.base
-            ],
-        )?;
-        Ok(())
-    })
+    store.with_tx(|tx| record_tx(tx, o))
+}
+
+/// `record` inside a caller's transaction.
+pub fn record_tx(tx: &rusqlite::Transaction<'_>, o: &Overlay) -> Result<(), StoreError> {
+    tx.execute(
+        "INSERT INTO cut_overlays (cut, target, disk, layer, path, node, base)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        params![
+            o.cut as i64,
+            o.target,
+            o.disk,
+            o.layer,
+            o.path.to_string_lossy(),
+            o.node,
+            o.base
+        ],
+    )?;
+    Ok(())
 }
 
 fn select(store: &Store, sql_where: &str, arg: &str) -> Result<Vec<Overlay>, StoreError> {
@@ -203,7 +206,15 @@ pub async fn settle(
                 }
             }
         };
-        let settled = match decide(o.node.is_some(), o.path.exists(), seen) {
+        // With QEMU gone a live overlay is adopted only as a whole image:
+        // QEMU formats it (`blockdev-create`) after hearthd made the empty
+        // file, and a file left empty or half-formatted by a crash in
+        // between was never switched to.
+        let file = match (&seen, o.node.is_some()) {
+            (Seen::QemuGone, true) => complete_overlay(&o.path).await,
+            _ => o.path.exists(),
+        };
+        let settled = match decide(o.node.is_some(), file, seen) {
             Decision::Adopt => adopt(store, o),
             Decision::Remove => remove(store, o),
             Decision::DeleteNodeThenRemove => match (live, &o.node) {
@@ -220,6 +231,18 @@ pub async fn settle(
         out.push((o.clone(), settled));
     }
     out
+}
+
+/// The overlay file is a complete qcow2 image: its header names its
+/// backing file, the last thing formatting writes.
+async fn complete_overlay(path: &std::path::Path) -> bool {
+    if !path.exists() {
+        return false;
+    }
+    match hearth_qemu::img::info(path).await {
+        Ok(i) => i.format == "qcow2" && i.backing_filename.is_some() && !i.corrupt,
+        Err(_) => false,
+    }
 }
 
 /// What QEMU shows of one overlay.
@@ -291,15 +314,41 @@ fn remove(store: &Store, o: &Overlay) -> Settled {
     }
 }
 
-/// Deletes a node QEMU does not use, and the fd set its file came in.
-/// QEMU refuses to delete a node that has users, so this can never pull a
-/// disk out from under the guest. A node QEMU does not know (never added)
-/// counts as deleted.
+/// The QEMU `file` node under a live overlay's qcow2 node `node`: added on
+/// its own (the overlay is formatted on it), so it is deleted on its own.
+pub fn file_node(node: &str) -> String {
+    format!("{node}f")
+}
+
+/// The id of the `blockdev-create` job that formats overlay node `node`.
+pub fn create_job(node: &str) -> String {
+    format!("{node}-create")
+}
+
+/// Deletes an overlay's nodes QEMU does not use: the qcow2 node, then the
+/// file node under it with the fd set its file came in. QEMU refuses to
+/// delete a node that has users, so this can never pull a disk out from
+/// under the guest. A node QEMU does not know (never added) counts as
+/// deleted.
 async fn delete_node(live: &LiveVm, node: &str, path: &std::path::Path) -> Result<(), String> {
     let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
-    hearth_qemu::qmp::remove_file_node(qmp, node, path, QMP_TIMEOUT)
+    // A formatting job that a crash left concluded but not dismissed holds
+    // nothing, but would stay listed in QEMU: dismiss it (best effort; QEMU
+    // refuses for a job that still runs, and then the file node is in use
+    // and its deletion below is refused too, so a later settle decides).
+    let _ = qmp
+        .execute(
+            "job-dismiss",
+            Some(json!({"id": create_job(node)})),
+            QMP_TIMEOUT,
+        )
+        .await;
+    hearth_qemu::qmp::delete_node(qmp, node, QMP_TIMEOUT)
         .await
-        .map_err(|e| format!("removing node {node}: {e}"))
+        .map_err(|e| format!("removing node {node}: {e}"))?;
+    hearth_qemu::qmp::remove_file_node(qmp, &file_node(node), path, QMP_TIMEOUT)
+        .await
+        .map_err(|e| format!("removing node {}: {e}", file_node(node)))
 }
 
 /// Settles every overlay of `disks` when no QEMU of theirs runs: before a
@@ -348,9 +397,32 @@ mod tests {
         };
         record(&store, &o).unwrap();
         if create {
-            std::fs::write(&o.path, "writes made after the cut").unwrap();
+            // A real overlay, as QEMU formats it, over the head.
+            let out = std::process::Command::new("qemu-img")
+                .args(["create", "-q", "-f", "qcow2", "-u", "-F", "qcow2", "-b"])
+                .arg(&base.path)
+                .arg(&o.path)
+                .arg("64M")
+                .output()
+                .expect("qemu-img (apt-get install qemu-utils)");
+            assert!(out.status.success(), "{out:?}");
         }
         (store, o)
+    }
+
+    #[tokio::test]
+    async fn an_overlay_file_qemu_never_formatted_is_removed_when_qemu_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, o) = setup(dir.path(), true, false);
+        // hearthd made the empty file, then died before QEMU formatted it,
+        // and QEMU exited: nobody ever switched to it.
+        std::fs::write(&o.path, "").unwrap();
+        let before = head(&store, "d").unwrap().unwrap();
+        let settled = settle(&store, None, std::slice::from_ref(&o)).await;
+        assert_eq!(settled[0].1, Settled::Removed);
+        assert_eq!(head(&store, "d").unwrap().unwrap(), before);
+        assert!(!o.path.exists(), "the empty file is unlinked");
+        assert!(of_disk(&store, "d").unwrap().is_empty());
     }
 
     #[tokio::test]

@@ -248,6 +248,10 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
                 )?;
                 Ok(())
             })?;
+            // The actor first: the event's store write is not in its way.
+            let requests = children.iter().map(request_of).collect();
+            ctx.snapshots
+                .request(ctx, &format!("vm/{vm_name}"), requests);
             ctx.event(
                 Kind::VirtualMachineSnapshot,
                 name,
@@ -255,9 +259,6 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
                 "Requested",
                 &format!("disk snapshots {} requested in one cut", names.join(", ")),
             );
-            let requests = children.iter().map(request_of).collect();
-            ctx.snapshots
-                .request(ctx, &format!("vm/{vm_name}"), requests);
         }
         SnapshotPhase::InProgress => {
             let mut children = Vec::new();

@@ -38,7 +38,16 @@ pub fn layers_dir(state_dir: &Path) -> PathBuf {
 
 /// A fresh, never reused layer id and its file path.
 pub fn allocate(store: &Store, state_dir: &Path, disk: &str) -> Result<NewLayer, StoreError> {
-    let n = store.next_counter("layer")?;
+    store.with_tx(|tx| allocate_tx(tx, state_dir, disk))
+}
+
+/// `allocate` inside a caller's transaction.
+pub fn allocate_tx(
+    tx: &rusqlite::Transaction<'_>,
+    state_dir: &Path,
+    disk: &str,
+) -> Result<NewLayer, StoreError> {
+    let n = Store::next_counter_tx(tx, "layer")?;
     let id = format!("{n:08}-{disk}");
     Ok(NewLayer {
         path: layers_dir(state_dir).join(format!("{id}.qcow2")),

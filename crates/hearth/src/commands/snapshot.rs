@@ -16,8 +16,11 @@ use serde_json::{Value, json};
 use super::wait::{parse_duration, reason_and_message};
 use super::{object_path, short_ref};
 use crate::client::{ApiClient, ApiError};
+use crate::follow::{Follower, Update};
 use crate::output::{at, human_bytes, str_at, u64_at};
+use hearth_api::WatchType;
 
+/// Only for a hearthd without the change stream (it answers 404).
 const POLL_INTERVAL: Duration = Duration::from_millis(250);
 
 /// `-20250101-120000`: what a default name adds after the source's name.
@@ -186,8 +189,7 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     create(client, &request, &mut out).await?;
     if options.wait {
-        let last =
-            wait_until_final(client, &request, options.timeout, POLL_INTERVAL, &mut out).await?;
+        let last = follow_until_final(client, &request, options.timeout, &mut out).await?;
         writeln!(out, "{}", summary(request.kind, &request.name, &last))?;
     }
     Ok(())
@@ -252,9 +254,129 @@ fn progress(obj: &Value) -> Option<String> {
     })
 }
 
-/// Polls until the snapshot is Ready (returning it) or will never be.
-/// Prints a progress line each time the phase or the cut changes; Ready
-/// and Failed are left to the caller's summary or error.
+/// Where one look at the snapshot leaves the wait.
+enum Judged {
+    /// Ready: the object.
+    Ready(Value),
+    /// It will never be Ready, and why.
+    Never(String),
+    /// Still on its way: the progress state (`InProgress (cut 3)`).
+    Going(String),
+}
+
+fn judge(who: &str, obj: Option<Value>) -> Judged {
+    let Some(obj) = obj else {
+        return Judged::Never(format!("{who} was deleted before it became Ready"));
+    };
+    match str_at(&obj, &["status", "phase"]) {
+        Some("Ready") => return Judged::Ready(obj),
+        Some("Failed") => {
+            let why = reason_and_message(&obj).unwrap_or_else(|| "no reason recorded".to_string());
+            return Judged::Never(format!("{who} failed: {why}"));
+        }
+        Some("Terminating") => {
+            return Judged::Never(format!(
+                "{who} is being deleted, so it will not become Ready"
+            ));
+        }
+        _ => {}
+    }
+    Judged::Going(progress(&obj).unwrap_or_else(|| "no status yet".to_string()))
+}
+
+/// Progress lines, each state once.
+struct Shown(Option<String>);
+
+impl Shown {
+    fn show(&mut self, who: &str, state: &str, out: &mut impl Write) -> std::io::Result<()> {
+        // "no status yet" is the moment after creation, not worth a line.
+        if state != "no status yet" && self.0.as_deref() != Some(state) {
+            writeln!(out, "{who}: {state}")?;
+            self.0 = Some(state.to_string());
+        }
+        Ok(())
+    }
+}
+
+fn timed_out(request: &Request, timeout: Duration, last: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "timed out after {timeout:?} waiting for {} to be Ready; last phase: {last} \
+         (the snapshot goes on: see `hearth get {} {}`)",
+        short_ref(request.kind, &request.name),
+        get_kind(request.kind),
+        request.name
+    )
+}
+
+/// Follows the snapshot on hearthd's change stream until it is Ready
+/// (returning it) or will never be: the answer comes the moment hearthd
+/// stores it, with no polling delay. A hearthd without the stream (404) is
+/// polled instead. Prints a progress line each time the phase or the cut
+/// changes; Ready and Failed are left to the caller's summary or error.
+pub async fn follow_until_final(
+    client: &ApiClient,
+    request: &Request,
+    timeout: Duration,
+    out: &mut impl Write,
+) -> anyhow::Result<Value> {
+    let who = short_ref(request.kind, &request.name);
+    let deadline = tokio::time::Instant::now() + timeout;
+    let path = format!(
+        "/v1/watch?kinds={}&name={}",
+        request.kind.plural(),
+        request.name
+    );
+    let opened = tokio::time::timeout_at(
+        deadline,
+        Follower::open(client, path, timeout, Box::new(std::io::stderr())),
+    )
+    .await;
+    let mut follower = match opened {
+        Err(_) => return Err(timed_out(request, timeout, "no status yet")),
+        Ok(Ok(f)) => f,
+        Ok(Err(e)) if e.is_not_found() || matches!(e, ApiError::Unreachable { .. }) => {
+            // An older hearthd, or one restarting: ask it in turn.
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            return wait_until_final(client, request, left, POLL_INTERVAL, out).await;
+        }
+        Ok(Err(e)) => return Err(e.into()),
+    };
+    let mut shown = Shown(None);
+    let mut last = "no status yet".to_string();
+    loop {
+        let update = match tokio::time::timeout_at(deadline, follower.next()).await {
+            Err(_) => return Err(timed_out(request, timeout, &last)),
+            Ok(update) => update?,
+        };
+        let seen = match update {
+            Update::Synced { .. } => follower
+                .informer()
+                .get(request.kind.as_str(), &request.name)
+                .cloned(),
+            Update::Object {
+                type_,
+                kind,
+                name,
+                object,
+                ..
+            } if kind == request.kind.as_str() && name == request.name => {
+                (type_ != WatchType::Deleted).then_some(object)
+            }
+            _ => continue,
+        };
+        match judge(&who, seen) {
+            Judged::Ready(obj) => return Ok(obj),
+            Judged::Never(why) => bail!("{why}"),
+            Judged::Going(state) => {
+                shown.show(&who, &state, out)?;
+                last = state;
+            }
+        }
+    }
+}
+
+/// Polls until the snapshot is Ready (returning it) or will never be, for a
+/// hearthd without the change stream.
 pub async fn wait_until_final(
     client: &ApiClient,
     request: &Request,
@@ -265,49 +387,32 @@ pub async fn wait_until_final(
     let who = short_ref(request.kind, &request.name);
     let path = object_path(request.kind, &request.name);
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut shown: Option<String> = None;
-    let mut last: String;
+    let mut shown = Shown(None);
+    let mut last = "no status yet".to_string();
     loop {
-        match client.get(&path).await {
-            Ok(obj) => {
-                match str_at(&obj, &["status", "phase"]) {
-                    Some("Ready") => return Ok(obj),
-                    Some("Failed") => {
-                        let why = reason_and_message(&obj)
-                            .unwrap_or_else(|| "no reason recorded".to_string());
-                        bail!("{who} failed: {why}");
-                    }
-                    Some("Terminating") => {
-                        bail!("{who} is being deleted, so it will not become Ready")
-                    }
-                    _ => {}
-                }
-                match progress(&obj) {
-                    Some(state) => {
-                        if shown.as_ref() != Some(&state) {
-                            writeln!(out, "{who}: {state}")?;
-                            shown = Some(state.clone());
-                        }
-                        last = state;
-                    }
-                    None => last = "no status yet".to_string(),
-                }
-            }
-            Err(e) if e.is_not_found() => {
-                bail!("{who} was deleted before it became Ready")
-            }
+        let seen = match client.get(&path).await {
+            Ok(obj) => Some(Some(obj)),
+            Err(e) if e.is_not_found() => Some(None),
             // hearthd restarting: the snapshot survives it, keep watching.
-            Err(e @ ApiError::Unreachable { .. }) => last = e.to_string(),
+            Err(e @ ApiError::Unreachable { .. }) => {
+                last = e.to_string();
+                None
+            }
             Err(e) => return Err(e.into()),
+        };
+        if let Some(seen) = seen {
+            match judge(&who, seen) {
+                Judged::Ready(obj) => return Ok(obj),
+                Judged::Never(why) => bail!("{why}"),
+                Judged::Going(state) => {
+                    shown.show(&who, &state, out)?;
+                    last = state;
+                }
+            }
         }
         let now = tokio::time::Instant::now();
         if now >= deadline {
-            bail!(
-                "timed out after {timeout:?} waiting for {who} to be Ready; last phase: {last} \
-                 (the snapshot goes on: see `hearth get {} {}`)",
-                get_kind(request.kind),
-                request.name
-            );
+            return Err(timed_out(request, timeout, &last));
         }
         tokio::time::sleep(poll.min(deadline - now)).await;
     }
@@ -644,6 +749,150 @@ mod tests {
         assert!(
             seen.iter()
                 .all(|s| s.method == "GET" && s.path == "/v1/virtualdisksnapshots/s")
+        );
+    }
+
+    /// One line of the change stream about snapshot `s`.
+    fn stream_line(seq: u64, type_: &str, status: Value) -> String {
+        json!({"seq": seq, "type": type_, "kind": "VirtualDiskSnapshot", "name": "s",
+               "object": {"metadata": {"name": "s"}, "spec": {}, "status": status}})
+        .to_string()
+    }
+
+    #[tokio::test]
+    async fn the_wait_follows_the_change_stream_and_never_polls() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let lines = [
+            stream_line(5, "ADDED", json!({"phase": "Pending"})),
+            json!({"seq": 5, "type": "BOOKMARK"}).to_string(),
+            stream_line(6, "MODIFIED", json!({"phase": "InProgress", "cutId": 3})),
+            stream_line(7, "MODIFIED", json!({"phase": "InProgress", "cutId": 3})),
+            stream_line(
+                8,
+                "MODIFIED",
+                json!({"phase": "Ready", "cutId": 3, "consistent": true, "freezeWindowMs": 84}),
+            ),
+        ];
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![(
+                "GET",
+                "/v1/watch?kinds=virtualdisksnapshots&name=s",
+                vec![ok(&(lines.join("\n") + "\n"))],
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let mut out = Vec::new();
+        let last = follow_until_final(
+            &client,
+            &disk_request("s"),
+            Duration::from_secs(10),
+            &mut out,
+        )
+        .await
+        .expect("Ready");
+        assert_eq!(
+            String::from_utf8_lossy(&out),
+            "snapshot/s: Pending\nsnapshot/s: InProgress (cut 3)\n"
+        );
+        assert_eq!(last["status"]["freezeWindowMs"], 84);
+        let seen: Vec<String> = server.seen().iter().map(|s| s.path.clone()).collect();
+        assert_eq!(seen, ["/v1/watch?kinds=virtualdisksnapshots&name=s"]);
+    }
+
+    #[tokio::test]
+    async fn a_snapshot_failed_or_deleted_on_the_stream_ends_the_wait() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let failed = [
+            stream_line(2, "ADDED", json!({"phase": "InProgress", "cutId": 1})),
+            json!({"seq": 2, "type": "BOOKMARK"}).to_string(),
+            stream_line(
+                3,
+                "MODIFIED",
+                json!({"phase": "Failed", "reason": "NotConsistent", "message": "no agent"}),
+            ),
+        ];
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![(
+                "GET",
+                "/v1/watch?kinds=virtualdisksnapshots&name=s",
+                vec![ok(&(failed.join("\n") + "\n"))],
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let err = follow_until_final(
+            &client,
+            &disk_request("s"),
+            Duration::from_secs(10),
+            &mut Vec::new(),
+        )
+        .await
+        .expect_err("Failed");
+        assert_eq!(
+            err.to_string(),
+            "snapshot/s failed: NotConsistent: no agent"
+        );
+
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Deleted before the stream opened: the first list lacks it.
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![(
+                "GET",
+                "/v1/watch?kinds=virtualdisksnapshots&name=s",
+                vec![ok(
+                    &(json!({"seq": 9, "type": "BOOKMARK"}).to_string() + "\n")
+                )],
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let err = follow_until_final(
+            &client,
+            &disk_request("s"),
+            Duration::from_secs(10),
+            &mut Vec::new(),
+        )
+        .await
+        .expect_err("gone");
+        assert_eq!(
+            err.to_string(),
+            "snapshot/s was deleted before it became Ready"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_hearthd_without_the_stream_is_polled() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![(
+                "GET",
+                "/v1/virtualdisksnapshots/s",
+                vec![
+                    snap(json!({"phase": "Pending"})),
+                    snap(json!({"phase": "Ready", "consistent": true})),
+                ],
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let last = follow_until_final(
+            &client,
+            &disk_request("s"),
+            Duration::from_secs(10),
+            &mut Vec::new(),
+        )
+        .await
+        .expect("Ready");
+        assert_eq!(last["status"]["phase"], "Ready");
+        let seen: Vec<String> = server.seen().iter().map(|s| s.path.clone()).collect();
+        assert_eq!(
+            seen,
+            [
+                "/v1/watch?kinds=virtualdisksnapshots&name=s",
+                "/v1/virtualdisksnapshots/s",
+                "/v1/virtualdisksnapshots/s"
+            ]
         );
     }
 

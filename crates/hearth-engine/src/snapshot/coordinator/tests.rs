@@ -40,8 +40,6 @@ fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
             disks: vec!["a".into(), "b".into()]
         }]
     );
-    // Arrives during the cut: waits for the next one.
-    c.handle(Input::Requested(req("late", "a", true)));
     let out = c.handle(Input::Prepared {
         cut: 1,
         failed: vec![],
@@ -54,6 +52,8 @@ fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
             deadline: 5 + DEADLINE
         }]
     );
+    // Arrives once the intent names the cut's snapshots: waits for the next one.
+    c.handle(Input::Requested(req("late", "a", true)));
     let out = c.handle(Input::IntentRecorded {
         cut: 1,
         result: Ok(()),
@@ -113,6 +113,174 @@ fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
         1,
         "the late request waits for the next cut"
     );
+}
+
+/// A lone request starts its cut at once; requests made while the cut is
+/// being prepared join it when their disk's overlay is ready, and the rest
+/// are gathered for the next cut.
+#[test]
+fn requests_made_while_a_cut_is_prepared_join_it_when_their_disk_is_ready() {
+    let mut c = Coordinator::new(DEADLINE);
+    c.handle(Input::Requested(req("first", "a", true)));
+    assert!(!c.gather_first(0), "a lone request waits for nobody");
+    let out = c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 1,
+        now: 0,
+    });
+    assert_eq!(
+        out,
+        vec![Command::Prepare {
+            cut: 1,
+            disks: vec!["a".into()]
+        }]
+    );
+    // While the overlay of "a" is made: one more of "a".
+    c.handle(Input::Requested(req("also-a", "a", true)));
+    let out = c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![],
+        now: 5,
+    });
+    assert!(matches!(out[..], [Command::RecordIntent { cut: 1, .. }]));
+    let names: Vec<&str> = c
+        .cut_requests()
+        .iter()
+        .map(|r| r.snapshot.as_str())
+        .collect();
+    assert_eq!(
+        names,
+        ["also-a", "first"],
+        "the request of a prepared disk joins"
+    );
+    assert!(c.pending().is_empty());
+    // Once the intent names the cut's snapshots, a request waits.
+    c.handle(Input::Requested(req("on-b", "b", true)));
+    let out = c.handle(Input::IntentRecorded {
+        cut: 1,
+        result: Ok(()),
+        now: 6,
+    });
+    assert!(matches!(out[..], [Command::Freeze { cut: 1, .. }]));
+    let out = freeze_cut_and_thaw(&mut c, 1, 1);
+    let (outcomes, took_cut) = commit_of(&out);
+    assert!(took_cut);
+    assert_eq!(
+        outcomes,
+        vec![
+            ("also-a".to_string(), Outcome::Ready { consistent: true }),
+            ("first".to_string(), Outcome::Ready { consistent: true }),
+        ]
+    );
+    c.handle(Input::Committed { cut: 1, ok: true });
+    // "on-b" came during a cut: a burst is under way, so its stragglers
+    // are gathered before the next cut starts.
+    assert!(c.gather_first(200));
+    assert!(c.gather_first(200 + BURST_WINDOW_MS), "came during the cut");
+    let out = c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 2,
+        now: 200,
+    });
+    assert!(matches!(out[..], [Command::Prepare { cut: 2, .. }]));
+    assert!(!c.gather_first(200));
+}
+
+/// A request right after a cut may be a straggler of its burst; one that
+/// comes later is alone and starts at once.
+#[test]
+fn only_a_request_soon_after_a_cut_is_gathered() {
+    let mut c = Coordinator::new(DEADLINE);
+    c.handle(Input::Requested(req("a1", "a", true)));
+    c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 1,
+        now: 0,
+    });
+    c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![],
+        now: 5,
+    });
+    c.handle(Input::IntentRecorded {
+        cut: 1,
+        result: Ok(()),
+        now: 6,
+    });
+    // The thaw reply at 40 decides the cut.
+    freeze_cut_and_thaw(&mut c, 1, 1);
+    c.handle(Input::Committed { cut: 1, ok: true });
+    c.handle(Input::Requested(req("a2", "a", true)));
+    assert!(c.gather_first(40 + BURST_WINDOW_MS - 1));
+    assert!(!c.gather_first(40 + BURST_WINDOW_MS));
+}
+
+/// A disk whose overlay could not be made takes no late request either.
+#[test]
+fn a_late_request_of_a_disk_that_failed_to_prepare_waits_for_the_next_cut() {
+    let mut c = Coordinator::new(DEADLINE);
+    c.handle(Input::Requested(req("a1", "a", true)));
+    c.handle(Input::Requested(req("b1", "b", true)));
+    c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 1,
+        now: 0,
+    });
+    c.handle(Input::Requested(req("b2", "b", true)));
+    let out = c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![("b".into(), "disk full".into())],
+        now: 5,
+    });
+    assert!(matches!(out[..], [Command::RecordIntent { cut: 1, .. }]));
+    assert_eq!(c.cut_requests(), &[req("a1", "a", true)][..]);
+    assert_eq!(c.pending(), &[req("b2", "b", true)][..]);
+}
+
+/// A VM snapshot's disks arrive together while a cut of one of them is
+/// prepared: none of them joins, so they are cut together, in the next cut.
+#[test]
+fn requests_made_together_are_never_split_between_two_cuts() {
+    let mut c = Coordinator::new(DEADLINE);
+    c.handle(Input::Requested(req("a1", "a", true)));
+    c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 1,
+        now: 0,
+    });
+    for (n, d) in [("vm-a", "a"), ("vm-b", "b"), ("vm-c", "c")] {
+        c.handle(Input::Requested(req(n, d, true)));
+    }
+    let out = c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![],
+        now: 5,
+    });
+    assert!(matches!(out[..], [Command::RecordIntent { cut: 1, .. }]));
+    assert_eq!(c.cut_requests(), &[req("a1", "a", true)][..]);
+    assert_eq!(c.pending().len(), 3, "all three wait for the next cut");
+}
+
+/// Without an agent the late request is not slipped into a cut that
+/// already failed its required requests: it takes the next one.
+#[test]
+fn a_cut_without_an_agent_takes_no_late_request() {
+    let mut c = Coordinator::new(DEADLINE);
+    c.handle(Input::Requested(req("a1", "a", false)));
+    c.handle(Input::Start {
+        access: Access::NoAgent("no agent".into()),
+        cut: 1,
+        now: 0,
+    });
+    c.handle(Input::Requested(req("a2", "a", true)));
+    let out = c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![],
+        now: 5,
+    });
+    assert!(matches!(out[..], [Command::Transact { cut: 1, .. }]));
+    assert_eq!(c.cut_requests(), &[req("a1", "a", false)][..]);
+    assert_eq!(c.pending(), &[req("a2", "a", true)][..]);
 }
 
 /// The frozen window of cut 1, from the freeze reply on: `frozen` file
@@ -499,6 +667,8 @@ fn fault() -> impl Strategy<Value = Fault> {
 enum Action {
     /// A new snapshot request (disk index, required).
     Request(u8, bool),
+    /// A VM snapshot: one request per disk, in one message.
+    RequestAll(bool),
     /// Perform the next queued command with this behaviour and duration (fraction of its timeout, in 1/8).
     Perform(Fault, u8),
     /// Someone else thaws the guest.
@@ -512,6 +682,7 @@ enum Action {
 fn action() -> impl Strategy<Value = Action> {
     prop_oneof![
         2 => (0u8..3, any::<bool>()).prop_map(|(d, r)| Action::Request(d, r)),
+        1 => any::<bool>().prop_map(Action::RequestAll),
         10 => (fault(), 0u8..10).prop_map(|(f, d)| Action::Perform(f, d)),
         1 => Just(Action::Interloper),
         1 => Just(Action::Crash),
@@ -630,6 +801,10 @@ struct Sim {
     truth: BTreeMap<CutId, bool>,
     next_id: u32,
     next_cut: CutId,
+    /// Starts are the test's to make (the shell's gathering, by hand).
+    hold: bool,
+    /// Requests made together (a VM snapshot's).
+    groups: Vec<Vec<String>>,
 }
 
 impl Sim {
@@ -656,6 +831,8 @@ impl Sim {
             truth: BTreeMap::new(),
             next_id: 0,
             next_cut: 0,
+            hold: false,
+            groups: Vec::new(),
         }
     }
 
@@ -697,6 +874,13 @@ impl Sim {
     }
 
     fn kick(&mut self) {
+        if !self.hold {
+            self.start_now();
+        }
+    }
+
+    /// The shell's start of a cut, when the coordinator is idle.
+    fn start_now(&mut self) {
         if self.c.is_idle() && self.queue.is_empty() {
             let a = self.access();
             // The shell's durable counter: survives crashes.
@@ -1172,6 +1356,22 @@ impl Sim {
         }
     }
 
+    /// A VM snapshot's disk snapshots, handed over together (the shell
+    /// feeds one message's requests before anything else happens).
+    fn request_all(&mut self, required: bool) {
+        let mut group = Vec::new();
+        for disk in 0..3 {
+            self.next_id += 1;
+            let r = req(&format!("s{}", self.next_id), &format!("d{disk}"), required);
+            self.snaps
+                .insert(r.snapshot.clone(), (r.clone(), Phase::Pending));
+            group.push(r.snapshot.clone());
+            self.c.handle(Input::Requested(r));
+        }
+        self.groups.push(group);
+        self.kick();
+    }
+
     fn request(&mut self, disk: u8, required: bool) {
         self.next_id += 1;
         let r = req(&format!("s{}", self.next_id), &format!("d{disk}"), required);
@@ -1253,6 +1453,18 @@ impl Sim {
             assert!(!self.late_freeze || !self.frozen);
         }
         assert!(self.intent.is_none(), "an intent outlived its cut");
+        // Requests made together are cut together: their Ready snapshots
+        // all name one cut.
+        for g in &self.groups {
+            let cuts: BTreeSet<CutId> = g
+                .iter()
+                .filter_map(|n| match self.snaps.get(n) {
+                    Some((_, Phase::Ready { cut, .. })) => Some(*cut),
+                    _ => None,
+                })
+                .collect();
+            assert!(cuts.len() <= 1, "a VM snapshot split between cuts {cuts:?}");
+        }
         // The store and QEMU agree on every disk nothing is pending for.
         self.layers.check_no_lost_write();
         if self.qemu_alive {
@@ -1273,6 +1485,7 @@ fn run(vm_running: bool, agent_present: bool, actions: Vec<Action>) {
     for a in actions {
         match a {
             Action::Request(d, r) => sim.request(d, r),
+            Action::RequestAll(r) => sim.request_all(r),
             Action::Perform(f, d) => sim.perform(f, d),
             Action::Interloper => sim.interloper(),
             Action::Crash => sim.crash(),
@@ -1296,6 +1509,72 @@ proptest! {
         actions in proptest::collection::vec(action(), 0..60),
     ) {
         run(running, false, actions);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 500, ..ProptestConfig::default() })]
+
+    /// A burst: the first request starts a cut at once, the others arrive
+    /// at random points of it (`slots`: after how many of its commands).
+    /// Those that come while it is prepared join it if their disk is in it;
+    /// the rest are gathered (the shell waits while `gather_first`, and
+    /// the burst's stragglers come meanwhile) and share the second cut. So
+    /// at most two cuts and two freezes, and every snapshot consistent.
+    #[test]
+    fn a_burst_takes_at_most_two_cuts_whenever_its_requests_arrive(
+        first_disk in 0u8..3,
+        late in proptest::collection::vec((0u8..3, 0usize..12), 0..12),
+    ) {
+        let mut sim = Sim::new(true, true);
+        sim.request(first_disk, true);
+        sim.hold = true;
+        let mut freezes = 0;
+        let mut step = 0;
+        let mut late = late;
+        late.sort_by_key(|(_, slot)| *slot);
+        let mut late = std::collections::VecDeque::from(late);
+        loop {
+            while late.front().is_some_and(|(_, slot)| *slot <= step) {
+                let (disk, _) = late.pop_front().expect("a late request");
+                // Arrive without kicking: the shell's gathering holds the
+                // next start while a burst is under way.
+                sim.next_id += 1;
+                let r = req(&format!("s{}", sim.next_id), &format!("d{disk}"), true);
+                sim.snaps.insert(r.snapshot.clone(), (r.clone(), Phase::Pending));
+                sim.c.handle(Input::Requested(r));
+            }
+            if sim.queue.is_empty() {
+                if late.is_empty() && !sim.c.has_pending() {
+                    break;
+                }
+                if sim.c.gather_first(sim.now) && !late.is_empty() {
+                    // Gathering: the stragglers come before the next cut.
+                    step = usize::MAX;
+                    continue;
+                }
+                sim.start_now();
+                if sim.queue.is_empty() {
+                    step = usize::MAX;
+                    continue;
+                }
+            }
+            if matches!(sim.queue.front(), Some(Command::Freeze { .. })) {
+                freezes += 1;
+            }
+            sim.perform(Fault::Ok, 1);
+            step = step.saturating_add(1);
+        }
+        let cuts: BTreeSet<CutId> = sim
+            .snaps
+            .values()
+            .map(|(_, p)| match p {
+                Phase::Ready { consistent: true, cut } => *cut,
+                other => panic!("not consistent and Ready: {other:?}"),
+            })
+            .collect();
+        prop_assert!(cuts.len() <= 2, "{} cuts", cuts.len());
+        prop_assert_eq!(freezes, cuts.len());
     }
 }
 
