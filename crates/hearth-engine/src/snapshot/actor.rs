@@ -4,9 +4,9 @@
 //! by the timeout the coordinator gave.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::os::unix::fs::OpenOptionsExt;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
-use std::os::unix::fs::OpenOptionsExt;
 
 use chrono::Utc;
 use hearth_api::{EventType, Kind, Object, SnapshotPhase, SnapshotStatus, VirtualDiskSnapshot};
