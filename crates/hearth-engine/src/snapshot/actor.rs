@@ -3,7 +3,7 @@
 //! performs the coordinator's commands one at a time, in order, each bounded
 //! by the timeout the coordinator gave.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -123,6 +123,9 @@ struct CutContext {
     /// Which of the guest's filesystems lie on which disk (live cuts with an
     /// agent), read before the freeze; the error when the agent could not say.
     mounts: Option<Result<MountMap, String>>,
+    /// The filesystem (block device name) at each mount point, from the same
+    /// `guest-get-fsinfo` reply.
+    filesystem_of: BTreeMap<String, String>,
     /// The cut's snapshots show InProgress.
     in_progress: bool,
     /// The `Thawed` event, written with the commit: when, and its message.
@@ -625,7 +628,8 @@ async fn execute(
                     .as_ref()
                     .map(|l| l.record.disk_names.as_slice())
                     .unwrap_or(&[]);
-                m.clone().map(|m| mounts_by_name(&m, names))
+                m.clone()
+                    .map(|m| mounts_by_name(&m, names, &held.filesystem_of))
             });
             Some(Input::Prepared {
                 cut,
@@ -915,7 +919,12 @@ async fn prepare(
         Ok::<_, String>(futures_util::future::join_all(each).await)
     };
     let (mounts, made) = tokio::join!(mounts, overlays);
-    held.mounts = mounts;
+    held.mounts = mounts.map(|m| {
+        m.map(|(map, filesystem_of)| {
+            held.filesystem_of = filesystem_of;
+            map
+        })
+    });
     let made = match made {
         Ok(m) => m,
         Err(e) => return disks.iter().map(|d| (d.clone(), e.clone())).collect(),
@@ -932,7 +941,10 @@ async fn prepare(
 
 /// The guest's filesystems by disk, from `guest-get-fsinfo`, matched to
 /// the running QEMU's devices by serial, else by PCI address.
-async fn filesystems_by_disk(live: &LiveVm) -> Result<MountMap, String> {
+/// Also gives the filesystem (block device name) at each mount point.
+async fn filesystems_by_disk(
+    live: &LiveVm,
+) -> Result<(MountMap, BTreeMap<String, String>), String> {
     let fsinfo = with_agent(live, QMP_TIMEOUT, async |c, t| c.get_fsinfo(t).await)
         .await
         .map_err(|f| format!("guest-get-fsinfo: {f}"))?;
@@ -946,8 +958,13 @@ async fn filesystems_by_disk(live: &LiveVm) -> Result<MountMap, String> {
         .iter()
         .map(|d| hearth_qemu::cmdline::disk_serial(d))
         .collect();
-    Ok(hearth_qemu::fsmap::map_mount_points(
-        &fsinfo, &serials, &pci,
+    let filesystem_of = fsinfo
+        .iter()
+        .map(|f| (f.mountpoint.clone(), f.name.clone()))
+        .collect();
+    Ok((
+        hearth_qemu::fsmap::map_mount_points(&fsinfo, &serials, &pci),
+        filesystem_of,
     ))
 }
 
@@ -1220,7 +1237,11 @@ async fn discard(ctx: &Arc<Context>, target: &str, held: &mut CutContext, cut: C
 
 /// The guest's filesystems by VirtualDisk name, for the coordinator to
 /// choose what to freeze; `names[i]` is device `i` of the running QEMU.
-fn mounts_by_name(m: &MountMap, names: &[String]) -> Mounts {
+fn mounts_by_name(
+    m: &MountMap,
+    names: &[String],
+    filesystem_of: &BTreeMap<String, String>,
+) -> Mounts {
     Mounts {
         by_disk: names
             .iter()
@@ -1228,6 +1249,7 @@ fn mounts_by_name(m: &MountMap, names: &[String]) -> Mounts {
             .map(|(i, d)| (d.clone(), m.by_disk.get(i).cloned().unwrap_or_default()))
             .collect(),
         unmapped: m.unmapped.clone(),
+        filesystem_of: filesystem_of.clone(),
     }
 }
 

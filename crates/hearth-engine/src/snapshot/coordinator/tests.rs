@@ -832,6 +832,29 @@ fn a_list_freeze_is_sent_with_its_mount_points_and_its_count_is_checked() {
 }
 
 #[test]
+fn a_bind_mount_counts_as_its_filesystem_once() {
+    // The test guest binds /mnt/vda at /data: qemu-ga freezes (and
+    // counts) that filesystem once.
+    let mut m = four_disks();
+    m.by_disk
+        .insert("a".into(), vec!["/a".into(), "/data".into()]);
+    m.filesystem_of = [("/a", "vda"), ("/data", "vda")]
+        .into_iter()
+        .map(|(p, f)| (p.to_string(), f.to_string()))
+        .collect();
+    let (mut c, _) = prepared_with_map(&[req("s", "a", true)], m);
+    let out = c.handle(Input::IntentRecorded {
+        cut: 1,
+        result: Ok(()),
+        now: 2,
+    });
+    assert!(matches!(&out[..], [Command::Freeze { mountpoints: Some(l), .. }] if l.len() == 2));
+    let out = freeze_cut_and_thaw(&mut c, 1, 1);
+    let (outcomes, _) = commit_of(&out);
+    assert_eq!(outcomes[0].1, Outcome::Ready { consistent: true });
+}
+
+#[test]
 fn a_cut_whose_disks_carry_no_filesystem_freezes_nothing() {
     let (mut c, out) = prepared_with_map(&[req("s", "e", true)], four_disks());
     assert!(
