@@ -16,7 +16,7 @@ use tokio::sync::mpsc;
 
 use super::coordinator::{
     Access, AgentFault, Command, Coordinator, CutId, Durable, Input, Millis, Mounts, Outcome,
-    Request, TxResult,
+    Request, Scope, TxResult,
 };
 use super::overlays::{self, Graph, Overlay, Settled};
 use super::storage::{self, Layer};
@@ -644,6 +644,10 @@ async fn execute(
                 .iter()
                 .map(|r| r.snapshot.clone())
                 .collect();
+            let what = match core.cut_scope() {
+                Some(Scope::List(points)) => points.join(", "),
+                _ => "every filesystem of the guest".to_string(),
+            };
             let left = deadline.saturating_sub(now());
             let wall = Utc::now() + chrono::Duration::milliseconds(left as i64);
             let result = ctx
@@ -665,7 +669,8 @@ async fn execute(
                         EventType::Normal,
                         "Freezing",
                         &format!(
-                            "cut {cut}: freezing the guest's filesystems for {} snapshot(s): {}",
+                            "cut {cut}: freezing {} for {} snapshot(s): {}",
+                            what,
                             names.len(),
                             names.join(", ")
                         ),

@@ -518,6 +518,12 @@ impl Coordinator {
         std::mem::take(&mut self.pending)
     }
 
+    /// What the cut in progress freezes, once decided (just before its
+    /// intent).
+    pub fn cut_scope(&self) -> Option<&Scope> {
+        self.cut.as_ref().and_then(|c| c.scope.as_ref())
+    }
+
     /// The requests of the cut in progress.
     pub fn cut_requests(&self) -> &[Request] {
         self.cut
