@@ -380,10 +380,10 @@ impl AgentClient {
 
     /// Freezes only the filesystems mounted at `mountpoints`
     /// (`guest-fsfreeze-freeze-list`); returns how many were frozen. qemu-ga
-    /// skips a listed path that is not a mount point, so a count below the
-    /// list's length means something asked for was not frozen. An empty list
-    /// is refused here: qemu-ga would enter its frozen state with nothing
-    /// frozen.
+    /// counts a filesystem mounted twice (a bind mount) once, and one that
+    /// cannot be frozen (vfat) not at all, so the count may be below the
+    /// list's length. An empty list is refused here: qemu-ga would enter its
+    /// frozen state with nothing frozen.
     pub async fn fsfreeze_freeze_list(
         &mut self,
         mountpoints: &[String],

@@ -3,7 +3,7 @@
 //! performs the coordinator's commands one at a time, in order, each bounded
 //! by the timeout the coordinator gave.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -123,9 +123,6 @@ struct CutContext {
     /// Which of the guest's filesystems lie on which disk (live cuts with an
     /// agent), read before the freeze; the error when the agent could not say.
     mounts: Option<Result<MountMap, String>>,
-    /// The filesystem (block device name) at each mount point, from the same
-    /// `guest-get-fsinfo` reply.
-    filesystem_of: BTreeMap<String, String>,
     /// The cut's snapshots show InProgress.
     in_progress: bool,
     /// The `Thawed` event, written with the commit: when, and its message.
@@ -628,8 +625,7 @@ async fn execute(
                     .as_ref()
                     .map(|l| l.record.disk_names.as_slice())
                     .unwrap_or(&[]);
-                m.clone()
-                    .map(|m| mounts_by_name(&m, names, &held.filesystem_of))
+                m.clone().map(|m| mounts_by_name(&m, names))
             });
             Some(Input::Prepared {
                 cut,
@@ -924,12 +920,7 @@ async fn prepare(
         Ok::<_, String>(futures_util::future::join_all(each).await)
     };
     let (mounts, made) = tokio::join!(mounts, overlays);
-    held.mounts = mounts.map(|m| {
-        m.map(|(map, filesystem_of)| {
-            held.filesystem_of = filesystem_of;
-            map
-        })
-    });
+    held.mounts = mounts;
     let made = match made {
         Ok(m) => m,
         Err(e) => return disks.iter().map(|d| (d.clone(), e.clone())).collect(),
@@ -946,10 +937,7 @@ async fn prepare(
 
 /// The guest's filesystems by disk, from `guest-get-fsinfo`, matched to
 /// the running QEMU's devices by serial, else by PCI address.
-/// Also gives the filesystem (block device name) at each mount point.
-async fn filesystems_by_disk(
-    live: &LiveVm,
-) -> Result<(MountMap, BTreeMap<String, String>), String> {
+async fn filesystems_by_disk(live: &LiveVm) -> Result<MountMap, String> {
     let fsinfo = with_agent(live, QMP_TIMEOUT, async |c, t| c.get_fsinfo(t).await)
         .await
         .map_err(|f| format!("guest-get-fsinfo: {f}"))?;
@@ -963,13 +951,8 @@ async fn filesystems_by_disk(
         .iter()
         .map(|d| hearth_qemu::cmdline::disk_serial(d))
         .collect();
-    let filesystem_of = fsinfo
-        .iter()
-        .map(|f| (f.mountpoint.clone(), f.name.clone()))
-        .collect();
-    Ok((
-        hearth_qemu::fsmap::map_mount_points(&fsinfo, &serials, &pci),
-        filesystem_of,
+    Ok(hearth_qemu::fsmap::map_mount_points(
+        &fsinfo, &serials, &pci,
     ))
 }
 
@@ -1242,11 +1225,7 @@ async fn discard(ctx: &Arc<Context>, target: &str, held: &mut CutContext, cut: C
 
 /// The guest's filesystems by VirtualDisk name, for the coordinator to
 /// choose what to freeze; `names[i]` is device `i` of the running QEMU.
-fn mounts_by_name(
-    m: &MountMap,
-    names: &[String],
-    filesystem_of: &BTreeMap<String, String>,
-) -> Mounts {
+fn mounts_by_name(m: &MountMap, names: &[String]) -> Mounts {
     Mounts {
         by_disk: names
             .iter()
@@ -1254,7 +1233,6 @@ fn mounts_by_name(
             .map(|(i, d)| (d.clone(), m.by_disk.get(i).cloned().unwrap_or_default()))
             .collect(),
         unmapped: m.unmapped.clone(),
-        filesystem_of: filesystem_of.clone(),
     }
 }
 

@@ -59,21 +59,6 @@ pub struct Mounts {
     /// Mount points that lie on no disk of the VM (or on a device hearth
     /// does not know).
     pub unmapped: Vec<String>,
-    /// The filesystem (the guest's block device name) mounted at each mount
-    /// point: a bind mount shares its filesystem, and qemu-ga freezes and
-    /// counts a filesystem once. A mount point missing here counts alone.
-    pub filesystem_of: BTreeMap<String, String>,
-}
-
-impl Mounts {
-    /// How many filesystems the guest freezes for these mount points.
-    pub fn filesystems(&self, points: &[String]) -> usize {
-        points
-            .iter()
-            .map(|p| self.filesystem_of.get(p).unwrap_or(p))
-            .collect::<BTreeSet<_>>()
-            .len()
-    }
 }
 
 /// What a cut freezes, decided from its requests and the mount map.
@@ -386,15 +371,6 @@ pub struct Coordinator {
 }
 
 impl Cut {
-    /// How many filesystems a list freeze must report (0 for a full freeze).
-    fn list_filesystems(&self) -> usize {
-        match (&self.scope, &self.mounts) {
-            (Some(Scope::List(l)), Some(Ok(m))) => m.filesystems(l),
-            (Some(Scope::List(l)), _) => l.len(),
-            _ => 0,
-        }
-    }
-
     fn new(id: CutId, requests: Vec<Request>, mode: Mode, step: Step) -> Cut {
         Cut {
             id,
@@ -916,17 +892,6 @@ impl Coordinator {
         let deadline = c.deadline.unwrap_or(now);
         match result {
             Ok(0) => c.distrust = Some("the guest agent froze no filesystems".into()),
-            Ok(n) if (n as usize) < c.list_filesystems() => {
-                // qemu-ga skips a listed mount point it does not find.
-                c.frozen_count = Some(n);
-                let asked = match &c.scope {
-                    Some(Scope::List(l)) => l.join(", "),
-                    _ => String::new(),
-                };
-                c.distrust = Some(format!(
-                    "the guest agent froze {n} of the filesystems asked for ({asked}): one was unmounted or moved before the freeze"
-                ));
-            }
             Ok(n) => {
                 c.frozen_count = Some(n);
                 if now >= deadline {
