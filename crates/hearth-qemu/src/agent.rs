@@ -378,6 +378,32 @@ impl AgentClient {
         count("guest-fsfreeze-freeze", &v)
     }
 
+    /// Freezes only the filesystems mounted at `mountpoints`
+    /// (`guest-fsfreeze-freeze-list`); returns how many were frozen. qemu-ga
+    /// counts a filesystem mounted twice (a bind mount) once, and one that
+    /// cannot be frozen (vfat) not at all, so the count may be below the
+    /// list's length. An empty list is refused here: qemu-ga would enter its
+    /// frozen state with nothing frozen.
+    pub async fn fsfreeze_freeze_list(
+        &mut self,
+        mountpoints: &[String],
+        timeout: Duration,
+    ) -> Result<u32, AgentError> {
+        if mountpoints.is_empty() {
+            return Err(AgentError::InvalidArgument(
+                "guest-fsfreeze-freeze-list needs at least one mount point".into(),
+            ));
+        }
+        let v = self
+            .execute(
+                "guest-fsfreeze-freeze-list",
+                Some(json!({ "mountpoints": mountpoints })),
+                timeout,
+            )
+            .await?;
+        count("guest-fsfreeze-freeze-list", &v)
+    }
+
     pub async fn fsfreeze_status(&mut self, timeout: Duration) -> Result<FreezeStatus, AgentError> {
         let v = self.execute("guest-fsfreeze-status", None, timeout).await?;
         match v.as_str() {
@@ -824,6 +850,33 @@ mod tests {
         assert_eq!(client.fsfreeze_thaw(T).await.expect("thaw"), 2);
         let err = client.fsfreeze_thaw(T).await.expect_err("negative count");
         assert!(matches!(err, AgentError::Protocol(_)), "{err}");
+        guest.await.expect("fake agent");
+    }
+
+    #[tokio::test]
+    async fn freeze_list_sends_the_mount_points_and_refuses_an_empty_list() {
+        let (_dir, mut client, mut fake) = setup().await;
+        let guest = tokio::spawn(async move {
+            fake.handle_sync().await;
+            let cmd = fake.recv().await;
+            assert_eq!(cmd["execute"], "guest-fsfreeze-freeze-list");
+            assert_eq!(
+                cmd["arguments"]["mountpoints"],
+                json!(["/mnt/vdb", "/mnt/vdc"])
+            );
+            fake.reply(json!(2)).await;
+            fake
+        });
+        let list = vec!["/mnt/vdb".to_string(), "/mnt/vdc".to_string()];
+        assert_eq!(
+            client.fsfreeze_freeze_list(&list, T).await.expect("freeze"),
+            2
+        );
+        let err = client
+            .fsfreeze_freeze_list(&[], T)
+            .await
+            .expect_err("empty list");
+        assert!(matches!(err, AgentError::InvalidArgument(_)), "{err}");
         guest.await.expect("fake agent");
     }
 

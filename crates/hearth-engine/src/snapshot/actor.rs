@@ -16,8 +16,8 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::coordinator::{
-    Access, AgentFault, Command, Coordinator, CutId, Durable, Input, Millis, Outcome, Request,
-    TxResult,
+    Access, AgentFault, Command, Coordinator, CutId, Durable, Input, Millis, Mounts, Outcome,
+    Request, Scope, TxResult,
 };
 use super::overlays::{self, Graph, Overlay, Settled};
 use super::storage::{self, Layer};
@@ -453,6 +453,11 @@ pub fn request_of(snap: &VirtualDiskSnapshot) -> Request {
         snapshot: snap.metadata.name.clone(),
         disk: snap.spec.virtual_disk_name.clone(),
         required: snap.spec.required_consistency,
+        whole_vm: snap
+            .metadata
+            .managed_by
+            .as_deref()
+            .is_some_and(|m| m.starts_with("VirtualMachineSnapshot/")),
     }
 }
 
@@ -615,9 +620,18 @@ async fn execute(
             // before its transaction.
             let failed = prepare(ctx, target, held, cut, &disks).await;
             tracing::info!(target, cut, failed = failed.len(), "cut prepared");
+            let mounts = held.mounts.as_ref().map(|m| {
+                let names = held
+                    .live
+                    .as_ref()
+                    .map(|l| l.record.disk_names.as_slice())
+                    .unwrap_or(&[]);
+                m.clone().map(|m| mounts_by_name(&m, names))
+            });
             Some(Input::Prepared {
                 cut,
                 failed,
+                mounts,
                 now: now(),
             })
         }
@@ -627,6 +641,10 @@ async fn execute(
                 .iter()
                 .map(|r| r.snapshot.clone())
                 .collect();
+            let what = match core.cut_scope() {
+                Some(Scope::List(points)) => points.join(", "),
+                _ => "every filesystem of the guest".to_string(),
+            };
             let left = deadline.saturating_sub(now());
             let wall = Utc::now() + chrono::Duration::milliseconds(left as i64);
             let result = ctx
@@ -648,7 +666,8 @@ async fn execute(
                         EventType::Normal,
                         "Freezing",
                         &format!(
-                            "cut {cut}: freezing the guest's filesystems for {} snapshot(s): {}",
+                            "cut {cut}: freezing {} for {} snapshot(s): {}",
+                            what,
                             names.len(),
                             names.join(", ")
                         ),
@@ -666,18 +685,26 @@ async fn execute(
                 now: now(),
             })
         }
-        Command::Freeze { cut, timeout } => {
+        Command::Freeze {
+            cut,
+            timeout,
+            mountpoints,
+        } => {
             // Its event went with the intent.
             held.freeze_started = Some(Utc::now());
-            let result = match &held.live {
-                Some(live) => {
-                    with_agent(live, Duration::from_millis(timeout), async |c, t| {
-                        c.fsfreeze_freeze(t).await
-                    })
-                    .await
-                }
-                None => Err(AgentFault::Disconnected),
-            };
+            let result =
+                match &held.live {
+                    Some(live) => {
+                        with_agent(live, Duration::from_millis(timeout), async |c, t| {
+                            match &mountpoints {
+                                Some(list) => c.fsfreeze_freeze_list(list, t).await,
+                                None => c.fsfreeze_freeze(t).await,
+                            }
+                        })
+                        .await
+                    }
+                    None => Err(AgentFault::Disconnected),
+                };
             Some(Input::FreezeReplied {
                 cut,
                 result,
@@ -813,6 +840,7 @@ async fn execute(
             freeze_window_ms,
             keep_intent,
             why_not_consistent,
+            full_freeze,
         } => {
             let ok = commit(
                 ctx,
@@ -825,6 +853,7 @@ async fn execute(
                 freeze_window_ms,
                 keep_intent,
                 why_not_consistent,
+                full_freeze,
             )
             .await;
             if !ok {
@@ -1203,9 +1232,24 @@ async fn discard(ctx: &Arc<Context>, target: &str, held: &mut CutContext, cut: C
     }
 }
 
+/// The guest's filesystems by VirtualDisk name, for the coordinator to
+/// choose what to freeze; `names[i]` is device `i` of the running QEMU.
+fn mounts_by_name(m: &MountMap, names: &[String]) -> Mounts {
+    Mounts {
+        by_disk: names
+            .iter()
+            .enumerate()
+            .map(|(i, d)| (d.clone(), m.by_disk.get(i).cloned().unwrap_or_default()))
+            .collect(),
+        unmapped: m.unmapped.clone(),
+    }
+}
+
 /// The mount points frozen on a cut disk, and a reason when the freeze
-/// cannot be shown to cover it. Every filesystem of the guest is frozen; this
-/// says which of them lie on the disk.
+/// cannot be shown to cover it. The freeze covered every filesystem on the
+/// cut's disks (a list freeze) or every filesystem of the guest; this says
+/// which of them lie on the disk. (A cut whose disks carry no filesystem
+/// froze nothing: the list is empty, with `NoFilesystemFrozen`.)
 fn frozen_on(
     held: &CutContext,
     prepared: Option<&&Prepared>,
@@ -1231,7 +1275,7 @@ fn frozen_on(
             let why = on_disk.is_empty().then(|| {
                 (
                     "NoFilesystemFrozen",
-                    "no mounted filesystem of the guest lies on this disk, so the freeze did not cover it: it holds what the guest had written to the device at the cut".to_string(),
+                    "no mounted filesystem of the guest lies on this disk, so no freeze covered it: it holds what the guest had written to the device at the cut".to_string(),
                 )
             });
             (Some(on_disk), why)
@@ -1251,6 +1295,7 @@ async fn commit(
     freeze_window_ms: Option<Millis>,
     keep_intent: bool,
     why_not_consistent: Option<String>,
+    full_freeze: Option<String>,
 ) -> bool {
     let disk_of: HashMap<String, String> = core
         .cut_requests()
@@ -1312,6 +1357,21 @@ async fn commit(
                                 if let Some((reason, message)) = &frozen.1 {
                                     s.reason = Some(reason.to_string());
                                     s.message = Some(message.clone());
+                                }
+                                // (An agent that could not list the
+                                // filesystems says so already.)
+                                if let Some(why) = full_freeze
+                                    .as_ref()
+                                    .filter(|_| !matches!(held.mounts, Some(Err(_))))
+                                {
+                                    // A cut of some disks froze everything.
+                                    let full =
+                                        format!("every filesystem of the guest was frozen: {why}");
+                                    s.message = Some(match s.message.take() {
+                                        Some(m) => format!("{m}; {full}"),
+                                        None => full,
+                                    });
+                                    s.reason.get_or_insert_with(|| "FullFreeze".into());
                                 }
                                 s.frozen_mount_points = frozen.0;
                             } else {

@@ -23,7 +23,7 @@
 //! the coordinator acts on is an observation: a transaction whose reply did
 //! not come is looked up in QEMU before anything is decided.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 pub type CutId = u64;
 /// Milliseconds on a monotonic clock.
@@ -44,6 +44,79 @@ pub struct Request {
     pub snapshot: String,
     pub disk: String,
     pub required: bool,
+    /// Part of a VM snapshot: the cut freezes every filesystem of the guest.
+    pub whole_vm: bool,
+}
+
+/// Which of the guest's mounted filesystems lie on which disk, as the guest
+/// agent reported them before the freeze (`guest-get-fsinfo`, matched to the
+/// running QEMU's devices).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Mounts {
+    /// For each disk of the VM, the mount points of the filesystems that lie
+    /// wholly or partly on it (a filesystem on several disks is under each).
+    pub by_disk: BTreeMap<String, Vec<String>>,
+    /// Mount points that lie on no disk of the VM (or on a device hearth
+    /// does not know).
+    pub unmapped: Vec<String>,
+}
+
+/// What a cut freezes, decided from its requests and the mount map.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// Every filesystem of the guest (`guest-fsfreeze-freeze`). `why` says
+    /// why a cut of some disks only froze everything; `None` for a cut with
+    /// a VM snapshot in it.
+    All { why: Option<String> },
+    /// Only these mount points, sorted (`guest-fsfreeze-freeze-list`). Empty:
+    /// no mounted filesystem lies on the cut's disks, so nothing is frozen.
+    List(Vec<String>),
+}
+
+/// The freeze a cut of `requests` needs. A VM snapshot in the cut freezes
+/// everything. Otherwise the cut freezes the filesystems that lie on any of
+/// its disks (one that spans disks, LVM or md, when any of them is cut),
+/// unless the map cannot be trusted to name them all: the agent could not
+/// list the filesystems, a filesystem lies on no disk hearth knows, or a cut
+/// disk is not in the map. Then everything is frozen, and `why` says so.
+pub fn freeze_scope(requests: &[Request], mounts: Option<&Result<Mounts, String>>) -> Scope {
+    if requests.iter().any(|r| r.whole_vm) {
+        return Scope::All { why: None };
+    }
+    let all = |why: String| Scope::All { why: Some(why) };
+    let m = match mounts {
+        None => return all("the guest's filesystems were not listed before the freeze".into()),
+        Some(Err(e)) => {
+            return all(format!(
+                "the guest agent could not list the filesystems ({e})"
+            ));
+        }
+        Some(Ok(m)) => m,
+    };
+    if !m.unmapped.is_empty() {
+        let noun = if m.unmapped.len() == 1 {
+            "filesystem"
+        } else {
+            "filesystems"
+        };
+        return all(format!(
+            "{noun} {} could not be mapped to a disk",
+            m.unmapped.join(", ")
+        ));
+    }
+    let mut list = BTreeSet::new();
+    for r in requests {
+        match m.by_disk.get(&r.disk) {
+            Some(points) => list.extend(points.iter().cloned()),
+            None => {
+                return all(format!(
+                    "VirtualDisk {:?} is not among the disks the guest's filesystems were matched to",
+                    r.disk
+                ));
+            }
+        }
+    }
+    Scope::List(list.into_iter().collect())
 }
 
 /// How the VM can be reached when a cut starts.
@@ -105,6 +178,9 @@ pub enum Input {
     Prepared {
         cut: CutId,
         failed: Vec<(String, String)>,
+        /// The guest's filesystems by disk, read while preparing (live cuts
+        /// with an agent); the error when the agent could not say.
+        mounts: Option<Result<Mounts, String>>,
         now: Millis,
     },
     /// The freeze intent was (or could not be) stored.
@@ -171,9 +247,12 @@ pub enum Command {
         cut: CutId,
         deadline: Millis,
     },
+    /// `mountpoints`: freeze only these (`guest-fsfreeze-freeze-list`),
+    /// never empty; `None`: every filesystem.
     Freeze {
         cut: CutId,
         timeout: Millis,
+        mountpoints: Option<Vec<String>>,
     },
     QueryFreeze {
         cut: CutId,
@@ -214,6 +293,8 @@ pub enum Command {
         keep_intent: bool,
         /// Why the cut is not consistent, if it is not.
         why_not_consistent: Option<String>,
+        /// Why a cut of some disks only froze every filesystem of the guest.
+        full_freeze: Option<String>,
     },
 }
 
@@ -251,6 +332,12 @@ struct Cut {
     frozen_count: Option<u32>,
     /// Frozen is believed: our freeze reply, then a status read saying frozen.
     trusted: bool,
+    /// The guest's filesystems by disk, from `Prepared`.
+    mounts: Option<Result<Mounts, String>>,
+    /// What the freeze covers, decided just before the intent.
+    scope: Option<Scope>,
+    /// No mounted filesystem lies on the cut's disks: nothing to freeze.
+    nothing_to_freeze: bool,
     /// Why the cut is not consistent, once something made it so.
     distrust: Option<String>,
     thaw_done: bool,
@@ -296,6 +383,9 @@ impl Cut {
             freeze_sent_at: None,
             frozen_count: None,
             trusted: false,
+            mounts: None,
+            scope: None,
+            nothing_to_freeze: false,
             distrust: None,
             thaw_done: false,
             transacted: None,
@@ -404,6 +494,12 @@ impl Coordinator {
         std::mem::take(&mut self.pending)
     }
 
+    /// What the cut in progress freezes, once decided (just before its
+    /// intent).
+    pub fn cut_scope(&self) -> Option<&Scope> {
+        self.cut.as_ref().and_then(|c| c.scope.as_ref())
+    }
+
     /// The requests of the cut in progress.
     pub fn cut_requests(&self) -> &[Request] {
         self.cut
@@ -429,11 +525,15 @@ impl Coordinator {
                 Vec::new()
             }
             Input::Start { access, cut, now } => self.start(access, cut, now),
-            Input::Prepared { cut, failed, now } => {
-                self.with_cut(cut, Step::Preparing, |c, this| {
-                    this.prepared(c, failed, now)
-                })
-            }
+            Input::Prepared {
+                cut,
+                failed,
+                mounts,
+                now,
+            } => self.with_cut(cut, Step::Preparing, |c, this| {
+                c.mounts = mounts;
+                this.prepared(c, failed, now)
+            }),
             Input::IntentRecorded { cut, result, now } => {
                 self.with_cut(cut, Step::Freezing, |c, this| {
                     this.intent_recorded(c, result, now)
@@ -559,6 +659,7 @@ impl Coordinator {
                     freeze_window_ms: None,
                     keep_intent: false,
                     why_not_consistent: None,
+                    full_freeze: None,
                 };
                 let mut cut = Cut::new(id, Vec::new(), Mode::Offline, Step::Committing);
                 cut.commit = Some(commit.clone());
@@ -674,7 +775,18 @@ impl Coordinator {
 
     /// The intent goes to the store first; the freeze follows only once it
     /// is there, so a crash can never leave a frozen guest nobody knows of.
+    /// The freeze's scope is decided here, over the requests the cut holds
+    /// now: a cut whose disks carry no mounted filesystem freezes nothing
+    /// (and needs no intent).
     fn record_intent(&mut self, c: &mut Cut, now: Millis) -> Vec<Command> {
+        let scope = freeze_scope(&c.requests, c.mounts.as_ref());
+        if scope == Scope::List(Vec::new()) {
+            c.scope = Some(scope);
+            c.nothing_to_freeze = true;
+            c.mode = Mode::Live { freeze: false };
+            return self.transact(c);
+        }
+        c.scope = Some(scope);
         let deadline = now + self.deadline_ms;
         c.deadline = Some(deadline);
         c.step = Step::Freezing;
@@ -706,9 +818,14 @@ impl Coordinator {
         c.freeze_sent_at = Some(now);
         // From here until a confirmed thaw the guest may be frozen.
         self.needs_thaw = true;
+        let mountpoints = match &c.scope {
+            Some(Scope::List(l)) => Some(l.clone()),
+            _ => None,
+        };
         vec![Command::Freeze {
             cut: c.id,
             timeout: self.deadline_ms,
+            mountpoints,
         }]
     }
 
@@ -718,6 +835,7 @@ impl Coordinator {
         c.distrust = Some(why.clone());
         fail_required(c, &why);
         c.mode = Mode::Live { freeze: false };
+        c.nothing_to_freeze = false;
         if c.requests.is_empty() {
             c.transacted = Some(TxResult::Rejected(why));
             return self.finish(c, now);
@@ -743,6 +861,7 @@ impl Coordinator {
                 freeze_window_ms: None,
                 keep_intent: self.needs_thaw,
                 why_not_consistent: None,
+                full_freeze: None,
             };
             c.step = Step::Committing;
             c.commit = Some(commit.clone());
@@ -903,7 +1022,9 @@ impl Coordinator {
                     Some(TxResult::Applied) => {
                         let consistent = match c.mode {
                             Mode::Offline => true,
-                            Mode::Live { freeze: false } => false,
+                            Mode::Live { freeze: false } => {
+                                c.nothing_to_freeze && c.distrust.is_none()
+                            }
                             Mode::Live { freeze: true } => c.trusted && c.distrust.is_none(),
                         };
                         if consistent {
@@ -934,6 +1055,10 @@ impl Coordinator {
             freeze_window_ms: c.window,
             keep_intent: self.needs_thaw,
             why_not_consistent: c.distrust.clone(),
+            full_freeze: match &c.scope {
+                Some(Scope::All { why }) => why.clone(),
+                _ => None,
+            },
         };
         c.commit = Some(commit.clone());
         out.push(commit);

@@ -4,7 +4,7 @@
 //! frozen"), someone else thawing the guest, transaction results and daemon
 //! crashes at every step. The invariants are checked after every step.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use proptest::prelude::*;
 
@@ -18,6 +18,7 @@ fn req(name: &str, disk: &str, required: bool) -> Request {
         snapshot: name.into(),
         disk: disk.into(),
         required,
+        whole_vm: false,
     }
 }
 
@@ -43,6 +44,7 @@ fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
     let out = c.handle(Input::Prepared {
         cut: 1,
         failed: vec![],
+        mounts: None,
         now: 5,
     });
     assert_eq!(
@@ -63,7 +65,8 @@ fn one_cut_freezes_once_cuts_all_disks_in_one_transaction_and_thaws() {
         out,
         vec![Command::Freeze {
             cut: 1,
-            timeout: DEADLINE
+            timeout: DEADLINE,
+            mountpoints: None,
         }]
     );
     let out = c.handle(Input::FreezeReplied {
@@ -140,6 +143,7 @@ fn requests_made_while_a_cut_is_prepared_join_it_when_their_disk_is_ready() {
     let out = c.handle(Input::Prepared {
         cut: 1,
         failed: vec![],
+        mounts: None,
         now: 5,
     });
     assert!(matches!(out[..], [Command::RecordIntent { cut: 1, .. }]));
@@ -200,6 +204,7 @@ fn only_a_request_soon_after_a_cut_is_gathered() {
     c.handle(Input::Prepared {
         cut: 1,
         failed: vec![],
+        mounts: None,
         now: 5,
     });
     c.handle(Input::IntentRecorded {
@@ -230,6 +235,7 @@ fn a_late_request_of_a_disk_that_failed_to_prepare_waits_for_the_next_cut() {
     let out = c.handle(Input::Prepared {
         cut: 1,
         failed: vec![("b".into(), "disk full".into())],
+        mounts: None,
         now: 5,
     });
     assert!(matches!(out[..], [Command::RecordIntent { cut: 1, .. }]));
@@ -254,6 +260,7 @@ fn requests_made_together_are_never_split_between_two_cuts() {
     let out = c.handle(Input::Prepared {
         cut: 1,
         failed: vec![],
+        mounts: None,
         now: 5,
     });
     assert!(matches!(out[..], [Command::RecordIntent { cut: 1, .. }]));
@@ -276,6 +283,7 @@ fn a_cut_without_an_agent_takes_no_late_request() {
     let out = c.handle(Input::Prepared {
         cut: 1,
         failed: vec![],
+        mounts: None,
         now: 5,
     });
     assert!(matches!(out[..], [Command::Transact { cut: 1, .. }]));
@@ -338,6 +346,7 @@ fn no_agent_fails_required_and_cuts_the_rest_without_freezing() {
     let out = c.handle(Input::Prepared {
         cut: 1,
         failed: vec![],
+        mounts: None,
         now: 0,
     });
     assert!(
@@ -440,6 +449,7 @@ fn freezing_cut(requests: &[Request]) -> Coordinator {
     c.handle(Input::Prepared {
         cut: 1,
         failed: vec![],
+        mounts: None,
         now: 0,
     });
     c.handle(Input::IntentRecorded {
@@ -531,6 +541,7 @@ fn an_intent_that_cannot_be_stored_stops_the_cut_before_any_freeze() {
     let out = c.handle(Input::Prepared {
         cut: 3,
         failed: vec![],
+        mounts: None,
         now: 0,
     });
     assert!(matches!(out[..], [Command::RecordIntent { .. }]));
@@ -598,6 +609,7 @@ fn one_disk_that_cannot_be_prepared_fails_only_its_own_requests() {
     let out = c.handle(Input::Prepared {
         cut: 1,
         failed: vec![("b".into(), "VirtualDisk \"b\" is not attached".into())],
+        mounts: None,
         now: 0,
     });
     assert!(
@@ -638,6 +650,289 @@ fn a_thaw_after_an_unconfirmed_freeze_checks_that_the_guest_is_frozen() {
         ),
         "{out:?}"
     );
+}
+
+// ------------------------------------------------------------ what to freeze
+
+/// Four disks: `/a` on a, `/b` on b, `/lv` spans c and d (LVM).
+fn four_disks() -> Mounts {
+    let mut m = Mounts::default();
+    for (d, points) in [
+        ("a", vec!["/a"]),
+        ("b", vec!["/b"]),
+        ("c", vec!["/lv"]),
+        ("d", vec!["/lv"]),
+        ("e", vec![]),
+    ] {
+        m.by_disk
+            .insert(d.into(), points.into_iter().map(String::from).collect());
+    }
+    m
+}
+
+fn vm_req(name: &str, disk: &str) -> Request {
+    Request {
+        whole_vm: true,
+        ..req(name, disk, true)
+    }
+}
+
+fn list(points: &[&str]) -> Scope {
+    Scope::List(points.iter().map(|p| p.to_string()).collect())
+}
+
+#[test]
+fn a_disk_snapshot_freezes_only_the_filesystems_on_its_disk() {
+    let m = Ok(four_disks());
+    assert_eq!(
+        freeze_scope(&[req("s", "a", true)], Some(&m)),
+        list(&["/a"])
+    );
+    assert_eq!(
+        freeze_scope(&[req("s", "b", true), req("t", "a", false)], Some(&m)),
+        list(&["/a", "/b"])
+    );
+}
+
+#[test]
+fn a_filesystem_that_spans_disks_freezes_when_any_of_them_is_cut() {
+    let m = Ok(four_disks());
+    assert_eq!(
+        freeze_scope(&[req("s", "d", true)], Some(&m)),
+        list(&["/lv"])
+    );
+    assert_eq!(
+        freeze_scope(&[req("s", "c", true), req("t", "d", true)], Some(&m)),
+        list(&["/lv"])
+    );
+}
+
+#[test]
+fn a_vm_snapshot_or_a_cut_that_holds_one_freezes_everything() {
+    let m = Ok(four_disks());
+    assert_eq!(
+        freeze_scope(&[vm_req("v-a", "a"), vm_req("v-b", "b")], Some(&m)),
+        Scope::All { why: None }
+    );
+    // A disk snapshot sharing the cut with a VM snapshot: all.
+    assert_eq!(
+        freeze_scope(&[req("s", "c", true), vm_req("v-a", "a")], Some(&m)),
+        Scope::All { why: None }
+    );
+}
+
+#[test]
+fn an_unmapped_or_unknown_filesystem_freezes_everything_and_says_why() {
+    let mut m = four_disks();
+    m.unmapped = vec!["/x".into()];
+    let Scope::All { why: Some(why) } = freeze_scope(&[req("s", "a", true)], Some(&Ok(m))) else {
+        panic!("an unmapped filesystem must freeze all");
+    };
+    assert_eq!(why, "filesystem /x could not be mapped to a disk");
+    let Scope::All { why: Some(why) } =
+        freeze_scope(&[req("s", "a", true)], Some(&Err("timeout".into())))
+    else {
+        panic!("an agent that cannot list must freeze all");
+    };
+    assert!(why.contains("timeout"), "{why}");
+    assert!(matches!(
+        freeze_scope(&[req("s", "a", true)], None),
+        Scope::All { why: Some(_) }
+    ));
+    // A cut disk the map does not know.
+    assert!(matches!(
+        freeze_scope(&[req("s", "z", true)], Some(&Ok(four_disks()))),
+        Scope::All { why: Some(_) }
+    ));
+}
+
+/// Prepares cut 1 of `requests` with the four-disk map and returns what
+/// follows the intent.
+fn prepared_with_map(requests: &[Request], mounts: Mounts) -> (Coordinator, Vec<Command>) {
+    let mut c = Coordinator::new(DEADLINE);
+    for r in requests {
+        c.handle(Input::Requested(r.clone()));
+    }
+    c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 1,
+        now: 0,
+    });
+    let out = c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![],
+        mounts: Some(Ok(mounts)),
+        now: 1,
+    });
+    (c, out)
+}
+
+#[test]
+fn a_list_freeze_is_sent_with_its_mount_points_and_its_thaw_count_is_checked() {
+    let (mut c, out) = prepared_with_map(&[req("s", "c", true)], four_disks());
+    assert!(matches!(out[..], [Command::RecordIntent { cut: 1, .. }]));
+    let out = c.handle(Input::IntentRecorded {
+        cut: 1,
+        result: Ok(()),
+        now: 2,
+    });
+    assert_eq!(
+        out,
+        vec![Command::Freeze {
+            cut: 1,
+            timeout: DEADLINE,
+            mountpoints: Some(vec!["/lv".into()]),
+        }]
+    );
+    let out = freeze_cut_and_thaw(&mut c, 1, 1);
+    let Some(Command::Commit {
+        outcomes,
+        full_freeze,
+        ..
+    }) = out.last()
+    else {
+        panic!("{out:?}");
+    };
+    assert_eq!(outcomes[0].1, Outcome::Ready { consistent: true });
+    assert_eq!(*full_freeze, None);
+
+    // The thaw reports more than the list froze: something else froze and
+    // thawed the guest meanwhile.
+    let (mut c, _) = prepared_with_map(&[req("s", "c", true)], four_disks());
+    c.handle(Input::IntentRecorded {
+        cut: 1,
+        result: Ok(()),
+        now: 2,
+    });
+    let out = freeze_cut_and_thaw(&mut c, 1, 2);
+    let (outcomes, _) = commit_of(&out);
+    assert!(
+        matches!(&outcomes[0].1, Outcome::Failed(why) if why.contains("froze 1 filesystems but thawed 2")),
+        "{outcomes:?}"
+    );
+}
+
+#[test]
+fn a_list_freeze_counts_filesystems_as_the_agent_does() {
+    // The test guest binds /mnt/vda at /data, and qemu-ga freezes (and
+    // counts) that filesystem once; it does not count one that cannot be
+    // frozen (vfat) either. The thaw count is what is checked.
+    let mut m = four_disks();
+    m.by_disk
+        .insert("a".into(), vec!["/a".into(), "/data".into()]);
+    let (mut c, _) = prepared_with_map(&[req("s", "a", true)], m);
+    let out = c.handle(Input::IntentRecorded {
+        cut: 1,
+        result: Ok(()),
+        now: 2,
+    });
+    assert!(matches!(&out[..], [Command::Freeze { mountpoints: Some(l), .. }] if l.len() == 2));
+    let out = freeze_cut_and_thaw(&mut c, 1, 1);
+    let (outcomes, _) = commit_of(&out);
+    assert_eq!(outcomes[0].1, Outcome::Ready { consistent: true });
+}
+
+#[test]
+fn a_cut_whose_disks_carry_no_filesystem_freezes_nothing() {
+    let (mut c, out) = prepared_with_map(&[req("s", "e", true)], four_disks());
+    assert!(
+        matches!(out[..], [Command::Transact { cut: 1, .. }]),
+        "{out:?}"
+    );
+    assert!(!c.needs_thaw());
+    let out = c.handle(Input::Transacted {
+        cut: 1,
+        result: TxResult::Applied,
+        now: 3,
+    });
+    let (outcomes, took_cut) = commit_of(&out);
+    assert!(took_cut);
+    assert_eq!(outcomes[0].1, Outcome::Ready { consistent: true });
+}
+
+#[test]
+fn an_unmapped_filesystem_freezes_all_and_the_commit_says_why() {
+    let mut m = four_disks();
+    m.unmapped = vec!["/x".into()];
+    let (mut c, _) = prepared_with_map(&[req("s", "a", true)], m);
+    let out = c.handle(Input::IntentRecorded {
+        cut: 1,
+        result: Ok(()),
+        now: 2,
+    });
+    assert!(matches!(
+        out[..],
+        [Command::Freeze {
+            mountpoints: None,
+            ..
+        }]
+    ));
+    let out = freeze_cut_and_thaw(&mut c, 2, 2);
+    let Some(Command::Commit { full_freeze, .. }) = out.last() else {
+        panic!("{out:?}");
+    };
+    assert_eq!(
+        full_freeze.as_deref(),
+        Some("filesystem /x could not be mapped to a disk")
+    );
+}
+
+fn mounts_strategy() -> impl Strategy<Value = Mounts> {
+    // Up to 5 disks, up to 6 filesystems, each on a random set of disks
+    // (none: unmapped).
+    proptest::collection::vec(proptest::collection::btree_set(0u8..5, 0..3), 0..6).prop_map(|fs| {
+        let mut m = Mounts::default();
+        for d in 0..5 {
+            m.by_disk.insert(format!("d{d}"), Vec::new());
+        }
+        for (i, disks) in fs.iter().enumerate() {
+            let point = format!("/fs{i}");
+            if disks.is_empty() {
+                m.unmapped.push(point.clone());
+            }
+            for d in disks {
+                m.by_disk
+                    .get_mut(&format!("d{d}"))
+                    .expect("disk")
+                    .push(point.clone());
+            }
+        }
+        m
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    /// Whatever the map and the cut: a VM snapshot in the cut freezes all;
+    /// an unmapped filesystem freezes all with a reason; otherwise the list
+    /// holds exactly the filesystems that lie on at least one cut disk.
+    #[test]
+    fn the_freeze_covers_every_filesystem_of_the_cut_and_no_other(
+        m in mounts_strategy(),
+        cut in proptest::collection::vec((0u8..5, any::<bool>(), any::<bool>()), 1..5),
+    ) {
+        let requests: Vec<Request> = cut
+            .iter()
+            .enumerate()
+            .map(|(i, (d, vm, required))| Request {
+                whole_vm: *vm,
+                ..req(&format!("s{i}"), &format!("d{d}"), *required)
+            })
+            .collect();
+        let scope = freeze_scope(&requests, Some(&Ok(m.clone())));
+        if requests.iter().any(|r| r.whole_vm) {
+            prop_assert_eq!(scope, Scope::All { why: None });
+        } else if !m.unmapped.is_empty() {
+            prop_assert!(matches!(scope, Scope::All { why: Some(_) }), "an unmapped filesystem must freeze all: {:?}", scope);
+        } else {
+            let expected: BTreeSet<String> = requests
+                .iter()
+                .flat_map(|r| m.by_disk[&r.disk].iter().cloned())
+                .collect();
+            prop_assert_eq!(scope, Scope::List(expected.into_iter().collect()));
+        }
+    }
 }
 
 // ------------------------------------------------------------ simulation
@@ -779,7 +1074,14 @@ struct Sim {
     queue: VecDeque<Command>,
     // guest
     frozen: bool,
+    /// The filesystems the guest has frozen (while `frozen`).
+    frozen_fs: BTreeSet<String>,
     late_freeze: bool,
+    /// What a late freeze freezes: `None` every filesystem.
+    late_list: Option<Vec<String>>,
+    /// How the guest's filesystems lie on the disks, and what the agent
+    /// reports of them (see [`Sim::mounts`]).
+    layout: u8,
     /// Our freeze made the guest frozen at this time and nothing thawed it since.
     frozen_by_us_since: Option<Millis>,
     freeze_sent_at: Option<Millis>,
@@ -816,7 +1118,10 @@ impl Sim {
             agent_present,
             queue: VecDeque::new(),
             frozen: false,
+            frozen_fs: BTreeSet::new(),
             late_freeze: false,
+            late_list: None,
+            layout: 2,
             frozen_by_us_since: None,
             freeze_sent_at: None,
             fault_since_freeze: false,
@@ -909,10 +1214,80 @@ impl Sim {
         if self.late_freeze {
             self.late_freeze = false;
             if !self.frozen {
-                self.frozen = true;
+                let list = self.late_list.take();
+                self.freeze_fs(list.as_deref());
                 self.frozen_by_us_since = Some(self.now);
             }
         }
+    }
+
+    /// The guest's real filesystems: (mount point, the disks it lies on).
+    /// `/s` spans two disks; `/x` lies on a device the VM does not have.
+    fn real_fs(&self) -> Vec<(&'static str, Vec<&'static str>)> {
+        match self.layout {
+            // d0 and d2 carry no filesystem.
+            4 => vec![("/b", vec!["d1"])],
+            3 => vec![
+                ("/a", vec!["d0"]),
+                ("/b", vec!["d1"]),
+                ("/s", vec!["d1", "d2"]),
+                ("/x", vec![]),
+            ],
+            _ => vec![
+                ("/a", vec!["d0"]),
+                ("/b", vec!["d1"]),
+                ("/s", vec!["d1", "d2"]),
+            ],
+        }
+    }
+
+    /// What the agent reports before a live cut's freeze: 0 nothing (it
+    /// was not asked), 1 an error, else the real layout.
+    fn mounts(&self) -> Option<Result<Mounts, String>> {
+        match self.layout {
+            0 => return None,
+            1 => return Some(Err("guest-get-fsinfo: timeout".into())),
+            _ => {}
+        }
+        let mut m = Mounts::default();
+        for d in ["d0", "d1", "d2"] {
+            m.by_disk.insert(d.into(), Vec::new());
+        }
+        for (point, disks) in self.real_fs() {
+            if disks.is_empty() {
+                m.unmapped.push(point.into());
+            }
+            for d in disks {
+                m.by_disk.entry(d.into()).or_default().push(point.into());
+            }
+        }
+        Some(Ok(m))
+    }
+
+    /// The guest freezes `list` (only the mount points it has), or all.
+    fn freeze_fs(&mut self, list: Option<&[String]>) {
+        self.frozen = true;
+        self.frozen_fs = self
+            .real_fs()
+            .into_iter()
+            .map(|(p, _)| p.to_string())
+            .filter(|p| list.is_none_or(|l| l.contains(p)))
+            .collect();
+    }
+
+    /// Every filesystem on the cut's disks is frozen right now (or there
+    /// is none on them).
+    fn cut_disks_frozen(&self, cut: CutId) -> bool {
+        let disks: Vec<String> = self
+            .layers
+            .held
+            .get(&cut)
+            .map(|h| h.iter().map(|(d, _)| d.clone()).collect())
+            .unwrap_or_default();
+        self.real_fs()
+            .into_iter()
+            .filter(|(_, on)| on.iter().any(|d| disks.iter().any(|c| c == d)))
+            .all(|(p, _)| self.frozen && self.frozen_fs.contains(p))
     }
 
     fn advance(&mut self, by: Millis) {
@@ -1050,6 +1425,11 @@ impl Sim {
                 Some(Input::Prepared {
                     cut,
                     failed,
+                    mounts: if live && self.agent_present {
+                        self.mounts()
+                    } else {
+                        None
+                    },
                     now: self.now,
                 })
             }
@@ -1067,7 +1447,33 @@ impl Sim {
                     now: self.now,
                 })
             }
-            Command::Freeze { cut, timeout } => {
+            Command::Freeze {
+                cut,
+                timeout,
+                mountpoints,
+            } => {
+                // I9: a cut with a VM snapshot freezes everything; a list
+                // freeze is never empty and freezes only filesystems on
+                // the cut's disks (a spanning one when any of its disks is).
+                let reqs = self.c.cut_requests().to_vec();
+                if reqs.iter().any(|r| r.whole_vm) {
+                    assert_eq!(mountpoints, None, "I9: a VM snapshot's cut freezes all");
+                }
+                if let Some(list) = &mountpoints {
+                    assert!(!list.is_empty(), "I9: an empty freeze list");
+                    for p in list {
+                        let on = self
+                            .real_fs()
+                            .into_iter()
+                            .find(|(q, _)| q == p)
+                            .map(|(_, on)| on)
+                            .unwrap_or_default();
+                        assert!(
+                            on.iter().any(|d| reqs.iter().any(|r| r.disk == *d)),
+                            "I9: {p} frozen, but it lies on no disk of the cut {reqs:?}"
+                        );
+                    }
+                }
                 // I5: the guest is frozen only with a durable intent for the cut.
                 assert_eq!(
                     self.intent.as_ref().map(|(c, _)| *c),
@@ -1097,14 +1503,15 @@ impl Sim {
                     if self.frozen {
                         Err(AgentFault::DisabledWhileFrozen)
                     } else {
-                        self.frozen = true;
+                        self.freeze_fs(mountpoints.as_deref());
                         self.frozen_by_us_since = Some(self.now);
-                        Ok(2)
+                        Ok(self.frozen_fs.len() as u32)
                     }
                 } else {
                     match fault {
                         Fault::Ok | Fault::TimeoutLate => {
                             self.late_freeze = true;
+                            self.late_list = mountpoints.clone();
                             self.advance(timeout);
                             Err(AgentFault::Timeout)
                         }
@@ -1157,7 +1564,7 @@ impl Sim {
                 // Consistent data needs the filesystems frozen when the
                 // transaction runs (by us, or by someone else who froze
                 // the guest again after thawing it under us).
-                let truth = !live || self.frozen;
+                let truth = !live || self.cut_disks_frozen(cut);
                 let result = match fault {
                     // QEMU is gone: QMP answers nothing.
                     _ if live && !self.qemu_alive => {
@@ -1255,7 +1662,11 @@ impl Sim {
                     }
                     Fault::Ok if d < timeout => {
                         self.advance(d);
-                        let n = if self.frozen { 2 } else { 0 };
+                        let n = if self.frozen {
+                            self.frozen_fs.len() as u32
+                        } else {
+                            0
+                        };
                         self.frozen = false;
                         self.frozen_by_us_since = None;
                         self.freeze_sent_at = None;
@@ -1362,7 +1773,10 @@ impl Sim {
         let mut group = Vec::new();
         for disk in 0..3 {
             self.next_id += 1;
-            let r = req(&format!("s{}", self.next_id), &format!("d{disk}"), required);
+            let r = Request {
+                whole_vm: true,
+                ..req(&format!("s{}", self.next_id), &format!("d{disk}"), required)
+            };
             self.snaps
                 .insert(r.snapshot.clone(), (r.clone(), Phase::Pending));
             group.push(r.snapshot.clone());
@@ -1425,7 +1839,7 @@ impl Sim {
             self.frozen_by_us_since = None;
             self.interloped = true;
         } else if !self.unthawed_freeze {
-            self.frozen = true;
+            self.freeze_fs(None);
         }
     }
 
@@ -1480,8 +1894,9 @@ impl Sim {
     }
 }
 
-fn run(vm_running: bool, agent_present: bool, actions: Vec<Action>) {
+fn run(vm_running: bool, agent_present: bool, layout: u8, actions: Vec<Action>) {
     let mut sim = Sim::new(vm_running, agent_present);
+    sim.layout = layout;
     for a in actions {
         match a {
             Action::Request(d, r) => sim.request(d, r),
@@ -1499,8 +1914,11 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
     #[test]
-    fn invariants_hold_over_random_interleavings_with_an_agent(actions in proptest::collection::vec(action(), 0..80)) {
-        run(true, true, actions);
+    fn invariants_hold_over_random_interleavings_with_an_agent(
+        layout in 0u8..5,
+        actions in proptest::collection::vec(action(), 0..80),
+    ) {
+        run(true, true, layout, actions);
     }
 
     #[test]
@@ -1508,7 +1926,7 @@ proptest! {
         running in any::<bool>(),
         actions in proptest::collection::vec(action(), 0..60),
     ) {
-        run(running, false, actions);
+        run(running, false, 2, actions);
     }
 }
 
