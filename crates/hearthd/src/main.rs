@@ -13,9 +13,9 @@ use hearth_engine::{Engine, EngineConfig};
 use hearth_qemu::accel::{self, AccelDecision};
 use hearth_qemu::cmdline::Accel;
 
-/// The hearth daemon: keeps VirtualMachines and VirtualDisks in their declared
-/// state on this host, takes consistent snapshots of them, and serves the API
-/// that `hearth` talks to.
+/// The hearth daemon: keeps VirtualMachines, VirtualDisks, VirtualImages and
+/// VirtualNetworks in their declared state on this host, takes consistent
+/// snapshots of them, and serves the API that `hearth` talks to.
 ///
 /// Every flag can also be set in the configuration file (its long name as the
 /// key; flags > environment > file > defaults: docs/configuration.md).
