@@ -38,7 +38,7 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 mod support;
-use support::{loadavg, stats};
+use support::{clock_offset, loadavg, stats};
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -469,30 +469,6 @@ fn collect_writers(d: &Daemon, g: &Guest) -> Vec<Vec<(f64, f64)>> {
     }
 }
 
-/// Guest CLOCK_MONOTONIC → host ms since `epoch`: an interval of offsets.
-fn clock_offset(d: &Daemon, g: &Guest, epoch: Instant) -> (f64, f64) {
-    let ms = |i: Instant| i.duration_since(epoch).as_secs_f64() * 1e3;
-    let mut best = (f64::NEG_INFINITY, f64::INFINITY);
-    let mut narrowest = (f64::NEG_INFINITY, f64::INFINITY);
-    for _ in 0..3 {
-        let before = ms(Instant::now());
-        let (code, out) = exec(d, g, "/bin/stallwatch -t");
-        let after = ms(Instant::now());
-        assert_eq!(code, 0, "stallwatch -t: {out}");
-        let t: f64 = out
-            .trim()
-            .strip_prefix("now_ms=")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("stallwatch -t printed: {out}"));
-        let probe = (before - t, after - t);
-        best = (best.0.max(probe.0), best.1.min(probe.1));
-        if probe.1 - probe.0 < narrowest.1 - narrowest.0 {
-            narrowest = probe;
-        }
-    }
-    if best.0 <= best.1 { best } else { narrowest }
-}
-
 fn unix_ms(t: SystemTime) -> f64 {
     t.duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs_f64() * 1e3)
@@ -508,7 +484,7 @@ fn one_rep(d: &Daemon, g: &Guest, round: usize, seconds: u64) -> Rep {
     let epoch = Instant::now();
     let host_ms = || epoch.elapsed().as_secs_f64() * 1e3;
     start_writers(d, g, seconds);
-    let (lo, hi) = clock_offset(d, g, epoch);
+    let (lo, hi) = clock_offset(epoch, |cmd| exec(d, g, cmd));
     std::thread::sleep(Duration::from_millis(200));
     let snap = format!("{}-s{round}", g.name);
     let mut cmd = match g.side {

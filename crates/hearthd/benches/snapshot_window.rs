@@ -41,7 +41,7 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 mod support;
-use support::{all_qemus, loadavg, stats};
+use support::{all_qemus, clock_offset, loadavg, stats};
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -454,36 +454,6 @@ fn collect_writers(d: &Daemon, vm: &str, devs: &[String]) -> Vec<Report> {
     }
 }
 
-/// Guest CLOCK_MONOTONIC → host time: an interval `(lo, hi)` such that
-/// `host_ms = guest_ms + offset` for some offset in it (host ms counted from
-/// `epoch`). Each probe brackets one guest clock reading between two host
-/// readings; the intersection of three probes is kept.
-fn clock_offset(d: &Daemon, vm: &str, epoch: Instant) -> (f64, f64) {
-    let ms = |i: Instant| i.duration_since(epoch).as_secs_f64() * 1e3;
-    let mut best = (f64::NEG_INFINITY, f64::INFINITY);
-    let mut narrowest = (f64::NEG_INFINITY, f64::INFINITY);
-    for _ in 0..3 {
-        let before = ms(Instant::now());
-        let (code, out) = exec(d, vm, "/bin/stallwatch -t");
-        let after = ms(Instant::now());
-        assert_eq!(code, 0, "stallwatch -t: {out}");
-        let g = guest_now(&out);
-        let probe = (before - g, after - g);
-        best = (best.0.max(probe.0), best.1.min(probe.1));
-        if probe.1 - probe.0 < narrowest.1 - narrowest.0 {
-            narrowest = probe;
-        }
-    }
-    if best.0 <= best.1 { best } else { narrowest }
-}
-
-fn guest_now(line: &str) -> f64 {
-    line.trim()
-        .strip_prefix("now_ms=")
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("stallwatch -t printed: {line}"))
-}
-
 /// One writer's report.
 struct Report {
     max_stall: f64,
@@ -537,7 +507,7 @@ fn one_rep(
     // The span request → Ready in guest time, widened by the clock relation.
     let mut cut_span = None;
     if let Some((plural, name, item)) = snapshot {
-        let (lo, hi) = clock_offset(d, vm, epoch);
+        let (lo, hi) = clock_offset(epoch, |cmd| exec(d, vm, cmd));
         rep.sync_ms = hi - lo;
         std::thread::sleep(Duration::from_millis(200));
         let requested = host_ms();
@@ -836,4 +806,12 @@ fn fmt_stats(xs: &[f64], decimals: usize) -> String {
     }
     let (med, min, max) = stats(xs);
     format!("{med:.decimals$} ({min:.decimals$}–{max:.decimals$})")
+}
+
+/// The guest's CLOCK_MONOTONIC in ms, from a `stallwatch -t` line.
+fn guest_now(line: &str) -> f64 {
+    line.trim()
+        .strip_prefix("now_ms=")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("stallwatch -t printed: {line}"))
 }

@@ -44,3 +44,35 @@ pub fn all_qemus() -> usize {
         })
         .count()
 }
+
+/// Guest CLOCK_MONOTONIC → host time: an interval `(lo, hi)` such that
+/// `host_ms = guest_ms + offset` for some offset in it (host ms counted from
+/// `epoch`). Each probe brackets one guest clock reading (`stallwatch -t`,
+/// run by `exec`, which answers exit code and output) between two host
+/// readings; the intersection of three probes is kept, or the narrowest
+/// probe when they do not intersect.
+pub fn clock_offset(
+    epoch: std::time::Instant,
+    mut exec: impl FnMut(&str) -> (i64, String),
+) -> (f64, f64) {
+    let ms = |i: std::time::Instant| i.duration_since(epoch).as_secs_f64() * 1e3;
+    let mut best = (f64::NEG_INFINITY, f64::INFINITY);
+    let mut narrowest = (f64::NEG_INFINITY, f64::INFINITY);
+    for _ in 0..3 {
+        let before = ms(std::time::Instant::now());
+        let (code, out) = exec("/bin/stallwatch -t");
+        let after = ms(std::time::Instant::now());
+        assert_eq!(code, 0, "stallwatch -t: {out}");
+        let g: f64 = out
+            .trim()
+            .strip_prefix("now_ms=")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("stallwatch -t printed: {out}"));
+        let probe = (before - g, after - g);
+        best = (best.0.max(probe.0), best.1.min(probe.1));
+        if probe.1 - probe.0 < narrowest.1 - narrowest.0 {
+            narrowest = probe;
+        }
+    }
+    if best.0 <= best.1 { best } else { narrowest }
+}
