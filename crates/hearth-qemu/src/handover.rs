@@ -295,14 +295,21 @@ pub fn open_tap(name: &str) -> Result<OwnedFd, HandoverError> {
         tap: name.to_owned(),
         source,
     };
+    tun_attach(name).map_err(err)
+}
+
+/// Opens `/dev/net/tun` and attaches it to tap `name` (`TUNSETIFF` with
+/// `IFF_TAP | IFF_NO_PI | IFF_VNET_HDR`; the kernel makes the tap if it does
+/// not exist). `name` must be shorter than `IFNAMSIZ`. The one place hearth
+/// speaks the tun ioctl: the network side makes its persistent taps with it.
+pub fn tun_attach(name: &str) -> std::io::Result<OwnedFd> {
     if name.is_empty() || name.len() >= libc::IFNAMSIZ {
-        return Err(err(std::io::Error::from_raw_os_error(libc::EINVAL)));
+        return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
     }
     let file = OpenOptions::new()
         .read(true)
         .write(true)
-        .open("/dev/net/tun")
-        .map_err(err)?;
+        .open("/dev/net/tun")?;
     let mut req = IfReq {
         name: [0; libc::IFNAMSIZ],
         flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR,
@@ -313,7 +320,7 @@ pub fn open_tap(name: &str) -> Result<OwnedFd, HandoverError> {
     // the argument points to a live, correctly laid out ifreq.
     let rc = unsafe { libc::ioctl(file.as_raw_fd(), TUNSETIFF, &mut req as *mut IfReq) };
     if rc < 0 {
-        return Err(err(std::io::Error::last_os_error()));
+        return Err(std::io::Error::last_os_error());
     }
     Ok(file.into())
 }

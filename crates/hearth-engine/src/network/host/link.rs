@@ -501,42 +501,21 @@ fn link_name(m: &LinkMessage) -> Option<String> {
 }
 
 // <linux/if_tun.h>
-const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
 const TUNSETPERSIST: libc::c_ulong = 0x4004_54cb;
 const TUNSETOWNER: libc::c_ulong = 0x4004_54cc;
-const IFF_TAP: libc::c_short = 0x0002;
-const IFF_NO_PI: libc::c_short = 0x1000;
-const IFF_VNET_HDR: libc::c_short = 0x4000;
-
-#[repr(C)]
-struct IfReq {
-    name: [u8; libc::IFNAMSIZ],
-    flags: libc::c_short,
-    _pad: [u8; 22],
-}
 
 /// Creates a persistent tap (`IFF_TAP | IFF_NO_PI | IFF_VNET_HDR`, owner
 /// root) so that QEMU can open it by name later; the creating file
 /// descriptor is closed again.
 pub fn create_persistent_tap(name: &str) -> Result<(), HostError> {
     check_ifname("tap", "name", name, Some(TAP_PREFIX))?;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/net/tun")
-        .map_err(|e| HostError::io("opening /dev/net/tun", e))?;
-    let mut req = IfReq {
-        name: [0; libc::IFNAMSIZ],
-        flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR,
-        _pad: [0; 22],
-    };
-    // check_ifname bounds the name to 15 bytes: the NUL terminator stays.
-    req.name[..name.len()].copy_from_slice(name.as_bytes());
-    let fd = file.as_raw_fd();
+    // check_ifname bounds the name to 15 bytes.
+    let tun = hearth_qemu::handover::tun_attach(name)
+        .map_err(|e| HostError::io(format!("tap {name}: opening /dev/net/tun, TUNSETIFF"), e))?;
+    let fd = tun.as_raw_fd();
     let ioctl = |op: libc::c_ulong, arg: libc::c_ulong, what: &str| -> Result<(), HostError> {
-        // SAFETY: fd is an open /dev/net/tun descriptor owned by `file`; the
-        // argument is either a pointer to a live, correctly laid out ifreq or
-        // an integer, as each request expects.
+        // SAFETY: fd is an open /dev/net/tun descriptor owned by `tun`; the
+        // argument is an integer, as each request expects.
         let rc = unsafe { libc::ioctl(fd, op, arg) };
         if rc < 0 {
             Err(HostError::io(
@@ -547,11 +526,6 @@ pub fn create_persistent_tap(name: &str) -> Result<(), HostError> {
             Ok(())
         }
     };
-    ioctl(
-        TUNSETIFF,
-        &mut req as *mut IfReq as libc::c_ulong,
-        "TUNSETIFF",
-    )?;
     ioctl(TUNSETOWNER, 0, "TUNSETOWNER")?;
     ioctl(TUNSETPERSIST, 1, "TUNSETPERSIST")?;
     Ok(())
