@@ -729,6 +729,7 @@ impl Engine {
             }
             Object::VirtualDiskSnapshot(_)
             | Object::VirtualMachineSnapshot(_)
+            | Object::VirtualMachineSnapshotGroup(_)
             | Object::VirtualNetwork(_) => {}
         }
         Ok(())
@@ -1038,6 +1039,9 @@ impl Engine {
                 }
                 Kind::VirtualMachineSnapshot => {
                     crate::snapshot::reconcile_vm_snapshot(&self.ctx, &key.1).await
+                }
+                Kind::VirtualMachineSnapshotGroup => {
+                    crate::snapshot::reconcile_group(&self.ctx, &key.1).await
                 }
                 Kind::VirtualImage => crate::image::reconcile(&self.ctx, &key.1).await,
                 Kind::VirtualNetwork => crate::network::reconcile(&self.ctx, &key.1).await,
