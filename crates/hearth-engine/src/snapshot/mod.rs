@@ -12,7 +12,7 @@ mod reconcile;
 pub mod storage;
 
 pub use actor::{Actors, target_of};
-pub use group_run::reconcile_group;
+pub use group_run::{member_name as group_member_name, reconcile_group};
 pub use reconcile::{reconcile_disk_snapshot, reconcile_vm_snapshot};
 
 /// Milliseconds on one monotonic clock shared by every snapshot actor and
