@@ -206,10 +206,14 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), Recon
                     return Ok(());
                 }
             }
+            tracing::info!(group = name, members = ?status.virtual_machine_snapshot_names, "no run of the group goes on: failing it");
+            // Only if it is still in progress: the status read above may
+            // predate the outcome a run that just ended wrote.
             finish(
                 ctx,
                 name,
                 &status.virtual_machine_snapshot_names,
+                true,
                 &GroupOutcome::Failed(
                     "hearthd restarted during the group's cut; every member was thawed, and the group is not retaken member by member".into(),
                 ),
@@ -231,7 +235,9 @@ async fn run(
     let members: Vec<String> = vms.iter().map(|vm| member_name(&name, vm)).collect();
     let mut cuts: HashMap<String, CutId> = HashMap::new();
     let mut queue: Vec<GroupCommand> = Vec::new();
-    while !core.is_done() {
+    // The queue is always drained before the end is looked at: the
+    // outcome is the last command.
+    loop {
         for cmd in std::mem::take(&mut queue) {
             match cmd {
                 GroupCommand::RecordIntent { deadline } => {
@@ -294,7 +300,7 @@ async fn run(
                 GroupCommand::Finish(outcome) => {
                     // Written again until it lands: the members are settled,
                     // nothing is frozen, only the record is missing.
-                    while let Err(e) = finish(&ctx, &name, &members, &outcome) {
+                    while let Err(e) = finish(&ctx, &name, &members, false, &outcome) {
                         tracing::error!(group = name, error = %e, "cannot record the group's outcome; retrying");
                         tokio::time::sleep(Duration::from_secs(1)).await;
                     }
@@ -348,17 +354,21 @@ async fn run(
             }
         }
     }
+    tracing::info!(group = name, "the group's run ends");
     ctx.snapshots.unregister_group(&name);
     ctx.wake(Kind::VirtualMachineSnapshotGroup, &name);
 }
 
 /// Records the group's outcome. A failed group fails every member VM
 /// snapshot and its disk snapshots with the group's reason, in the same
-/// transaction: nothing of a failed group is shown as Ready.
+/// transaction: nothing of a failed group is shown as Ready. With
+/// `only_in_progress`, nothing is written unless the group is still
+/// InProgress when the transaction reads it.
 fn finish(
     ctx: &Context,
     name: &str,
     members: &[String],
+    only_in_progress: bool,
     outcome: &GroupOutcome,
 ) -> Result<(), crate::store::StoreError> {
     let mut cut_id = None;
@@ -370,7 +380,20 @@ fn finish(
             size += st.size.unwrap_or(0);
         }
     }
-    ctx.store.with_tx(|tx| {
+    let written = ctx.store.with_tx(|tx| {
+        if only_in_progress {
+            let current: Option<String> = rusqlite::OptionalExtension::optional(tx.query_row(
+                "SELECT status FROM objects WHERE kind = ?1 AND name = ?2",
+                params![Kind::VirtualMachineSnapshotGroup.as_str(), name],
+                |r| r.get(0),
+            ))?;
+            let phase = current
+                .and_then(|c| serde_json::from_str::<SnapshotStatus>(&c).ok())
+                .map(|s| s.phase);
+            if phase != Some(SnapshotPhase::InProgress) {
+                return Ok(false);
+            }
+        }
         if let GroupOutcome::Failed(why) = outcome {
             for m in members {
                 let children = Store::update_status_tx::<SnapshotStatus, _>(
@@ -457,8 +480,11 @@ fn finish(
             reason,
             &message,
         )?;
-        Ok(())
+        Ok(true)
     })?;
+    if !written {
+        return Ok(());
+    }
     crate::metrics::snapshot_settled(
         ctx,
         Kind::VirtualMachineSnapshotGroup,
