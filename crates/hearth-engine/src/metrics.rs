@@ -252,10 +252,10 @@ fn vm_phase_name(p: VmPhase) -> PhaseName {
 pub async fn sample(ctx: &Context) -> Sample {
     let mut out = Sample::default();
     for kind in [
-            Kind::VirtualDiskSnapshot,
-            Kind::VirtualMachineSnapshot,
-            Kind::VirtualMachineSnapshotGroup,
-        ] {
+        Kind::VirtualDiskSnapshot,
+        Kind::VirtualMachineSnapshot,
+        Kind::VirtualMachineSnapshotGroup,
+    ] {
         for phase in SNAPSHOT_PHASES {
             out.snapshots.insert((kind, snapshot_phase_name(phase)), 0);
         }

@@ -394,9 +394,17 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
     let slow0 = hook_counts(&d, "slow");
     let (status, v) = d.apply_json(vec![group("late", &["app", "slow"], true)]);
     assert_eq!(status, 200, "{v}");
-    wait_until("app frozen and thawed", Duration::from_secs(60), || {
-        hook_counts(&d, "app") == (app0.0 + 1, app0.1 + 1)
-    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while hook_counts(&d, "app") != (app0.0 + 1, app0.1 + 1) {
+        assert!(
+            Instant::now() < deadline,
+            "app not frozen and thawed: {:?} from {app0:?}; {:#}\n{}",
+            hook_counts(&d, "app"),
+            get(&d, "virtualmachinesnapshotgroups", "late").unwrap_or_default(),
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     assert_eq!(
         hook_counts(&d, "slow"),
         (slow0.0 + 1, slow0.1),

@@ -526,7 +526,12 @@ pub fn request_of(store: &Store, snap: &VirtualDiskSnapshot) -> Request {
         .managed_by
         .as_deref()
         .and_then(|m| m.strip_prefix("VirtualMachineSnapshot/"))
-        .and_then(|parent| store.get(Kind::VirtualMachineSnapshot, parent).ok().flatten())
+        .and_then(|parent| {
+            store
+                .get(Kind::VirtualMachineSnapshot, parent)
+                .ok()
+                .flatten()
+        })
         .and_then(|p| {
             p.object
                 .metadata()

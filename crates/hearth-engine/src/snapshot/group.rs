@@ -65,10 +65,20 @@ pub enum GroupInput {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum GroupCommand {
     /// Store the group's intent; no member freezes before it is stored.
-    RecordIntent { deadline: Millis },
-    GoFreeze { vm: String, deadline: Millis },
-    GoCut { vm: String },
-    Abort { vm: String, why: String },
+    RecordIntent {
+        deadline: Millis,
+    },
+    GoFreeze {
+        vm: String,
+        deadline: Millis,
+    },
+    GoCut {
+        vm: String,
+    },
+    Abort {
+        vm: String,
+        why: String,
+    },
     /// Every member is settled: record the group's outcome (and, when it
     /// failed, fail every member snapshot with it).
     Finish(GroupOutcome),
@@ -88,7 +98,9 @@ enum Member {
     Preparing,
     AtFreeze,
     Freezing,
-    AtCut { frozen: bool },
+    AtCut {
+        frozen: bool,
+    },
     Cutting,
     /// Told to abort; its Finished is awaited.
     Aborting,
@@ -244,14 +256,14 @@ impl Group {
                     ready: false, why, ..
                 } => Some(format!(
                     "member VirtualMachine {vm:?} failed: {}",
-                    why.clone().unwrap_or_else(|| "its snapshot was not taken".into())
+                    why.clone()
+                        .unwrap_or_else(|| "its snapshot was not taken".into())
                 )),
                 Member::Done {
-                    consistent: false,
-                    ..
-                } if self.required => Some(format!(
-                    "member VirtualMachine {vm:?} is not consistent"
-                )),
+                    consistent: false, ..
+                } if self.required => {
+                    Some(format!("member VirtualMachine {vm:?} is not consistent"))
+                }
                 _ => None,
             });
             if let Some(why) = failed {
@@ -262,9 +274,7 @@ impl Group {
         let done_ok = |m: &Member| matches!(m, Member::Done { ready: true, .. });
         match self.phase.clone() {
             Phase::Gathering => {
-                if all(&|m| {
-                    matches!(m, Member::AtFreeze | Member::AtCut { .. }) || done_ok(m)
-                }) {
+                if all(&|m| matches!(m, Member::AtFreeze | Member::AtCut { .. }) || done_ok(m)) {
                     if self.members.values().any(|m| *m == Member::AtFreeze) {
                         let deadline = now + self.deadline_ms;
                         self.deadline = Some(deadline);
@@ -296,10 +306,15 @@ impl Group {
             }
             Phase::Cutting => {
                 if all(&|m| matches!(m, Member::Done { .. })) {
-                    let consistent = self
-                        .members
-                        .values()
-                        .all(|m| matches!(m, Member::Done { consistent: true, .. }));
+                    let consistent = self.members.values().all(|m| {
+                        matches!(
+                            m,
+                            Member::Done {
+                                consistent: true,
+                                ..
+                            }
+                        )
+                    });
                     let window_ms = self
                         .members
                         .values()

@@ -64,9 +64,14 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), Recon
         }
         let mut left = 0;
         for member in &status.virtual_machine_snapshot_names {
-            if ctx.store.get(Kind::VirtualMachineSnapshot, member)?.is_some() {
+            if ctx
+                .store
+                .get(Kind::VirtualMachineSnapshot, member)?
+                .is_some()
+            {
                 left += 1;
-                ctx.store.mark_deleting(Kind::VirtualMachineSnapshot, member)?;
+                ctx.store
+                    .mark_deleting(Kind::VirtualMachineSnapshot, member)?;
                 ctx.wake(Kind::VirtualMachineSnapshot, member);
             }
         }
@@ -93,7 +98,9 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), Recon
                         ctx,
                         name,
                         "VirtualMachineNotFound",
-                        &format!("spec.virtualMachineNames: VirtualMachine {vm_name:?} does not exist"),
+                        &format!(
+                            "spec.virtualMachineNames: VirtualMachine {vm_name:?} does not exist"
+                        ),
                     );
                     return Ok(());
                 };
@@ -110,7 +117,11 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), Recon
                     );
                     return Ok(());
                 }
-                if ctx.store.get(Kind::VirtualMachineSnapshot, &member)?.is_some() {
+                if ctx
+                    .store
+                    .get(Kind::VirtualMachineSnapshot, &member)?
+                    .is_some()
+                {
                     fail_group(
                         ctx,
                         name,
@@ -144,8 +155,7 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), Recon
             // a group shown InProgress.
             let written = ctx.store.with_tx(|tx| {
                 for m in &members {
-                    let body =
-                        serde_json::to_string(&Object::VirtualMachineSnapshot(m.clone()))?;
+                    let body = serde_json::to_string(&Object::VirtualMachineSnapshot(m.clone()))?;
                     tx.execute(
                         "INSERT INTO objects (kind, name, body, status) VALUES (?1, ?2, ?3, ?4)",
                         params![
@@ -238,11 +248,14 @@ async fn run(
     // The queue is always drained before the end is looked at: the
     // outcome is the last command.
     loop {
-        for cmd in std::mem::take(&mut queue) {
-            match cmd {
-                GroupCommand::RecordIntent { deadline } => {
-                    let left = deadline.saturating_sub(clock_ms());
-                    let result = ctx
+        // Commands a command's result makes (the freezes after the intent)
+        // run at once, not after the next wait.
+        while !queue.is_empty() {
+            for cmd in std::mem::take(&mut queue) {
+                match cmd {
+                    GroupCommand::RecordIntent { deadline } => {
+                        let left = deadline.saturating_sub(clock_ms());
+                        let result = ctx
                         .store
                         .with_tx(|tx| {
                             Store::update_status_tx::<SnapshotStatus, _>(
@@ -266,43 +279,44 @@ async fn run(
                             Ok(())
                         })
                         .map_err(|e| e.to_string());
-                    queue.extend(core.handle(GroupInput::IntentRecorded {
-                        result,
-                        now: clock_ms(),
-                    }));
-                }
-                GroupCommand::GoFreeze { vm, deadline } => {
-                    if let Some(cut) = cuts.get(&vm) {
-                        let input = Input::GroupGoFreeze {
-                            cut: *cut,
-                            deadline,
-                            now: 0,
-                        };
-                        ctx.snapshots.signal(&format!("vm/{vm}"), input);
+                        queue.extend(core.handle(GroupInput::IntentRecorded {
+                            result,
+                            now: clock_ms(),
+                        }));
                     }
-                }
-                GroupCommand::GoCut { vm } => {
-                    if let Some(cut) = cuts.get(&vm) {
-                        let input = Input::GroupGoCut { cut: *cut, now: 0 };
-                        ctx.snapshots.signal(&format!("vm/{vm}"), input);
+                    GroupCommand::GoFreeze { vm, deadline } => {
+                        if let Some(cut) = cuts.get(&vm) {
+                            let input = Input::GroupGoFreeze {
+                                cut: *cut,
+                                deadline,
+                                now: 0,
+                            };
+                            ctx.snapshots.signal(&format!("vm/{vm}"), input);
+                        }
                     }
-                }
-                GroupCommand::Abort { vm, why } => {
-                    if let Some(cut) = cuts.get(&vm) {
-                        let input = Input::GroupAbort {
-                            cut: *cut,
-                            why,
-                            now: 0,
-                        };
-                        ctx.snapshots.signal(&format!("vm/{vm}"), input);
+                    GroupCommand::GoCut { vm } => {
+                        if let Some(cut) = cuts.get(&vm) {
+                            let input = Input::GroupGoCut { cut: *cut, now: 0 };
+                            ctx.snapshots.signal(&format!("vm/{vm}"), input);
+                        }
                     }
-                }
-                GroupCommand::Finish(outcome) => {
-                    // Written again until it lands: the members are settled,
-                    // nothing is frozen, only the record is missing.
-                    while let Err(e) = finish(&ctx, &name, &members, false, &outcome) {
-                        tracing::error!(group = name, error = %e, "cannot record the group's outcome; retrying");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    GroupCommand::Abort { vm, why } => {
+                        if let Some(cut) = cuts.get(&vm) {
+                            let input = Input::GroupAbort {
+                                cut: *cut,
+                                why,
+                                now: 0,
+                            };
+                            ctx.snapshots.signal(&format!("vm/{vm}"), input);
+                        }
+                    }
+                    GroupCommand::Finish(outcome) => {
+                        // Written again until it lands: the members are settled,
+                        // nothing is frozen, only the record is missing.
+                        while let Err(e) = finish(&ctx, &name, &members, false, &outcome) {
+                            tracing::error!(group = name, error = %e, "cannot record the group's outcome; retrying");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
                     }
                 }
             }
@@ -333,7 +347,8 @@ async fn run(
                     let failed = match ctx.store.get(Kind::VirtualMachineSnapshot, member) {
                         Ok(Some(s)) => {
                             let st = status_of(&s.status);
-                            (st.phase == SnapshotPhase::Failed).then(|| st.message.unwrap_or_default())
+                            (st.phase == SnapshotPhase::Failed)
+                                .then(|| st.message.unwrap_or_default())
                         }
                         Ok(None) => Some("its VM snapshot was deleted".into()),
                         Err(_) => None,

@@ -20,5 +20,8 @@ pub use reconcile::{reconcile_disk_snapshot, reconcile_vm_snapshot};
 /// to each of its members.
 pub(crate) fn clock_ms() -> coordinator::Millis {
     static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
-    EPOCH.get_or_init(std::time::Instant::now).elapsed().as_millis() as coordinator::Millis
+    EPOCH
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as coordinator::Millis
 }

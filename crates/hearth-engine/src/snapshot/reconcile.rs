@@ -115,7 +115,8 @@ pub async fn reconcile_disk_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(
         return Ok(());
     }
     let target = target_of(ctx, disk)?;
-    ctx.snapshots.request(ctx, &target, vec![request_of(&ctx.store, snap)]);
+    ctx.snapshots
+        .request(ctx, &target, vec![request_of(&ctx.store, snap)]);
     Ok(())
 }
 

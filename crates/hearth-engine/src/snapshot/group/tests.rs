@@ -10,8 +10,8 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::snapshot::coordinator::{
-    self as co, Access, AgentFault, Command, Coordinator, Durable, Input, Mounts, Outcome,
-    Request, TxResult,
+    self as co, Access, AgentFault, Command, Coordinator, Durable, Input, Mounts, Outcome, Request,
+    TxResult,
 };
 
 const DEADLINE: Millis = 10_000;
@@ -189,7 +189,8 @@ impl Sim {
             return;
         }
         let cmd = self.vms[i].queue.pop_front().unwrap();
-        self.log.push(format!("{}: {cmd:?} fault {fault}", self.vms[i].name));
+        self.log
+            .push(format!("{}: {cmd:?} fault {fault}", self.vms[i].name));
         let agent_fault = match fault % 8 {
             0..=4 => None,
             5 => Some((AgentFault::Error("boom".into()), false)),
@@ -236,7 +237,10 @@ impl Sim {
                     "I5: a member froze before the group's intent was stored\n{:#?}",
                     self.log
                 );
-                assert!(self.vms[i].intent.is_some(), "a freeze without the VM's intent");
+                assert!(
+                    self.vms[i].intent.is_some(),
+                    "a freeze without the VM's intent"
+                );
                 // A slow freeze hook: the freeze takes `took` ms.
                 let slow = took > timeout;
                 let result = match &agent_fault {
@@ -287,7 +291,9 @@ impl Sim {
                 if self.required && self.vms[i].agent != Agent::Stopped {
                     for v in &self.vms {
                         assert!(
-                            v.frozen || v.agent == Agent::Stopped || (v.cut_done && v.name != self.vms[i].name),
+                            v.frozen
+                                || v.agent == Agent::Stopped
+                                || (v.cut_done && v.name != self.vms[i].name),
                             "I1: {} cut while {} is not frozen\n{:#?}",
                             self.vms[i].name,
                             v.name,
@@ -320,7 +326,9 @@ impl Sim {
                 },
             ),
             Command::Thaw {
-                cut, only_if_frozen, ..
+                cut,
+                only_if_frozen,
+                ..
             } => {
                 let result = match agent_fault {
                     Some((f, effect)) => {
@@ -593,7 +601,12 @@ impl Sim {
                 self.step_member(i, 0, 20);
             }
             self.step_group(0);
-            if self.busy() && self.vms.iter().all(|v| v.queue.is_empty() && v.inbox.is_empty()) {
+            if self.busy()
+                && self
+                    .vms
+                    .iter()
+                    .all(|v| v.queue.is_empty() && v.inbox.is_empty())
+            {
                 self.advance(100);
             }
         }
@@ -602,7 +615,11 @@ impl Sim {
 
     fn check_final(&self) {
         for v in &self.vms {
-            assert!(!v.frozen, "I4: {} still frozen at rest\n{:#?}", v.name, self.log);
+            assert!(
+                !v.frozen,
+                "I4: {} still frozen at rest\n{:#?}",
+                v.name, self.log
+            );
             assert_eq!(v.freezes, v.thaws, "I4: {} freezes and thaws", v.name);
             assert!(v.intent.is_none(), "I4: {} intent left", v.name);
             assert!(v.outcome.is_some(), "I4: {} snapshot unsettled", v.name);
@@ -619,7 +636,11 @@ impl Sim {
                         panic!("I7: the group is Ready but {} is {:?}", v.name, v.outcome);
                     };
                     if self.required {
-                        assert!(*c, "I7: a required group Ready with {} not consistent", v.name);
+                        assert!(
+                            *c,
+                            "I7: a required group Ready with {} not consistent",
+                            v.name
+                        );
                     }
                 }
                 if self.required {
@@ -697,12 +718,18 @@ fn a_freeze_that_outlasts_the_deadline_thaws_every_member_at_once() {
         }
         s.step_group(0);
     }
-    assert!(matches!(s.vms[0].queue.front(), Some(Command::Freeze { .. })));
+    assert!(matches!(
+        s.vms[0].queue.front(),
+        Some(Command::Freeze { .. })
+    ));
     // vm0 freezes quickly and waits at the barrier; vm1's hook takes longer
     // than the whole deadline.
     s.step_member(0, 0, 50);
     s.step_member(0, 0, 1);
-    assert!(matches!(s.vms[0].queue.front(), Some(Command::GroupReport { .. })));
+    assert!(matches!(
+        s.vms[0].queue.front(),
+        Some(Command::GroupReport { .. })
+    ));
     s.step_member(0, 0, 1);
     assert!(s.vms[0].frozen);
     s.step_member(1, 0, DEADLINE * 2);
@@ -739,7 +766,11 @@ fn a_crash_while_both_are_frozen_thaws_both_and_fails_the_group() {
     s.check_final();
     assert!(matches!(s.group_outcome, Some(GroupOutcome::Failed(_))));
     for v in &s.vms {
-        assert!(matches!(v.outcome, Some(Outcome::Failed(_))), "{:?}", v.outcome);
+        assert!(
+            matches!(v.outcome, Some(Outcome::Failed(_))),
+            "{:?}",
+            v.outcome
+        );
     }
 }
 
