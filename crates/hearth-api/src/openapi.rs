@@ -16,8 +16,7 @@ use utoipa::{PartialSchema, ToSchema};
 
 use crate::kinds::{
     Kind, VirtualDisk, VirtualDiskSnapshot, VirtualImage, VirtualMachine, VirtualMachineSnapshot,
-    VirtualMachineSnapshotGroup,
-    VirtualNetwork,
+    VirtualMachineSnapshotGroup, VirtualNetwork,
 };
 use crate::meta::API_VERSION;
 use crate::object::Object;

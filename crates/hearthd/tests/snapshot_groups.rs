@@ -50,7 +50,10 @@ fn wait_final(d: &Daemon, plural: &str, name: &str) -> Value {
 }
 
 fn message(v: &Value) -> String {
-    v["status"]["message"].as_str().unwrap_or_default().to_string()
+    v["status"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// A snapshot's image, through a disk restored from it, as raw bytes.
@@ -219,9 +222,8 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
 
     // The writers end; their own view of every stall.
     wait_until("the writers finish", Duration::from_secs(30), || {
-        vms.iter().all(|vm| {
-            d.agent_sh(vm, "cat /data/sw.out").1.contains("top_gaps=")
-        })
+        vms.iter()
+            .all(|vm| d.agent_sh(vm, "cat /data/sw.out").1.contains("top_gaps="))
     });
     let scratch = tempfile::tempdir().expect("tempdir");
     let mut stalls = Vec::new();
@@ -232,8 +234,15 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
         assert_clean_ext4(&raw, vm);
         let image = records(&debugfs_cat(&raw, "/sw"));
         assert!(!image.is_empty(), "{vm}: the snapshot holds no record");
-        assert!(image.len() < live.len(), "{vm}: the writer went on after the cut");
-        assert_eq!(image[..], live[..image.len()], "{vm}: the image is a prefix of what the guest wrote");
+        assert!(
+            image.len() < live.len(),
+            "{vm}: the writer went on after the cut"
+        );
+        assert_eq!(
+            image[..],
+            live[..image.len()],
+            "{vm}: the image is a prefix of what the guest wrote"
+        );
         // The image ends where this guest's writes stalled: the last record
         // in it completed at the start of a stall, and the next one (sent
         // after that) completed only at its end.
@@ -247,7 +256,12 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
             .unwrap_or_else(|| {
                 panic!("{vm}: no stall between the image's end ({last}) and the next record ({next}): {:?}", run.gaps)
             });
-        println!("{vm}: image ends at record {} of {}, stall {:.1} ms", image.len(), live.len(), stall.1);
+        println!(
+            "{vm}: image ends at record {} of {}, stall {:.1} ms",
+            image.len(),
+            live.len(),
+            stall.1
+        );
         // In host time, widened by the clock relation's uncertainty.
         let (lo, hi) = offsets[i];
         stalls.push((stall.0 + hi, stall.0 + stall.1 + lo));
@@ -282,7 +296,11 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
 
     // Deleting the group deletes its member snapshots.
     d.cli_ok(&["delete", "vmsnapshotgroup", "pair"]);
-    d.wait_gone("virtualmachinesnapshotgroups", "pair", Duration::from_secs(60));
+    d.wait_gone(
+        "virtualmachinesnapshotgroups",
+        "pair",
+        Duration::from_secs(60),
+    );
     for vm in vms {
         assert!(get(&d, "virtualmachinesnapshots", &format!("pair-{vm}")).is_none());
         assert!(get(&d, "virtualdisksnapshots", &format!("pair-{vm}-{vm}-data")).is_none());
@@ -313,7 +331,8 @@ fn agent_freeze_status(socket: &Path) -> Option<String> {
             break;
         }
     }
-    s.write_all(b"{\"execute\":\"guest-fsfreeze-status\"}\n").ok()?;
+    s.write_all(b"{\"execute\":\"guest-fsfreeze-status\"}\n")
+        .ok()?;
     line.clear();
     r.read_line(&mut line).ok()?;
     let v: Value = serde_json::from_str(line.trim()).ok()?;
@@ -335,7 +354,13 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
     let _serial = serial();
     let mut d = Daemon::start();
     let slow = |deadline: u32| {
-        vm_yaml("slow", "AlwaysOn", &["slow-data"], "hearth.freeze_hook_sleep=4").replace(
+        vm_yaml(
+            "slow",
+            "AlwaysOn",
+            &["slow-data"],
+            "hearth.freeze_hook_sleep=4",
+        )
+        .replace(
             "memory: 256Mi",
             &format!("memory: 256Mi\n  freezeDeadlineSeconds: {deadline}"),
         )
@@ -427,30 +452,41 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
 
     // 3. hearthd is SIGKILLed mid-group: app frozen, waiting at the
     //    barrier for slow (now with a 10 s deadline), whose hook sleeps.
-    apply_manifest(&d, "slow.yaml", &format!("{}---\n{}", overlay_disk_yaml("slow-data"), slow(10)));
+    apply_manifest(
+        &d,
+        "slow.yaml",
+        &format!("{}---\n{}", overlay_disk_yaml("slow-data"), slow(10)),
+    );
     let app0 = hook_counts(&d, "app");
     let slow0 = hook_counts(&d, "slow");
     let (status, v) = d.apply_json(vec![group("killed", &["app", "slow"], true)]);
     assert_eq!(status, 200, "{v}");
-    wait_until("app's freeze and slow's hook", Duration::from_secs(60), || {
-        hook_counts(&d, "app").0 == app0.0 + 1 && hook_counts(&d, "slow").0 == slow0.0 + 1
-    });
+    wait_until(
+        "app's freeze and slow's hook",
+        Duration::from_secs(60),
+        || hook_counts(&d, "app").0 == app0.0 + 1 && hook_counts(&d, "slow").0 == slow0.0 + 1,
+    );
     std::thread::sleep(Duration::from_millis(300));
     d.kill();
     // With no daemon: app is frozen, and slow freezes once its hook ends.
     let app_sock = d.run_dir().join("vms/app/agent.sock");
     let slow_sock = d.run_dir().join("vms/slow/agent.sock");
     assert_eq!(agent_freeze_status(&app_sock).as_deref(), Some("frozen"));
-    wait_until("slow frozen with no daemon", Duration::from_secs(30), || {
-        agent_freeze_status(&slow_sock).as_deref() == Some("frozen")
-    });
+    wait_until(
+        "slow frozen with no daemon",
+        Duration::from_secs(30),
+        || agent_freeze_status(&slow_sock).as_deref() == Some("frozen"),
+    );
     d.spawn();
     let g = wait_final(&d, "virtualmachinesnapshotgroups", "killed");
     assert_eq!(g["status"]["phase"], "Failed", "{g:#}");
     assert!(message(&g).contains("restarted"), "{g:#}");
     for m in ["killed-app", "killed-slow"] {
         let m = wait_final(&d, "virtualmachinesnapshots", m);
-        assert_eq!(m["status"]["phase"], "Failed", "no half group shown Ready: {m:#}");
+        assert_eq!(
+            m["status"]["phase"], "Failed",
+            "no half group shown Ready: {m:#}"
+        );
     }
     // Both guests were thawed by the restarted daemon: their hooks saw it.
     wait_until("both thawed", Duration::from_secs(30), || {
@@ -477,7 +513,10 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
         .map(|e| e.path())
         .filter(|p| !kept.contains(p))
         .collect();
-    assert!(stray.is_empty(), "layer files outside every disk's chain: {stray:?}");
+    assert!(
+        stray.is_empty(),
+        "layer files outside every disk's chain: {stray:?}"
+    );
 
     // The VMs are still usable for a group afterwards.
     let (status, v) = d.apply_json(vec![group("after", &["app", "slow"], true)]);

@@ -137,7 +137,7 @@ impl Sim {
         })
     }
 
-    fn to_group(&mut self, input: GroupInput) {
+    fn tell_group(&mut self, input: GroupInput) {
         match self.group.as_mut() {
             Some(g) => {
                 let out = g.handle(input);
@@ -365,7 +365,7 @@ impl Sim {
                 };
                 let vm = self.vms[i].name.clone();
                 let now = self.now;
-                self.to_group(GroupInput::Report { vm, report, now });
+                self.tell_group(GroupInput::Report { vm, report, now });
             }
             Command::Commit {
                 cut,
@@ -405,7 +405,7 @@ impl Sim {
                     };
                     let vm = self.vms[i].name.clone();
                     let now = self.now;
-                    self.to_group(GroupInput::Report {
+                    self.tell_group(GroupInput::Report {
                         vm,
                         report: Report::Finished {
                             ready,
@@ -453,7 +453,7 @@ impl Sim {
                     self.deadline = Some(deadline);
                 }
                 let now = self.now;
-                self.to_group(GroupInput::IntentRecorded {
+                self.tell_group(GroupInput::IntentRecorded {
                     result: if ok { Ok(()) } else { Err("disk full".into()) },
                     now,
                 });
