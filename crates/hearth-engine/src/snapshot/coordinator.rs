@@ -690,14 +690,29 @@ impl Coordinator {
                     this.record_intent(c, now)
                 })
             }
-            Input::GroupGoCut { cut, now } => self.with_cut(cut, Step::GroupHoldCut, |c, this| {
-                c.group_go_cut = true;
-                if this.frozen_by_us(c) && now + TRANSACTION_BUDGET_MS > c.deadline.unwrap_or(now) {
-                    c.distrust = Some(this.deadline_text());
-                    return this.thaw_now(c);
+            Input::GroupGoCut { cut, now } => {
+                // A member that left its hold on its own (it thawed at its
+                // deadline) keeps the permission for its crash-consistent
+                // cut, if its requests allow one.
+                if let Some(c) = self.cut.as_mut().filter(|c| c.id == cut)
+                    && c.step != Step::GroupHoldCut
+                {
+                    if c.group.is_some() && c.group_abort.is_none() {
+                        c.group_go_cut = true;
+                    }
+                    return Vec::new();
                 }
-                this.transact(c)
-            }),
+                self.with_cut(cut, Step::GroupHoldCut, |c, this| {
+                    c.group_go_cut = true;
+                    if this.frozen_by_us(c)
+                        && now + TRANSACTION_BUDGET_MS > c.deadline.unwrap_or(now)
+                    {
+                        c.distrust = Some(this.deadline_text());
+                        return this.thaw_now(c);
+                    }
+                    this.transact(c)
+                })
+            }
             Input::GroupAbort { cut, why, now } => {
                 let Some(step) = self.cut.as_ref().filter(|c| c.id == cut).map(|c| c.step) else {
                     return Vec::new();

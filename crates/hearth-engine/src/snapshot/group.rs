@@ -201,6 +201,13 @@ impl Group {
                         window_ms,
                     },
                 };
+                // A member that reports again at its second barrier while
+                // the group cuts (it thawed at its deadline and goes on
+                // crash-consistent) is let cut again.
+                if self.phase == Phase::Cutting && matches!(m, Member::AtCut { .. }) {
+                    *m = Member::Cutting;
+                    out.push(GroupCommand::GoCut { vm: vm.clone() });
+                }
                 // A member held while the group is failing is let go at once.
                 if let Phase::Failing(why) = &self.phase
                     && matches!(m, Member::AtFreeze | Member::AtCut { .. })
