@@ -611,6 +611,50 @@ mod tests {
     }
 
     #[test]
+    fn snapshot_group_takes_its_vms_and_sends_one_group() {
+        use clap::Parser;
+        #[derive(Debug, clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let cli = Cli::try_parse_from(["x", "group", "pair", "--vm", "app", "--vm", "db"])
+            .expect("parses");
+        let r = Request::new(&cli.args.target, at_noon());
+        assert_eq!(r.kind, Kind::VirtualMachineSnapshotGroup);
+        assert_eq!(r.name, "pair");
+        assert_eq!(
+            r.object(),
+            json!({"apiVersion": API_VERSION, "kind": "VirtualMachineSnapshotGroup",
+                   "metadata": {"name": "pair"},
+                   "spec": {"virtualMachineNames": ["app", "db"], "requiredConsistency": true}})
+        );
+        object_from_value(r.object(), "the group").expect("a valid group");
+        // At least one --vm; a name is required.
+        assert!(Cli::try_parse_from(["x", "group", "pair"]).is_err());
+        assert!(Cli::try_parse_from(["x", "group", "--vm", "app"]).is_err());
+        let cli = Cli::try_parse_from([
+            "x",
+            "group",
+            "pair",
+            "--vm",
+            "app",
+            "--no-require-consistency",
+            "--wait",
+            "--timeout",
+            "30s",
+        ])
+        .expect("parses");
+        let r = Request::new(&cli.args.target, at_noon());
+        assert!(!r.required_consistency);
+        let Target::Group(g) = &cli.args.target else {
+            panic!()
+        };
+        assert!(g.wait);
+        assert_eq!(g.timeout, Duration::from_secs(30));
+    }
+
+    #[test]
     fn the_command_line_becomes_one_request() {
         use clap::Parser;
         #[derive(Debug, clap::Parser)]

@@ -774,6 +774,178 @@ fn a_crash_while_both_are_frozen_thaws_both_and_fails_the_group() {
     }
 }
 
+/// A member's coordinator by hand: a group's requests are cut alone, held
+/// at both barriers, and an ordinary request made meanwhile neither joins
+/// the group's cut nor thaws the guest: it takes the next cut.
+#[test]
+fn a_member_cut_holds_only_the_group_and_an_ordinary_request_waits_for_the_next_cut() {
+    let mut c = Coordinator::new(DEADLINE);
+    let ordinary = Request {
+        snapshot: "nightly".into(),
+        disk: "vm0-disk".into(),
+        required: true,
+        whole_vm: false,
+        group: None,
+    };
+    c.handle(Input::Requested(request("vm0", true)));
+    c.handle(Input::Requested(ordinary.clone()));
+    let out = c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 1,
+        now: 0,
+    });
+    assert!(
+        matches!(out[..], [Command::Prepare { cut: 1, .. }]),
+        "{out:?}"
+    );
+    assert_eq!(c.cut_requests(), [request("vm0", true)]);
+    assert_eq!(c.pending(), [ordinary.clone()]);
+    let mounts = Some(Ok(Mounts {
+        by_disk: [("vm0-disk".to_string(), vec!["/data".to_string()])].into(),
+        unmapped: vec![],
+    }));
+    let out = c.handle(Input::Prepared {
+        cut: 1,
+        failed: vec![],
+        mounts,
+        now: 10,
+    });
+    assert_eq!(
+        out,
+        vec![Command::GroupReport {
+            cut: 1,
+            report: co::GroupReport::ReadyToFreeze
+        }]
+    );
+    // Held: the ordinary request did not join, and nothing runs until the
+    // group answers.
+    assert_eq!(c.cut_requests().len(), 1);
+    assert!(c.handle(Input::Tick { now: 500 }).is_empty());
+    let out = c.handle(Input::GroupGoFreeze {
+        cut: 1,
+        deadline: 3_000,
+        now: 20,
+    });
+    assert!(
+        matches!(
+            out[..],
+            [Command::RecordIntent {
+                cut: 1,
+                deadline: 3_000
+            }]
+        ),
+        "{out:?}"
+    );
+    let out = c.handle(Input::IntentRecorded {
+        cut: 1,
+        result: Ok(()),
+        now: 25,
+    });
+    // The group's deadline, not the VM's 10 s, bounds the freeze.
+    assert!(
+        matches!(out[..], [Command::Freeze { timeout: 2_975, .. }]),
+        "{out:?}"
+    );
+    c.handle(Input::FreezeReplied {
+        cut: 1,
+        result: Ok(1),
+        now: 80,
+    });
+    let out = c.handle(Input::StatusReplied {
+        cut: 1,
+        result: Ok(true),
+        now: 90,
+    });
+    assert_eq!(
+        out,
+        vec![Command::GroupReport {
+            cut: 1,
+            report: co::GroupReport::ReadyToCut { frozen: true }
+        }]
+    );
+    // Held frozen: it wakes by its deadline on its own.
+    assert_eq!(c.wake_at(), Some(1_000));
+    assert!(c.handle(Input::Tick { now: 999 }).is_empty());
+    let out = c.handle(Input::GroupGoCut { cut: 1, now: 120 });
+    assert!(
+        matches!(out[..], [Command::Transact { cut: 1, .. }]),
+        "{out:?}"
+    );
+    c.handle(Input::Transacted {
+        cut: 1,
+        result: TxResult::Applied,
+        now: 130,
+    });
+    let out = c.handle(Input::ThawReplied {
+        cut: 1,
+        result: Ok(1),
+        now: 170,
+    });
+    let Some(Command::Commit { outcomes, .. }) = out.last() else {
+        panic!("{out:?}")
+    };
+    assert_eq!(
+        outcomes[..],
+        [(
+            "g-vm0-disk".to_string(),
+            Outcome::Ready { consistent: true }
+        )]
+    );
+    c.handle(Input::Committed { cut: 1, ok: true });
+    // The ordinary request takes the next cut, with a freeze of its own.
+    let out = c.handle(Input::Start {
+        access: Access::Agent,
+        cut: 2,
+        now: 200,
+    });
+    assert!(
+        matches!(out[..], [Command::Prepare { cut: 2, .. }]),
+        "{out:?}"
+    );
+    assert_eq!(c.cut_requests(), [ordinary]);
+}
+
+/// A member held frozen past its deadline thaws by itself, even if the
+/// group never answers.
+#[test]
+fn a_member_held_frozen_thaws_at_its_deadline_without_the_group() {
+    let mut s = Sim::new(&[Agent::Present, Agent::Present], true);
+    for _ in 0..100 {
+        for i in 0..2 {
+            s.deliver(i);
+            s.step_member(i, 0, 10);
+        }
+        s.step_group(0);
+        if s.vms[0].frozen
+            && matches!(
+                s.vms[0].core.current_cut(),
+                Some((_, co::Step::GroupHoldCut))
+            )
+        {
+            break;
+        }
+    }
+    assert!(s.vms[0].frozen);
+    // The group's run is gone (no answer ever comes); time passes.
+    s.group = None;
+    s.group_queue.clear();
+    s.vms[0].inbox.clear();
+    let at = s.vms[0].core.wake_at().expect("a deadline to wake at");
+    s.advance(at - s.now);
+    assert!(
+        s.vms[0]
+            .queue
+            .iter()
+            .any(|c| matches!(c, Command::Thaw { .. })),
+        "{:?}",
+        s.vms[0].queue
+    );
+    while s.vms[0].frozen && !s.vms[0].queue.is_empty() {
+        s.step_member(0, 0, 10);
+    }
+    assert!(!s.vms[0].frozen);
+}
+
 #[derive(Clone, Debug)]
 enum Action {
     Member { vm: u8, fault: u8, took: u16 },
