@@ -847,6 +847,23 @@ new                    data      -        -            -                      - 
     }
 
     #[test]
+    fn group_table_names_its_vms() {
+        let items = [json!({
+            "metadata": {"name": "pair", "creationTimestamp": "2025-01-01T08:00:00Z"},
+            "spec": {"virtualMachineNames": ["app", "db"], "requiredConsistency": true},
+            "status": {"phase": "Ready", "consistent": true, "cutTime": "2025-01-01T08:00:02Z",
+                       "freezeWindowMs": 268, "size": 2202009,
+                       "virtualMachineSnapshotNames": ["pair-app", "pair-db"]}})];
+        assert_eq!(
+            table_for(Kind::VirtualMachineSnapshotGroup, &items, now(), false).render(),
+            "\
+NAME   VMS      PHASE   CONSISTENT   CUT-TIME               FREEZE-MS   SIZE    AGE
+pair   app,db   Ready   true         2025-01-01T08:00:02Z   268         2.1Mi   4h
+"
+        );
+    }
+
+    #[test]
     fn vm_snapshot_table_names_the_vm() {
         let items = [json!({
             "metadata": {"name": "pre", "creationTimestamp": "2025-01-01T08:00:00Z"},
