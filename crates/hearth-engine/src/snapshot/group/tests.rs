@@ -799,7 +799,7 @@ fn a_member_cut_holds_only_the_group_and_an_ordinary_request_waits_for_the_next_
         "{out:?}"
     );
     assert_eq!(c.cut_requests(), [request("vm0", true)]);
-    assert_eq!(c.pending(), [ordinary.clone()]);
+    assert_eq!(c.pending(), std::slice::from_ref(&ordinary));
     let mounts = Some(Ok(Mounts {
         by_disk: [("vm0-disk".to_string(), vec!["/data".to_string()])].into(),
         unmapped: vec![],
