@@ -933,6 +933,7 @@ async fn execute(
                 super::coordinator::GroupReport::ReadyToCut { frozen } => {
                     GroupMemberReport::ReadyToCut { frozen }
                 }
+                super::coordinator::GroupReport::ReadyToThaw => GroupMemberReport::Cut,
             };
             tracing::info!(target, cut, group, ?report, "held for the group");
             if ctx

@@ -47,7 +47,7 @@ pub struct Request {
     /// Part of a VM snapshot: the cut freezes every filesystem of the guest.
     pub whole_vm: bool,
     /// Part of a VirtualMachineSnapshotGroup (its name): cut only with the
-    /// group's other requests for this VM, and held at the group's two
+    /// group's other requests for this VM, and held at the group's three
     /// barriers (see [`Command::GroupReport`]).
     pub group: Option<String>,
 }
@@ -248,6 +248,11 @@ pub enum Input {
         why: String,
         now: Millis,
     },
+    /// Every member has cut: a member held frozen after its transaction
+    /// thaws.
+    GroupGoThaw {
+        cut: CutId,
+    },
     /// Time passed; a member held frozen thaws by its deadline on its own,
     /// whatever the group does. See [`Coordinator::wake_at`].
     Tick {
@@ -266,6 +271,9 @@ pub enum GroupReport {
     /// cut that needs no freeze (offline, nothing mounted) or one that goes
     /// on crash-consistent.
     ReadyToCut { frozen: bool },
+    /// Its transaction is over and its guest still frozen: held until
+    /// [`Input::GroupGoThaw`] (or its deadline).
+    ReadyToThaw,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -369,6 +377,9 @@ pub enum Step {
     /// A group member, ready to cut (frozen, or needing no freeze), waiting
     /// for every other member.
     GroupHoldCut,
+    /// A group member, cut and still frozen, waiting for every other member
+    /// to cut.
+    GroupHoldThaw,
 }
 
 #[derive(Clone, Debug)]
@@ -623,6 +634,18 @@ impl Coordinator {
                         && c.freeze_sent_at.is_some()
                         && !c.thaw_done
                     {
+                        if c.group.is_some()
+                            && c.group_abort.is_none()
+                            && c.deadline.is_some_and(|d| now < d)
+                        {
+                            // A group member thaws once every member has
+                            // cut (or the deadline comes: past it, at once).
+                            c.step = Step::GroupHoldThaw;
+                            return vec![Command::GroupReport {
+                                cut: c.id,
+                                report: GroupReport::ReadyToThaw,
+                            }];
+                        }
                         // Thaw first, whatever happened: the guest's window
                         // ends before anything else is looked at.
                         c.step = Step::Thawing;
@@ -713,11 +736,19 @@ impl Coordinator {
                     this.transact(c)
                 })
             }
+            Input::GroupGoThaw { cut } => {
+                self.with_cut(cut, Step::GroupHoldThaw, |c, this| this.thaw_now(c))
+            }
             Input::GroupAbort { cut, why, now } => {
                 let Some(step) = self.cut.as_ref().filter(|c| c.id == cut).map(|c| c.step) else {
                     return Vec::new();
                 };
                 self.with_cut(cut, step, |c, this| {
+                    if c.step == Step::GroupHoldThaw {
+                        // Cut already: thaw at once; the group settles what
+                        // the cut is worth.
+                        return this.thaw_now(c);
+                    }
                     if c.group.is_none() || c.group_go_cut || c.group_abort.is_some() {
                         // Not a group cut, or past the point of no return:
                         // the group settles what this member cut.
@@ -749,6 +780,12 @@ impl Coordinator {
                 let Some(id) = self.cut.as_ref().map(|c| c.id) else {
                     return Vec::new();
                 };
+                let step = self.cut.as_ref().map(|c| c.step);
+                if step == Some(Step::GroupHoldThaw) {
+                    // Cut, and the deadline came: no member stays frozen
+                    // past it, whatever the others do.
+                    return self.with_cut(id, Step::GroupHoldThaw, |c, this| this.thaw_now(c));
+                }
                 self.with_cut(id, Step::GroupHoldCut, |c, this| {
                     c.distrust = Some(this.deadline_text());
                     this.thaw_now(c)
@@ -762,10 +799,14 @@ impl Coordinator {
     /// deadline.
     pub fn wake_at(&self) -> Option<Millis> {
         let c = self.cut.as_ref()?;
-        if c.step != Step::GroupHoldCut || !self.frozen_by_us(c) {
+        if !self.frozen_by_us(c) {
             return None;
         }
-        Some(c.deadline?.saturating_sub(TRANSACTION_BUDGET_MS))
+        match c.step {
+            Step::GroupHoldCut => Some(c.deadline?.saturating_sub(TRANSACTION_BUDGET_MS)),
+            Step::GroupHoldThaw => c.deadline,
+            _ => None,
+        }
     }
 
     /// The group this cut serves, if any.

@@ -3,16 +3,17 @@
 //!
 //! Each member VM keeps its own actor and freeze coordinator, which still
 //! own all of its freeze and thaw traffic. A member's cut for the group is
-//! held twice ([`super::coordinator::GroupReport`]): once prepared, before
-//! its intent and freeze, and once frozen, before its transaction. This core
-//! decides when every member may go on:
+//! held three times ([`super::coordinator::GroupReport`]): prepared, before
+//! its intent and freeze; frozen, before its transaction; cut, before its
+//! thaw. This core decides when every member may go on:
 //!
 //! 1. every member prepared (overlays made outside any window) → the group's
 //!    intent is recorded, with the one deadline;
 //! 2. then every member freezes (`GoFreeze`);
 //! 3. once every member reported frozen (the barrier), and the transaction
 //!    still fits before the deadline, every member cuts (`GoCut`);
-//! 4. each member thaws right after its own transaction.
+//! 4. once every member has cut, all thaw (`GoThaw`); a member never stays
+//!    frozen past the deadline waiting for that.
 //!
 //! With `required` set, anything that keeps one member from being frozen at
 //! the common moment (no agent, a failed or late freeze, the deadline, the
@@ -35,6 +36,8 @@ pub enum Report {
     ReadyToFreeze,
     /// Held before its transaction; `frozen`: trusted frozen by its freeze.
     ReadyToCut { frozen: bool },
+    /// Cut, and held frozen before its thaw.
+    Cut,
     /// Its cut is settled (committed, or its snapshot failed before a cut).
     Finished {
         /// Every snapshot of the member is Ready.
@@ -75,6 +78,9 @@ pub enum GroupCommand {
     GoCut {
         vm: String,
     },
+    GoThaw {
+        vm: String,
+    },
     Abort {
         vm: String,
         why: String,
@@ -102,6 +108,10 @@ enum Member {
         frozen: bool,
     },
     Cutting,
+    /// Cut, held frozen until every member has cut.
+    CutDone,
+    /// Let thaw; its Finished is awaited.
+    Thawing,
     /// Told to abort; its Finished is awaited.
     Aborting,
     Done {
@@ -120,8 +130,10 @@ pub enum Phase {
     Intent,
     /// Members freeze; waiting for every one at the barrier.
     Freezing,
-    /// Members cut and thaw.
+    /// Members cut; held frozen until every member has.
     Cutting,
+    /// Every member cut; members thaw.
+    Thawing,
     /// Failed; waiting for every member to settle.
     Failing(String),
     Done,
@@ -169,6 +181,7 @@ impl Group {
     pub fn wake_at(&self) -> Option<Millis> {
         match self.phase {
             Phase::Freezing => Some(self.deadline?.saturating_sub(TRANSACTION_BUDGET_MS)),
+            Phase::Cutting => self.deadline,
             _ => None,
         }
     }
@@ -189,6 +202,7 @@ impl Group {
                 *m = match report {
                     Report::ReadyToFreeze => Member::AtFreeze,
                     Report::ReadyToCut { frozen } => Member::AtCut { frozen },
+                    Report::Cut => Member::CutDone,
                     Report::Finished {
                         ready,
                         consistent,
@@ -204,9 +218,18 @@ impl Group {
                 // A member that reports again at its second barrier while
                 // the group cuts (it thawed at its deadline and goes on
                 // crash-consistent) is let cut again.
-                if self.phase == Phase::Cutting && matches!(m, Member::AtCut { .. }) {
+                if matches!(self.phase, Phase::Cutting | Phase::Thawing)
+                    && matches!(m, Member::AtCut { .. })
+                {
                     *m = Member::Cutting;
                     out.push(GroupCommand::GoCut { vm: vm.clone() });
+                }
+                // A member that cut while the group failed or thaws (it
+                // was let cut before) thaws at once.
+                if matches!(self.phase, Phase::Failing(_) | Phase::Thawing) && *m == Member::CutDone
+                {
+                    *m = Member::Thawing;
+                    out.push(GroupCommand::GoThaw { vm: vm.clone() });
                 }
                 // A member held while the group is failing is let go at once.
                 if let Phase::Failing(why) = &self.phase
@@ -312,6 +335,22 @@ impl Group {
                 }
             }
             Phase::Cutting => {
+                let deadline = self.deadline.unwrap_or(now);
+                let cut = all(&|m| matches!(m, Member::CutDone | Member::Done { .. }));
+                if cut || (self.deadline.is_some() && now >= deadline) {
+                    // Every member has cut (or the deadline came: nobody
+                    // stays frozen past it): all thaw.
+                    self.phase = Phase::Thawing;
+                    for (vm, m) in self.members.iter_mut() {
+                        if *m == Member::CutDone {
+                            *m = Member::Thawing;
+                            out.push(GroupCommand::GoThaw { vm: vm.clone() });
+                        }
+                    }
+                    out.extend(self.advance(now));
+                }
+            }
+            Phase::Thawing => {
                 if all(&|m| matches!(m, Member::Done { .. })) {
                     let consistent = self.members.values().all(|m| {
                         matches!(
@@ -375,6 +414,10 @@ impl Group {
                     vm: vm.clone(),
                     why: why.clone(),
                 });
+            } else if *m == Member::CutDone {
+                // Cut already and held frozen: thaws at once.
+                *m = Member::Thawing;
+                out.push(GroupCommand::GoThaw { vm: vm.clone() });
             }
         }
         out

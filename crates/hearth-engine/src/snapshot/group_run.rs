@@ -300,6 +300,12 @@ async fn run(
                             ctx.snapshots.signal(&format!("vm/{vm}"), input);
                         }
                     }
+                    GroupCommand::GoThaw { vm } => {
+                        if let Some(cut) = cuts.get(&vm) {
+                            let input = Input::GroupGoThaw { cut: *cut };
+                            ctx.snapshots.signal(&format!("vm/{vm}"), input);
+                        }
+                    }
                     GroupCommand::Abort { vm, why } => {
                         if let Some(cut) = cuts.get(&vm) {
                             let input = Input::GroupAbort {

@@ -330,6 +330,25 @@ impl Sim {
                 only_if_frozen,
                 ..
             } => {
+                // G2: with consistency required, a member that has cut
+                // thaws only once every member has cut, unless the deadline
+                // came or the group failed.
+                if self.required && self.vms[i].cut_done && self.vms[i].frozen {
+                    let failing = match &self.group {
+                        Some(g) => matches!(g.phase(), Phase::Failing(_)),
+                        None => true,
+                    };
+                    let late = self.deadline.is_some_and(|d| self.now >= d);
+                    for v in &self.vms {
+                        assert!(
+                            v.cut_done || v.agent == Agent::Stopped || failing || late,
+                            "G2: {} thaws before {} has cut\n{:#?}",
+                            self.vms[i].name,
+                            v.name,
+                            self.log
+                        );
+                    }
+                }
                 let result = match agent_fault {
                     Some((f, effect)) => {
                         if effect {
@@ -362,6 +381,7 @@ impl Sim {
                 let report = match report {
                     co::GroupReport::ReadyToFreeze => Report::ReadyToFreeze,
                     co::GroupReport::ReadyToCut { frozen } => Report::ReadyToCut { frozen },
+                    co::GroupReport::ReadyToThaw => Report::Cut,
                 };
                 let vm = self.vms[i].name.clone();
                 let now = self.now;
@@ -474,6 +494,12 @@ impl Sim {
                     self.vms[i].inbox.push_back(Input::GroupGoCut { cut, now });
                 }
             }
+            GroupCommand::GoThaw { vm } => {
+                let i = to(self, &vm);
+                if let Some((cut, _)) = self.vms[i].core.current_cut() {
+                    self.vms[i].inbox.push_back(Input::GroupGoThaw { cut });
+                }
+            }
             GroupCommand::Abort { vm, why } => {
                 let i = to(self, &vm);
                 if let Some((cut, _)) = self.vms[i].core.current_cut() {
@@ -533,9 +559,12 @@ impl Sim {
                         v.queue
                             .iter()
                             .any(|c| !matches!(c, Command::GroupReport { .. })),
-                        "I3: {} idle and frozen at {} past the deadline {d}\n{:#?}",
+                        "I3: {} idle and frozen at {} past the deadline {d} (cut {:?}, wake at {:?}, queue {:?})\n{:#?}",
                         v.name,
                         self.now,
+                        v.core.current_cut(),
+                        v.core.wake_at(),
+                        v.queue,
                         self.log
                     );
                 }
@@ -871,11 +900,22 @@ fn a_member_cut_holds_only_the_group_and_an_ordinary_request_waits_for_the_next_
         matches!(out[..], [Command::Transact { cut: 1, .. }]),
         "{out:?}"
     );
-    c.handle(Input::Transacted {
+    let out = c.handle(Input::Transacted {
         cut: 1,
         result: TxResult::Applied,
         now: 130,
     });
+    // Cut, and still frozen until every member has cut.
+    assert_eq!(
+        out,
+        vec![Command::GroupReport {
+            cut: 1,
+            report: co::GroupReport::ReadyToThaw
+        }]
+    );
+    assert_eq!(c.wake_at(), Some(3_000));
+    let out = c.handle(Input::GroupGoThaw { cut: 1 });
+    assert!(matches!(out[..], [Command::Thaw { cut: 1, .. }]), "{out:?}");
     let out = c.handle(Input::ThawReplied {
         cut: 1,
         result: Ok(1),
