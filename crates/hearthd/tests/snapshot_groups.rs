@@ -85,22 +85,47 @@ fn restored_raw(d: &Daemon, snapshot: &str, scratch: &Path) -> PathBuf {
 /// Guest CLOCK_MONOTONIC → host ms since `epoch`: an interval (lo, hi) such
 /// that host = guest + offset for some offset in it. Each probe brackets one
 /// guest reading (`stallwatch -t` through the agent) between two host
-/// readings; the intersection of five is kept (the narrowest probe when
-/// they do not intersect).
+/// readings; the intersection of ten is kept (the narrowest probe when they
+/// do not intersect). Half the probes read the guest's clock early (a
+/// program run through the agent, whose answer comes a poll later), half late
+/// (`/proc/uptime` read through the agent's file calls, just before the
+/// answer; 10 ms resolution), which bounds the offset from both sides.
+/// (`CLOCK_BOOTTIME` is `CLOCK_MONOTONIC` in a guest that never suspends.)
 fn clock_offset(d: &Daemon, vm: &str, epoch: Instant) -> (f64, f64) {
     let ms = |i: Instant| i.duration_since(epoch).as_secs_f64() * 1e3;
     let mut best = (f64::NEG_INFINITY, f64::INFINITY);
     let mut narrowest = (f64::NEG_INFINITY, f64::INFINITY);
-    for _ in 0..5 {
+    for k in 0..10 {
         let before = ms(Instant::now());
-        let out = d.agent_sh_ok(vm, "/bin/stallwatch -t");
-        let after = ms(Instant::now());
-        let g: f64 = out
-            .trim()
-            .strip_prefix("now_ms=")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("stallwatch -t printed {out:?}"));
-        let probe = (before - g, after - g);
+        let probe = if k % 2 == 0 {
+            let out = d.agent_sh_ok(vm, "/bin/stallwatch -t");
+            let after = ms(Instant::now());
+            let g: f64 = out
+                .trim()
+                .strip_prefix("now_ms=")
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("stallwatch -t printed {out:?}"));
+            (before - g, after - g)
+        } else {
+            let (status, body) = raw_request(
+                &d.socket(),
+                "GET",
+                &format!("/v1/virtualmachines/{vm}/agent/files?path=/proc/uptime"),
+                None,
+            )
+            .expect("GET /proc/uptime");
+            let after = ms(Instant::now());
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+            let text = String::from_utf8_lossy(&body).into_owned();
+            let g: f64 = text
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or_else(|| panic!("/proc/uptime read {text:?}"))
+                * 1e3;
+            // The reading lies in [g, g + 10 ms).
+            (before - (g + 10.0), after - g)
+        };
         best = (best.0.max(probe.0), best.1.min(probe.1));
         if probe.1 - probe.0 < narrowest.1 - narrowest.0 {
             narrowest = probe;
@@ -147,6 +172,57 @@ fn records(text: &str) -> Vec<(u64, f64)> {
         .collect()
 }
 
+/// Checks a snapshot of `vm`'s disk against what its writer did: a clean
+/// ext4 holding a prefix of the records, ending where the writer stalled
+/// (the last record in it completed as a stall began, the next one only
+/// when it ended). Returns that stall (start, length), guest ms.
+fn image_stall(
+    d: &Daemon,
+    vm: &str,
+    snapshot: &str,
+    run: &Run,
+    live: &[(u64, f64)],
+    scratch: &Path,
+) -> (f64, f64) {
+    let raw = restored_raw(d, snapshot, scratch);
+    assert_clean_ext4(&raw, snapshot);
+    let image = records(&debugfs_cat(&raw, "/sw"));
+    let _ = std::fs::remove_file(&raw);
+    assert!(
+        !image.is_empty(),
+        "{snapshot}: the snapshot holds no record"
+    );
+    assert!(
+        image.len() < live.len(),
+        "{snapshot}: the writer went on after the cut"
+    );
+    assert_eq!(
+        image[..],
+        live[..image.len()],
+        "{snapshot}: the image is a prefix of what the guest wrote"
+    );
+    let last = run.start + image[image.len() - 1].1;
+    let next = run.start + live[image.len()].1;
+    let stall = run
+        .gaps
+        .iter()
+        .find(|(s, _)| *s >= last && *s <= next)
+        .copied()
+        .unwrap_or_else(|| {
+            panic!(
+                "{snapshot}: no stall between the image's end ({last}) and the next record ({next}): {:?}",
+                run.gaps
+            )
+        });
+    println!(
+        "{vm}: {snapshot} ends at record {} of {}, stall {:.1} ms",
+        image.len(),
+        live.len(),
+        stall.1
+    );
+    stall
+}
+
 #[test]
 fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
     let _serial = serial();
@@ -167,6 +243,9 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
     d.wait_agent("db");
     let vms = ["app", "db"];
     let offsets: Vec<(f64, f64)> = vms.iter().map(|vm| clock_offset(&d, vm, epoch)).collect();
+    for (vm, (lo, hi)) in vms.iter().zip(&offsets) {
+        println!("{vm}: guest clock to host known within {:.1} ms", hi - lo);
+    }
     let hooks_before: Vec<(usize, usize)> = vms.iter().map(|vm| hook_counts(&d, vm)).collect();
 
     // Each guest writes all the time: a record every 5 ms, for 12 s, with
@@ -200,6 +279,18 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
         json!(["pair-app", "pair-db"])
     );
     let window = g["status"]["freezeWindowMs"].as_u64().expect("window");
+    // A control for the check below: the same two guests snapshotted one
+    // after the other, each by itself.
+    for vm in vms {
+        d.cli_ok(&[
+            "snapshot",
+            "vm",
+            vm,
+            "--name",
+            &format!("solo-{vm}"),
+            "--wait",
+        ]);
+    }
     println!("group frozen window (host, longest member): {window} ms");
     for vm in vms {
         let m = get(&d, "virtualmachinesnapshots", &format!("pair-{vm}")).expect("member");
@@ -210,12 +301,13 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
             "{m:#}"
         );
     }
-    // Each guest froze once and thawed once (its own hook says so).
+    // Each guest froze once and thawed once for the group and once for its
+    // own snapshot (its own hook says so).
     for (i, vm) in vms.iter().enumerate() {
         let (f, t) = hook_counts(&d, vm);
         assert_eq!(
             (f - hooks_before[i].0, t - hooks_before[i].1),
-            (1, 1),
+            (2, 2),
             "{vm}"
         );
     }
@@ -227,45 +319,43 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
     });
     let scratch = tempfile::tempdir().expect("tempdir");
     let mut stalls = Vec::new();
+    let mut solo = Vec::new();
     for (i, vm) in vms.iter().enumerate() {
         let run = parse_run(&d.agent_sh_ok(vm, "cat /data/sw.out"));
         let live = records(&d.agent_sh_ok(vm, "cat /data/sw"));
-        let raw = restored_raw(&d, &format!("pair-{vm}-{vm}-data"), scratch.path());
-        assert_clean_ext4(&raw, vm);
-        let image = records(&debugfs_cat(&raw, "/sw"));
-        assert!(!image.is_empty(), "{vm}: the snapshot holds no record");
-        assert!(
-            image.len() < live.len(),
-            "{vm}: the writer went on after the cut"
-        );
-        assert_eq!(
-            image[..],
-            live[..image.len()],
-            "{vm}: the image is a prefix of what the guest wrote"
-        );
-        // The image ends where this guest's writes stalled: the last record
-        // in it completed at the start of a stall, and the next one (sent
-        // after that) completed only at its end.
-        let last = run.start + image[image.len() - 1].1;
-        let next = run.start + live[image.len()].1;
-        let stall = run
-            .gaps
-            .iter()
-            .find(|(s, _)| *s >= last && *s <= next)
-            .copied()
-            .unwrap_or_else(|| {
-                panic!("{vm}: no stall between the image's end ({last}) and the next record ({next}): {:?}", run.gaps)
-            });
-        println!(
-            "{vm}: image ends at record {} of {}, stall {:.1} ms",
-            image.len(),
-            live.len(),
-            stall.1
-        );
-        // In host time, widened by the clock relation's uncertainty.
         let (lo, hi) = offsets[i];
+        let stall = image_stall(
+            &d,
+            vm,
+            &format!("pair-{vm}-{vm}-data"),
+            &run,
+            &live,
+            scratch.path(),
+        );
+        // In host time, narrowed by the clock relation's uncertainty: the
+        // guest could not write during all of it.
         stalls.push((stall.0 + hi, stall.0 + stall.1 + lo));
+        let alone = image_stall(
+            &d,
+            vm,
+            &format!("solo-{vm}-{vm}-data"),
+            &run,
+            &live,
+            scratch.path(),
+        );
+        // Widened: the guest may have written at any time outside it.
+        solo.push((alone.0 + lo, alone.0 + alone.1 + hi));
     }
+    // The control: two VM snapshots taken one after the other stall their
+    // guests at different times, and this check tells them apart.
+    assert!(
+        solo[0].1 < solo[1].0 || solo[1].1 < solo[0].0,
+        "two snapshots taken one after the other show overlapping stalls (host ms): {solo:?}"
+    );
+    println!(
+        "control, one VM snapshot after the other: stalls {:.1} ms apart",
+        (solo[1].0 - solo[0].1).max(solo[0].0 - solo[1].1)
+    );
     // Both stalls overlap: there is one instant at which neither guest
     // could write, and both images end before it.
     let latest_start = stalls.iter().map(|s| s.0).fold(f64::MIN, f64::max);
