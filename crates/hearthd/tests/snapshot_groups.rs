@@ -384,6 +384,14 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
         );
     }
 
+    let table = d.cli_ok(&["get", "vmsnapshotgroups"]);
+    assert!(
+        table
+            .lines()
+            .any(|l| l.starts_with("pair ") && l.contains("app,db") && l.contains("Ready")),
+        "{table}"
+    );
+
     // Deleting the group deletes its member snapshots.
     d.cli_ok(&["delete", "vmsnapshotgroup", "pair"]);
     d.wait_gone(
@@ -614,4 +622,32 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
     let g = wait_final(&d, "virtualmachinesnapshotgroups", "after");
     assert_eq!(g["status"]["phase"], "Ready", "{g:#}\n{}", d.log());
     assert_eq!(g["status"]["consistent"], true, "{g:#}");
+
+    // 4. A group deleted while it is being taken (slow still in its hook)
+    //    shows Terminating, goes once its members have settled, takes them
+    //    with it, and leaves both guests thawed.
+    let app0 = hook_counts(&d, "app");
+    let (status, v) = d.apply_json(vec![group("doomed", &["app", "slow"], true)]);
+    assert_eq!(status, 200, "{v}");
+    wait_until("app frozen for doomed", Duration::from_secs(60), || {
+        hook_counts(&d, "app").0 == app0.0 + 1
+    });
+    d.cli_ok(&["delete", "vmsnapshotgroup", "doomed"]);
+    let g = get(&d, "virtualmachinesnapshotgroups", "doomed").expect("still there");
+    assert_eq!(g["status"]["phase"], "Terminating", "{g:#}");
+    d.wait_gone(
+        "virtualmachinesnapshotgroups",
+        "doomed",
+        Duration::from_secs(60),
+    );
+    for m in ["doomed-app", "doomed-slow"] {
+        d.wait_gone("virtualmachinesnapshots", m, Duration::from_secs(60));
+    }
+    wait_until("both thawed after doomed", Duration::from_secs(30), || {
+        let (af, at) = hook_counts(&d, "app");
+        let (sf, st) = hook_counts(&d, "slow");
+        af == at && sf == st
+    });
+    assert_eq!(freeze_status(&d, "app"), "thawed");
+    assert_eq!(freeze_status(&d, "slow"), "thawed");
 }
