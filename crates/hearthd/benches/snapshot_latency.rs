@@ -567,7 +567,10 @@ fn one_rep(d: &Daemon, g: &Guest, round: usize, seconds: u64) -> Rep {
     );
     if g.side == Side::LimitExpedited {
         let (code, out) = exec(d, g, hearth_engine::snapshot::expedite::SCRIPT);
-        assert!(code == 0 && out.trim() == "raised", "the step before the freeze: {code} {out}");
+        assert!(
+            code == 0 && out.trim() == "raised",
+            "the step before the freeze: {code} {out}"
+        );
     }
     let from = host_ms();
     let spawned = SystemTime::now();

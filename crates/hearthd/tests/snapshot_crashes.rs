@@ -433,7 +433,11 @@ fn an_overlay_made_ahead_is_used_by_the_next_cut_and_never_outlives_a_crash_or_i
     // new head is that very file, and the next one is made ahead of it.
     let first = wait_ahead(&d, "ah-data", qemu);
     snap(&d, "ah-1");
-    assert_eq!(head_of(&d, "ah-data"), first, "the cut used the overlay made ahead");
+    assert_eq!(
+        head_of(&d, "ah-data"),
+        first,
+        "the cut used the overlay made ahead"
+    );
     let second = wait_ahead(&d, "ah-data", qemu);
     assert_ne!(second, first);
 
@@ -441,7 +445,12 @@ fn an_overlay_made_ahead_is_used_by_the_next_cut_and_never_outlives_a_crash_or_i
     // daemon removes it (node and file), and the next cut is consistent.
     d.kill();
     d.spawn();
-    wait_no_ahead(&d, "ah-data", Some(qemu), "the ahead overlay removed after the restart");
+    wait_no_ahead(
+        &d,
+        "ah-data",
+        Some(qemu),
+        "the ahead overlay removed after the restart",
+    );
     assert!(!second.exists());
     assert_eq!(head_of(&d, "ah-data"), first, "never adopted");
     snap(&d, "ah-2");
@@ -453,13 +462,18 @@ fn an_overlay_made_ahead_is_used_by_the_next_cut_and_never_outlives_a_crash_or_i
     // 3. SIGKILL with an ahead overlay present and QEMU killed too: it is
     // removed, not adopted, when the VM starts again.
     d.kill();
-    let _ = Command::new("kill").args(["-9", &qemu.to_string()]).status();
+    let _ = Command::new("kill")
+        .args(["-9", &qemu.to_string()])
+        .status();
     wait_until("QEMU gone", Duration::from_secs(10), || !is_alive(qemu));
     d.spawn();
     let vm = d.wait_agent("ah");
     let qemu2 = vm["status"]["pid"].as_u64().expect("pid") as u32;
     assert_ne!(qemu2, qemu);
-    assert!(!third.exists(), "the ahead overlay of the killed QEMU is gone");
+    assert!(
+        !third.exists(),
+        "the ahead overlay of the killed QEMU is gone"
+    );
     assert_eq!(head_of(&d, "ah-data"), head2, "never adopted");
     // The new QEMU gets its own.
     let fourth = wait_ahead(&d, "ah-data", qemu2);

@@ -80,7 +80,11 @@ fn a_freeze_runs_expedited_and_the_guest_resets_it_by_itself() {
     );
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
     d.wait_agent("ex");
-    assert_eq!(rcu_expedited(&d, "ex"), "0\nno-marker\n", "the guest starts unexpedited");
+    assert_eq!(
+        rcu_expedited(&d, "ex"),
+        "0\nno-marker\n",
+        "the guest starts unexpedited"
+    );
 
     // 1. The freeze ran with rcu_expedited set (the guest's hook says so,
     // just before FIFREEZE); the event says the step ran.

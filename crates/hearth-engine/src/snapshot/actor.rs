@@ -1339,7 +1339,12 @@ async fn prepare_ahead(ctx: &Arc<Context>, target: &str) {
         .filter(|m| *m)
         .count();
     if made > 0 {
-        tracing::info!(target, made, ms = started.elapsed().as_millis() as u64, "overlays made ahead");
+        tracing::info!(
+            target,
+            made,
+            ms = started.elapsed().as_millis() as u64,
+            "overlays made ahead"
+        );
     }
 }
 

@@ -106,14 +106,20 @@ mod tests {
 
     #[test]
     fn outcomes_from_the_scripts_exit() {
-        assert_eq!(Outcome::from_exit(Some(0), b"raised\n", b""), Outcome::Raised);
+        assert_eq!(
+            Outcome::from_exit(Some(0), b"raised\n", b""),
+            Outcome::Raised
+        );
         assert_eq!(Outcome::from_exit(Some(0), b"kept\n", b""), Outcome::Kept);
         let Outcome::Skipped(why) =
             Outcome::from_exit(Some(2), b"", b"sh: can't open /sys/kernel/rcu_expedited\n")
         else {
             panic!("a failed script is a skip");
         };
-        assert!(why.contains("exited 2") && why.contains("rcu_expedited"), "{why}");
+        assert!(
+            why.contains("exited 2") && why.contains("rcu_expedited"),
+            "{why}"
+        );
         assert!(matches!(
             Outcome::from_exit(None, b"", b""),
             Outcome::Skipped(w) if w.contains("killed") && w.contains("no output")

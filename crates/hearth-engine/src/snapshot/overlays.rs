@@ -102,7 +102,11 @@ pub fn all_paths(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
         .into_iter()
         .map(|o| o.path)
         .collect();
-    paths.extend(select_ahead(store, "?1 = ?1", "")?.into_iter().map(|a| a.path));
+    paths.extend(
+        select_ahead(store, "?1 = ?1", "")?
+            .into_iter()
+            .map(|a| a.path),
+    );
     Ok(paths)
 }
 
@@ -220,9 +224,7 @@ pub fn unusable(a: &Ahead, head: &str, node_size: Option<u64>, capacity: u64) ->
             a.base
         )),
         None => Some(format!("the running QEMU has no node {}", a.node)),
-        Some(n) if n != capacity => Some(format!(
-            "it is {n} bytes and the disk {capacity} now"
-        )),
+        Some(n) if n != capacity => Some(format!("it is {n} bytes and the disk {capacity} now")),
         Some(_) => None,
     }
 }
@@ -675,7 +677,10 @@ mod tests {
         // may have switched to it); the ahead one over the new head is not.
         settle(&store, None, std::slice::from_ref(&o)).await;
         let a = ahead(&store, dir.path(), true);
-        assert!(all_paths(&store).unwrap().contains(&a.path), "the sweep keeps it");
+        assert!(
+            all_paths(&store).unwrap().contains(&a.path),
+            "the sweep keeps it"
+        );
         let before = head(&store, "d").unwrap().unwrap();
         settle_offline(&store, &["d".to_string()]).await.unwrap();
         assert_eq!(head(&store, "d").unwrap().unwrap(), before);
@@ -699,7 +704,11 @@ mod tests {
         // Settled from now on as any cut's overlay; a removed (or already
         // claimed) ahead record is never claimed.
         assert!(store.with_tx(|tx| claim_tx(tx, &a, 13)).is_err());
-        assert_eq!(of_disk(&store, "d").unwrap().len(), 1, "the failed claim wrote nothing");
+        assert_eq!(
+            of_disk(&store, "d").unwrap().len(),
+            1,
+            "the failed claim wrote nothing"
+        );
     }
 
     #[tokio::test]
