@@ -54,7 +54,7 @@ fn hook_values(d: &Daemon, vm: &str) -> Vec<String> {
     let text = std::fs::read_to_string(serial_log(d, vm)).unwrap_or_default();
     text.lines()
         .filter_map(|l| l.split("fsfreeze hook: freeze (rcu_expedited=").nth(1))
-        .map(|r| r.trim_end_matches(|c| c == ')' || c == '\r').to_string())
+        .map(|r| r.trim_end_matches([')', '\r']).to_string())
         .collect()
 }
 
