@@ -159,3 +159,49 @@ fn an_agent_without_guest_exec_still_takes_a_consistent_snapshot() {
     assert_eq!(hook_values(&d, "nx"), ["0"]);
     assert_eq!(hook_counts(&d, "nx"), (1, 1));
 }
+
+#[test]
+fn a_guest_script_that_hangs_neither_delays_nor_breaks_the_snapshot() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let m = manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("hg-data"),
+            vm_yaml(
+                "hg",
+                "AlwaysOn",
+                &["hg-data"],
+                "hearth.rcu_expedited_hangs=1"
+            )
+        ),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    d.wait_agent("hg");
+    let serial_text = std::fs::read_to_string(serial_log(&d, "hg")).unwrap_or_default();
+    assert!(
+        serial_text.contains("rcu_expedited is a FIFO"),
+        "the guest did not set the trap up: {serial_text}"
+    );
+    for (i, n) in ["hg-1", "hg-2"].iter().enumerate() {
+        let started = Instant::now();
+        let s = snapshot(&d, n, "hg-data");
+        let took = started.elapsed();
+        let event = freezing_event(&d, "hg", &s);
+        assert!(
+            event.contains("freeze not expedited: the guest's script did not finish within 300 ms"),
+            "{event}"
+        );
+        // The guest's script is still blocked on its open: it never ran.
+        let (_, ps) = d.agent_sh("hg", "ps | grep -c '[r]ead v'");
+        assert_eq!(ps.trim(), (i + 1).to_string(), "hung scripts: {ps}");
+        // The wait for it is bounded: the whole snapshot took far less than
+        // the freeze deadline (10 s) it would eat into otherwise.
+        assert!(took < Duration::from_secs(5), "{n} took {took:?}");
+        eprintln!("{n}: request → Ready {took:?}");
+    }
+    assert_eq!(hook_values(&d, "hg"), ["fifo", "fifo"]);
+    assert_eq!(hook_counts(&d, "hg"), (2, 2));
+}
