@@ -3,6 +3,7 @@
 
 mod actor;
 pub mod coordinator;
+pub mod expedite;
 pub mod export;
 pub mod overlays;
 mod reconcile;
