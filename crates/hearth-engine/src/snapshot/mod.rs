@@ -4,6 +4,7 @@
 
 mod actor;
 pub mod coordinator;
+pub mod expedite;
 pub mod export;
 pub mod group;
 mod group_run;
