@@ -178,9 +178,14 @@ impl Group {
     }
 
     /// When the shell must send a [`GroupInput::Tick`].
+    /// (A group that does not require consistency has nothing to do when
+    /// the budget runs out before every member is frozen: each member thaws
+    /// by its own deadline and goes on crash-consistent.)
     pub fn wake_at(&self) -> Option<Millis> {
         match self.phase {
-            Phase::Freezing => Some(self.deadline?.saturating_sub(TRANSACTION_BUDGET_MS)),
+            Phase::Freezing if self.required => {
+                Some(self.deadline?.saturating_sub(TRANSACTION_BUDGET_MS))
+            }
             Phase::Cutting => self.deadline,
             _ => None,
         }

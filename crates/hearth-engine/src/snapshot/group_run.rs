@@ -335,7 +335,17 @@ async fn run(
         // started, e.g. a VM with no disks, reports nothing).
         let mut wait = Duration::from_secs(1);
         if let Some(at) = core.wake_at() {
-            wait = wait.min(Duration::from_millis(at.saturating_sub(clock_ms())));
+            let now = clock_ms();
+            if at <= now {
+                // Due already (a report came in the meantime): now, not
+                // after a wait; and no busy loop if it changes nothing.
+                queue.extend(core.handle(GroupInput::Tick { now }));
+                if !queue.is_empty() {
+                    continue;
+                }
+            } else {
+                wait = wait.min(Duration::from_millis(at - now));
+            }
         }
         match tokio::time::timeout(wait, rx.recv()).await {
             Ok(Some(msg)) => {
