@@ -986,6 +986,47 @@ fn a_member_held_frozen_thaws_at_its_deadline_without_the_group() {
     assert!(!s.vms[0].frozen);
 }
 
+/// The group core alone: the intent comes once every member is prepared,
+/// with the one deadline; only a group that requires consistency has
+/// something to do when the transaction's budget runs out.
+#[test]
+fn the_intent_waits_for_every_member_and_only_a_required_group_wakes_at_its_budget() {
+    for required in [true, false] {
+        let vms = ["a".to_string(), "b".to_string()];
+        let mut g = Group::new(&vms, required, DEADLINE);
+        let out = g.handle(GroupInput::Report {
+            vm: "a".into(),
+            report: Report::ReadyToFreeze,
+            now: 5,
+        });
+        assert!(out.is_empty(), "{out:?}");
+        let out = g.handle(GroupInput::Report {
+            vm: "b".into(),
+            report: Report::ReadyToFreeze,
+            now: 7,
+        });
+        assert_eq!(
+            out,
+            vec![GroupCommand::RecordIntent {
+                deadline: 7 + DEADLINE
+            }]
+        );
+        let out = g.handle(GroupInput::IntentRecorded {
+            result: Ok(()),
+            now: 9,
+        });
+        assert_eq!(out.len(), 2, "{out:?}");
+        assert!(out.iter().all(|c| matches!(
+            c,
+            GroupCommand::GoFreeze { deadline, .. } if *deadline == 7 + DEADLINE
+        )));
+        assert_eq!(
+            g.wake_at(),
+            required.then_some(7 + DEADLINE - co::TRANSACTION_BUDGET_MS)
+        );
+    }
+}
+
 #[derive(Clone, Debug)]
 enum Action {
     Member { vm: u8, fault: u8, took: u16 },
