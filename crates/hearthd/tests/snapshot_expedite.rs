@@ -127,6 +127,29 @@ fn a_freeze_runs_expedited_and_the_guest_resets_it_by_itself() {
     std::thread::sleep(Duration::from_secs(7));
     assert_eq!(rcu_expedited(&d, "ex"), "1\nno-marker\n");
     d.agent_sh_ok("ex", "echo 0 > /sys/kernel/rcu_expedited");
+
+    // 4. `spec.expediteFreeze: false` leaves the guest's kernel alone, and
+    // takes effect without a restart of the VM.
+    let before = d.qemu_pids_of("ex");
+    assert_eq!(before.len(), 1, "one QEMU: {before:?}");
+    let off = vm_yaml("ex", "AlwaysOn", &["ex-data"], "")
+        .replace("spec:\n", "spec:\n  expediteFreeze: false\n");
+    std::fs::write(&m, format!("{}---\n{off}", overlay_disk_yaml("ex-data")))
+        .expect("write manifest");
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    let s = snapshot(&d, "ex-5", "ex-data");
+    let event = freezing_event(&d, "ex", &s);
+    assert!(
+        event.contains("freeze not expedited: spec.expediteFreeze is false"),
+        "{event}"
+    );
+    assert_eq!(
+        hook_values(&d, "ex").last().map(String::as_str),
+        Some("0"),
+        "the guest froze unexpedited"
+    );
+    assert_eq!(rcu_expedited(&d, "ex"), "0\nno-marker\n");
+    assert_eq!(d.qemu_pids_of("ex"), before, "the same QEMU kept running");
 }
 
 #[test]

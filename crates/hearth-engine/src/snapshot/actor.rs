@@ -574,6 +574,20 @@ fn deadline_of(ctx: &Context, target: &str) -> Millis {
     }
 }
 
+/// The VM's `spec.expediteFreeze` (true when there is no VM to ask).
+fn expedite_wanted(ctx: &Context, target: &str) -> bool {
+    let Some(vm) = target.strip_prefix("vm/") else {
+        return true;
+    };
+    match ctx.store.get(Kind::VirtualMachine, vm) {
+        Ok(Some(s)) => match &s.object {
+            Object::VirtualMachine(v) => v.spec.expedite_freeze,
+            _ => true,
+        },
+        _ => true,
+    }
+}
+
 /// The request of a disk snapshot; a disk snapshot of a VM snapshot that
 /// a VirtualMachineSnapshotGroup owns carries the group's name.
 pub fn request_of(store: &Store, snap: &VirtualDiskSnapshot) -> Request {
@@ -1157,11 +1171,14 @@ async fn prepare(
         }
     };
     // The step that makes the guest's freeze cheaper, beside the rest.
+    let expedite = expedite_wanted(ctx, target);
     let expedited = async {
-        if agent {
-            Some(expedite_freeze(&live).await)
-        } else {
-            None
+        match (agent, expedite) {
+            (false, _) => None,
+            (true, true) => Some(expedite_freeze(&live).await),
+            (true, false) => Some(expedite::Outcome::Skipped(
+                "spec.expediteFreeze is false".to_string(),
+            )),
         }
     };
     let overlays = async {

@@ -331,6 +331,7 @@ const FIELD_ORDER: &[&str] = &[
     "guestAgent",
     "stopTimeoutSeconds",
     "freezeDeadlineSeconds",
+    "expediteFreeze",
     "phase",
     "accelerator",
     "acceleratorReason",
