@@ -17,6 +17,7 @@ pub enum Kind {
     VirtualDisk,
     VirtualDiskSnapshot,
     VirtualMachineSnapshot,
+    VirtualMachineSnapshotGroup,
     VirtualImage,
     VirtualNetwork,
 }
@@ -24,13 +25,14 @@ pub enum Kind {
 impl Kind {
     /// In reconcile order at start-up: images before the disks made from
     /// them, networks before the VMs attached to them.
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 7] = [
         Kind::VirtualImage,
         Kind::VirtualNetwork,
         Kind::VirtualMachine,
         Kind::VirtualDisk,
         Kind::VirtualDiskSnapshot,
         Kind::VirtualMachineSnapshot,
+        Kind::VirtualMachineSnapshotGroup,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -39,6 +41,7 @@ impl Kind {
             Kind::VirtualDisk => "VirtualDisk",
             Kind::VirtualDiskSnapshot => "VirtualDiskSnapshot",
             Kind::VirtualMachineSnapshot => "VirtualMachineSnapshot",
+            Kind::VirtualMachineSnapshotGroup => "VirtualMachineSnapshotGroup",
             Kind::VirtualImage => "VirtualImage",
             Kind::VirtualNetwork => "VirtualNetwork",
         }
@@ -51,6 +54,7 @@ impl Kind {
             Kind::VirtualDisk => "virtualdisks",
             Kind::VirtualDiskSnapshot => "virtualdisksnapshots",
             Kind::VirtualMachineSnapshot => "virtualmachinesnapshots",
+            Kind::VirtualMachineSnapshotGroup => "virtualmachinesnapshotgroups",
             Kind::VirtualImage => "virtualimages",
             Kind::VirtualNetwork => "virtualnetworks",
         }
@@ -65,7 +69,9 @@ impl Kind {
             Kind::VirtualDisk => Some(
                 "a disk's size and source cannot change after it is created; delete it and create it again",
             ),
-            Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => Some(
+            Kind::VirtualDiskSnapshot
+            | Kind::VirtualMachineSnapshot
+            | Kind::VirtualMachineSnapshotGroup => Some(
                 "a snapshot's spec cannot change after it is created; take a new snapshot instead",
             ),
             Kind::VirtualImage => Some(
@@ -93,6 +99,12 @@ impl Kind {
             | "vmsnap"
             | "virtualmachinesnapshot"
             | "virtualmachinesnapshots" => Some(Kind::VirtualMachineSnapshot),
+            "vmsnapshotgroup"
+            | "vmsnapshotgroups"
+            | "snapshotgroup"
+            | "snapshotgroups"
+            | "virtualmachinesnapshotgroup"
+            | "virtualmachinesnapshotgroups" => Some(Kind::VirtualMachineSnapshotGroup),
             "image" | "images" | "vi" | "virtualimage" | "virtualimages" => {
                 Some(Kind::VirtualImage)
             }
@@ -761,7 +773,35 @@ pub struct VirtualMachineSnapshotSpec {
     pub required_consistency: bool,
 }
 
-/// Status of both snapshot kinds.
+/// Several VMs frozen together for one cut: every member's filesystems are
+/// frozen at one common moment, under one deadline, then every member's
+/// disks are cut, then all are thawed. Each member's snapshot is a
+/// VirtualMachineSnapshot named `<group>-<vm>`, owned by the group.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachineSnapshotGroup {
+    pub api_version: String,
+    pub kind: String,
+    pub metadata: ObjectMeta,
+    pub spec: VirtualMachineSnapshotGroupSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<SnapshotStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachineSnapshotGroupSpec {
+    /// The member VMs, each once (at least one).
+    pub virtual_machine_names: Vec<String>,
+    /// Fail the whole group (every member thawed at once) unless every member
+    /// is frozen at the common moment.
+    #[serde(default = "default_true")]
+    pub required_consistency: bool,
+}
+
+/// Status of the snapshot kinds.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase")]
@@ -795,6 +835,10 @@ pub struct SnapshotStatus {
     /// For a VM snapshot: its disk snapshots, in the VM's disk order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub virtual_disk_snapshot_names: Vec<String>,
+    /// For a VM snapshot group: its members' VM snapshots, in the order of
+    /// `spec.virtualMachineNames`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub virtual_machine_snapshot_names: Vec<String>,
     /// For a disk snapshot made by a VM snapshot: that VM snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub virtual_machine_snapshot_name: Option<String>,

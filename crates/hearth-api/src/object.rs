@@ -10,8 +10,8 @@ use serde_json::Value;
 use crate::kinds::{
     CloudInit, DiskSource, ImageSource, Kind, MAX_CLOUD_INIT_TEXT, MAX_FREEZE_DEADLINE_SECONDS,
     MAX_INTERFACES, MIN_FREEZE_DEADLINE_SECONDS, NetworkInterface, NetworkMode, VirtualDisk,
-    VirtualDiskSnapshot, VirtualImage, VirtualMachine, VirtualMachineSnapshot, VirtualNetwork,
-    VirtualNetworkSpec,
+    VirtualDiskSnapshot, VirtualImage, VirtualMachine, VirtualMachineSnapshot,
+    VirtualMachineSnapshotGroup, VirtualNetwork, VirtualNetworkSpec,
 };
 use crate::meta::API_VERSION;
 use crate::net;
@@ -25,6 +25,7 @@ pub enum Object {
     VirtualDisk(VirtualDisk),
     VirtualDiskSnapshot(VirtualDiskSnapshot),
     VirtualMachineSnapshot(VirtualMachineSnapshot),
+    VirtualMachineSnapshotGroup(VirtualMachineSnapshotGroup),
     VirtualImage(VirtualImage),
     VirtualNetwork(VirtualNetwork),
 }
@@ -46,6 +47,9 @@ impl<'de> Deserialize<'de> for Object {
             }
             Kind::VirtualMachineSnapshot => {
                 serde_json::from_value(value).map(Object::VirtualMachineSnapshot)
+            }
+            Kind::VirtualMachineSnapshotGroup => {
+                serde_json::from_value(value).map(Object::VirtualMachineSnapshotGroup)
             }
             Kind::VirtualImage => serde_json::from_value(value).map(Object::VirtualImage),
             Kind::VirtualNetwork => serde_json::from_value(value).map(Object::VirtualNetwork),
@@ -93,6 +97,7 @@ impl Object {
             Object::VirtualDisk(_) => Kind::VirtualDisk,
             Object::VirtualDiskSnapshot(_) => Kind::VirtualDiskSnapshot,
             Object::VirtualMachineSnapshot(_) => Kind::VirtualMachineSnapshot,
+            Object::VirtualMachineSnapshotGroup(_) => Kind::VirtualMachineSnapshotGroup,
             Object::VirtualImage(_) => Kind::VirtualImage,
             Object::VirtualNetwork(_) => Kind::VirtualNetwork,
         }
@@ -108,6 +113,7 @@ impl Object {
             Object::VirtualDisk(o) => &o.metadata,
             Object::VirtualDiskSnapshot(o) => &o.metadata,
             Object::VirtualMachineSnapshot(o) => &o.metadata,
+            Object::VirtualMachineSnapshotGroup(o) => &o.metadata,
             Object::VirtualImage(o) => &o.metadata,
             Object::VirtualNetwork(o) => &o.metadata,
         }
@@ -119,6 +125,7 @@ impl Object {
             Object::VirtualDisk(o) => &mut o.metadata,
             Object::VirtualDiskSnapshot(o) => &mut o.metadata,
             Object::VirtualMachineSnapshot(o) => &mut o.metadata,
+            Object::VirtualMachineSnapshotGroup(o) => &mut o.metadata,
             Object::VirtualImage(o) => &mut o.metadata,
             Object::VirtualNetwork(o) => &mut o.metadata,
         }
@@ -136,6 +143,7 @@ impl Object {
             Object::VirtualDisk(o) => serde_json::to_value(&o.spec),
             Object::VirtualDiskSnapshot(o) => serde_json::to_value(&o.spec),
             Object::VirtualMachineSnapshot(o) => serde_json::to_value(&o.spec),
+            Object::VirtualMachineSnapshotGroup(o) => serde_json::to_value(&o.spec),
             Object::VirtualImage(o) => serde_json::to_value(&o.spec),
             Object::VirtualNetwork(o) => serde_json::to_value(&o.spec),
         }
@@ -149,6 +157,7 @@ impl Object {
             Object::VirtualDisk(o) => o.status = None,
             Object::VirtualDiskSnapshot(o) => o.status = None,
             Object::VirtualMachineSnapshot(o) => o.status = None,
+            Object::VirtualMachineSnapshotGroup(o) => o.status = None,
             Object::VirtualImage(o) => o.status = None,
             Object::VirtualNetwork(o) => o.status = None,
         }
@@ -305,6 +314,27 @@ impl Object {
                     .map_err(|(f, m)| err(f, m))?;
                 check_dns_label(&snap.spec.virtual_machine_name)
                     .map_err(|m| err("spec.virtualMachineName", m))?;
+            }
+            Object::VirtualMachineSnapshotGroup(g) => {
+                check_header(&g.api_version, &g.kind, Kind::VirtualMachineSnapshotGroup)
+                    .map_err(|(f, m)| err(f, m))?;
+                if g.spec.virtual_machine_names.is_empty() {
+                    return Err(err(
+                        "spec.virtualMachineNames",
+                        "must name at least one VirtualMachine".into(),
+                    ));
+                }
+                let mut seen = HashSet::new();
+                for (i, vm) in g.spec.virtual_machine_names.iter().enumerate() {
+                    let field = format!("spec.virtualMachineNames[{i}]");
+                    check_dns_label(vm).map_err(|m| err(&field, m))?;
+                    if !seen.insert(vm.as_str()) {
+                        return Err(err(
+                            &field,
+                            format!("{vm:?} is named twice; each VM is a member once"),
+                        ));
+                    }
+                }
             }
             Object::VirtualImage(image) => {
                 check_header(&image.api_version, &image.kind, Kind::VirtualImage)
@@ -729,7 +759,7 @@ pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError
             return Err(fe(
                 label.into(),
                 "kind",
-                "is missing (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot)".into(),
+                "is missing (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot, VirtualMachineSnapshotGroup)".into(),
             ));
         }
     };
@@ -741,7 +771,7 @@ pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError
                 label.into(),
                 "kind",
                 format!(
-                    "unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot)"
+                    "unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot, VirtualMachineSnapshotGroup)"
                 ),
             )
         })?;
@@ -779,6 +809,10 @@ pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError
         Kind::VirtualMachineSnapshot => typed(
             serde_path_to_error::deserialize::<_, VirtualMachineSnapshot>(value)
                 .map(Object::VirtualMachineSnapshot),
+        )?,
+        Kind::VirtualMachineSnapshotGroup => typed(
+            serde_path_to_error::deserialize::<_, VirtualMachineSnapshotGroup>(value)
+                .map(Object::VirtualMachineSnapshotGroup),
         )?,
         Kind::VirtualImage => typed(
             serde_path_to_error::deserialize::<_, VirtualImage>(value).map(Object::VirtualImage),

@@ -217,6 +217,46 @@ fn snapshot_kinds_parse_with_defaults() {
     assert!(e.contains("spec.size"), "{e}");
 }
 
+#[test]
+fn a_snapshot_group_names_each_vm_once_and_requires_consistency_by_default() {
+    let objs = parse_documents(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachineSnapshotGroup\nmetadata: {name: app-and-db}\nspec: {virtualMachineNames: [app, db]}\n",
+        "t",
+    )
+    .unwrap();
+    let Object::VirtualMachineSnapshotGroup(g) = &objs[0] else {
+        panic!("{objs:?}")
+    };
+    assert_eq!(g.spec.virtual_machine_names, ["app", "db"]);
+    assert!(g.spec.required_consistency);
+    assert_eq!(
+        Kind::from_user("vmsnapshotgroups"),
+        Some(Kind::VirtualMachineSnapshotGroup)
+    );
+    assert_eq!(
+        Kind::VirtualMachineSnapshotGroup.plural(),
+        "virtualmachinesnapshotgroups"
+    );
+    let e = parse_err(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachineSnapshotGroup\nmetadata: {name: g}\nspec: {virtualMachineNames: []}\n",
+    );
+    assert!(
+        e.contains("spec.virtualMachineNames") && e.contains("at least one"),
+        "{e}"
+    );
+    let e = parse_err(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachineSnapshotGroup\nmetadata: {name: g}\nspec: {virtualMachineNames: [app, db, app]}\n",
+    );
+    assert!(
+        e.contains("spec.virtualMachineNames[2]") && e.contains("twice"),
+        "{e}"
+    );
+    let e = parse_err(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachineSnapshotGroup\nmetadata: {name: g}\nspec: {virtualMachineNames: [Bad_Vm]}\n",
+    );
+    assert!(e.contains("spec.virtualMachineNames[0]"), "{e}");
+}
+
 // ---------------------------------------------------------------- ranges
 
 /// A VM whose `spec` gets the `extra` lines and lists `disks`.

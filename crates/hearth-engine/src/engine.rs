@@ -524,6 +524,81 @@ impl Engine {
         Ok(message)
     }
 
+    /// Restores every member of a Ready VirtualMachineSnapshotGroup, side
+    /// by side: each member VM is stopped, rebuilt from its member snapshot
+    /// and started again if it ran (`restore_vm`). Everything is checked
+    /// before any VM is stopped; a member that fails to restore does not stop
+    /// the others, and the answer names it.
+    pub async fn restore_group(self: &Arc<Self>, name: &str) -> Result<String, RequestError> {
+        let stored = self.get(Kind::VirtualMachineSnapshotGroup, name)?;
+        let Object::VirtualMachineSnapshotGroup(group) = &stored.object else {
+            return Err(RequestError::NotFound(format!(
+                "VirtualMachineSnapshotGroup {name:?} not found"
+            )));
+        };
+        let status: hearth_api::SnapshotStatus =
+            serde_json::from_value(stored.status.clone()).unwrap_or_default();
+        if status.phase != hearth_api::SnapshotPhase::Ready {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachineSnapshotGroup {name:?} is {}, not Ready{}",
+                status.phase,
+                status
+                    .message
+                    .as_ref()
+                    .map(|m| format!(" ({m})"))
+                    .unwrap_or_default()
+            )));
+        }
+        let mut plan = Vec::new();
+        for vm in &group.spec.virtual_machine_names {
+            let member = crate::snapshot::group_member_name(name, vm);
+            self.get(Kind::VirtualMachine, vm)?;
+            let m = self.get(Kind::VirtualMachineSnapshot, &member)?;
+            let ms: hearth_api::SnapshotStatus =
+                serde_json::from_value(m.status.clone()).unwrap_or_default();
+            if ms.phase != hearth_api::SnapshotPhase::Ready {
+                return Err(RequestError::Conflict(format!(
+                    "member VirtualMachineSnapshot {member:?} is {}, not Ready",
+                    ms.phase
+                )));
+            }
+            plan.push((vm.clone(), member));
+        }
+        let each = plan.iter().map(|(vm, member)| {
+            let engine = self.clone();
+            async move { (vm, engine.restore_vm(vm, member).await) }
+        });
+        let results = futures_util::future::join_all(each).await;
+        let failed: Vec<String> = results
+            .iter()
+            .filter_map(|(vm, r)| r.as_ref().err().map(|e| format!("{vm}: {e}")))
+            .collect();
+        if !failed.is_empty() {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachineSnapshotGroup {name:?}: {} of {} member(s) not restored: {}",
+                failed.len(),
+                plan.len(),
+                failed.join("; ")
+            )));
+        }
+        let message = format!(
+            "VirtualMachineSnapshotGroup {name:?}: {} VM(s) restored ({})",
+            plan.len(),
+            plan.iter()
+                .map(|(vm, m)| format!("{vm} from {m}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        self.event(
+            Kind::VirtualMachineSnapshotGroup,
+            name,
+            EventType::Normal,
+            "Restored",
+            &message,
+        );
+        Ok(message)
+    }
+
     /// Rebuilds a VM's disks from a Ready VirtualMachineSnapshot: stops the
     /// VM, puts a fresh overlay over each snapshot layer as the disk's head
     /// (time independent of disk size), and starts the VM again if it ran.
@@ -729,6 +804,7 @@ impl Engine {
             }
             Object::VirtualDiskSnapshot(_)
             | Object::VirtualMachineSnapshot(_)
+            | Object::VirtualMachineSnapshotGroup(_)
             | Object::VirtualNetwork(_) => {}
         }
         Ok(())
@@ -1038,6 +1114,9 @@ impl Engine {
                 }
                 Kind::VirtualMachineSnapshot => {
                     crate::snapshot::reconcile_vm_snapshot(&self.ctx, &key.1).await
+                }
+                Kind::VirtualMachineSnapshotGroup => {
+                    crate::snapshot::reconcile_group(&self.ctx, &key.1).await
                 }
                 Kind::VirtualImage => crate::image::reconcile(&self.ctx, &key.1).await,
                 Kind::VirtualNetwork => crate::network::reconcile(&self.ctx, &key.1).await,

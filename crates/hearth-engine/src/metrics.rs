@@ -94,7 +94,11 @@ impl Default for EngineMetrics {
             let _ = m.reconcile_duration.get_or_create(&KindLabel::of(kind));
             let _ = m.reconcile_errors.get_or_create(&KindLabel::of(kind));
         }
-        for kind in [Kind::VirtualDiskSnapshot, Kind::VirtualMachineSnapshot] {
+        for kind in [
+            Kind::VirtualDiskSnapshot,
+            Kind::VirtualMachineSnapshot,
+            Kind::VirtualMachineSnapshotGroup,
+        ] {
             let _ = m.freeze_window.get_or_create(&KindLabel::of(kind));
             let _ = m.request_to_ready.get_or_create(&KindLabel::of(kind));
         }
@@ -247,7 +251,11 @@ fn vm_phase_name(p: VmPhase) -> PhaseName {
 /// disk series are left out of this scrape (absent, not zero).
 pub async fn sample(ctx: &Context) -> Sample {
     let mut out = Sample::default();
-    for kind in [Kind::VirtualDiskSnapshot, Kind::VirtualMachineSnapshot] {
+    for kind in [
+        Kind::VirtualDiskSnapshot,
+        Kind::VirtualMachineSnapshot,
+        Kind::VirtualMachineSnapshotGroup,
+    ] {
         for phase in SNAPSHOT_PHASES {
             out.snapshots.insert((kind, snapshot_phase_name(phase)), 0);
         }

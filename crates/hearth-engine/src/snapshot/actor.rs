@@ -41,17 +41,62 @@ const COMMIT_RETRY: Duration = Duration::from_secs(1);
 
 enum Msg {
     Requests(Vec<Request>),
+    /// A group's answer to one of its members (go on, or abort); its `now`
+    /// is stamped when the actor takes it.
+    Group(Input),
     /// Make the next overlay of every disk ready (a VM just started).
     Ahead,
 }
 
-/// The running actors, by target (`vm/NAME` or `disk/NAME`).
+/// What a member's actor tells its group's run.
+pub(crate) struct MemberMsg {
+    pub vm: String,
+    pub cut: CutId,
+    pub report: GroupMemberReport,
+}
+
+pub(crate) use super::group::Report as GroupMemberReport;
+
+/// The running actors, by target (`vm/NAME` or `disk/NAME`), and the
+/// running group runs, by group name.
 #[derive(Default)]
 pub struct Actors {
     map: Mutex<HashMap<String, mpsc::UnboundedSender<Msg>>>,
+    groups: Mutex<HashMap<String, mpsc::UnboundedSender<MemberMsg>>>,
 }
 
 impl Actors {
+    /// Registers a group's run; its members' reports go to `tx`.
+    pub(crate) fn register_group(&self, group: &str, tx: mpsc::UnboundedSender<MemberMsg>) {
+        let mut g = self.groups.lock().unwrap_or_else(|p| p.into_inner());
+        g.insert(group.to_string(), tx);
+    }
+
+    pub(crate) fn unregister_group(&self, group: &str) {
+        let mut g = self.groups.lock().unwrap_or_else(|p| p.into_inner());
+        g.remove(group);
+    }
+
+    pub(crate) fn group_running(&self, group: &str) -> bool {
+        let g = self.groups.lock().unwrap_or_else(|p| p.into_inner());
+        g.get(group).is_some_and(|tx| !tx.is_closed())
+    }
+
+    /// Hands a member's report to its group's run; false when no run of
+    /// that group is going on (the daemon restarted since it began).
+    fn report_to_group(&self, group: &str, msg: MemberMsg) -> bool {
+        let g = self.groups.lock().unwrap_or_else(|p| p.into_inner());
+        g.get(group).is_some_and(|tx| tx.send(msg).is_ok())
+    }
+
+    /// Hands a group's answer to a member's actor.
+    pub(crate) fn signal(&self, target: &str, input: Input) {
+        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tx) = map.get(target) {
+            let _ = tx.send(Msg::Group(input));
+        }
+    }
+
     /// Hands requests to the target's actor, starting it if needed. Requests
     /// sent together are always served by the same cut.
     pub fn request(&self, ctx: &Arc<Context>, target: &str, requests: Vec<Request>) {
@@ -218,8 +263,7 @@ async fn lock_target(ctx: &Context, target: &str) -> Vec<tokio::sync::OwnedMutex
 }
 
 async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver<Msg>) {
-    let epoch = Instant::now();
-    let now = || epoch.elapsed().as_millis() as Millis;
+    let now = super::clock_ms;
     let Some(e) = ctx.upgrade() else { return };
     let (mut core, first) = {
         let _guards = lock_target(&e, &target).await;
@@ -246,7 +290,7 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                 // Requests that came meanwhile are the coordinator's to
                 // place: into this cut while it is being prepared, else
                 // into the next.
-                closed |= take_waiting(&mut rx, &mut core, &mut ahead_due);
+                closed |= take_waiting(&mut rx, &mut core, &mut queue, &mut ahead_due);
                 let committed = matches!(input, Input::Committed { ok: true, .. });
                 ahead_due |= committed && held.live.is_some();
                 queue.extend(core.handle(input));
@@ -256,7 +300,10 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             }
         }
         // Take every message already waiting, so simultaneous requests share a cut.
-        closed |= take_waiting(&mut rx, &mut core, &mut ahead_due);
+        closed |= take_waiting(&mut rx, &mut core, &mut queue, &mut ahead_due);
+        if !queue.is_empty() {
+            continue;
+        }
         if core.is_idle() && core.gather_first(now()) && !closed {
             // Requests came while the last cut ran (one apply, a VM
             // snapshot and its siblings, parallel clients): a burst is under
@@ -270,6 +317,8 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                             core.handle(Input::Requested(r));
                         }
                     }
+                    // Not held by a group while idle: nothing to act on.
+                    Ok(Some(Msg::Group(_))) => {}
                     Ok(Some(Msg::Ahead)) => ahead_due = true,
                     Ok(None) => {
                         closed = true;
@@ -340,30 +389,47 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
         if closed {
             return;
         }
-        // Idle: wait for work; retry a pending thaw every second.
-        let wait = if core.needs_thaw() {
+        // Idle, or held by a group: wait for work; retry a pending thaw
+        // every second; a member held frozen wakes at its deadline.
+        let mut wait = if core.needs_thaw() {
             Duration::from_secs(1)
         } else {
             Duration::from_secs(3600)
         };
+        if let Some(at) = core.wake_at() {
+            wait = wait.min(Duration::from_millis(at.saturating_sub(now())));
+        }
         match tokio::time::timeout(wait, rx.recv()).await {
             Ok(Some(Msg::Requests(rs))) => {
                 for r in rs {
                     core.handle(Input::Requested(r));
                 }
             }
+            Ok(Some(Msg::Group(input))) => queue.extend(core.handle(stamp(input, now()))),
             Ok(Some(Msg::Ahead)) => ahead_due = true,
             Ok(None) => return,
-            Err(_) => {}
+            Err(_) => queue.extend(core.handle(Input::Tick { now: now() })),
         }
     }
 }
 
-/// Hands every message already waiting to the coordinator; true when the
-/// channel is closed.
+/// A group's message, with the time the actor took it.
+fn stamp(mut input: Input, at: Millis) -> Input {
+    match &mut input {
+        Input::GroupGoFreeze { now, .. }
+        | Input::GroupGoCut { now, .. }
+        | Input::GroupAbort { now, .. } => *now = at,
+        _ => {}
+    }
+    input
+}
+
+/// Hands every message already waiting to the coordinator (what a group's
+/// message makes it do goes into `queue`); true when the channel is closed.
 fn take_waiting(
     rx: &mut mpsc::UnboundedReceiver<Msg>,
     core: &mut Coordinator,
+    queue: &mut VecDeque<Command>,
     ahead_due: &mut bool,
 ) -> bool {
     loop {
@@ -373,6 +439,7 @@ fn take_waiting(
                     core.handle(Input::Requested(r));
                 }
             }
+            Ok(Msg::Group(input)) => queue.extend(core.handle(stamp(input, super::clock_ms()))),
             Ok(Msg::Ahead) => *ahead_due = true,
             Err(mpsc::error::TryRecvError::Empty) => return false,
             Err(mpsc::error::TryRecvError::Disconnected) => return true,
@@ -457,7 +524,7 @@ async fn recover(
         if target_of(ctx, &snap.spec.virtual_disk_name)? != target {
             continue;
         }
-        pending.push(request_of(snap));
+        pending.push(request_of(&ctx.store, snap));
     }
     let intent: Option<(CutId, Vec<Request>)> = ctx.store.with_tx(|tx| {
         let row: Option<(i64, String)> = rusqlite::OptionalExtension::optional(tx.query_row(
@@ -521,8 +588,30 @@ fn expedite_wanted(ctx: &Context, target: &str) -> bool {
     }
 }
 
-pub fn request_of(snap: &VirtualDiskSnapshot) -> Request {
+/// The request of a disk snapshot; a disk snapshot of a VM snapshot that
+/// a VirtualMachineSnapshotGroup owns carries the group's name.
+pub fn request_of(store: &Store, snap: &VirtualDiskSnapshot) -> Request {
+    let group = snap
+        .metadata
+        .managed_by
+        .as_deref()
+        .and_then(|m| m.strip_prefix("VirtualMachineSnapshot/"))
+        .and_then(|parent| {
+            store
+                .get(Kind::VirtualMachineSnapshot, parent)
+                .ok()
+                .flatten()
+        })
+        .and_then(|p| {
+            p.object
+                .metadata()
+                .managed_by
+                .as_deref()
+                .and_then(|m| m.strip_prefix(super::group::MANAGED_BY_PREFIX))
+                .map(str::to_string)
+        });
     Request {
+        group,
         snapshot: snap.metadata.name.clone(),
         disk: snap.spec.virtual_disk_name.clone(),
         required: snap.spec.required_consistency,
@@ -947,6 +1036,34 @@ async fn execute(
             discard(ctx, target, held, cut).await;
             None
         }
+        Command::GroupReport { cut, report } => {
+            let group = core.cut_group().unwrap_or_default().to_string();
+            let vm = target.trim_start_matches("vm/").to_string();
+            let report = match report {
+                super::coordinator::GroupReport::ReadyToFreeze => GroupMemberReport::ReadyToFreeze,
+                super::coordinator::GroupReport::ReadyToCut { frozen } => {
+                    GroupMemberReport::ReadyToCut { frozen }
+                }
+                super::coordinator::GroupReport::ReadyToThaw => GroupMemberReport::Cut,
+            };
+            tracing::info!(target, cut, group, ?report, "held for the group");
+            if ctx
+                .snapshots
+                .report_to_group(&group, MemberMsg { vm, cut, report })
+            {
+                None
+            } else {
+                // No run of the group goes on (hearthd restarted since it
+                // began): a group is taken whole or not at all.
+                Some(Input::GroupAbort {
+                    cut,
+                    why: format!(
+                        "the VirtualMachineSnapshotGroup {group:?} is no longer being taken (hearthd restarted during it)"
+                    ),
+                    now: now(),
+                })
+            }
+        }
         Command::Commit {
             cut,
             outcomes,
@@ -974,6 +1091,32 @@ async fn execute(
                 // The store refused: the overlays stay recorded, so nothing
                 // is lost; write the results again shortly.
                 tokio::time::sleep(COMMIT_RETRY).await;
+            } else if let Some(group) = core.cut_group() {
+                let ready = !outcomes.is_empty()
+                    && outcomes
+                        .iter()
+                        .all(|(_, o)| matches!(o, Outcome::Ready { .. }));
+                let consistent = outcomes
+                    .iter()
+                    .all(|(_, o)| matches!(o, Outcome::Ready { consistent: true }));
+                let why = outcomes.iter().find_map(|(_, o)| match o {
+                    Outcome::Failed(w) => Some(w.clone()),
+                    _ => None,
+                });
+                let vm = target.trim_start_matches("vm/").to_string();
+                ctx.snapshots.report_to_group(
+                    group,
+                    MemberMsg {
+                        vm,
+                        cut,
+                        report: GroupMemberReport::Finished {
+                            ready,
+                            consistent,
+                            why,
+                            window_ms: freeze_window_ms,
+                        },
+                    },
+                );
             }
             Some(Input::Committed { cut, ok })
         }

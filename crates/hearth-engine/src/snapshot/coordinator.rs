@@ -46,6 +46,10 @@ pub struct Request {
     pub required: bool,
     /// Part of a VM snapshot: the cut freezes every filesystem of the guest.
     pub whole_vm: bool,
+    /// Part of a VirtualMachineSnapshotGroup (its name): cut only with the
+    /// group's other requests for this VM, and held at the group's three
+    /// barriers (see [`Command::GroupReport`]).
+    pub group: Option<String>,
 }
 
 /// Which of the guest's mounted filesystems lie on which disk, as the guest
@@ -223,6 +227,53 @@ pub enum Input {
         cut: CutId,
         ok: bool,
     },
+    /// The group lets a member held before its freeze go on: every member is
+    /// prepared and the group's intent is stored. `deadline` is the group's
+    /// one deadline, on the same clock as `now`.
+    GroupGoFreeze {
+        cut: CutId,
+        deadline: Millis,
+        now: Millis,
+    },
+    /// The group lets a member held before its transaction cut: every
+    /// member is frozen (or needs no freeze).
+    GroupGoCut {
+        cut: CutId,
+        now: Millis,
+    },
+    /// The group failed: the member thaws at once if it may be frozen, cuts
+    /// nothing more, and fails its requests with `why`.
+    GroupAbort {
+        cut: CutId,
+        why: String,
+        now: Millis,
+    },
+    /// Every member has cut: a member held frozen after its transaction
+    /// thaws.
+    GroupGoThaw {
+        cut: CutId,
+    },
+    /// Time passed; a member held frozen thaws by its deadline on its own,
+    /// whatever the group does. See [`Coordinator::wake_at`].
+    Tick {
+        now: Millis,
+    },
+}
+
+/// Where a member of a group stands, reported to the group at its barriers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GroupReport {
+    /// Prepared, and about to record its intent and freeze: held until
+    /// [`Input::GroupGoFreeze`].
+    ReadyToFreeze,
+    /// About to run its transaction: held until [`Input::GroupGoCut`].
+    /// `frozen`: its guest is frozen and the freeze is trusted; false for a
+    /// cut that needs no freeze (offline, nothing mounted) or one that goes
+    /// on crash-consistent.
+    ReadyToCut { frozen: bool },
+    /// Its transaction is over and its guest still frozen: held until
+    /// [`Input::GroupGoThaw`] (or its deadline).
+    ReadyToThaw,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -281,6 +332,12 @@ pub enum Command {
     Discard {
         cut: CutId,
     },
+    /// Tell the cut's group where this member stands; the member is held
+    /// until the group answers (go on, or abort).
+    GroupReport {
+        cut: CutId,
+        report: GroupReport,
+    },
     /// Record every request's outcome and settle the intent, in one store
     /// transaction. `took_cut`: the transaction happened, so the disks' new
     /// active layers must be recorded too. `keep_intent`: the thaw was not
@@ -315,6 +372,14 @@ pub enum Step {
     Thawing,
     Observing,
     Committing,
+    /// A group member, prepared, waiting for the group to freeze.
+    GroupHoldFreeze,
+    /// A group member, ready to cut (frozen, or needing no freeze), waiting
+    /// for every other member.
+    GroupHoldCut,
+    /// A group member, cut and still frozen, waiting for every other member
+    /// to cut.
+    GroupHoldThaw,
 }
 
 #[derive(Clone, Debug)]
@@ -346,6 +411,14 @@ struct Cut {
     recovered: bool,
     /// The commit, kept to be sent again if the store write fails.
     commit: Option<Command>,
+    /// The group this cut serves, if it is a group member's cut.
+    group: Option<String>,
+    /// The group's deadline, once the group let the member freeze.
+    group_deadline: Option<Millis>,
+    /// The group let the member cut.
+    group_go_cut: bool,
+    /// The group failed: why.
+    group_abort: Option<String>,
 }
 
 /// What survives a crash: the requests not yet settled, and the intent of a
@@ -372,6 +445,7 @@ pub struct Coordinator {
 
 impl Cut {
     fn new(id: CutId, requests: Vec<Request>, mode: Mode, step: Step) -> Cut {
+        let group = requests.first().and_then(|r| r.group.clone());
         Cut {
             id,
             requests,
@@ -392,6 +466,10 @@ impl Cut {
             window: None,
             recovered: false,
             commit: None,
+            group,
+            group_deadline: None,
+            group_go_cut: false,
+            group_abort: None,
         }
     }
 }
@@ -556,6 +634,18 @@ impl Coordinator {
                         && c.freeze_sent_at.is_some()
                         && !c.thaw_done
                     {
+                        if c.group.is_some()
+                            && c.group_abort.is_none()
+                            && c.deadline.is_some_and(|d| now < d)
+                        {
+                            // A group member thaws once every member has
+                            // cut (or the deadline comes: past it, at once).
+                            c.step = Step::GroupHoldThaw;
+                            return vec![Command::GroupReport {
+                                cut: c.id,
+                                report: GroupReport::ReadyToThaw,
+                            }];
+                        }
                         // Thaw first, whatever happened: the guest's window
                         // ends before anything else is looked at.
                         c.step = Step::Thawing;
@@ -617,7 +707,138 @@ impl Coordinator {
                     c.commit.clone().into_iter().collect()
                 }
             }
+            Input::GroupGoFreeze { cut, deadline, now } => {
+                self.with_cut(cut, Step::GroupHoldFreeze, |c, this| {
+                    c.group_deadline = Some(deadline);
+                    this.record_intent(c, now)
+                })
+            }
+            Input::GroupGoCut { cut, now } => {
+                // A member that left its hold on its own (it thawed at its
+                // deadline) keeps the permission for its crash-consistent
+                // cut, if its requests allow one.
+                if let Some(c) = self.cut.as_mut().filter(|c| c.id == cut)
+                    && c.step != Step::GroupHoldCut
+                {
+                    if c.group.is_some() && c.group_abort.is_none() {
+                        c.group_go_cut = true;
+                    }
+                    return Vec::new();
+                }
+                self.with_cut(cut, Step::GroupHoldCut, |c, this| {
+                    c.group_go_cut = true;
+                    if this.frozen_by_us(c)
+                        && now + TRANSACTION_BUDGET_MS > c.deadline.unwrap_or(now)
+                    {
+                        c.distrust = Some(this.deadline_text());
+                        return this.thaw_now(c);
+                    }
+                    this.transact(c)
+                })
+            }
+            Input::GroupGoThaw { cut } => {
+                self.with_cut(cut, Step::GroupHoldThaw, |c, this| this.thaw_now(c))
+            }
+            Input::GroupAbort { cut, why, now } => {
+                let Some(step) = self.cut.as_ref().filter(|c| c.id == cut).map(|c| c.step) else {
+                    return Vec::new();
+                };
+                self.with_cut(cut, step, |c, this| {
+                    if c.step == Step::GroupHoldThaw {
+                        // Cut already: thaw at once; the group settles what
+                        // the cut is worth.
+                        return this.thaw_now(c);
+                    }
+                    if c.group.is_none() || c.group_go_cut || c.group_abort.is_some() {
+                        // Not a group cut, or past the point of no return:
+                        // the group settles what this member cut.
+                        return Vec::new();
+                    }
+                    c.group_abort = Some(why.clone());
+                    match c.step {
+                        Step::GroupHoldFreeze => this.abort_now(c, now),
+                        Step::GroupHoldCut => {
+                            if this.frozen_by_us(c) {
+                                c.distrust = Some(why);
+                                this.thaw_now(c)
+                            } else {
+                                this.abort_now(c, now)
+                            }
+                        }
+                        // Acted on at the member's next step.
+                        _ => Vec::new(),
+                    }
+                })
+            }
+            Input::Tick { now } => {
+                let Some(at) = self.wake_at() else {
+                    return Vec::new();
+                };
+                if now < at {
+                    return Vec::new();
+                }
+                let Some(id) = self.cut.as_ref().map(|c| c.id) else {
+                    return Vec::new();
+                };
+                let step = self.cut.as_ref().map(|c| c.step);
+                if step == Some(Step::GroupHoldThaw) {
+                    // Cut, and the deadline came: no member stays frozen
+                    // past it, whatever the others do.
+                    return self.with_cut(id, Step::GroupHoldThaw, |c, this| this.thaw_now(c));
+                }
+                self.with_cut(id, Step::GroupHoldCut, |c, this| {
+                    c.distrust = Some(this.deadline_text());
+                    this.thaw_now(c)
+                })
+            }
         }
+    }
+
+    /// When the shell must send [`Input::Tick`]: a group member held frozen
+    /// thaws on its own once its transaction can no longer fit before the
+    /// deadline.
+    pub fn wake_at(&self) -> Option<Millis> {
+        let c = self.cut.as_ref()?;
+        if !self.frozen_by_us(c) {
+            return None;
+        }
+        match c.step {
+            Step::GroupHoldCut => Some(c.deadline?.saturating_sub(TRANSACTION_BUDGET_MS)),
+            Step::GroupHoldThaw => c.deadline,
+            _ => None,
+        }
+    }
+
+    /// The group this cut serves, if any.
+    pub fn cut_group(&self) -> Option<&str> {
+        self.cut.as_ref().and_then(|c| c.group.as_deref())
+    }
+
+    /// This cut's freeze was sent and no thaw followed yet.
+    fn frozen_by_us(&self, c: &Cut) -> bool {
+        matches!(c.mode, Mode::Live { freeze: true }) && c.freeze_sent_at.is_some() && !c.thaw_done
+    }
+
+    /// Thaws the guest straight away (trusted frozen: no status read first).
+    fn thaw_now(&mut self, c: &mut Cut) -> Vec<Command> {
+        c.step = Step::Thawing;
+        vec![Command::Thaw {
+            cut: c.id,
+            timeout: THAW_TIMEOUT_MS,
+            only_if_frozen: !c.trusted,
+        }]
+    }
+
+    /// The group failed before this member froze (or it is not frozen):
+    /// every request fails, nothing is cut.
+    fn abort_now(&mut self, c: &mut Cut, now: Millis) -> Vec<Command> {
+        let why = c.group_abort.clone().unwrap_or_default();
+        c.distrust = Some(why.clone());
+        for r in c.requests.drain(..) {
+            c.settled.push((r.snapshot, Outcome::Failed(why.clone())));
+        }
+        c.transacted = Some(TxResult::Rejected(why));
+        self.finish(c, now)
     }
 
     /// Runs `f` on the cut if it is the one named and at the expected step;
@@ -683,7 +904,14 @@ impl Coordinator {
             return Vec::new();
         }
         self.burst = false;
-        let mut requests = std::mem::take(&mut self.pending);
+        // A group's requests are cut alone, one group at a time, so an
+        // ordinary snapshot never waits at a group's barrier and a group
+        // member's freeze is never shared with a cut the group does not own.
+        let group = self.pending.iter().find_map(|r| r.group.clone());
+        let (mut requests, rest): (Vec<Request>, Vec<Request>) = std::mem::take(&mut self.pending)
+            .into_iter()
+            .partition(|r| r.group == group);
+        self.pending = rest;
         requests.sort();
         let mode = match &access {
             Access::Offline => Mode::Offline,
@@ -735,7 +963,10 @@ impl Coordinator {
         // between two cuts. (A cut without an agent failed its required
         // requests at the start; its late requests take the next cut, which
         // does the same.)
-        if c.mode != (Mode::Live { freeze: false }) {
+        if c.mode != (Mode::Live { freeze: false })
+            && c.group.is_none()
+            && self.pending.iter().all(|r| r.group.is_none())
+        {
             let ready: BTreeSet<&String> = c
                 .disks
                 .iter()
@@ -766,6 +997,23 @@ impl Coordinator {
     }
 
     fn transact(&mut self, c: &mut Cut) -> Vec<Command> {
+        if c.group.is_some() && !c.group_go_cut {
+            if c.group_abort.is_some() {
+                if self.frozen_by_us(c) {
+                    c.distrust = c.group_abort.clone();
+                    return self.thaw_now(c);
+                }
+                let now = c.freeze_sent_at.unwrap_or(0);
+                return self.abort_now(c, now);
+            }
+            c.step = Step::GroupHoldCut;
+            return vec![Command::GroupReport {
+                cut: c.id,
+                report: GroupReport::ReadyToCut {
+                    frozen: self.frozen_by_us(c) && c.trusted,
+                },
+            }];
+        }
         c.step = Step::Transacting;
         vec![Command::Transact {
             cut: c.id,
@@ -787,7 +1035,21 @@ impl Coordinator {
             return self.transact(c);
         }
         c.scope = Some(scope);
-        let deadline = now + self.deadline_ms;
+        if c.group.is_some() {
+            if c.group_abort.is_some() {
+                return self.abort_now(c, now);
+            }
+            if c.group_deadline.is_none() {
+                // Held until every member is prepared and the group's
+                // intent is stored.
+                c.step = Step::GroupHoldFreeze;
+                return vec![Command::GroupReport {
+                    cut: c.id,
+                    report: GroupReport::ReadyToFreeze,
+                }];
+            }
+        }
+        let deadline = self.deadline_for(c, now);
         c.deadline = Some(deadline);
         c.step = Step::Freezing;
         vec![Command::RecordIntent {
@@ -812,8 +1074,14 @@ impl Coordinator {
                 now,
             );
         }
+        if c.group_abort.is_some() {
+            return self.abort_now(c, now);
+        }
         // The deadline runs from the freeze, not from the intent write.
-        let deadline = now + self.deadline_ms;
+        let deadline = self.deadline_for(c, now);
+        if deadline <= now {
+            return self.serve_without_freeze(c, self.deadline_text(), now);
+        }
         c.deadline = Some(deadline);
         c.freeze_sent_at = Some(now);
         // From here until a confirmed thaw the guest may be frozen.
@@ -824,9 +1092,15 @@ impl Coordinator {
         };
         vec![Command::Freeze {
             cut: c.id,
-            timeout: self.deadline_ms,
+            timeout: deadline - now,
             mountpoints,
         }]
+    }
+
+    /// The VM's own deadline from `now`, or the group's if that comes first.
+    fn deadline_for(&self, c: &Cut, now: Millis) -> Millis {
+        let own = now + self.deadline_ms;
+        c.group_deadline.map_or(own, |g| g.min(own))
     }
 
     /// Freezing is off the table: requests that require consistency fail
@@ -892,6 +1166,7 @@ impl Coordinator {
         let deadline = c.deadline.unwrap_or(now);
         match result {
             Ok(0) => c.distrust = Some("the guest agent froze no filesystems".into()),
+            Ok(_) if c.group_abort.is_some() => c.distrust = c.group_abort.clone(),
             Ok(n) => {
                 c.frozen_count = Some(n);
                 if now >= deadline {
@@ -931,6 +1206,7 @@ impl Coordinator {
     ) -> Vec<Command> {
         let deadline = c.deadline.unwrap_or(now);
         match result {
+            Ok(true) if c.group_abort.is_some() => c.distrust = c.group_abort.clone(),
             Ok(true) if now + TRANSACTION_BUDGET_MS <= deadline => {
                 c.trusted = true;
                 return self.transact(c);
@@ -980,6 +1256,9 @@ impl Coordinator {
         }
         // An untrusted freeze cut nothing yet: requests that accept a
         // crash-consistent snapshot still get one, now that the guest runs.
+        if c.group_abort.is_some() {
+            return self.abort_now(c, now);
+        }
         if c.transacted.is_none() && c.requests.iter().any(|r| !r.required) {
             let why = c.distrust.clone().unwrap_or_default();
             fail_required(c, &why);
@@ -1005,8 +1284,19 @@ impl Coordinator {
         if c.recovered {
             // What happened before the crash cannot be proven: take it again.
             for r in &c.requests {
-                outcomes.push((r.snapshot.clone(), Outcome::Retry));
-                self.pending.push(r.clone());
+                if r.group.is_some() {
+                    // A group is taken as a whole or not at all: its members
+                    // are never retaken one by one.
+                    outcomes.push((
+                        r.snapshot.clone(),
+                        Outcome::Failed(
+                            "hearthd stopped during the group's cut; the guest was thawed".into(),
+                        ),
+                    ));
+                } else {
+                    outcomes.push((r.snapshot.clone(), Outcome::Retry));
+                    self.pending.push(r.clone());
+                }
             }
         } else {
             for r in &c.requests {

@@ -115,7 +115,8 @@ pub async fn reconcile_disk_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(
         return Ok(());
     }
     let target = target_of(ctx, disk)?;
-    ctx.snapshots.request(ctx, &target, vec![request_of(snap)]);
+    ctx.snapshots
+        .request(ctx, &target, vec![request_of(&ctx.store, snap)]);
     Ok(())
 }
 
@@ -249,7 +250,7 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
                 Ok(())
             })?;
             // The actor first: the event's store write is not in its way.
-            let requests = children.iter().map(request_of).collect();
+            let requests = children.iter().map(|c| request_of(&ctx.store, c)).collect();
             ctx.snapshots
                 .request(ctx, &format!("vm/{vm_name}"), requests);
             ctx.event(
@@ -266,7 +267,7 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
                 match ctx.store.get(Kind::VirtualDiskSnapshot, c)? {
                     Some(s) => {
                         if let Object::VirtualDiskSnapshot(snap) = &s.object {
-                            children.push((request_of(snap), status_of(&s.status)));
+                            children.push((request_of(&ctx.store, snap), status_of(&s.status)));
                         }
                     }
                     None => {
@@ -301,6 +302,10 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
             let consistent = children.iter().all(|(_, s)| s.consistent == Some(true));
             let size: u64 = children.iter().filter_map(|(_, s)| s.size).sum();
             ctx.set_snapshot_status(Kind::VirtualMachineSnapshot, name, |s| {
+                if s.phase.is_final() {
+                    // Settled already (its group failed it).
+                    return;
+                }
                 if failed.is_empty() {
                     s.phase = SnapshotPhase::Ready;
                     s.consistent = Some(consistent);
@@ -314,6 +319,15 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
                 s.freeze_window_ms = first.freeze_window_ms;
                 s.size = Some(size);
             });
+            if let Some(group) = stored
+                .object
+                .metadata()
+                .managed_by
+                .as_deref()
+                .and_then(|m| m.strip_prefix(super::group::MANAGED_BY_PREFIX))
+            {
+                ctx.wake(Kind::VirtualMachineSnapshotGroup, group);
+            }
             crate::metrics::snapshot_settled(
                 ctx,
                 Kind::VirtualMachineSnapshot,

@@ -111,7 +111,9 @@ pub fn render(
             Kind::VirtualMachine | Kind::VirtualDisk => FIELD_ORDER,
             Kind::VirtualImage => IMAGE_FIELD_ORDER,
             Kind::VirtualNetwork => NETWORK_FIELD_ORDER,
-            Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => SNAPSHOT_FIELD_ORDER,
+            Kind::VirtualDiskSnapshot
+            | Kind::VirtualMachineSnapshot
+            | Kind::VirtualMachineSnapshotGroup => SNAPSHOT_FIELD_ORDER,
         },
         now,
     };

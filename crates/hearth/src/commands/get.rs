@@ -247,9 +247,9 @@ pub fn table_for(kind: Kind, items: &[Value], now: DateTime<Utc>, wide: bool) ->
         Kind::VirtualDisk => disk_table(items, now, wide),
         Kind::VirtualImage => image_table(items, now, wide),
         Kind::VirtualNetwork => network_table(items, now, wide),
-        Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => {
-            snapshot_table(kind, items, now, wide)
-        }
+        Kind::VirtualDiskSnapshot
+        | Kind::VirtualMachineSnapshot
+        | Kind::VirtualMachineSnapshotGroup => snapshot_table(kind, items, now, wide),
     }
 }
 
@@ -517,8 +517,10 @@ pub fn cloud_init_of(vm: &Value) -> &'static str {
 /// `NAME DISK|VM PHASE CONSISTENT CUT-TIME FREEZE-MS SIZE AGE`; wide adds
 /// CUT REASON MESSAGE (and VMSNAPSHOT for disk snapshots taken by one).
 pub fn snapshot_table(kind: Kind, items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
-    let vm = kind == Kind::VirtualMachineSnapshot;
-    let (source_header, source_field) = if vm {
+    let vm = kind != Kind::VirtualDiskSnapshot;
+    let (source_header, source_field) = if kind == Kind::VirtualMachineSnapshotGroup {
+        ("VMS", "virtualMachineNames")
+    } else if vm {
         ("VM", "virtualMachineName")
     } else {
         ("DISK", "virtualDiskName")
@@ -553,9 +555,22 @@ pub fn snapshot_table(kind: Kind, items: &[Value], now: DateTime<Utc>, wide: boo
         let size = u64_at(snap, &["status", "size"])
             .map(human_bytes)
             .unwrap_or_else(|| "-".to_string());
+        let source = if kind == Kind::VirtualMachineSnapshotGroup {
+            at(snap, &["spec", "virtualMachineNames"])
+                .and_then(Value::as_array)
+                .map(|vms| {
+                    vms.iter()
+                        .filter_map(Value::as_str)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .unwrap_or_else(|| "-".to_string())
+        } else {
+            cell(at(snap, &["spec", source_field]))
+        };
         let mut row = vec![
             cell(at(snap, &["metadata", "name"])),
-            cell(at(snap, &["spec", source_field])),
+            source,
             cell(at(snap, &["status", "phase"])),
             consistent.to_string(),
             cut_time,
@@ -828,6 +843,23 @@ new                    data      -        -            -                      - 
         assert!(
             lines[2].ends_with("-       -     -            AgentUnavailable   the guest agent is not connected   10s"),
             "{wide}"
+        );
+    }
+
+    #[test]
+    fn group_table_names_its_vms() {
+        let items = [json!({
+            "metadata": {"name": "pair", "creationTimestamp": "2025-01-01T08:00:00Z"},
+            "spec": {"virtualMachineNames": ["app", "db"], "requiredConsistency": true},
+            "status": {"phase": "Ready", "consistent": true, "cutTime": "2025-01-01T08:00:02Z",
+                       "freezeWindowMs": 268, "size": 2202009,
+                       "virtualMachineSnapshotNames": ["pair-app", "pair-db"]}})];
+        assert_eq!(
+            table_for(Kind::VirtualMachineSnapshotGroup, &items, now(), false).render(),
+            "\
+NAME   VMS      PHASE   CONSISTENT   CUT-TIME               FREEZE-MS   SIZE    AGE
+pair   app,db   Ready   true         2025-01-01T08:00:02Z   268         2.1Mi   4h
+"
         );
     }
 

@@ -52,6 +52,7 @@ pub fn short_ref(kind: Kind, name: &str) -> String {
         Kind::VirtualDisk => "disk",
         Kind::VirtualDiskSnapshot => "snapshot",
         Kind::VirtualMachineSnapshot => "vmsnapshot",
+        Kind::VirtualMachineSnapshotGroup => "vmsnapshotgroup",
         Kind::VirtualImage => "image",
         Kind::VirtualNetwork => "network",
     };

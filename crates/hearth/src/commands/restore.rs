@@ -1,5 +1,6 @@
 //! `hearth restore vm VM --from VMSNAPSHOT`: roll a VM's disks back to a
-//! VirtualMachineSnapshot.
+//! VirtualMachineSnapshot; `hearth restore vmsnapshotgroup NAME`: roll every
+//! member VM of a VirtualMachineSnapshotGroup back.
 
 use std::io::Write;
 use std::time::Duration;
@@ -31,8 +32,9 @@ A disk is restored by creating a new disk from a snapshot instead: apply a
 VirtualDisk with `spec: {source: {snapshot: NAME}}` (no size; it has the
 snapshot's) with `hearth apply -f`. See `hearth restore vm --help`.
 
-Example:
-  hearth restore vm demo --from before-upgrade"
+Examples:
+  hearth restore vm demo --from before-upgrade
+  hearth restore vmsnapshotgroup app-and-db"
 )]
 pub struct Args {
     #[command(subcommand)]
@@ -66,6 +68,33 @@ Examples:
   hearth snapshot vm demo --name before-upgrade --wait
   hearth restore vm demo --from before-upgrade")]
     Vm(VmArgs),
+    /// Roll every VM of a VirtualMachineSnapshotGroup back to its member snapshot
+    #[command(
+        visible_alias = "vmsnapshotgroups",
+        visible_alias = "snapshotgroup",
+        after_help = "\
+The group must be Ready. Every member VM is restored from its member
+VirtualMachineSnapshot (GROUP-VM), side by side, exactly as
+`hearth restore vm VM --from GROUP-VM` does for one: stopped, its disks
+rebuilt over the snapshot's layers, started again if it was running. The
+group and each member are checked before any VM is stopped.
+
+Example:
+  hearth snapshot group app-and-db --vm app --vm db --wait
+  hearth restore vmsnapshotgroup app-and-db"
+    )]
+    Vmsnapshotgroup(GroupArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct GroupArgs {
+    /// The VirtualMachineSnapshotGroup (`hearth get vmsnapshotgroups`).
+    #[arg(value_name = "NAME", value_parser = super::parse_name)]
+    pub group: String,
+    /// How long to wait for hearthd's answer (default: 10m, or longer when
+    /// a member VM's stopTimeoutSeconds needs it).
+    #[arg(long, value_name = "DURATION", value_parser = parse_duration)]
+    pub timeout: Option<Duration>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -91,9 +120,54 @@ pub fn restore_timeout(stop_timeout_seconds: u64) -> Duration {
 }
 
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
-    let Target::Vm(vm) = &args.target;
     let mut out = std::io::stdout().lock();
-    restore_vm(client, vm, &mut out).await
+    match &args.target {
+        Target::Vm(vm) => restore_vm(client, vm, &mut out).await,
+        Target::Vmsnapshotgroup(g) => restore_group(client, g, &mut out).await,
+    }
+}
+
+pub async fn restore_group(
+    client: &ApiClient,
+    args: &GroupArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let path = object_path(Kind::VirtualMachineSnapshotGroup, &args.group);
+    let limit = match args.timeout {
+        Some(t) => t,
+        None => {
+            // Members restore side by side: the slowest VM to stop decides.
+            let group = client.get(&path).await?;
+            let mut stop = DEFAULT_STOP_TIMEOUT_SECONDS;
+            if let Some(vms) = group["spec"]["virtualMachineNames"].as_array() {
+                for vm in vms.iter().filter_map(serde_json::Value::as_str) {
+                    if let Ok(v) = client.get(&object_path(Kind::VirtualMachine, vm)).await {
+                        stop = stop.max(
+                            u64_at(&v, &["spec", "stopTimeoutSeconds"])
+                                .unwrap_or(DEFAULT_STOP_TIMEOUT_SECONDS),
+                        );
+                    }
+                }
+            }
+            restore_timeout(stop)
+        }
+    };
+    let answer = client
+        .post_slow(&format!("{path}/restore"), Some(&json!({})), limit)
+        .await
+        .map_err(|e| match e {
+            ApiError::Timeout { .. } => anyhow::anyhow!(
+                "{e}; the restore of vmsnapshotgroup/{} may still be going on: check `hearth describe vmsnapshotgroup {}`",
+                args.group,
+                args.group
+            ),
+            other => other.into(),
+        })?;
+    let message = str_at(&answer, &["message"])
+        .map(str::to_string)
+        .unwrap_or_else(|| format!("vmsnapshotgroup/{} restored", args.group));
+    writeln!(out, "{message}")?;
+    Ok(())
 }
 
 pub async fn restore_vm(

@@ -1,8 +1,9 @@
-//! `hearth snapshot disk|vm NAME`: take a snapshot now, optionally waiting
-//! until hearthd reports it Ready or Failed.
+//! `hearth snapshot disk|vm|group NAME`: take a snapshot now, optionally
+//! waiting until hearthd reports it Ready or Failed.
 //!
 //! A snapshot is an ordinary object: this command builds one
-//! VirtualDiskSnapshot or VirtualMachineSnapshot and sends it through
+//! VirtualDiskSnapshot, VirtualMachineSnapshot or VirtualMachineSnapshotGroup
+//! and sends it through
 //! `POST /v1/apply`, exactly what `hearth apply` of the same manifest does.
 
 use std::io::Write;
@@ -31,7 +32,7 @@ const MAX_NAME: usize = 63;
 
 #[derive(Debug, clap::Args)]
 #[command(
-    about = "Take a snapshot of a disk or of all disks of a VM",
+    about = "Take a snapshot of a disk, of all disks of a VM, or of several VMs at one moment",
     after_help = "\
 A snapshot of a running VM is application-consistent when the guest agent
 freezes the guest's filesystems around the cut; a stopped VM needs no freeze.
@@ -78,6 +79,51 @@ Examples:
   hearth snapshot vm demo --wait
   hearth snapshot vm demo --name before-upgrade --wait --timeout 5m")]
     Vm(VmArgs),
+    /// Snapshot several VMs at one moment (a VirtualMachineSnapshotGroup)
+    #[command(after_help = "\
+Every VM of the group is frozen, then every VM's disks are cut, then all are
+thawed: the filesystems of all members are frozen at one common moment, under
+one deadline (the shortest spec.freezeDeadlineSeconds of the VMs). Each VM
+gets a VirtualMachineSnapshot named GROUP-VM, owned by the group (deleting
+the group deletes them). If one VM cannot be frozen (no agent, a freeze that
+fails or outlasts the deadline), the whole group fails and every VM is thawed
+at once, unless --no-require-consistency is given (then the group is Ready
+with consistent: false). Roll every VM back with
+`hearth restore vmsnapshotgroup NAME`.
+
+Examples:
+  hearth snapshot group app-and-db --vm app --vm db --wait
+  hearth get vmsnapshotgroups
+  hearth restore vmsnapshotgroup app-and-db")]
+    Group(GroupArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct GroupArgs {
+    /// The group's name; its member snapshots are named NAME-VM.
+    #[arg(value_name = "NAME", value_parser = super::parse_name)]
+    pub group: String,
+    /// A member VirtualMachine (give --vm once per VM, at least once).
+    #[arg(long = "vm", value_name = "VM", required = true, value_parser = super::parse_name)]
+    pub vms: Vec<String>,
+    /// Take the group even when a member cannot be frozen; it is then marked
+    /// consistent: false.
+    #[arg(long)]
+    pub no_require_consistency: bool,
+    /// Wait until the group is Ready (exit 0) or Failed (exit 1), printing
+    /// each phase it goes through.
+    #[arg(long)]
+    pub wait: bool,
+    /// With --wait: give up after this long (90s, 2m, 1m30s). The group
+    /// itself goes on; see it with `hearth get vmsnapshotgroups`.
+    #[arg(
+        long,
+        value_name = "DURATION",
+        default_value = "120s",
+        value_parser = parse_duration,
+        requires = "wait"
+    )]
+    pub timeout: Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -128,7 +174,8 @@ pub struct Options {
 pub struct Request {
     pub kind: Kind,
     pub name: String,
-    /// The disk or VM.
+    /// The disk or VM; for a group, its VMs joined with `,` (a name never
+    /// holds one).
     pub source: String,
     pub required_consistency: bool,
     /// The name was made up here, not given with --name.
@@ -140,6 +187,15 @@ impl Request {
         let (kind, source, options) = match target {
             Target::Disk(a) => (Kind::VirtualDiskSnapshot, &a.disk, &a.options),
             Target::Vm(a) => (Kind::VirtualMachineSnapshot, &a.vm, &a.options),
+            Target::Group(g) => {
+                return Request {
+                    kind: Kind::VirtualMachineSnapshotGroup,
+                    name: g.group.clone(),
+                    source: g.vms.join(","),
+                    required_consistency: !g.no_require_consistency,
+                    default_name: false,
+                };
+            }
         };
         Request {
             kind,
@@ -155,6 +211,15 @@ impl Request {
 
     /// The object as `POST /v1/apply` takes it.
     pub fn object(&self) -> Value {
+        if self.kind == Kind::VirtualMachineSnapshotGroup {
+            let vms: Vec<&str> = self.source.split(',').collect();
+            return json!({
+                "apiVersion": API_VERSION,
+                "kind": self.kind.as_str(),
+                "metadata": {"name": self.name},
+                "spec": {"virtualMachineNames": vms, "requiredConsistency": self.required_consistency},
+            });
+        }
         let source_field = match self.kind {
             Kind::VirtualMachineSnapshot => "virtualMachineName",
             _ => "virtualDiskName",
@@ -182,14 +247,15 @@ pub fn default_name(source: &str, now: DateTime<Utc>) -> String {
 
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
     let request = Request::new(&args.target, Utc::now());
-    let options = match &args.target {
-        Target::Disk(a) => &a.options,
-        Target::Vm(a) => &a.options,
+    let (wait, timeout) = match &args.target {
+        Target::Disk(a) => (a.options.wait, a.options.timeout),
+        Target::Vm(a) => (a.options.wait, a.options.timeout),
+        Target::Group(g) => (g.wait, g.timeout),
     };
     let mut out = std::io::stdout().lock();
     create(client, &request, &mut out).await?;
-    if options.wait {
-        let last = follow_until_final(client, &request, options.timeout, &mut out).await?;
+    if wait {
+        let last = follow_until_final(client, &request, timeout, &mut out).await?;
         writeln!(out, "{}", summary(request.kind, &request.name, &last))?;
     }
     Ok(())
@@ -422,6 +488,7 @@ pub async fn wait_until_final(
 fn get_kind(kind: Kind) -> &'static str {
     match kind {
         Kind::VirtualMachineSnapshot => "vmsnapshot",
+        Kind::VirtualMachineSnapshotGroup => "vmsnapshotgroup",
         _ => "snapshot",
     }
 }
@@ -457,6 +524,13 @@ pub fn summary(kind: Kind, name: &str, obj: &Value) -> String {
         } else {
             format!("disk snapshots: {}", disks.join(", "))
         });
+    }
+    if kind == Kind::VirtualMachineSnapshotGroup {
+        let members: Vec<&str> = at(obj, &["status", "virtualMachineSnapshotNames"])
+            .and_then(Value::as_array)
+            .map(|names| names.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        parts.push(format!("VM snapshots: {}", members.join(", ")));
     }
     format!("{}: {}", short_ref(kind, name), parts.join(", "))
 }
@@ -534,6 +608,50 @@ mod tests {
             default_name(&fits, at_noon()),
             format!("{fits}-20250304-050607")
         );
+    }
+
+    #[test]
+    fn snapshot_group_takes_its_vms_and_sends_one_group() {
+        use clap::Parser;
+        #[derive(Debug, clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let cli = Cli::try_parse_from(["x", "group", "pair", "--vm", "app", "--vm", "db"])
+            .expect("parses");
+        let r = Request::new(&cli.args.target, at_noon());
+        assert_eq!(r.kind, Kind::VirtualMachineSnapshotGroup);
+        assert_eq!(r.name, "pair");
+        assert_eq!(
+            r.object(),
+            json!({"apiVersion": API_VERSION, "kind": "VirtualMachineSnapshotGroup",
+                   "metadata": {"name": "pair"},
+                   "spec": {"virtualMachineNames": ["app", "db"], "requiredConsistency": true}})
+        );
+        object_from_value(r.object(), "the group").expect("a valid group");
+        // At least one --vm; a name is required.
+        assert!(Cli::try_parse_from(["x", "group", "pair"]).is_err());
+        assert!(Cli::try_parse_from(["x", "group", "--vm", "app"]).is_err());
+        let cli = Cli::try_parse_from([
+            "x",
+            "group",
+            "pair",
+            "--vm",
+            "app",
+            "--no-require-consistency",
+            "--wait",
+            "--timeout",
+            "30s",
+        ])
+        .expect("parses");
+        let r = Request::new(&cli.args.target, at_noon());
+        assert!(!r.required_consistency);
+        let Target::Group(g) = &cli.args.target else {
+            panic!()
+        };
+        assert!(g.wait);
+        assert_eq!(g.timeout, Duration::from_secs(30));
     }
 
     #[test]

@@ -105,7 +105,9 @@ pub fn check_condition(kind: Kind, cond: WaitFor) -> Result<WaitFor, String> {
         Kind::VirtualDisk => &DISK_PHASES,
         Kind::VirtualImage => &IMAGE_PHASES,
         Kind::VirtualNetwork => &NETWORK_PHASES,
-        Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => &SNAPSHOT_PHASES,
+        Kind::VirtualDiskSnapshot
+        | Kind::VirtualMachineSnapshot
+        | Kind::VirtualMachineSnapshotGroup => &SNAPSHOT_PHASES,
     };
     match cond {
         WaitFor::Phase(p) => phases

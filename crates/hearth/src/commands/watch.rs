@@ -231,7 +231,9 @@ pub fn judge_settled(kind: Kind, configured: bool, obs: &Observation) -> Verdict
             Some("Failed") => failed_because(obj),
             _ => Verdict::Waiting,
         },
-        Kind::VirtualDiskSnapshot | Kind::VirtualMachineSnapshot => match phase {
+        Kind::VirtualDiskSnapshot
+        | Kind::VirtualMachineSnapshot
+        | Kind::VirtualMachineSnapshotGroup => match phase {
             Some("Ready") => Verdict::Met,
             Some("Failed") => failed_because(obj),
             Some("Terminating") => Verdict::Failed("it is being deleted".to_string()),

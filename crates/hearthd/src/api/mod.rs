@@ -74,6 +74,10 @@ fn routes() -> Router<Arc<Engine>> {
             post(agent_freeze_status),
         )
         .route("/v1/virtualmachines/{name}/restore", post(restore))
+        .route(
+            "/v1/virtualmachinesnapshotgroups/{name}/restore",
+            post(restore_group),
+        )
         .route("/v1/virtualmachines/{name}/{action}", post(vm_action))
 }
 
@@ -106,7 +110,7 @@ fn kind_of(plural: &str) -> Result<Kind, ApiError> {
             ApiError(
                 StatusCode::NOT_FOUND,
                 format!(
-                    "unknown resource {plural:?} (use virtualmachines, virtualdisks, virtualimages, virtualnetworks, virtualdisksnapshots or virtualmachinesnapshots)"
+                    "unknown resource {plural:?} (use virtualmachines, virtualdisks, virtualimages, virtualnetworks, virtualdisksnapshots, virtualmachinesnapshots or virtualmachinesnapshotgroups)"
                 ),
             )
         })
@@ -185,6 +189,22 @@ async fn vm_action(
         }
     };
     let message = engine.vm_action(&name, action)?;
+    Ok(Json(json!({"message": message})))
+}
+
+async fn restore_group(
+    State(engine): State<Arc<Engine>>,
+    Path(name): Path<String>,
+) -> Result<Json<Value>, ApiError> {
+    // In its own task, like a VM's restore: a client that goes away does not
+    // stop it half-way.
+    let task = tokio::spawn(async move { engine.restore_group(&name).await });
+    let message = task.await.map_err(|e| {
+        ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("restore task failed: {e}"),
+        )
+    })??;
     Ok(Json(json!({"message": message})))
 }
 

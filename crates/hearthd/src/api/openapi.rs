@@ -66,6 +66,7 @@ pub async fn serve() -> Response {
         watch,
         agent_freeze_status,
         restore,
+        restore_group,
         snapshot_export,
         vm_action
     ),
@@ -537,6 +538,18 @@ fn agent_freeze_status() {}
     ))]
 #[allow(dead_code)]
 fn restore() {}
+
+#[utoipa::path(post, path = "/v1/virtualmachinesnapshotgroups/{name}/restore", tag = "snapshots",
+    summary = "Restore every member VM of a snapshot group",
+    description = "Checks that the group and each member VirtualMachineSnapshot are Ready and each member VM exists, then restores every member side by side, as `/v1/virtualmachines/{name}/restore` does for one VM. Answers once every member is rebuilt.",
+    params(("name" = String, Path)),
+    responses(
+        (status = 200, description = "Every member is rebuilt", body = Message),
+        (status = 404, description = "No such group, member snapshot or VM", body = ErrorAnswer),
+        (status = 409, description = "The group or a member is not Ready, or a member could not be restored", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn restore_group() {}
 
 #[utoipa::path(get, path = "/v1/virtualdisksnapshots/{name}/export", tag = "snapshots",
     summary = "A disk snapshot as one standalone image",

@@ -19,6 +19,7 @@ fn req(name: &str, disk: &str, required: bool) -> Request {
         disk: disk.into(),
         required,
         whole_vm: false,
+        group: None,
     }
 }
 
@@ -673,6 +674,7 @@ fn four_disks() -> Mounts {
 fn vm_req(name: &str, disk: &str) -> Request {
     Request {
         whole_vm: true,
+        group: None,
         ..req(name, disk, true)
     }
 }
@@ -917,6 +919,7 @@ proptest! {
             .enumerate()
             .map(|(i, (d, vm, required))| Request {
                 whole_vm: *vm,
+                group: None,
                 ..req(&format!("s{i}"), &format!("d{d}"), *required)
             })
             .collect();
@@ -1698,6 +1701,9 @@ impl Sim {
                     now: self.now,
                 })
             }
+            Command::GroupReport { .. } => {
+                unreachable!("this model makes no group requests (see group/tests.rs)")
+            }
             Command::Discard { cut } => {
                 self.layers.held.remove(&cut);
                 self.settle_rows(|r| r.cut == cut, !matches!(fault, Fault::Error));
@@ -1775,6 +1781,7 @@ impl Sim {
             self.next_id += 1;
             let r = Request {
                 whole_vm: true,
+                group: None,
                 ..req(&format!("s{}", self.next_id), &format!("d{disk}"), required)
             };
             self.snaps
