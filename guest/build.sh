@@ -255,6 +255,10 @@ cat >"$ROOT/etc/hearth/fsfreeze-hook" <<'EOF'
 #!/bin/sh
 # qemu-ga fsfreeze hook: called with "freeze" (before the freeze) or "thaw".
 # With hearth.freeze_hook_sleep=N on the kernel cmdline, "freeze" sleeps N s.
+# Each call also appends "<action> <uptime s>" to /run/fsfreeze-times (tmpfs,
+# never frozen; read is a builtin, so no process): the freeze lies between a
+# "freeze" line and the "thaw" line after it, on the guest's own clock.
+read up _ </proc/uptime 2>/dev/null && echo "$1 $up" >>/run/fsfreeze-times
 n=""
 for arg in $(cat /proc/cmdline); do
     case "$arg" in

@@ -41,7 +41,7 @@
 static unsigned long hist[BUCKETS + 1];
 
 /* The TOP longest gaps, longest first. */
-#define TOP 8
+#define TOP 32
 struct gap {
     double start, len;
 };
