@@ -152,6 +152,10 @@ struct Rep {
     stall_in_cut: bool,
     /// The writers were still writing after the snapshot was Ready.
     covered: bool,
+    /// With `HEARTH_BENCH_TRACE=1`: the guest's CPU time (ms, all vCPUs) by
+    /// task during the first disk's stall of the cut, from the guest's
+    /// `sched_switch` trace; longest first.
+    busy: Vec<(String, f64)>,
 }
 
 /// The in-guest freeze diagnosis: medians over rounds, in ms.
@@ -247,6 +251,18 @@ fn main() {
                 r.consistent,
                 r.sync_ms
             );
+            if !r.busy.is_empty() {
+                eprintln!(
+                    "snapshot_window: {} round {}: during vda's stall the guest ran (ms): {}",
+                    o.vm,
+                    round + 1,
+                    r.busy
+                        .iter()
+                        .map(|(t, ms)| format!("{t} {ms:.1}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
             o.reps.push(r);
             o.load.push(loadavg());
         }
@@ -581,6 +597,7 @@ fn one_rep(
     let epoch = Instant::now();
     let host_ms = || epoch.elapsed().as_secs_f64() * 1e3;
     start_writers(d, vm, devs, seconds);
+    let trace = snapshot.is_some() && std::env::var("HEARTH_BENCH_TRACE").is_ok_and(|v| v == "1");
 
     let mut rep = Rep::default();
     // The span request → Ready in guest time, widened by the clock relation.
@@ -589,6 +606,13 @@ fn one_rep(
         let (lo, hi) = clock_offset(epoch, |cmd| exec(d, vm, cmd));
         rep.sync_ms = hi - lo;
         std::thread::sleep(Duration::from_millis(200));
+        if trace {
+            let (code, out) = exec(d, vm, TRACE_ON);
+            assert_eq!(
+                code, 0,
+                "{vm}: the guest's sched_switch trace did not start (a kernel with tracefs is needed): {out}"
+            );
+        }
         let requested = host_ms();
         let t0 = Instant::now();
         apply(d, vec![item]);
@@ -606,6 +630,9 @@ fn one_rep(
         };
         rep.request_to_ready_ms = t0.elapsed().as_secs_f64() * 1e3;
         let ready = host_ms();
+        if trace {
+            exec(d, vm, "echo 0 > /sys/kernel/tracing/tracing_on");
+        }
         assert_eq!(s["status"]["phase"], "Ready", "{plural}/{name}: {s:#}");
         rep.consistent = s["status"]["consistent"] == true;
         rep.host_window_ms = s["status"]["freezeWindowMs"].as_u64();
@@ -617,6 +644,17 @@ fn one_rep(
     let reports = collect_writers(d, vm, devs);
     rep.stall_in_cut = cut_span.is_some();
     rep.covered = cut_span.is_some();
+    if let (true, Some((from, to)), Some(first)) = (trace, cut_span, reports.first()) {
+        let gap = first
+            .gaps
+            .iter()
+            .filter(|(s, len)| *s <= to && s + len >= from)
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let (_, text) = exec(d, vm, "cat /sys/kernel/tracing/trace");
+        if let Some(&(start, len)) = gap {
+            rep.busy = busy_by_task(&text, start, start + len);
+        }
+    }
     for r in &reports {
         rep.largest_ms = rep.largest_ms.max(r.max_stall);
         rep.median_gap_ms = rep.median_gap_ms.max(r.median_gap);
@@ -643,6 +681,62 @@ fn one_rep(
         rep.guest_ms = rep.guest_ms.max(stall);
     }
     rep
+}
+
+/// Starts the guest's scheduler trace (`sched_switch`, CLOCK_MONOTONIC like
+/// stallwatch's times), empty, for the span of one cut.
+const TRACE_ON: &str = "T=/sys/kernel/tracing
+[ -e $T/trace ] || mount -t tracefs nodev $T || exit 3
+echo 0 > $T/tracing_on && echo mono > $T/trace_clock && echo 8192 > $T/buffer_size_kb \
+ && echo > $T/trace && echo 1 > $T/events/sched/sched_switch/enable && echo 1 > $T/tracing_on";
+
+/// CPU time (ms) by task within [from, to] (guest ms) from a `sched_switch`
+/// trace: on each CPU the time between two switches was the previous task's.
+/// Tasks by name, kworkers and the idle tasks as one each; longest first.
+fn busy_by_task(trace: &str, from: f64, to: f64) -> Vec<(String, f64)> {
+    let field = |line: &str, key: &str, end: &str| -> Option<String> {
+        let rest = &line[line.find(key)? + key.len()..];
+        Some(rest[..rest.find(end)?].to_string())
+    };
+    let group = |comm: String| -> String {
+        if comm.starts_with("swapper") {
+            "(idle)".into()
+        } else if comm.starts_with("kworker") {
+            "kworker".into()
+        } else {
+            comm
+        }
+    };
+    let mut last: std::collections::HashMap<String, f64> = Default::default();
+    let mut busy: std::collections::BTreeMap<String, f64> = Default::default();
+    for line in trace.lines().filter(|l| l.contains(" sched_switch: ")) {
+        let head = &line[..line.find(" sched_switch: ").unwrap_or(0)];
+        let (Some(cpu), Some(ts)) = (
+            field(head, "[", "]"),
+            head.trim_end_matches(':')
+                .rsplit(' ')
+                .next()
+                .and_then(|t| t.parse::<f64>().ok()),
+        ) else {
+            continue;
+        };
+        let (Some(prev), Some(_)) = (
+            field(line, "prev_comm=", " prev_pid="),
+            field(line, "next_comm=", " next_pid="),
+        ) else {
+            continue;
+        };
+        let now = ts * 1e3;
+        if let Some(since) = last.insert(cpu, now) {
+            let span = now.min(to) - since.max(from);
+            if span > 0.0 {
+                *busy.entry(group(prev)).or_default() += span;
+            }
+        }
+    }
+    let mut v: Vec<(String, f64)> = busy.into_iter().collect();
+    v.sort_by(|a, b| b.1.total_cmp(&a.1));
+    v
 }
 
 /// Freezes the guest's filesystems from inside the guest, one after another
@@ -773,7 +867,12 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
     let has = |disks: usize, size: u64| {
         outcomes
             .iter()
-            .any(|r| r.config.disks == disks && r.config.size == size && r.config.plain())
+            .any(|r| {
+                r.config.disks == disks
+                    && r.config.size == size
+                    && r.config.plain()
+                    && !r.config.one_disk
+            })
     };
     for disks in [1, 4] {
         if !(has(disks, 64 * MIB) && has(disks, 4 * GIB)) {
@@ -824,6 +923,10 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
             (disk - one) / one * 100.0,
             yes(((disk - one) / one).abs() <= 0.25)
         );
+    }
+
+    if outcomes.iter().any(|r| r.reps.iter().any(|x| !x.busy.is_empty())) {
+        print_busy(outcomes);
     }
 
     println!();
@@ -910,6 +1013,65 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
                 },
             );
         }
+    }
+}
+
+/// What the guest ran during the first disk's stall of each cut (the
+/// `sched_switch` trace): per task, the median over repetitions of its ms.
+fn print_busy(outcomes: &[Outcome]) {
+    let mut tasks: Vec<String> = outcomes
+        .iter()
+        .flat_map(|r| r.reps.iter().flat_map(|x| x.busy.iter().map(|b| b.0.clone())))
+        .collect();
+    tasks.sort();
+    tasks.dedup();
+    let total = |x: &Rep| x.busy.iter().map(|b| b.1).sum::<f64>();
+    // Only tasks with a median of 0.5 ms or more somewhere, longest first.
+    let med = |r: &Outcome, t: &str| {
+        stats(
+            &r.reps
+                .iter()
+                .map(|x| x.busy.iter().find(|b| b.0 == t).map_or(0.0, |b| b.1))
+                .collect::<Vec<_>>(),
+        )
+        .0
+    };
+    tasks.retain(|t| outcomes.iter().any(|r| med(r, t) >= 0.5));
+    tasks.sort_by(|a, b| {
+        let m = |t: &str| outcomes.iter().map(|r| med(r, t)).fold(0.0, f64::max);
+        m(b).total_cmp(&m(a))
+    });
+    println!();
+    println!(
+        "What the guest ran during vda's stall (its sched_switch trace; ms of CPU time over all vCPUs, medians):"
+    );
+    println!();
+    println!(
+        "| disks | snapshot of | vCPUs | writers on | stall (ms) | traced (ms) | {} |",
+        tasks.join(" | ")
+    );
+    println!("|---:|---|---:|---|---:|---:|{}", "---:|".repeat(tasks.len()));
+    for r in outcomes {
+        let stall: Vec<f64> = r
+            .reps
+            .iter()
+            .filter_map(|x| x.per_disk_ms.first().copied())
+            .collect();
+        let traced: Vec<f64> = r.reps.iter().map(total).collect();
+        println!(
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {} |",
+            r.config.disks,
+            r.config.snapshot_label(),
+            r.config.cpus,
+            r.config.writers_label(),
+            stats(&stall).0,
+            stats(&traced).0,
+            tasks
+                .iter()
+                .map(|t| format!("{:.1}", med(r, t)))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
     }
 }
 
