@@ -437,7 +437,10 @@ fn boot(d: &Daemon, config: Config, base: &Path) -> Outcome {
         "  memory: 256Mi\n",
         &format!("  memory: 256Mi\n  cpus: {}\n", config.cpus),
     );
-    assert!(text.contains("  cpus: "), "bench manifest without cpus: {text}");
+    assert!(
+        text.contains("  cpus: "),
+        "bench manifest without cpus: {text}"
+    );
     items.extend(
         hearth_api::parse_documents(&text, "snapshot_window")
             .expect("bench manifest")
@@ -865,14 +868,12 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
     println!("| target | measured (guest-seen medians) | met |");
     println!("|---|---|---|");
     let has = |disks: usize, size: u64| {
-        outcomes
-            .iter()
-            .any(|r| {
-                r.config.disks == disks
-                    && r.config.size == size
-                    && r.config.plain()
-                    && !r.config.one_disk
-            })
+        outcomes.iter().any(|r| {
+            r.config.disks == disks
+                && r.config.size == size
+                && r.config.plain()
+                && !r.config.one_disk
+        })
     };
     for disks in [1, 4] {
         if !(has(disks, 64 * MIB) && has(disks, 4 * GIB)) {
@@ -925,7 +926,10 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
         );
     }
 
-    if outcomes.iter().any(|r| r.reps.iter().any(|x| !x.busy.is_empty())) {
+    if outcomes
+        .iter()
+        .any(|r| r.reps.iter().any(|x| !x.busy.is_empty()))
+    {
         print_busy(outcomes);
     }
 
@@ -1021,7 +1025,11 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
 fn print_busy(outcomes: &[Outcome]) {
     let mut tasks: Vec<String> = outcomes
         .iter()
-        .flat_map(|r| r.reps.iter().flat_map(|x| x.busy.iter().map(|b| b.0.clone())))
+        .flat_map(|r| {
+            r.reps
+                .iter()
+                .flat_map(|x| x.busy.iter().map(|b| b.0.clone()))
+        })
         .collect();
     tasks.sort();
     tasks.dedup();
@@ -1050,7 +1058,10 @@ fn print_busy(outcomes: &[Outcome]) {
         "| disks | snapshot of | vCPUs | writers on | stall (ms) | traced (ms) | {} |",
         tasks.join(" | ")
     );
-    println!("|---:|---|---:|---|---:|---:|{}", "---:|".repeat(tasks.len()));
+    println!(
+        "|---:|---|---:|---|---:|---:|{}",
+        "---:|".repeat(tasks.len())
+    );
     for r in outcomes {
         let stall: Vec<f64> = r
             .reps
