@@ -2,18 +2,21 @@
 //! guest sees it, the host-side window, and request → Ready.
 //!
 //! Matrix: 1 and 4 disks × 64 MiB and 4 GiB disks, plus a snapshot of one
-//! disk of a 4-disk VM (64 MiB; only that disk's filesystem is frozen). The base images are made
+//! disk of a 4-disk VM (64 MiB; only that disk's filesystem is frozen), once
+//! with writers on all four disks and once with a writer on the cut disk only
+//! (`configs`; `HEARTH_BENCH_SET=one-of-four` runs only that comparison, with
+//! 1 and 2 vCPUs). The base images are made
 //! here (sparse raw file, `mkfs.ext4`, `qemu-img convert -O qcow2`) in a
 //! directory handed to hearthd as an extra `--image-root`; every disk is a
 //! copy-on-write overlay over its size's base image, and the guest mounts each
 //! ext4 `/dev/vdX` at `/mnt/vdX`.
 //!
-//! One VM per configuration is booted, all five up at once, and the
-//! configurations take turns (round r starts with configuration r mod 5), so
+//! One VM per configuration is booted, all up at once, and the
+//! configurations take turns (round r starts with configuration r mod n), so
 //! a change in the shared host's load during the run hits them alike. In each
 //! of REPS rounds (default 5, `HEARTH_BENCH_REPS`), for each configuration:
 //!   1. one `/bin/stallwatch /mnt/vdX/stall.dat SECONDS` (default 8 s,
-//!      `HEARTH_BENCH_STALL_SECONDS`) per disk is started in the background
+//!      `HEARTH_BENCH_STALL_SECONDS`) per disk with a writer is started in the background
 //!      through the guest agent (`/v1/.../agent/exec`): it appends small
 //!      records with write(2) every ~1 ms and reports the longest gaps between
 //!      consecutive completed writes (a write to a frozen ext4 blocks until
@@ -58,6 +61,7 @@ const SNAP_TIMEOUT: Duration = Duration::from_secs(120);
 /// Rounds of the in-guest freeze diagnosis per configuration.
 const DIAG_ROUNDS: usize = 3;
 
+#[derive(Clone, Copy)]
 struct Config {
     disks: usize,
     size: u64,
@@ -65,6 +69,57 @@ struct Config {
     /// A snapshot of the first disk only (a VirtualDiskSnapshot), however
     /// many disks the VM has: the guest freezes only that disk's filesystem.
     one_disk: bool,
+    /// The VM's vCPUs (`spec.cpus`).
+    cpus: u32,
+    /// Which disks get a writer.
+    writers: Writers,
+}
+
+/// Which disks of a VM get a `stallwatch` writer.
+#[derive(Clone, Copy, PartialEq)]
+enum Writers {
+    /// Every disk: in a snapshot of one disk of several, the writers on the
+    /// disks not frozen keep running through the cut.
+    All,
+    /// Only the disk that is cut: the other disks are mounted but idle.
+    CutDisk,
+}
+
+impl Config {
+    fn new(disks: usize, size: u64, label: &'static str, one_disk: bool) -> Self {
+        Config {
+            disks,
+            size,
+            label,
+            one_disk,
+            cpus: 1,
+            writers: Writers::All,
+        }
+    }
+
+    fn cpus(mut self, cpus: u32) -> Self {
+        self.cpus = cpus;
+        self
+    }
+
+    fn cut_disk_writer_only(mut self) -> Self {
+        self.writers = Writers::CutDisk;
+        self
+    }
+
+    fn writers_label(&self) -> &'static str {
+        match (self.writers, self.disks) {
+            (_, 1) => "its disk",
+            (Writers::All, _) => "all disks",
+            (Writers::CutDisk, _) => "cut disk only",
+        }
+    }
+
+    /// A configuration of the comparison "one disk of four against the
+    /// one-disk VM" (not of the size or disk-count targets).
+    fn plain(&self) -> bool {
+        self.cpus == 1 && self.writers == Writers::All
+    }
 }
 
 impl Config {
@@ -97,6 +152,10 @@ struct Rep {
     stall_in_cut: bool,
     /// The writers were still writing after the snapshot was Ready.
     covered: bool,
+    /// With `HEARTH_BENCH_TRACE=1`: the guest's CPU time (ms, all vCPUs) by
+    /// task during the first disk's stall of the cut, from the guest's
+    /// `sched_switch` trace; longest first.
+    busy: Vec<(String, f64)>,
 }
 
 /// The in-guest freeze diagnosis: medians over rounds, in ms.
@@ -121,6 +180,7 @@ struct Outcome {
     config: Config,
     vm: String,
     disks: Vec<String>,
+    /// The guest devices that get a writer (vda, vdb, ...).
     devs: Vec<String>,
     accelerator: String,
     baseline: Rep,
@@ -151,39 +211,7 @@ fn main() {
     let root = images.path().to_str().expect("utf-8 temp path").to_string();
     let d = Daemon::start_with(&["--image-root", &root]);
 
-    let configs = [
-        Config {
-            disks: 1,
-            size: 64 * MIB,
-            label: "64MiB",
-            one_disk: false,
-        },
-        Config {
-            disks: 1,
-            size: 4 * GIB,
-            label: "4GiB",
-            one_disk: false,
-        },
-        Config {
-            disks: 4,
-            size: 64 * MIB,
-            label: "64MiB",
-            one_disk: false,
-        },
-        Config {
-            disks: 4,
-            size: 4 * GIB,
-            label: "4GiB",
-            one_disk: false,
-        },
-        // One disk of the four: the window should be the 1-disk VM's.
-        Config {
-            disks: 4,
-            size: 64 * MIB,
-            label: "64MiB",
-            one_disk: true,
-        },
-    ];
+    let configs = configs(&std::env::var("HEARTH_BENCH_SET").unwrap_or_default());
     let mut outcomes: Vec<Outcome> = configs
         .into_iter()
         .map(|config| {
@@ -223,6 +251,18 @@ fn main() {
                 r.consistent,
                 r.sync_ms
             );
+            if !r.busy.is_empty() {
+                eprintln!(
+                    "snapshot_window: {} round {}: during vda's stall the guest ran (ms): {}",
+                    o.vm,
+                    round + 1,
+                    r.busy
+                        .iter()
+                        .map(|(t, ms)| format!("{t} {ms:.1}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
             o.reps.push(r);
             o.load.push(loadavg());
         }
@@ -252,6 +292,35 @@ fn main() {
         d.qemu_pids().is_empty()
     });
     print_tables(&outcomes, seconds);
+}
+
+/// The configurations of a run. The default set: 1 and 4 disks × 64 MiB and
+/// 4 GiB, and one disk of a 4-disk VM (64 MiB) with writers on all four disks
+/// and with a writer on the cut disk only. `one-of-four`
+/// (`HEARTH_BENCH_SET=one-of-four`): the one-disk VM against one disk of four
+/// (all writers, cut disk's writer only), and both again with 2 vCPUs.
+fn configs(set: &str) -> Vec<Config> {
+    let one_vm = Config::new(1, 64 * MIB, "64MiB", false);
+    let one_of_four = Config::new(4, 64 * MIB, "64MiB", true);
+    match set {
+        "" | "full" => vec![
+            one_vm,
+            Config::new(1, 4 * GIB, "4GiB", false),
+            Config::new(4, 64 * MIB, "64MiB", false),
+            Config::new(4, 4 * GIB, "4GiB", false),
+            // One disk of the four: the window should be the 1-disk VM's.
+            one_of_four,
+            one_of_four.cut_disk_writer_only(),
+        ],
+        "one-of-four" => vec![
+            one_vm,
+            one_of_four,
+            one_of_four.cut_disk_writer_only(),
+            one_vm.cpus(2),
+            one_of_four.cpus(2),
+        ],
+        other => panic!("HEARTH_BENCH_SET={other}: expected `full` or `one-of-four`"),
+    }
 }
 
 fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
@@ -336,15 +405,25 @@ fn devs(n: usize) -> Vec<String> {
 /// that the guest mounted every disk.
 fn boot(d: &Daemon, config: Config, base: &Path) -> Outcome {
     let vm = format!(
-        "w{}-{}{}",
+        "w{}-{}{}{}{}",
         config.disks,
         config.label.to_ascii_lowercase(),
-        if config.one_disk { "-one" } else { "" }
+        if config.one_disk { "-one" } else { "" },
+        if config.writers == Writers::CutDisk {
+            "-idle"
+        } else {
+            ""
+        },
+        if config.cpus == 1 {
+            String::new()
+        } else {
+            format!("-{}cpu", config.cpus)
+        }
     );
     let disks: Vec<String> = (0..config.disks).map(|i| format!("{vm}-d{i}")).collect();
     eprintln!(
-        "snapshot_window: {} disk(s) × {}: booting VM {vm}",
-        config.disks, config.label
+        "snapshot_window: {} disk(s) × {}, {} vCPU(s): booting VM {vm}",
+        config.disks, config.label, config.cpus
     );
     let mut items: Vec<Value> = disks
         .iter()
@@ -354,7 +433,14 @@ fn boot(d: &Daemon, config: Config, base: &Path) -> Outcome {
         })
         .collect();
     let disk_refs: Vec<&str> = disks.iter().map(String::as_str).collect();
-    let text = vm_yaml(&vm, "AlwaysOn", &disk_refs, "");
+    let text = vm_yaml(&vm, "AlwaysOn", &disk_refs, "").replace(
+        "  memory: 256Mi\n",
+        &format!("  memory: 256Mi\n  cpus: {}\n", config.cpus),
+    );
+    assert!(
+        text.contains("  cpus: "),
+        "bench manifest without cpus: {text}"
+    );
     items.extend(
         hearth_api::parse_documents(&text, "snapshot_window")
             .expect("bench manifest")
@@ -377,6 +463,18 @@ fn boot(d: &Daemon, config: Config, base: &Path) -> Outcome {
     }
     let (_, df) = exec(d, &vm, "df -m /mnt/vd? | tail -n +2");
     eprintln!("snapshot_window: {vm}: guest df -m:\n{df}");
+    let (_, online) = exec(d, &vm, "cat /sys/devices/system/cpu/online");
+    let (_, nproc) = exec(d, &vm, "grep -c ^processor /proc/cpuinfo");
+    assert_eq!(
+        nproc.trim().parse::<u32>().ok(),
+        Some(config.cpus),
+        "{vm}: the guest sees {nproc} CPUs (online {online}), spec.cpus is {}",
+        config.cpus
+    );
+    let devs = match config.writers {
+        Writers::All => devs,
+        Writers::CutDisk => devs[..1].to_vec(),
+    };
     Outcome {
         config,
         vm,
@@ -502,6 +600,7 @@ fn one_rep(
     let epoch = Instant::now();
     let host_ms = || epoch.elapsed().as_secs_f64() * 1e3;
     start_writers(d, vm, devs, seconds);
+    let trace = snapshot.is_some() && std::env::var("HEARTH_BENCH_TRACE").is_ok_and(|v| v == "1");
 
     let mut rep = Rep::default();
     // The span request → Ready in guest time, widened by the clock relation.
@@ -510,6 +609,13 @@ fn one_rep(
         let (lo, hi) = clock_offset(epoch, |cmd| exec(d, vm, cmd));
         rep.sync_ms = hi - lo;
         std::thread::sleep(Duration::from_millis(200));
+        if trace {
+            let (code, out) = exec(d, vm, TRACE_ON);
+            assert_eq!(
+                code, 0,
+                "{vm}: the guest's sched_switch trace did not start (a kernel with tracefs is needed): {out}"
+            );
+        }
         let requested = host_ms();
         let t0 = Instant::now();
         apply(d, vec![item]);
@@ -527,6 +633,9 @@ fn one_rep(
         };
         rep.request_to_ready_ms = t0.elapsed().as_secs_f64() * 1e3;
         let ready = host_ms();
+        if trace {
+            exec(d, vm, "echo 0 > /sys/kernel/tracing/tracing_on");
+        }
         assert_eq!(s["status"]["phase"], "Ready", "{plural}/{name}: {s:#}");
         rep.consistent = s["status"]["consistent"] == true;
         rep.host_window_ms = s["status"]["freezeWindowMs"].as_u64();
@@ -538,6 +647,17 @@ fn one_rep(
     let reports = collect_writers(d, vm, devs);
     rep.stall_in_cut = cut_span.is_some();
     rep.covered = cut_span.is_some();
+    if let (true, Some((from, to)), Some(first)) = (trace, cut_span, reports.first()) {
+        let gap = first
+            .gaps
+            .iter()
+            .filter(|(s, len)| *s <= to && s + len >= from)
+            .max_by(|a, b| a.1.total_cmp(&b.1));
+        let (_, text) = exec(d, vm, "cat /sys/kernel/tracing/trace");
+        if let Some(&(start, len)) = gap {
+            rep.busy = busy_by_task(&text, start, start + len);
+        }
+    }
     for r in &reports {
         rep.largest_ms = rep.largest_ms.max(r.max_stall);
         rep.median_gap_ms = rep.median_gap_ms.max(r.median_gap);
@@ -564,6 +684,62 @@ fn one_rep(
         rep.guest_ms = rep.guest_ms.max(stall);
     }
     rep
+}
+
+/// Starts the guest's scheduler trace (`sched_switch`, CLOCK_MONOTONIC like
+/// stallwatch's times), empty, for the span of one cut.
+const TRACE_ON: &str = "T=/sys/kernel/tracing
+[ -e $T/trace ] || mount -t tracefs nodev $T || exit 3
+echo 0 > $T/tracing_on && echo mono > $T/trace_clock && echo 8192 > $T/buffer_size_kb \
+ && echo > $T/trace && echo 1 > $T/events/sched/sched_switch/enable && echo 1 > $T/tracing_on";
+
+/// CPU time (ms) by task within [from, to] (guest ms) from a `sched_switch`
+/// trace: on each CPU the time between two switches was the previous task's.
+/// Tasks by name, kworkers and the idle tasks as one each; longest first.
+fn busy_by_task(trace: &str, from: f64, to: f64) -> Vec<(String, f64)> {
+    let field = |line: &str, key: &str, end: &str| -> Option<String> {
+        let rest = &line[line.find(key)? + key.len()..];
+        Some(rest[..rest.find(end)?].to_string())
+    };
+    let group = |comm: String| -> String {
+        if comm.starts_with("swapper") {
+            "(idle)".into()
+        } else if comm.starts_with("kworker") {
+            "kworker".into()
+        } else {
+            comm
+        }
+    };
+    let mut last: std::collections::HashMap<String, f64> = Default::default();
+    let mut busy: std::collections::BTreeMap<String, f64> = Default::default();
+    for line in trace.lines().filter(|l| l.contains(" sched_switch: ")) {
+        let head = &line[..line.find(" sched_switch: ").unwrap_or(0)];
+        let (Some(cpu), Some(ts)) = (
+            field(head, "[", "]"),
+            head.trim_end_matches(':')
+                .rsplit(' ')
+                .next()
+                .and_then(|t| t.parse::<f64>().ok()),
+        ) else {
+            continue;
+        };
+        let (Some(prev), Some(_)) = (
+            field(line, "prev_comm=", " prev_pid="),
+            field(line, "next_comm=", " next_pid="),
+        ) else {
+            continue;
+        };
+        let now = ts * 1e3;
+        if let Some(since) = last.insert(cpu, now) {
+            let span = now.min(to) - since.max(from);
+            if span > 0.0 {
+                *busy.entry(group(prev)).or_default() += span;
+            }
+        }
+    }
+    let mut v: Vec<(String, f64)> = busy.into_iter().collect();
+    v.sort_by(|a, b| b.1.total_cmp(&a.1));
+    v
 }
 
 /// Freezes the guest's filesystems from inside the guest, one after another
@@ -634,9 +810,9 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
     );
     println!();
     println!(
-        "| disks | snapshot of | disk size | guest-seen window (ms) | per disk vda… (median ms) | host freezeWindowMs | request → Ready (ms) | control: longest stall, no snapshot (ms) | consistent | load avg (1 min) | other QEMUs on host |"
+        "| disks | snapshot of | disk size | vCPUs | writers on | guest-seen window (ms) | per writer's disk vda… (median ms) | host freezeWindowMs | request → Ready (ms) | control: longest stall, no snapshot (ms) | consistent | load avg (1 min) | other QEMUs on host |"
     );
-    println!("|---:|---|---|---:|---|---:|---:|---:|---|---|---:|");
+    println!("|---:|---|---|---:|---|---:|---|---:|---:|---:|---|---|---:|");
     for r in outcomes {
         let guest: Vec<f64> = r.reps.iter().map(|x| x.guest_ms).collect();
         let host: Vec<f64> = r
@@ -646,7 +822,7 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
             .collect();
         let ready: Vec<f64> = r.reps.iter().map(|x| x.request_to_ready_ms).collect();
         let consistent = r.reps.iter().filter(|x| x.consistent).count();
-        let per_disk: Vec<String> = (0..r.config.disks)
+        let per_disk: Vec<String> = (0..r.devs.len())
             .map(|i| {
                 let v: Vec<f64> = r
                     .reps
@@ -657,10 +833,12 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
             })
             .collect();
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {:.1} | {consistent}/{} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {consistent}/{} | {} | {} |",
             r.config.disks,
             r.config.snapshot_label(),
             r.config.label,
+            r.config.cpus,
+            r.config.writers_label(),
             fmt_stats(&guest, 1),
             per_disk.join(" / "),
             fmt_stats(&host, 0),
@@ -673,32 +851,34 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
     }
 
     // The targets of issue 4, on the guest-seen medians.
-    let med = |disks: usize, size: u64| -> f64 {
+    let med_of = |disks: usize, size: u64, cpus: u32| -> f64 {
         outcomes
             .iter()
-            .find(|r| r.config.disks == disks && r.config.size == size && !r.config.one_disk)
+            .find(|r| {
+                r.config.disks == disks
+                    && r.config.size == size
+                    && r.config.cpus == cpus
+                    && !r.config.one_disk
+            })
             .map(|r| stats(&r.reps.iter().map(|x| x.guest_ms).collect::<Vec<_>>()).0)
             .unwrap_or(f64::NAN)
     };
-    // The window of a one-disk snapshot of the 4-disk VM: its disk's stall
-    // (the other disks' writers are not frozen; their gaps are the guest's
-    // usual ones).
-    let one_of_four = outcomes.iter().find(|r| r.config.one_disk).map(|r| {
-        (
-            stats(
-                &r.reps
-                    .iter()
-                    .filter_map(|x| x.per_disk_ms.first().copied())
-                    .collect::<Vec<_>>(),
-            )
-            .0,
-            stats(&r.reps.iter().map(|x| x.guest_ms).collect::<Vec<_>>()).0,
-        )
-    });
+    let med = |disks: usize, size: u64| med_of(disks, size, 1);
     println!();
     println!("| target | measured (guest-seen medians) | met |");
     println!("|---|---|---|");
+    let has = |disks: usize, size: u64| {
+        outcomes.iter().any(|r| {
+            r.config.disks == disks
+                && r.config.size == size
+                && r.config.plain()
+                && !r.config.one_disk
+        })
+    };
     for disks in [1, 4] {
+        if !(has(disks, 64 * MIB) && has(disks, 4 * GIB)) {
+            continue;
+        }
         let (small, big) = (med(disks, 64 * MIB), med(disks, 4 * GIB));
         let diff = (big - small) / small * 100.0;
         println!(
@@ -707,6 +887,9 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
         );
     }
     for (size, label) in [(64 * MIB, "64 MiB"), (4 * GIB, "4 GiB")] {
+        if !(has(1, size) && has(4, size)) {
+            continue;
+        }
         let (one, four) = (med(1, size), med(4, size));
         let ratio = four / one;
         println!(
@@ -715,13 +898,39 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
         );
     }
 
-    if let Some((disk, window)) = one_of_four {
-        let one = med(1, 64 * MIB);
+    // The window of a one-disk snapshot of the 4-disk VM: its disk's stall
+    // (the other disks are not frozen; their writers' gaps, if they have
+    // writers, are the guest's usual ones), against the 1-disk VM with as
+    // many vCPUs.
+    for r in outcomes.iter().filter(|r| r.config.one_disk) {
+        let disk = stats(
+            &r.reps
+                .iter()
+                .filter_map(|x| x.per_disk_ms.first().copied())
+                .collect::<Vec<_>>(),
+        )
+        .0;
+        let window = stats(&r.reps.iter().map(|x| x.guest_ms).collect::<Vec<_>>()).0;
+        let one = med_of(1, r.config.size, r.config.cpus);
+        let others = match r.config.writers {
+            Writers::All => format!(
+                "the other three disks' writers running; longest over all four disks {window:.1} ms"
+            ),
+            Writers::CutDisk => "the other three disks idle".to_string(),
+        };
         println!(
-            "| one-disk snapshot of the 4-disk VM equals the 1-disk VM's window (within 25 %), 64 MiB | 1-disk VM {one:.1} ms; one of four: its disk {disk:.1} ms ({:+.0} %), longest over all four disks {window:.1} ms | {} |",
+            "| one-disk snapshot of the 4-disk VM equals the 1-disk VM's window (within 25 %), 64 MiB, {} vCPU(s), {others} | 1-disk VM {one:.1} ms; one of four: its disk {disk:.1} ms ({:+.0} %) | {} |",
+            r.config.cpus,
             (disk - one) / one * 100.0,
             yes(((disk - one) / one).abs() <= 0.25)
         );
+    }
+
+    if outcomes
+        .iter()
+        .any(|r| r.reps.iter().any(|x| !x.busy.is_empty()))
+    {
+        print_busy(outcomes);
     }
 
     println!();
@@ -730,14 +939,15 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
     );
     println!();
     println!(
-        "| disks | disk size | `fsfreeze --freeze` per filesystem, in qemu-ga's order (ms) | first freeze → all thawed (ms) | one filesystem: freeze → thawed (ms) | one process start (ms, included in each step) | fsfreeze hook, one run (ms) |"
+        "| disks | disk size | vCPUs | `fsfreeze --freeze` per filesystem, in qemu-ga's order (ms) | first freeze → all thawed (ms) | one filesystem: freeze → thawed (ms) | one process start (ms, included in each step) | fsfreeze hook, one run (ms) |"
     );
-    println!("|---:|---|---|---:|---:|---:|---:|");
+    println!("|---:|---|---:|---|---:|---:|---:|---:|");
     for r in outcomes.iter().filter(|r| !r.config.one_disk) {
         println!(
-            "| {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.1} | {:.1} |",
             r.config.disks,
             r.config.label,
+            r.config.cpus,
             r.diag
                 .freeze_ms
                 .iter()
@@ -755,7 +965,7 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
     println!("Every repetition:");
     println!();
     println!(
-        "| disks | size | rep | guest-seen window (ms) | per disk vda… (ms) | longest stall of the run (ms) | median write gap (ms) | writes | host freezeWindowMs | request → Ready (ms) | consistent | longest stall was the cut's | writers outlived the cut | clock relation width (ms) |"
+        "| disks | size | rep | guest-seen window (ms) | per writer's disk vda… (ms) | longest stall of the run (ms) | median write gap (ms) | writes | host freezeWindowMs | request → Ready (ms) | consistent | longest stall was the cut's | writers outlived the cut | clock relation width (ms) |"
     );
     println!("|---:|---|---|---:|---|---:|---:|---:|---:|---:|---|---|---|---:|");
     for r in outcomes {
@@ -768,10 +978,20 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
         for (rep, x, snap) in rows {
             let dash = || "–".to_string();
             println!(
-                "| {} | {}{} | {rep} | {:.1} | {} | {:.1} | {:.2} | {} | {} | {} | {} | {} | {} | {} |",
+                "| {} | {}{}{}{} | {rep} | {:.1} | {} | {:.1} | {:.2} | {} | {} | {} | {} | {} | {} | {} |",
                 r.config.disks,
                 r.config.label,
                 if r.config.one_disk { ", one disk" } else { "" },
+                if r.config.writers == Writers::CutDisk {
+                    ", cut disk's writer only"
+                } else {
+                    ""
+                },
+                if r.config.cpus == 1 {
+                    String::new()
+                } else {
+                    format!(", {} vCPUs", r.config.cpus)
+                },
                 x.guest_ms,
                 x.per_disk_ms
                     .iter()
@@ -797,6 +1017,72 @@ fn print_tables(outcomes: &[Outcome], seconds: u64) {
                 },
             );
         }
+    }
+}
+
+/// What the guest ran during the first disk's stall of each cut (the
+/// `sched_switch` trace): per task, the median over repetitions of its ms.
+fn print_busy(outcomes: &[Outcome]) {
+    let mut tasks: Vec<String> = outcomes
+        .iter()
+        .flat_map(|r| {
+            r.reps
+                .iter()
+                .flat_map(|x| x.busy.iter().map(|b| b.0.clone()))
+        })
+        .collect();
+    tasks.sort();
+    tasks.dedup();
+    let total = |x: &Rep| x.busy.iter().map(|b| b.1).sum::<f64>();
+    // Only tasks with a median of 0.5 ms or more somewhere, longest first.
+    let med = |r: &Outcome, t: &str| {
+        stats(
+            &r.reps
+                .iter()
+                .map(|x| x.busy.iter().find(|b| b.0 == t).map_or(0.0, |b| b.1))
+                .collect::<Vec<_>>(),
+        )
+        .0
+    };
+    tasks.retain(|t| outcomes.iter().any(|r| med(r, t) >= 0.5));
+    tasks.sort_by(|a, b| {
+        let m = |t: &str| outcomes.iter().map(|r| med(r, t)).fold(0.0, f64::max);
+        m(b).total_cmp(&m(a))
+    });
+    println!();
+    println!(
+        "What the guest ran during vda's stall (its sched_switch trace; ms of CPU time over all vCPUs, medians):"
+    );
+    println!();
+    println!(
+        "| disks | snapshot of | vCPUs | writers on | stall (ms) | traced (ms) | {} |",
+        tasks.join(" | ")
+    );
+    println!(
+        "|---:|---|---:|---|---:|---:|{}",
+        "---:|".repeat(tasks.len())
+    );
+    for r in outcomes {
+        let stall: Vec<f64> = r
+            .reps
+            .iter()
+            .filter_map(|x| x.per_disk_ms.first().copied())
+            .collect();
+        let traced: Vec<f64> = r.reps.iter().map(total).collect();
+        println!(
+            "| {} | {} | {} | {} | {:.1} | {:.1} | {} |",
+            r.config.disks,
+            r.config.snapshot_label(),
+            r.config.cpus,
+            r.config.writers_label(),
+            stats(&stall).0,
+            stats(&traced).0,
+            tasks
+                .iter()
+                .map(|t| format!("{:.1}", med(r, t)))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
     }
 }
 
