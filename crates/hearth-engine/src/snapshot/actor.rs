@@ -40,6 +40,8 @@ const COMMIT_RETRY: Duration = Duration::from_secs(1);
 
 enum Msg {
     Requests(Vec<Request>),
+    /// Merge the layers of this disk's chain that nobody needs any more.
+    Compact(String),
 }
 
 /// The running actors, by target (`vm/NAME` or `disk/NAME`).
@@ -63,6 +65,27 @@ impl Actors {
         map.insert(target.to_string(), tx);
         let weak = Arc::downgrade(ctx);
         let target = target.to_string();
+        tokio::spawn(async move { run(weak, target, rx).await });
+    }
+
+    /// Asks the actor serving `disk` to compact its chain once it is idle
+    /// (no cut running or pending): merges of a running VM's chain are
+    /// block-graph changes of that VM, so they go through its actor, in
+    /// order with its cuts.
+    pub fn compact(&self, ctx: &Arc<Context>, disk: &str) {
+        let Ok(target) = target_of(ctx, disk) else {
+            return;
+        };
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tx) = map.get(&target)
+            && tx.send(Msg::Compact(disk.to_string())).is_ok()
+        {
+            return;
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let _ = tx.send(Msg::Compact(disk.to_string()));
+        map.insert(target.clone(), tx);
+        let weak = Arc::downgrade(ctx);
         tokio::spawn(async move { run(weak, target, rx).await });
     }
 
@@ -96,10 +119,20 @@ impl Actors {
                 }
             }
         }
+        // Merges a dead daemon started: settled (and adopted) by their actor.
+        let mut compacting: Vec<(String, String)> = Vec::new();
+        for t in super::compaction::targets(&ctx.store).unwrap_or_default() {
+            if let Ok(intents) = super::compaction::intents_of_target(&ctx.store, &t) {
+                compacting.extend(intents.into_iter().map(|i| (t.clone(), i.disk)));
+            }
+        }
         targets.sort();
         targets.dedup();
         for t in targets {
             self.request(ctx, &t, Vec::new());
+        }
+        for (_, disk) in compacting {
+            self.compact(ctx, &disk);
         }
     }
 }
@@ -208,6 +241,7 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
     let mut queue: VecDeque<Command> = first.into();
     let mut held = CutContext::default();
     let mut closed = false;
+    let mut compact: BTreeSet<String> = BTreeSet::new();
     loop {
         while let Some(cmd) = queue.pop_front() {
             let Some(e) = ctx.upgrade() else { return };
@@ -216,7 +250,7 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                 // Requests that came meanwhile are the coordinator's to
                 // place: into this cut while it is being prepared, else
                 // into the next.
-                closed |= take_waiting(&mut rx, &mut core);
+                closed |= take_waiting(&mut rx, &mut core, &mut compact);
                 let committed = matches!(input, Input::Committed { ok: true, .. });
                 queue.extend(core.handle(input));
                 if committed && core.is_idle() {
@@ -225,7 +259,7 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             }
         }
         // Take every message already waiting, so simultaneous requests share a cut.
-        closed |= take_waiting(&mut rx, &mut core);
+        closed |= take_waiting(&mut rx, &mut core, &mut compact);
         if core.is_idle() && core.gather_first(now()) && !closed {
             // Requests came while the last cut ran (one apply, a VM
             // snapshot and its siblings, parallel clients): a burst is under
@@ -238,6 +272,9 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                         for r in rs {
                             core.handle(Input::Requested(r));
                         }
+                    }
+                    Ok(Some(Msg::Compact(d))) => {
+                        compact.insert(d);
                     }
                     Ok(None) => {
                         closed = true;
@@ -296,6 +333,17 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                 }
             }
         }
+        if core.is_idle() && !core.has_pending() && !core.needs_thaw() && !compact.is_empty() {
+            // Never during a cut: the coordinator is idle and nothing waits.
+            let Some(e) = ctx.upgrade() else { return };
+            let guards = lock_target(&e, &target).await;
+            let live = live_of(&e, &target).await;
+            for disk in std::mem::take(&mut compact) {
+                run_compaction(&e, &target, live.as_deref(), &disk).await;
+            }
+            drop(guards);
+            continue;
+        }
         if closed {
             return;
         }
@@ -311,21 +359,61 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                     core.handle(Input::Requested(r));
                 }
             }
+            Ok(Some(Msg::Compact(d))) => {
+                compact.insert(d);
+            }
             Ok(None) => return,
             Err(_) => {}
         }
     }
 }
 
+/// Compacts one disk's chain in the actor, with its locks held; what was
+/// merged and what was left goes to the disk's events.
+async fn run_compaction(ctx: &Arc<Context>, target: &str, live: Option<&LiveVm>, disk: &str) {
+    // A disk this actor no longer serves (a VM started with it meanwhile)
+    // is compacted by the actor that does.
+    match target_of(ctx, disk) {
+        Ok(t) if t != target => {
+            ctx.snapshots.compact(ctx, disk);
+            return;
+        }
+        Err(_) => return,
+        Ok(_) => {}
+    }
+    let speed = ctx.config.compaction_speed;
+    match super::compaction::compact_disk(ctx, target, live, disk, speed).await {
+        Ok(r) => {
+            if !r.skipped.is_empty() {
+                tracing::info!(disk, skipped = ?r.skipped, "compaction left layers for later");
+            }
+            if r.merged_layers > 0 {
+                ctx.wake(Kind::VirtualDisk, disk);
+            }
+        }
+        Err(e) => {
+            tracing::warn!(disk, error = %e, "compaction failed");
+            ctx.event(Kind::VirtualDisk, disk, EventType::Warning, "CompactionFailed", &e);
+        }
+    }
+}
+
 /// Hands every message already waiting to the coordinator; true when the
 /// channel is closed.
-fn take_waiting(rx: &mut mpsc::UnboundedReceiver<Msg>, core: &mut Coordinator) -> bool {
+fn take_waiting(
+    rx: &mut mpsc::UnboundedReceiver<Msg>,
+    core: &mut Coordinator,
+    compact: &mut BTreeSet<String>,
+) -> bool {
     loop {
         match rx.try_recv() {
             Ok(Msg::Requests(rs)) => {
                 for r in rs {
                     core.handle(Input::Requested(r));
                 }
+            }
+            Ok(Msg::Compact(d)) => {
+                compact.insert(d);
             }
             Err(mpsc::error::TryRecvError::Empty) => return false,
             Err(mpsc::error::TryRecvError::Disconnected) => return true,

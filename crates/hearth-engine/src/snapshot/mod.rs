@@ -2,6 +2,7 @@
 //! actor per VM), the snapshot reconcilers, the layer storage and export.
 
 mod actor;
+pub mod compaction;
 pub mod coordinator;
 pub mod export;
 pub mod overlays;

@@ -316,6 +316,9 @@ async fn try_launch(
         .map(|d| d.virtual_disk_name.clone())
         .collect();
     crate::snapshot::overlays::settle_offline(&ctx.store, &disk_names).await?;
+    // And a chain merge its last QEMU (or a dead daemon's qemu-img) left:
+    // the store's chain and the headers agree before QEMU opens them.
+    crate::snapshot::compaction::settle_offline(ctx, &disk_names).await?;
     let mut disks = Vec::new();
     for (i, d) in vm.spec.disks.iter().enumerate() {
         let stored = ctx
