@@ -146,7 +146,9 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
     let attached = users.first().cloned();
     let chains = crate::snapshot::compaction::chains(&ctx.store)?;
     let chain_length = chains.chain(&head.id).len() as u32;
-    if !crate::snapshot::compaction::plan(&chains, &head.id).is_empty() {
+    if !crate::snapshot::compaction::plan(&chains, &head.id).is_empty()
+        || !crate::snapshot::compaction::intents_of_disk(&ctx.store, name)?.is_empty()
+    {
         // Layers nobody needs (a snapshot deleted while the VM ran, merged
         // once it stopped; a merge a restart interrupted): the actor that
         // serves the disk merges them, and says why when it cannot yet.

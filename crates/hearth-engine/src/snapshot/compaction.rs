@@ -408,6 +408,10 @@ pub async fn settle(ctx: &Context, live: Option<&LiveVm>, intents: &[Intent]) ->
             Err(e) => Settle::Unresolved(e),
         };
         tracing::info!(id = i.id, disk = %i.disk, ?settled, "settling a compaction");
+        if matches!(settled, Settle::Done | Settle::Abandoned) {
+            // Progress a dead daemon showed is over.
+            ctx.set_disk_status(&i.disk, |s| s.compaction = None);
+        }
         match &settled {
             Settle::Done => {
                 if let Some(l) = live {
@@ -563,12 +567,18 @@ pub async fn compact_disk(
     speed: u64,
 ) -> Result<Report, String> {
     let mut report = Report::default();
-    let settled = settle(
-        ctx,
-        live,
-        &intents_of_disk(&ctx.store, disk).map_err(|e| e.to_string())?,
-    )
-    .await;
+    let intents = intents_of_disk(&ctx.store, disk).map_err(|e| e.to_string())?;
+    if let Some(l) = live {
+        // A job a dead daemon started may still run in QEMU: follow it to
+        // its end (it holds this actor, as it did the one that started it).
+        for i in &intents {
+            if i.job.is_some() && job_state(live, i).await == Job::Running {
+                tracing::info!(id = i.id, disk, "following a compaction job started before a restart");
+                follow_job(ctx, l, disk, i.id, i.gone.len()).await;
+            }
+        }
+    }
+    let settled = settle(ctx, live, &intents).await;
     if let Some(why) = settled.iter().find_map(|(id, s)| still_open(*id, disk, s)) {
         report.skipped.push(why);
         return Ok(report);
@@ -717,7 +727,16 @@ async fn stream(
     if let Err(e) = qmp.execute("block-stream", Some(args), QMP_TIMEOUT).await {
         tracing::warn!(id, disk, error = %e, "block-stream refused");
     }
-    // Wait for the job's end, showing its progress.
+    follow_job(ctx, live, disk, id, m.gone.len()).await;
+    settle_one(ctx, Some(live), disk, id, started).await
+}
+
+/// Waits for merge `id`'s QMP job to end, showing its progress in the
+/// disk's status (`compaction`), read from `query-jobs`.
+async fn follow_job(ctx: &Context, live: &LiveVm, disk: &str, id: i64, layers: usize) {
+    let Some(qmp) = live.qmp.as_ref() else { return };
+    let job = job_id(id);
+    let mut shown = None;
     loop {
         let jobs = match qmp.execute("query-jobs", None, QMP_TIMEOUT).await {
             Ok(j) => j,
@@ -742,18 +761,20 @@ async fn stream(
         }
         let done = j["current-progress"].as_u64().unwrap_or(0);
         let total = j["total-progress"].as_u64().unwrap_or(0);
-        ctx.set_disk_status(disk, |s| {
+        if shown != Some((done, total)) {
+            shown = Some((done, total));
+            ctx.set_disk_status(disk, |s| {
             s.compaction = Some(hearth_api::CompactionProgress {
                 id: id as u64,
-                layers: m.gone.len() as u32,
+                layers: layers as u32,
                 bytes_done: done,
                 bytes_total: total,
             });
-        });
+            });
+        }
         tokio::time::sleep(POLL).await;
     }
     ctx.set_disk_status(disk, |s| s.compaction = None);
-    settle_one(ctx, Some(live), disk, id, started).await
 }
 
 /// Settles merge `id` of `disk` right after its job or qemu-img ended.
