@@ -357,8 +357,20 @@ fn a_compaction_survives_hearthd_being_killed_mid_job() {
                 > job["current-progress"].as_u64()
         },
     );
+    // The restarted daemon found the job running and followed it.
+    assert!(
+        d.log()
+            .contains("following a compaction job started before a restart"),
+        "{}",
+        d.log()
+    );
     // Killed again, and this time the job ends while no daemon runs.
     d.kill();
+    let again = stream_job(&qmp_sock).expect("the stream job still runs");
+    eprintln!(
+        "killed at {} and at {} of {} bytes",
+        job["current-progress"], again["current-progress"], again["total-progress"]
+    );
     wait_until(
         "the stream job concludes in QEMU",
         Duration::from_secs(120),
