@@ -1116,21 +1116,13 @@ async fn prepare_disk(
         .and_then(Value::as_str)
         .ok_or("query-block gave no node-name")?
         .to_string();
-    let top_file = inserted
-        .get("file")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string();
     let capacity = inserted
         .pointer("/image/virtual-size")
         .and_then(Value::as_u64)
         .ok_or("query-block gave no virtual-size")?;
     // The top layer is open through an fd set: its label is the path.
     let qmp = live.qmp.clone().ok_or("no QMP connection")?;
-    let fdsets = hearth_qemu::qmp::fdsets(&qmp, QMP_TIMEOUT)
-        .await
-        .map_err(|e| format!("query-fdsets: {e}"))?;
-    let top_file = hearth_qemu::qmp::resolve_filename(&top_file, &fdsets);
+    let top_file = overlays::node_file(&qmp, &top_node).await?;
     if !top_file.is_empty() && std::path::Path::new(&top_file) != head.path {
         // QEMU writes to a layer the store does not know as the head. The
         // journal makes this impossible for hearth's own overlays; refuse

@@ -493,12 +493,12 @@ pub async fn settle_offline(ctx: &Context, disks: &[String]) -> Result<(), Strin
 /// is never unlinked.
 async fn drop_nodes(live: &LiveVm, gone: &[Layer]) {
     let Some(qmp) = live.qmp.as_ref() else { return };
-    let Ok(nodes) = named_nodes(qmp).await else {
+    let Ok(nodes) = overlays::named_nodes(qmp).await else {
         return;
     };
     for layer in gone {
         let path = layer.path.to_string_lossy();
-        let mut mine: Vec<&NodeInfo> = nodes.iter().filter(|n| n.file == path).collect();
+        let mut mine: Vec<&overlays::NodeInfo> = nodes.iter().filter(|n| n.file == path).collect();
         // Format nodes (qcow2) before the protocol nodes they sit on.
         mine.sort_by_key(|n| n.driver == "file");
         for n in mine {
@@ -512,40 +512,6 @@ async fn drop_nodes(live: &LiveVm, gone: &[Layer]) {
             }
         }
     }
-}
-
-#[derive(Debug)]
-struct NodeInfo {
-    node: String,
-    driver: String,
-    /// The file it reads, resolved through the fd sets.
-    file: String,
-}
-
-async fn named_nodes(qmp: &hearth_qemu::qmp::QmpClient) -> Result<Vec<NodeInfo>, String> {
-    let fdsets = hearth_qemu::qmp::fdsets(qmp, QMP_TIMEOUT)
-        .await
-        .map_err(|e| format!("query-fdsets: {e}"))?;
-    let nodes = qmp
-        .execute(
-            "query-named-block-nodes",
-            Some(json!({"flat": true})),
-            QMP_TIMEOUT,
-        )
-        .await
-        .map_err(|e| format!("query-named-block-nodes: {e}"))?;
-    Ok(nodes
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|n| {
-            Some(NodeInfo {
-                node: n.get("node-name")?.as_str()?.to_string(),
-                driver: n.get("drv")?.as_str()?.to_string(),
-                file: hearth_qemu::qmp::resolve_filename(n.get("file")?.as_str()?, &fdsets),
-            })
-        })
-        .collect())
 }
 
 /// What one compaction of a disk did.
@@ -683,7 +649,7 @@ async fn stream(
         .top_node(index)
         .ok_or_else(|| format!("QEMU has no device for VirtualDisk {disk:?}"))?
         .to_string();
-    let nodes = named_nodes(qmp).await?;
+    let nodes = overlays::named_nodes(qmp).await?;
     let node_of = |path: &Path| {
         nodes
             .iter()
