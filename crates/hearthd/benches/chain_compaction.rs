@@ -132,11 +132,7 @@ fn main() {
 
     let started = Instant::now();
     for i in (1..=layers).rev() {
-        let (status, v) = d.request(
-            "DELETE",
-            &format!("/v1/virtualdisksnapshots/s{i}"),
-            None,
-        );
+        let (status, v) = d.request("DELETE", &format!("/v1/virtualdisksnapshots/s{i}"), None);
         assert!(status == 200 || status == 202, "delete s{i}: {status} {v}");
     }
     wait_chain(&d, 2, Duration::from_secs(600));
@@ -186,6 +182,9 @@ fn main() {
     );
     println!("\nevery run (IOPS):");
     for (i, (b, a)) in before.iter().zip(after.iter()).enumerate() {
-        println!("  {i}: before {:.0} (p50 {:.0} µs), after {:.0} (p50 {:.0} µs)", b.iops, b.p50_us, a.iops, a.p50_us);
+        println!(
+            "  {i}: before {:.0} (p50 {:.0} µs), after {:.0} (p50 {:.0} µs)",
+            b.iops, b.p50_us, a.iops, a.p50_us
+        );
     }
 }

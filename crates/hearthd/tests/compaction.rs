@@ -25,9 +25,11 @@ fn apply(d: &Daemon, items: Vec<Value>) {
 fn snapshot(d: &Daemon, name: &str, disk: &str) {
     apply(
         d,
-        vec![json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
+        vec![
+            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
                     "metadata": {"name": name},
-                    "spec": {"virtualDiskName": disk, "requiredConsistency": true}})],
+                    "spec": {"virtualDiskName": disk, "requiredConsistency": true}}),
+        ],
     );
     let s = snapshot_final(d, name, Duration::from_secs(90));
     assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
@@ -171,7 +173,10 @@ fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
     write_file(&d, "app", "f7", 256);
     wait_chain_length(&d, "data-a", 7, Duration::from_secs(30));
     let describe = d.cli_ok(&["describe", "disk", "data-a"]);
-    assert!(describe.contains("chainLength:") && describe.contains('7'), "{describe}");
+    assert!(
+        describe.contains("chainLength:") && describe.contains('7'),
+        "{describe}"
+    );
     let sums = guest_sums(&d, "app");
     assert_eq!(sums.lines().count(), 7, "{sums}");
     let snap_sha = |i: usize| chain_sha(&layers[i - 1], &scratch);
@@ -192,7 +197,10 @@ fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
     delete_snapshot(&d, "k5");
     wait_chain_length(&d, "data-a", 5, Duration::from_secs(60));
     let events = d.event_reasons("VirtualDisk", "data-a");
-    assert!(events.iter().any(|r| r == "CompactionStarted"), "{events:?}");
+    assert!(
+        events.iter().any(|r| r == "CompactionStarted"),
+        "{events:?}"
+    );
     assert!(events.iter().any(|r| r == "Compacted"), "{events:?}");
     assert_eq!(head(&d), live_head, "the guest writes the same head");
     assert_eq!(
@@ -200,18 +208,17 @@ fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
         Some(layers[3].as_path()),
         "the head is backed by k4's layer now"
     );
-    assert_eq!(
-        backing_chain(&live_head).len(),
-        6,
-        "5 layers and the image"
-    );
+    assert_eq!(backing_chain(&live_head).len(), 6, "5 layers and the image");
     let files = layer_files(&d);
     for gone in [&layers[4], &layers[5]] {
         assert!(!files.contains(gone), "{} is still there", gone.display());
     }
     // QEMU let go of the merged layers (their nodes and fd sets removed).
     let open = open_by(qemu[0]);
-    assert!(open.contains(&live_head) && open.contains(&layers[3]), "{open:?}");
+    assert!(
+        open.contains(&live_head) && open.contains(&layers[3]),
+        "{open:?}"
+    );
     for gone in [&layers[4], &layers[5]] {
         assert!(
             !open.iter().any(|p| p.starts_with(gone)),
@@ -219,7 +226,11 @@ fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
             gone.display()
         );
     }
-    assert_eq!(guest_sums(&d, "app"), sums, "the guest reads its files unchanged");
+    assert_eq!(
+        guest_sums(&d, "app"),
+        sums,
+        "the guest reads its files unchanged"
+    );
     for i in 1..=4 {
         assert_eq!(snap_sha(i), before[i - 1], "k{i} changed");
     }
@@ -250,7 +261,11 @@ fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
             .collect::<BTreeSet<_>>(),
         "only the head, k4's and k1's layers are left"
     );
-    assert_eq!(chain_sha(&live_head, &scratch), live_before, "the live disk changed");
+    assert_eq!(
+        chain_sha(&live_head, &scratch),
+        live_before,
+        "the live disk changed"
+    );
     assert_eq!(snap_sha(1), before[0], "k1 changed");
     assert_eq!(snap_sha(4), before[3], "k4 changed");
     let out = Command::new("qemu-img")
@@ -258,7 +273,11 @@ fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
         .arg(&layers[3])
         .output()
         .expect("qemu-img check");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 
     // 3. The VM boots from the compacted chain and reads the same files.
     d.cli_ok(&["start", "app"]);
@@ -272,7 +291,8 @@ fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
 /// A minimal QMP client on the VM's socket, for when no hearthd runs.
 fn qmp(socket: &Path, command: &str) -> Value {
     let s = std::os::unix::net::UnixStream::connect(socket).expect("qmp socket");
-    s.set_read_timeout(Some(Duration::from_secs(5))).expect("timeout");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
     let mut w = s.try_clone().expect("clone");
     let mut r = BufReader::new(s);
     let mut line = String::new();
@@ -352,10 +372,7 @@ fn a_compaction_survives_hearthd_being_killed_mid_job() {
         "data-a",
         "compaction progress after the restart",
         Duration::from_secs(60),
-        |v| {
-            v["status"]["compaction"]["bytesDone"].as_u64()
-                > job["current-progress"].as_u64()
-        },
+        |v| v["status"]["compaction"]["bytesDone"].as_u64() > job["current-progress"].as_u64(),
     );
     // The restarted daemon found the job running and followed it.
     assert!(
@@ -394,6 +411,10 @@ fn a_compaction_survives_hearthd_being_killed_mid_job() {
     let open = open_by(qemu[0]);
     assert!(!open.iter().any(|p| p.starts_with(&l1)), "{open:?}");
     assert_eq!(d.qemu_pids_of("app"), qemu, "the same QEMU runs");
-    assert_eq!(guest_sums(&d, "app"), sums, "the guest reads its files unchanged");
+    assert_eq!(
+        guest_sums(&d, "app"),
+        sums,
+        "the guest reads its files unchanged"
+    );
     assert_eq!(chain_sha(&l0, &scratch), k1, "k1 changed");
 }

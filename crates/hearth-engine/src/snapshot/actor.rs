@@ -393,7 +393,13 @@ async fn run_compaction(ctx: &Arc<Context>, target: &str, live: Option<&LiveVm>,
         }
         Err(e) => {
             tracing::warn!(disk, error = %e, "compaction failed");
-            ctx.event(Kind::VirtualDisk, disk, EventType::Warning, "CompactionFailed", &e);
+            ctx.event(
+                Kind::VirtualDisk,
+                disk,
+                EventType::Warning,
+                "CompactionFailed",
+                &e,
+            );
         }
     }
 }

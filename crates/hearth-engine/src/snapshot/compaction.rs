@@ -335,14 +335,6 @@ fn forget(store: &Store, id: i64) -> Result<(), StoreError> {
     })
 }
 
-/// The chain length of `disk` (its head and every layer below it).
-pub fn chain_length(store: &Store, disk: &str) -> Result<Option<u32>, StoreError> {
-    let Some(head) = storage::head(store, disk)? else {
-        return Ok(None);
-    };
-    Ok(Some(chains(store)?.chain(&head.id).len() as u32))
-}
-
 // ------------------------------------------------------------------ shell
 
 /// What the top layer's header names as its backing file.
@@ -398,7 +390,11 @@ async fn job_state(live: Option<&LiveVm>, i: &Intent) -> Job {
 /// Settles recorded merges: `live` is the running QEMU of their VM, or
 /// `None` when none runs. Returns each intent's outcome (a failure to
 /// record one is `Unresolved`).
-pub async fn settle(ctx: &Context, live: Option<&LiveVm>, intents: &[Intent]) -> Vec<(i64, Settle)> {
+pub async fn settle(
+    ctx: &Context,
+    live: Option<&LiveVm>,
+    intents: &[Intent],
+) -> Vec<(i64, Settle)> {
     let mut out = Vec::new();
     for i in intents {
         let below = i.gone.first().map(|l| l.path.clone()).unwrap_or_default();
@@ -539,7 +535,11 @@ pub async fn compact_disk(
         // its end (it holds this actor, as it did the one that started it).
         for i in &intents {
             if i.job.is_some() && job_state(live, i).await == Job::Running {
-                tracing::info!(id = i.id, disk, "following a compaction job started before a restart");
+                tracing::info!(
+                    id = i.id,
+                    disk,
+                    "following a compaction job started before a restart"
+                );
                 follow_job(ctx, l, disk, i.id, i.gone.len()).await;
             }
         }
@@ -602,6 +602,37 @@ async fn rebase(
     top: &Layer,
     base: &Layer,
 ) -> Result<(), String> {
+    // An export reads a snapshot's chain with `qemu-img convert -U`, which
+    // must not see the top's metadata change under it: the pins of every
+    // snapshot whose chain holds the top are taken for the rebase (an export
+    // running now holds one: the merge waits for a later chance; one that
+    // starts meanwhile waits for the rebase).
+    let chains = chains(&ctx.store).map_err(|e| e.to_string())?;
+    let readers: Vec<String> = ctx
+        .store
+        .with_tx(|tx| {
+            let mut stmt = tx.prepare("SELECT snapshot, layer FROM snapshot_layers")?;
+            let rows =
+                stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+            Ok(rows.filter_map(Result::ok).collect::<Vec<_>>())
+        })
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .filter(|(_, layer)| chains.chain(layer).contains(&top.id))
+        .map(|(s, _)| s)
+        .collect();
+    let mut pins = Vec::new();
+    for s in &readers {
+        match ctx.exports.of(s).try_write_owned() {
+            Ok(p) => pins.push(p),
+            Err(_) => {
+                return Err(format!(
+                    "an export of VirtualDiskSnapshot {s:?} reads {}: left for later",
+                    top.path.display()
+                ));
+            }
+        }
+    }
     if storage::open_files().contains(&top.path) {
         return Err(format!(
             "{} is open by a process (a VM restored from it, or an export): left for later",
@@ -626,7 +657,9 @@ async fn rebase(
     if let Err(e) = &result {
         tracing::warn!(id, disk, error = %e, "qemu-img rebase failed");
     }
-    settle_one(ctx, None, disk, id, started).await
+    let settled = settle_one(ctx, None, disk, id, started).await;
+    drop(pins);
+    settled
 }
 
 /// Online: a `block-stream` job on the device's top node with the base as
@@ -730,12 +763,12 @@ async fn follow_job(ctx: &Context, live: &LiveVm, disk: &str, id: i64, layers: u
         if shown != Some((done, total)) {
             shown = Some((done, total));
             ctx.set_disk_status(disk, |s| {
-            s.compaction = Some(hearth_api::CompactionProgress {
-                id: id as u64,
-                layers: layers as u32,
-                bytes_done: done,
-                bytes_total: total,
-            });
+                s.compaction = Some(hearth_api::CompactionProgress {
+                    id: id as u64,
+                    layers: layers as u32,
+                    bytes_done: done,
+                    bytes_total: total,
+                });
             });
         }
         tokio::time::sleep(POLL).await;
@@ -757,7 +790,12 @@ async fn settle_one(
         .filter(|i| i.id == id)
         .collect();
     let settled = settle(ctx, live, &intents).await;
-    tracing::info!(id, elapsed_ms = started.elapsed().as_millis() as u64, ?settled, "compaction ended");
+    tracing::info!(
+        id,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        ?settled,
+        "compaction ended"
+    );
     match settled.first() {
         Some((_, Settle::Done)) => Ok(()),
         Some((_, Settle::Abandoned)) => Err(format!("compaction {id} failed; nothing changed")),

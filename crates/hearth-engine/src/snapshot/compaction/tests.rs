@@ -46,10 +46,7 @@ impl Model {
         for (b, v) in self.to_copy(m).into_iter().take(n) {
             // A block that reads as nothing below cannot differ from a base
             // that holds it... except as an explicit zero: model it as 0.
-            self.data
-                .get_mut(&m.top)
-                .unwrap()
-                .insert(b, v.unwrap_or(0));
+            self.data.get_mut(&m.top).unwrap().insert(b, v.unwrap_or(0));
         }
     }
 
@@ -80,7 +77,10 @@ fn model() -> impl Strategy<Value = (Model, Vec<String>)> {
         .prop_flat_map(|n| {
             (
                 proptest::collection::vec((0u8..4, any::<u8>()), n),
-                proptest::collection::vec(proptest::collection::btree_map(0..BLOCKS, 0u32..4, 0..4), n),
+                proptest::collection::vec(
+                    proptest::collection::btree_map(0..BLOCKS, 0u32..4, 0..4),
+                    n,
+                ),
                 proptest::collection::vec(0u8..10, n),
             )
         })
