@@ -458,6 +458,39 @@ mod tests {
         assert!(!base.path.exists() && !s1.path.exists() && !r.path.exists());
     }
 
+    #[test]
+    fn a_merged_layer_still_held_open_is_forgotten_but_not_unlinked() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("db")).unwrap();
+        // base <- a <- b <- head, then head rebased onto base: a and b go.
+        let base = layer(&store, dir.path(), "d");
+        let a = layer(&store, dir.path(), "d");
+        let b = layer(&store, dir.path(), "d");
+        let top = layer(&store, dir.path(), "d");
+        store
+            .with_tx(|tx| {
+                set_head_tx(tx, "d", &base, None)?;
+                set_head_tx(tx, "d", &a, Some(&base.id))?;
+                set_head_tx(tx, "d", &b, Some(&a.id))?;
+                set_head_tx(tx, "d", &top, Some(&b.id))?;
+                tx.execute(
+                    "UPDATE layers SET backing = ?1 WHERE id = ?2",
+                    params![base.id, top.id],
+                )?;
+                Ok(())
+            })
+            .unwrap();
+        let _held = std::fs::File::open(&b.path).unwrap();
+        let freed = collect_garbage_unless_open(&store).unwrap();
+        assert_eq!(freed, vec![a.path.clone()]);
+        assert!(b.path.exists(), "a process still holds it");
+        assert!(
+            store.with_tx(|tx| layer_tx(tx, &b.id)).unwrap().is_none(),
+            "its row is gone: the start-up sweep removes the file"
+        );
+        assert!(base.path.exists() && top.path.exists());
+    }
+
     fn image_object(
         name: &str,
         status: serde_json::Value,
