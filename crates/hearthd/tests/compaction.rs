@@ -418,3 +418,68 @@ fn a_compaction_survives_hearthd_being_killed_mid_job() {
     );
     assert_eq!(chain_sha(&l0, &scratch), k1, "k1 changed");
 }
+
+#[test]
+fn fifty_snapshots_of_a_running_guest_are_cut_and_compacted_back_to_two_layers() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    apply_manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("data-a"),
+            vm_yaml("app", "AlwaysOn", &["data-a"], "")
+        ),
+    );
+    d.wait_agent("app");
+    let bottom = head(&d);
+    // Past ~45 layers QEMU's json: name of the chain is cut off at 4 KiB:
+    // every cut must still find the head's file, and the merge its nodes.
+    for i in 1..=50 {
+        d.agent_sh_ok(
+            "app",
+            &format!("dd if=/dev/urandom of=/data/f{i} bs=4k count=1 2>/dev/null && sync"),
+        );
+        snapshot(&d, &format!("s{i}"), "data-a");
+    }
+    wait_chain_length(&d, "data-a", 51, Duration::from_secs(30));
+    let sums = guest_sums(&d, "app");
+    assert_eq!(sums.lines().count(), 50, "{sums}");
+    let live_head = head(&d);
+    let s1 = chain_sha(&bottom, &scratch);
+    // All but the first go: everything between the head and s1's layer
+    // is merged into the head.
+    for i in (2..=50).rev() {
+        d.cli_ok(&["delete", "snapshot", &format!("s{i}")]);
+    }
+    wait_chain_length(&d, "data-a", 2, Duration::from_secs(120));
+    assert_eq!(head(&d), live_head);
+    assert_eq!(
+        header_backing(&live_head).as_deref(),
+        Some(bottom.as_path())
+    );
+    assert_eq!(
+        layer_files(&d),
+        [live_head.clone(), bottom.clone()]
+            .into_iter()
+            .collect::<BTreeSet<_>>()
+    );
+    let qemu = d.qemu_pids_of("app");
+    let open: Vec<PathBuf> = open_by(qemu[0])
+        .into_iter()
+        .filter(|p| p.starts_with(layers_dir(&d)))
+        .collect();
+    assert_eq!(
+        open.len(),
+        2,
+        "QEMU holds the head and the bottom only: {open:?}"
+    );
+    assert_eq!(guest_sums(&d, "app"), sums);
+    assert_eq!(chain_sha(&bottom, &scratch), s1, "s1 changed");
+    // And cuts go on on the compacted chain.
+    snapshot(&d, "after", "data-a");
+    wait_chain_length(&d, "data-a", 3, Duration::from_secs(30));
+}
