@@ -483,3 +483,129 @@ fn fifty_snapshots_of_a_running_guest_are_cut_and_compacted_back_to_two_layers()
     snapshot(&d, "after", "data-a");
     wait_chain_length(&d, "data-a", 3, Duration::from_secs(30));
 }
+
+/// A `qemu-img rebase` of this daemon's layers, from the process table.
+fn rebase_pid(d: &Daemon) -> Option<u32> {
+    let marker = d.dir.path().to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let args: Vec<String> = c
+                    .split(|b| *b == 0)
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                args.first().is_some_and(|a| a.ends_with("qemu-img"))
+                    && args.iter().any(|a| a == "rebase")
+                    && args.iter().any(|a| a.contains(&marker))
+            })
+        })
+}
+
+#[test]
+fn an_offline_compaction_killed_with_its_qemu_img_is_done_again_and_changes_nothing() {
+    let _serial = serial();
+    let mut d = Daemon::start();
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    apply_manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: raw-a\nspec:\n  size: 512Mi\n  source:\n    blank: {{}}\n---\n{}",
+            vm_yaml("app", "AlwaysOn", &["raw-a"], "")
+        ),
+    );
+    d.wait_agent("app");
+    // Raw writes to the unformatted disk: L0(k1) <- L1(k2: 384 MiB) <- L2(k3) <- head.
+    d.agent_sh_ok(
+        "app",
+        "dd if=/dev/urandom of=/dev/vda bs=1M count=4 conv=fsync 2>/dev/null",
+    );
+    let l0 = head(&d);
+    snapshot(&d, "k1", "raw-a");
+    d.agent_sh_ok(
+        "app",
+        "dd if=/dev/urandom of=/tmp/r bs=1M count=4 2>/dev/null && i=0; \
+         while [ $i -lt 96 ]; do cat /tmp/r; i=$((i+1)); done | dd of=/dev/vda bs=1M seek=8 conv=fsync 2>/dev/null; rm /tmp/r",
+    );
+    let l1 = head(&d);
+    snapshot(&d, "k2", "raw-a");
+    d.agent_sh_ok(
+        "app",
+        "dd if=/dev/urandom of=/dev/vda bs=1M seek=4 count=1 conv=fsync 2>/dev/null",
+    );
+    let l2 = head(&d);
+    snapshot(&d, "k3", "raw-a");
+    d.cli_ok(&["stop", "app"]);
+    d.wait_phase("app", "Stopped", Duration::from_secs(60));
+    let live_head = head(&d);
+    let (k1, k3, live) = (
+        chain_sha(&l0, &scratch),
+        chain_sha(&l2, &scratch),
+        chain_sha(&live_head, &scratch),
+    );
+
+    // k2 goes: hearthd rebases k3's layer onto k1's. Both hearthd and its
+    // qemu-img are killed in the middle of the copy.
+    d.cli_ok(&["delete", "snapshot", "k2"]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let pid = loop {
+        if let Some(pid) = rebase_pid(&d) {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no qemu-img rebase\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    d.kill();
+    let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+    wait_until("qemu-img gone", Duration::from_secs(10), || {
+        !Path::new(&format!("/proc/{pid}")).exists() || !is_alive(pid)
+    });
+    assert_eq!(
+        header_backing(&l2).as_deref(),
+        Some(l1.as_path()),
+        "killed before the switch"
+    );
+    assert!(l1.exists());
+    // Half-copied: k3 still reads exactly as before.
+    assert_eq!(
+        chain_sha(&l2, &scratch),
+        k3,
+        "a half-done rebase changed k3"
+    );
+
+    d.spawn();
+    wait_chain_length(&d, "raw-a", 3, Duration::from_secs(120));
+    let events = d.event_reasons("VirtualDisk", "raw-a");
+    assert!(
+        events.iter().any(|r| r == "CompactionAbandoned"),
+        "{events:?}"
+    );
+    assert!(events.iter().any(|r| r == "Compacted"), "{events:?}");
+    assert_eq!(header_backing(&l2).as_deref(), Some(l0.as_path()));
+    assert!(!l1.exists(), "the merged layer is removed");
+    assert_eq!(chain_sha(&l0, &scratch), k1, "k1 changed");
+    assert_eq!(chain_sha(&l2, &scratch), k3, "k3 changed");
+    assert_eq!(
+        chain_sha(&live_head, &scratch),
+        live,
+        "the live disk changed"
+    );
+    let out = Command::new("qemu-img")
+        .args(["check", "-U"])
+        .arg(&l2)
+        .output()
+        .expect("qemu-img check");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
