@@ -700,6 +700,11 @@ fn forget(
         ),
     };
     ctx.event(Kind::VirtualMachine, name, kind, reason, &message);
+    // Layers of its disks that could be merged only with no QEMU running
+    // (docs/snapshots.md, "Compaction") are merged now, not at the next resync.
+    for d in &record.disk_names {
+        ctx.wake(Kind::VirtualDisk, d);
+    }
     if crashed && !manual {
         // Restart with backoff rather than in a tight loop.
         return Err(ReconcileError::Failed(message));
