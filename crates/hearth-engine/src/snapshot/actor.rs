@@ -35,6 +35,8 @@ const GATHER: Duration = Duration::from_millis(50);
 /// ...and the longest they wait for company. A request that finds the
 /// actor idle waits for nobody.
 const MAX_GATHER: Duration = Duration::from_millis(300);
+/// Pause before a disk whose merge failed is compacted again.
+const COMPACTION_RETRY: Duration = Duration::from_secs(60);
 /// Pause before writing a cut's results again after the store refused.
 const COMMIT_RETRY: Duration = Duration::from_secs(1);
 
@@ -242,6 +244,8 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
     let mut held = CutContext::default();
     let mut closed = false;
     let mut compact: BTreeSet<String> = BTreeSet::new();
+    // Disks whose last merge failed, and until when they are not tried again.
+    let mut retry_after: HashMap<String, Instant> = HashMap::new();
     loop {
         while let Some(cmd) = queue.pop_front() {
             let Some(e) = ctx.upgrade() else { return };
@@ -339,7 +343,16 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             let guards = lock_target(&e, &target).await;
             let live = live_of(&e, &target).await;
             for disk in std::mem::take(&mut compact) {
-                run_compaction(&e, &target, live.as_deref(), &disk).await;
+                if retry_after.get(&disk).is_some_and(|t| Instant::now() < *t) {
+                    // A failed merge is not tried again at once; a resync
+                    // after the pause asks again.
+                    continue;
+                }
+                if run_compaction(&e, &target, live.as_deref(), &disk).await {
+                    retry_after.insert(disk, Instant::now() + COMPACTION_RETRY);
+                } else {
+                    retry_after.remove(&disk);
+                }
             }
             drop(guards);
             continue;
@@ -369,16 +382,22 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
 }
 
 /// Compacts one disk's chain in the actor, with its locks held; what was
-/// merged and what was left goes to the disk's events.
-async fn run_compaction(ctx: &Arc<Context>, target: &str, live: Option<&LiveVm>, disk: &str) {
+/// merged and what was left goes to the disk's events. True when a merge
+/// was started and failed.
+async fn run_compaction(
+    ctx: &Arc<Context>,
+    target: &str,
+    live: Option<&LiveVm>,
+    disk: &str,
+) -> bool {
     // A disk this actor no longer serves (a VM started with it meanwhile)
     // is compacted by the actor that does.
     match target_of(ctx, disk) {
         Ok(t) if t != target => {
             ctx.snapshots.compact(ctx, disk);
-            return;
+            return false;
         }
-        Err(_) => return,
+        Err(_) => return false,
         Ok(_) => {}
     }
     let speed = ctx.config.compaction_speed;
@@ -390,6 +409,7 @@ async fn run_compaction(ctx: &Arc<Context>, target: &str, live: Option<&LiveVm>,
             if r.merged_layers > 0 {
                 ctx.wake(Kind::VirtualDisk, disk);
             }
+            r.failed > 0
         }
         Err(e) => {
             tracing::warn!(disk, error = %e, "compaction failed");
@@ -400,6 +420,7 @@ async fn run_compaction(ctx: &Arc<Context>, target: &str, live: Option<&LiveVm>,
                 "CompactionFailed",
                 &e,
             );
+            true
         }
     }
 }

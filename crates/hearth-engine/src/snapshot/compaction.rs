@@ -516,6 +516,28 @@ pub struct Report {
     pub merged_layers: usize,
     /// Runs left for later, with the reason.
     pub skipped: Vec<String>,
+    /// Merges that were started and ended without switching.
+    pub failed: usize,
+}
+
+/// Why one merge did not happen: left for later before it started, or
+/// started and ended without switching (`failed`).
+#[derive(Debug)]
+struct Skip {
+    why: String,
+    failed: bool,
+}
+
+impl From<String> for Skip {
+    fn from(why: String) -> Skip {
+        Skip { why, failed: false }
+    }
+}
+
+impl From<&str> for Skip {
+    fn from(why: &str) -> Skip {
+        Skip::from(why.to_string())
+    }
 }
 
 /// Compacts `disk`'s chain. Runs in the snapshot actor of `target`, which
@@ -576,17 +598,20 @@ pub async fn compact_disk(
             Some((l, index)) if m.top == head.id => {
                 stream(ctx, target, l, index, disk, &m, &top, &base, speed).await
             }
-            Some(_) => Err(format!(
+            Some(_) => Err(Skip::from(format!(
                 "{} layer(s) below {} are left for when the VM is stopped: a running VM's \
                  chain is merged online only right below its head",
                 m.gone.len(),
                 m.top
-            )),
+            ))),
             None => rebase(ctx, target, disk, &m, &top, &base).await,
         };
         match outcome {
             Ok(()) => report.merged_layers += m.gone.len(),
-            Err(why) => report.skipped.push(why),
+            Err(skip) => {
+                report.failed += usize::from(skip.failed);
+                report.skipped.push(skip.why);
+            }
         }
     }
     Ok(report)
@@ -601,7 +626,7 @@ async fn rebase(
     m: &Merge,
     top: &Layer,
     base: &Layer,
-) -> Result<(), String> {
+) -> Result<(), Skip> {
     // An export reads a snapshot's chain with `qemu-img convert -U`, which
     // must not see the top's metadata change under it: the pins of every
     // snapshot whose chain holds the top are taken for the rebase (an export
@@ -629,7 +654,8 @@ async fn rebase(
                 return Err(format!(
                     "an export of VirtualDiskSnapshot {s:?} reads {}: left for later",
                     top.path.display()
-                ));
+                )
+                .into());
             }
         }
     }
@@ -637,7 +663,8 @@ async fn rebase(
         return Err(format!(
             "{} is open by a process (a VM restored from it, or an export): left for later",
             top.path.display()
-        ));
+        )
+        .into());
     }
     let id = record(&ctx.store, target, disk, m, false).map_err(|e| e.to_string())?;
     ctx.event(
@@ -675,7 +702,7 @@ async fn stream(
     top: &Layer,
     base: &Layer,
     speed: u64,
-) -> Result<(), String> {
+) -> Result<(), Skip> {
     let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
     let graph = overlays::Graph::read(live).await?;
     let top_node = graph
@@ -693,7 +720,8 @@ async fn stream(
         return Err(format!(
             "QEMU's device of VirtualDisk {disk:?} does not write to its recorded head {}",
             top.path.display()
-        ));
+        )
+        .into());
     }
     let base_node = node_of(&base.path)
         .ok_or_else(|| format!("QEMU has no node of layer {}", base.path.display()))?;
@@ -783,7 +811,7 @@ async fn settle_one(
     disk: &str,
     id: i64,
     started: Instant,
-) -> Result<(), String> {
+) -> Result<(), Skip> {
     let intents: Vec<Intent> = intents_of_disk(&ctx.store, disk)
         .map_err(|e| e.to_string())?
         .into_iter()
@@ -798,9 +826,12 @@ async fn settle_one(
     );
     match settled.first() {
         Some((_, Settle::Done)) => Ok(()),
-        Some((_, Settle::Abandoned)) => Err(format!("compaction {id} failed; nothing changed")),
-        Some((_, s)) => Err(still_open(id, disk, s).unwrap_or_default()),
-        None => Err(format!("compaction {id} is not recorded")),
+        Some((_, Settle::Abandoned)) => Err(Skip {
+            why: format!("compaction {id} failed; nothing changed"),
+            failed: true,
+        }),
+        Some((_, s)) => Err(still_open(id, disk, s).unwrap_or_default().into()),
+        None => Err(format!("compaction {id} is not recorded").into()),
     }
 }
 
