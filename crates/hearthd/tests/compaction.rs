@@ -609,3 +609,67 @@ fn an_offline_compaction_killed_with_its_qemu_img_is_done_again_and_changes_noth
         String::from_utf8_lossy(&out.stdout)
     );
 }
+
+#[test]
+fn a_stop_cancels_a_throttled_merge_which_is_then_done_offline() {
+    let _serial = serial();
+    // 1 MiB/s: the 32 MiB layer would take the job half a minute.
+    let d = Daemon::start_with(&["--compaction-bytes-per-second", "1048576"]);
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    apply_manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("data-a"),
+            vm_yaml("app", "AlwaysOn", &["data-a"], "")
+        ),
+    );
+    d.wait_agent("app");
+    write_file(&d, "app", "f1", 256);
+    let l0 = head(&d);
+    snapshot(&d, "k1", "data-a");
+    write_file(&d, "app", "big", 32 * 1024);
+    let l1 = head(&d);
+    snapshot(&d, "k2", "data-a");
+    write_file(&d, "app", "f2", 256);
+    let live_head = head(&d);
+    let sums = guest_sums(&d, "app");
+    let k1 = chain_sha(&l0, &scratch);
+
+    delete_snapshot(&d, "k2");
+    d.wait_object(
+        "virtualdisks",
+        "data-a",
+        "compaction progress",
+        Duration::from_secs(60),
+        |v| v["status"]["compaction"]["bytesDone"].as_u64() > Some(0),
+    );
+    let asked = std::time::Instant::now();
+    d.cli_ok(&["stop", "app"]);
+    d.wait_phase("app", "Stopped", Duration::from_secs(60));
+    let stop_s = asked.elapsed().as_secs_f64();
+    eprintln!("stopped {stop_s:.1} s after the stop was asked");
+    assert!(
+        stop_s < 20.0,
+        "the stop waited for the merge: {stop_s:.1} s"
+    );
+    assert!(
+        d.log().contains("cancelling a compaction job"),
+        "{}",
+        d.log()
+    );
+    // With no QEMU left, the merge is done offline at once.
+    wait_chain_length(&d, "data-a", 2, Duration::from_secs(60));
+    assert_eq!(header_backing(&live_head).as_deref(), Some(l0.as_path()));
+    assert!(!l1.exists());
+    assert_eq!(chain_sha(&l0, &scratch), k1, "k1 changed");
+    d.cli_ok(&["start", "app"]);
+    d.wait_agent("app");
+    assert_eq!(
+        guest_sums(&d, "app"),
+        sums,
+        "the guest reads its files unchanged"
+    );
+}

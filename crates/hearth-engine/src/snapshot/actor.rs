@@ -50,9 +50,29 @@ enum Msg {
 #[derive(Default)]
 pub struct Actors {
     map: Mutex<HashMap<String, mpsc::UnboundedSender<Msg>>>,
+    /// Per target: bumped when a stop, start or restore wants the VM's locks,
+    /// so a running compaction job is cancelled instead of making it wait.
+    yields: Mutex<HashMap<String, Arc<std::sync::atomic::AtomicU64>>>,
 }
 
 impl Actors {
+    fn yield_epoch(&self, target: &str) -> Arc<std::sync::atomic::AtomicU64> {
+        self.yields
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(target.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Asks a compaction of `target` (`vm/NAME`) that holds its locks to
+    /// give them back soon: its stream job is cancelled (and merged again
+    /// later). Called before a stop, start or restore takes the locks.
+    pub fn ask_to_yield(&self, target: &str) {
+        self.yield_epoch(target)
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Hands requests to the target's actor, starting it if needed. Requests
     /// sent together are always served by the same cut.
     pub fn request(&self, ctx: &Arc<Context>, target: &str, requests: Vec<Request>) {
@@ -340,6 +360,13 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
         if core.is_idle() && !core.has_pending() && !core.needs_thaw() && !compact.is_empty() {
             // Never during a cut: the coordinator is idle and nothing waits.
             let Some(e) = ctx.upgrade() else { return };
+            // Read before the locks: a stop that asks while this waits for
+            // them, or while the merge runs, is seen.
+            let epoch = e.snapshots.yield_epoch(&target);
+            let yield_to = super::compaction::Yield {
+                seen: epoch.load(std::sync::atomic::Ordering::SeqCst),
+                epoch,
+            };
             let guards = lock_target(&e, &target).await;
             let live = live_of(&e, &target).await;
             for disk in std::mem::take(&mut compact) {
@@ -348,7 +375,7 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                     // after the pause asks again.
                     continue;
                 }
-                if run_compaction(&e, &target, live.as_deref(), &disk).await {
+                if run_compaction(&e, &target, live.as_deref(), &disk, &yield_to).await {
                     retry_after.insert(disk, Instant::now() + COMPACTION_RETRY);
                 } else {
                     retry_after.remove(&disk);
@@ -389,6 +416,7 @@ async fn run_compaction(
     target: &str,
     live: Option<&LiveVm>,
     disk: &str,
+    yield_to: &super::compaction::Yield,
 ) -> bool {
     // A disk this actor no longer serves (a VM started with it meanwhile)
     // is compacted by the actor that does.
@@ -401,7 +429,7 @@ async fn run_compaction(
         Ok(_) => {}
     }
     let speed = ctx.config.compaction_speed;
-    match super::compaction::compact_disk(ctx, target, live, disk, speed).await {
+    match super::compaction::compact_disk(ctx, target, live, disk, speed, yield_to).await {
         Ok(r) => {
             if !r.skipped.is_empty() {
                 tracing::info!(disk, skipped = ?r.skipped, "compaction left layers for later");

@@ -510,6 +510,21 @@ async fn drop_nodes(live: &LiveVm, gone: &[Layer]) {
     }
 }
 
+/// A request to give the VM's locks back: a stop, start or restore of the
+/// VM asks (`Actors::ask_to_yield`) by bumping its target's counter; a
+/// merge that saw another value when it began cancels its job.
+#[derive(Clone, Debug)]
+pub struct Yield {
+    pub epoch: Arc<std::sync::atomic::AtomicU64>,
+    pub seen: u64,
+}
+
+impl Yield {
+    pub fn asked(&self) -> bool {
+        self.epoch.load(std::sync::atomic::Ordering::SeqCst) != self.seen
+    }
+}
+
 /// What one compaction of a disk did.
 #[derive(Debug, Default)]
 pub struct Report {
@@ -549,6 +564,7 @@ pub async fn compact_disk(
     live: Option<&LiveVm>,
     disk: &str,
     speed: u64,
+    yield_to: &Yield,
 ) -> Result<Report, String> {
     let mut report = Report::default();
     let intents = intents_of_disk(&ctx.store, disk).map_err(|e| e.to_string())?;
@@ -562,7 +578,7 @@ pub async fn compact_disk(
                     disk,
                     "following a compaction job started before a restart"
                 );
-                follow_job(ctx, l, disk, i.id, i.gone.len()).await;
+                follow_job(ctx, l, disk, i.id, i.gone.len(), yield_to).await;
             }
         }
     }
@@ -596,7 +612,10 @@ pub async fn compact_disk(
         let base = layer(&m.base)?;
         let outcome = match device {
             Some((l, index)) if m.top == head.id => {
-                stream(ctx, target, l, index, disk, &m, &top, &base, speed).await
+                stream(
+                    ctx, target, l, index, disk, &m, &top, &base, speed, yield_to,
+                )
+                .await
             }
             Some(_) => Err(Skip::from(format!(
                 "{} layer(s) below {} are left for when the VM is stopped: a running VM's \
@@ -702,6 +721,7 @@ async fn stream(
     top: &Layer,
     base: &Layer,
     speed: u64,
+    yield_to: &Yield,
 ) -> Result<(), Skip> {
     let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
     let graph = overlays::Graph::read(live).await?;
@@ -754,17 +774,52 @@ async fn stream(
     if let Err(e) = qmp.execute("block-stream", Some(args), QMP_TIMEOUT).await {
         tracing::warn!(id, disk, error = %e, "block-stream refused");
     }
-    follow_job(ctx, live, disk, id, m.gone.len()).await;
-    settle_one(ctx, Some(live), disk, id, started).await
+    let cancelled = follow_job(ctx, live, disk, id, m.gone.len(), yield_to).await;
+    match settle_one(ctx, Some(live), disk, id, started).await {
+        Err(skip) if cancelled && skip.failed => Err(Skip::from(format!(
+            "compaction {id} was cancelled for a stop, start or restore of the VM; merged again later"
+        ))),
+        other => other,
+    }
 }
 
 /// Waits for merge `id`'s QMP job to end, showing its progress in the
 /// disk's status (`compaction`), read from `query-jobs`.
-async fn follow_job(ctx: &Context, live: &LiveVm, disk: &str, id: i64, layers: usize) {
-    let Some(qmp) = live.qmp.as_ref() else { return };
+/// Cancels the job (`block-job-cancel`) when a stop, start or restore of
+/// the VM asks for its locks; true then.
+async fn follow_job(
+    ctx: &Context,
+    live: &LiveVm,
+    disk: &str,
+    id: i64,
+    layers: usize,
+    yield_to: &Yield,
+) -> bool {
+    let Some(qmp) = live.qmp.as_ref() else {
+        return false;
+    };
     let job = job_id(id);
     let mut shown = None;
+    let mut cancelled = false;
     loop {
+        if !cancelled && yield_to.asked() {
+            cancelled = true;
+            tracing::info!(
+                id,
+                disk,
+                "cancelling a compaction job: the VM's locks are asked for"
+            );
+            if let Err(e) = qmp
+                .execute(
+                    "block-job-cancel",
+                    Some(json!({"device": job})),
+                    QMP_TIMEOUT,
+                )
+                .await
+            {
+                tracing::warn!(id, error = %e, "block-job-cancel");
+            }
+        }
         let jobs = match qmp.execute("query-jobs", None, QMP_TIMEOUT).await {
             Ok(j) => j,
             Err(e) => {
@@ -802,6 +857,7 @@ async fn follow_job(ctx: &Context, live: &LiveVm, disk: &str, id: i64, layers: u
         tokio::time::sleep(POLL).await;
     }
     ctx.set_disk_status(disk, |s| s.compaction = None);
+    cancelled
 }
 
 /// Settles merge `id` of `disk` right after its job or qemu-img ended.
