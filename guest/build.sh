@@ -269,6 +269,17 @@ done
 if [ "$1" = freeze ] && [ -n "$n" ]; then
     echo "hearth-guest: fsfreeze hook: freeze (sleeping $n s)" >/dev/console 2>/dev/null
     sleep "$n"
+elif [ "$1" = freeze ]; then
+    # Runs just before qemu-ga's FIFREEZE: whether that freeze's RCU grace
+    # periods are expedited (hearth's step before a freeze sets it).
+    # (read is a shell builtin: no process is started.)
+    r=?
+    if [ -p /sys/kernel/rcu_expedited ]; then
+        r=fifo # hearth.rcu_expedited_hangs=1: opening it would hang
+    else
+        read r </sys/kernel/rcu_expedited 2>/dev/null
+    fi
+    echo "hearth-guest: fsfreeze hook: freeze (rcu_expedited=$r)" >/dev/console 2>/dev/null
 else
     echo "hearth-guest: fsfreeze hook: $1" >/dev/console 2>/dev/null
 fi

@@ -201,6 +201,20 @@ CREATE TABLE IF NOT EXISTS compactions (
     gone TEXT NOT NULL,
     job TEXT
 );
+-- An overlay made ahead of the cut that will use it (one per disk at most),
+-- recorded before its file or its QEMU node exists. While it is here nobody
+-- has switched to it: the intent of the cut that uses it moves it into
+-- cut_overlays in the same write. So a row left here by a crash or a stop
+-- is removed (node, then record, then file), never adopted.
+CREATE TABLE IF NOT EXISTS ahead_overlays (
+    disk TEXT PRIMARY KEY,
+    id INTEGER NOT NULL,
+    target TEXT NOT NULL,
+    layer TEXT NOT NULL,
+    path TEXT NOT NULL,
+    node TEXT NOT NULL,
+    base TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS counters (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL

@@ -21,7 +21,13 @@
 //! - limit: on libvirt's guest, `guest-fsfreeze-freeze` then
 //!   `guest-fsfreeze-thaw` through `virsh qemu-agent-command`, back to back
 //!   in one virsh session (one process, one connection): the shortest
-//!   window the agent itself allows, no snapshot at all.
+//!   window the agent itself allows, no snapshot at all;
+//! - limit, expedited: the same, after the step hearth runs before every
+//!   freeze (`hearth_engine::snapshot::expedite::SCRIPT` by `guest-exec`,
+//!   waited for), so the two limits show what hearth adds to the same freeze.
+//!
+//! Every repetition first waits until the guest's `rcu_expedited` is back
+//! to 0 (an earlier repetition's step has been undone by the guest).
 //!
 //! Measured: the command's wall time (spawn to exit); the guest-seen window
 //! (the longest gap between the writer's completed writes that overlaps the
@@ -60,9 +66,14 @@ enum Side {
     /// The floor: on libvirt's guest, the agent's own `guest-fsfreeze-freeze`
     /// then `guest-fsfreeze-thaw`, back to back in one virsh session.
     Limit,
+    /// The same floor after the step hearth runs before a freeze
+    /// (`hearth_engine::snapshot::expedite::SCRIPT` through `guest-exec`,
+    /// waited for), so the tables show what hearth adds to the same freeze.
+    LimitExpedited,
 }
 
 /// A running guest of either side.
+#[derive(Clone)]
 struct Guest {
     side: Side,
     /// hearth: the VM's name; libvirt: the domain's.
@@ -71,8 +82,9 @@ struct Guest {
     devs: Vec<String>,
 }
 
-/// Per disk count: hearth's, libvirt's and the limit's repetitions.
-type Results = (usize, Vec<Rep>, Vec<Rep>, Vec<Rep>);
+/// Per disk count: hearth's, libvirt's, the limit's and the expedited
+/// limit's repetitions.
+type Results = (usize, Vec<Rep>, Vec<Rep>, Vec<Rep>, Vec<Rep>);
 
 #[derive(Default, Clone)]
 struct Rep {
@@ -83,6 +95,8 @@ struct Rep {
     /// hearth only, ms from the CLI's spawn: stored, cut start, prepared,
     /// freeze sent, thaw replied, Ready committed.
     marks: Option<[f64; 6]>,
+    /// hearth only: the cut's `Freezing` event says the freeze was expedited.
+    expedited: bool,
 }
 
 fn main() {
@@ -130,7 +144,15 @@ fn main() {
 
     let mut results: Vec<Results> = pairs
         .iter()
-        .map(|(h, _)| (h.disks.len(), Vec::new(), Vec::new(), Vec::new()))
+        .map(|(h, _)| {
+            (
+                h.disks.len(),
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+            )
+        })
         .collect();
     let mut load = Vec::new();
     for round in 0..reps {
@@ -141,10 +163,14 @@ fn main() {
                 disks: l.disks.clone(),
                 devs: l.devs.clone(),
             };
+            let limit_exp = Guest {
+                side: Side::LimitExpedited,
+                ..limit.clone()
+            };
             let order = if round % 2 == 0 {
-                [h, l, &limit]
+                [h, l, &limit, &limit_exp]
             } else {
-                [l, h, &limit]
+                [l, h, &limit_exp, &limit]
             };
             for g in order {
                 let r = one_rep(&d, g, round, seconds);
@@ -162,6 +188,7 @@ fn main() {
                     Side::Hearth => results[k].1.push(r),
                     Side::Libvirt => results[k].2.push(r),
                     Side::Limit => results[k].3.push(r),
+                    Side::LimitExpedited => results[k].4.push(r),
                 }
             }
         }
@@ -354,7 +381,7 @@ fn wait_libvirt_agent(dom: &str) {
 /// Runs a shell script in the guest; (exit code, stdout).
 fn exec(d: &Daemon, g: &Guest, script: &str) -> (i64, String) {
     match g.side {
-        Side::Limit => exec(
+        Side::Limit | Side::LimitExpedited => exec(
             d,
             &Guest {
                 side: Side::Libvirt,
@@ -486,6 +513,12 @@ fn one_rep(d: &Daemon, g: &Guest, round: usize, seconds: u64) -> Rep {
     start_writers(d, g, seconds);
     let (lo, hi) = clock_offset(epoch, |cmd| exec(d, g, cmd));
     std::thread::sleep(Duration::from_millis(200));
+    // A freeze expedited by an earlier repetition (hearth's, or the
+    // expedited limit's) is over before this one starts: the guest's
+    // watcher has reset it.
+    wait_until("rcu_expedited reset", Duration::from_secs(20), || {
+        exec(d, g, "cat /sys/kernel/rcu_expedited").1.trim() == "0"
+    });
     let snap = format!("{}-s{round}", g.name);
     let mut cmd = match g.side {
         Side::Hearth => {
@@ -517,7 +550,7 @@ fn one_rep(d: &Daemon, g: &Guest, round: usize, seconds: u64) -> Rep {
             .stderr(Stdio::piped());
             c
         }
-        Side::Limit => {
+        Side::Limit | Side::LimitExpedited => {
             let mut c = Command::new("virsh");
             c.args(["-c", VIRSH_URI])
                 .stdin(Stdio::piped())
@@ -532,6 +565,13 @@ fn one_rep(d: &Daemon, g: &Guest, round: usize, seconds: u64) -> Rep {
          qemu-agent-command {n} '{{\"execute\":\"guest-fsfreeze-thaw\"}}'\n",
         n = g.name
     );
+    if g.side == Side::LimitExpedited {
+        let (code, out) = exec(d, g, hearth_engine::snapshot::expedite::SCRIPT);
+        assert!(
+            code == 0 && out.trim() == "raised",
+            "the step before the freeze: {code} {out}"
+        );
+    }
     let from = host_ms();
     let spawned = SystemTime::now();
     let t0 = Instant::now();
@@ -563,7 +603,7 @@ fn one_rep(d: &Daemon, g: &Guest, round: usize, seconds: u64) -> Rep {
     if g.side == Side::Hearth {
         hearth_marks(d, g, &snap, unix_ms(spawned), &mut rep);
     }
-    if g.side == Side::Limit {
+    if matches!(g.side, Side::Limit | Side::LimitExpedited) {
         let text = String::from_utf8_lossy(&out.stdout);
         assert_eq!(
             text.matches("\"return\"").count(),
@@ -618,6 +658,12 @@ fn hearth_marks(d: &Daemon, g: &Guest, snap: &str, spawned: f64, rep: &mut Rep) 
             .and_then(|e| rfc3339_ms(&e["time"]))
     };
     let freeze = event_at(&vm_events, "Freezing", &prefix);
+    rep.expedited = vm_events.iter().any(|e| {
+        e["reason"] == "Freezing"
+            && e["message"].as_str().is_some_and(|m| {
+                m.starts_with(&prefix) && m.contains("RCU grace periods expedited")
+            })
+    });
     let thaw = event_at(&vm_events, "Thawed", &prefix);
     let ready = event_at(&d.events("VirtualDiskSnapshot", &disk_snap), "Ready", "");
     let needle = format!("cut={cut} ");
@@ -662,10 +708,11 @@ fn print_tables(results: &[Results], load: &[String], seconds: u64) {
     );
     println!();
     println!(
-        "| disks | hearth CLI wall (ms) | virsh wall (ms) | wall ratio hearth/virsh | guest-seen window hearth (ms) | guest-seen window libvirt (ms) | window ratio | limit: agent freeze + thaw back to back, guest-seen (ms) | limit: its virsh session wall (ms) | hearth freezeWindowMs | hearth consistent |"
+        "| disks | hearth CLI wall (ms) | virsh wall (ms) | wall ratio hearth/virsh | guest-seen window hearth (ms) | guest-seen window libvirt (ms) | window ratio | limit: agent freeze + thaw back to back, guest-seen (ms) | limit after the same expedite step, guest-seen (ms) | limit: its virsh session wall (ms) | hearth freezeWindowMs | hearth freezes expedited | hearth consistent |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|");
-    for (disks, h, l, limit) in results {
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|");
+    for (disks, h, l, limit, limit_exp) in results {
+        let me: Vec<f64> = limit_exp.iter().map(|r| r.guest_ms).collect();
         let mg: Vec<f64> = limit.iter().map(|r| r.guest_ms).collect();
         let mw: Vec<f64> = limit.iter().map(|r| r.wall_ms).collect();
         let hw: Vec<f64> = h.iter().map(|r| r.wall_ms).collect();
@@ -674,7 +721,7 @@ fn print_tables(results: &[Results], load: &[String], seconds: u64) {
         let lg: Vec<f64> = l.iter().map(|r| r.guest_ms).collect();
         let hf: Vec<f64> = h.iter().filter_map(|r| r.host_window_ms).collect();
         println!(
-            "| {disks} | {} | {} | {:.2} | {} | {} | {:.2} | {} | {} | {} | {}/{} |",
+            "| {disks} | {} | {} | {:.2} | {} | {} | {:.2} | {} | {} | {} | {} | {}/{} | {}/{} |",
             fmt(&hw, 0),
             fmt(&lw, 0),
             stats(&hw).0 / stats(&lw).0,
@@ -682,8 +729,11 @@ fn print_tables(results: &[Results], load: &[String], seconds: u64) {
             fmt(&lg, 1),
             stats(&hg).0 / stats(&lg).0,
             fmt(&mg, 1),
+            fmt(&me, 1),
             fmt(&mw, 0),
             fmt(&hf, 0),
+            h.iter().filter(|r| r.expedited).count(),
+            h.len(),
             h.iter().filter(|r| r.consistent).count(),
             h.len()
         );
@@ -697,7 +747,7 @@ fn print_tables(results: &[Results], load: &[String], seconds: u64) {
         "| disks | CLI spawn → stored | stored → cut starts | cut starts → prepared | prepared → freeze sent | freeze sent → thaw replied | thaw → Ready (commit) | Ready → CLI exits | total (CLI wall) |"
     );
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for (disks, h, _, _) in results {
+    for (disks, h, _, _, _) in results {
         let with: Vec<(&Rep, [f64; 6])> =
             h.iter().filter_map(|r| r.marks.map(|m| (r, m))).collect();
         let step = |i: usize| -> f64 {
@@ -726,8 +776,13 @@ fn print_tables(results: &[Results], load: &[String], seconds: u64) {
         "| disks | side | rep | wall (ms) | guest-seen window (ms) | freezeWindowMs | stored / cut / prepared / freeze / thaw / Ready, ms after spawn |"
     );
     println!("|---:|---|---:|---:|---:|---:|---|");
-    for (disks, h, l, limit) in results {
-        for (side, reps) in [("hearth", h), ("libvirt", l), ("limit", limit)] {
+    for (disks, h, l, limit, limit_exp) in results {
+        for (side, reps) in [
+            ("hearth", h),
+            ("libvirt", l),
+            ("limit", limit),
+            ("limit, expedited", limit_exp),
+        ] {
             for (i, r) in reps.iter().enumerate() {
                 println!(
                     "| {disks} | {side} | {} | {:.0} | {:.1} | {} | {} |",

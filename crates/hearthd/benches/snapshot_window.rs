@@ -570,6 +570,11 @@ fn one_rep(
 /// (as qemu-ga does), then thaws them, with the writers running; and the same
 /// for one filesystem. Times every step with the guest's clock.
 fn diagnose(d: &Daemon, vm: &str, devs: &[String], seconds: u64) -> Diag {
+    // The guest freezes as it does on its own: the expedited RCU grace
+    // periods of hearth's last cut (snapshots.md, step 4a) are over.
+    wait_until("rcu_expedited reset", Duration::from_secs(20), || {
+        d.agent_sh(vm, "cat /sys/kernel/rcu_expedited").1.trim() == "0"
+    });
     // The order qemu-ga freezes in: the reverse of the mount order.
     let order: Vec<&String> = devs.iter().rev().collect();
     let mut script = String::from("t() { /bin/stallwatch -t; }\nt\nbusybox true; t\n");

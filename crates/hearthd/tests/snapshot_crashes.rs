@@ -267,6 +267,14 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
 
     // Exactly one QEMU for the VM: the first one, adopted every time.
     assert_eq!(d.qemu_pids(), vec![qemu]);
+    // The overlay the last daemon made ahead (after its last cut) is
+    // removed by the new one, its node too.
+    wait_no_ahead(
+        &d,
+        "busy-data",
+        Some(qemu),
+        "the overlay made ahead removed after the restart",
+    );
 
     // The newest layer QEMU holds open for writing (layer names carry a
     // never-repeating counter) is the disk's recorded head: a stale head
@@ -323,4 +331,178 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
         "restored {} snapshots, the last with {last} lines",
         by_cut.len()
     );
+}
+
+/// The disk's recorded head (`status.path`).
+fn head_of(d: &Daemon, disk: &str) -> PathBuf {
+    PathBuf::from(
+        d.get_disk(disk).expect("disk")["status"]["path"]
+            .as_str()
+            .expect("path"),
+    )
+}
+
+/// Layer files outside the head's backing chain, each with the file it
+/// names as its backing file (an overlay made ahead lies over the head).
+fn outside_chain(d: &Daemon, disk: &str) -> Vec<(PathBuf, Option<PathBuf>)> {
+    let layers = d.state_dir().join("layers");
+    let chain: BTreeSet<PathBuf> = backing_chain(&head_of(d, disk)).into_iter().collect();
+    let mut out: Vec<(PathBuf, Option<PathBuf>)> = std::fs::read_dir(&layers)
+        .expect("layers")
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| !chain.contains(p))
+        .map(|p| {
+            let below = backing_chain(&p).get(1).cloned();
+            (p, below)
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Waits until the disk has exactly one overlay made ahead: one layer
+/// file outside its head's chain, lying over the head, open read-write by
+/// QEMU `qemu` (its node). Returns its path.
+fn wait_ahead(d: &Daemon, disk: &str, qemu: u32) -> PathBuf {
+    let layers = d.state_dir().join("layers");
+    let found = std::cell::RefCell::new(None);
+    wait_until("an overlay made ahead", Duration::from_secs(30), || {
+        let head = head_of(d, disk);
+        let out = outside_chain(d, disk);
+        let one = match out.as_slice() {
+            [(p, Some(below))] if *below == head && written_by(qemu, &layers).contains(p) => {
+                Some(p.clone())
+            }
+            _ => None,
+        };
+        let ok = one.is_some();
+        *found.borrow_mut() = one;
+        ok
+    });
+    found.into_inner().expect("found")
+}
+
+/// Waits until every layer file is in the head's chain and QEMU `qemu`
+/// holds none open but the head's chain: no file, no node left over.
+fn wait_no_ahead(d: &Daemon, disk: &str, qemu: Option<u32>, what: &str) {
+    let layers = d.state_dir().join("layers");
+    wait_until(what, Duration::from_secs(30), || {
+        let chain: BTreeSet<PathBuf> = backing_chain(&head_of(d, disk)).into_iter().collect();
+        outside_chain(d, disk).is_empty()
+            && qemu.is_none_or(|q| written_by(q, &layers).is_subset(&chain))
+    });
+}
+
+#[test]
+fn an_overlay_made_ahead_is_used_by_the_next_cut_and_never_outlives_a_crash_or_its_qemu() {
+    let _serial = serial();
+    let mut d = Daemon::start();
+    let m = manifest(
+        &d,
+        "ahead.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("ah-data"),
+            vm_yaml("ah", "AlwaysOn", &["ah-data"], "")
+        ),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    d.wait_agent("ah");
+    let qemu = d.qemu_pids()[0];
+    let (status, v) = d.request(
+        "POST",
+        "/v1/virtualmachines/ah/agent/exec",
+        Some(&json!({"path": "/bin/sh", "args": ["-c",
+            "setsid sh -c 'i=0; while :; do i=$((i+1)); echo $i >> /data/seq; usleep 20000; done' </dev/null >/dev/null 2>&1 &"]})),
+    );
+    assert_eq!(status, 200, "{v}");
+    let snap = |d: &Daemon, n: &str| {
+        let (status, v) = d.request(
+            "POST",
+            "/v1/apply",
+            Some(&json!({"items": [snapshot(n, "ah-data")]})),
+        );
+        assert_eq!(status, 200, "{v}");
+        let v = snapshot_final(d, n, FINAL_TIMEOUT);
+        assert_eq!(v["status"]["phase"], "Ready", "{v:#}\n{}", d.log());
+        assert_eq!(v["status"]["consistent"], true, "{v:#}");
+    };
+
+    // 1. The VM's start made one ahead; the first cut takes it: the disk's
+    // new head is that very file, and the next one is made ahead of it.
+    let first = wait_ahead(&d, "ah-data", qemu);
+    snap(&d, "ah-1");
+    assert_eq!(
+        head_of(&d, "ah-data"),
+        first,
+        "the cut used the overlay made ahead"
+    );
+    let second = wait_ahead(&d, "ah-data", qemu);
+    assert_ne!(second, first);
+
+    // 2. SIGKILL with an ahead overlay present, QEMU still running: the new
+    // daemon removes it (node and file), and the next cut is consistent.
+    d.kill();
+    d.spawn();
+    wait_no_ahead(
+        &d,
+        "ah-data",
+        Some(qemu),
+        "the ahead overlay removed after the restart",
+    );
+    assert!(!second.exists());
+    assert_eq!(head_of(&d, "ah-data"), first, "never adopted");
+    snap(&d, "ah-2");
+    let head2 = head_of(&d, "ah-data");
+    assert_ne!(head2, second, "a fresh overlay, not the removed one");
+    assert_eq!(backing_chain(&head2).get(1), Some(&first));
+    let third = wait_ahead(&d, "ah-data", qemu);
+
+    // 3. SIGKILL with an ahead overlay present and QEMU killed too: it is
+    // removed, not adopted, when the VM starts again.
+    d.kill();
+    let _ = Command::new("kill")
+        .args(["-9", &qemu.to_string()])
+        .status();
+    wait_until("QEMU gone", Duration::from_secs(10), || !is_alive(qemu));
+    d.spawn();
+    let vm = d.wait_agent("ah");
+    let qemu2 = vm["status"]["pid"].as_u64().expect("pid") as u32;
+    assert_ne!(qemu2, qemu);
+    assert!(
+        !third.exists(),
+        "the ahead overlay of the killed QEMU is gone"
+    );
+    assert_eq!(head_of(&d, "ah-data"), head2, "never adopted");
+    // The new QEMU gets its own.
+    let fourth = wait_ahead(&d, "ah-data", qemu2);
+
+    // 4. A stop removes it; the start makes a new one for the new QEMU.
+    d.cli_ok(&["stop", "ah"]);
+    d.wait_phase("ah", "Stopped", Duration::from_secs(60));
+    wait_no_ahead(&d, "ah-data", None, "the ahead overlay removed at the stop");
+    assert!(!fourth.exists());
+    d.cli_ok(&["start", "ah"]);
+    let vm = d.wait_agent("ah");
+    let qemu3 = vm["status"]["pid"].as_u64().expect("pid") as u32;
+    wait_ahead(&d, "ah-data", qemu3);
+    // Every snapshot holds a clean filesystem with the guest's writes.
+    let scratch = tempfile::tempdir().expect("tempdir");
+    for n in ["ah-1", "ah-2"] {
+        check_restored(&d, n, scratch.path());
+    }
+
+    // 5. Deleting the VM and the disk leaves no file behind.
+    d.cli_ok(&["delete", "vm", "ah"]);
+    d.wait_gone("virtualmachines", "ah", Duration::from_secs(60));
+    for n in ["ah-1", "ah-2"] {
+        d.cli_ok(&["delete", "snapshot", n]);
+    }
+    d.cli_ok(&["delete", "disk", "ah-data"]);
+    wait_until("all layers removed", Duration::from_secs(60), || {
+        std::fs::read_dir(d.state_dir().join("layers"))
+            .map(|r| r.count() == 0)
+            .unwrap_or(true)
+    });
 }

@@ -19,7 +19,8 @@ use super::coordinator::{
     Access, AgentFault, Command, Coordinator, CutId, Durable, Input, Millis, Mounts, Outcome,
     Request, Scope, TxResult,
 };
-use super::overlays::{self, Graph, Overlay, Settled};
+use super::expedite;
+use super::overlays::{self, Ahead, Graph, Overlay, Settled};
 use super::storage::{self, Layer};
 use crate::context::Context;
 use crate::store::{Store, StoreError};
@@ -44,6 +45,8 @@ enum Msg {
     Requests(Vec<Request>),
     /// Merge the layers of this disk's chain that nobody needs any more.
     Compact(String),
+    /// Make the next overlay of every disk ready (a VM just started).
+    Ahead,
 }
 
 /// The running actors, by target (`vm/NAME` or `disk/NAME`).
@@ -111,6 +114,24 @@ impl Actors {
         tokio::spawn(async move { run(weak, target, rx).await });
     }
 
+    /// Asks the target's actor to make the next overlay of every disk of its
+    /// running QEMU ready, once it is idle (docs/snapshots.md, "Overlays
+    /// made ahead").
+    pub fn prepare_ahead(&self, ctx: &Arc<Context>, target: &str) {
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tx) = map.get(target)
+            && tx.send(Msg::Ahead).is_ok()
+        {
+            return;
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let _ = tx.send(Msg::Ahead);
+        map.insert(target.to_string(), tx);
+        let weak = Arc::downgrade(ctx);
+        let target = target.to_string();
+        tokio::spawn(async move { run(weak, target, rx).await });
+    }
+
     /// Starts the actor of every target that has unsettled work in the store
     /// (after a daemon restart), so frozen guests are thawed and journalled
     /// overlays settled right away.
@@ -120,7 +141,8 @@ impl Actors {
             .with_tx(|tx| {
                 // Frozen guests, and overlays a cut left to settle.
                 let mut stmt = tx.prepare(
-                    "SELECT target FROM freeze_intents UNION SELECT target FROM cut_overlays",
+                    "SELECT target FROM freeze_intents UNION SELECT target FROM cut_overlays
+                     UNION SELECT target FROM ahead_overlays",
                 )?;
                 let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
                 Ok(rows.filter_map(Result::ok).collect::<Vec<_>>())
@@ -179,6 +201,8 @@ struct CutContext {
     /// Which of the guest's filesystems lie on which disk (live cuts with an
     /// agent), read before the freeze; the error when the agent could not say.
     mounts: Option<Result<MountMap, String>>,
+    /// What the step before the freeze did (live cuts with an agent).
+    expedited: Option<expedite::Outcome>,
     /// The cut's snapshots show InProgress.
     in_progress: bool,
     /// The `Thawed` event, written with the commit: when, and its message.
@@ -218,6 +242,9 @@ struct Prepared {
     /// The overlay's device index in the running QEMU (live cuts).
     device: Option<usize>,
     capacity: u64,
+    /// The overlay was made ahead and this cut has not claimed it in the
+    /// store yet: until then its record is the ahead one.
+    ahead: Option<overlays::Ahead>,
 }
 
 /// Takes the operations locks of a target and of every disk it may cut, in
@@ -266,6 +293,9 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
     let mut compact: BTreeSet<String> = BTreeSet::new();
     // Disks whose last merge failed, and until when they are not tried again.
     let mut retry_after: HashMap<String, Instant> = HashMap::new();
+    // The next overlays are to be made ahead once the actor is idle: after
+    // a live cut, or when the VM started.
+    let mut ahead_due = false;
     loop {
         while let Some(cmd) = queue.pop_front() {
             let Some(e) = ctx.upgrade() else { return };
@@ -274,8 +304,9 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                 // Requests that came meanwhile are the coordinator's to
                 // place: into this cut while it is being prepared, else
                 // into the next.
-                closed |= take_waiting(&mut rx, &mut core, &mut compact);
+                closed |= take_waiting(&mut rx, &mut core, &mut ahead_due, &mut compact);
                 let committed = matches!(input, Input::Committed { ok: true, .. });
+                ahead_due |= committed && held.live.is_some();
                 queue.extend(core.handle(input));
                 if committed && core.is_idle() {
                     held = CutContext::default();
@@ -283,7 +314,7 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             }
         }
         // Take every message already waiting, so simultaneous requests share a cut.
-        closed |= take_waiting(&mut rx, &mut core, &mut compact);
+        closed |= take_waiting(&mut rx, &mut core, &mut ahead_due, &mut compact);
         if core.is_idle() && core.gather_first(now()) && !closed {
             // Requests came while the last cut ran (one apply, a VM
             // snapshot and its siblings, parallel clients): a burst is under
@@ -300,6 +331,7 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                     Ok(Some(Msg::Compact(d))) => {
                         compact.insert(d);
                     }
+                    Ok(Some(Msg::Ahead)) => ahead_due = true,
                     Ok(None) => {
                         closed = true;
                         break;
@@ -384,6 +416,15 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             drop(guards);
             continue;
         }
+        if ahead_due && core.is_idle() && !core.has_pending() && !core.needs_thaw() {
+            // Nothing waits: make the next cut's overlays now, so that cut
+            // only has to freeze. A request that comes meanwhile waits for
+            // this and then uses them.
+            ahead_due = false;
+            let Some(e) = ctx.upgrade() else { return };
+            prepare_ahead(&e, &target).await;
+            continue;
+        }
         if closed {
             return;
         }
@@ -402,6 +443,7 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             Ok(Some(Msg::Compact(d))) => {
                 compact.insert(d);
             }
+            Ok(Some(Msg::Ahead)) => ahead_due = true,
             Ok(None) => return,
             Err(_) => {}
         }
@@ -458,6 +500,7 @@ async fn run_compaction(
 fn take_waiting(
     rx: &mut mpsc::UnboundedReceiver<Msg>,
     core: &mut Coordinator,
+    ahead_due: &mut bool,
     compact: &mut BTreeSet<String>,
 ) -> bool {
     loop {
@@ -470,6 +513,7 @@ fn take_waiting(
             Ok(Msg::Compact(d)) => {
                 compact.insert(d);
             }
+            Ok(Msg::Ahead) => *ahead_due = true,
             Err(mpsc::error::TryRecvError::Empty) => return false,
             Err(mpsc::error::TryRecvError::Disconnected) => return true,
         }
@@ -503,6 +547,18 @@ async fn recover(
     ctx: &Arc<Context>,
     target: &str,
 ) -> Result<(Coordinator, Vec<Command>), StoreError> {
+    // Overlays made ahead by an earlier daemon: nobody switched to them,
+    // and nothing here vouches for them any more. Removed whether QEMU runs
+    // or not (its node first, when it runs).
+    let aheads = overlays::ahead_of_target(&ctx.store, target)?;
+    if !aheads.is_empty() {
+        let live = live_of(ctx, target).await;
+        for a in &aheads {
+            if let Err(why) = overlays::remove_ahead(&ctx.store, live.as_deref(), a).await {
+                tracing::warn!(target, disk = %a.disk, node = %a.node, error = %why, "an ahead overlay is left for later");
+            }
+        }
+    }
     let overlays = overlays::of_target(&ctx.store, target)?;
     if !overlays.is_empty() {
         let live = live_of(ctx, target).await;
@@ -588,6 +644,20 @@ fn deadline_of(ctx: &Context, target: &str) -> Millis {
             _ => default,
         },
         _ => default,
+    }
+}
+
+/// The VM's `spec.expediteFreeze` (true when there is no VM to ask).
+fn expedite_wanted(ctx: &Context, target: &str) -> bool {
+    let Some(vm) = target.strip_prefix("vm/") else {
+        return true;
+    };
+    match ctx.store.get(Kind::VirtualMachine, vm) {
+        Ok(Some(s)) => match &s.object {
+            Object::VirtualMachine(v) => v.spec.expedite_freeze,
+            _ => true,
+        },
+        _ => true,
     }
 }
 
@@ -788,11 +858,24 @@ async fn execute(
                 Some(Scope::List(points)) => points.join(", "),
                 _ => "every filesystem of the guest".to_string(),
             };
+            let expedited = held
+                .expedited
+                .as_ref()
+                .map(|o| format!("; {}", o.describe()))
+                .unwrap_or_default();
             let left = deadline.saturating_sub(now());
             let wall = Utc::now() + chrono::Duration::milliseconds(left as i64);
+            let prepared = &held.prepared;
             let result = ctx
                 .store
                 .with_tx(|tx| {
+                    // Overlays made ahead become this cut's, in the intent's
+                    // write: never switched to while still recorded ahead.
+                    for p in prepared {
+                        if let Some(a) = &p.ahead {
+                            overlays::claim_tx(tx, a, cut)?;
+                        }
+                    }
                     tx.execute(
                     "INSERT INTO freeze_intents (target, cut, deadline, requests) VALUES (?1, ?2, ?3, ?4)
                      ON CONFLICT (target) DO UPDATE SET cut = excluded.cut, deadline = excluded.deadline, requests = excluded.requests",
@@ -809,16 +892,22 @@ async fn execute(
                         EventType::Normal,
                         "Freezing",
                         &format!(
-                            "cut {cut}: freezing {} for {} snapshot(s): {}",
+                            "cut {cut}: freezing {} for {} snapshot(s): {}{}",
                             what,
                             names.len(),
-                            names.join(", ")
+                            names.join(", "),
+                            expedited
                         ),
                     )?;
                     Ok(())
                 })
                 .map_err(|e| e.to_string());
             held.in_progress = result.is_ok();
+            if result.is_ok() {
+                for p in &mut held.prepared {
+                    p.ahead = None;
+                }
+            }
             if let Err(e) = &result {
                 tracing::error!(target, error = %e, "cannot record the freeze intent; not freezing");
             }
@@ -876,6 +965,28 @@ async fn execute(
                     .iter()
                     .map(|r| r.snapshot.clone())
                     .collect();
+                let prepared = &held.prepared;
+                let claimed = ctx.store.with_tx(|tx| {
+                    for p in prepared {
+                        if let Some(a) = &p.ahead {
+                            overlays::claim_tx(tx, a, cut)?;
+                        }
+                    }
+                    Ok(())
+                });
+                if let Err(e) = claimed {
+                    // An overlay still recorded ahead is never switched to.
+                    return Some(Input::Transacted {
+                        cut,
+                        result: TxResult::Rejected(format!(
+                            "cannot record the cut's overlays made ahead: {e}"
+                        )),
+                        now: now(),
+                    });
+                }
+                for p in &mut held.prepared {
+                    p.ahead = None;
+                }
                 if let Err(e) = ctx.store.with_tx(|tx| mark_in_progress_tx(tx, &names, cut)) {
                     tracing::warn!(target, cut, error = %e, "cannot write InProgress");
                 }
@@ -1031,7 +1142,7 @@ async fn prepare(
         }
         let mut failed = Vec::new();
         for disk in disks {
-            match prepare_disk(ctx, target, None, None, cut, disk).await {
+            match prepare_disk(ctx, target, None, None, None, cut, disk).await {
                 Ok(p) => held.prepared.push(p),
                 Err(why) => failed.push((disk.clone(), why)),
             }
@@ -1046,25 +1157,57 @@ async fn prepare(
     // The guest's filesystems are asked for while the overlays are made,
     // and the disks' overlays are made side by side: the agent, QMP and the
     // overlay files do not wait for one another.
+    let agent = live
+        .agent_connected
+        .load(std::sync::atomic::Ordering::SeqCst);
     let mounts = async {
-        if live
-            .agent_connected
-            .load(std::sync::atomic::Ordering::SeqCst)
-        {
+        if agent {
             Some(filesystems_by_disk(&live).await)
         } else {
             None
         }
     };
+    // The step that makes the guest's freeze cheaper, beside the rest.
+    let expedite = expedite_wanted(ctx, target);
+    let expedited = async {
+        match (agent, expedite) {
+            (false, _) => None,
+            (true, true) => Some(expedite_freeze(&live).await),
+            (true, false) => Some(expedite::Outcome::Skipped(
+                "spec.expediteFreeze is false".to_string(),
+            )),
+        }
+    };
     let overlays = async {
         let graph = Graph::read(&live).await?;
-        let each = disks
+        // Only needed to check overlays made ahead.
+        let named = if disks
             .iter()
-            .map(|disk| prepare_disk(ctx, target, Some(&live), Some(&graph), cut, disk));
+            .any(|d| overlays::ahead_of_disk(&ctx.store, d).is_ok_and(|a| a.is_some()))
+        {
+            Some(named_nodes(&live).await?)
+        } else {
+            None
+        };
+        let each = disks.iter().map(|disk| {
+            prepare_disk(
+                ctx,
+                target,
+                Some(&live),
+                Some(&graph),
+                named.as_ref(),
+                cut,
+                disk,
+            )
+        });
         Ok::<_, String>(futures_util::future::join_all(each).await)
     };
-    let (mounts, made) = tokio::join!(mounts, overlays);
+    let (mounts, made, expedited) = tokio::join!(mounts, overlays, expedited);
     held.mounts = mounts;
+    if let Some(o) = &expedited {
+        tracing::info!(target, cut, outcome = ?o, "before the freeze");
+    }
+    held.expedited = expedited;
     let made = match made {
         Ok(m) => m,
         Err(e) => return disks.iter().map(|d| (d.clone(), e.clone())).collect(),
@@ -1077,6 +1220,46 @@ async fn prepare(
         }
     }
     failed
+}
+
+/// Runs [`expedite::SCRIPT`] in the guest, bounded by [`expedite::BUDGET`]
+/// in all: the agent's calls get what is left of it, and the channel is let
+/// go between the status polls, so `guest-get-fsinfo` goes on meanwhile.
+async fn expedite_freeze(live: &LiveVm) -> expedite::Outcome {
+    const POLL: Duration = Duration::from_millis(5);
+    let deadline = Instant::now() + expedite::BUDGET;
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let why = |f: AgentFault| match f {
+        AgentFault::DisabledWhileFrozen => {
+            "the guest agent refuses guest-exec (disabled, e.g. --block-rpcs)".to_string()
+        }
+        f => format!("guest-exec: {f}"),
+    };
+    let pid = match with_agent(live, left(), async |c, t| {
+        c.exec_start("/bin/sh", &["-c", expedite::SCRIPT], t).await
+    })
+    .await
+    {
+        Ok(pid) => pid,
+        Err(f) => return expedite::Outcome::Skipped(why(f)),
+    };
+    loop {
+        if left().is_zero() {
+            break;
+        }
+        match with_agent(live, left(), async |c, t| c.exec_status(pid, t).await).await {
+            Ok(Some(out)) => {
+                return expedite::Outcome::from_exit(out.exit_code, &out.stdout, &out.stderr);
+            }
+            Ok(None) => tokio::time::sleep(POLL.min(left())).await,
+            Err(AgentFault::Timeout) => break,
+            Err(f) => return expedite::Outcome::Skipped(why(f)),
+        }
+    }
+    expedite::Outcome::Skipped(format!(
+        "the guest's script did not finish within {} ms",
+        expedite::BUDGET.as_millis()
+    ))
 }
 
 /// The guest's filesystems by disk, from `guest-get-fsinfo`, matched to
@@ -1105,6 +1288,7 @@ async fn prepare_disk(
     target: &str,
     live: Option<&Arc<LiveVm>>,
     graph: Option<&Graph>,
+    named: Option<&HashMap<String, u64>>,
     cut: CutId,
     disk: &str,
 ) -> Result<Prepared, String> {
@@ -1157,6 +1341,7 @@ async fn prepare_disk(
             top_node: None,
             device: None,
             capacity: info.virtual_size,
+            ahead: None,
         });
     };
     // The device is the one the running QEMU was started with for this disk.
@@ -1187,6 +1372,41 @@ async fn prepare_disk(
             head.path.display()
         ));
     }
+    // An overlay made ahead serves when it still fits: over the disk's
+    // head, in this QEMU, of the device's size. Else it goes, and one is
+    // made now.
+    if let Some(a) = overlays::ahead_of_disk(&ctx.store, disk).map_err(|e| e.to_string())? {
+        let size = named.and_then(|n| n.get(&a.node).copied());
+        match overlays::unusable(&a, &head.id, size, capacity) {
+            None => {
+                return Ok(Prepared {
+                    disk: disk.to_string(),
+                    overlay: Overlay {
+                        cut,
+                        target: target.to_string(),
+                        disk: disk.to_string(),
+                        layer: a.layer.clone(),
+                        path: a.path.clone(),
+                        node: Some(a.node.clone()),
+                        base: a.base.clone(),
+                    },
+                    old_head: head,
+                    top_node: Some(top_node),
+                    device: Some(index),
+                    capacity,
+                    ahead: Some(a),
+                });
+            }
+            Some(why) => {
+                tracing::info!(target, cut, disk, node = %a.node, why, "the overlay made ahead does not fit; replacing it");
+                overlays::remove_ahead(&ctx.store, Some(live), &a)
+                    .await
+                    .map_err(|e| {
+                        format!("removing the overlay made ahead for VirtualDisk {disk:?}: {e}")
+                    })?;
+            }
+        }
+    }
     let node = format!("h{cut}d{index}");
     let overlay = journal(Some(node.clone()))?;
     add_overlay_node(live, &overlay.path, &head.path, capacity, &node)
@@ -1199,7 +1419,143 @@ async fn prepare_disk(
         top_node: Some(top_node),
         device: Some(index),
         capacity,
+        ahead: None,
     })
+}
+
+/// The virtual size of every named block node of the running QEMU
+/// (`query-named-block-nodes`), by node name.
+async fn named_nodes(live: &LiveVm) -> Result<HashMap<String, u64>, String> {
+    let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
+    let nodes = qmp
+        .execute(
+            "query-named-block-nodes",
+            Some(json!({"flat": true})),
+            QMP_TIMEOUT,
+        )
+        .await
+        .map_err(|e| format!("query-named-block-nodes: {e}"))?;
+    Ok(nodes
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| {
+            Some((
+                n.get("node-name")?.as_str()?.to_string(),
+                n.pointer("/image/virtual-size")?.as_u64()?,
+            ))
+        })
+        .collect())
+}
+
+/// Makes the next overlay of every disk of the target's running QEMU ready
+/// ahead of the cut that will use it: recorded in `ahead_overlays` (one
+/// store write: its id from the durable counter `ahead`, its layer id),
+/// then the file, formatted over the disk's head, added to QEMU as an
+/// unattached node named after the id (`a{id}d{index}`). A disk that has one
+/// already, or an unsettled cut overlay, is left alone; whether an ahead
+/// overlay still fits is checked when a cut takes it. Holds the target's
+/// locks, so the VM cannot stop or be restored meanwhile.
+async fn prepare_ahead(ctx: &Arc<Context>, target: &str) {
+    if !target.starts_with("vm/") {
+        return;
+    }
+    let _guards = lock_target(ctx, target).await;
+    let Some(live) = live_of(ctx, target).await else {
+        return;
+    };
+    let state_dir = ctx.config.state_dir.clone();
+    if std::fs::create_dir_all(storage::layers_dir(&state_dir)).is_err() {
+        return;
+    }
+    let graph = match Graph::read(&live).await {
+        Ok(g) => g,
+        Err(e) => {
+            tracing::warn!(target, error = %e, "cannot make overlays ahead");
+            return;
+        }
+    };
+    let started = Instant::now();
+    let each = live
+        .record
+        .disk_names
+        .iter()
+        .enumerate()
+        .map(|(index, disk)| ahead_disk(ctx, target, &live, &graph, index, disk));
+    let made = futures_util::future::join_all(each)
+        .await
+        .into_iter()
+        .filter(|m| *m)
+        .count();
+    if made > 0 {
+        tracing::info!(
+            target,
+            made,
+            ms = started.elapsed().as_millis() as u64,
+            "overlays made ahead"
+        );
+    }
+}
+
+/// [`prepare_ahead`] for one disk; true when an overlay was made.
+async fn ahead_disk(
+    ctx: &Arc<Context>,
+    target: &str,
+    live: &Arc<LiveVm>,
+    graph: &Graph,
+    index: usize,
+    disk: &str,
+) -> bool {
+    match overlays::ahead_of_disk(&ctx.store, disk) {
+        Ok(None) => {}
+        _ => return false,
+    }
+    if !overlays::of_disk(&ctx.store, disk).is_ok_and(|o| o.is_empty()) {
+        return false;
+    }
+    let Ok(Some(head)) = storage::head(&ctx.store, disk) else {
+        return false;
+    };
+    let Some(capacity) = graph
+        .device(index)
+        .and_then(|i| i.pointer("/image/virtual-size"))
+        .and_then(Value::as_u64)
+    else {
+        return false;
+    };
+    let state_dir = &ctx.config.state_dir;
+    let recorded = ctx.store.with_tx(|tx| {
+        let id = Store::next_counter_tx(tx, "ahead")?;
+        let new = storage::allocate_tx(tx, state_dir, disk)?;
+        let a = Ahead {
+            id,
+            target: target.to_string(),
+            disk: disk.to_string(),
+            layer: new.id,
+            path: new.path,
+            node: overlays::ahead_node(id, index),
+            base: head.id.clone(),
+        };
+        overlays::record_ahead_tx(tx, &a)?;
+        Ok(a)
+    });
+    let a = match recorded {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!(target, disk, error = %e, "cannot record an overlay made ahead");
+            return false;
+        }
+    };
+    match add_overlay_node(live, &a.path, &head.path, capacity, &a.node).await {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(target, disk, node = %a.node, error = %e, "cannot make an overlay ahead");
+            if let Err(why) = overlays::remove_ahead(&ctx.store, Some(live), &a).await {
+                tracing::warn!(target, disk, node = %a.node, error = %why, "an ahead overlay is left for later");
+            }
+            false
+        }
+    }
 }
 
 /// Creates a cut overlay's file at `path` over `base` (the disk's head, as
@@ -1336,7 +1692,24 @@ async fn observe(held: &CutContext) -> Option<bool> {
 /// The cut did not happen (as far as hearth could prove): settle its
 /// overlays by what QEMU really uses.
 async fn discard(ctx: &Arc<Context>, target: &str, held: &mut CutContext, cut: CutId) {
-    let overlays: Vec<Overlay> = held.prepared.drain(..).map(|p| p.overlay).collect();
+    // A QEMU that exited during the cut uses nothing any more.
+    let alive = held
+        .live
+        .as_deref()
+        .filter(|l| hearth_qemu::process::is_alive(&l.record.process));
+    // Overlays made ahead that this cut never claimed were never switched
+    // to: removed, never adopted.
+    let mut overlays: Vec<Overlay> = Vec::new();
+    for p in held.prepared.drain(..) {
+        match &p.ahead {
+            Some(a) => {
+                if let Err(why) = overlays::remove_ahead(&ctx.store, alive, a).await {
+                    tracing::warn!(target, cut, node = %a.node, error = %why, "an ahead overlay is left for later");
+                }
+            }
+            None => overlays.push(p.overlay),
+        }
+    }
     // Also those recorded before a failure stopped `prepare`.
     let recorded = overlays::of_target(&ctx.store, target).unwrap_or_default();
     let mut all = overlays;
@@ -1345,12 +1718,7 @@ async fn discard(ctx: &Arc<Context>, target: &str, held: &mut CutContext, cut: C
             all.push(o);
         }
     }
-    // A QEMU that exited during the cut uses nothing any more.
-    let live = held
-        .live
-        .as_deref()
-        .filter(|l| hearth_qemu::process::is_alive(&l.record.process));
-    let settled = overlays::settle(&ctx.store, live, &all).await;
+    let settled = overlays::settle(&ctx.store, alive, &all).await;
     for (o, s) in settled {
         if s == Settled::Adopted {
             vm_event(

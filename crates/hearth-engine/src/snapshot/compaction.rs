@@ -200,6 +200,7 @@ pub fn chains(store: &Store) -> Result<Chains, StoreError> {
             "SELECT layer FROM heads",
             "SELECT layer FROM snapshot_layers",
             "SELECT base FROM cut_overlays",
+            "SELECT base FROM ahead_overlays",
             "SELECT top FROM compactions",
             "SELECT base FROM compactions",
         ] {

@@ -4,6 +4,7 @@
 mod actor;
 pub mod compaction;
 pub mod coordinator;
+pub mod expedite;
 pub mod export;
 pub mod overlays;
 mod reconcile;

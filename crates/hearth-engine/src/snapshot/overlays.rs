@@ -95,12 +95,167 @@ pub fn of_disk(store: &Store, disk: &str) -> Result<Vec<Overlay>, StoreError> {
     select(store, "disk = ?1", disk)
 }
 
-/// Every recorded overlay path (the start-up sweep keeps these files).
+/// Every recorded overlay path, ahead ones too (the start-up sweep keeps
+/// these files; their journals settle them).
 pub fn all_paths(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
-    Ok(select(store, "?1 = ?1", "")?
+    let mut paths: Vec<PathBuf> = select(store, "?1 = ?1", "")?
         .into_iter()
         .map(|o| o.path)
-        .collect())
+        .collect();
+    paths.extend(
+        select_ahead(store, "?1 = ?1", "")?
+            .into_iter()
+            .map(|a| a.path),
+    );
+    Ok(paths)
+}
+
+/// An overlay made ahead of the cut that will use it: formatted over its
+/// disk's head and added to the running QEMU as an unattached node, so a
+/// request only has to freeze. Recorded in `ahead_overlays` before its file
+/// or node exists; the intent of the cut that takes it moves it to
+/// `cut_overlays` ([`claim_tx`]). Until then nobody has switched to it, so
+/// a leftover one is always removed, never adopted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Ahead {
+    /// From the durable counter `ahead`: never repeats, names the node.
+    pub id: u64,
+    pub target: String,
+    pub disk: String,
+    pub layer: String,
+    pub path: PathBuf,
+    pub node: String,
+    /// The disk's head it was made over.
+    pub base: String,
+}
+
+/// The QEMU node name of ahead overlay `id` on device `index`; never the
+/// name of a cut's own overlay (`h{cut}d{index}`).
+pub fn ahead_node(id: u64, index: usize) -> String {
+    format!("a{id}d{index}")
+}
+
+/// Records an ahead overlay in a store transaction of the caller's, before
+/// its file is created.
+pub fn record_ahead_tx(tx: &rusqlite::Transaction<'_>, a: &Ahead) -> Result<(), StoreError> {
+    tx.execute(
+        "INSERT INTO ahead_overlays (disk, id, target, layer, path, node, base)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        params![
+            a.disk,
+            a.id as i64,
+            a.target,
+            a.layer,
+            a.path.to_string_lossy(),
+            a.node,
+            a.base
+        ],
+    )?;
+    Ok(())
+}
+
+fn select_ahead(store: &Store, sql_where: &str, arg: &str) -> Result<Vec<Ahead>, StoreError> {
+    store.with_tx(|tx| {
+        let mut stmt = tx.prepare(&format!(
+            "SELECT id, target, disk, layer, path, node, base FROM ahead_overlays WHERE {sql_where} ORDER BY id"
+        ))?;
+        let rows = stmt.query_map(params![arg], |r| {
+            Ok(Ahead {
+                id: r.get::<_, i64>(0)? as u64,
+                target: r.get(1)?,
+                disk: r.get(2)?,
+                layer: r.get(3)?,
+                path: PathBuf::from(r.get::<_, String>(4)?),
+                node: r.get(5)?,
+                base: r.get(6)?,
+            })
+        })?;
+        Ok(rows.collect::<Result<Vec<_>, _>>()?)
+    })
+}
+
+pub fn ahead_of_target(store: &Store, target: &str) -> Result<Vec<Ahead>, StoreError> {
+    select_ahead(store, "target = ?1", target)
+}
+
+pub fn ahead_of_disk(store: &Store, disk: &str) -> Result<Option<Ahead>, StoreError> {
+    Ok(select_ahead(store, "disk = ?1", disk)?.into_iter().next())
+}
+
+/// Cut `cut` takes ahead overlay `a`: its record moves to the cut's
+/// journal, in the caller's transaction (the cut's intent, or for a cut
+/// without a freeze the write just before its transaction). From then on it
+/// is settled as any overlay of the cut. Fails when the record is gone.
+pub fn claim_tx(
+    tx: &rusqlite::Transaction<'_>,
+    a: &Ahead,
+    cut: CutId,
+) -> Result<Overlay, StoreError> {
+    let gone = tx.execute(
+        "DELETE FROM ahead_overlays WHERE disk = ?1 AND id = ?2",
+        params![a.disk, a.id as i64],
+    )?;
+    if gone != 1 {
+        // Removed meanwhile: the cut must not switch to it.
+        return Err(StoreError::Sqlite(rusqlite::Error::QueryReturnedNoRows));
+    }
+    let o = Overlay {
+        cut,
+        target: a.target.clone(),
+        disk: a.disk.clone(),
+        layer: a.layer.clone(),
+        path: a.path.clone(),
+        node: Some(a.node.clone()),
+        base: a.base.clone(),
+    };
+    record_tx(tx, &o)?;
+    Ok(o)
+}
+
+/// Why ahead overlay `a` cannot serve a cut of its disk now, if it cannot:
+/// the rule, pure. `head`: the disk's recorded head; `node_size`: the
+/// virtual size of the node QEMU has under `a.node` (`None`: QEMU has no
+/// such node, e.g. the VM was restarted since); `capacity`: the device's
+/// size now.
+pub fn unusable(a: &Ahead, head: &str, node_size: Option<u64>, capacity: u64) -> Option<String> {
+    match node_size {
+        _ if a.base != head => Some(format!(
+            "it lies over layer {}, and the disk's head is {head} now",
+            a.base
+        )),
+        None => Some(format!("the running QEMU has no node {}", a.node)),
+        Some(n) if n != capacity => Some(format!("it is {n} bytes and the disk {capacity} now")),
+        Some(_) => None,
+    }
+}
+
+/// Removes ahead overlay `a`: its QEMU node first when a QEMU of its VM
+/// runs (a node QEMU does not know counts as deleted), then its record,
+/// then its file. With QEMU running and the node not deletable, nothing
+/// else is touched and the reason comes back.
+pub async fn remove_ahead(store: &Store, live: Option<&LiveVm>, a: &Ahead) -> Result<(), String> {
+    if let Some(l) = live {
+        delete_node(l, &a.node, &a.path).await?;
+    }
+    forget_ahead(store, a)
+}
+
+/// [`remove_ahead`] when no QEMU has its node: the record, then the file
+/// (a crash in between leaves an unrecorded file nothing has open, which
+/// the start-up sweep removes).
+pub fn forget_ahead(store: &Store, a: &Ahead) -> Result<(), String> {
+    store
+        .with_tx(|tx| {
+            tx.execute(
+                "DELETE FROM ahead_overlays WHERE disk = ?1 AND id = ?2",
+                params![a.disk, a.id as i64],
+            )?;
+            Ok(())
+        })
+        .map_err(|e| format!("forgetting the ahead overlay: {e}"))?;
+    let _ = std::fs::remove_file(&a.path);
+    tracing::info!(disk = %a.disk, node = %a.node, path = %a.path.display(), "removed an ahead overlay");
+    Ok(())
 }
 
 /// Removes the records of a cut in a store transaction of the caller's.
@@ -322,7 +477,8 @@ pub fn file_node(node: &str) -> String {
 
 /// The `file` node under format node `node`, by hearth's node names: a
 /// launch's top `disk<i>` (`file-<i>`), its backing layers `back-<i>-<d>`
-/// (`file-<i>-<d>`), a cut overlay `h<cut>d<i>` (`h<cut>d<i>f`).
+/// (`file-<i>-<d>`), a cut overlay `h<cut>d<i>` (`h<cut>d<i>f`) and one
+/// made ahead `a<id>d<i>` (`a<id>d<i>f`).
 pub fn file_child(node: &str) -> Option<String> {
     use hearth_qemu::cmdline::{backing_node_names, file_node_name};
     if let Some(rest) = node.strip_prefix("back-") {
@@ -332,7 +488,7 @@ pub fn file_child(node: &str) -> Option<String> {
     if let Some(i) = node.strip_prefix("disk") {
         return Some(file_node_name(i.parse().ok()?));
     }
-    if node.starts_with('h') && !node.ends_with('f') {
+    if (node.starts_with('h') || node.starts_with('a')) && !node.ends_with('f') {
         return Some(file_node(node));
     }
     None
@@ -434,6 +590,10 @@ async fn delete_node(live: &LiveVm, node: &str, path: &std::path::Path) -> Resul
 /// VM is launched (so it boots from the real head), restored or deleted.
 pub async fn settle_offline(store: &Store, disks: &[String]) -> Result<(), String> {
     for disk in disks {
+        // An ahead overlay nobody switched to: no QEMU, nothing to keep.
+        if let Some(a) = ahead_of_disk(store, disk).map_err(|e| e.to_string())? {
+            remove_ahead(store, None, &a).await?;
+        }
         let overlays = of_disk(store, disk).map_err(|e| e.to_string())?;
         for (o, s) in settle(store, None, &overlays).await {
             if let Settled::Unresolved(why) = s {
@@ -537,6 +697,100 @@ mod tests {
         assert!(of_disk(&store, "d").unwrap().is_empty());
     }
 
+    /// An ahead overlay of disk `d` over its head (as in `setup`), its file
+    /// made when `create`.
+    fn ahead(store: &Store, dir: &std::path::Path, create: bool) -> Ahead {
+        let h = head(store, "d").unwrap().unwrap();
+        let a = store
+            .with_tx(|tx| {
+                let id = Store::next_counter_tx(tx, "ahead")?;
+                let new = crate::snapshot::storage::allocate_tx(tx, dir, "d")?;
+                let a = Ahead {
+                    id,
+                    target: "vm/v".into(),
+                    disk: "d".into(),
+                    layer: new.id,
+                    path: new.path,
+                    node: ahead_node(id, 0),
+                    base: h.id.clone(),
+                };
+                record_ahead_tx(tx, &a)?;
+                Ok(a)
+            })
+            .unwrap();
+        if create {
+            std::fs::write(&a.path, "formatted").unwrap();
+        }
+        a
+    }
+
+    #[test]
+    fn an_ahead_overlay_serves_only_over_the_head_in_this_qemu_at_the_devices_size() {
+        let a = Ahead {
+            id: 3,
+            target: "vm/v".into(),
+            disk: "d".into(),
+            layer: "00000009-d".into(),
+            path: "/l/00000009-d.qcow2".into(),
+            node: ahead_node(3, 0),
+            base: "00000008-d".into(),
+        };
+        assert_eq!(unusable(&a, "00000008-d", Some(64 << 20), 64 << 20), None);
+        // A cut, a restore or a rollback moved the head.
+        let why = unusable(&a, "00000010-d", Some(64 << 20), 64 << 20).unwrap();
+        assert!(why.contains("head is 00000010-d"), "{why}");
+        // The VM restarted: the new QEMU has no such node.
+        let why = unusable(&a, "00000008-d", None, 64 << 20).unwrap();
+        assert!(why.contains("no node a3d0"), "{why}");
+        // The disk was resized.
+        let why = unusable(&a, "00000008-d", Some(64 << 20), 128 << 20).unwrap();
+        assert!(why.contains("134217728"), "{why}");
+        // Node names never meet a cut's own (h{cut}d{index}).
+        assert_ne!(ahead_node(3, 0), "h3d0");
+    }
+
+    #[tokio::test]
+    async fn an_ahead_overlay_is_removed_offline_never_adopted() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, o) = setup(dir.path(), true, true);
+        // The cut overlay of `setup` is settled as before (adopted: QEMU
+        // may have switched to it); the ahead one over the new head is not.
+        settle(&store, None, std::slice::from_ref(&o)).await;
+        let a = ahead(&store, dir.path(), true);
+        assert!(
+            all_paths(&store).unwrap().contains(&a.path),
+            "the sweep keeps it"
+        );
+        let before = head(&store, "d").unwrap().unwrap();
+        settle_offline(&store, &["d".to_string()]).await.unwrap();
+        assert_eq!(head(&store, "d").unwrap().unwrap(), before);
+        assert!(!a.path.exists(), "its file is unlinked");
+        assert_eq!(ahead_of_disk(&store, "d").unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn a_claimed_ahead_overlay_is_the_cuts_and_cannot_be_claimed_twice() {
+        let dir = tempfile::tempdir().unwrap();
+        let (store, o) = setup(dir.path(), true, true);
+        settle(&store, None, std::slice::from_ref(&o)).await;
+        let a = ahead(&store, dir.path(), true);
+        let claimed = store.with_tx(|tx| claim_tx(tx, &a, 12)).unwrap();
+        assert_eq!(
+            (claimed.cut, claimed.node.as_deref(), &claimed.base),
+            (12, Some(a.node.as_str()), &a.base)
+        );
+        assert_eq!(ahead_of_disk(&store, "d").unwrap(), None);
+        assert_eq!(of_disk(&store, "d").unwrap(), vec![claimed]);
+        // Settled from now on as any cut's overlay; a removed (or already
+        // claimed) ahead record is never claimed.
+        assert!(store.with_tx(|tx| claim_tx(tx, &a, 13)).is_err());
+        assert_eq!(
+            of_disk(&store, "d").unwrap().len(),
+            1,
+            "the failed claim wrote nothing"
+        );
+    }
+
     #[tokio::test]
     async fn a_recorded_overlay_whose_file_was_never_made_is_forgotten() {
         let dir = tempfile::tempdir().unwrap();
@@ -552,6 +806,10 @@ mod tests {
         assert_eq!(file_child("disk0").as_deref(), Some("file-0"));
         assert_eq!(file_child("back-1-12").as_deref(), Some("file-1-12"));
         assert_eq!(file_child("h42d3").as_deref(), Some("h42d3f"));
+        assert_eq!(
+            file_child(&ahead_node(7, 1)).as_deref(),
+            Some(file_node(&ahead_node(7, 1)).as_str())
+        );
         assert_eq!(file_child("h42d3f"), None, "a file node has no file child");
         assert_eq!(file_child("seed"), None);
     }

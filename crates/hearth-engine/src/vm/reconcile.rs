@@ -246,6 +246,8 @@ async fn launch(
                 "Started",
                 &message,
             );
+            // The first snapshot of this QEMU then only has to freeze.
+            ctx.snapshots.prepare_ahead(ctx, &format!("vm/{name}"));
             Ok(())
         }
         Err(message) => {
@@ -649,6 +651,15 @@ fn forget(
         .is_some_and(|l| l.shutdown_seen.load(Ordering::SeqCst));
     let manual = vm.spec.run_policy == RunPolicy::Manual;
     ctx.store.clear_runtime(name)?;
+    // Overlays made ahead for the QEMU that is gone: nobody switched to
+    // them, and the next QEMU will not have their nodes.
+    for disk in &record.disk_names {
+        if let Ok(Some(a)) = crate::snapshot::overlays::ahead_of_disk(&ctx.store, disk)
+            && let Err(e) = crate::snapshot::overlays::forget_ahead(&ctx.store, &a)
+        {
+            tracing::warn!(vm = name, disk, error = %e, "cannot remove an overlay made ahead");
+        }
+    }
     if let Some(dir) = record.qmp_socket.parent() {
         let _ = std::fs::remove_dir_all(dir);
     }

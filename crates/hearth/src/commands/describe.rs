@@ -329,6 +329,7 @@ const FIELD_ORDER: &[&str] = &[
     "guestAgent",
     "stopTimeoutSeconds",
     "freezeDeadlineSeconds",
+    "expediteFreeze",
     "phase",
     "accelerator",
     "acceleratorReason",
