@@ -277,6 +277,8 @@ pub fn adopt_tx(tx: &rusqlite::Transaction<'_>, o: &Overlay) -> Result<(), Store
     let path = o.path.clone();
     Store::update_status_tx::<VirtualDiskStatus, _>(tx, Kind::VirtualDisk, &o.disk, |s| {
         s.path = Some(path);
+        // One more layer to read through, right with the switch.
+        s.chain_length = s.chain_length.map(|n| n + 1);
     })?;
     tx.execute(
         "DELETE FROM cut_overlays WHERE cut = ?1 AND disk = ?2",
