@@ -5,7 +5,9 @@
 #   data.qcow2   64 MiB qcow2 base image, ext4, with /hello.txt
 #   cmdline      recommended kernel cmdline
 #   (the initramfs also holds /bin/stallwatch, built from stallwatch.c with
-#   gcc -static; the freeze-window benchmark runs it in the guest, and
+#   gcc -static; the freeze-window benchmark runs it in the guest;
+#   /bin/randread, from randread.c, the chain-compaction benchmark's random
+#   4 KiB reader; and
 #   /etc/hearth/udhcpc.script, from udhcpc.script: the DHCP client's hook)
 #
 # Guest pieces are fetched with `apt-get download` into guest/cache/ (never
@@ -15,7 +17,7 @@
 # libudev1), which are copied from the host into the initramfs.
 #
 # Cached: when every output is newer than this script, guest/init,
-# guest/udhcpc.script and guest/stallwatch.c, it exits at once. `guest/build.sh --force` (or
+# guest/udhcpc.script, guest/stallwatch.c and guest/randread.c, it exits at once. `guest/build.sh --force` (or
 # HEARTH_GUEST_FORCE=1) rebuilds.
 # HEARTH_GUEST_CACHE=DIR puts the download cache elsewhere (default
 # guest/cache/), e.g. somewhere that outlives a fresh clone.
@@ -26,6 +28,7 @@ OUT="$GUEST_DIR/out"
 CACHE="${HEARTH_GUEST_CACHE:-$GUEST_DIR/cache}" # downloaded .debs, unpacked trees
 INIT_SRC="$GUEST_DIR/init"
 STALL_SRC="$GUEST_DIR/stallwatch.c"
+RANDREAD_SRC="$GUEST_DIR/randread.c"
 DHCP_SRC="$GUEST_DIR/udhcpc.script"
 SELF="$GUEST_DIR/build.sh"
 CMDLINE="console=ttyS0 quiet panic=-1"
@@ -52,7 +55,7 @@ up_to_date() {
     for f in "${OUTPUTS[@]}"; do
         [ -s "$f" ] || return 1
     done
-    [ "$STAMP" -nt "$SELF" ] && [ "$STAMP" -nt "$INIT_SRC" ] && [ "$STAMP" -nt "$STALL_SRC" ] &&
+    [ "$STAMP" -nt "$SELF" ] && [ "$STAMP" -nt "$INIT_SRC" ] && [ "$STAMP" -nt "$STALL_SRC" ] && [ "$STAMP" -nt "$RANDREAD_SRC" ] &&
         [ "$STAMP" -nt "$DHCP_SRC" ]
 }
 
@@ -250,6 +253,8 @@ mkdir -p "$ROOT/srv/www"
 echo "hello from hearth-guest" >"$ROOT/srv/www/index.html"
 # The benchmarks' in-guest write-stall probe (static: no libc in the guest).
 gcc -static -O2 -o "$ROOT/bin/stallwatch" "$STALL_SRC" || die "cannot build $STALL_SRC (needs gcc and libc6-dev)"
+# The compaction benchmark's random 4 KiB reader (O_DIRECT).
+gcc -static -O2 -Wall -o "$ROOT/bin/randread" "$RANDREAD_SRC" || die "cannot build $RANDREAD_SRC (needs gcc and libc6-dev)"
 
 cat >"$ROOT/etc/hearth/fsfreeze-hook" <<'EOF'
 #!/bin/sh

@@ -591,12 +591,31 @@ pub struct VirtualDiskStatus {
     pub allocated: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attached_to: Option<String>,
+    /// How many qcow2 layers the disk reads through: its head and every
+    /// layer below it (docs/snapshots.md, "Compaction").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chain_length: Option<u32>,
+    /// A merge of the disk's chain that is running now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compaction: Option<CompactionProgress>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
     #[serde(default)]
     pub observed_generation: u64,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+/// A running merge of a disk's chain: its id, how many layers it merges,
+/// and its job's progress in bytes.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct CompactionProgress {
+    pub id: u64,
+    pub layers: u32,
+    pub bytes_done: u64,
+    pub bytes_total: u64,
 }
 
 // ---------------------------------------------------------------- VirtualImage

@@ -27,6 +27,9 @@ pub struct EngineConfig {
     pub ovmf_code: PathBuf,
     /// The variables store each UEFI VM's own copy starts from.
     pub ovmf_vars: PathBuf,
+    /// Bytes per second a running VM's chain compaction may copy (QMP
+    /// `block-stream`'s `speed`); 0: unlimited.
+    pub compaction_speed: u64,
 }
 
 // ---- firmware and cloud-init files (see docs/guests.md) ----

@@ -165,6 +165,10 @@ impl Context {
     /// Takes the operations locks of a VM and of each of its disks, in a
     /// fixed order (VM first, disks sorted), for a start or a stop.
     pub async fn lock_vm_ops(&self, vm: &VirtualMachine) -> Vec<tokio::sync::OwnedMutexGuard<()>> {
+        // A chain compaction holding them cancels its job rather than make
+        // a stop or restore wait for it (docs/snapshots.md, "Compaction").
+        self.snapshots
+            .ask_to_yield(&format!("vm/{}", vm.metadata.name));
         let mut guards = vec![
             self.ops_lock(&format!("vm/{}", vm.metadata.name))
                 .lock_owned()

@@ -35,6 +35,9 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
         crate::snapshot::overlays::settle_offline(&ctx.store, &[name.to_string()])
             .await
             .map_err(ReconcileError::Failed)?;
+        crate::snapshot::compaction::settle_offline(ctx, &[name.to_string()])
+            .await
+            .map_err(ReconcileError::Failed)?;
         // Snapshots of the disk keep the layers they need.
         storage::drop_head(&ctx.store, name)?;
         let freed = storage::collect_garbage(&ctx.store)?;
@@ -141,11 +144,22 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
         ReconcileError::Failed(format!("qemu-img info {}: {e}", head.path.display()))
     })?;
     let attached = users.first().cloned();
+    let chains = crate::snapshot::compaction::chains(&ctx.store)?;
+    let chain_length = chains.chain(&head.id).len() as u32;
+    if !crate::snapshot::compaction::plan(&chains, &head.id).is_empty()
+        || !crate::snapshot::compaction::intents_of_disk(&ctx.store, name)?.is_empty()
+    {
+        // Layers nobody needs (a snapshot deleted while the VM ran, merged
+        // once it stopped; a merge a restart interrupted): the actor that
+        // serves the disk merges them, and says why when it cannot yet.
+        ctx.snapshots.compact(ctx, name);
+    }
     ctx.set_disk_status(name, |s| {
         s.phase = DiskPhase::Ready;
         s.path = Some(head.path.clone());
         s.capacity = Some(info.virtual_size);
         s.allocated = Some(info.actual_size);
+        s.chain_length = Some(chain_length);
         s.attached_to = attached;
         s.last_error = None;
         s.observed_generation = disk.metadata.generation;

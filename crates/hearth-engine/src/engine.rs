@@ -729,6 +729,9 @@ impl Engine {
         crate::snapshot::overlays::settle_offline(&self.store, &disks)
             .await
             .map_err(|e| RequestError::Conflict(format!("{e} (nothing was restored)")))?;
+        crate::snapshot::compaction::settle_offline(self, &disks)
+            .await
+            .map_err(|e| RequestError::Conflict(format!("{e} (nothing was restored)")))?;
         let state_dir = self.config.state_dir.clone();
         std::fs::create_dir_all(storage::layers_dir(&state_dir))
             .map_err(|e| RequestError::Conflict(e.to_string()))?;

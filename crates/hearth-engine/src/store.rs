@@ -188,6 +188,19 @@ CREATE TABLE IF NOT EXISTS cut_overlays (
     base TEXT NOT NULL,
     PRIMARY KEY (cut, disk)
 );
+-- A merge of layers nobody needs any more into the layer above them
+-- (docs/snapshots.md, "Compaction"), recorded before its job or qemu-img
+-- starts and settled by reading the top layer's header: `gone` (a JSON
+-- list, top-down) are the layers merged, `job` the QMP job of an online one.
+CREATE TABLE IF NOT EXISTS compactions (
+    id INTEGER PRIMARY KEY,
+    target TEXT NOT NULL,
+    disk TEXT NOT NULL,
+    top TEXT NOT NULL,
+    base TEXT NOT NULL,
+    gone TEXT NOT NULL,
+    job TEXT
+);
 -- An overlay made ahead of the cut that will use it (one per disk at most),
 -- recorded before its file or its QEMU node exists. While it is here nobody
 -- has switched to it: the intent of the cut that uses it moves it into

@@ -25,6 +25,7 @@ fn config(dir: &Path) -> EngineConfig {
         images: Default::default(),
         ovmf_code: dir.join("OVMF_CODE.fd"),
         ovmf_vars: dir.join("OVMF_VARS.fd"),
+        compaction_speed: 0,
         qemu_user: None,
     }
 }

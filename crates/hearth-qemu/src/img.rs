@@ -213,6 +213,37 @@ impl QemuImg {
         self.run("convert", dest, args).await.map(|_| ())
     }
 
+    /// Makes `new_backing` the backing file of `path` while keeping what
+    /// `path` reads identical (`qemu-img rebase`, safe mode): every cluster
+    /// that reads differently through the new backing chain than through the
+    /// old one, and that `path` does not hold itself, is copied into `path`
+    /// first; the header's backing file name changes last. So an interrupted
+    /// rebase leaves `path` reading exactly as before (its old backing still
+    /// named, some clusters copied up) and can simply be run again. The image
+    /// must not be open anywhere else (qemu-img takes its write lock).
+    pub async fn rebase(
+        &self,
+        path: &Path,
+        new_backing: &Path,
+        backing_format: &str,
+    ) -> Result<(), ImgError> {
+        check_absolute(path)?;
+        check_absolute(new_backing)?;
+        check_format(backing_format)?;
+        let args: Vec<OsString> = vec![
+            "rebase".into(),
+            "-q".into(),
+            "-f".into(),
+            "qcow2".into(),
+            "-b".into(),
+            new_backing.into(),
+            "-F".into(),
+            backing_format.into(),
+            path.into(),
+        ];
+        self.run("rebase", path, args).await.map(|_| ())
+    }
+
     /// `qemu-img info` of one image. `-U` so it also works on images a running VM
     /// holds locked.
     pub async fn info(&self, path: &Path) -> Result<ImageInfo, ImgError> {
@@ -520,6 +551,20 @@ pub async fn convert_standalone(
     QemuImg::locate()?
         .with_timeout(timeout)
         .convert_standalone(source, source_format, dest, format)
+        .await
+}
+
+/// [`QemuImg::rebase`] with `qemu-img` from `PATH`, bounded by `timeout`
+/// (the copy takes time in proportion to the data of the merged layers).
+pub async fn rebase(
+    path: &Path,
+    new_backing: &Path,
+    backing_format: &str,
+    timeout: Duration,
+) -> Result<(), ImgError> {
+    QemuImg::locate()?
+        .with_timeout(timeout)
+        .rebase(path, new_backing, backing_format)
         .await
 }
 

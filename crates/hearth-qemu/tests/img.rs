@@ -219,3 +219,78 @@ async fn qemu_img_check_reports_a_damaged_qcow2() {
         Err(e) => panic!("unexpected error {e}"),
     }
 }
+
+/// Writes `pattern` at `offset` into `image` through its chain (`qemu-io`).
+fn write_pattern(image: &std::path::Path, offset: u64, pattern: u8) {
+    let out = std::process::Command::new("qemu-io")
+        .args(["-f", "qcow2", "-c"])
+        .arg(format!("write -P {pattern} {offset} 64k"))
+        .arg(image)
+        .output()
+        .expect("qemu-io (qemu-utils)");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn raw_of(image: &std::path::Path, out: &std::path::Path) -> Vec<u8> {
+    let st = std::process::Command::new("qemu-img")
+        .args(["convert", "-U", "-O", "raw"])
+        .arg(image)
+        .arg(out)
+        .status()
+        .expect("qemu-img");
+    assert!(st.success());
+    let bytes = std::fs::read(out).expect("raw");
+    std::fs::remove_file(out).expect("rm raw");
+    bytes
+}
+
+#[tokio::test]
+async fn rebase_keeps_what_the_image_reads_and_names_the_new_backing() {
+    let img = QemuImg::new(common::qemu_img());
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let (base, mid, top) = (
+        tmp.path().join("base.qcow2"),
+        tmp.path().join("mid.qcow2"),
+        tmp.path().join("top.qcow2"),
+    );
+    img.create_blank(&base, 4 << 20).await.expect("base");
+    write_pattern(&base, 0, 1);
+    write_pattern(&base, 1 << 20, 1);
+    img.create_overlay(&mid, &base, "qcow2", None)
+        .await
+        .expect("mid");
+    // mid overrides one of base's blocks and adds one.
+    write_pattern(&mid, 0, 2);
+    write_pattern(&mid, 2 << 20, 2);
+    img.create_overlay(&top, &mid, "qcow2", None)
+        .await
+        .expect("top");
+    write_pattern(&top, 2 << 20, 3);
+    let scratch = tmp.path().join("x.raw");
+    let (base_before, top_before) = (raw_of(&base, &scratch), raw_of(&top, &scratch));
+
+    img.rebase(&top, &base, "qcow2").await.expect("rebase");
+
+    assert_eq!(
+        img.info(&top)
+            .await
+            .expect("info")
+            .backing_filename
+            .as_deref(),
+        base.to_str()
+    );
+    assert_eq!(raw_of(&top, &scratch), top_before, "top reads as before");
+    assert_eq!(raw_of(&base, &scratch), base_before, "base untouched");
+    // What top read through mid (block 0 = 2) is now top's own.
+    assert_eq!(raw_of(&top, &scratch)[0], 2);
+    // Relative paths are refused before anything runs.
+    assert!(matches!(
+        img.rebase(std::path::Path::new("top.qcow2"), &base, "qcow2")
+            .await,
+        Err(ImgError::NotAbsolute { .. })
+    ));
+}

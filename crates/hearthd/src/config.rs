@@ -49,6 +49,8 @@ pub struct FileConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub manifests_delete_grace_ms: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub compaction_bytes_per_second: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub ovmf_code: Option<PathBuf>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ovmf_vars: Option<PathBuf>,
@@ -125,6 +127,7 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         manifests,
         manifests_resync_seconds,
         manifests_delete_grace_ms,
+        compaction_bytes_per_second,
         ovmf_code,
         ovmf_vars,
         image_connect_timeout_seconds,
@@ -147,8 +150,8 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
     }
     fill!(
         state_dir, run_dir, image_roots, qemu_user, accel, resync_seconds, manifests,
-        manifests_resync_seconds, manifests_delete_grace_ms, ovmf_code, ovmf_vars,
-        image_connect_timeout_seconds, image_read_timeout_seconds, image_max_bytes,
+        manifests_resync_seconds, manifests_delete_grace_ms, compaction_bytes_per_second,
+        ovmf_code, ovmf_vars, image_connect_timeout_seconds, image_read_timeout_seconds, image_max_bytes,
         image_retry_max_seconds, metrics_allow_remote, log_format;
         socket, metrics_listen
     );
@@ -169,6 +172,7 @@ pub fn to_file(args: &Args) -> FileConfig {
         manifests: Some(args.manifests.clone()),
         manifests_resync_seconds: Some(args.manifests_resync_seconds),
         manifests_delete_grace_ms: Some(args.manifests_delete_grace_ms),
+        compaction_bytes_per_second: Some(args.compaction_bytes_per_second),
         ovmf_code: Some(args.ovmf_code.clone()),
         ovmf_vars: Some(args.ovmf_vars.clone()),
         image_connect_timeout_seconds: Some(args.image_connect_timeout_seconds),

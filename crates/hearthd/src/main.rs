@@ -79,6 +79,11 @@ struct Args {
     /// look, before its objects are deleted.
     #[arg(long, default_value_t = 2000)]
     manifests_delete_grace_ms: u64,
+    /// The rate limit (bytes per second) of a running VM's chain compaction
+    /// (QMP block-stream's `speed`), so merging snapshot layers does not
+    /// take the guest's disk bandwidth; 0: unlimited.
+    #[arg(long, env = "HEARTH_COMPACTION_BYTES_PER_SECOND", default_value_t = 0)]
+    compaction_bytes_per_second: u64,
     // ---- firmware (see docs/guests.md) ----
     /// OVMF's code image, for VMs with `firmware: UEFI` (read-only).
     #[arg(long, env = "HEARTH_OVMF_CODE", default_value = hearth_engine::config::DEFAULT_OVMF_CODE)]
@@ -220,6 +225,7 @@ async fn main() -> anyhow::Result<()> {
         resync_interval: Duration::from_secs(args.resync_seconds.max(1)),
         ovmf_code: args.ovmf_code.clone(),
         ovmf_vars: args.ovmf_vars.clone(),
+        compaction_speed: args.compaction_bytes_per_second,
         images: hearth_engine::config::ImageImportConfig {
             connect_timeout: Duration::from_secs(args.image_connect_timeout_seconds.max(1)),
             read_timeout: Duration::from_secs(args.image_read_timeout_seconds.max(1)),

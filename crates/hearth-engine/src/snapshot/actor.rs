@@ -36,6 +36,8 @@ const GATHER: Duration = Duration::from_millis(50);
 /// ...and the longest they wait for company. A request that finds the
 /// actor idle waits for nobody.
 const MAX_GATHER: Duration = Duration::from_millis(300);
+/// Pause before a disk whose merge failed is compacted again.
+const COMPACTION_RETRY: Duration = Duration::from_secs(60);
 /// Pause before writing a cut's results again after the store refused.
 const COMMIT_RETRY: Duration = Duration::from_secs(1);
 
@@ -44,6 +46,8 @@ enum Msg {
     /// A group's answer to one of its members (go on, or abort); its `now`
     /// is stamped when the actor takes it.
     Group(Input),
+    /// Merge the layers of this disk's chain that nobody needs any more.
+    Compact(String),
     /// Make the next overlay of every disk ready (a VM just started).
     Ahead,
 }
@@ -63,9 +67,29 @@ pub(crate) use super::group::Report as GroupMemberReport;
 pub struct Actors {
     map: Mutex<HashMap<String, mpsc::UnboundedSender<Msg>>>,
     groups: Mutex<HashMap<String, mpsc::UnboundedSender<MemberMsg>>>,
+    /// Per target: bumped when a stop, start or restore wants the VM's locks,
+    /// so a running compaction job is cancelled instead of making it wait.
+    yields: Mutex<HashMap<String, Arc<std::sync::atomic::AtomicU64>>>,
 }
 
 impl Actors {
+    fn yield_epoch(&self, target: &str) -> Arc<std::sync::atomic::AtomicU64> {
+        self.yields
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(target.to_string())
+            .or_default()
+            .clone()
+    }
+
+    /// Asks a compaction of `target` (`vm/NAME`) that holds its locks to
+    /// give them back soon: its stream job is cancelled (and merged again
+    /// later). Called before a stop, start or restore takes the locks.
+    pub fn ask_to_yield(&self, target: &str) {
+        self.yield_epoch(target)
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
     /// Registers a group's run; its members' reports go to `tx`.
     pub(crate) fn register_group(&self, group: &str, tx: mpsc::UnboundedSender<MemberMsg>) {
         let mut g = self.groups.lock().unwrap_or_else(|p| p.into_inner());
@@ -111,6 +135,27 @@ impl Actors {
         map.insert(target.to_string(), tx);
         let weak = Arc::downgrade(ctx);
         let target = target.to_string();
+        tokio::spawn(async move { run(weak, target, rx).await });
+    }
+
+    /// Asks the actor serving `disk` to compact its chain once it is idle
+    /// (no cut running or pending): merges of a running VM's chain are
+    /// block-graph changes of that VM, so they go through its actor, in
+    /// order with its cuts.
+    pub fn compact(&self, ctx: &Arc<Context>, disk: &str) {
+        let Ok(target) = target_of(ctx, disk) else {
+            return;
+        };
+        let mut map = self.map.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(tx) = map.get(&target)
+            && tx.send(Msg::Compact(disk.to_string())).is_ok()
+        {
+            return;
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let _ = tx.send(Msg::Compact(disk.to_string()));
+        map.insert(target.clone(), tx);
+        let weak = Arc::downgrade(ctx);
         tokio::spawn(async move { run(weak, target, rx).await });
     }
 
@@ -163,10 +208,20 @@ impl Actors {
                 }
             }
         }
+        // Merges a dead daemon started: settled (and adopted) by their actor.
+        let mut compacting: Vec<(String, String)> = Vec::new();
+        for t in super::compaction::targets(&ctx.store).unwrap_or_default() {
+            if let Ok(intents) = super::compaction::intents_of_target(&ctx.store, &t) {
+                compacting.extend(intents.into_iter().map(|i| (t.clone(), i.disk)));
+            }
+        }
         targets.sort();
         targets.dedup();
         for t in targets {
             self.request(ctx, &t, Vec::new());
+        }
+        for (_, disk) in compacting {
+            self.compact(ctx, &disk);
         }
     }
 }
@@ -279,6 +334,9 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
     let mut queue: VecDeque<Command> = first.into();
     let mut held = CutContext::default();
     let mut closed = false;
+    let mut compact: BTreeSet<String> = BTreeSet::new();
+    // Disks whose last merge failed, and until when they are not tried again.
+    let mut retry_after: HashMap<String, Instant> = HashMap::new();
     // The next overlays are to be made ahead once the actor is idle: after
     // a live cut, or when the VM started.
     let mut ahead_due = false;
@@ -290,7 +348,7 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                 // Requests that came meanwhile are the coordinator's to
                 // place: into this cut while it is being prepared, else
                 // into the next.
-                closed |= take_waiting(&mut rx, &mut core, &mut queue, &mut ahead_due);
+                closed |= take_waiting(&mut rx, &mut core, &mut queue, &mut ahead_due, &mut compact);
                 let committed = matches!(input, Input::Committed { ok: true, .. });
                 ahead_due |= committed && held.live.is_some();
                 queue.extend(core.handle(input));
@@ -300,7 +358,7 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             }
         }
         // Take every message already waiting, so simultaneous requests share a cut.
-        closed |= take_waiting(&mut rx, &mut core, &mut queue, &mut ahead_due);
+        closed |= take_waiting(&mut rx, &mut core, &mut queue, &mut ahead_due, &mut compact);
         if !queue.is_empty() {
             continue;
         }
@@ -319,6 +377,9 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                     }
                     // Not held by a group while idle: nothing to act on.
                     Ok(Some(Msg::Group(_))) => {}
+                    Ok(Some(Msg::Compact(d))) => {
+                        compact.insert(d);
+                    }
                     Ok(Some(Msg::Ahead)) => ahead_due = true,
                     Ok(None) => {
                         closed = true;
@@ -377,6 +438,33 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                 }
             }
         }
+        if core.is_idle() && !core.has_pending() && !core.needs_thaw() && !compact.is_empty() {
+            // Never during a cut: the coordinator is idle and nothing waits.
+            let Some(e) = ctx.upgrade() else { return };
+            // Read before the locks: a stop that asks while this waits for
+            // them, or while the merge runs, is seen.
+            let epoch = e.snapshots.yield_epoch(&target);
+            let yield_to = super::compaction::Yield {
+                seen: epoch.load(std::sync::atomic::Ordering::SeqCst),
+                epoch,
+            };
+            let guards = lock_target(&e, &target).await;
+            let live = live_of(&e, &target).await;
+            for disk in std::mem::take(&mut compact) {
+                if retry_after.get(&disk).is_some_and(|t| Instant::now() < *t) {
+                    // A failed merge is not tried again at once; a resync
+                    // after the pause asks again.
+                    continue;
+                }
+                if run_compaction(&e, &target, live.as_deref(), &disk, &yield_to).await {
+                    retry_after.insert(disk, Instant::now() + COMPACTION_RETRY);
+                } else {
+                    retry_after.remove(&disk);
+                }
+            }
+            drop(guards);
+            continue;
+        }
         if ahead_due && core.is_idle() && !core.has_pending() && !core.needs_thaw() {
             // Nothing waits: make the next cut's overlays now, so that cut
             // only has to freeze. A request that comes meanwhile waits for
@@ -406,6 +494,9 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                 }
             }
             Ok(Some(Msg::Group(input))) => queue.extend(core.handle(stamp(input, now()))),
+            Ok(Some(Msg::Compact(d))) => {
+                compact.insert(d);
+            }
             Ok(Some(Msg::Ahead)) => ahead_due = true,
             Ok(None) => return,
             Err(_) => queue.extend(core.handle(Input::Tick { now: now() })),
@@ -424,6 +515,51 @@ fn stamp(mut input: Input, at: Millis) -> Input {
     input
 }
 
+/// Compacts one disk's chain in the actor, with its locks held; what was
+/// merged and what was left goes to the disk's events. True when a merge
+/// was started and failed.
+async fn run_compaction(
+    ctx: &Arc<Context>,
+    target: &str,
+    live: Option<&LiveVm>,
+    disk: &str,
+    yield_to: &super::compaction::Yield,
+) -> bool {
+    // A disk this actor no longer serves (a VM started with it meanwhile)
+    // is compacted by the actor that does.
+    match target_of(ctx, disk) {
+        Ok(t) if t != target => {
+            ctx.snapshots.compact(ctx, disk);
+            return false;
+        }
+        Err(_) => return false,
+        Ok(_) => {}
+    }
+    let speed = ctx.config.compaction_speed;
+    match super::compaction::compact_disk(ctx, target, live, disk, speed, yield_to).await {
+        Ok(r) => {
+            if !r.skipped.is_empty() {
+                tracing::info!(disk, skipped = ?r.skipped, "compaction left layers for later");
+            }
+            if r.merged_layers > 0 {
+                ctx.wake(Kind::VirtualDisk, disk);
+            }
+            r.failed > 0
+        }
+        Err(e) => {
+            tracing::warn!(disk, error = %e, "compaction failed");
+            ctx.event(
+                Kind::VirtualDisk,
+                disk,
+                EventType::Warning,
+                "CompactionFailed",
+                &e,
+            );
+            true
+        }
+    }
+}
+
 /// Hands every message already waiting to the coordinator (what a group's
 /// message makes it do goes into `queue`); true when the channel is closed.
 fn take_waiting(
@@ -431,6 +567,7 @@ fn take_waiting(
     core: &mut Coordinator,
     queue: &mut VecDeque<Command>,
     ahead_due: &mut bool,
+    compact: &mut BTreeSet<String>,
 ) -> bool {
     loop {
         match rx.try_recv() {
@@ -440,6 +577,9 @@ fn take_waiting(
                 }
             }
             Ok(Msg::Group(input)) => queue.extend(core.handle(stamp(input, super::clock_ms()))),
+            Ok(Msg::Compact(d)) => {
+                compact.insert(d);
+            }
             Ok(Msg::Ahead) => *ahead_due = true,
             Err(mpsc::error::TryRecvError::Empty) => return false,
             Err(mpsc::error::TryRecvError::Disconnected) => return true,
@@ -1359,21 +1499,13 @@ async fn prepare_disk(
         .and_then(Value::as_str)
         .ok_or("query-block gave no node-name")?
         .to_string();
-    let top_file = inserted
-        .get("file")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string();
     let capacity = inserted
         .pointer("/image/virtual-size")
         .and_then(Value::as_u64)
         .ok_or("query-block gave no virtual-size")?;
     // The top layer is open through an fd set: its label is the path.
     let qmp = live.qmp.clone().ok_or("no QMP connection")?;
-    let fdsets = hearth_qemu::qmp::fdsets(&qmp, QMP_TIMEOUT)
-        .await
-        .map_err(|e| format!("query-fdsets: {e}"))?;
-    let top_file = hearth_qemu::qmp::resolve_filename(&top_file, &fdsets);
+    let top_file = overlays::node_file(&qmp, &top_node).await?;
     if !top_file.is_empty() && std::path::Path::new(&top_file) != head.path {
         // QEMU writes to a layer the store does not know as the head. The
         // journal makes this impossible for hearth's own overlays; refuse

@@ -3,6 +3,7 @@
 //! snapshot reconcilers, the layer storage and export.
 
 mod actor;
+pub mod compaction;
 pub mod coordinator;
 pub mod expedite;
 pub mod export;

@@ -277,6 +277,8 @@ pub fn adopt_tx(tx: &rusqlite::Transaction<'_>, o: &Overlay) -> Result<(), Store
     let path = o.path.clone();
     Store::update_status_tx::<VirtualDiskStatus, _>(tx, Kind::VirtualDisk, &o.disk, |s| {
         s.path = Some(path);
+        // One more layer to read through, right with the switch.
+        s.chain_length = s.chain_length.map(|n| n + 1);
     })?;
     tx.execute(
         "DELETE FROM cut_overlays WHERE cut = ?1 AND disk = ?2",
@@ -473,6 +475,86 @@ fn remove(store: &Store, o: &Overlay) -> Settled {
 /// its own (the overlay is formatted on it), so it is deleted on its own.
 pub fn file_node(node: &str) -> String {
     format!("{node}f")
+}
+
+/// The `file` node under format node `node`, by hearth's node names: a
+/// launch's top `disk<i>` (`file-<i>`), its backing layers `back-<i>-<d>`
+/// (`file-<i>-<d>`), a cut overlay `h<cut>d<i>` (`h<cut>d<i>f`) and one
+/// made ahead `a<id>d<i>` (`a<id>d<i>f`).
+pub fn file_child(node: &str) -> Option<String> {
+    use hearth_qemu::cmdline::{backing_node_names, file_node_name};
+    if let Some(rest) = node.strip_prefix("back-") {
+        let (i, d) = rest.split_once('-')?;
+        return Some(backing_node_names(i.parse().ok()?, d.parse().ok()?).1);
+    }
+    if let Some(i) = node.strip_prefix("disk") {
+        return Some(file_node_name(i.parse().ok()?));
+    }
+    if (node.starts_with('h') || node.starts_with('a')) && !node.ends_with('f') {
+        return Some(file_node(node));
+    }
+    None
+}
+
+/// One node of QEMU's block graph (`query-named-block-nodes`).
+#[derive(Clone, Debug)]
+pub struct NodeInfo {
+    pub node: String,
+    pub driver: String,
+    /// The file it reads, resolved through the fd sets.
+    pub file: String,
+}
+
+/// Every named node with the file it reads. A format node whose backing was
+/// given explicitly reports a `json:{...}` filename holding its whole chain,
+/// which QEMU cuts off at 4 KiB (about 45 layers) so it no longer parses:
+/// such a node's file is read from its `file` node ([`file_child`]).
+pub async fn named_nodes(qmp: &hearth_qemu::qmp::QmpClient) -> Result<Vec<NodeInfo>, String> {
+    let fdsets = hearth_qemu::qmp::fdsets(qmp, QMP_TIMEOUT)
+        .await
+        .map_err(|e| format!("query-fdsets: {e}"))?;
+    let nodes = qmp
+        .execute(
+            "query-named-block-nodes",
+            Some(json!({"flat": true})),
+            QMP_TIMEOUT,
+        )
+        .await
+        .map_err(|e| format!("query-named-block-nodes: {e}"))?;
+    let mut out: Vec<NodeInfo> = nodes
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| {
+            Some(NodeInfo {
+                node: n.get("node-name")?.as_str()?.to_string(),
+                driver: n.get("drv")?.as_str()?.to_string(),
+                file: hearth_qemu::qmp::resolve_filename(n.get("file")?.as_str()?, &fdsets),
+            })
+        })
+        .collect();
+    let by_name: std::collections::HashMap<String, String> = out
+        .iter()
+        .map(|n| (n.node.clone(), n.file.clone()))
+        .collect();
+    for n in &mut out {
+        if n.file.starts_with("json:")
+            && let Some(f) = file_child(&n.node).and_then(|c| by_name.get(&c))
+        {
+            n.file = f.clone();
+        }
+    }
+    Ok(out)
+}
+
+/// The file format node `node` reads (see [`named_nodes`]).
+pub async fn node_file(qmp: &hearth_qemu::qmp::QmpClient, node: &str) -> Result<String, String> {
+    named_nodes(qmp)
+        .await?
+        .into_iter()
+        .find(|n| n.node == node)
+        .map(|n| n.file)
+        .ok_or_else(|| format!("QEMU has no node {node}"))
 }
 
 /// The id of the `blockdev-create` job that formats overlay node `node`.
@@ -719,5 +801,18 @@ mod tests {
         let settled = settle(&store, None, std::slice::from_ref(&o)).await;
         assert_eq!(settled[0].1, Settled::Removed);
         assert_eq!(head(&store, "d").unwrap().unwrap(), before);
+    }
+
+    #[test]
+    fn every_format_node_hearth_names_has_its_file_node() {
+        assert_eq!(file_child("disk0").as_deref(), Some("file-0"));
+        assert_eq!(file_child("back-1-12").as_deref(), Some("file-1-12"));
+        assert_eq!(file_child("h42d3").as_deref(), Some("h42d3f"));
+        assert_eq!(
+            file_child(&ahead_node(7, 1)).as_deref(),
+            Some(file_node(&ahead_node(7, 1)).as_str())
+        );
+        assert_eq!(file_child("h42d3f"), None, "a file node has no file child");
+        assert_eq!(file_child("seed"), None);
     }
 }

@@ -67,6 +67,9 @@ pub async fn reconcile_disk_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(
             Ok(())
         })?;
         let freed = storage::collect_garbage(&ctx.store)?;
+        // Layers of the chain that nobody needs now are merged by the
+        // actor serving the disk (docs/snapshots.md, "Compaction").
+        ctx.snapshots.compact(ctx, &snap.spec.virtual_disk_name);
         ctx.event(
             Kind::VirtualDiskSnapshot,
             name,

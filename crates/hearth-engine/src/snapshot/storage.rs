@@ -211,6 +211,18 @@ pub fn drop_snapshot_layer(store: &Store, snapshot: &str) -> Result<(), StoreErr
 /// An image file that was the base of a removed layer goes too once no
 /// layer and no VirtualImage has it any more (`image::release_file`).
 pub fn collect_garbage(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
+    collect(store, false)
+}
+
+/// [`collect_garbage`], but a file some process still has open (a QEMU
+/// whose node of a merged layer could not be deleted) is only forgotten,
+/// not unlinked: the start-up sweep removes it once nobody holds it.
+/// Returns the files unlinked.
+pub fn collect_garbage_unless_open(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
+    collect(store, true)
+}
+
+fn collect(store: &Store, keep_open: bool) -> Result<Vec<PathBuf>, StoreError> {
     let (doomed, bases) = store.with_tx(|tx| {
         let mut all: BTreeMap<String, (PathBuf, Option<String>)> = BTreeMap::new();
         {
@@ -231,11 +243,21 @@ pub fn collect_garbage(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
         for sql in [
             "SELECT layer FROM heads",
             "SELECT layer FROM snapshot_layers",
+            // A recorded merge keeps its layers until it is settled.
+            "SELECT top FROM compactions",
+            "SELECT base FROM compactions",
         ] {
             let mut stmt = tx.prepare(sql)?;
             let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
             for r in rows {
                 roots.push(r?);
+            }
+        }
+        {
+            let mut stmt = tx.prepare("SELECT gone FROM compactions")?;
+            let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+            for r in rows {
+                roots.extend(serde_json::from_str::<Vec<String>>(&r?).unwrap_or_default());
             }
         }
         let mut live = BTreeSet::new();
@@ -267,6 +289,12 @@ pub fn collect_garbage(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
         }
         Ok((doomed, bases))
     })?;
+    let open = if keep_open && !doomed.is_empty() {
+        open_files()
+    } else {
+        BTreeSet::new()
+    };
+    let doomed: Vec<PathBuf> = doomed.into_iter().filter(|p| !open.contains(p)).collect();
     for p in &doomed {
         let _ = std::fs::remove_file(p);
     }
@@ -315,7 +343,7 @@ pub fn sweep_orphans(store: &Store, state_dir: &Path) -> Result<Vec<PathBuf>, St
 }
 
 /// Every file any process has open, from `/proc/*/fd`.
-fn open_files() -> BTreeSet<PathBuf> {
+pub(crate) fn open_files() -> BTreeSet<PathBuf> {
     let mut out = BTreeSet::new();
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return out;
@@ -428,6 +456,39 @@ mod tests {
         freed.sort();
         assert_eq!(freed.len(), 3);
         assert!(!base.path.exists() && !s1.path.exists() && !r.path.exists());
+    }
+
+    #[test]
+    fn a_merged_layer_still_held_open_is_forgotten_but_not_unlinked() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("db")).unwrap();
+        // base <- a <- b <- head, then head rebased onto base: a and b go.
+        let base = layer(&store, dir.path(), "d");
+        let a = layer(&store, dir.path(), "d");
+        let b = layer(&store, dir.path(), "d");
+        let top = layer(&store, dir.path(), "d");
+        store
+            .with_tx(|tx| {
+                set_head_tx(tx, "d", &base, None)?;
+                set_head_tx(tx, "d", &a, Some(&base.id))?;
+                set_head_tx(tx, "d", &b, Some(&a.id))?;
+                set_head_tx(tx, "d", &top, Some(&b.id))?;
+                tx.execute(
+                    "UPDATE layers SET backing = ?1 WHERE id = ?2",
+                    params![base.id, top.id],
+                )?;
+                Ok(())
+            })
+            .unwrap();
+        let _held = std::fs::File::open(&b.path).unwrap();
+        let freed = collect_garbage_unless_open(&store).unwrap();
+        assert_eq!(freed, vec![a.path.clone()]);
+        assert!(b.path.exists(), "a process still holds it");
+        assert!(
+            store.with_tx(|tx| layer_tx(tx, &b.id)).unwrap().is_none(),
+            "its row is gone: the start-up sweep removes the file"
+        );
+        assert!(base.path.exists() && top.path.exists());
     }
 
     fn image_object(

@@ -139,6 +139,7 @@ mod tests {
             images: Default::default(),
             ovmf_code: dir.join("OVMF_CODE.fd"),
             ovmf_vars: dir.join("OVMF_VARS.fd"),
+            compaction_speed: 0,
         }
     }
 

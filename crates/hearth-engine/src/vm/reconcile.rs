@@ -318,6 +318,9 @@ async fn try_launch(
         .map(|d| d.virtual_disk_name.clone())
         .collect();
     crate::snapshot::overlays::settle_offline(&ctx.store, &disk_names).await?;
+    // And a chain merge its last QEMU (or a dead daemon's qemu-img) left:
+    // the store's chain and the headers agree before QEMU opens them.
+    crate::snapshot::compaction::settle_offline(ctx, &disk_names).await?;
     let mut disks = Vec::new();
     for (i, d) in vm.spec.disks.iter().enumerate() {
         let stored = ctx
@@ -708,6 +711,11 @@ fn forget(
         ),
     };
     ctx.event(Kind::VirtualMachine, name, kind, reason, &message);
+    // Layers of its disks that could be merged only with no QEMU running
+    // (docs/snapshots.md, "Compaction") are merged now, not at the next resync.
+    for d in &record.disk_names {
+        ctx.wake(Kind::VirtualDisk, d);
+    }
     if crashed && !manual {
         // Restart with backoff rather than in a tight loop.
         return Err(ReconcileError::Failed(message));

@@ -348,6 +348,12 @@ const FIELD_ORDER: &[&str] = &[
     "capacity",
     "allocated",
     "attachedTo",
+    "chainLength",
+    "compaction",
+    "id",
+    "layers",
+    "bytesDone",
+    "bytesTotal",
     "lastError",
     "observedGeneration",
 ];
@@ -584,7 +590,8 @@ Events:
             "metadata": {"name": "data"},
             "spec": {"source": {"blank": {}}, "size": "1Gi"},
             "status": {"phase": "Ready", "capacity": 1073741824u64, "allocated": 200704,
-                       "attachedTo": "demo", "lastError": ""}
+                       "attachedTo": "demo", "chainLength": 3, "lastError": "",
+                       "compaction": {"id": 4, "layers": 2, "bytesDone": 1048576, "bytesTotal": 4194304}}
         });
         let text = render(Kind::VirtualDisk, &disk, Ok(&[]), now());
         let expected = "\
@@ -593,11 +600,17 @@ Spec:
   source:
     blank:  {}
 Status:
-  phase:       Ready
-  capacity:    1073741824 (1.0Gi)
-  allocated:   200704 (196.0Ki)
-  attachedTo:  demo
-  lastError:   \"\"
+  phase:        Ready
+  capacity:     1073741824 (1.0Gi)
+  allocated:    200704 (196.0Ki)
+  attachedTo:   demo
+  chainLength:  3
+  compaction:
+    id:          4
+    layers:      2
+    bytesDone:   1048576 (1.0Mi)
+    bytesTotal:  4194304 (4.0Mi)
+  lastError:    \"\"
 ";
         assert!(text.contains(expected), "{text}");
         assert!(text.contains("Source:     -\n"), "{text}");

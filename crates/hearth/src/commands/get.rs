@@ -295,11 +295,12 @@ pub fn vm_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
     table
 }
 
-/// `NAME PHASE SIZE ALLOCATED ATTACHED AGE`; wide adds SOURCE PATH MANAGED-BY.
+/// `NAME PHASE SIZE ALLOCATED ATTACHED AGE`; wide adds CHAIN (layers the
+/// disk reads through) SOURCE PATH MANAGED-BY.
 pub fn disk_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
     let mut header = vec!["NAME", "PHASE", "SIZE", "ALLOCATED", "ATTACHED"];
     if wide {
-        header.extend(["SOURCE", "PATH", "MANAGED-BY"]);
+        header.extend(["CHAIN", "SOURCE", "PATH", "MANAGED-BY"]);
     }
     header.push("AGE");
     let mut table = Table::new(&header);
@@ -321,6 +322,9 @@ pub fn disk_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
         ];
         if wide {
             row.extend([
+                u64_at(disk, &["status", "chainLength"])
+                    .map(|n| n.to_string())
+                    .unwrap_or_else(|| "-".to_string()),
                 disk_source(disk),
                 cell(at(disk, &["status", "path"])),
                 cell(at(disk, &["metadata", "managedBy"])),
@@ -786,7 +790,7 @@ new         Importing   1.0Mi      -        -         -              -
         let items = [
             json!({"metadata": {"name": "data", "creationTimestamp": "2024-12-28T12:00:00Z"},
                    "spec": {"size": "1Gi", "source": {"blank": {}}},
-                   "status": {"phase": "Ready", "capacity": 1073741824u64, "allocated": 12897485, "attachedTo": "demo"}}),
+                   "status": {"phase": "Ready", "capacity": 1073741824u64, "allocated": 12897485, "attachedTo": "demo", "chainLength": 3}}),
             json!({"metadata": {"name": "root"},
                    "spec": {"size": "2Gi", "source": {"image": "/img/base.qcow2"}}}),
         ];
@@ -801,6 +805,8 @@ root   -       2Gi     -           -          -
         let wide = disk_table(&items, now(), true).render();
         assert!(wide.contains("image:/img/base.qcow2"), "{wide}");
         assert!(wide.contains("   blank   "), "{wide}");
+        assert!(wide.contains(" CHAIN "), "{wide}");
+        assert!(wide.contains("   demo       3     "), "{wide}");
     }
 
     fn snapshots() -> [Value; 3] {

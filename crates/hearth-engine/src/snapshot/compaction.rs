@@ -1,0 +1,896 @@
+//! Chain compaction: merging the layers nobody needs any more into the
+//! layer above them, so a disk with a long snapshot history reads through a
+//! short chain again (`docs/snapshots.md`, "Compaction").
+//!
+//! The pure core decides *what* may be merged ([`plan`]) and how a merge a
+//! crash interrupted is settled ([`decide`]); the async shell below does the
+//! I/O: `qemu-img rebase` for a disk no QEMU runs, a QMP `block-stream` job
+//! for the head of a running VM's disk, always through the VM's snapshot
+//! actor (which performs every block-graph change of that VM in order).
+//!
+//! The direction is always *up*: the data of the unneeded layers goes into
+//! the needed layer right above them (`top`), which is then rebased onto the
+//! needed layer below them (`base`). `top` reads exactly as before (it gets
+//! what it used to read through the merged layers), `base` and everything
+//! below it are not written at all, so every snapshot, restore source and
+//! disk that reads through `base` is untouched. (Committing down into
+//! `base` would change what `base` reads, and `base` is needed by
+//! definition.)
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hearth_api::{EventType, Kind};
+use rusqlite::params;
+use serde_json::{Value, json};
+
+use super::overlays;
+use super::storage::{self, Layer};
+use crate::context::Context;
+use crate::store::{Store, StoreError};
+use crate::vm::live::LiveVm;
+
+const QMP_TIMEOUT: Duration = Duration::from_secs(5);
+/// The longest one offline merge (`qemu-img rebase`) may take.
+const REBASE_TIMEOUT: Duration = Duration::from_secs(6 * 3600);
+/// How often a running stream job's progress is read.
+const POLL: Duration = Duration::from_millis(100);
+
+// ------------------------------------------------------------------ pure core
+
+/// One merge: the layers `gone` (top-down, right below `top`) go into
+/// `top`, which is then backed by `base`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Merge {
+    pub top: String,
+    pub base: String,
+    pub gone: Vec<String>,
+}
+
+/// What the store says about layers: each layer's backing layer, and the
+/// layers something refers to directly (a head, a snapshot, a journalled
+/// overlay's base, a compaction in progress).
+#[derive(Clone, Debug, Default)]
+pub struct Chains {
+    pub backing: BTreeMap<String, Option<String>>,
+    pub roots: BTreeSet<String>,
+}
+
+impl Chains {
+    fn children(&self) -> BTreeMap<&str, usize> {
+        let mut out: BTreeMap<&str, usize> = BTreeMap::new();
+        for b in self.backing.values().flatten() {
+            *out.entry(b.as_str()).or_default() += 1;
+        }
+        out
+    }
+
+    /// A layer is needed — it stays — when something refers to it, when it
+    /// is the bottom of its chain (its backing is an image file or nothing:
+    /// merging it would copy the image up), when more or fewer than one
+    /// layer lies on it (two readers above would each need its data), or
+    /// when the store does not know its backing.
+    fn needed(&self, id: &str, children: &BTreeMap<&str, usize>) -> bool {
+        self.roots.contains(id)
+            || !matches!(self.backing.get(id), Some(Some(b)) if self.backing.contains_key(b))
+            || children.get(id).copied().unwrap_or(0) != 1
+    }
+
+    /// The chain from `head` down, `head` first.
+    pub fn chain(&self, head: &str) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut seen = BTreeSet::new();
+        let mut cur = Some(head.to_string());
+        while let Some(id) = cur {
+            if !self.backing.contains_key(&id) || !seen.insert(id.clone()) {
+                break;
+            }
+            out.push(id.clone());
+            cur = self.backing.get(&id).cloned().flatten();
+        }
+        out
+    }
+}
+
+/// The merges that make `head`'s chain as short as it can be without
+/// changing what any needed layer reads: every run of unneeded layers goes
+/// into the needed layer above it. Top-down; the runs do not overlap.
+pub fn plan(chains: &Chains, head: &str) -> Vec<Merge> {
+    let children = chains.children();
+    let chain = chains.chain(head);
+    let mut out = Vec::new();
+    let mut top: Option<&String> = None;
+    let mut run: Vec<String> = Vec::new();
+    for id in &chain {
+        // The head itself is always needed (it is a root).
+        if id == head || chains.needed(id, &children) {
+            if let Some(t) = top
+                && !run.is_empty()
+            {
+                out.push(Merge {
+                    top: t.clone(),
+                    base: id.clone(),
+                    gone: std::mem::take(&mut run),
+                });
+            }
+            run.clear();
+            top = Some(id);
+        } else {
+            run.push(id.clone());
+        }
+    }
+    out
+}
+
+/// The state of the process doing a merge: QEMU's job, or a `qemu-img`
+/// (seen as a process holding the top layer open).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Job {
+    Running,
+    Ended,
+    Unknown(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Settle {
+    /// The top's header names the base: the merge happened; record it.
+    Done,
+    /// Still running: decide later.
+    Wait,
+    /// It ended without switching (failed, cancelled, killed): forget the
+    /// intent. The top reads as before; whatever was copied up already
+    /// reads exactly as it did through the merged layers.
+    Abandoned,
+    /// Touch nothing; decide later.
+    Unresolved(String),
+}
+
+/// Settles a recorded merge from what the top layer's header names as its
+/// backing file (the last thing both `qemu-img rebase` and QEMU's stream
+/// job write) and from whether its job still runs.
+pub fn decide(header_backing: Option<&Path>, base: &Path, below_top: &Path, job: Job) -> Settle {
+    match header_backing {
+        Some(b) if b == base => Settle::Done,
+        Some(b) if b == below_top => match job {
+            Job::Running => Settle::Wait,
+            Job::Ended => Settle::Abandoned,
+            Job::Unknown(why) => Settle::Unresolved(why),
+        },
+        Some(b) => Settle::Unresolved(format!(
+            "the top layer's backing file is {}, neither {} nor {}",
+            b.display(),
+            base.display(),
+            below_top.display()
+        )),
+        None => Settle::Unresolved("the top layer names no backing file".into()),
+    }
+}
+
+// ------------------------------------------------------------------ records
+
+/// A merge recorded before it starts.
+#[derive(Clone, Debug)]
+pub struct Intent {
+    pub id: i64,
+    pub target: String,
+    pub disk: String,
+    pub top: Layer,
+    pub base: Layer,
+    pub gone: Vec<Layer>,
+    pub job: Option<String>,
+}
+
+/// The layers as the store has them, with every direct reference.
+pub fn chains(store: &Store) -> Result<Chains, StoreError> {
+    store.with_tx(|tx| {
+        let mut c = Chains::default();
+        {
+            let mut stmt = tx.prepare("SELECT id, backing FROM layers")?;
+            let rows = stmt.query_map([], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, Option<String>>(1)?))
+            })?;
+            for row in rows {
+                let (id, b) = row?;
+                c.backing.insert(id, b);
+            }
+        }
+        for sql in [
+            "SELECT layer FROM heads",
+            "SELECT layer FROM snapshot_layers",
+            "SELECT base FROM cut_overlays",
+            "SELECT base FROM ahead_overlays",
+            "SELECT top FROM compactions",
+            "SELECT base FROM compactions",
+        ] {
+            let mut stmt = tx.prepare(sql)?;
+            let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+            for r in rows {
+                c.roots.insert(r?);
+            }
+        }
+        // A merge in progress keeps its gone layers where they are too.
+        let mut stmt = tx.prepare("SELECT gone FROM compactions")?;
+        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+        for r in rows {
+            let gone: Vec<String> = serde_json::from_str(&r?).unwrap_or_default();
+            c.roots.extend(gone);
+        }
+        Ok(c)
+    })
+}
+
+/// The recorded merges of `disk`.
+pub fn intents_of_disk(store: &Store, disk: &str) -> Result<Vec<Intent>, StoreError> {
+    select(store, "disk = ?1", disk)
+}
+
+/// The recorded merges of a target's actor.
+pub fn intents_of_target(store: &Store, target: &str) -> Result<Vec<Intent>, StoreError> {
+    select(store, "target = ?1", target)
+}
+
+/// The targets with a recorded merge (after a restart their actors settle it).
+pub fn targets(store: &Store) -> Result<Vec<String>, StoreError> {
+    store.with_tx(|tx| {
+        let mut stmt = tx.prepare("SELECT DISTINCT target FROM compactions")?;
+        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
+        Ok(rows.filter_map(Result::ok).collect())
+    })
+}
+
+fn select(store: &Store, cond: &str, arg: &str) -> Result<Vec<Intent>, StoreError> {
+    store.with_tx(|tx| {
+        let mut stmt = tx.prepare(&format!(
+            "SELECT id, target, disk, top, base, gone, job FROM compactions WHERE {cond} ORDER BY id"
+        ))?;
+        let rows = stmt
+            .query_map(params![arg], |r| {
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, String>(2)?,
+                    r.get::<_, String>(3)?,
+                    r.get::<_, String>(4)?,
+                    r.get::<_, String>(5)?,
+                    r.get::<_, Option<String>>(6)?,
+                ))
+            })?
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut out = Vec::new();
+        for (id, target, disk, top, base, gone, job) in rows {
+            let gone: Vec<String> = serde_json::from_str(&gone).unwrap_or_default();
+            let layer = |id: &str| -> Result<Layer, StoreError> {
+                Ok(storage::layer_tx(tx, id)?.unwrap_or(Layer {
+                    id: id.to_string(),
+                    path: PathBuf::new(),
+                    backing: None,
+                }))
+            };
+            out.push(Intent {
+                id,
+                target,
+                disk,
+                top: layer(&top)?,
+                base: layer(&base)?,
+                gone: gone.iter().map(|g| layer(g)).collect::<Result<_, _>>()?,
+                job,
+            });
+        }
+        Ok(out)
+    })
+}
+
+/// Records a merge before anything starts, under a never-repeating id.
+fn record(
+    store: &Store,
+    target: &str,
+    disk: &str,
+    m: &Merge,
+    online: bool,
+) -> Result<i64, StoreError> {
+    store.with_tx(|tx| {
+        let id = Store::next_counter_tx(tx, "compaction")? as i64;
+        tx.execute(
+            "INSERT INTO compactions (id, target, disk, top, base, gone, job)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            params![
+                id,
+                target,
+                disk,
+                m.top,
+                m.base,
+                serde_json::to_string(&m.gone).unwrap_or_default(),
+                online.then(|| job_id(id)),
+            ],
+        )?;
+        Ok(id)
+    })
+}
+
+/// The QMP job id of merge `id`.
+pub fn job_id(id: i64) -> String {
+    format!("hc{id}")
+}
+
+/// A finished merge: the top's backing is the base (one transaction with
+/// the intent's removal); the merged layers are then unreachable and
+/// collected, their files unlinked unless a process still holds one.
+fn finish(store: &Store, i: &Intent) -> Result<Vec<PathBuf>, StoreError> {
+    store.with_tx(|tx| {
+        tx.execute(
+            "UPDATE layers SET backing = ?1 WHERE id = ?2",
+            params![i.base.id, i.top.id],
+        )?;
+        tx.execute("DELETE FROM compactions WHERE id = ?1", params![i.id])?;
+        Ok(())
+    })?;
+    storage::collect_garbage_unless_open(store)
+}
+
+fn forget(store: &Store, id: i64) -> Result<(), StoreError> {
+    store.with_tx(|tx| {
+        tx.execute("DELETE FROM compactions WHERE id = ?1", params![id])?;
+        Ok(())
+    })
+}
+
+// ------------------------------------------------------------------ shell
+
+/// What the top layer's header names as its backing file.
+async fn header_backing(path: &Path) -> Result<Option<PathBuf>, String> {
+    let info = hearth_qemu::img::info(path)
+        .await
+        .map_err(|e| format!("qemu-img info {}: {e}", path.display()))?;
+    Ok(info.backing_filename.map(|b| {
+        let b = PathBuf::from(b);
+        if b.is_relative() {
+            path.parent().map(|d| d.join(&b)).unwrap_or(b)
+        } else {
+            b
+        }
+    }))
+}
+
+/// Whether the merge's job still runs: QEMU's job when `live`, else a
+/// process (a `qemu-img` a dead daemon started) holding the top open.
+async fn job_state(live: Option<&LiveVm>, i: &Intent) -> Job {
+    match (live, &i.job) {
+        (Some(l), Some(job)) => {
+            let Some(qmp) = l.qmp.as_ref() else {
+                return Job::Unknown("no QMP connection to the VM".into());
+            };
+            match qmp.execute("query-jobs", None, QMP_TIMEOUT).await {
+                Ok(jobs) => match jobs
+                    .as_array()
+                    .and_then(|a| a.iter().find(|j| j["id"] == job.as_str()))
+                {
+                    Some(j) if j["status"] == "concluded" || j["status"] == "null" => {
+                        let _ = qmp
+                            .execute("job-dismiss", Some(json!({"id": job})), QMP_TIMEOUT)
+                            .await;
+                        Job::Ended
+                    }
+                    Some(_) => Job::Running,
+                    None => Job::Ended,
+                },
+                Err(e) => Job::Unknown(format!("query-jobs: {e}")),
+            }
+        }
+        _ => {
+            if storage::open_files().contains(&i.top.path) {
+                Job::Running
+            } else {
+                Job::Ended
+            }
+        }
+    }
+}
+
+/// Settles recorded merges: `live` is the running QEMU of their VM, or
+/// `None` when none runs. Returns each intent's outcome (a failure to
+/// record one is `Unresolved`).
+pub async fn settle(
+    ctx: &Context,
+    live: Option<&LiveVm>,
+    intents: &[Intent],
+) -> Vec<(i64, Settle)> {
+    let mut out = Vec::new();
+    for i in intents {
+        let below = i.gone.first().map(|l| l.path.clone()).unwrap_or_default();
+        let job = job_state(live, i).await;
+        let mut settled = match header_backing(&i.top.path).await {
+            Ok(h) => decide(h.as_deref(), &i.base.path, &below, job),
+            Err(e) => Settle::Unresolved(e),
+        };
+        tracing::info!(id = i.id, disk = %i.disk, ?settled, "settling a compaction");
+        if matches!(settled, Settle::Done | Settle::Abandoned) {
+            // Progress a dead daemon showed is over.
+            ctx.set_disk_status(&i.disk, |s| s.compaction = None);
+        }
+        match &settled {
+            Settle::Done => {
+                if let Some(l) = live {
+                    drop_nodes(l, &i.gone).await;
+                }
+                match finish(&ctx.store, i) {
+                    Ok(freed) => {
+                        ctx.event(
+                            Kind::VirtualDisk,
+                            &i.disk,
+                            EventType::Normal,
+                            "Compacted",
+                            &format!(
+                                "compaction {}: {} layer(s) merged into {}, now backed by {}; {} file(s) removed",
+                                i.id,
+                                i.gone.len(),
+                                i.top.id,
+                                i.base.id,
+                                freed.len()
+                            ),
+                        );
+                        ctx.wake(Kind::VirtualDisk, &i.disk);
+                    }
+                    Err(e) => {
+                        settled = Settle::Unresolved(format!("recording compaction {}: {e}", i.id))
+                    }
+                }
+            }
+            Settle::Abandoned => {
+                ctx.event(
+                    Kind::VirtualDisk,
+                    &i.disk,
+                    EventType::Warning,
+                    "CompactionAbandoned",
+                    &format!(
+                        "compaction {} ended without switching {} to {}; the chain is unchanged and is merged again later",
+                        i.id, i.top.id, i.base.id
+                    ),
+                );
+                if let Err(e) = forget(&ctx.store, i.id) {
+                    settled = Settle::Unresolved(format!("forgetting compaction {}: {e}", i.id));
+                }
+            }
+            Settle::Wait | Settle::Unresolved(_) => {}
+        }
+        out.push((i.id, settled));
+    }
+    out
+}
+
+/// Why a settled merge is still open, if it is.
+fn still_open(id: i64, disk: &str, s: &Settle) -> Option<String> {
+    match s {
+        Settle::Done | Settle::Abandoned => None,
+        Settle::Wait => Some(format!(
+            "compaction {id} of VirtualDisk {disk:?} is still running"
+        )),
+        Settle::Unresolved(why) => Some(format!("compaction {id} of VirtualDisk {disk:?}: {why}")),
+    }
+}
+
+/// Settles the merges of `disks` when no QEMU of theirs runs (before a VM
+/// is launched, so it boots from a header the store agrees with).
+pub async fn settle_offline(ctx: &Context, disks: &[String]) -> Result<(), String> {
+    for d in disks {
+        let intents = intents_of_disk(&ctx.store, d).map_err(|e| e.to_string())?;
+        for (id, s) in settle(ctx, None, &intents).await {
+            if let Some(why) = still_open(id, d, &s) {
+                return Err(why);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Deletes QEMU's nodes of merged layers (format nodes first, then the
+/// `file` nodes under them) and their fd sets. QEMU refuses to delete a
+/// node in use; a failure only means the file stays open, and an open file
+/// is never unlinked.
+async fn drop_nodes(live: &LiveVm, gone: &[Layer]) {
+    let Some(qmp) = live.qmp.as_ref() else { return };
+    let Ok(nodes) = overlays::named_nodes(qmp).await else {
+        return;
+    };
+    for layer in gone {
+        let path = layer.path.to_string_lossy();
+        let mut mine: Vec<&overlays::NodeInfo> = nodes.iter().filter(|n| n.file == path).collect();
+        // Format nodes (qcow2) before the protocol nodes they sit on.
+        mine.sort_by_key(|n| n.driver == "file");
+        for n in mine {
+            let r = if n.driver == "file" {
+                hearth_qemu::qmp::remove_file_node(qmp, &n.node, &layer.path, QMP_TIMEOUT).await
+            } else {
+                hearth_qemu::qmp::delete_node(qmp, &n.node, QMP_TIMEOUT).await
+            };
+            if let Err(e) = r {
+                tracing::warn!(node = %n.node, error = %e, "cannot delete the node of a merged layer");
+            }
+        }
+    }
+}
+
+/// A request to give the VM's locks back: a stop, start or restore of the
+/// VM asks (`Actors::ask_to_yield`) by bumping its target's counter; a
+/// merge that saw another value when it began cancels its job.
+#[derive(Clone, Debug)]
+pub struct Yield {
+    pub epoch: Arc<std::sync::atomic::AtomicU64>,
+    pub seen: u64,
+}
+
+impl Yield {
+    pub fn asked(&self) -> bool {
+        self.epoch.load(std::sync::atomic::Ordering::SeqCst) != self.seen
+    }
+}
+
+/// What one compaction of a disk did.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub merged_layers: usize,
+    /// Runs left for later, with the reason.
+    pub skipped: Vec<String>,
+    /// Merges that were started and ended without switching.
+    pub failed: usize,
+}
+
+/// Why one merge did not happen: left for later before it started, or
+/// started and ended without switching (`failed`).
+#[derive(Debug)]
+struct Skip {
+    why: String,
+    failed: bool,
+}
+
+impl From<String> for Skip {
+    fn from(why: String) -> Skip {
+        Skip { why, failed: false }
+    }
+}
+
+impl From<&str> for Skip {
+    fn from(why: &str) -> Skip {
+        Skip::from(why.to_string())
+    }
+}
+
+/// Compacts `disk`'s chain. Runs in the snapshot actor of `target`, which
+/// holds the operations locks of the VM and its disks (so no cut, start,
+/// stop, restore or delete runs meanwhile); `live` is the VM's running QEMU.
+pub async fn compact_disk(
+    ctx: &Arc<Context>,
+    target: &str,
+    live: Option<&LiveVm>,
+    disk: &str,
+    speed: u64,
+    yield_to: &Yield,
+) -> Result<Report, String> {
+    let mut report = Report::default();
+    let intents = intents_of_disk(&ctx.store, disk).map_err(|e| e.to_string())?;
+    if let Some(l) = live {
+        // A job a dead daemon started may still run in QEMU: follow it to
+        // its end (it holds this actor, as it did the one that started it).
+        for i in &intents {
+            if i.job.is_some() && job_state(live, i).await == Job::Running {
+                tracing::info!(
+                    id = i.id,
+                    disk,
+                    "following a compaction job started before a restart"
+                );
+                follow_job(ctx, l, disk, i.id, i.gone.len(), yield_to).await;
+            }
+        }
+    }
+    let settled = settle(ctx, live, &intents).await;
+    if let Some(why) = settled.iter().find_map(|(id, s)| still_open(*id, disk, s)) {
+        report.skipped.push(why);
+        return Ok(report);
+    }
+    if !overlays::of_disk(&ctx.store, disk)
+        .map_err(|e| e.to_string())?
+        .is_empty()
+    {
+        report
+            .skipped
+            .push("a snapshot cut's overlay is not settled yet".into());
+        return Ok(report);
+    }
+    let Some(head) = storage::head(&ctx.store, disk).map_err(|e| e.to_string())? else {
+        return Ok(report);
+    };
+    let chains = chains(&ctx.store).map_err(|e| e.to_string())?;
+    let device = live.and_then(|l| overlays::device_index(l, disk).map(|i| (l, i)));
+    for m in plan(&chains, &head.id) {
+        let layer = |id: &str| -> Result<Layer, String> {
+            ctx.store
+                .with_tx(|tx| storage::layer_tx(tx, id))
+                .map_err(|e| e.to_string())?
+                .ok_or_else(|| format!("layer {id} is not recorded"))
+        };
+        let top = layer(&m.top)?;
+        let base = layer(&m.base)?;
+        let outcome = match device {
+            Some((l, index)) if m.top == head.id => {
+                stream(
+                    ctx, target, l, index, disk, &m, &top, &base, speed, yield_to,
+                )
+                .await
+            }
+            Some(_) => Err(Skip::from(format!(
+                "{} layer(s) below {} are left for when the VM is stopped: a running VM's \
+                 chain is merged online only right below its head",
+                m.gone.len(),
+                m.top
+            ))),
+            None => rebase(ctx, target, disk, &m, &top, &base).await,
+        };
+        match outcome {
+            Ok(()) => report.merged_layers += m.gone.len(),
+            Err(skip) => {
+                report.failed += usize::from(skip.failed);
+                report.skipped.push(skip.why);
+            }
+        }
+    }
+    Ok(report)
+}
+
+/// Offline: `qemu-img rebase` of the top onto the base. Only when nothing
+/// has the top open (another VM restored from it, an export reading it).
+async fn rebase(
+    ctx: &Arc<Context>,
+    target: &str,
+    disk: &str,
+    m: &Merge,
+    top: &Layer,
+    base: &Layer,
+) -> Result<(), Skip> {
+    // An export reads a snapshot's chain with `qemu-img convert -U`, which
+    // must not see the top's metadata change under it: the pins of every
+    // snapshot whose chain holds the top are taken for the rebase (an export
+    // running now holds one: the merge waits for a later chance; one that
+    // starts meanwhile waits for the rebase).
+    let chains = chains(&ctx.store).map_err(|e| e.to_string())?;
+    let readers: Vec<String> = ctx
+        .store
+        .with_tx(|tx| {
+            let mut stmt = tx.prepare("SELECT snapshot, layer FROM snapshot_layers")?;
+            let rows =
+                stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+            Ok(rows.filter_map(Result::ok).collect::<Vec<_>>())
+        })
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .filter(|(_, layer)| chains.chain(layer).contains(&top.id))
+        .map(|(s, _)| s)
+        .collect();
+    let mut pins = Vec::new();
+    for s in &readers {
+        match ctx.exports.of(s).try_write_owned() {
+            Ok(p) => pins.push(p),
+            Err(_) => {
+                return Err(format!(
+                    "an export of VirtualDiskSnapshot {s:?} reads {}: left for later",
+                    top.path.display()
+                )
+                .into());
+            }
+        }
+    }
+    if storage::open_files().contains(&top.path) {
+        return Err(format!(
+            "{} is open by a process (a VM restored from it, or an export): left for later",
+            top.path.display()
+        )
+        .into());
+    }
+    let id = record(&ctx.store, target, disk, m, false).map_err(|e| e.to_string())?;
+    ctx.event(
+        Kind::VirtualDisk,
+        disk,
+        EventType::Normal,
+        "CompactionStarted",
+        &format!(
+            "compaction {id}: merging {} layer(s) into {} offline (qemu-img rebase onto {})",
+            m.gone.len(),
+            m.top,
+            m.base
+        ),
+    );
+    let started = Instant::now();
+    let result = hearth_qemu::img::rebase(&top.path, &base.path, "qcow2", REBASE_TIMEOUT).await;
+    if let Err(e) = &result {
+        tracing::warn!(id, disk, error = %e, "qemu-img rebase failed");
+    }
+    let settled = settle_one(ctx, None, disk, id, started).await;
+    drop(pins);
+    settled
+}
+
+/// Online: a `block-stream` job on the device's top node with the base as
+/// its base node; the job's progress goes to the disk's status.
+#[allow(clippy::too_many_arguments)]
+async fn stream(
+    ctx: &Arc<Context>,
+    target: &str,
+    live: &LiveVm,
+    index: usize,
+    disk: &str,
+    m: &Merge,
+    top: &Layer,
+    base: &Layer,
+    speed: u64,
+    yield_to: &Yield,
+) -> Result<(), Skip> {
+    let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+    let graph = overlays::Graph::read(live).await?;
+    let top_node = graph
+        .top_node(index)
+        .ok_or_else(|| format!("QEMU has no device for VirtualDisk {disk:?}"))?
+        .to_string();
+    let nodes = overlays::named_nodes(qmp).await?;
+    let node_of = |path: &Path| {
+        nodes
+            .iter()
+            .find(|n| n.driver == "qcow2" && n.file == path.to_string_lossy())
+            .map(|n| n.node.clone())
+    };
+    if node_of(&top.path).as_deref() != Some(top_node.as_str()) {
+        return Err(format!(
+            "QEMU's device of VirtualDisk {disk:?} does not write to its recorded head {}",
+            top.path.display()
+        )
+        .into());
+    }
+    let base_node = node_of(&base.path)
+        .ok_or_else(|| format!("QEMU has no node of layer {}", base.path.display()))?;
+    let id = record(&ctx.store, target, disk, m, true).map_err(|e| e.to_string())?;
+    let job = job_id(id);
+    ctx.event(
+        Kind::VirtualDisk,
+        disk,
+        EventType::Normal,
+        "CompactionStarted",
+        &format!(
+            "compaction {id}: merging {} layer(s) into the running head {} (QMP block-stream job {job}, base {})",
+            m.gone.len(),
+            m.top,
+            m.base
+        ),
+    );
+    let started = Instant::now();
+    let mut args = json!({
+        "job-id": job,
+        "device": top_node,
+        "base-node": base_node,
+        // QEMU knows the base by its fd set; the header gets its real path.
+        "backing-file": base.path.to_string_lossy(),
+        "auto-dismiss": false,
+    });
+    if speed > 0 {
+        args["speed"] = json!(speed);
+    }
+    if let Err(e) = qmp.execute("block-stream", Some(args), QMP_TIMEOUT).await {
+        tracing::warn!(id, disk, error = %e, "block-stream refused");
+    }
+    let cancelled = follow_job(ctx, live, disk, id, m.gone.len(), yield_to).await;
+    match settle_one(ctx, Some(live), disk, id, started).await {
+        Err(skip) if cancelled && skip.failed => Err(Skip::from(format!(
+            "compaction {id} was cancelled for a stop, start or restore of the VM; merged again later"
+        ))),
+        other => other,
+    }
+}
+
+/// Waits for merge `id`'s QMP job to end, showing its progress in the
+/// disk's status (`compaction`), read from `query-jobs`.
+/// Cancels the job (`block-job-cancel`) when a stop, start or restore of
+/// the VM asks for its locks; true then.
+async fn follow_job(
+    ctx: &Context,
+    live: &LiveVm,
+    disk: &str,
+    id: i64,
+    layers: usize,
+    yield_to: &Yield,
+) -> bool {
+    let Some(qmp) = live.qmp.as_ref() else {
+        return false;
+    };
+    let job = job_id(id);
+    let mut shown = None;
+    let mut cancelled = false;
+    loop {
+        if !cancelled && yield_to.asked() {
+            cancelled = true;
+            tracing::info!(
+                id,
+                disk,
+                "cancelling a compaction job: the VM's locks are asked for"
+            );
+            if let Err(e) = qmp
+                .execute(
+                    "block-job-cancel",
+                    Some(json!({"device": job})),
+                    QMP_TIMEOUT,
+                )
+                .await
+            {
+                tracing::warn!(id, error = %e, "block-job-cancel");
+            }
+        }
+        let jobs = match qmp.execute("query-jobs", None, QMP_TIMEOUT).await {
+            Ok(j) => j,
+            Err(e) => {
+                // Settled by observation below (or after a restart).
+                tracing::warn!(id, error = %e, "query-jobs failed");
+                break;
+            }
+        };
+        let Some(j) = jobs
+            .as_array()
+            .and_then(|a| a.iter().find(|j| j["id"] == job.as_str()))
+            .cloned()
+        else {
+            break;
+        };
+        if j["status"] == "concluded" || j["status"] == "null" {
+            if let Some(e) = j.get("error").and_then(Value::as_str) {
+                tracing::warn!(id, disk, error = e, "the stream job failed");
+            }
+            break;
+        }
+        let done = j["current-progress"].as_u64().unwrap_or(0);
+        let total = j["total-progress"].as_u64().unwrap_or(0);
+        if shown != Some((done, total)) {
+            shown = Some((done, total));
+            ctx.set_disk_status(disk, |s| {
+                s.compaction = Some(hearth_api::CompactionProgress {
+                    id: id as u64,
+                    layers: layers as u32,
+                    bytes_done: done,
+                    bytes_total: total,
+                });
+            });
+        }
+        tokio::time::sleep(POLL).await;
+    }
+    ctx.set_disk_status(disk, |s| s.compaction = None);
+    cancelled
+}
+
+/// Settles merge `id` of `disk` right after its job or qemu-img ended.
+async fn settle_one(
+    ctx: &Arc<Context>,
+    live: Option<&LiveVm>,
+    disk: &str,
+    id: i64,
+    started: Instant,
+) -> Result<(), Skip> {
+    let intents: Vec<Intent> = intents_of_disk(&ctx.store, disk)
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .filter(|i| i.id == id)
+        .collect();
+    let settled = settle(ctx, live, &intents).await;
+    tracing::info!(
+        id,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        ?settled,
+        "compaction ended"
+    );
+    match settled.first() {
+        Some((_, Settle::Done)) => Ok(()),
+        Some((_, Settle::Abandoned)) => Err(Skip {
+            why: format!("compaction {id} failed; nothing changed"),
+            failed: true,
+        }),
+        Some((_, s)) => Err(still_open(id, disk, s).unwrap_or_default().into()),
+        None => Err(format!("compaction {id} is not recorded").into()),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,697 @@
+//! Chain compaction end to end: real QEMU (a `block-stream` job under a
+//! running guest), real `qemu-img rebase` for a stopped VM, real qcow2
+//! files. Every claim is checked from ground truth: each remaining
+//! snapshot's bytes (`qemu-img convert` of its layer, hashed), the live
+//! disk's bytes, the guest's own `sha256sum` of its files (page cache
+//! dropped first), the layer headers, the layers directory, and which files
+//! QEMU holds open (`/proc/PID/fd`).
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use serde_json::{Value, json};
+
+fn apply(d: &Daemon, items: Vec<Value>) {
+    let (status, v) = d.request("POST", "/v1/apply", Some(&json!({"items": items})));
+    assert_eq!(status, 200, "apply: {v}");
+}
+
+fn snapshot(d: &Daemon, name: &str, disk: &str) {
+    apply(
+        d,
+        vec![
+            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
+                    "metadata": {"name": name},
+                    "spec": {"virtualDiskName": disk, "requiredConsistency": true}}),
+        ],
+    );
+    let s = snapshot_final(d, name, Duration::from_secs(90));
+    assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
+}
+
+fn delete_snapshot(d: &Daemon, name: &str) {
+    d.cli_ok(&["delete", "snapshot", name]);
+    d.wait_gone("virtualdisksnapshots", name, Duration::from_secs(60));
+}
+
+fn layers_dir(d: &Daemon) -> PathBuf {
+    d.state_dir().join("layers")
+}
+
+fn layer_files(d: &Daemon) -> BTreeSet<PathBuf> {
+    std::fs::read_dir(layers_dir(d))
+        .expect("layers dir")
+        .flatten()
+        .map(|e| e.path())
+        .collect()
+}
+
+/// What a qcow2 file's header names as its backing file.
+fn header_backing(image: &Path) -> Option<PathBuf> {
+    let out = Command::new("qemu-img")
+        .args(["info", "-U", "--output=json"])
+        .arg(image)
+        .output()
+        .expect("qemu-img");
+    assert!(out.status.success(), "qemu-img info {}", image.display());
+    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    v["backing-filename"].as_str().map(PathBuf::from)
+}
+
+/// The disk's recorded head (`status.path`, written with each cut's
+/// commit).
+fn head_of(d: &Daemon, disk: &str) -> PathBuf {
+    PathBuf::from(
+        d.get_disk(disk).expect("disk")["status"]["path"]
+            .as_str()
+            .expect("path"),
+    )
+}
+
+/// The layer files that lie over `head` (an overlay made ahead for the next
+/// cut while the VM runs).
+fn over(d: &Daemon, head: &Path) -> BTreeSet<PathBuf> {
+    layer_files(d)
+        .into_iter()
+        .filter(|f| header_backing(f).as_deref() == Some(head))
+        .collect()
+}
+
+/// The sha256 of an image read through its whole chain (raw).
+fn chain_sha(image: &Path, scratch: &Path) -> String {
+    let raw = scratch.join("chain.raw");
+    let _ = std::fs::remove_file(&raw);
+    let st = Command::new("qemu-img")
+        .args(["convert", "-U", "-O", "raw"])
+        .arg(image)
+        .arg(&raw)
+        .status()
+        .expect("qemu-img");
+    assert!(st.success(), "qemu-img convert {}", image.display());
+    let sum = sha256_file(&raw);
+    std::fs::remove_file(&raw).expect("remove raw");
+    sum
+}
+
+fn chain_length(d: &Daemon, disk: &str) -> Option<u64> {
+    d.get_disk(disk)?["status"]["chainLength"].as_u64()
+}
+
+fn wait_chain_length(d: &Daemon, disk: &str, n: u64, timeout: Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    while std::time::Instant::now() < deadline {
+        if chain_length(d, disk) == Some(n) {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    panic!(
+        "{disk}: chain length {:?}, not {n}, after {timeout:?}\nevents: {:?}\n{}",
+        chain_length(d, disk),
+        d.events("VirtualDisk", disk),
+        d.log()
+    );
+}
+
+/// Files QEMU process `pid` has open.
+fn open_by(pid: u32) -> BTreeSet<PathBuf> {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("/proc/PID/fd")
+        .flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .collect()
+}
+
+/// The guest's own checksums of its files, read from the disk (the page
+/// cache dropped first).
+fn guest_sums(d: &Daemon, vm: &str) -> String {
+    d.agent_sh_ok(
+        vm,
+        "sync; echo 3 > /proc/sys/vm/drop_caches; cd /data && for f in f* big; do [ ! -e $f ] || sha256sum $f; done",
+    )
+}
+
+fn write_file(d: &Daemon, vm: &str, name: &str, kib: u32) {
+    d.agent_sh_ok(
+        vm,
+        &format!(
+            "dd if=/dev/urandom of=/data/{name} bs=64k count={} 2>/dev/null && sync",
+            kib / 64
+        ),
+    );
+}
+
+/// Snapshots k1..k6 of `data-a`, each after a new file; returns each
+/// snapshot's layer (the head at its cut).
+fn six_snapshots(d: &Daemon) -> Vec<PathBuf> {
+    let mut layers = Vec::new();
+    for i in 1..=6 {
+        write_file(d, "app", &format!("f{i}"), 256);
+        let was = head_of(d, "data-a");
+        snapshot(d, &format!("k{i}"), "data-a");
+        assert_eq!(
+            header_backing(&head_of(d, "data-a")).as_deref(),
+            Some(was.as_path())
+        );
+        layers.push(was);
+    }
+    layers
+}
+
+#[test]
+fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    apply_manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("data-a"),
+            vm_yaml("app", "AlwaysOn", &["data-a"], "")
+        ),
+    );
+    d.wait_agent("app");
+    wait_chain_length(&d, "data-a", 1, Duration::from_secs(30));
+    // L0(k1) <- L1(k2) <- ... <- L5(k6) <- head
+    let layers = six_snapshots(&d);
+    write_file(&d, "app", "f7", 256);
+    wait_chain_length(&d, "data-a", 7, Duration::from_secs(30));
+    let describe = d.cli_ok(&["describe", "disk", "data-a"]);
+    assert!(
+        describe.contains("chainLength:") && describe.contains('7'),
+        "{describe}"
+    );
+    let sums = guest_sums(&d, "app");
+    assert_eq!(sums.lines().count(), 7, "{sums}");
+    let snap_sha = |i: usize| chain_sha(&layers[i - 1], &scratch);
+    let before: Vec<String> = (1..=6).map(snap_sha).collect();
+    assert_eq!(
+        before.iter().collect::<BTreeSet<_>>().len(),
+        6,
+        "every snapshot differs"
+    );
+    let qemu = d.qemu_pids_of("app");
+    assert_eq!(qemu.len(), 1);
+    let live_head = head_of(&d, "data-a");
+
+    // 1. Online: k5 and k6 go while the guest runs. Their layers lie right
+    // below the head: a block-stream job merges them into it, with k4's
+    // layer as its base.
+    delete_snapshot(&d, "k6");
+    delete_snapshot(&d, "k5");
+    wait_chain_length(&d, "data-a", 5, Duration::from_secs(60));
+    let events = d.event_reasons("VirtualDisk", "data-a");
+    assert!(
+        events.iter().any(|r| r == "CompactionStarted"),
+        "{events:?}"
+    );
+    assert!(events.iter().any(|r| r == "Compacted"), "{events:?}");
+    assert_eq!(
+        head_of(&d, "data-a"),
+        live_head,
+        "the guest writes the same head"
+    );
+    assert_eq!(
+        header_backing(&live_head).as_deref(),
+        Some(layers[3].as_path()),
+        "the head is backed by k4's layer now"
+    );
+    assert_eq!(backing_chain(&live_head).len(), 6, "5 layers and the image");
+    let files = layer_files(&d);
+    for gone in [&layers[4], &layers[5]] {
+        assert!(!files.contains(gone), "{} is still there", gone.display());
+    }
+    // QEMU let go of the merged layers (their nodes and fd sets removed).
+    let open = open_by(qemu[0]);
+    assert!(
+        open.contains(&live_head) && open.contains(&layers[3]),
+        "{open:?}"
+    );
+    for gone in [&layers[4], &layers[5]] {
+        assert!(
+            !open.iter().any(|p| p.starts_with(gone)),
+            "QEMU still holds {}: {open:?}",
+            gone.display()
+        );
+    }
+    assert_eq!(
+        guest_sums(&d, "app"),
+        sums,
+        "the guest reads its files unchanged"
+    );
+    for i in 1..=4 {
+        assert_eq!(snap_sha(i), before[i - 1], "k{i} changed");
+    }
+    // The guest keeps writing to the merged head.
+    write_file(&d, "app", "f8", 128);
+    let sums = guest_sums(&d, "app");
+
+    // 2. Offline: with the VM stopped, k2 and k3 go. Their layers lie below
+    // k4's: qemu-img rebases k4's layer onto k1's, copying up what k4 read
+    // through them; nothing else is written.
+    d.cli_ok(&["stop", "app"]);
+    d.wait_phase("app", "Stopped", Duration::from_secs(60));
+    let live_before = chain_sha(&live_head, &scratch);
+    delete_snapshot(&d, "k3");
+    delete_snapshot(&d, "k2");
+    wait_chain_length(&d, "data-a", 3, Duration::from_secs(60));
+    assert_eq!(
+        header_backing(&layers[3]).as_deref(),
+        Some(layers[0].as_path()),
+        "k4's layer is backed by k1's now"
+    );
+    assert_eq!(backing_chain(&live_head).len(), 4);
+    let files = layer_files(&d);
+    assert_eq!(
+        files,
+        [live_head.clone(), layers[3].clone(), layers[0].clone()]
+            .into_iter()
+            .collect::<BTreeSet<_>>(),
+        "only the head, k4's and k1's layers are left"
+    );
+    assert_eq!(
+        chain_sha(&live_head, &scratch),
+        live_before,
+        "the live disk changed"
+    );
+    assert_eq!(snap_sha(1), before[0], "k1 changed");
+    assert_eq!(snap_sha(4), before[3], "k4 changed");
+    let out = Command::new("qemu-img")
+        .args(["check", "-U"])
+        .arg(&layers[3])
+        .output()
+        .expect("qemu-img check");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+
+    // 3. The VM boots from the compacted chain and reads the same files.
+    d.cli_ok(&["start", "app"]);
+    d.wait_agent("app");
+    assert_eq!(guest_sums(&d, "app"), sums);
+    // A snapshot and a restore still work on the compacted chain.
+    snapshot(&d, "k9", "data-a");
+    wait_chain_length(&d, "data-a", 4, Duration::from_secs(30));
+}
+
+/// A minimal QMP client on the VM's socket, for when no hearthd runs.
+fn qmp(socket: &Path, command: &str) -> Value {
+    let s = std::os::unix::net::UnixStream::connect(socket).expect("qmp socket");
+    s.set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut w = s.try_clone().expect("clone");
+    let mut r = BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).expect("greeting");
+    let mut ask = |cmd: &str| -> Value {
+        writeln!(w, "{{\"execute\":\"{cmd}\"}}").expect("write");
+        loop {
+            line.clear();
+            r.read_line(&mut line).expect("reply");
+            let v: Value = serde_json::from_str(line.trim()).expect("json");
+            if v.get("return").is_some() || v.get("error").is_some() {
+                return v;
+            }
+        }
+    };
+    ask("qmp_capabilities");
+    ask(command)
+}
+
+fn stream_job(socket: &Path) -> Option<Value> {
+    qmp(socket, "query-jobs")["return"]
+        .as_array()?
+        .iter()
+        .find(|j| j["type"] == "stream")
+        .cloned()
+}
+
+#[test]
+fn a_compaction_survives_hearthd_being_killed_mid_job() {
+    let _serial = serial();
+    // 2 MiB/s: a 32 MiB layer takes the stream job ~16 s.
+    let mut d = Daemon::start_with(&["--compaction-bytes-per-second", "2097152"]);
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    apply_manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("data-a"),
+            vm_yaml("app", "AlwaysOn", &["data-a"], "")
+        ),
+    );
+    d.wait_agent("app");
+    wait_chain_length(&d, "data-a", 1, Duration::from_secs(30));
+    // L0(k1) <- L1(k2: 32 MiB of the guest's data) <- head
+    write_file(&d, "app", "f1", 256);
+    let l0 = head_of(&d, "data-a");
+    snapshot(&d, "k1", "data-a");
+    write_file(&d, "app", "big", 32 * 1024);
+    let l1 = head_of(&d, "data-a");
+    snapshot(&d, "k2", "data-a");
+    write_file(&d, "app", "f2", 256);
+    let live_head = head_of(&d, "data-a");
+    let sums = guest_sums(&d, "app");
+    let k1 = chain_sha(&l0, &scratch);
+    let qemu = d.qemu_pids_of("app");
+    let qmp_sock = d.run_dir().join("vms/app/qmp.sock");
+
+    delete_snapshot(&d, "k2");
+    // The job's progress shows in the disk's status.
+    d.wait_object(
+        "virtualdisks",
+        "data-a",
+        "compaction progress",
+        Duration::from_secs(60),
+        |v| v["status"]["compaction"]["bytesDone"].as_u64() > Some(0),
+    );
+    // Killed mid-job: QEMU goes on with the job on its own.
+    d.kill();
+    let job = stream_job(&qmp_sock).expect("the stream job runs in QEMU with no daemon");
+    assert_eq!(job["status"], "running", "{job:#}");
+    // Back at once: the restarted daemon follows the job it finds running.
+    d.spawn();
+    d.wait_object(
+        "virtualdisks",
+        "data-a",
+        "compaction progress after the restart",
+        Duration::from_secs(60),
+        |v| v["status"]["compaction"]["bytesDone"].as_u64() > job["current-progress"].as_u64(),
+    );
+    // The restarted daemon found the job running and followed it.
+    assert!(
+        d.log()
+            .contains("following a compaction job started before a restart"),
+        "{}",
+        d.log()
+    );
+    // Killed again, and this time the job ends while no daemon runs.
+    d.kill();
+    let again = stream_job(&qmp_sock).expect("the stream job still runs");
+    eprintln!(
+        "killed at {} and at {} of {} bytes",
+        job["current-progress"], again["current-progress"], again["total-progress"]
+    );
+    wait_until(
+        "the stream job concludes in QEMU",
+        Duration::from_secs(120),
+        || stream_job(&qmp_sock).is_some_and(|j| j["status"] == "concluded"),
+    );
+    assert_eq!(
+        header_backing(&live_head).as_deref(),
+        Some(l0.as_path()),
+        "QEMU switched the head's backing itself"
+    );
+    assert!(l1.exists(), "nothing deleted while no daemon ran");
+    d.spawn();
+    wait_chain_length(&d, "data-a", 2, Duration::from_secs(60));
+    let events = d.event_reasons("VirtualDisk", "data-a");
+    assert_eq!(
+        events.iter().filter(|r| *r == "Compacted").count(),
+        1,
+        "{events:?}"
+    );
+    assert!(!l1.exists(), "the merged layer is removed once settled");
+    let open = open_by(qemu[0]);
+    assert!(!open.iter().any(|p| p.starts_with(&l1)), "{open:?}");
+    assert_eq!(d.qemu_pids_of("app"), qemu, "the same QEMU runs");
+    assert_eq!(
+        guest_sums(&d, "app"),
+        sums,
+        "the guest reads its files unchanged"
+    );
+    assert_eq!(chain_sha(&l0, &scratch), k1, "k1 changed");
+}
+
+#[test]
+fn fifty_snapshots_of_a_running_guest_are_cut_and_compacted_back_to_two_layers() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    apply_manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("data-a"),
+            vm_yaml("app", "AlwaysOn", &["data-a"], "")
+        ),
+    );
+    d.wait_agent("app");
+    let bottom = head_of(&d, "data-a");
+    // Past ~45 layers QEMU's json: name of the chain is cut off at 4 KiB:
+    // every cut must still find the head's file, and the merge its nodes.
+    for i in 1..=50 {
+        d.agent_sh_ok(
+            "app",
+            &format!("dd if=/dev/urandom of=/data/f{i} bs=4k count=1 2>/dev/null && sync"),
+        );
+        snapshot(&d, &format!("s{i}"), "data-a");
+    }
+    wait_chain_length(&d, "data-a", 51, Duration::from_secs(30));
+    let sums = guest_sums(&d, "app");
+    assert_eq!(sums.lines().count(), 50, "{sums}");
+    let live_head = head_of(&d, "data-a");
+    let s1 = chain_sha(&bottom, &scratch);
+    // All but the first go: everything between the head and s1's layer
+    // is merged into the head.
+    for i in (2..=50).rev() {
+        d.cli_ok(&["delete", "snapshot", &format!("s{i}")]);
+    }
+    wait_chain_length(&d, "data-a", 2, Duration::from_secs(120));
+    assert_eq!(head_of(&d, "data-a"), live_head);
+    assert_eq!(
+        header_backing(&live_head).as_deref(),
+        Some(bottom.as_path())
+    );
+    // Besides the chain, at most the overlay made ahead for the next cut.
+    let ahead = over(&d, &live_head);
+    assert!(ahead.len() <= 1, "{ahead:?}");
+    let chain: BTreeSet<PathBuf> = [live_head.clone(), bottom.clone()].into_iter().collect();
+    assert_eq!(
+        layer_files(&d),
+        chain.union(&ahead).cloned().collect::<BTreeSet<_>>()
+    );
+    let qemu = d.qemu_pids_of("app");
+    let open: BTreeSet<PathBuf> = open_by(qemu[0])
+        .into_iter()
+        .filter(|p| p.starts_with(layers_dir(&d)))
+        .collect();
+    assert!(
+        open.is_subset(&chain.union(&ahead).cloned().collect()),
+        "QEMU holds the head, the bottom and at most the overlay made ahead: {open:?}"
+    );
+    assert!(
+        open.contains(&live_head) && open.contains(&bottom),
+        "{open:?}"
+    );
+    assert_eq!(guest_sums(&d, "app"), sums);
+    assert_eq!(chain_sha(&bottom, &scratch), s1, "s1 changed");
+    // And cuts go on on the compacted chain.
+    snapshot(&d, "after", "data-a");
+    wait_chain_length(&d, "data-a", 3, Duration::from_secs(30));
+}
+
+/// A `qemu-img rebase` of this daemon's layers, from the process table.
+fn rebase_pid(d: &Daemon) -> Option<u32> {
+    let marker = d.dir.path().to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .ok()?
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<u32>().ok())
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| {
+                let args: Vec<String> = c
+                    .split(|b| *b == 0)
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                args.first().is_some_and(|a| a.ends_with("qemu-img"))
+                    && args.iter().any(|a| a == "rebase")
+                    && args.iter().any(|a| a.contains(&marker))
+            })
+        })
+}
+
+#[test]
+fn an_offline_compaction_killed_with_its_qemu_img_is_done_again_and_changes_nothing() {
+    let _serial = serial();
+    let mut d = Daemon::start();
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    apply_manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: raw-a\nspec:\n  size: 512Mi\n  source:\n    blank: {{}}\n---\n{}",
+            vm_yaml("app", "AlwaysOn", &["raw-a"], "")
+        ),
+    );
+    d.wait_agent("app");
+    // Raw writes to the unformatted disk: L0(k1) <- L1(k2: 384 MiB) <- L2(k3) <- head.
+    d.agent_sh_ok(
+        "app",
+        "dd if=/dev/urandom of=/dev/vda bs=1M count=4 conv=fsync 2>/dev/null",
+    );
+    let l0 = head_of(&d, "raw-a");
+    snapshot(&d, "k1", "raw-a");
+    d.agent_sh_ok(
+        "app",
+        "dd if=/dev/urandom of=/tmp/r bs=1M count=4 2>/dev/null && i=0; \
+         while [ $i -lt 96 ]; do cat /tmp/r; i=$((i+1)); done | dd of=/dev/vda bs=1M seek=8 conv=fsync 2>/dev/null; rm /tmp/r",
+    );
+    let l1 = head_of(&d, "raw-a");
+    snapshot(&d, "k2", "raw-a");
+    d.agent_sh_ok(
+        "app",
+        "dd if=/dev/urandom of=/dev/vda bs=1M seek=4 count=1 conv=fsync 2>/dev/null",
+    );
+    let l2 = head_of(&d, "raw-a");
+    snapshot(&d, "k3", "raw-a");
+    d.cli_ok(&["stop", "app"]);
+    d.wait_phase("app", "Stopped", Duration::from_secs(60));
+    let live_head = head_of(&d, "raw-a");
+    let (k1, k3, live) = (
+        chain_sha(&l0, &scratch),
+        chain_sha(&l2, &scratch),
+        chain_sha(&live_head, &scratch),
+    );
+
+    // k2 goes: hearthd rebases k3's layer onto k1's. Both hearthd and its
+    // qemu-img are killed in the middle of the copy.
+    d.cli_ok(&["delete", "snapshot", "k2"]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let pid = loop {
+        if let Some(pid) = rebase_pid(&d) {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no qemu-img rebase\n{}",
+            d.log()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    d.kill();
+    let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+    wait_until("qemu-img gone", Duration::from_secs(10), || {
+        !Path::new(&format!("/proc/{pid}")).exists() || !is_alive(pid)
+    });
+    assert_eq!(
+        header_backing(&l2).as_deref(),
+        Some(l1.as_path()),
+        "killed before the switch"
+    );
+    assert!(l1.exists());
+    // Half-copied: k3 still reads exactly as before.
+    assert_eq!(
+        chain_sha(&l2, &scratch),
+        k3,
+        "a half-done rebase changed k3"
+    );
+
+    d.spawn();
+    wait_chain_length(&d, "raw-a", 3, Duration::from_secs(120));
+    let events = d.event_reasons("VirtualDisk", "raw-a");
+    assert!(
+        events.iter().any(|r| r == "CompactionAbandoned"),
+        "{events:?}"
+    );
+    assert!(events.iter().any(|r| r == "Compacted"), "{events:?}");
+    assert_eq!(header_backing(&l2).as_deref(), Some(l0.as_path()));
+    assert!(!l1.exists(), "the merged layer is removed");
+    assert_eq!(chain_sha(&l0, &scratch), k1, "k1 changed");
+    assert_eq!(chain_sha(&l2, &scratch), k3, "k3 changed");
+    assert_eq!(
+        chain_sha(&live_head, &scratch),
+        live,
+        "the live disk changed"
+    );
+    let out = Command::new("qemu-img")
+        .args(["check", "-U"])
+        .arg(&l2)
+        .output()
+        .expect("qemu-img check");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+#[test]
+fn a_stop_cancels_a_throttled_merge_which_is_then_done_offline() {
+    let _serial = serial();
+    // 1 MiB/s: the 32 MiB layer would take the job half a minute.
+    let d = Daemon::start_with(&["--compaction-bytes-per-second", "1048576"]);
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    apply_manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("data-a"),
+            vm_yaml("app", "AlwaysOn", &["data-a"], "")
+        ),
+    );
+    d.wait_agent("app");
+    write_file(&d, "app", "f1", 256);
+    let l0 = head_of(&d, "data-a");
+    snapshot(&d, "k1", "data-a");
+    write_file(&d, "app", "big", 32 * 1024);
+    let l1 = head_of(&d, "data-a");
+    snapshot(&d, "k2", "data-a");
+    write_file(&d, "app", "f2", 256);
+    let live_head = head_of(&d, "data-a");
+    let sums = guest_sums(&d, "app");
+    let k1 = chain_sha(&l0, &scratch);
+
+    delete_snapshot(&d, "k2");
+    d.wait_object(
+        "virtualdisks",
+        "data-a",
+        "compaction progress",
+        Duration::from_secs(60),
+        |v| v["status"]["compaction"]["bytesDone"].as_u64() > Some(0),
+    );
+    let asked = std::time::Instant::now();
+    d.cli_ok(&["stop", "app"]);
+    d.wait_phase("app", "Stopped", Duration::from_secs(60));
+    let stop_s = asked.elapsed().as_secs_f64();
+    eprintln!("stopped {stop_s:.1} s after the stop was asked");
+    assert!(
+        stop_s < 20.0,
+        "the stop waited for the merge: {stop_s:.1} s"
+    );
+    assert!(
+        d.log().contains("cancelling a compaction job"),
+        "{}",
+        d.log()
+    );
+    // With no QEMU left, the merge is done offline at once.
+    wait_chain_length(&d, "data-a", 2, Duration::from_secs(60));
+    assert_eq!(header_backing(&live_head).as_deref(), Some(l0.as_path()));
+    assert!(!l1.exists());
+    assert_eq!(chain_sha(&l0, &scratch), k1, "k1 changed");
+    d.cli_ok(&["start", "app"]);
+    d.wait_agent("app");
+    assert_eq!(
+        guest_sums(&d, "app"),
+        sums,
+        "the guest reads its files unchanged"
+    );
+}
