@@ -348,7 +348,8 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
                 // Requests that came meanwhile are the coordinator's to
                 // place: into this cut while it is being prepared, else
                 // into the next.
-                closed |= take_waiting(&mut rx, &mut core, &mut queue, &mut ahead_due, &mut compact);
+                closed |=
+                    take_waiting(&mut rx, &mut core, &mut queue, &mut ahead_due, &mut compact);
                 let committed = matches!(input, Input::Committed { ok: true, .. });
                 ahead_due |= committed && held.live.is_some();
                 queue.extend(core.handle(input));
