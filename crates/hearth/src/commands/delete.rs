@@ -28,7 +28,8 @@ Examples:
   hearth delete vmsnapshot before-upgrade"
 )]
 pub struct Args {
-    /// vm, disk, image, network, snapshot (a disk snapshot) or vmsnapshot.
+    /// vm, disk, image, network, snapshot (a disk snapshot), vmsnapshot or
+    /// vmsnapshotgroup.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     /// One or more names; each is deleted on its own, so one failure does not stop the rest.

@@ -31,7 +31,8 @@ Examples:
   hearth describe vmsnapshot before-upgrade"
 )]
 pub struct Args {
-    /// vm, disk, image, network, snapshot (a disk snapshot) or vmsnapshot.
+    /// vm, disk, image, network, snapshot (a disk snapshot), vmsnapshot or
+    /// vmsnapshotgroup.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     #[arg(value_name = "NAME", value_parser = super::parse_name)]

@@ -62,7 +62,8 @@ Examples:
   hearth get vmsnapshots -o wide"
 )]
 pub struct Args {
-    /// vm, disk, image, network, snapshot (a disk snapshot) or vmsnapshot; plurals,
+    /// vm, disk, image, network, snapshot (a disk snapshot), vmsnapshot or
+    /// vmsnapshotgroup; plurals,
     /// `vi`, and the full kind names (VirtualDisk, VirtualImage...) work too.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,

@@ -27,9 +27,10 @@ use hearth_api::{Kind, check_dns_label};
 pub fn parse_kind(s: &str) -> Result<Kind, String> {
     Kind::from_user(s).ok_or_else(|| {
         format!(
-            "unknown kind {s:?} (use vm, disk, image, network, snapshot or vmsnapshot; \
-             VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot \
-             and VirtualMachineSnapshot work too)"
+            "unknown kind {s:?} (use vm, disk, image, network, snapshot, vmsnapshot or \
+             vmsnapshotgroup; VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, \
+             VirtualDiskSnapshot, VirtualMachineSnapshot and VirtualMachineSnapshotGroup \
+             work too)"
         )
     })
 }

@@ -50,7 +50,8 @@ Examples:
   hearth wait snapshot data-20250101-120000 --for phase=Ready"
 )]
 pub struct Args {
-    /// vm, disk, image, network, snapshot (a disk snapshot) or vmsnapshot.
+    /// vm, disk, image, network, snapshot (a disk snapshot), vmsnapshot or
+    /// vmsnapshotgroup.
     #[arg(value_name = "KIND", value_parser = super::parse_kind)]
     pub kind: Kind,
     #[arg(value_name = "NAME", value_parser = super::parse_name)]
