@@ -66,50 +66,6 @@ fn exec(d: &Daemon, vm: &str, script: &str) -> String {
     d.agent_sh_ok(vm, script)
 }
 
-fn freeze_status(d: &Daemon, vm: &str) -> String {
-    let (status, v) = d.request(
-        "POST",
-        &format!("/v1/virtualmachines/{vm}/agent/fsfreeze-status"),
-        None,
-    );
-    assert_eq!(status, 200, "{v}");
-    v["status"].as_str().unwrap_or_default().to_string()
-}
-
-/// `guest-fsfreeze-status` asked of qemu-ga directly on the VM's agent
-/// socket (while no hearthd holds it): resynchronises with
-/// `guest-sync` first, so an old reply queued for hearthd is never taken
-/// for this one.
-fn agent_freeze_status(socket: &Path) -> Option<String> {
-    use std::io::{BufRead, BufReader, Write};
-    let mut s = std::os::unix::net::UnixStream::connect(socket).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(3))).ok()?;
-    let id = std::process::id() as u64 * 1000 + 7;
-    s.write_all(
-        format!("{{\"execute\":\"guest-sync\",\"arguments\":{{\"id\":{id}}}}}\n").as_bytes(),
-    )
-    .ok()?;
-    let mut r = BufReader::new(s.try_clone().ok()?);
-    let mut line = String::new();
-    loop {
-        line.clear();
-        r.read_line(&mut line).ok()?;
-        if line.is_empty() {
-            return None;
-        }
-        let v: Value = serde_json::from_str(line.trim()).unwrap_or(Value::Null);
-        if v["return"].as_u64() == Some(id) {
-            break;
-        }
-    }
-    s.write_all(b"{\"execute\":\"guest-fsfreeze-status\"}\n")
-        .ok()?;
-    line.clear();
-    r.read_line(&mut line).ok()?;
-    let v: Value = serde_json::from_str(line.trim()).ok()?;
-    v["return"].as_str().map(str::to_string)
-}
-
 fn count_events(d: &Daemon, vm: &str, reason: &str) -> usize {
     d.event_reasons("VirtualMachine", vm)
         .iter()
