@@ -325,6 +325,7 @@ impl QmpClient {
         if let Some(arguments) = arguments {
             msg["arguments"] = arguments;
         }
+        tracing::trace!(%msg, "QMP command");
         let mut line = msg.to_string().into_bytes();
         line.push(b'\n');
         if self.inner.lines_tx.send(Outgoing { line, fd }).is_err() {
@@ -504,6 +505,105 @@ pub async fn remove_file_node(
         }
     }
     Ok(())
+}
+
+/// Reopens `file` node `node`, which QEMU opened from an fd set, read-write
+/// (`read_only` false) or read-only again, over a new descriptor of `path`
+/// opened here in that mode; then removes every other descriptor of the
+/// set. For a merge into a layer QEMU holds read-only (a snapshot's layer
+/// under the head), and back after it.
+///
+/// Why the other descriptors go: QEMU locks the image with OFD locks
+/// (`F_OFD_SETLK`), which belong to the open file description, not to a
+/// descriptor. The node reads through a `dup` of the set's descriptor;
+/// after the reopen it closes its dup, but the set's own descriptor keeps
+/// the old description, and its locks, alive. Its "nobody else writes"
+/// lock then refuses the write the node now needs ("Failed to get "write"
+/// lock", measured on QEMU 10.0.2). Removing it closes that description.
+/// Another process that has the file open with locking (a VM restored from
+/// the layer) holds the same lock: the write is refused, and nothing is
+/// changed under that reader.
+pub async fn reopen_file_node(
+    qmp: &QmpClient,
+    node: &str,
+    path: &Path,
+    read_only: bool,
+    timeout: Duration,
+) -> Result<(), QmpError> {
+    let nodes = qmp
+        .execute(
+            "query-named-block-nodes",
+            Some(json!({"flat": true})),
+            timeout,
+        )
+        .await?;
+    let set = nodes
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|n| n["node-name"] == node)
+        .and_then(|n| {
+            n["file"]
+                .as_str()?
+                .strip_prefix("/dev/fdset/")?
+                .parse::<u64>()
+                .ok()
+        })
+        .ok_or_else(|| QmpError::Protocol(format!("node {node} is not opened from an fd set")))?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(!read_only)
+        .open(path)
+        .map_err(QmpError::Io)?;
+    let added = qmp
+        .execute_with_fd(
+            "add-fd",
+            Some(json!({"fdset-id": set, "opaque": path.to_string_lossy()})),
+            file.into(),
+            timeout,
+        )
+        .await?;
+    let new_fd = added
+        .get("fd")
+        .and_then(Value::as_i64)
+        .ok_or_else(|| QmpError::Protocol(format!("add-fd answered {added}")))?;
+    let reopened = qmp
+        .execute(
+            "blockdev-reopen",
+            Some(json!({"options": [{
+                "driver": "file",
+                "node-name": node,
+                "filename": crate::cmdline::fdset_path(set),
+                "read-only": read_only,
+            }]})),
+            timeout,
+        )
+        .await;
+    // On failure the new descriptor goes, and the node reads on as before.
+    let keep = if reopened.is_ok() { new_fd } else { -1 };
+    let sets = qmp.execute("query-fdsets", None, timeout).await?;
+    for fd in fds_of_set(&sets, set) {
+        if fd != keep && (reopened.is_ok() || fd == new_fd) {
+            qmp.execute(
+                "remove-fd",
+                Some(json!({"fdset-id": set, "fd": fd})),
+                timeout,
+            )
+            .await?;
+        }
+    }
+    reopened.map(|_| ())
+}
+
+/// The descriptors of fd set `set` in a `query-fdsets` answer.
+fn fds_of_set(sets: &Value, set: u64) -> Vec<i64> {
+    sets.as_array()
+        .into_iter()
+        .flatten()
+        .filter(|s| s["fdset-id"] == set)
+        .flat_map(|s| s["fds"].as_array().cloned().unwrap_or_default())
+        .filter_map(|fd| fd["fd"].as_i64())
+        .collect()
 }
 
 /// Every fd set with the label of its first descriptor (`query-fdsets`).
@@ -825,6 +925,17 @@ mod tests {
             .expect("connect");
         let fake = server.await.expect("server task");
         (dir, client, events, fake)
+    }
+
+    #[test]
+    fn the_descriptors_of_one_fd_set_are_listed() {
+        let sets = json!([
+            {"fdset-id": 2, "fds": [{"fd": 9, "opaque": "/l/2.qcow2"}, {"fd": 12, "opaque": "/l/2.qcow2"}]},
+            {"fdset-id": 1, "fds": [{"fd": 8, "opaque": "/l/1.qcow2"}]},
+        ]);
+        assert_eq!(fds_of_set(&sets, 2), vec![9, 12]);
+        assert_eq!(fds_of_set(&sets, 1), vec![8]);
+        assert!(fds_of_set(&sets, 5).is_empty());
     }
 
     #[test]

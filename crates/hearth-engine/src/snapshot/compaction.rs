@@ -5,7 +5,7 @@
 //! The pure core decides *what* may be merged ([`plan`]) and how a merge a
 //! crash interrupted is settled ([`decide`]); the async shell below does the
 //! I/O: `qemu-img rebase` for a disk no QEMU runs, a QMP `block-stream` job
-//! for the head of a running VM's disk, always through the VM's snapshot
+//! for a running VM's disk, always through the VM's snapshot
 //! actor (which performs every block-graph change of that VM in order).
 //!
 //! The direction is always *up*: the data of the unneeded layers goes into
@@ -580,6 +580,10 @@ pub async fn compact_disk(
                     "following a compaction job started before a restart"
                 );
                 follow_job(ctx, l, disk, i.id, i.gone.len(), yield_to).await;
+                let head = storage::head(&ctx.store, disk).map_err(|e| e.to_string())?;
+                if head.is_none_or(|h| h.id != i.top.id) {
+                    back_to_read_only(l, &i.top).await;
+                }
             }
         }
     }
@@ -612,18 +616,14 @@ pub async fn compact_disk(
         let top = layer(&m.top)?;
         let base = layer(&m.base)?;
         let outcome = match device {
-            Some((l, index)) if m.top == head.id => {
-                stream(
-                    ctx, target, l, index, disk, &m, &top, &base, speed, yield_to,
-                )
-                .await
+            Some((l, index)) => {
+                let into = if m.top == head.id {
+                    MergeInto::Head(index)
+                } else {
+                    MergeInto::Layer
+                };
+                stream(ctx, target, l, into, disk, &m, &top, &base, speed, yield_to).await
             }
-            Some(_) => Err(Skip::from(format!(
-                "{} layer(s) below {} are left for when the VM is stopped: a running VM's \
-                 chain is merged online only right below its head",
-                m.gone.len(),
-                m.top
-            ))),
             None => rebase(ctx, target, disk, &m, &top, &base).await,
         };
         match outcome {
@@ -647,38 +647,7 @@ async fn rebase(
     top: &Layer,
     base: &Layer,
 ) -> Result<(), Skip> {
-    // An export reads a snapshot's chain with `qemu-img convert -U`, which
-    // must not see the top's metadata change under it: the pins of every
-    // snapshot whose chain holds the top are taken for the rebase (an export
-    // running now holds one: the merge waits for a later chance; one that
-    // starts meanwhile waits for the rebase).
-    let chains = chains(&ctx.store).map_err(|e| e.to_string())?;
-    let readers: Vec<String> = ctx
-        .store
-        .with_tx(|tx| {
-            let mut stmt = tx.prepare("SELECT snapshot, layer FROM snapshot_layers")?;
-            let rows =
-                stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
-            Ok(rows.filter_map(Result::ok).collect::<Vec<_>>())
-        })
-        .map_err(|e| e.to_string())?
-        .into_iter()
-        .filter(|(_, layer)| chains.chain(layer).contains(&top.id))
-        .map(|(s, _)| s)
-        .collect();
-    let mut pins = Vec::new();
-    for s in &readers {
-        match ctx.exports.of(s).try_write_owned() {
-            Ok(p) => pins.push(p),
-            Err(_) => {
-                return Err(format!(
-                    "an export of VirtualDiskSnapshot {s:?} reads {}: left for later",
-                    top.path.display()
-                )
-                .into());
-            }
-        }
-    }
+    let pins = pin_readers(ctx, top)?;
     if storage::open_files().contains(&top.path) {
         return Err(format!(
             "{} is open by a process (a VM restored from it, or an export): left for later",
@@ -709,6 +678,55 @@ async fn rebase(
     settled
 }
 
+/// Takes the export pins of every snapshot whose chain holds `top`, for as
+/// long as a merge writes into it. An export reads a snapshot's chain with
+/// `qemu-img convert -U`, which takes no lock and must not see the top's
+/// metadata change under it: an export running now holds its pin (the
+/// merge waits for a later chance); one that starts meanwhile waits for
+/// the merge.
+fn pin_readers(
+    ctx: &Context,
+    top: &Layer,
+) -> Result<Vec<tokio::sync::OwnedRwLockWriteGuard<()>>, Skip> {
+    let chains = chains(&ctx.store).map_err(|e| e.to_string())?;
+    let readers: Vec<String> = ctx
+        .store
+        .with_tx(|tx| {
+            let mut stmt = tx.prepare("SELECT snapshot, layer FROM snapshot_layers")?;
+            let rows =
+                stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
+            Ok(rows.filter_map(Result::ok).collect::<Vec<_>>())
+        })
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .filter(|(_, layer)| chains.chain(layer).contains(&top.id))
+        .map(|(s, _)| s)
+        .collect();
+    let mut pins = Vec::new();
+    for s in &readers {
+        match ctx.exports.of(s).try_write_owned() {
+            Ok(p) => pins.push(p),
+            Err(_) => {
+                return Err(format!(
+                    "an export of VirtualDiskSnapshot {s:?} reads {}: left for later",
+                    top.path.display()
+                )
+                .into());
+            }
+        }
+    }
+    Ok(pins)
+}
+
+/// Where an online merge writes: into the head the guest writes (the
+/// device's top node, at this device index), or into a kept layer under
+/// it (a snapshot's), which QEMU holds read-only.
+#[derive(Clone, Copy, Debug)]
+enum MergeInto {
+    Head(usize),
+    Layer,
+}
+
 /// Online: a `block-stream` job on the device's top node with the base as
 /// its base node; the job's progress goes to the disk's status.
 #[allow(clippy::too_many_arguments)]
@@ -716,7 +734,7 @@ async fn stream(
     ctx: &Arc<Context>,
     target: &str,
     live: &LiveVm,
-    index: usize,
+    into: MergeInto,
     disk: &str,
     m: &Merge,
     top: &Layer,
@@ -725,11 +743,6 @@ async fn stream(
     yield_to: &Yield,
 ) -> Result<(), Skip> {
     let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
-    let graph = overlays::Graph::read(live).await?;
-    let top_node = graph
-        .top_node(index)
-        .ok_or_else(|| format!("QEMU has no device for VirtualDisk {disk:?}"))?
-        .to_string();
     let nodes = overlays::named_nodes(qmp).await?;
     let node_of = |path: &Path| {
         nodes
@@ -737,16 +750,64 @@ async fn stream(
             .find(|n| n.driver == "qcow2" && n.file == path.to_string_lossy())
             .map(|n| n.node.clone())
     };
-    if node_of(&top.path).as_deref() != Some(top_node.as_str()) {
-        return Err(format!(
-            "QEMU's device of VirtualDisk {disk:?} does not write to its recorded head {}",
-            top.path.display()
-        )
-        .into());
+    let top_node = node_of(&top.path)
+        .ok_or_else(|| format!("QEMU has no node of layer {}", top.path.display()))?;
+    if let MergeInto::Head(index) = into {
+        let graph = overlays::Graph::read(live).await?;
+        let device_top = graph
+            .top_node(index)
+            .ok_or_else(|| format!("QEMU has no device for VirtualDisk {disk:?}"))?;
+        if device_top != top_node {
+            return Err(format!(
+                "QEMU's device of VirtualDisk {disk:?} does not write to its recorded head {}",
+                top.path.display()
+            )
+            .into());
+        }
     }
     let base_node = node_of(&base.path)
         .ok_or_else(|| format!("QEMU has no node of layer {}", base.path.display()))?;
-    let id = record(&ctx.store, target, disk, m, true).map_err(|e| e.to_string())?;
+    let pins = pin_readers(ctx, top)?;
+    if let MergeInto::Layer = into {
+        // A snapshot's layer may be read by others: a VM restored from it,
+        // an export. QEMU's lock refuses the write while one with locking
+        // reads it; this also covers readers without locks.
+        let pid = live.record.process.pid;
+        if storage::open_files_except(Some(pid)).contains(&top.path) {
+            return Err(format!(
+                "{} is open by a process other than the VM's QEMU (a VM restored from it, \
+                 or an export): left for later",
+                top.path.display()
+            )
+            .into());
+        }
+        let file_node = overlays::file_child(&top_node)
+            .ok_or_else(|| format!("node {top_node} has no file node of hearth's naming"))?;
+        // QEMU reopens the format node read-write for the job (and back at
+        // its end) by itself; its file node and descriptor are hearth's to
+        // change.
+        if let Err(e) =
+            hearth_qemu::qmp::reopen_file_node(qmp, &file_node, &top.path, false, QMP_TIMEOUT).await
+        {
+            return Err(Skip {
+                why: format!(
+                    "cannot open layer {} for writing in QEMU: {e}",
+                    top.path.display()
+                ),
+                failed: true,
+            });
+        }
+    }
+    let id = record(&ctx.store, target, disk, m, true).map_err(|e| e.to_string());
+    let id = match id {
+        Ok(id) => id,
+        Err(e) => {
+            if let MergeInto::Layer = into {
+                back_to_read_only(live, top).await;
+            }
+            return Err(e.into());
+        }
+    };
     let job = job_id(id);
     ctx.event(
         Kind::VirtualDisk,
@@ -754,8 +815,12 @@ async fn stream(
         EventType::Normal,
         "CompactionStarted",
         &format!(
-            "compaction {id}: merging {} layer(s) into the running head {} (QMP block-stream job {job}, base {})",
+            "compaction {id}: merging {} layer(s) into {} {} (QMP block-stream job {job}, base {})",
             m.gone.len(),
+            match into {
+                MergeInto::Head(_) => "the running head",
+                MergeInto::Layer => "the running VM's kept layer",
+            },
             m.top,
             m.base
         ),
@@ -767,7 +832,11 @@ async fn stream(
         "base-node": base_node,
         // QEMU knows the base by its fd set; the header gets its real path.
         "backing-file": base.path.to_string_lossy(),
-        "auto-dismiss": false,
+        // Never left concluded: QEMU 10.0.2 segfaults on
+        // `query-named-block-nodes` while a concluded stream job waits to be
+        // dismissed (measured; the head's case too). Its end is settled from
+        // the top's header anyway, so nothing needs the concluded job.
+        "auto-dismiss": true,
     });
     if speed > 0 {
         args["speed"] = json!(speed);
@@ -776,11 +845,43 @@ async fn stream(
         tracing::warn!(id, disk, error = %e, "block-stream refused");
     }
     let cancelled = follow_job(ctx, live, disk, id, m.gone.len(), yield_to).await;
-    match settle_one(ctx, Some(live), disk, id, started).await {
+    if let MergeInto::Layer = into {
+        back_to_read_only(live, top).await;
+    }
+    let settled = settle_one(ctx, Some(live), disk, id, started).await;
+    drop(pins);
+    match settled {
         Err(skip) if cancelled && skip.failed => Err(Skip::from(format!(
             "compaction {id} was cancelled for a stop, start or restore of the VM; merged again later"
         ))),
         other => other,
+    }
+}
+
+/// Gives QEMU `layer` read-only again after a merge into it: its file node
+/// reopened over a read-only descriptor, the read-write one removed. A
+/// failure is logged; the descriptor then stays until the VM stops.
+async fn back_to_read_only(live: &LiveVm, layer: &Layer) {
+    let Some(qmp) = live.qmp.as_ref() else { return };
+    let node = match overlays::named_nodes(qmp).await {
+        Ok(nodes) => nodes
+            .into_iter()
+            .find(|n| n.driver == "qcow2" && n.file == layer.path.to_string_lossy())
+            .and_then(|n| overlays::file_child(&n.node)),
+        Err(e) => {
+            tracing::warn!(layer = %layer.path.display(), error = %e, "cannot read QEMU's nodes");
+            return;
+        }
+    };
+    let Some(node) = node else { return };
+    if let Err(e) =
+        hearth_qemu::qmp::reopen_file_node(qmp, &node, &layer.path, true, QMP_TIMEOUT).await
+    {
+        tracing::warn!(
+            layer = %layer.path.display(),
+            error = %e,
+            "cannot give QEMU the merged-into layer read-only again"
+        );
     }
 }
 

@@ -344,6 +344,11 @@ pub fn sweep_orphans(store: &Store, state_dir: &Path) -> Result<Vec<PathBuf>, St
 
 /// Every file any process has open, from `/proc/*/fd`.
 pub(crate) fn open_files() -> BTreeSet<PathBuf> {
+    open_files_except(None)
+}
+
+/// Every file a process other than `except` has open, from `/proc/*/fd`.
+pub(crate) fn open_files_except(except: Option<u32>) -> BTreeSet<PathBuf> {
     let mut out = BTreeSet::new();
     let Ok(procs) = std::fs::read_dir("/proc") else {
         return out;
@@ -355,6 +360,9 @@ pub(crate) fn open_files() -> BTreeSet<PathBuf> {
             .bytes()
             .all(|b| b.is_ascii_digit())
         {
+            continue;
+        }
+        if except.is_some_and(|pid| p.file_name().to_string_lossy() == pid.to_string()) {
             continue;
         }
         if let Ok(fds) = std::fs::read_dir(p.path().join("fd")) {
