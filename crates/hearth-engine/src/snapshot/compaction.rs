@@ -772,6 +772,19 @@ async fn stream(
         // A snapshot's layer may be read by others: a VM restored from it,
         // an export. QEMU's lock refuses the write while one with locking
         // reads it; this also covers readers without locks.
+        let readers = nodes
+            .iter()
+            .filter(|n| n.driver == "qcow2" && n.file == top.path.to_string_lossy())
+            .count();
+        if readers > 1 {
+            // Another disk of this VM reads the layer too (restored from
+            // the same snapshot), through its own node.
+            return Err(format!(
+                "{} is read by {readers} nodes of the VM's QEMU (another disk reads it): left for later",
+                top.path.display()
+            )
+            .into());
+        }
         let pid = live.record.process.pid;
         if storage::open_files_except(Some(pid)).contains(&top.path) {
             return Err(format!(
