@@ -124,24 +124,46 @@ fn vim_saving_twice_within_a_second_and_with_a_stale_swap_file() {
     assert_eq!(env.count("db", "Updated") as u64, generation - 1);
     assert_eq!(env.count("db", "Deleting"), 0);
 
-    // vim killed: its swap file stays behind, stale.
+    // vim killed with a change it never saved: its swap file stays behind,
+    // stale, and marked modified. A leftover swap file that holds no
+    // changes is deleted by the next vim without a word once its owner's
+    // pid is gone, and a SIGKILLed vim's pid lasts only until its zombie is
+    // reaped: whether vim asked would be a race. The unsaved change,
+    // preserved into the swap file before the kill, makes it always ask.
+    let swap = env.path(".db.yaml.swp");
+    assert!(swap.exists());
+    vim.tmux.ex(":%s/384Mi/448Mi/");
+    vim.tmux.ex(":preserve");
+    wait_until(
+        "the unsaved change is in the swap file",
+        Duration::from_secs(10),
+        || std::fs::read(&swap).is_ok_and(|b| b.windows(b"448Mi".len()).any(|w| w == b"448Mi")),
+    );
     let pid = vim.tmux.pid();
-    assert!(env.path(".db.yaml.swp").exists());
     signal(pid, rustix::process::Signal::KILL);
+    wait_until("the killed vim is gone", Duration::from_secs(10), || {
+        !is_alive(pid)
+    });
     drop(vim);
-    let stale = std::fs::read(env.path(".db.yaml.swp")).expect("stale swap file");
+    let stale = std::fs::read(&swap).expect("stale swap file");
 
-    // The next vim finds it, the user edits anyway.
+    // The next vim finds it, the user edits anyway: the file as saved on
+    // disk, not the change in the swap file.
     let vim = Vim::open(&env.dir, "db.yaml");
     vim.tmux
         .wait_screen("swap file warning", Duration::from_secs(5), |s| {
-            s.contains("ATTENTION") || s.contains("Swap file")
+            (s.contains("ATTENTION") || s.contains("Swap file")) && s.contains("modified: YES")
         });
     vim.tmux.keys(&["e"]);
     vim.tmux
         .wait_screen("editing", Duration::from_secs(5), |s| {
-            s.contains("memory: 384Mi")
+            s.contains("memory: 384Mi") && !s.contains("ATTENTION")
         });
+    assert!(
+        !vim.tmux.screen().contains("448Mi"),
+        "{}",
+        vim.tmux.screen()
+    );
     vim.tmux.ex(":%s/384Mi/512Mi/");
     vim.save();
     env.until(
@@ -154,7 +176,7 @@ fn vim_saving_twice_within_a_second_and_with_a_stale_swap_file() {
     assert_eq!(env.count("db", "Updated") as u64, generation);
     assert_eq!(env.count("db", "Deleting"), 0);
     assert_eq!(
-        std::fs::read(env.path(".db.yaml.swp")).expect("still there"),
+        std::fs::read(&swap).expect("still there"),
         stale,
         "hearthd leaves swap files alone"
     );
