@@ -659,14 +659,22 @@ fn rebase_pid(d: &Daemon) -> Option<u32> {
         })
 }
 
-#[test]
-fn an_offline_compaction_killed_with_its_qemu_img_is_done_again_and_changes_nothing() {
-    let _serial = serial();
-    let mut d = Daemon::start();
-    let scratch = d.dir.path().join("scratch");
-    std::fs::create_dir_all(&scratch).expect("scratch");
+/// A VM `app` with an unformatted disk `raw-a` written raw by the guest:
+/// L0(k1) <- L1(k2: 384 MiB) <- L2(k3) <- head, then stopped. Returns the
+/// three layers and the hashes of k1, k3 and the live disk.
+struct RawChain {
+    l0: PathBuf,
+    l1: PathBuf,
+    l2: PathBuf,
+    live_head: PathBuf,
+    k1: String,
+    k3: String,
+    live: String,
+}
+
+fn raw_chain_of_a_stopped_vm(d: &Daemon, scratch: &Path) -> RawChain {
     apply_manifest(
-        &d,
+        d,
         "vm.yaml",
         &format!(
             "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: raw-a\nspec:\n  size: 512Mi\n  source:\n    blank: {{}}\n---\n{}",
@@ -674,42 +682,46 @@ fn an_offline_compaction_killed_with_its_qemu_img_is_done_again_and_changes_noth
         ),
     );
     d.wait_agent("app");
-    // Raw writes to the unformatted disk: L0(k1) <- L1(k2: 384 MiB) <- L2(k3) <- head.
     d.agent_sh_ok(
         "app",
         "dd if=/dev/urandom of=/dev/vda bs=1M count=4 conv=fsync 2>/dev/null",
     );
-    let l0 = head_of(&d, "raw-a");
-    snapshot(&d, "k1", "raw-a");
+    let l0 = head_of(d, "raw-a");
+    snapshot(d, "k1", "raw-a");
     d.agent_sh_ok(
         "app",
         "dd if=/dev/urandom of=/tmp/r bs=1M count=4 2>/dev/null && i=0; \
          while [ $i -lt 96 ]; do cat /tmp/r; i=$((i+1)); done | dd of=/dev/vda bs=1M seek=8 conv=fsync 2>/dev/null; rm /tmp/r",
     );
-    let l1 = head_of(&d, "raw-a");
-    snapshot(&d, "k2", "raw-a");
+    let l1 = head_of(d, "raw-a");
+    snapshot(d, "k2", "raw-a");
     d.agent_sh_ok(
         "app",
         "dd if=/dev/urandom of=/dev/vda bs=1M seek=4 count=1 conv=fsync 2>/dev/null",
     );
-    let l2 = head_of(&d, "raw-a");
-    snapshot(&d, "k3", "raw-a");
+    let l2 = head_of(d, "raw-a");
+    snapshot(d, "k3", "raw-a");
     d.cli_ok(&["stop", "app"]);
     d.wait_phase("app", "Stopped", Duration::from_secs(60));
-    let live_head = head_of(&d, "raw-a");
-    let (k1, k3, live) = (
-        chain_sha(&l0, &scratch),
-        chain_sha(&l2, &scratch),
-        chain_sha(&live_head, &scratch),
-    );
+    let live_head = head_of(d, "raw-a");
+    RawChain {
+        k1: chain_sha(&l0, scratch),
+        k3: chain_sha(&l2, scratch),
+        live: chain_sha(&live_head, scratch),
+        l0,
+        l1,
+        l2,
+        live_head,
+    }
+}
 
-    // k2 goes: hearthd rebases k3's layer onto k1's. Both hearthd and its
-    // qemu-img are killed in the middle of the copy.
+/// Deletes k2 and returns the pid of the `qemu-img rebase` hearthd starts.
+fn delete_k2_and_find_the_rebase(d: &Daemon) -> u32 {
     d.cli_ok(&["delete", "snapshot", "k2"]);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    let pid = loop {
-        if let Some(pid) = rebase_pid(&d) {
-            break pid;
+    loop {
+        if let Some(pid) = rebase_pid(d) {
+            return pid;
         }
         assert!(
             std::time::Instant::now() < deadline,
@@ -717,7 +729,85 @@ fn an_offline_compaction_killed_with_its_qemu_img_is_done_again_and_changes_noth
             d.log()
         );
         std::thread::sleep(Duration::from_millis(2));
-    };
+    }
+}
+
+#[test]
+fn a_start_kills_an_offline_rebase_and_the_merge_is_then_done_online() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    let c = raw_chain_of_a_stopped_vm(&d, &scratch);
+    // k2 goes while the VM is stopped: qemu-img rebases k3's layer. It is
+    // held still (SIGSTOP) so that it is surely running when the start
+    // comes, as a long copy would be.
+    let pid = delete_k2_and_find_the_rebase(&d);
+    assert!(
+        Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .expect("kill")
+            .success()
+    );
+    let asked = std::time::Instant::now();
+    d.cli_ok(&["start", "app"]);
+    d.wait_phase("app", "Running", Duration::from_secs(60));
+    eprintln!(
+        "running {:.1} s after the start was asked",
+        asked.elapsed().as_secs_f64()
+    );
+    assert!(!is_alive(pid), "the rebase still runs after the start");
+    assert!(d.log().contains("killing a qemu-img rebase"), "{}", d.log());
+    // Killed before its switch: and then merged online, into the kept
+    // layer of the running VM.
+    wait_chain_length(&d, "raw-a", 3, Duration::from_secs(120));
+    let started: Vec<String> = d
+        .events("VirtualDisk", "raw-a")
+        .into_iter()
+        .filter(|e| e["reason"] == "CompactionStarted")
+        .filter_map(|e| e["message"].as_str().map(str::to_owned))
+        .collect();
+    assert!(
+        started.last().is_some_and(|m| m.contains("block-stream")),
+        "{started:?}"
+    );
+    assert_eq!(header_backing(&c.l2).as_deref(), Some(c.l0.as_path()));
+    assert!(!c.l1.exists(), "the merged layer is removed");
+    let qemu = d.qemu_pids_of("app");
+    assert_eq!(qemu.len(), 1);
+    assert_eq!(access_modes(qemu[0], &c.l2), vec![O_RDONLY]);
+    assert_eq!(chain_sha(&c.l0, &scratch), c.k1, "k1 changed");
+    assert_eq!(chain_sha(&c.l2, &scratch), c.k3, "k3 changed");
+    d.cli_ok(&["stop", "app"]);
+    d.wait_phase("app", "Stopped", Duration::from_secs(60));
+    assert_eq!(
+        chain_sha(&c.live_head, &scratch),
+        c.live,
+        "the live disk changed"
+    );
+    qemu_img_check(&c.l2);
+}
+
+#[test]
+fn an_offline_compaction_killed_with_its_qemu_img_is_done_again_and_changes_nothing() {
+    let _serial = serial();
+    let mut d = Daemon::start();
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    let RawChain {
+        l0,
+        l1,
+        l2,
+        live_head,
+        k1,
+        k3,
+        live,
+    } = raw_chain_of_a_stopped_vm(&d, &scratch);
+
+    // k2 goes: hearthd rebases k3's layer onto k1's. Both hearthd and its
+    // qemu-img are killed in the middle of the copy.
+    let pid = delete_k2_and_find_the_rebase(&d);
     d.kill();
     let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
     wait_until("qemu-img gone", Duration::from_secs(10), || {

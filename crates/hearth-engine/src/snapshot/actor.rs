@@ -452,6 +452,11 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             let guards = lock_target(&e, &target).await;
             let live = live_of(&e, &target).await;
             for disk in std::mem::take(&mut compact) {
+                if yield_to.asked() {
+                    // A stop, start or restore waits for the locks; the
+                    // disks' next resync asks again.
+                    break;
+                }
                 if retry_after.get(&disk).is_some_and(|t| Instant::now() < *t) {
                     // A failed merge is not tried again at once; a resync
                     // after the pause asks again.

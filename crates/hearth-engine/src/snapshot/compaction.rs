@@ -607,6 +607,12 @@ pub async fn compact_disk(
     let chains = chains(&ctx.store).map_err(|e| e.to_string())?;
     let device = live.and_then(|l| overlays::device_index(l, disk).map(|i| (l, i)));
     for m in plan(&chains, &head.id) {
+        if yield_to.asked() {
+            report
+                .skipped
+                .push("a stop, start or restore of the VM asks for its locks".into());
+            break;
+        }
         let layer = |id: &str| -> Result<Layer, String> {
             ctx.store
                 .with_tx(|tx| storage::layer_tx(tx, id))
@@ -624,7 +630,7 @@ pub async fn compact_disk(
                 };
                 stream(ctx, target, l, into, disk, &m, &top, &base, speed, yield_to).await
             }
-            None => rebase(ctx, target, disk, &m, &top, &base).await,
+            None => rebase(ctx, target, disk, &m, &top, &base, yield_to).await,
         };
         match outcome {
             Ok(()) => report.merged_layers += m.gone.len(),
@@ -639,6 +645,9 @@ pub async fn compact_disk(
 
 /// Offline: `qemu-img rebase` of the top onto the base. Only when nothing
 /// has the top open (another VM restored from it, an export reading it).
+/// A start or restore of the VM that asks for the locks kills the rebase
+/// (safe mode writes the new backing name last: the top reads as before)
+/// and the merge is done again later, online.
 async fn rebase(
     ctx: &Arc<Context>,
     target: &str,
@@ -646,6 +655,7 @@ async fn rebase(
     m: &Merge,
     top: &Layer,
     base: &Layer,
+    yield_to: &Yield,
 ) -> Result<(), Skip> {
     let pins = pin_readers(ctx, top)?;
     if storage::open_files().contains(&top.path) {
@@ -669,13 +679,48 @@ async fn rebase(
         ),
     );
     let started = Instant::now();
-    let result = hearth_qemu::img::rebase(&top.path, &base.path, "qcow2", REBASE_TIMEOUT).await;
-    if let Err(e) = &result {
-        tracing::warn!(id, disk, error = %e, "qemu-img rebase failed");
-    }
+    let mut run = Box::pin(hearth_qemu::img::rebase(
+        &top.path,
+        &base.path,
+        "qcow2",
+        REBASE_TIMEOUT,
+    ));
+    let result = loop {
+        tokio::select! {
+            r = &mut run => break Some(r),
+            () = tokio::time::sleep(POLL) => if yield_to.asked() { break None; },
+        }
+    };
+    let cancelled = match result {
+        Some(Err(e)) => {
+            tracing::warn!(id, disk, error = %e, "qemu-img rebase failed");
+            false
+        }
+        Some(Ok(())) => false,
+        None => {
+            tracing::info!(
+                id,
+                disk,
+                "killing a qemu-img rebase: the VM's locks are asked for"
+            );
+            // Dropping the run kills qemu-img; settled once it is gone (a
+            // process still holding the top counts as a running merge).
+            drop(run);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while storage::open_files().contains(&top.path) && Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            true
+        }
+    };
     let settled = settle_one(ctx, None, disk, id, started).await;
     drop(pins);
-    settled
+    match settled {
+        Err(skip) if cancelled && skip.failed => Err(Skip::from(format!(
+            "compaction {id} was cancelled for a start or restore of the VM; merged again later"
+        ))),
+        other => other,
+    }
 }
 
 /// Takes the export pins of every snapshot whose chain holds `top`, for as
