@@ -362,31 +362,35 @@ pub struct FileNode {
 }
 
 /// Opens `path` here (read-write unless `read_only`) and hands the
-/// descriptor to QEMU (`add-fd` with `SCM_RIGHTS`, a new fd set labelled
-/// with the path). Returns the set's id; `/dev/fdset/S` then opens it.
+/// descriptor to QEMU (`add-fd` with `SCM_RIGHTS`, labelled with the path):
+/// into fd set `set`, or a new set when `None`. Returns the set's id and the
+/// descriptor's number in QEMU; `/dev/fdset/S` then opens it.
 async fn hand_over(
     qmp: &QmpClient,
     path: &Path,
     read_only: bool,
+    set: Option<u64>,
     timeout: Duration,
-) -> Result<u64, QmpError> {
+) -> Result<(u64, i64), QmpError> {
     let file = std::fs::OpenOptions::new()
         .read(true)
         .write(!read_only)
         .open(path)
         .map_err(QmpError::Io)?;
+    let mut args = json!({"opaque": path.to_string_lossy()});
+    if let Some(set) = set {
+        args["fdset-id"] = json!(set);
+    }
     let added = qmp
-        .execute_with_fd(
-            "add-fd",
-            Some(json!({"opaque": path.to_string_lossy()})),
-            file.into(),
-            timeout,
-        )
+        .execute_with_fd("add-fd", Some(args), file.into(), timeout)
         .await?;
-    added
-        .get("fdset-id")
-        .and_then(Value::as_u64)
-        .ok_or_else(|| QmpError::Protocol(format!("add-fd answered {added}")))
+    match (
+        added.get("fdset-id").and_then(Value::as_u64),
+        added.get("fd").and_then(Value::as_i64),
+    ) {
+        (Some(set), Some(fd)) => Ok((set, fd)),
+        _ => Err(QmpError::Protocol(format!("add-fd answered {added}"))),
+    }
 }
 
 /// Hands `path` over ([`hand_over`]) and adds `node` (`blockdev-add` of
@@ -400,7 +404,7 @@ async fn add_handed_over(
     timeout: Duration,
     node_args: impl FnOnce(String) -> Value,
 ) -> Result<FileNode, QmpError> {
-    let fdset = hand_over(qmp, path, read_only, timeout).await?;
+    let (fdset, _) = hand_over(qmp, path, read_only, None, timeout).await?;
     let result = qmp
         .execute(
             "blockdev-add",
@@ -550,23 +554,7 @@ pub async fn reopen_file_node(
                 .ok()
         })
         .ok_or_else(|| QmpError::Protocol(format!("node {node} is not opened from an fd set")))?;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(!read_only)
-        .open(path)
-        .map_err(QmpError::Io)?;
-    let added = qmp
-        .execute_with_fd(
-            "add-fd",
-            Some(json!({"fdset-id": set, "opaque": path.to_string_lossy()})),
-            file.into(),
-            timeout,
-        )
-        .await?;
-    let new_fd = added
-        .get("fd")
-        .and_then(Value::as_i64)
-        .ok_or_else(|| QmpError::Protocol(format!("add-fd answered {added}")))?;
+    let (_, new_fd) = hand_over(qmp, path, read_only, Some(set), timeout).await?;
     let reopened = qmp
         .execute(
             "blockdev-reopen",
