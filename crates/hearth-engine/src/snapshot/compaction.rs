@@ -847,6 +847,8 @@ async fn stream(
         if let Err(e) =
             hearth_qemu::qmp::reopen_file_node(qmp, &file_node, &top.path, false, QMP_TIMEOUT).await
         {
+            // It may have got half-way (reopened, an old descriptor left).
+            back_to_read_only(live, top).await;
             return Err(Skip {
                 why: format!(
                     "cannot open layer {} for writing in QEMU: {e}",
