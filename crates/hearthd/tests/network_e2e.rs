@@ -145,6 +145,22 @@ fn fetch_forwarded(d: &Daemon, url: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// The pid of the process listening on 127.0.0.1:`port` in the test's
+/// namespace (`ss -ltnp`), if any.
+fn loopback_listener(d: &Daemon, port: u16) -> Option<u32> {
+    let out = d.in_netns("ss", &["-Hltnp", &format!("src 127.0.0.1:{port}")]);
+    assert!(
+        out.status.success(),
+        "ss: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.split("pid=")
+        .nth(1)
+        .and_then(|rest| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|pid| pid.parse().ok())
+}
+
 #[test]
 fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_leave_nothing() {
     let _serial = serial();
@@ -194,6 +210,14 @@ fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_le
         fetch_forwarded(&d, "http://10.77.0.1:8080/").trim(),
         "hello from hearth-guest"
     );
+    // And on 127.0.0.1, which no DNAT can serve: hearthd listens there
+    // itself (the namespace's socket table names it) and copies to a.
+    let hearthd = d.child.as_ref().map(|c| c.id()).expect("hearthd");
+    assert_eq!(loopback_listener(&d, 8080), Some(hearthd));
+    assert_eq!(
+        fetch_forwarded(&d, "http://127.0.0.1:8080/").trim(),
+        "hello from hearth-guest"
+    );
 
     // Isolated means isolated: even with a route through the host, c gets
     // nowhere outside its network, and nothing outside reaches c; both
@@ -241,6 +265,13 @@ fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_le
     assert_eq!(dnsmasq_pids(&d, "hth-lan"), dnsmasq, "dnsmasq was replaced");
     assert_eq!(d.netns.as_ref().unwrap().hearth_links(), links);
     ping_ok(&d, "a", &b[0]);
+    // The restarted daemon listens on the loopback port again.
+    let hearthd = d.child.as_ref().map(|c| c.id()).expect("hearthd");
+    assert_eq!(loopback_listener(&d, 8080), Some(hearthd));
+    assert_eq!(
+        fetch_forwarded(&d, "http://127.0.0.1:8080/").trim(),
+        "hello from hearth-guest"
+    );
     // ... and a VM started by the new daemon gets its old address too.
     restart(&d, "c");
     assert_eq!(wait_console_lease(&d, "c", "eth0", 1), c[0]);
@@ -285,5 +316,10 @@ fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_le
         .filter(|p| Some(*p) != hearthd && !is_zombie(*p))
         .collect();
     assert!(left.is_empty(), "processes left in the namespace: {left:?}");
+    assert_eq!(
+        loopback_listener(&d, 8080),
+        None,
+        "the loopback forward is left"
+    );
     assert!(dnsmasq_pids(&d, "hth-lan").is_empty() && dnsmasq_pids(&d, "hth-iso").is_empty());
 }

@@ -17,6 +17,7 @@ use hearth_api::{Kind, Object, VirtualMachine, VirtualNetwork, VirtualNetworkSta
 use super::desired::{self, StoredNetwork};
 use super::host::cleanup::CleanupAction;
 use super::host::link::Netlink;
+use super::host::loopback::LoopbackProxies;
 use super::host::{self, ApplyReport, HostError};
 use crate::context::Context;
 use crate::store::{StoreError, StoredLease};
@@ -25,32 +26,38 @@ use crate::store::{StoreError, StoredLease};
 /// on a start-up resync cleans up, even when no network is left.
 const USED_COUNTER: &str = "host-networking-used";
 
-/// The host side's one lock and its netlink socket (opened on first use,
-/// in the namespace hearthd runs in).
+/// The host side's one lock, its netlink socket (opened on first use, in
+/// the namespace hearthd runs in) and the loopback port forwards' listeners.
 #[derive(Default)]
 pub struct HostNetworking {
-    netlink: tokio::sync::Mutex<Option<Netlink>>,
+    state: tokio::sync::Mutex<HostState>,
+}
+
+#[derive(Default)]
+struct HostState {
+    netlink: Option<Netlink>,
+    loopback: LoopbackProxies,
 }
 
 /// Held while the host is read or changed.
 pub struct HostGuard<'a> {
-    netlink: tokio::sync::MutexGuard<'a, Option<Netlink>>,
+    state: tokio::sync::MutexGuard<'a, HostState>,
 }
 
 impl HostNetworking {
     pub async fn lock(&self) -> HostGuard<'_> {
         HostGuard {
-            netlink: self.netlink.lock().await,
+            state: self.state.lock().await,
         }
     }
 }
 
 impl HostGuard<'_> {
     pub fn netlink(&mut self) -> Result<&Netlink, HostError> {
-        if self.netlink.is_none() {
-            *self.netlink = Some(Netlink::open()?);
+        if self.state.netlink.is_none() {
+            self.state.netlink = Some(Netlink::open()?);
         }
-        Ok(self.netlink.as_ref().expect("just opened"))
+        Ok(self.state.netlink.as_ref().expect("just opened"))
     }
 }
 
@@ -152,6 +159,16 @@ pub async fn resync(
     apply_want.taps.retain(|t| !missing.contains(&t.bridge));
     let report = host::apply(nl, &apply_want, &dir).await?;
     let removed = host::cleanup::run(nl, &want, &dir).await?;
+    // A port taken on 127.0.0.1 by another program fails only that
+    // listener, not the network; the next resync tries again.
+    for (f, e) in guard.state.loopback.sync(&want.networks) {
+        tracing::warn!(
+            listen = %f.listen,
+            guest = %f.guest,
+            error = %e,
+            "cannot listen for a port forward on the loopback address; tried again at the next resync"
+        );
+    }
     if report.changed() {
         tracing::info!(?report, "host networking changed");
     }

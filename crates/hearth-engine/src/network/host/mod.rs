@@ -16,6 +16,7 @@ pub mod apply;
 pub mod cleanup;
 pub mod dnsmasq;
 pub mod link;
+pub mod loopback;
 pub mod nft;
 
 pub use apply::{ApplyReport, apply, resync};

@@ -44,22 +44,29 @@ pub fn render(networks: &[HostNetwork]) -> String {
         .flat_map(|n| n.port_forwards.iter())
         .collect();
     forwards.sort_by_key(|f| (f.protocol, f.host_addr, f.host_port));
-    let dnat: Vec<String> = forwards
-        .iter()
-        .map(|f| {
-            let dst = match f.host_addr {
-                Some(a) => format!("ip daddr {a}"),
-                None => "fib daddr type local".to_string(),
-            };
-            format!(
-                "{dst} {} dport {} dnat ip to {}:{}",
-                f.protocol.as_nft(),
-                f.host_port,
-                f.guest_ip,
-                f.guest_port
-            )
-        })
-        .collect();
+    // Loopback is never DNATed: the packet would keep its source 127.0.0.1
+    // and be dropped on the bridge. hearthd itself listens there
+    // (`loopback.rs`); a forward bound to a loopback address has no rule.
+    let dnat = |hook_output: bool| -> Vec<String> {
+        forwards
+            .iter()
+            .filter(|f| !f.host_addr.is_some_and(|a| a.is_loopback()))
+            .map(|f| {
+                let dst = match f.host_addr {
+                    Some(a) => format!("ip daddr {a}"),
+                    None if hook_output => "fib daddr type local ip daddr != 127.0.0.0/8".into(),
+                    None => "fib daddr type local".to_string(),
+                };
+                format!(
+                    "{dst} {} dport {} dnat ip to {}:{}",
+                    f.protocol.as_nft(),
+                    f.host_port,
+                    f.guest_ip,
+                    f.guest_port
+                )
+            })
+            .collect()
+    };
 
     let _ = writeln!(s, "table {FAMILY} {TABLE} {{");
     let chain = |s: &mut String, name: &str, hook: &str, rules: &[String]| {
@@ -74,13 +81,13 @@ pub fn render(networks: &[HostNetwork]) -> String {
         &mut s,
         "prerouting",
         "type nat hook prerouting priority dstnat",
-        &dnat,
+        &dnat(false),
     );
     chain(
         &mut s,
         "output",
         "type nat hook output priority -100",
-        &dnat,
+        &dnat(true),
     );
 
     let mut post = Vec::new();
@@ -345,7 +352,7 @@ table inet hearth {
 	}
 	chain output {
 		type nat hook output priority -100; policy accept;
-		fib daddr type local tcp dport 2222 dnat ip to 10.77.0.10:22
+		fib daddr type local ip daddr != 127.0.0.0/8 tcp dport 2222 dnat ip to 10.77.0.10:22
 		ip daddr 192.0.2.7 udp dport 5353 dnat ip to 10.77.0.11:53
 	}
 	chain postrouting {
