@@ -141,4 +141,21 @@ fn hearth_ssh_reaches_a_debian_guest_configured_by_cloud_init() {
     let fields: Vec<&str> = conn.split_whitespace().collect();
     assert_eq!(fields.get(2), Some(&ip.as_str()), "{conn}");
     assert_eq!(fields.get(3), Some(&"22"), "{conn}");
+
+    // And through 127.0.0.1:2222, where hearthd listens and copies the
+    // connection; the guest sees it come from the gateway.
+    let mut args: Vec<&str> = vec!["-i", &key_arg, "-p", "2222", "-l", &user];
+    args.extend(SSH_OPTS);
+    args.extend(["127.0.0.1", "echo $SSH_CONNECTION"]);
+    let out = d.in_netns("ssh", &args);
+    assert!(
+        out.status.success(),
+        "ssh -p 2222 127.0.0.1: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let conn = String::from_utf8_lossy(&out.stdout).into_owned();
+    let fields: Vec<&str> = conn.split_whitespace().collect();
+    assert_eq!(fields.first(), Some(&"10.77.0.1"), "{conn}");
+    assert_eq!(fields.get(2), Some(&ip.as_str()), "{conn}");
 }
