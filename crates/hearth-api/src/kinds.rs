@@ -441,17 +441,28 @@ pub struct VirtualNetworkSpec {
     /// `Bridge` mode only: the existing host bridge to attach to.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bridge: Option<String>,
-    /// Serve DHCP on the network (hearth's leases, by dnsmasq; no DNS). Defaults to true for NAT and
+    /// Serve DHCP on the network (hearth's leases, by dnsmasq). Defaults to true for NAT and
     /// Isolated; `Bridge` networks belong to someone else, so hearth never
     /// serves DHCP there and `dhcp: true` is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dhcp: Option<bool>,
+    /// Serve DNS on the gateway, handed to guests by DHCP: the network's VMs
+    /// by name, and (NAT only) every other name from the host's resolvers
+    /// (hearthd's `--dns-resolv-file`). Defaults to true wherever DHCP is
+    /// served; `dns: true` without DHCP is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dns: Option<bool>,
 }
 
 impl VirtualNetworkSpec {
     /// Whether hearth serves DHCP on this network.
     pub fn dhcp_enabled(&self) -> bool {
         self.mode != NetworkMode::Bridge && self.dhcp.unwrap_or(true)
+    }
+
+    /// Whether hearth serves DNS on this network (along with its DHCP).
+    pub fn dns_enabled(&self) -> bool {
+        self.dhcp_enabled() && self.dns.unwrap_or(true)
     }
 }
 

@@ -397,6 +397,12 @@ fn check_network_spec(spec: &VirtualNetworkSpec) -> Result<(), (&'static str, St
             "hearth serves no DHCP on a host bridge it does not own (the bridge's network has its own); leave dhcp out or set it to false".into(),
         ));
     }
+    if spec.dns == Some(true) && !spec.dhcp_enabled() {
+        return Err((
+            "spec.dns",
+            "the DNS server is handed to guests by hearth's DHCP, which this network does not serve; leave dns out or set it to false".into(),
+        ));
+    }
     Ok(())
 }
 

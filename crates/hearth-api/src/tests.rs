@@ -604,6 +604,7 @@ fn a_network_defaults_to_nat_with_dhcp_and_no_subnet() {
     assert_eq!(n.spec.mode, NetworkMode::Nat);
     assert_eq!(n.spec.subnet, None);
     assert!(n.spec.dhcp_enabled());
+    assert!(n.spec.dns_enabled(), "DNS along with DHCP by default");
     for short in ["network", "networks", "net", "vnet", "VirtualNetwork"] {
         assert_eq!(
             Kind::from_user(short),
@@ -630,6 +631,18 @@ fn network_specs_are_checked_field_by_field() {
         !n.spec.dhcp_enabled(),
         "no DHCP on a bridge hearth does not own"
     );
+    assert!(!n.spec.dns_enabled(), "nor DNS");
+    for (spec, dns) in [
+        ("{mode: NAT, dns: false}", false),
+        ("{mode: Isolated}", true),
+        ("{mode: NAT, dhcp: false}", false),
+    ] {
+        let objs = parse_documents(&network_yaml(spec), "t").unwrap();
+        let Object::VirtualNetwork(n) = &objs[0] else {
+            panic!()
+        };
+        assert_eq!(n.spec.dns_enabled(), dns, "{spec}");
+    }
 
     let cases = [
         ("{subnet: 10.77.4.1/24}", "spec.subnet", "host bits"),
@@ -670,6 +683,16 @@ fn network_specs_are_checked_field_by_field() {
             "{mode: Bridge, bridge: br0, dhcp: true}",
             "spec.dhcp",
             "no DHCP",
+        ),
+        (
+            "{mode: NAT, dhcp: false, dns: true}",
+            "spec.dns",
+            "handed to guests by hearth's DHCP",
+        ),
+        (
+            "{mode: Bridge, bridge: br0, dns: true}",
+            "spec.dns",
+            "does not serve",
         ),
         ("{mode: Routed}", "spec.mode", "unknown variant"),
     ];

@@ -30,6 +30,9 @@ pub struct EngineConfig {
     /// Bytes per second a running VM's chain compaction may copy (QMP
     /// `block-stream`'s `speed`); 0: unlimited.
     pub compaction_speed: u64,
+    /// The resolver file (`nameserver` lines) whose servers a NAT network's
+    /// DNS forwards guests' queries to (dnsmasq's `resolv-file`).
+    pub dns_resolv_file: PathBuf,
 }
 
 // ---- firmware and cloud-init files (see docs/guests.md) ----

@@ -86,6 +86,7 @@ fn desired() -> HostDesired {
                 prefix_len: 24,
                 mode: NetworkMode::Nat,
                 dhcp: true,
+                dns: hearth_engine::network::host::Dns::Off,
                 static_leases: vec![lease(10, "web")],
                 port_forwards: vec![PortForward {
                     protocol: Protocol::Tcp,
@@ -101,6 +102,7 @@ fn desired() -> HostDesired {
                 prefix_len: 24,
                 mode: NetworkMode::Isolated,
                 dhcp: false,
+                dns: hearth_engine::network::host::Dns::Off,
                 static_leases: vec![],
                 port_forwards: vec![],
             },
@@ -370,6 +372,7 @@ async fn bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects
                 existing: "br-ext".into(),
             },
             dhcp: true,
+            dns: hearth_engine::network::host::Dns::Off,
             static_leases: vec![],
             port_forwards: vec![],
         }],

@@ -34,6 +34,7 @@ fn config(dir: &Path) -> EngineConfig {
         ovmf_code: dir.join("OVMF_CODE.fd"),
         ovmf_vars: dir.join("OVMF_VARS.fd"),
         compaction_speed: 0,
+        dns_resolv_file: "/etc/resolv.conf".into(),
     }
 }
 

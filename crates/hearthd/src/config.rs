@@ -51,6 +51,8 @@ pub struct FileConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub compaction_bytes_per_second: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub dns_resolv_file: Option<PathBuf>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub ovmf_code: Option<PathBuf>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ovmf_vars: Option<PathBuf>,
@@ -128,6 +130,7 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         manifests_resync_seconds,
         manifests_delete_grace_ms,
         compaction_bytes_per_second,
+        dns_resolv_file,
         ovmf_code,
         ovmf_vars,
         image_connect_timeout_seconds,
@@ -151,7 +154,7 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
     fill!(
         state_dir, run_dir, image_roots, qemu_user, accel, resync_seconds, manifests,
         manifests_resync_seconds, manifests_delete_grace_ms, compaction_bytes_per_second,
-        ovmf_code, ovmf_vars, image_connect_timeout_seconds, image_read_timeout_seconds, image_max_bytes,
+        dns_resolv_file, ovmf_code, ovmf_vars, image_connect_timeout_seconds, image_read_timeout_seconds, image_max_bytes,
         image_retry_max_seconds, metrics_allow_remote, log_format;
         socket, metrics_listen
     );
@@ -173,6 +176,7 @@ pub fn to_file(args: &Args) -> FileConfig {
         manifests_resync_seconds: Some(args.manifests_resync_seconds),
         manifests_delete_grace_ms: Some(args.manifests_delete_grace_ms),
         compaction_bytes_per_second: Some(args.compaction_bytes_per_second),
+        dns_resolv_file: Some(args.dns_resolv_file.clone()),
         ovmf_code: Some(args.ovmf_code.clone()),
         ovmf_vars: Some(args.ovmf_vars.clone()),
         image_connect_timeout_seconds: Some(args.image_connect_timeout_seconds),

@@ -84,6 +84,15 @@ struct Args {
     /// take the guest's disk bandwidth; 0: unlimited.
     #[arg(long, env = "HEARTH_COMPACTION_BYTES_PER_SECOND", default_value_t = 0)]
     compaction_bytes_per_second: u64,
+    /// The resolver file whose `nameserver`s a NAT network's DNS server
+    /// forwards the guests' queries to (names of the network's own VMs are
+    /// answered from its leases). Read again by dnsmasq when it changes.
+    #[arg(
+        long,
+        env = "HEARTH_DNS_RESOLV_FILE",
+        default_value = "/etc/resolv.conf"
+    )]
+    dns_resolv_file: PathBuf,
     // ---- firmware (see docs/guests.md) ----
     /// OVMF's code image, for VMs with `firmware: UEFI` (read-only).
     #[arg(long, env = "HEARTH_OVMF_CODE", default_value = hearth_engine::config::DEFAULT_OVMF_CODE)]
@@ -226,6 +235,7 @@ async fn main() -> anyhow::Result<()> {
         ovmf_code: args.ovmf_code.clone(),
         ovmf_vars: args.ovmf_vars.clone(),
         compaction_speed: args.compaction_bytes_per_second,
+        dns_resolv_file: args.dns_resolv_file.clone(),
         images: hearth_engine::config::ImageImportConfig {
             connect_timeout: Duration::from_secs(args.image_connect_timeout_seconds.max(1)),
             read_timeout: Duration::from_secs(args.image_read_timeout_seconds.max(1)),

@@ -11,6 +11,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -161,10 +162,56 @@ fn loopback_listener(d: &Daemon, port: u16) -> Option<u32> {
         .and_then(|pid| pid.parse().ok())
 }
 
+/// A DNS server standing in for the host's resolver, inside the test's
+/// namespace (10.99.0.53 on its loopback link): it knows `upstream.test` and
+/// logs every query it gets. Killed with the returned child.
+fn upstream_dns(d: &Daemon, log: &Path) -> std::process::Child {
+    let ns = d.netns.as_ref().expect("netns");
+    ns.exec_ok("ip", &["addr", "add", "10.99.0.53/32", "dev", "lo"]);
+    let child = std::process::Command::new("ip")
+        .args(["netns", "exec", &ns.name, "dnsmasq", "--keep-in-foreground"])
+        .args([
+            "--conf-file=/dev/null",
+            "--no-resolv",
+            "--no-hosts",
+            "--bind-interfaces",
+            "--listen-address=10.99.0.53",
+            "--address=/upstream.test/10.99.0.7",
+            "--log-queries",
+            "--pid-file=",
+            "--user=root",
+        ])
+        .arg(format!("--log-facility={}", log.display()))
+        .spawn()
+        .expect("dnsmasq (apt-get install dnsmasq-base)");
+    wait_until("the upstream DNS server listens", WAIT, || {
+        ns.exec("ss", &["-Hlun", "src 10.99.0.53:53"])
+            .stdout
+            .iter()
+            .any(|b| !b.is_ascii_whitespace())
+    });
+    child
+}
+
 #[test]
 fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_leave_nothing() {
     let _serial = serial();
-    let mut d = Daemon::start_in_netns(&[], &[]);
+    // The host's resolver, as hearthd sees it: a file naming the upstream
+    // server in the namespace (readable by dnsmasq once it runs as nobody).
+    let resolv_dir = tempfile::tempdir().expect("tempdir");
+    std::fs::set_permissions(
+        resolv_dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
+    let resolv = resolv_dir.path().join("resolv.conf");
+    std::fs::write(&resolv, "nameserver 10.99.0.53\n").expect("resolv.conf");
+    std::fs::set_permissions(&resolv, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+        .expect("chmod");
+    let resolv_arg = resolv.to_string_lossy().into_owned();
+    let mut d = Daemon::start_in_netns(&[], &["--dns-resolv-file", &resolv_arg]);
+    let upstream_log = resolv_dir.path().join("upstream.log");
+    let mut upstream = upstream_dns(&d, &upstream_log);
     let objects = network("lan", "NAT", "10.77.0.0/24")
         + &network("iso", "Isolated", "10.78.0.0/24")
         + &guest(
@@ -203,6 +250,37 @@ fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_le
     ping_ok(&d, "b", &a[0]);
     ping_ok(&d, "a", &c[0]);
     ping_ok(&d, "c", &a[1]);
+
+    // DNS: DHCP names the gateway as each guest's DNS server; it answers the
+    // network's VMs by name and, on the NAT network only, forwards the rest
+    // to the host's resolver (the upstream's own log shows what reached it).
+    assert!(
+        d.agent_sh_ok("a", "cat /etc/resolv.conf")
+            .contains("nameserver 10.77.0.1"),
+        "a's resolver is not lan's gateway"
+    );
+    assert!(
+        d.agent_sh_ok("c", "cat /etc/resolv.conf")
+            .contains("nameserver 10.78.0.1"),
+        "c's resolver is not iso's gateway"
+    );
+    let lookup = |vm: &str, name: &str, server: &str| {
+        d.agent_sh(vm, &format!("nslookup {name} {server} 2>&1")).1
+    };
+    let out = lookup("a", "upstream.test", "10.77.0.1");
+    assert!(out.contains("10.99.0.7"), "upstream.test from a: {out}");
+    let out = lookup("a", "b", "10.77.0.1");
+    assert!(out.contains(&b[0]), "b by name from a: {out}");
+    let out = lookup("c", "a", "10.78.0.1");
+    assert!(out.contains(&a[1]), "a by name from c on iso: {out}");
+    let out = lookup("c", "isolated-probe.test", "10.78.0.1");
+    assert!(!out.contains("10.99.0.7"), "{out}");
+    let queries = std::fs::read_to_string(&upstream_log).unwrap_or_default();
+    assert!(queries.contains("upstream.test"), "{queries}");
+    assert!(
+        !queries.contains("isolated-probe.test"),
+        "an Isolated network's query left it: {queries}"
+    );
 
     // The forward reaches a's httpd from inside the namespace, through the
     // bridge's own address (the output hook's DNAT).
@@ -309,6 +387,9 @@ fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_le
         !ns.exec_ok("nft", &["list", "tables"]).contains("hearth"),
         "the nftables table is left"
     );
+    // The test's own upstream goes first.
+    let _ = upstream.kill();
+    let _ = upstream.wait();
     let hearthd = d.child.as_ref().map(|c| c.id());
     let left: Vec<u32> = ns
         .pids()

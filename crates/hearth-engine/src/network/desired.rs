@@ -6,13 +6,14 @@
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
+use std::path::Path;
 
 use hearth_api::net::Ipv4Cidr;
 use hearth_api::{NetworkMode as ApiMode, Protocol as ApiProtocol, VirtualMachine, VirtualNetwork};
 
 use super::admission::mac_of;
 use super::host::{
-    DesiredTap, HostDesired, HostNetwork, Mac, NetworkMode, PortForward, Protocol, StaticLease,
+    DesiredTap, Dns, HostDesired, HostNetwork, Mac, NetworkMode, PortForward, Protocol, StaticLease,
 };
 use super::names;
 use crate::store::StoredLease;
@@ -38,11 +39,13 @@ pub fn host_bridge(network: &VirtualNetwork) -> String {
 /// deleted, or one without a subnet (a NAT or Isolated network whose
 /// subnet is not picked yet), is left out, and so are the taps of its
 /// interfaces. A VM's taps exist as long as the VM is stored, running or
-/// not, so a restart finds them in place.
+/// not, so a restart finds them in place. A NAT network's DNS forwards to
+/// the `nameserver`s of `dns_upstream`.
 pub fn host_desired(
     networks: &[StoredNetwork<'_>],
     vms: &[VirtualMachine],
     leases: &[StoredLease],
+    dns_upstream: &Path,
 ) -> HostDesired {
     let mut desired = HostDesired::default();
     // network name -> bridge its taps join
@@ -116,6 +119,11 @@ pub fn host_desired(
             gateway,
             prefix_len,
             dhcp: net.spec.dhcp_enabled(),
+            dns: match (net.spec.dns_enabled(), &mode) {
+                (false, _) => Dns::Off,
+                (true, NetworkMode::Nat) => Dns::Forward(dns_upstream.to_path_buf()),
+                (true, _) => Dns::Local,
+            },
             mode,
             static_leases,
             port_forwards,
@@ -172,6 +180,8 @@ pub fn nics_of(vm: &VirtualMachine, leases: &[StoredLease]) -> Vec<Nic> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const UPSTREAM: &str = "/etc/resolv.conf";
 
     fn network(yaml: &str) -> VirtualNetwork {
         match hearth_api::parse_documents(yaml, "test")
@@ -233,12 +243,22 @@ mod tests {
             deleting: false,
             subnet: subnet("10.77.0.0/24"),
         }];
-        let d = host_desired(&nets, &[web.clone(), db.clone()], &leases);
+        let d = host_desired(
+            &nets,
+            &[web.clone(), db.clone()],
+            &leases,
+            Path::new(UPSTREAM),
+        );
         assert_eq!(d.networks.len(), 1);
         let n = &d.networks[0];
         assert_eq!(n.bridge, "hth-lan");
         assert_eq!(n.gateway, "10.77.0.1".parse::<Ipv4Addr>().unwrap());
         assert_eq!(n.prefix_len, 24);
+        assert_eq!(
+            n.dns,
+            Dns::Forward(UPSTREAM.into()),
+            "a NAT network forwards"
+        );
         assert!(n.dhcp);
         assert_eq!(n.mode, NetworkMode::Nat);
         assert_eq!(
@@ -309,7 +329,7 @@ mod tests {
                 subnet: None,
             },
         ];
-        let d = host_desired(&nets, &[a], &[]);
+        let d = host_desired(&nets, &[a], &[], Path::new(UPSTREAM));
         assert_eq!(d.networks.len(), 1, "{d:?}");
         assert_eq!(
             d.networks[0].mode,
@@ -318,6 +338,7 @@ mod tests {
             }
         );
         assert!(!d.networks[0].dhcp);
+        assert_eq!(d.networks[0].dns, Dns::Off, "no DNS where no DHCP");
         assert!(d.networks[0].port_forwards.is_empty());
         assert_eq!(d.taps.len(), 1);
         assert_eq!(d.taps[0].name, "htt-a-2");
@@ -341,10 +362,10 @@ mod tests {
             deleting: false,
             subnet: subnet("10.77.0.0/24"),
         }];
-        let one = host_desired(&nets, &[a.clone(), b.clone()], &leases);
+        let one = host_desired(&nets, &[a.clone(), b.clone()], &leases, Path::new(UPSTREAM));
         let mut reversed = leases.clone();
         reversed.reverse();
-        let two = host_desired(&nets, &[b, a], &reversed);
+        let two = host_desired(&nets, &[b, a], &reversed, Path::new(UPSTREAM));
         assert_eq!(one, two);
     }
 }

@@ -109,7 +109,7 @@ impl StoreView {
         })
     }
 
-    pub fn desired(&self) -> host::HostDesired {
+    pub fn desired(&self, dns_upstream: &std::path::Path) -> host::HostDesired {
         let stored: Vec<StoredNetwork<'_>> = self
             .networks
             .iter()
@@ -119,7 +119,7 @@ impl StoreView {
                 subnet: *subnet,
             })
             .collect();
-        desired::host_desired(&stored, &self.vms, &self.leases)
+        desired::host_desired(&stored, &self.vms, &self.leases, dns_upstream)
     }
 }
 
@@ -129,7 +129,7 @@ pub async fn resync(
     guard: &mut HostGuard<'_>,
 ) -> Result<(ApplyReport, Vec<CleanupAction>), SyncError> {
     let view = StoreView::read(ctx)?;
-    let want = view.desired();
+    let want = view.desired(&ctx.config.dns_resolv_file);
     if !want.networks.is_empty() && ctx.store.counter(USED_COUNTER)? == 0 {
         ctx.store.next_counter(USED_COUNTER)?;
     }

@@ -222,6 +222,24 @@ impl Daemon {
                     .into_iter()
                     .flatten(),
             )
+            // Never the host's resolvers: a test's guests resolve nothing
+            // outside, unless the test names a resolver of its own (one in
+            // its namespace).
+            .args(
+                (!self.extra_args.iter().any(|a| a == "--dns-resolv-file"))
+                    .then(|| {
+                        let none = self.dir.path().join("no-upstream-resolv.conf");
+                        std::fs::write(&none, "").expect("empty resolver file");
+                        std::fs::set_permissions(
+                            &none,
+                            std::os::unix::fs::PermissionsExt::from_mode(0o644),
+                        )
+                        .expect("chmod");
+                        ["--dns-resolv-file".into(), none.into_os_string()]
+                    })
+                    .into_iter()
+                    .flatten(),
+            )
             .envs(env.iter().copied())
             .env("HEARTH_LOG", "info,hearth_engine=debug")
             // Never the host's /etc/hearth/hearthd.toml: an empty file of

@@ -133,6 +133,7 @@ mod tests {
             prefix_len: 24,
             mode,
             dhcp,
+            dns: crate::network::host::Dns::Off,
             static_leases: vec![],
             port_forwards: vec![],
         }

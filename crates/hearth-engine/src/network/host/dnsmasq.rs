@@ -22,7 +22,7 @@ use std::time::Duration;
 use rustix::event::{PollFd, PollFlags, poll};
 use rustix::process::{Pid, PidfdFlags, Signal, pidfd_open, pidfd_send_signal};
 
-use super::{HostError, HostNetwork, NetworkMode, StaticLease, prefix_mask};
+use super::{Dns, HostError, HostNetwork, NetworkMode, StaticLease, prefix_mask};
 
 /// How long a starting dnsmasq may take to daemonise.
 pub const START_TIMEOUT: Duration = Duration::from_secs(10);
@@ -62,9 +62,14 @@ impl DnsmasqFiles {
 
 /// The config file (dnsmasq's long options without the `--`).
 ///
-/// - `port=0`: no DNS. With `no-resolv` and no upstream, a DNS server on the
-///   gateway would answer only the VMs' names and refuse every other name,
-///   which breaks guests more than no DNS server at all.
+/// - DNS ([`Dns`]): `Off` is `port=0` (DHCP then names no DNS server);
+///   otherwise dnsmasq answers on the gateway, hands itself out as the DNS
+///   server (DHCP option 6), and answers the VMs' names from their leases
+///   (the hostnames in `hosts`). `Forward` sends every other name to the
+///   `nameserver`s of its `resolv-file` (dnsmasq polls the file for
+///   changes); `Local` (`no-resolv`) answers nothing else. `no-hosts` keeps
+///   the host's `/etc/hosts` out; `domain-needed` and `bogus-priv` keep plain
+///   names and private reverse lookups from going upstream.
 /// - `dhcp-range=NET,static`: dnsmasq answers only the MACs in `hosts`,
 ///   hearth's IPAM is the single source of addresses.
 /// - `bind-interfaces` + `interface=BRIDGE` + `except-interface=lo`: it binds
@@ -77,10 +82,22 @@ pub fn render_config(net: &HostNetwork, files: &DnsmasqFiles) -> String {
         "# hearth: dnsmasq of network bridge {} (generated, rewritten on every resync)\n",
         net.bridge
     ));
-    for line in [
-        "no-resolv".to_string(),
-        "no-hosts".to_string(),
-        "port=0".to_string(),
+    let dns: Vec<String> = match &net.dns {
+        Dns::Off => vec!["no-resolv".into(), "no-hosts".into(), "port=0".into()],
+        Dns::Local => vec![
+            "no-resolv".into(),
+            "no-hosts".into(),
+            "domain-needed".into(),
+            "bogus-priv".into(),
+        ],
+        Dns::Forward(upstream) => vec![
+            format!("resolv-file={}", upstream.display()),
+            "no-hosts".into(),
+            "domain-needed".into(),
+            "bogus-priv".into(),
+        ],
+    };
+    for line in dns.into_iter().chain([
         "bind-interfaces".to_string(),
         format!("interface={}", net.bridge),
         "except-interface=lo".to_string(),
@@ -90,7 +107,7 @@ pub fn render_config(net: &HostNetwork, files: &DnsmasqFiles) -> String {
         format!("pid-file={}", files.pid().display()),
         format!("log-facility={}", files.log().display()),
         "dhcp-authoritative".to_string(),
-    ] {
+    ]) {
         s.push_str(&line);
         s.push('\n');
     }
@@ -453,6 +470,7 @@ mod tests {
             prefix_len: 24,
             mode: NetworkMode::Nat,
             dhcp: true,
+            dns: Dns::Off,
             static_leases: vec![
                 StaticLease {
                     mac: Mac([0x52, 0x54, 0, 0, 0, 2]),
@@ -487,6 +505,39 @@ mod tests {
         let mut iso = net();
         iso.mode = NetworkMode::Isolated;
         assert!(render_config(&iso, &files).ends_with("dhcp-option=3\n"));
+    }
+
+    #[test]
+    fn dns_answers_the_vms_and_forwards_only_on_nat() {
+        let files = DnsmasqFiles::new("/var/lib/hearth/networks/hth0");
+        let lines = |dns: Dns| {
+            let mut n = net();
+            n.dns = dns;
+            render_config(&n, &files)
+                .lines()
+                .skip(1)
+                .take(4)
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        assert_eq!(
+            lines(Dns::Forward("/etc/resolv.conf".into())),
+            "resolv-file=/etc/resolv.conf no-hosts domain-needed bogus-priv"
+        );
+        assert_eq!(
+            lines(Dns::Local),
+            "no-resolv no-hosts domain-needed bogus-priv"
+        );
+        for dns in [Dns::Local, Dns::Forward("/r".into())] {
+            let mut n = net();
+            n.dns = dns;
+            let text = render_config(&n, &files);
+            assert!(!text.contains("port="), "{text}");
+            assert!(
+                text.contains("interface=hth0\nexcept-interface=lo\n"),
+                "{text}"
+            );
+        }
     }
 
     #[test]

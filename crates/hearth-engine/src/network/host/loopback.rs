@@ -149,6 +149,7 @@ mod tests {
             prefix_len: 24,
             mode,
             dhcp: true,
+            dns: crate::network::host::Dns::Off,
             static_leases: vec![],
             port_forwards: forwards,
         }

@@ -51,8 +51,23 @@ pub struct HostNetwork {
     pub mode: NetworkMode,
     /// Run dnsmasq for DHCP on the bridge (never in `Bridge` mode).
     pub dhcp: bool,
+    /// What its dnsmasq answers on DNS (only with `dhcp`).
+    pub dns: Dns,
     pub static_leases: Vec<StaticLease>,
     pub port_forwards: Vec<PortForward>,
+}
+
+/// A network's DNS server (its dnsmasq, on the gateway).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Dns {
+    /// None (`port=0`); DHCP hands out no DNS server.
+    Off,
+    /// The network's VMs by name, nothing else: an Isolated network's
+    /// guests reach nothing outside, their queries neither.
+    Local,
+    /// The VMs by name, every other name from the `nameserver`s of this
+    /// resolver file.
+    Forward(PathBuf),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -465,6 +480,7 @@ mod tests {
             prefix_len: 24,
             mode: NetworkMode::Nat,
             dhcp: true,
+            dns: Dns::Off,
             static_leases: vec![StaticLease {
                 mac: Mac([0x52, 0x54, 0, 0xab, 0, 1]),
                 ip: Ipv4Addr::new(10, 77, 0, 10),

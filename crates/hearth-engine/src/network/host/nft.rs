@@ -302,6 +302,7 @@ mod tests {
             prefix_len: 24,
             mode,
             dhcp: true,
+            dns: crate::network::host::Dns::Off,
             static_leases: vec![],
             port_forwards: vec![],
         }
