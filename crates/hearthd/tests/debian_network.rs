@@ -53,6 +53,25 @@ const SSH_OPTS: [&str; 8] = [
     "ConnectTimeout=10",
 ];
 
+/// `ssh -p 2222 HOST` inside the namespace: the guest's `$SSH_CONNECTION`
+/// (client address, client port, server address, server port).
+fn ssh_connection(d: &Daemon, key_arg: &str, user: &str, host: &str) -> Vec<String> {
+    let mut args: Vec<&str> = vec!["-i", key_arg, "-p", "2222", "-l", user];
+    args.extend(SSH_OPTS);
+    args.extend([host, "echo $SSH_CONNECTION"]);
+    let out = d.in_netns("ssh", &args);
+    assert!(
+        out.status.success(),
+        "ssh -p 2222 {host}: {}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect()
+}
+
 #[test]
 fn hearth_ssh_reaches_a_debian_guest_configured_by_cloud_init() {
     let _serial = serial();
@@ -127,35 +146,17 @@ fn hearth_ssh_reaches_a_debian_guest_configured_by_cloud_init() {
 
     // The forwarded port: the bridge's address, port 2222, reaches the
     // same sshd (the guest sees the connection from the gateway).
-    let mut args: Vec<&str> = vec!["-i", &key_arg, "-p", "2222", "-l", &user];
-    args.extend(SSH_OPTS);
-    args.extend(["10.77.0.1", "echo $SSH_CONNECTION"]);
-    let out = d.in_netns("ssh", &args);
-    assert!(
-        out.status.success(),
-        "ssh -p 2222: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let conn = String::from_utf8_lossy(&out.stdout).into_owned();
-    let fields: Vec<&str> = conn.split_whitespace().collect();
-    assert_eq!(fields.get(2), Some(&ip.as_str()), "{conn}");
-    assert_eq!(fields.get(3), Some(&"22"), "{conn}");
+    let conn = ssh_connection(&d, &key_arg, &user, "10.77.0.1");
+    assert_eq!(conn.get(2), Some(&ip), "{conn:?}");
+    assert_eq!(conn.get(3).map(String::as_str), Some("22"), "{conn:?}");
 
     // And through 127.0.0.1:2222, where hearthd listens and copies the
     // connection; the guest sees it come from the gateway.
-    let mut args: Vec<&str> = vec!["-i", &key_arg, "-p", "2222", "-l", &user];
-    args.extend(SSH_OPTS);
-    args.extend(["127.0.0.1", "echo $SSH_CONNECTION"]);
-    let out = d.in_netns("ssh", &args);
-    assert!(
-        out.status.success(),
-        "ssh -p 2222 127.0.0.1: {}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
+    let conn = ssh_connection(&d, &key_arg, &user, "127.0.0.1");
+    assert_eq!(
+        conn.first().map(String::as_str),
+        Some("10.77.0.1"),
+        "{conn:?}"
     );
-    let conn = String::from_utf8_lossy(&out.stdout).into_owned();
-    let fields: Vec<&str> = conn.split_whitespace().collect();
-    assert_eq!(fields.first(), Some(&"10.77.0.1"), "{conn}");
-    assert_eq!(fields.get(2), Some(&ip.as_str()), "{conn}");
+    assert_eq!(conn.get(2), Some(&ip), "{conn:?}");
 }
