@@ -1573,27 +1573,13 @@ async fn prepare_disk(
 }
 
 /// The virtual size of every named block node of the running QEMU
-/// (`query-named-block-nodes`), by node name.
+/// ([`overlays::named_nodes`]), by node name.
 async fn named_nodes(live: &LiveVm) -> Result<HashMap<String, u64>, String> {
     let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
-    let nodes = qmp
-        .execute(
-            "query-named-block-nodes",
-            Some(json!({"flat": true})),
-            QMP_TIMEOUT,
-        )
-        .await
-        .map_err(|e| format!("query-named-block-nodes: {e}"))?;
-    Ok(nodes
-        .as_array()
+    Ok(overlays::named_nodes(qmp)
+        .await?
         .into_iter()
-        .flatten()
-        .filter_map(|n| {
-            Some((
-                n.get("node-name")?.as_str()?.to_string(),
-                n.pointer("/image/virtual-size")?.as_u64()?,
-            ))
-        })
+        .filter_map(|n| Some((n.node, n.size?)))
         .collect())
 }
 

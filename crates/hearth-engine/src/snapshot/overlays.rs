@@ -503,6 +503,8 @@ pub struct NodeInfo {
     pub driver: String,
     /// The file it reads, resolved through the fd sets.
     pub file: String,
+    /// Its virtual size, as QEMU reports it.
+    pub size: Option<u64>,
 }
 
 /// Every named node with the file it reads. A format node whose backing was
@@ -530,6 +532,7 @@ pub async fn named_nodes(qmp: &hearth_qemu::qmp::QmpClient) -> Result<Vec<NodeIn
                 node: n.get("node-name")?.as_str()?.to_string(),
                 driver: n.get("drv")?.as_str()?.to_string(),
                 file: hearth_qemu::qmp::resolve_filename(n.get("file")?.as_str()?, &fdsets),
+                size: n.pointer("/image/virtual-size").and_then(Value::as_u64),
             })
         })
         .collect();
