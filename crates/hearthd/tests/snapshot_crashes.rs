@@ -80,30 +80,7 @@ fn written_by(pid: u32, dir: &Path) -> BTreeSet<PathBuf> {
 /// what the guest wrote. Returns the number of lines.
 fn check_restored(d: &Daemon, snap: &str, scratch: &Path) -> usize {
     let disk = format!("chk-{snap}");
-    let (status, v) = d.request(
-        "POST",
-        "/v1/apply",
-        Some(
-            &json!({"items": [{"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-            "metadata": {"name": disk}, "spec": {"source": {"snapshot": snap}}}]}),
-        ),
-    );
-    assert_eq!(status, 200, "{v}");
-    wait_until(&format!("{disk} Ready"), Duration::from_secs(60), || {
-        d.get_disk(&disk)
-            .is_some_and(|v| v["status"]["phase"] == "Ready")
-    });
-    let path = d.get_disk(&disk).expect("disk")["status"]["path"]
-        .as_str()
-        .expect("path")
-        .to_string();
-    let raw = scratch.join(format!("{disk}.raw"));
-    let st = Command::new("qemu-img")
-        .args(["convert", "-U", "-O", "raw", &path])
-        .arg(&raw)
-        .status()
-        .expect("qemu-img");
-    assert!(st.success());
+    let raw = restored_raw(d, snap, scratch);
     assert_clean_ext4(&raw, snap);
     let text = debugfs_cat(&raw, "/seq");
     let lines: Vec<&str> = text.lines().collect();

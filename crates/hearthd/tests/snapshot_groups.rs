@@ -9,7 +9,6 @@ mod common;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -56,29 +55,10 @@ fn message(v: &Value) -> String {
         .to_string()
 }
 
-/// A snapshot's image, through a disk restored from it, as raw bytes.
-fn restored_raw(d: &Daemon, snapshot: &str, scratch: &Path) -> PathBuf {
-    let disk = format!("chk-{snapshot}");
-    let (status, v) = d.apply_json(vec![json!({"apiVersion": "hearth.dev/v1alpha1",
-        "kind": "VirtualDisk", "metadata": {"name": disk},
-        "spec": {"source": {"snapshot": snapshot}}})]);
-    assert_eq!(status, 200, "{v}");
-    wait_until(&format!("{disk} Ready"), Duration::from_secs(60), || {
-        d.get_disk(&disk)
-            .is_some_and(|v| v["status"]["phase"] == "Ready")
-    });
-    let path = d.get_disk(&disk).expect("disk")["status"]["path"]
-        .as_str()
-        .expect("path")
-        .to_string();
-    let raw = scratch.join(format!("{disk}.raw"));
-    let st = Command::new("qemu-img")
-        .args(["convert", "-U", "-O", "raw", &path])
-        .arg(&raw)
-        .status()
-        .expect("qemu-img (apt install qemu-utils)");
-    assert!(st.success(), "qemu-img convert {path}");
-    d.cli_ok(&["delete", "disk", &disk]);
+/// [`restored_raw`], and the check disk deleted again.
+fn restored_raw_once(d: &Daemon, snapshot: &str, scratch: &Path) -> PathBuf {
+    let raw = restored_raw(d, snapshot, scratch);
+    d.cli_ok(&["delete", "disk", &format!("chk-{snapshot}")]);
     raw
 }
 
@@ -184,7 +164,7 @@ fn image_stall(
     live: &[(u64, f64)],
     scratch: &Path,
 ) -> (f64, f64) {
-    let raw = restored_raw(d, snapshot, scratch);
+    let raw = restored_raw_once(d, snapshot, scratch);
     assert_clean_ext4(&raw, snapshot);
     let image = records(&debugfs_cat(&raw, "/sw"));
     let _ = std::fs::remove_file(&raw);
@@ -376,7 +356,7 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
         d.wait_agent(vm);
         let raw_count = records(&d.agent_sh_ok(vm, "cat /data/sw")).len();
         let snap = format!("pair-{vm}-{vm}-data");
-        let raw = restored_raw(&d, &snap, scratch.path());
+        let raw = restored_raw_once(&d, &snap, scratch.path());
         assert_eq!(
             raw_count,
             records(&debugfs_cat(&raw, "/sw")).len(),

@@ -745,6 +745,34 @@ pub fn backing_chain(image: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
+/// A disk snapshot's image as raw bytes: a VirtualDisk `chk-SNAPSHOT`
+/// restored from it, converted with `qemu-img` into `scratch`. The disk
+/// stays; the caller deletes it when it must not.
+pub fn restored_raw(d: &Daemon, snapshot: &str, scratch: &Path) -> PathBuf {
+    let disk = format!("chk-{snapshot}");
+    let (status, v) = d.apply_json(vec![serde_json::json!({
+        "apiVersion": "hearth.dev/v1alpha1",
+        "kind": "VirtualDisk", "metadata": {"name": disk},
+        "spec": {"source": {"snapshot": snapshot}}})]);
+    assert_eq!(status, 200, "{v}");
+    wait_until(&format!("{disk} Ready"), Duration::from_secs(60), || {
+        d.get_disk(&disk)
+            .is_some_and(|v| v["status"]["phase"] == "Ready")
+    });
+    let path = d.get_disk(&disk).expect("disk")["status"]["path"]
+        .as_str()
+        .expect("path")
+        .to_string();
+    let raw = scratch.join(format!("{disk}.raw"));
+    let st = Command::new("qemu-img")
+        .args(["convert", "-U", "-O", "raw", &path])
+        .arg(&raw)
+        .status()
+        .expect("qemu-img (apt install qemu-utils)");
+    assert!(st.success(), "qemu-img convert {path}");
+    raw
+}
+
 /// Waits until a disk snapshot is Ready or Failed and returns it.
 pub fn snapshot_final(d: &Daemon, name: &str, timeout: Duration) -> Value {
     let deadline = Instant::now() + timeout;
