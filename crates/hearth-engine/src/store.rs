@@ -191,7 +191,8 @@ CREATE TABLE IF NOT EXISTS cut_overlays (
 -- A merge of layers nobody needs any more into the layer above them
 -- (docs/snapshots.md, "Compaction"), recorded before its job or qemu-img
 -- starts and settled by reading the top layer's header: `gone` (a JSON
--- list, top-down) are the layers merged, `job` the QMP job of an online one.
+-- list, top-down) are the layers merged, `job` the QMP job of an online one
+-- and `qemu` (`pid:start_ticks`) the QEMU it runs in.
 CREATE TABLE IF NOT EXISTS compactions (
     id INTEGER PRIMARY KEY,
     target TEXT NOT NULL,
@@ -199,7 +200,8 @@ CREATE TABLE IF NOT EXISTS compactions (
     top TEXT NOT NULL,
     base TEXT NOT NULL,
     gone TEXT NOT NULL,
-    job TEXT
+    job TEXT,
+    qemu TEXT
 );
 -- An overlay made ahead of the cut that will use it (one per disk at most),
 -- recorded before its file or its QEMU node exists. While it is here nobody
@@ -252,6 +254,24 @@ CREATE TABLE IF NOT EXISTS changes (
 );
 "#;
 
+/// Columns added to tables after they first shipped: a store written by an
+/// older hearthd gets them (NULL in its existing rows).
+const ADDED_COLUMNS: &[(&str, &str, &str)] = &[("compactions", "qemu", "TEXT")];
+
+fn add_missing_columns(conn: &Connection) -> Result<(), StoreError> {
+    for (table, column, ty) in ADDED_COLUMNS {
+        let present: bool = conn.query_row(
+            "SELECT COUNT(*) > 0 FROM pragma_table_info(?1) WHERE name = ?2",
+            params![table, column],
+            |r| r.get(0),
+        )?;
+        if !present {
+            conn.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN {column} {ty}"))?;
+        }
+    }
+    Ok(())
+}
+
 /// One stored lease: the address of interface `interface` (its index in
 /// the VM's `spec.networks`) of `vm` on `network`.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -279,6 +299,7 @@ impl Store {
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(SCHEMA)?;
+        add_missing_columns(&conn)?;
         changes::migrate(&mut conn, history)?;
         let head = changes::head_of(&conn)?;
         Ok(Store {

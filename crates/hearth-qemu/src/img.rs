@@ -244,6 +244,51 @@ impl QemuImg {
         self.run("rebase", path, args).await.map(|_| ())
     }
 
+    /// Writes `new_backing` into `path`'s header and nothing else
+    /// (`qemu-img rebase -u`): no cluster is copied, so what `path` reads
+    /// changes unless the new backing reads as the old one did. For setting
+    /// a merge's top back to the layer it was read through.
+    pub async fn set_backing(
+        &self,
+        path: &Path,
+        new_backing: &Path,
+        backing_format: &str,
+    ) -> Result<(), ImgError> {
+        check_absolute(path)?;
+        check_absolute(new_backing)?;
+        check_format(backing_format)?;
+        let args: Vec<OsString> = vec![
+            "rebase".into(),
+            "-q".into(),
+            "-u".into(),
+            "-f".into(),
+            "qcow2".into(),
+            "-b".into(),
+            new_backing.into(),
+            "-F".into(),
+            backing_format.into(),
+            path.into(),
+        ];
+        self.run("rebase", path, args).await.map(|_| ())
+    }
+
+    /// `qemu-img check -r leaks`: frees clusters that are allocated but not
+    /// referenced (what a killed writer leaves). Never touches a referenced
+    /// cluster, so what the image reads does not change.
+    pub async fn repair_leaks(&self, path: &Path) -> Result<(), ImgError> {
+        check_absolute(path)?;
+        let args: Vec<OsString> = vec![
+            "check".into(),
+            "-q".into(),
+            "-r".into(),
+            "leaks".into(),
+            "-f".into(),
+            "qcow2".into(),
+            path.into(),
+        ];
+        self.run("check", path, args).await.map(|_| ())
+    }
+
     /// `qemu-img info` of one image. `-U` so it also works on images a running VM
     /// holds locked.
     pub async fn info(&self, path: &Path) -> Result<ImageInfo, ImgError> {
@@ -566,6 +611,22 @@ pub async fn rebase(
         .with_timeout(timeout)
         .rebase(path, new_backing, backing_format)
         .await
+}
+
+/// [`QemuImg::set_backing`] with `qemu-img` from `PATH`.
+pub async fn set_backing(
+    path: &Path,
+    new_backing: &Path,
+    backing_format: &str,
+) -> Result<(), ImgError> {
+    QemuImg::locate()?
+        .set_backing(path, new_backing, backing_format)
+        .await
+}
+
+/// [`QemuImg::repair_leaks`] with `qemu-img` from `PATH`.
+pub async fn repair_leaks(path: &Path) -> Result<(), ImgError> {
+    QemuImg::locate()?.repair_leaks(path).await
 }
 
 /// [`QemuImg::backing_chain`] with `qemu-img` from `PATH`.

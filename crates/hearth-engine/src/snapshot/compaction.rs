@@ -28,6 +28,8 @@ use serde_json::{Value, json};
 
 use super::overlays;
 use super::storage::{self, Layer};
+use hearth_qemu::process::ProcessIdentity;
+
 use crate::context::Context;
 use crate::store::{Store, StoreError};
 use crate::vm::live::LiveVm;
@@ -124,47 +126,98 @@ pub fn plan(chains: &Chains, head: &str) -> Vec<Merge> {
     out
 }
 
-/// The state of the process doing a merge: QEMU's job, or a `qemu-img`
-/// (seen as a process holding the top layer open).
+/// What the top layer's header names as its backing file. Both writers
+/// change it, but neither last: `qemu-img rebase` writes it before the L2
+/// tables that point at the clusters it copied (measured with strace on
+/// qemu-img 10.0.2), and QEMU's stream job writes it at its end while the
+/// new L2 entries may still sit in QEMU's metadata cache. So the header
+/// alone never proves a merge: see [`Writer`].
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Job {
+pub enum Header {
+    /// The merge's base: written, with the data perhaps not referenced yet.
+    Base,
+    /// The first merged layer: the top reads as before.
+    FirstGone,
+    /// Neither, or unreadable: why.
+    Other(String),
+}
+
+impl Header {
+    pub fn of(backing: Option<&Path>, base: &Path, first_gone: &Path) -> Header {
+        match backing {
+            Some(b) if b == base => Header::Base,
+            Some(b) if b == first_gone => Header::FirstGone,
+            Some(b) => Header::Other(format!(
+                "the top layer's backing file is {}, neither {} nor {}",
+                b.display(),
+                base.display(),
+                first_gone.display()
+            )),
+            None => Header::Other("the top layer names no backing file".into()),
+        }
+    }
+}
+
+/// What is known of the process that writes a merge: the only proof that
+/// the merged data is durable and referenced.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Writer {
+    /// The `qemu-img rebase` this daemon ran, seen to exit: with status 0
+    /// (it has written and synced everything: it closes the image, which
+    /// flushes) or not (killed, failed, timed out).
+    Exited { ok: bool },
+    /// A process holds the top open that may still write it (a `qemu-img`
+    /// a dead daemon started).
     Running,
-    Ended,
+    /// Nothing holds the top and nobody saw how its writer ended: a
+    /// `qemu-img` of a dead daemon, or the VM's QEMU exited (cleanly or not).
+    Gone,
+    /// The QEMU that runs the job: whether the job still runs, and whether a
+    /// flush of the top was asked and answered since the job ended.
+    Qemu { job_running: bool, flushed: bool },
+    /// Cannot be told (QMP does not answer, another QEMU runs): why.
     Unknown(String),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Settle {
-    /// The top's header names the base: the merge happened; record it.
+    /// Durable and referenced: record it; then the merged layers may go.
     Done,
-    /// Still running: decide later.
+    /// Still being written: decide later.
     Wait,
-    /// It ended without switching (failed, cancelled, killed): forget the
-    /// intent. The top reads as before; whatever was copied up already
-    /// reads exactly as it did through the merged layers.
+    /// The header names the base and QEMU, which may hold the new L2
+    /// entries in its cache only, still runs: ask it to flush the top and
+    /// decide again.
+    Flush,
+    /// The header names the base, but nobody knows that the data is
+    /// referenced: set the header back to the first merged layer (the top
+    /// then reads as before: every cluster it references reads as it did
+    /// through the merged layers), then forget the merge.
+    Undo,
+    /// It ended without switching: forget the intent. The top reads as
+    /// before; whatever was copied up reads exactly as it did through the
+    /// merged layers.
     Abandoned,
     /// Touch nothing; decide later.
     Unresolved(String),
 }
 
-/// Settles a recorded merge from what the top layer's header names as its
-/// backing file (the last thing both `qemu-img rebase` and QEMU's stream
-/// job write) and from whether its job still runs.
-pub fn decide(header_backing: Option<&Path>, base: &Path, below_top: &Path, job: Job) -> Settle {
-    match header_backing {
-        Some(b) if b == base => Settle::Done,
-        Some(b) if b == below_top => match job {
-            Job::Running => Settle::Wait,
-            Job::Ended => Settle::Abandoned,
-            Job::Unknown(why) => Settle::Unresolved(why),
-        },
-        Some(b) => Settle::Unresolved(format!(
-            "the top layer's backing file is {}, neither {} nor {}",
-            b.display(),
-            base.display(),
-            below_top.display()
-        )),
-        None => Settle::Unresolved("the top layer names no backing file".into()),
+/// Settles a recorded merge from the top's header and from what is known
+/// of its writer. Done only with proof: a `qemu-img` seen to exit 0, or a
+/// flush of the top that the same QEMU answered after its job ended.
+pub fn decide(header: &Header, writer: &Writer) -> Settle {
+    match (header, writer) {
+        (_, Writer::Unknown(why)) => Settle::Unresolved(why.clone()),
+        (_, Writer::Running | Writer::Qemu { job_running: true, .. }) => Settle::Wait,
+        (Header::Other(why), _) => Settle::Unresolved(why.clone()),
+        (Header::Base, Writer::Exited { ok: true } | Writer::Qemu { flushed: true, .. }) => {
+            Settle::Done
+        }
+        (Header::Base, Writer::Qemu { flushed: false, .. }) => Settle::Flush,
+        (Header::Base, Writer::Exited { ok: false } | Writer::Gone) => Settle::Undo,
+        (Header::FirstGone, Writer::Exited { .. } | Writer::Gone | Writer::Qemu { .. }) => {
+            Settle::Abandoned
+        }
     }
 }
 
@@ -180,6 +233,9 @@ pub struct Intent {
     pub base: Layer,
     pub gone: Vec<Layer>,
     pub job: Option<String>,
+    /// The QEMU an online merge runs in: only that process's cache can
+    /// hold the job's unflushed metadata, so only it can be asked to flush.
+    pub qemu: Option<ProcessIdentity>,
 }
 
 /// The layers as the store has them, with every direct reference.
@@ -243,7 +299,7 @@ pub fn targets(store: &Store) -> Result<Vec<String>, StoreError> {
 fn select(store: &Store, cond: &str, arg: &str) -> Result<Vec<Intent>, StoreError> {
     store.with_tx(|tx| {
         let mut stmt = tx.prepare(&format!(
-            "SELECT id, target, disk, top, base, gone, job FROM compactions WHERE {cond} ORDER BY id"
+            "SELECT id, target, disk, top, base, gone, job, qemu FROM compactions WHERE {cond} ORDER BY id"
         ))?;
         let rows = stmt
             .query_map(params![arg], |r| {
@@ -255,11 +311,12 @@ fn select(store: &Store, cond: &str, arg: &str) -> Result<Vec<Intent>, StoreErro
                     r.get::<_, String>(4)?,
                     r.get::<_, String>(5)?,
                     r.get::<_, Option<String>>(6)?,
+                    r.get::<_, Option<String>>(7)?,
                 ))
             })?
             .collect::<Result<Vec<_>, _>>()?;
         let mut out = Vec::new();
-        for (id, target, disk, top, base, gone, job) in rows {
+        for (id, target, disk, top, base, gone, job, qemu) in rows {
             let gone: Vec<String> = serde_json::from_str(&gone).unwrap_or_default();
             let layer = |id: &str| -> Result<Layer, StoreError> {
                 Ok(storage::layer_tx(tx, id)?.unwrap_or(Layer {
@@ -276,25 +333,40 @@ fn select(store: &Store, cond: &str, arg: &str) -> Result<Vec<Intent>, StoreErro
                 base: layer(&base)?,
                 gone: gone.iter().map(|g| layer(g)).collect::<Result<_, _>>()?,
                 job,
+                qemu: qemu.as_deref().and_then(parse_identity),
             });
         }
         Ok(out)
     })
 }
 
-/// Records a merge before anything starts, under a never-repeating id.
+/// `pid:start_ticks`, as the `qemu` column holds it.
+fn format_identity(p: &ProcessIdentity) -> String {
+    format!("{}:{}", p.pid, p.start_ticks)
+}
+
+fn parse_identity(s: &str) -> Option<ProcessIdentity> {
+    let (pid, ticks) = s.split_once(':')?;
+    Some(ProcessIdentity {
+        pid: pid.parse().ok()?,
+        start_ticks: ticks.parse().ok()?,
+    })
+}
+
+/// Records a merge before anything starts, under a never-repeating id;
+/// `qemu` is the process an online merge runs in (`None`: offline).
 fn record(
     store: &Store,
     target: &str,
     disk: &str,
     m: &Merge,
-    online: bool,
+    qemu: Option<&ProcessIdentity>,
 ) -> Result<i64, StoreError> {
     store.with_tx(|tx| {
         let id = Store::next_counter_tx(tx, "compaction")? as i64;
         tx.execute(
-            "INSERT INTO compactions (id, target, disk, top, base, gone, job)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+            "INSERT INTO compactions (id, target, disk, top, base, gone, job, qemu)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
             params![
                 id,
                 target,
@@ -302,7 +374,8 @@ fn record(
                 m.top,
                 m.base,
                 serde_json::to_string(&m.gone).unwrap_or_default(),
-                online.then(|| job_id(id)),
+                qemu.map(|_| job_id(id)),
+                qemu.map(format_identity),
             ],
         )?;
         Ok(id)
@@ -353,58 +426,209 @@ async fn header_backing(path: &Path) -> Result<Option<PathBuf>, String> {
     }))
 }
 
-/// Whether the merge's job still runs: QEMU's job when `live`, else a
-/// process (a `qemu-img` a dead daemon started) holding the top open.
-async fn job_state(live: Option<&LiveVm>, i: &Intent) -> Job {
-    match (live, &i.job) {
-        (Some(l), Some(job)) => {
-            let Some(qmp) = l.qmp.as_ref() else {
-                return Job::Unknown("no QMP connection to the VM".into());
-            };
-            match qmp.execute("query-jobs", None, QMP_TIMEOUT).await {
-                Ok(jobs) => match jobs
-                    .as_array()
-                    .and_then(|a| a.iter().find(|j| j["id"] == job.as_str()))
-                {
-                    Some(j) if j["status"] == "concluded" || j["status"] == "null" => {
-                        let _ = qmp
-                            .execute("job-dismiss", Some(json!({"id": job})), QMP_TIMEOUT)
-                            .await;
-                        Job::Ended
-                    }
-                    Some(_) => Job::Running,
-                    None => Job::Ended,
-                },
-                Err(e) => Job::Unknown(format!("query-jobs: {e}")),
-            }
-        }
-        _ => {
-            if storage::open_files().contains(&i.top.path) {
-                Job::Running
-            } else {
-                Job::Ended
-            }
-        }
+/// What the top's header names, as a [`Header`] of merge `i`.
+async fn header_of(i: &Intent) -> Header {
+    let first = i.gone.first().map(|l| l.path.clone()).unwrap_or_default();
+    match header_backing(&i.top.path).await {
+        Ok(b) => Header::of(b.as_deref(), &i.base.path, &first),
+        Err(e) => Header::Other(e),
     }
 }
 
+/// What is known of merge `i`'s writer: how the `qemu-img` this daemon ran
+/// ended (`exited`, when it did), else QEMU's job when `live` runs it, else
+/// whether a process still holds the top open.
+async fn writer_of(live: Option<&LiveVm>, i: &Intent, exited: Option<bool>) -> Writer {
+    if let Some(ok) = exited {
+        return Writer::Exited { ok };
+    }
+    let (Some(job), Some(l)) = (&i.job, live) else {
+        // Offline, or its QEMU is gone: a process holding the top (a
+        // `qemu-img` a dead daemon started) may still write it.
+        return if storage::open_files().contains(&i.top.path) {
+            Writer::Running
+        } else {
+            Writer::Gone
+        };
+    };
+    if let Some(q) = &i.qemu
+        && *q != l.record.process
+    {
+        // Launches settle merges first, so this should not happen; the new
+        // QEMU cannot be asked to flush what the old one cached.
+        return Writer::Unknown(format!(
+            "the merge ran in QEMU process {}, but process {} runs the VM now",
+            q.pid, l.record.process.pid
+        ));
+    }
+    let Some(qmp) = l.qmp.as_ref() else {
+        return Writer::Unknown("no QMP connection to the VM".into());
+    };
+    match qmp.execute("query-jobs", None, QMP_TIMEOUT).await {
+        Ok(jobs) => match jobs
+            .as_array()
+            .and_then(|a| a.iter().find(|j| j["id"] == job.as_str()))
+        {
+            Some(j) if j["status"] == "concluded" || j["status"] == "null" => {
+                // A job of an older hearthd that did not dismiss itself:
+                // QEMU 10.0.2 crashes on a graph query while it waits.
+                let _ = qmp
+                    .execute("job-dismiss", Some(json!({"id": job})), QMP_TIMEOUT)
+                    .await;
+                Writer::Qemu {
+                    job_running: false,
+                    flushed: false,
+                }
+            }
+            Some(_) => Writer::Qemu {
+                job_running: true,
+                flushed: false,
+            },
+            None => Writer::Qemu {
+                job_running: false,
+                flushed: false,
+            },
+        },
+        Err(e) => Writer::Unknown(format!("query-jobs: {e}")),
+    }
+}
+
+/// Whether merge `i` writes into its disk's head (else into a kept layer,
+/// which QEMU holds read-only but for the job).
+fn into_head(store: &Store, i: &Intent) -> bool {
+    storage::head(store, &i.disk)
+        .ok()
+        .flatten()
+        .is_some_and(|h| h.id == i.top.id)
+}
+
+/// Asks QEMU to flush the top of merge `i` to its file and the disk: a
+/// `blockdev-reopen` of its qcow2 node with the options it has (the same
+/// file node, `backing` the base's node), which QEMU begins by flushing
+/// the node — its metadata cache, where the job's new L2 entries may be,
+/// then the file (`fdatasync`) — and refuses to do when that fails. So an
+/// answer `{}` is a flush seen to complete. `read_only` reopens a kept
+/// layer read-only in the same step.
+async fn flush_top(live: &LiveVm, i: &Intent, read_only: bool) -> Result<(), String> {
+    let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+    let nodes = overlays::named_nodes(qmp).await?;
+    let qcow2_of = |path: &Path| {
+        let mut of: Vec<&overlays::NodeInfo> = nodes
+            .iter()
+            .filter(|n| n.driver == "qcow2" && n.file == path.to_string_lossy())
+            .collect();
+        // A writable node is the one a job wrote through.
+        of.sort_by_key(|n| n.read_only);
+        of.first().map(|n| n.node.clone())
+    };
+    let top = qcow2_of(&i.top.path)
+        .ok_or_else(|| format!("QEMU has no node of layer {}", i.top.path.display()))?;
+    let base = qcow2_of(&i.base.path)
+        .ok_or_else(|| format!("QEMU has no node of layer {}", i.base.path.display()))?;
+    let file = overlays::file_child(&top)
+        .ok_or_else(|| format!("node {top} has no file node of hearth's naming"))?;
+    qmp.execute(
+        "blockdev-reopen",
+        Some(json!({"options": [{
+            "driver": "qcow2",
+            "node-name": top,
+            "file": file,
+            "backing": base,
+            "read-only": read_only,
+        }]})),
+        QMP_TIMEOUT,
+    )
+    .await
+    .map(|_| ())
+    .map_err(|e| format!("blockdev-reopen of {top}: {e}"))
+}
+
+/// Sets the top's header back to the first merged layer (`qemu-img rebase
+/// -u`: the header alone), reads it back, then frees what a killed writer
+/// allocated and never referenced (`qemu-img check -r leaks`). Only when no
+/// process holds the top.
+async fn undo(i: &Intent) -> Result<(), String> {
+    let first = i
+        .gone
+        .first()
+        .ok_or_else(|| format!("compaction {} names no merged layer", i.id))?;
+    if storage::open_files().contains(&i.top.path) {
+        return Err(format!(
+            "{} is open by a process: its header is set back later",
+            i.top.path.display()
+        ));
+    }
+    hearth_qemu::img::set_backing(&i.top.path, &first.path, "qcow2")
+        .await
+        .map_err(|e| e.to_string())?;
+    match header_of(i).await {
+        Header::FirstGone => {}
+        other => {
+            return Err(format!(
+                "{}'s header was set back to {} but reads {other:?}",
+                i.top.path.display(),
+                first.path.display()
+            ));
+        }
+    }
+    if let Err(e) = hearth_qemu::img::repair_leaks(&i.top.path).await {
+        // Leaked clusters waste space; they never change what is read.
+        tracing::warn!(id = i.id, error = %e, "cannot free the clusters a killed merge leaked");
+    }
+    Ok(())
+}
+
 /// Settles recorded merges: `live` is the running QEMU of their VM, or
-/// `None` when none runs. Returns each intent's outcome (a failure to
+/// `None` when none runs; `exited` how the `qemu-img` this daemon ran for
+/// them ended, when it did. Returns each intent's outcome (a failure to
 /// record one is `Unresolved`).
 pub async fn settle(
     ctx: &Context,
     live: Option<&LiveVm>,
     intents: &[Intent],
+    exited: Option<bool>,
 ) -> Vec<(i64, Settle)> {
     let mut out = Vec::new();
     for i in intents {
-        let below = i.gone.first().map(|l| l.path.clone()).unwrap_or_default();
-        let job = job_state(live, i).await;
-        let mut settled = match header_backing(&i.top.path).await {
-            Ok(h) => decide(h.as_deref(), &i.base.path, &below, job),
-            Err(e) => Settle::Unresolved(e),
-        };
-        tracing::info!(id = i.id, disk = %i.disk, ?settled, "settling a compaction");
+        let header = header_of(i).await;
+        let mut writer = writer_of(live, i, exited).await;
+        let kept = !into_head(&ctx.store, i);
+        let mut settled = decide(&header, &writer);
+        if let (Settle::Flush, Some(l)) = (&settled, live) {
+            writer = match flush_top(l, i, kept).await {
+                Ok(()) => Writer::Qemu {
+                    job_running: false,
+                    flushed: true,
+                },
+                Err(e) => Writer::Unknown(format!("flushing {}: {e}", i.top.path.display())),
+            };
+            settled = decide(&header, &writer);
+        }
+        if kept
+            && let (Some(l), Writer::Qemu {
+                job_running: false,
+                ..
+            }) = (live, &writer)
+            && let Err(e) = back_to_read_only(l, &i.top).await
+        {
+            // QEMU may write a kept layer only while a merge into it runs:
+            // the record stays until it holds the layer read-only again.
+            settled = Settle::Unresolved(format!(
+                "giving QEMU {} read-only again: {e}",
+                i.top.path.display()
+            ));
+        }
+        let mut undone = false;
+        if settled == Settle::Undo {
+            settled = match undo(i).await {
+                Ok(()) => {
+                    undone = true;
+                    Settle::Abandoned
+                }
+                Err(e) => Settle::Unresolved(e),
+            };
+        }
+        tracing::info!(id = i.id, disk = %i.disk, ?header, ?writer, ?settled, "settling a compaction");
         if matches!(settled, Settle::Done | Settle::Abandoned) {
             // Progress a dead daemon showed is over.
             ctx.set_disk_status(&i.disk, |s| s.compaction = None);
@@ -438,21 +662,34 @@ pub async fn settle(
                 }
             }
             Settle::Abandoned => {
+                let message = if undone {
+                    format!(
+                        "compaction {} switched {}'s header to {} but its writer ended without \
+                         proof that the merged data is referenced; the header is set back to {}, \
+                         the chain reads as before and is merged again later",
+                        i.id,
+                        i.top.id,
+                        i.base.id,
+                        i.gone.first().map(|l| l.id.as_str()).unwrap_or("?")
+                    )
+                } else {
+                    format!(
+                        "compaction {} ended without switching {} to {}; the chain is unchanged and is merged again later",
+                        i.id, i.top.id, i.base.id
+                    )
+                };
                 ctx.event(
                     Kind::VirtualDisk,
                     &i.disk,
                     EventType::Warning,
                     "CompactionAbandoned",
-                    &format!(
-                        "compaction {} ended without switching {} to {}; the chain is unchanged and is merged again later",
-                        i.id, i.top.id, i.base.id
-                    ),
+                    &message,
                 );
                 if let Err(e) = forget(&ctx.store, i.id) {
                     settled = Settle::Unresolved(format!("forgetting compaction {}: {e}", i.id));
                 }
             }
-            Settle::Wait | Settle::Unresolved(_) => {}
+            Settle::Wait | Settle::Unresolved(_) | Settle::Flush | Settle::Undo => {}
         }
         out.push((i.id, settled));
     }
@@ -466,6 +703,9 @@ fn still_open(id: i64, disk: &str, s: &Settle) -> Option<String> {
         Settle::Wait => Some(format!(
             "compaction {id} of VirtualDisk {disk:?} is still running"
         )),
+        Settle::Flush | Settle::Undo => Some(format!(
+            "compaction {id} of VirtualDisk {disk:?} is not settled yet"
+        )),
         Settle::Unresolved(why) => Some(format!("compaction {id} of VirtualDisk {disk:?}: {why}")),
     }
 }
@@ -475,7 +715,7 @@ fn still_open(id: i64, disk: &str, s: &Settle) -> Option<String> {
 pub async fn settle_offline(ctx: &Context, disks: &[String]) -> Result<(), String> {
     for d in disks {
         let intents = intents_of_disk(&ctx.store, d).map_err(|e| e.to_string())?;
-        for (id, s) in settle(ctx, None, &intents).await {
+        for (id, s) in settle(ctx, None, &intents, None).await {
             if let Some(why) = still_open(id, d, &s) {
                 return Err(why);
             }
@@ -573,21 +813,26 @@ pub async fn compact_disk(
         // A job a dead daemon started may still run in QEMU: follow it to
         // its end (it holds this actor, as it did the one that started it).
         for i in &intents {
-            if i.job.is_some() && job_state(live, i).await == Job::Running {
+            if i.job.is_some()
+                && matches!(
+                    writer_of(live, i, None).await,
+                    Writer::Qemu {
+                        job_running: true,
+                        ..
+                    }
+                )
+            {
                 tracing::info!(
                     id = i.id,
                     disk,
                     "following a compaction job started before a restart"
                 );
                 follow_job(ctx, l, disk, i.id, i.gone.len(), yield_to).await;
-                let head = storage::head(&ctx.store, disk).map_err(|e| e.to_string())?;
-                if head.is_none_or(|h| h.id != i.top.id) {
-                    back_to_read_only(l, &i.top).await;
-                }
             }
         }
     }
-    let settled = settle(ctx, live, &intents).await;
+    // Then settled as any: flushed, a kept layer given back read-only.
+    let settled = settle(ctx, live, &intents, None).await;
     if let Some(why) = settled.iter().find_map(|(id, s)| still_open(*id, disk, s)) {
         report.skipped.push(why);
         return Ok(report);
@@ -665,7 +910,7 @@ async fn rebase(
         )
         .into());
     }
-    let id = record(&ctx.store, target, disk, m, false).map_err(|e| e.to_string())?;
+    let id = record(&ctx.store, target, disk, m, None).map_err(|e| e.to_string())?;
     ctx.event(
         Kind::VirtualDisk,
         disk,
@@ -691,12 +936,14 @@ async fn rebase(
             () = tokio::time::sleep(POLL) => if yield_to.asked() { break None; },
         }
     };
-    let cancelled = match result {
+    // Only an exit 0 proves the merge: qemu-img writes the new header
+    // before the L2 tables that reference what it copied.
+    let (cancelled, ok) = match result {
         Some(Err(e)) => {
             tracing::warn!(id, disk, error = %e, "qemu-img rebase failed");
-            false
+            (false, false)
         }
-        Some(Ok(())) => false,
+        Some(Ok(())) => (false, true),
         None => {
             tracing::info!(
                 id,
@@ -710,10 +957,10 @@ async fn rebase(
             while storage::open_files().contains(&top.path) && Instant::now() < deadline {
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            true
+            (true, false)
         }
     };
-    let settled = settle_one(ctx, None, disk, id, started).await;
+    let settled = settle_one(ctx, None, disk, id, started, Some(ok)).await;
     drop(pins);
     match settled {
         Err(skip) if cancelled && skip.failed => Err(Skip::from(format!(
@@ -839,16 +1086,28 @@ async fn stream(
             )
             .into());
         }
-        let file_node = overlays::file_child(&top_node)
-            .ok_or_else(|| format!("node {top_node} has no file node of hearth's naming"))?;
-        // QEMU reopens the format node read-write for the job (and back at
-        // its end) by itself; its file node and descriptor are hearth's to
-        // change.
-        if let Err(e) =
-            hearth_qemu::qmp::reopen_file_node(qmp, &file_node, &top.path, false, QMP_TIMEOUT).await
-        {
-            // It may have got half-way (reopened, an old descriptor left).
-            back_to_read_only(live, top).await;
+    }
+    // Recorded before QEMU may write anything (a kept layer reopened
+    // read-write included): a settle after any crash gives the layer back
+    // read-only and decides from the header and the job.
+    let id = record(&ctx.store, target, disk, m, Some(&live.record.process))
+        .map_err(|e| e.to_string())?;
+    if let MergeInto::Layer = into {
+        let reopened = match overlays::file_child(&top_node) {
+            // QEMU reopens the format node read-write for the job (and back
+            // at its end) by itself; its file node and descriptor are
+            // hearth's to change.
+            Some(file_node) => {
+                hearth_qemu::qmp::reopen_file_node(qmp, &file_node, &top.path, false, QMP_TIMEOUT)
+                    .await
+                    .map_err(|e| e.to_string())
+            }
+            None => Err(format!("node {top_node} has no file node of hearth's naming")),
+        };
+        if let Err(e) = reopened {
+            // It may have got half-way (reopened, an old descriptor left):
+            // the settle gives it back read-only and forgets the record.
+            let _ = settle_one(ctx, Some(live), disk, id, Instant::now(), None).await;
             return Err(Skip {
                 why: format!(
                     "cannot open layer {} for writing in QEMU: {e}",
@@ -858,16 +1117,6 @@ async fn stream(
             });
         }
     }
-    let id = record(&ctx.store, target, disk, m, true).map_err(|e| e.to_string());
-    let id = match id {
-        Ok(id) => id,
-        Err(e) => {
-            if let MergeInto::Layer = into {
-                back_to_read_only(live, top).await;
-            }
-            return Err(e.into());
-        }
-    };
     let job = job_id(id);
     ctx.event(
         Kind::VirtualDisk,
@@ -905,10 +1154,9 @@ async fn stream(
         tracing::warn!(id, disk, error = %e, "block-stream refused");
     }
     let cancelled = follow_job(ctx, live, disk, id, m.gone.len(), yield_to).await;
-    if let MergeInto::Layer = into {
-        back_to_read_only(live, top).await;
-    }
-    let settled = settle_one(ctx, Some(live), disk, id, started).await;
+    // Settling flushes the top (and gives a kept layer back read-only)
+    // before anything is recorded or unlinked.
+    let settled = settle_one(ctx, Some(live), disk, id, started, None).await;
     drop(pins);
     match settled {
         Err(skip) if cancelled && skip.failed => Err(Skip::from(format!(
@@ -919,30 +1167,22 @@ async fn stream(
 }
 
 /// Gives QEMU `layer` read-only again after a merge into it: its file node
-/// reopened over a read-only descriptor, the read-write one removed. A
-/// failure is logged; the descriptor then stays until the VM stops.
-async fn back_to_read_only(live: &LiveVm, layer: &Layer) {
-    let Some(qmp) = live.qmp.as_ref() else { return };
-    let node = match overlays::named_nodes(qmp).await {
-        Ok(nodes) => nodes
-            .into_iter()
-            .find(|n| n.driver == "qcow2" && n.file == layer.path.to_string_lossy())
-            .and_then(|n| overlays::file_child(&n.node)),
-        Err(e) => {
-            tracing::warn!(layer = %layer.path.display(), error = %e, "cannot read QEMU's nodes");
-            return;
-        }
+/// reopened over a read-only descriptor, the read-write one removed. Does
+/// nothing when QEMU has no node of it (it never had one to write).
+async fn back_to_read_only(live: &LiveVm, layer: &Layer) -> Result<(), String> {
+    let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+    let Some(node) = overlays::named_nodes(qmp)
+        .await?
+        .into_iter()
+        .find(|n| n.driver == "qcow2" && n.file == layer.path.to_string_lossy())
+    else {
+        return Ok(());
     };
-    let Some(node) = node else { return };
-    if let Err(e) =
-        hearth_qemu::qmp::reopen_file_node(qmp, &node, &layer.path, true, QMP_TIMEOUT).await
-    {
-        tracing::warn!(
-            layer = %layer.path.display(),
-            error = %e,
-            "cannot give QEMU the merged-into layer read-only again"
-        );
-    }
+    let file = overlays::file_child(&node.node)
+        .ok_or_else(|| format!("node {} has no file node of hearth's naming", node.node))?;
+    hearth_qemu::qmp::reopen_file_node(qmp, &file, &layer.path, true, QMP_TIMEOUT)
+        .await
+        .map_err(|e| e.to_string())
 }
 
 /// Waits for merge `id`'s QMP job to end, showing its progress in the
@@ -1022,20 +1262,22 @@ async fn follow_job(
     cancelled
 }
 
-/// Settles merge `id` of `disk` right after its job or qemu-img ended.
+/// Settles merge `id` of `disk` right after its job or qemu-img ended
+/// (`exited`: how the qemu-img ended).
 async fn settle_one(
     ctx: &Arc<Context>,
     live: Option<&LiveVm>,
     disk: &str,
     id: i64,
     started: Instant,
+    exited: Option<bool>,
 ) -> Result<(), Skip> {
     let intents: Vec<Intent> = intents_of_disk(&ctx.store, disk)
         .map_err(|e| e.to_string())?
         .into_iter()
         .filter(|i| i.id == id)
         .collect();
-    let settled = settle(ctx, live, &intents).await;
+    let settled = settle(ctx, live, &intents, exited).await;
     tracing::info!(
         id,
         elapsed_ms = started.elapsed().as_millis() as u64,

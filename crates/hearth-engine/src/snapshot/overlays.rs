@@ -505,6 +505,8 @@ pub struct NodeInfo {
     pub file: String,
     /// Its virtual size, as QEMU reports it.
     pub size: Option<u64>,
+    /// Whether QEMU has it open read-only.
+    pub read_only: bool,
 }
 
 /// Every named node with the file it reads. A format node whose backing was
@@ -533,6 +535,7 @@ pub async fn named_nodes(qmp: &hearth_qemu::qmp::QmpClient) -> Result<Vec<NodeIn
                 driver: n.get("drv")?.as_str()?.to_string(),
                 file: hearth_qemu::qmp::resolve_filename(n.get("file")?.as_str()?, &fdsets),
                 size: n.pointer("/image/virtual-size").and_then(Value::as_u64),
+                read_only: n.get("ro").and_then(Value::as_bool).unwrap_or(false),
             })
         })
         .collect();
