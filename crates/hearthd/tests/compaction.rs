@@ -909,3 +909,244 @@ fn a_stop_cancels_a_throttled_merge_which_is_then_done_offline() {
         "the guest reads its files unchanged"
     );
 }
+
+/// A directory holding a `qemu-img` that runs the real one, except for the
+/// first safe `qemu-img rebase` (not `-u`), which it runs under strace's
+/// fault injection: killed by SIGKILL at its first `fdatasync`. qemu-img
+/// 10.0.2 has written the copied clusters, the header naming the new base
+/// and the refcounts by then, but not the L2 tables that point at the
+/// copies. Put first in hearthd's `PATH`.
+fn qemu_img_killed_at_fdatasync(dir: &Path) -> PathBuf {
+    let strace = Command::new("sh")
+        .args(["-c", "command -v strace"])
+        .output()
+        .expect("sh");
+    assert!(
+        strace.status.success(),
+        "strace is missing: apt-get install strace (.ci/install-deps.sh)"
+    );
+    let real = Command::new("sh")
+        .args(["-c", "command -v qemu-img"])
+        .output()
+        .expect("sh");
+    let real = String::from_utf8_lossy(&real.stdout).trim().to_string();
+    assert!(!real.is_empty(), "qemu-img is missing");
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).expect("bin dir");
+    let once = dir.join("killed-once");
+    let script = format!(
+        "#!/bin/sh\n\
+         case \" $* \" in\n\
+         *\" rebase \"*\" -u \"*) ;;\n\
+         *\" rebase \"*) if [ ! -e {once} ]; then : > {once}; \
+         exec strace -f -o /dev/null -e inject=fdatasync:signal=KILL:when=1 {real} \"$@\"; fi ;;\n\
+         esac\n\
+         exec {real} \"$@\"\n",
+        once = once.display(),
+    );
+    let wrapper = bin.join("qemu-img");
+    std::fs::write(&wrapper, script).expect("wrapper");
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    bin
+}
+
+#[test]
+fn an_offline_merge_killed_after_its_header_switch_is_set_back_and_loses_nothing() {
+    let _serial = serial();
+    let tools = tempfile::tempdir().expect("tempdir");
+    let bin = qemu_img_killed_at_fdatasync(tools.path());
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let d = Daemon::start_env(&[("PATH", &path)]);
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    let c = raw_chain_of_a_stopped_vm(&d, &scratch);
+
+    // k2 goes while the VM is stopped: qemu-img rebases k3's layer onto
+    // k1's and is killed at its first fdatasync, with the header switched.
+    d.cli_ok(&["delete", "snapshot", "k2"]);
+    wait_until(
+        "the merge is settled after the kill",
+        Duration::from_secs(60),
+        || {
+            d.event_reasons("VirtualDisk", "raw-a")
+                .iter()
+                .any(|r| r == "CompactionAbandoned")
+        },
+    );
+    assert!(tools.path().join("killed-once").exists(), "the kill ran");
+    // Nothing proved the merged data referenced: the header is set back,
+    // the merged layer is still there, and every view reads as before.
+    assert_eq!(
+        header_backing(&c.l2).as_deref(),
+        Some(c.l1.as_path()),
+        "{:?}",
+        d.events("VirtualDisk", "raw-a")
+    );
+    assert!(c.l1.exists(), "the merged layer must stay");
+    assert_eq!(chain_sha(&c.l2, &scratch), c.k3, "k3 changed");
+    assert_eq!(
+        chain_sha(&c.live_head, &scratch),
+        c.live,
+        "the live disk changed"
+    );
+    assert_eq!(chain_sha(&c.l0, &scratch), c.k1, "k1 changed");
+    qemu_img_check(&c.l2);
+
+    // After the pause for a failed merge, the merge is done again (the
+    // wrapper kills only once) and changes nothing either.
+    wait_chain_length(&d, "raw-a", 3, Duration::from_secs(150));
+    assert_eq!(header_backing(&c.l2).as_deref(), Some(c.l0.as_path()));
+    assert!(!c.l1.exists(), "the merged layer is removed");
+    assert_eq!(chain_sha(&c.l2, &scratch), c.k3, "k3 changed");
+    assert_eq!(
+        chain_sha(&c.live_head, &scratch),
+        c.live,
+        "the live disk changed"
+    );
+    qemu_img_check(&c.l2);
+}
+
+#[test]
+fn a_guest_keeps_its_synced_file_when_qemu_is_killed_right_after_a_merge_into_the_head() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    apply_manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("data-a"),
+            vm_yaml("app", "AlwaysOn", &["data-a"], "")
+        ),
+    );
+    d.wait_agent("app");
+    write_file(&d, "app", "f1", 256);
+    let l0 = head_of(&d, "data-a");
+    snapshot(&d, "k1", "data-a");
+    // The second file lands in the layer that k2's cut closes.
+    write_file(&d, "app", "f2", 2048);
+    let l1 = head_of(&d, "data-a");
+    snapshot(&d, "k2", "data-a");
+    let sums = guest_sums(&d, "app");
+    assert!(sums.contains("f2"), "{sums}");
+    let k1 = chain_sha(&l0, &scratch);
+    let qemu = d.qemu_pids_of("app");
+    assert_eq!(qemu.len(), 1);
+    // An idle guest: nothing flushes QEMU's cache from here on.
+    std::thread::sleep(Duration::from_secs(3));
+    delete_snapshot(&d, "k2");
+    wait_until("the merge into the head", Duration::from_secs(60), || {
+        d.event_reasons("VirtualDisk", "data-a")
+            .iter()
+            .any(|r| r == "Compacted")
+    });
+    assert!(!l1.exists(), "the merged layer is removed once settled");
+    // The moment the merged layer is gone: QEMU dies uncleanly.
+    assert!(
+        Command::new("kill")
+            .args(["-KILL", &qemu[0].to_string()])
+            .status()
+            .expect("kill")
+            .success()
+    );
+    wait_until("the old QEMU is gone", Duration::from_secs(10), || {
+        !is_alive(qemu[0])
+    });
+    // hearthd starts the VM again (AlwaysOn): ext4 replays its journal, and
+    // every file the guest had synced reads as it did.
+    wait_until("a new QEMU", Duration::from_secs(60), || {
+        d.qemu_pids_of("app").first().is_some_and(|p| *p != qemu[0])
+    });
+    d.wait_agent("app");
+    assert_eq!(
+        guest_sums(&d, "app"),
+        sums,
+        "the guest lost data it had synced"
+    );
+    assert_eq!(chain_sha(&l0, &scratch), k1, "k1 changed");
+}
+
+#[test]
+fn a_kept_layer_is_read_only_again_when_its_merge_ended_while_hearthd_was_down() {
+    let _serial = serial();
+    // 2 MiB/s: a 32 MiB layer takes the stream job ~16 s.
+    let mut d = Daemon::start_with(&["--compaction-bytes-per-second", "2097152"]);
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    apply_manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("data-a"),
+            vm_yaml("app", "AlwaysOn", &["data-a"], "")
+        ),
+    );
+    d.wait_agent("app");
+    // L0(k1) <- L1(k2: 32 MiB) <- L2(k3) <- head: k2 goes, L1 is merged
+    // into k3's layer, which QEMU holds read-only but for the job.
+    write_file(&d, "app", "f1", 256);
+    let l0 = head_of(&d, "data-a");
+    snapshot(&d, "k1", "data-a");
+    write_file(&d, "app", "big", 32 * 1024);
+    let l1 = head_of(&d, "data-a");
+    snapshot(&d, "k2", "data-a");
+    write_file(&d, "app", "f2", 256);
+    let l2 = head_of(&d, "data-a");
+    snapshot(&d, "k3", "data-a");
+    let sums = guest_sums(&d, "app");
+    let k1 = chain_sha(&l0, &scratch);
+    let k3 = chain_sha(&l2, &scratch);
+    let qemu = d.qemu_pids_of("app");
+    let qmp_sock = d.run_dir().join("vms/app/qmp.sock");
+
+    delete_snapshot(&d, "k2");
+    d.wait_object(
+        "virtualdisks",
+        "data-a",
+        "compaction progress",
+        Duration::from_secs(60),
+        |v| v["status"]["compaction"]["bytesDone"].as_u64() > Some(0),
+    );
+    // While the job runs QEMU writes k3's layer; hearthd dies, and the job
+    // ends with no daemon.
+    assert!(access_modes(qemu[0], &l2).contains(&0o2), "O_RDWR for the job");
+    d.kill();
+    wait_until(
+        "the stream job ends in QEMU",
+        Duration::from_secs(120),
+        || stream_job(&qmp_sock).is_none(),
+    );
+    assert_eq!(header_backing(&l2).as_deref(), Some(l0.as_path()));
+    assert!(
+        access_modes(qemu[0], &l2).contains(&0o2),
+        "QEMU still holds the layer read-write with no daemon"
+    );
+    d.spawn();
+    wait_until("the merge is settled", Duration::from_secs(60), || {
+        d.event_reasons("VirtualDisk", "data-a")
+            .iter()
+            .any(|r| r == "Compacted")
+    });
+    assert_eq!(
+        access_modes(qemu[0], &l2),
+        vec![O_RDONLY],
+        "k3's layer is read-only again"
+    );
+    assert!(!l1.exists(), "the merged layer is removed once settled");
+    assert_eq!(d.qemu_pids_of("app"), qemu, "the same QEMU runs");
+    assert_eq!(chain_sha(&l0, &scratch), k1, "k1 changed");
+    assert_eq!(chain_sha(&l2, &scratch), k3, "k3 changed");
+    assert_eq!(
+        guest_sums(&d, "app"),
+        sums,
+        "the guest reads its files unchanged"
+    );
+}
