@@ -29,6 +29,9 @@ BPO_VERSIONED=(qemu-system-x86 qemu-system-common qemu-system-data qemu-utils)
 BASE_PKGS=(
     busybox-static e2fsprogs cpio lz4 gzip tmux vim git sed coreutils
     python3 socat dpkg apt libc-bin findutils
+    # fault injection in the compaction tests (a qemu-img killed at its
+    # fdatasync: strace -e inject=fdatasync:signal=KILL).
+    strace
     build-essential pkg-config ca-certificates
     # host copies of qemu-ga's shared libraries (guest/build.sh puts them in
     # the initramfs); qemu-system-x86 pulls most of them in anyway.
