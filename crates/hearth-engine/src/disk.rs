@@ -190,6 +190,12 @@ fn snapshot_not_ready(ctx: &Context, snap: &str) -> Result<Option<(String, bool)
             true,
         )));
     };
+    if s.deleting {
+        return Ok(Some((
+            format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} is being deleted"),
+            true,
+        )));
+    }
     let status: SnapshotStatus = serde_json::from_value(s.status).unwrap_or_default();
     Ok(match status.phase {
         SnapshotPhase::Ready => None,
@@ -212,6 +218,11 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
     let size = disk.spec.size.as_ref().map(|q| q.bytes());
     let mut backing_layer = None;
     let mut base_image = None;
+    // A restore holds its snapshot's pin from reading the snapshot's layer
+    // until the new layer over it is recorded (from then on the store
+    // itself keeps the layer): the snapshot's delete waits for it, and so
+    // does a merge into the layer.
+    let mut _pin = None;
     match &disk.spec.source {
         DiskSource::Blank(_) => {
             let size = size.ok_or("spec.size: a blank disk needs a size")?;
@@ -241,6 +252,11 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
                 .map_err(|e| format!("cannot create overlay: {e}"))?;
         }
         DiskSource::Snapshot(snap) => {
+            _pin = Some(ctx.exports.of(snap).read_owned().await);
+            // Read again under the pin: a delete that got it first is done.
+            if let Some((why, _)) = snapshot_not_ready(ctx, snap).map_err(|e| e.to_string())? {
+                return Err(why);
+            }
             let layer = storage::snapshot_layer(&ctx.store, snap)
                 .map_err(|e| e.to_string())?
                 .ok_or_else(|| {

@@ -620,6 +620,11 @@ impl Engine {
                 "VirtualMachineSnapshot {from:?} not found"
             )));
         };
+        if snap.deleting {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachineSnapshot {from:?} is being deleted; nothing was restored"
+            )));
+        }
         if vmsnap.spec.virtual_machine_name != vm_name {
             return Err(RequestError::Conflict(format!(
                 "VirtualMachineSnapshot {from:?} is of VirtualMachine {:?}, not {vm_name:?}",
@@ -634,9 +639,27 @@ impl Engine {
                 status.phase
             )));
         }
+        // Each disk snapshot's pin is held from reading its layer until the
+        // restored heads are recorded (from then on the store keeps the
+        // layers): a delete of the snapshot waits for the restore, and a
+        // snapshot whose delete came first is not restored.
+        let mut _pins = Vec::new();
+        for child in &status.virtual_disk_snapshot_names {
+            _pins.push(self.exports.of(child).read_owned().await);
+        }
+        if self.get(Kind::VirtualMachineSnapshot, from)?.deleting {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachineSnapshot {from:?} is being deleted; nothing was restored"
+            )));
+        }
         let mut plan = Vec::new();
         for child in &status.virtual_disk_snapshot_names {
             let c = self.get(Kind::VirtualDiskSnapshot, child)?;
+            if c.deleting {
+                return Err(RequestError::Conflict(format!(
+                    "VirtualDiskSnapshot {child:?} of VirtualMachineSnapshot {from:?} is being deleted; nothing was restored"
+                )));
+            }
             let Object::VirtualDiskSnapshot(ds) = &c.object else {
                 continue;
             };

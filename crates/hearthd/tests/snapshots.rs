@@ -543,3 +543,186 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     });
     exec(&d, "hook", "echo still-writable > /data/after.txt && sync");
 }
+
+/// A directory with a `qemu-img` that runs the real one, but first sleeps
+/// 6 s in the next `create` of an overlay (`-b`) or the next `convert`
+/// after the test touches `sleep-next-create` / `sleep-next-convert` in
+/// `dir`, touching `sleeping` while it does. Put first in hearthd's `PATH`.
+fn slow_qemu_img(dir: &Path) -> std::path::PathBuf {
+    let real = Command::new("sh")
+        .args(["-c", "command -v qemu-img"])
+        .output()
+        .expect("sh");
+    let real = String::from_utf8_lossy(&real.stdout).trim().to_string();
+    assert!(!real.is_empty(), "qemu-img is missing");
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).expect("bin");
+    let d = dir.display();
+    let script = format!(
+        "#!/bin/sh\n\
+         case \" $* \" in\n\
+         *\" create \"*\" -b \"*) f={d}/sleep-next-create ;;\n\
+         *\" convert \"*) f={d}/sleep-next-convert ;;\n\
+         *) f= ;;\n\
+         esac\n\
+         if [ -n \"$f\" ] && rm \"$f\" 2>/dev/null; then : > {d}/sleeping; sleep 6; rm -f {d}/sleeping; fi\n\
+         exec {real} \"$@\"\n"
+    );
+    let wrapper = bin.join("qemu-img");
+    std::fs::write(&wrapper, script).expect("wrapper");
+    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    bin
+}
+
+/// Writes `pattern` at `offset_mib` into a disk's head with qemu-io (no VM
+/// runs it), so each layer of the chain holds bytes of its own.
+fn write_pattern(head: &Path, pattern: u8, offset_mib: u32) {
+    let st = Command::new("qemu-io")
+        .args([
+            "-f",
+            "qcow2",
+            "-c",
+            &format!("write -P {pattern} {offset_mib}M 1M"),
+        ])
+        .arg(head)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("qemu-io");
+    assert!(st.success(), "qemu-io {}", head.display());
+}
+
+fn chain_sum(image: &Path, scratch: &Path) -> String {
+    let raw = scratch.join("chain.raw");
+    let _ = std::fs::remove_file(&raw);
+    to_raw(image, &raw);
+    let sum = sha256(&raw);
+    std::fs::remove_file(&raw).expect("remove raw");
+    sum
+}
+
+#[test]
+fn a_restore_pins_its_snapshot_and_a_snapshot_being_deleted_is_not_restored() {
+    let _serial = serial();
+    let tools = tempfile::tempdir().expect("tempdir");
+    let bin = slow_qemu_img(tools.path());
+    let flag = |name: &str| std::fs::write(tools.path().join(name), "").expect("flag");
+    let sleeping = tools.path().join("sleeping");
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let d = Daemon::start_env(&[("PATH", &path)]);
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("scratch");
+    // A VM that never runs: every cut is offline, every write is qemu-io's.
+    apply_manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            overlay_disk_yaml("data"),
+            vm_yaml("app", "AlwaysOff", &["data"], "")
+        ),
+    );
+    wait_disk_ready(&d, "data");
+    let cut = |name: &str, vm_level: bool| {
+        apply(
+            &d,
+            vec![if vm_level {
+                vm_snapshot(name, "app")
+            } else {
+                disk_snapshot(name, "data", true)
+            }],
+        );
+        let plural = if vm_level {
+            "virtualmachinesnapshots"
+        } else {
+            "virtualdisksnapshots"
+        };
+        let s = wait_final(&d, plural, name);
+        assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
+    };
+    // L0(s0) <- L1(vs1) <- L2(s2) <- head: once vs1 goes, nothing needs L1
+    // and it is merged into L2 (offline) and unlinked.
+    write_pattern(&disk_path(&d, "data"), 0x11, 0);
+    cut("s0", false);
+    write_pattern(&disk_path(&d, "data"), 0x22, 1);
+    let l1 = disk_path(&d, "data");
+    cut("vs1", true);
+    write_pattern(&disk_path(&d, "data"), 0x33, 2);
+    cut("s2", false);
+    let vs1 = chain_sum(&l1, &scratch);
+
+    // A disk restored from vs1's disk snapshot while vs1 is deleted: the
+    // overlay over L1 is being made (qemu-img held in `create`) when the
+    // delete comes.
+    flag("sleep-next-create");
+    apply(&d, vec![restored_disk("r", "vs1-data")]);
+    wait_until("qemu-img sleeps in create", Duration::from_secs(30), || {
+        sleeping.exists()
+    });
+    d.cli_ok(&["delete", "vmsnapshot", "vs1"]);
+    d.wait_gone("virtualmachinesnapshots", "vs1", Duration::from_secs(60));
+    wait_disk_ready(&d, "r");
+    let r = disk_path(&d, "r");
+    assert!(l1.exists(), "the layer a restored disk reads is kept");
+    assert_eq!(
+        backing_chain(&r).get(1).map(|p| p.as_path()),
+        Some(l1.as_path()),
+        "r is an overlay over vs1's layer"
+    );
+    assert_eq!(chain_sum(&r, &scratch), vs1, "r does not read vs1's bytes");
+    let check = Command::new("qemu-img")
+        .args(["check", "-U"])
+        .arg(&l1)
+        .output()
+        .expect("qemu-img check");
+    assert!(check.status.success(), "qemu-img check of vs1's layer");
+
+    // A snapshot whose delete has begun (it waits for an export reading
+    // it) is not restored, neither into a new disk nor into the VM.
+    write_pattern(&disk_path(&d, "data"), 0x44, 3);
+    cut("vs2", true);
+    flag("sleep-next-convert");
+    let out = scratch.join("vs2-data.qcow2");
+    let mut export = d
+        .cli_command(
+            &["export", "snapshot", "vs2-data", "-o", &out.to_string_lossy()],
+            std::process::Stdio::null(),
+        )
+        .spawn()
+        .expect("hearth export");
+    wait_until("the export converts", Duration::from_secs(30), || {
+        sleeping.exists()
+    });
+    d.cli_ok(&["delete", "vmsnapshot", "vs2"]);
+    wait_until(
+        "vs2's disk snapshot waits for the export",
+        Duration::from_secs(30),
+        || {
+            d.event_reasons("VirtualDiskSnapshot", "vs2-data")
+                .iter()
+                .any(|r| r == "DeleteWaiting")
+        },
+    );
+    let refused = d.cli_err(&["restore", "vm", "app", "--from", "vs2"]);
+    assert!(refused.contains("being deleted"), "{refused}");
+    apply(&d, vec![restored_disk("r2", "vs2-data")]);
+    let r2 = d.wait_object(
+        "virtualdisks",
+        "r2",
+        "r2 refused",
+        Duration::from_secs(30),
+        |v| v["status"]["phase"] == "Failed",
+    );
+    assert!(
+        r2["status"]["lastError"]
+            .as_str()
+            .is_some_and(|e| e.contains("being deleted") && e.contains("spec.source.snapshot")),
+        "{r2:#}"
+    );
+    assert!(export.wait().expect("export").success());
+    d.wait_gone("virtualmachinesnapshots", "vs2", Duration::from_secs(60));
+}

@@ -37,8 +37,9 @@ pub async fn reconcile_disk_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(
             });
             return Ok(());
         }
-        // An export reading the snapshot's layers holds its pin: wait for it,
-        // so the layers are not collected under the conversion.
+        // An export reading the snapshot's layers, or a restore reading its
+        // layer until the restored disk is recorded, holds its pin: wait
+        // for it, so the layers are not collected or merged away under it.
         let pin = ctx.exports.of(name);
         let _pin = match pin.clone().try_write_owned() {
             Ok(held) => held,
@@ -48,7 +49,7 @@ pub async fn reconcile_disk_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(
                     name,
                     EventType::Normal,
                     "DeleteWaiting",
-                    "an export is reading the snapshot's layers; it is deleted when the export's conversion ends",
+                    "an export or a restore is reading the snapshot's layers; it is deleted when that read ends",
                 );
                 pin.write_owned().await
             }
