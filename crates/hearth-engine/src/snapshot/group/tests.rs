@@ -317,7 +317,7 @@ impl Sim {
                     },
                 );
             }
-            Command::Observe { cut } => self.feed(
+            Command::Observe { cut, .. } => self.feed(
                 i,
                 Input::Observed {
                     cut,
