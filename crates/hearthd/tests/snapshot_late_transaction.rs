@@ -382,8 +382,8 @@ fn a_transaction_qemu_runs_late_is_consistent_only_when_seen_before_the_thaw() {
         let (s, console, late) =
             late_cut(&d, &proxy, name, required, Duration::from_millis(hold_ms));
         println!(
-            "{name}: transaction {late:?} late, console (synced before the freeze, first after the thaw) {console:?}, phase {}, consistent {}",
-            s["status"]["phase"], s["status"]["consistent"]
+            "{name}: transaction {late:?} late, console (synced before the freeze, first after the thaw) {console:?}, phase {}, consistent {}, window {} ms",
+            s["status"]["phase"], s["status"]["consistent"], s["status"]["freezeWindowMs"]
         );
         cuts.push((name, s, console));
     }
