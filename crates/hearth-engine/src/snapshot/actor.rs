@@ -1094,15 +1094,24 @@ async fn execute(
                 now: now(),
             })
         }
-        Command::Observe { cut } => {
-            let applied = observe(held).await;
+        Command::Observe {
+            cut,
+            timeout,
+            while_frozen,
+        } => {
+            let applied = observe(held, Duration::from_millis(timeout)).await;
             vm_event(
                 ctx,
                 target,
                 EventType::Warning,
                 "TransactionObserved",
                 &format!(
-                    "cut {cut}: the transaction's reply did not come; QEMU's block graph says it {}",
+                    "cut {cut}: the transaction's reply did not come; QEMU's block graph, read {}, says it {}",
+                    if while_frozen {
+                        "while the guest is still frozen"
+                    } else {
+                        "after the thaw"
+                    },
                     match applied {
                         Some(true) => "ran",
                         Some(false) => "did not run",
@@ -1807,10 +1816,12 @@ async fn transact(held: &CutContext, timeout: Duration) -> TxResult {
 
 /// Did the transaction run? Read from QEMU's block graph: each device's top
 /// node is the overlay (ran) or not (did not). A transaction is atomic, so
-/// a mix, or no answer, is unknown.
-async fn observe(held: &CutContext) -> Option<bool> {
+/// a mix, or no answer within `timeout`, is unknown. The read goes to the
+/// monitor connection the transaction went to, whose commands QEMU runs
+/// in order: its answer comes only once the transaction has ended.
+async fn observe(held: &CutContext, timeout: Duration) -> Option<bool> {
     let live = held.live.as_ref()?;
-    let graph = Graph::read(live).await.ok()?;
+    let graph = Graph::read_within(live, timeout).await.ok()?;
     let mut seen = BTreeSet::new();
     for p in &held.prepared {
         if let (Some(i), Some(node)) = (p.device, &p.overlay.node) {

@@ -34,6 +34,9 @@ pub type Millis = u64;
 pub const TRANSACTION_BUDGET_MS: Millis = 2_000;
 /// Bound for one thaw attempt.
 pub const THAW_TIMEOUT_MS: Millis = 5_000;
+/// Bound for reading QEMU's block graph after the thaw (before it, the
+/// time left to the deadline bounds it).
+pub const OBSERVE_TIMEOUT_MS: Millis = 5_000;
 /// A request that comes this soon after a cut ended may be a straggler of
 /// the burst that cut served: the shell gathers before the next cut.
 pub const BURST_WINDOW_MS: Millis = 300;
@@ -315,9 +318,14 @@ pub enum Command {
         cut: CutId,
         timeout: Millis,
     },
-    /// Read QEMU's block graph: did the transaction run?
+    /// Read QEMU's block graph (`query-block`, on the monitor the
+    /// transaction went to): did the transaction run? `while_frozen`: the
+    /// guest is still frozen and the read is bounded by the deadline, so a
+    /// switch it sees happened inside the freeze.
     Observe {
         cut: CutId,
+        timeout: Millis,
+        while_frozen: bool,
     },
     /// `only_if_frozen`: read `guest-fsfreeze-status` first and thaw only a
     /// frozen guest, so the guest's thaw hook never runs without a freeze.
@@ -369,7 +377,11 @@ pub enum Step {
     Freezing,
     Confirming,
     Transacting,
+    /// The transaction's reply did not come: reading QEMU's block graph
+    /// before the thaw.
+    ObservingFrozen,
     Thawing,
+    /// Reading QEMU's block graph after the thaw.
     Observing,
     Committing,
     /// A group member, prepared, waiting for the group to freeze.
@@ -629,34 +641,17 @@ impl Coordinator {
             }
             Input::Transacted { cut, result, now } => {
                 self.with_cut(cut, Step::Transacting, |c, this| {
-                    c.transacted = Some(result);
-                    if matches!(c.mode, Mode::Live { freeze: true })
-                        && c.freeze_sent_at.is_some()
-                        && !c.thaw_done
-                    {
-                        if c.group.is_some()
-                            && c.group_abort.is_none()
-                            && c.deadline.is_some_and(|d| now < d)
-                        {
-                            // A group member thaws once every member has
-                            // cut (or the deadline comes: past it, at once).
-                            c.step = Step::GroupHoldThaw;
-                            return vec![Command::GroupReport {
-                                cut: c.id,
-                                report: GroupReport::ReadyToThaw,
-                            }];
-                        }
-                        // Thaw first, whatever happened: the guest's window
-                        // ends before anything else is looked at.
-                        c.step = Step::Thawing;
-                        vec![Command::Thaw {
-                            cut: c.id,
-                            timeout: THAW_TIMEOUT_MS,
-                            only_if_frozen: !c.trusted,
-                        }]
-                    } else {
-                        this.after_transaction(c, now)
-                    }
+                    this.transacted(c, result, now)
+                })
+            }
+            Input::Observed { cut, applied, now }
+                if self
+                    .cut
+                    .as_ref()
+                    .is_some_and(|c| c.id == cut && c.step == Step::ObservingFrozen) =>
+            {
+                self.with_cut(cut, Step::ObservingFrozen, |c, this| {
+                    this.observed_frozen(c, applied, now)
                 })
             }
             Input::Observed { cut, applied, now } => {
@@ -1267,12 +1262,104 @@ impl Coordinator {
         self.after_transaction(c, now)
     }
 
+    /// The transaction's reply (or its absence). While our freeze holds,
+    /// a missing reply is looked up in QEMU's block graph *before* the
+    /// thaw: a transaction QEMU had not run yet may still run after the
+    /// thaw, and the guest's writes in between would land in the layer
+    /// that becomes the snapshot. Only a switch seen while the guest is
+    /// still frozen makes the cut consistent.
+    fn transacted(&mut self, c: &mut Cut, result: TxResult, now: Millis) -> Vec<Command> {
+        let unknown = matches!(result, TxResult::Unknown(_));
+        c.transacted = Some(result);
+        if !self.frozen_by_us(c) {
+            return self.after_transaction(c, now);
+        }
+        if unknown && c.trusted {
+            let deadline = c.deadline.unwrap_or(now);
+            if now < deadline {
+                c.step = Step::ObservingFrozen;
+                return vec![Command::Observe {
+                    cut: c.id,
+                    timeout: deadline - now,
+                    while_frozen: true,
+                }];
+            }
+            c.distrust
+                .get_or_insert_with(|| self.switch_unseen_text(false));
+        }
+        self.hold_or_thaw(c, now)
+    }
+
+    /// What QEMU's block graph said while the guest was still frozen. The
+    /// read went to the monitor the transaction went to, and QMP answers
+    /// a monitor's commands in order, so its answer means the transaction
+    /// had ended: the overlays on top, it ran (inside the freeze); the old
+    /// tops, it did not. No answer by the deadline: the transaction may
+    /// still run after the thaw, so the cut is not consistent; it is
+    /// looked up again after the thaw (and the journal settles the
+    /// overlays whatever QEMU does later).
+    fn observed_frozen(&mut self, c: &mut Cut, applied: Option<bool>, now: Millis) -> Vec<Command> {
+        match applied {
+            Some(true) => c.transacted = Some(TxResult::Applied),
+            Some(false) => {
+                c.transacted = Some(TxResult::Rejected(
+                    "QEMU did not apply the transaction (its reply did not come; QEMU's block graph, read after it, shows the disks' previous layers on top)".into(),
+                ))
+            }
+            None => {
+                c.distrust
+                    .get_or_insert_with(|| self.switch_unseen_text(true));
+            }
+        }
+        self.hold_or_thaw(c, now)
+    }
+
+    /// Why a cut whose switch was not seen inside the freeze is not
+    /// consistent; `read_failed`: a read of QEMU's block graph was tried
+    /// (else no time was left for one).
+    fn switch_unseen_text(&self, read_failed: bool) -> String {
+        let why = if read_failed {
+            "QEMU's block graph could not be read before"
+        } else {
+            "no time was left before"
+        };
+        format!(
+            "QEMU did not answer the snapshot transaction within {} s and {why} the {} s freeze deadline (spec.freezeDeadlineSeconds), so the disks may have switched to the new layers after the guest was thawed; QEMU's monitor was busy or stuck (a longer freeze deadline leaves more time to wait for it)",
+            TRANSACTION_BUDGET_MS / 1000,
+            self.deadline_ms / 1000
+        )
+    }
+
+    /// After the transaction, still frozen: a group member waits for every
+    /// other member to cut (or its deadline); any other cut thaws first,
+    /// whatever happened, so the guest's window ends before anything else
+    /// is looked at.
+    fn hold_or_thaw(&mut self, c: &mut Cut, now: Millis) -> Vec<Command> {
+        if c.group.is_some() && c.group_abort.is_none() && c.deadline.is_some_and(|d| now < d) {
+            c.step = Step::GroupHoldThaw;
+            return vec![Command::GroupReport {
+                cut: c.id,
+                report: GroupReport::ReadyToThaw,
+            }];
+        }
+        c.step = Step::Thawing;
+        vec![Command::Thaw {
+            cut: c.id,
+            timeout: THAW_TIMEOUT_MS,
+            only_if_frozen: !c.trusted,
+        }]
+    }
+
     /// A transaction whose reply never came is looked up in QEMU; nothing
     /// is decided on a guess.
     fn after_transaction(&mut self, c: &mut Cut, now: Millis) -> Vec<Command> {
         if let Some(TxResult::Unknown(_)) = c.transacted {
             c.step = Step::Observing;
-            return vec![Command::Observe { cut: c.id }];
+            return vec![Command::Observe {
+                cut: c.id,
+                timeout: OBSERVE_TIMEOUT_MS,
+                while_frozen: false,
+            }];
         }
         self.finish(c, now)
     }

@@ -304,9 +304,14 @@ pub struct Graph {
 
 impl Graph {
     pub async fn read(live: &LiveVm) -> Result<Graph, String> {
+        Self::read_within(live, QMP_TIMEOUT).await
+    }
+
+    /// [`Graph::read`], waiting at most `timeout` for QEMU's answer.
+    pub async fn read_within(live: &LiveVm, timeout: std::time::Duration) -> Result<Graph, String> {
         let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
         let block = qmp
-            .execute("query-block", None, QMP_TIMEOUT)
+            .execute("query-block", None, timeout)
             .await
             .map_err(|e| format!("query-block: {e}"))?;
         Ok(Graph { block })

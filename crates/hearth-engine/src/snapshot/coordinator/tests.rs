@@ -488,34 +488,45 @@ fn commit_of(out: &[Command]) -> (Vec<(String, Outcome)>, bool) {
     }
 }
 
+/// The thaw that follows a cut whose freeze was confirmed: no status read
+/// first.
+fn direct_thaw() -> Vec<Command> {
+    vec![Command::Thaw {
+        cut: 1,
+        timeout: THAW_TIMEOUT_MS,
+        only_if_frozen: false,
+    }]
+}
+
 #[test]
-fn a_transaction_without_a_reply_is_looked_up_in_qemu_after_the_thaw() {
-    for (applied, expect_taken) in [(Some(true), true), (Some(false), false), (None, false)] {
+fn a_transaction_without_a_reply_is_looked_up_in_qemu_before_the_thaw() {
+    for (applied, expect_taken) in [(Some(true), true), (Some(false), false)] {
         let mut c = frozen_cut(&[req("a1", "a", true)]);
         let out = c.handle(Input::Transacted {
             cut: 1,
             result: TxResult::Unknown("QMP command transaction got no reply".into()),
-            now: 30,
+            now: 2_030,
         });
-        // The guest's window ends first; a confirmed freeze needs no check.
+        // Still frozen: QEMU's block graph is read first, within what is
+        // left of the deadline (the freeze was sent at 0).
         assert_eq!(
             out,
-            vec![Command::Thaw {
+            vec![Command::Observe {
                 cut: 1,
-                timeout: THAW_TIMEOUT_MS,
-                only_if_frozen: false
+                timeout: DEADLINE - 2_030,
+                while_frozen: true,
             }]
         );
-        let out = c.handle(Input::ThawReplied {
-            cut: 1,
-            result: Ok(1),
-            now: 40,
-        });
-        assert_eq!(out, vec![Command::Observe { cut: 1 }]);
         let out = c.handle(Input::Observed {
             cut: 1,
             applied,
-            now: 45,
+            now: 4_000,
+        });
+        assert_eq!(out, direct_thaw());
+        let out = c.handle(Input::ThawReplied {
+            cut: 1,
+            result: Ok(1),
+            now: 4_010,
         });
         let (outcomes, took) = commit_of(&out);
         assert_eq!(took, expect_taken, "{applied:?}");
@@ -526,6 +537,91 @@ fn a_transaction_without_a_reply_is_looked_up_in_qemu_after_the_thaw() {
             assert!(matches!(&outcomes[0].1, Outcome::Failed(_)), "{outcomes:?}");
             assert!(matches!(out[0], Command::Discard { .. }), "{out:?}");
         }
+    }
+}
+
+/// A switch QEMU shows only after the thaw may have happened after it: the
+/// cut is never consistent then, whether the block graph could not be read
+/// in the freeze or the deadline left no time to read it.
+#[test]
+fn a_switch_seen_only_after_the_thaw_is_never_consistent() {
+    for (required, no_time) in [(true, false), (false, false), (true, true), (false, true)] {
+        let mut c = frozen_cut(&[req("a1", "a", required)]);
+        let out = c.handle(Input::Transacted {
+            cut: 1,
+            result: TxResult::Unknown("QMP command transaction got no reply".into()),
+            now: if no_time { DEADLINE } else { 2_030 },
+        });
+        if !no_time {
+            assert!(
+                matches!(
+                    out[..],
+                    [Command::Observe {
+                        while_frozen: true,
+                        ..
+                    }]
+                ),
+                "{out:?}"
+            );
+            let out = c.handle(Input::Observed {
+                cut: 1,
+                applied: None,
+                now: DEADLINE,
+            });
+            assert_eq!(out, direct_thaw());
+        } else {
+            assert_eq!(out, direct_thaw());
+        }
+        let out = c.handle(Input::ThawReplied {
+            cut: 1,
+            result: Ok(1),
+            now: DEADLINE + 10,
+        });
+        assert_eq!(
+            out,
+            vec![Command::Observe {
+                cut: 1,
+                timeout: OBSERVE_TIMEOUT_MS,
+                while_frozen: false,
+            }]
+        );
+        let out = c.handle(Input::Observed {
+            cut: 1,
+            applied: Some(true),
+            now: DEADLINE + 20,
+        });
+        let (outcomes, took) = commit_of(&out);
+        assert!(took, "the overlays are the heads: the guest writes there");
+        match &outcomes[0].1 {
+            Outcome::Failed(why) if required => {
+                assert!(why.contains("after the guest was thawed"), "{why}");
+                assert!(why.contains("spec.freezeDeadlineSeconds"), "{why}");
+            }
+            Outcome::Ready { consistent: false } if !required => {}
+            other => panic!("required {required}: {other:?}"),
+        }
+        // Not seen at all, even after the thaw: nothing is claimed, and the
+        // journal settles the overlays by what QEMU shows.
+        let mut c = frozen_cut(&[req("a1", "a", required)]);
+        c.handle(Input::Transacted {
+            cut: 1,
+            result: TxResult::Unknown("timeout".into()),
+            now: DEADLINE,
+        });
+        c.handle(Input::ThawReplied {
+            cut: 1,
+            result: Ok(1),
+            now: DEADLINE + 10,
+        });
+        let out = c.handle(Input::Observed {
+            cut: 1,
+            applied: None,
+            now: DEADLINE + 20,
+        });
+        let (outcomes, took) = commit_of(&out);
+        assert!(!took);
+        assert!(matches!(out[0], Command::Discard { .. }), "{out:?}");
+        assert!(matches!(&outcomes[0].1, Outcome::Failed(_)), "{outcomes:?}");
     }
 }
 
@@ -975,6 +1071,10 @@ enum Action {
     Crash,
     /// QEMU exits (the guest powers off, or crashes) and stays stopped.
     QemuExit,
+    /// The transaction QEMU still holds (its reply timed out) ends now:
+    /// `true` it runs (if every overlay node it names still exists),
+    /// `false` QEMU refuses it.
+    LateTransaction(bool),
 }
 
 fn action() -> impl Strategy<Value = Action> {
@@ -985,6 +1085,7 @@ fn action() -> impl Strategy<Value = Action> {
         1 => Just(Action::Interloper),
         1 => Just(Action::Crash),
         1 => Just(Action::QemuExit),
+        2 => any::<bool>().prop_map(Action::LateTransaction),
     ]
 }
 
@@ -1095,6 +1196,19 @@ struct Sim {
     interloped: bool,
     /// Cuts whose transaction QEMU really ran (whatever the reply said).
     applied: std::collections::BTreeSet<CutId>,
+    /// A transaction QEMU has not run yet although its reply timed out
+    /// (QEMU's monitor was busy): its cut and the overlays it switches to.
+    /// It runs late (at any later step, after the thaw, after an
+    /// observation that did not wait for it), or never.
+    late_tx: Option<(CutId, Vec<(String, u64)>)>,
+    /// Cuts a freeze was sent for.
+    frozen_cuts: BTreeSet<CutId>,
+    /// Cuts whose freeze a thaw was sent for (whatever it did).
+    thawed_cuts: BTreeSet<CutId>,
+    /// Cuts whose switch the coordinator was told of (a transaction's
+    /// reply, or an observation of QEMU's block graph) while our freeze
+    /// held and before any thaw of it was sent.
+    switch_seen_frozen: BTreeSet<CutId>,
     /// Every cut id the coordinator was given and used.
     used_cuts: std::collections::BTreeSet<CutId>,
     qemu_alive: bool,
@@ -1131,6 +1245,10 @@ impl Sim {
             unthawed_freeze: false,
             interloped: false,
             applied: Default::default(),
+            late_tx: None,
+            frozen_cuts: BTreeSet::new(),
+            thawed_cuts: BTreeSet::new(),
+            switch_seen_frozen: BTreeSet::new(),
             used_cuts: Default::default(),
             qemu_alive: vm_running,
             layers: Layers::new(),
@@ -1287,6 +1405,12 @@ impl Sim {
             .get(&cut)
             .map(|h| h.iter().map(|(d, _)| d.clone()).collect())
             .unwrap_or_default();
+        self.disks_frozen(&disks)
+    }
+
+    /// Every filesystem on `disks` is frozen right now (or there is none
+    /// on them).
+    fn disks_frozen(&self, disks: &[String]) -> bool {
         self.real_fs()
             .into_iter()
             .filter(|(_, on)| on.iter().any(|d| disks.iter().any(|c| c == d)))
@@ -1348,10 +1472,48 @@ impl Sim {
         }
     }
 
+    /// QEMU runs (`run`) or refuses the transaction it still holds. It
+    /// runs only if every overlay node it names still exists (the journal
+    /// still has their rows: a settled, removed overlay's node is gone).
+    fn late_transaction(&mut self, run: bool) {
+        let Some((cut, overlays)) = self.late_tx.take() else {
+            return;
+        };
+        let nodes_exist = overlays.iter().all(|(disk, layer)| {
+            self.layers
+                .rows
+                .iter()
+                .any(|r| r.disk == *disk && r.layer == *layer && r.live)
+        });
+        if !run || !self.qemu_alive || !nodes_exist {
+            return;
+        }
+        let disks: Vec<String> = overlays.iter().map(|(d, _)| d.clone()).collect();
+        let truth = self.disks_frozen(&disks);
+        self.truth.insert(cut, truth);
+        self.applied.insert(cut);
+        for (disk, layer) in overlays {
+            self.layers.top.insert(disk.clone(), layer);
+            self.layers.last_written.insert(disk, layer);
+        }
+    }
+
+    /// The coordinator is told that `cut` switched: noted if our freeze
+    /// holds and no thaw of it was sent yet (I10).
+    fn switch_told(&mut self, cut: CutId) {
+        if self.frozen_by_us_since.is_some()
+            && self.frozen_cuts.contains(&cut)
+            && !self.thawed_cuts.contains(&cut)
+        {
+            self.switch_seen_frozen.insert(cut);
+        }
+    }
+
     fn qemu_exit(&mut self) {
         if !self.qemu_alive {
             return;
         }
+        self.late_tx = None;
         self.qemu_alive = false;
         self.vm_running = false;
         // The guest is gone, frozen or not.
@@ -1484,6 +1646,7 @@ impl Sim {
                     "I5: a freeze without a stored intent"
                 );
                 self.interloped = false;
+                self.frozen_cuts.insert(cut);
                 if !self.qemu_alive {
                     self.advance(dur(timeout));
                     let out = self.c.handle(Input::FreezeReplied {
@@ -1562,6 +1725,9 @@ impl Sim {
                 })
             }
             Command::Transact { cut, timeout } => {
+                // QMP runs commands in order: one QEMU still holds ends
+                // first.
+                self.late_transaction(true);
                 let d = dur(timeout).min(timeout);
                 let live = self.layers.cut_live[&cut];
                 // Consistent data needs the filesystems frozen when the
@@ -1585,8 +1751,16 @@ impl Sim {
                         self.applied.insert(cut);
                         TxResult::Unknown("timeout".into())
                     }
+                    // QEMU's monitor is busy: the transaction waits in it
+                    // and runs late, or never.
+                    Fault::TimeoutLost if live => {
+                        self.advance(timeout);
+                        let overlays = self.layers.held.get(&cut).cloned().unwrap_or_default();
+                        self.late_tx = Some((cut, overlays));
+                        TxResult::Unknown("timeout".into())
+                    }
                     // QEMU never got it.
-                    Fault::TimeoutLost | Fault::Disconnected if live => {
+                    Fault::Disconnected if live => {
                         self.advance(timeout);
                         TxResult::Unknown("timeout".into())
                     }
@@ -1604,24 +1778,68 @@ impl Sim {
                         self.layers.last_written.insert(disk, layer);
                     }
                 }
+                if result == TxResult::Applied {
+                    self.switch_told(cut);
+                }
                 Some(Input::Transacted {
                     cut,
                     result,
                     now: self.now,
                 })
             }
-            Command::Observe { cut } => Some(Input::Observed {
-                cut,
-                // QEMU's block graph, unless QMP does not answer.
-                applied: (!matches!(fault, Fault::Error) && self.qemu_alive)
-                    .then(|| self.applied.contains(&cut)),
-                now: self.now,
-            }),
+            Command::Observe { cut, timeout, .. } => {
+                let d = dur(timeout);
+                let applied = match fault {
+                    _ if !self.qemu_alive => {
+                        self.advance(d);
+                        None
+                    }
+                    // QMP answers in order: a transaction QEMU still holds
+                    // ends before `query-block` is answered.
+                    Fault::Ok if d < timeout => {
+                        self.late_transaction(true);
+                        self.advance(d);
+                        Some(self.applied.contains(&cut))
+                    }
+                    // No answer in time; the transaction runs as the wait
+                    // ends.
+                    Fault::TimeoutLate => {
+                        self.advance(timeout);
+                        self.late_transaction(true);
+                        None
+                    }
+                    Fault::Ok | Fault::TimeoutLost => {
+                        self.advance(timeout);
+                        None
+                    }
+                    Fault::Error => {
+                        self.advance(d);
+                        None
+                    }
+                    // An answer that did not wait for the transaction (as
+                    // if read on another monitor): it may still run after.
+                    Fault::Disconnected => {
+                        self.advance(d);
+                        Some(self.applied.contains(&cut))
+                    }
+                };
+                if applied == Some(true) {
+                    self.switch_told(cut);
+                }
+                Some(Input::Observed {
+                    cut,
+                    applied,
+                    now: self.now,
+                })
+            }
             Command::Thaw {
                 cut,
                 timeout,
                 only_if_frozen,
             } => {
+                if self.frozen_cuts.contains(&cut) {
+                    self.thawed_cuts.insert(cut);
+                }
                 // I3 (the promise in docs/snapshots.md): the thaw of a
                 // freeze we sent goes out by the deadline, so the guest is
                 // frozen at most the deadline plus the thaw's own duration.
@@ -1769,6 +1987,13 @@ impl Sim {
                     Some(&true),
                     "I1: {name} marked consistent but its cut {cut} was not taken frozen"
                 );
+                // I10: a frozen cut is consistent only if its switch was
+                // known (answered, or observed in QEMU's block graph) while
+                // our freeze held, before its thaw.
+                assert!(
+                    !self.frozen_cuts.contains(cut) || self.switch_seen_frozen.contains(cut),
+                    "I10: {name} marked consistent but cut {cut}'s switch was not seen before its thaw"
+                );
             }
         }
     }
@@ -1912,6 +2137,10 @@ fn run(vm_running: bool, agent_present: bool, layout: u8, actions: Vec<Action>) 
             Action::Interloper => sim.interloper(),
             Action::Crash => sim.crash(),
             Action::QemuExit => sim.qemu_exit(),
+            Action::LateTransaction(run) => {
+                sim.late_transaction(run);
+                sim.after_step();
+            }
         }
     }
     sim.settle();

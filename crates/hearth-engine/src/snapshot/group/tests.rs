@@ -303,9 +303,11 @@ impl Sim {
                 }
                 let result = match fault % 8 {
                     6 => TxResult::Rejected("refused".into()),
+                    // QEMU ran it; the reply was lost.
+                    5 => TxResult::Unknown("timeout".into()),
                     _ => TxResult::Applied,
                 };
-                if result == TxResult::Applied {
+                if result != TxResult::Rejected("refused".into()) {
                     self.vms[i].cut_done = true;
                 }
                 self.feed(
@@ -317,14 +319,18 @@ impl Sim {
                     },
                 );
             }
-            Command::Observe { cut } => self.feed(
-                i,
-                Input::Observed {
-                    cut,
-                    applied: Some(true),
-                    now: self.now,
-                },
-            ),
+            Command::Observe { cut, .. } => {
+                // QEMU's block graph: the switch, if the transaction ran.
+                let applied = Some(self.vms[i].cut_done);
+                self.feed(
+                    i,
+                    Input::Observed {
+                        cut,
+                        applied,
+                        now: self.now,
+                    },
+                )
+            }
             Command::Thaw {
                 cut,
                 only_if_frozen,
