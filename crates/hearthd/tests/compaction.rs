@@ -946,8 +946,11 @@ fn qemu_img_killed_at_fdatasync(dir: &Path) -> PathBuf {
     );
     let wrapper = bin.join("qemu-img");
     std::fs::write(&wrapper, script).expect("wrapper");
-    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .expect("chmod");
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
     bin
 }
 
@@ -1117,7 +1120,10 @@ fn a_kept_layer_is_read_only_again_when_its_merge_ended_while_hearthd_was_down()
     );
     // While the job runs QEMU writes k3's layer; hearthd dies, and the job
     // ends with no daemon.
-    assert!(access_modes(qemu[0], &l2).contains(&0o2), "O_RDWR for the job");
+    assert!(
+        access_modes(qemu[0], &l2).contains(&0o2),
+        "O_RDWR for the job"
+    );
     d.kill();
     wait_until(
         "the stream job ends in QEMU",

@@ -570,8 +570,11 @@ fn slow_qemu_img(dir: &Path) -> std::path::PathBuf {
     );
     let wrapper = bin.join("qemu-img");
     std::fs::write(&wrapper, script).expect("wrapper");
-    std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-        .expect("chmod");
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("chmod");
     bin
 }
 
@@ -689,7 +692,13 @@ fn a_restore_pins_its_snapshot_and_a_snapshot_being_deleted_is_not_restored() {
     let out = scratch.join("vs2-data.qcow2");
     let mut export = d
         .cli_command(
-            &["export", "snapshot", "vs2-data", "-o", &out.to_string_lossy()],
+            &[
+                "export",
+                "snapshot",
+                "vs2-data",
+                "-o",
+                &out.to_string_lossy(),
+            ],
             std::process::Stdio::null(),
         )
         .spawn()

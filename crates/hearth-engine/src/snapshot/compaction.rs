@@ -208,7 +208,13 @@ pub enum Settle {
 pub fn decide(header: &Header, writer: &Writer) -> Settle {
     match (header, writer) {
         (_, Writer::Unknown(why)) => Settle::Unresolved(why.clone()),
-        (_, Writer::Running | Writer::Qemu { job_running: true, .. }) => Settle::Wait,
+        (
+            _,
+            Writer::Running
+            | Writer::Qemu {
+                job_running: true, ..
+            },
+        ) => Settle::Wait,
         (Header::Other(why), _) => Settle::Unresolved(why.clone()),
         (Header::Base, Writer::Exited { ok: true } | Writer::Qemu { flushed: true, .. }) => {
             Settle::Done
@@ -605,10 +611,12 @@ pub async fn settle(
             settled = decide(&header, &writer);
         }
         if kept
-            && let (Some(l), Writer::Qemu {
-                job_running: false,
-                ..
-            }) = (live, &writer)
+            && let (
+                Some(l),
+                Writer::Qemu {
+                    job_running: false, ..
+                },
+            ) = (live, &writer)
             && let Err(e) = back_to_read_only(l, &i.top).await
         {
             // QEMU may write a kept layer only while a merge into it runs:
@@ -1102,7 +1110,9 @@ async fn stream(
                     .await
                     .map_err(|e| e.to_string())
             }
-            None => Err(format!("node {top_node} has no file node of hearth's naming")),
+            None => Err(format!(
+                "node {top_node} has no file node of hearth's naming"
+            )),
         };
         if let Err(e) = reopened {
             // It may have got half-way (reopened, an old descriptor left):

@@ -260,7 +260,12 @@ fn a_recorded_merge_is_done_only_with_proof_of_its_writer() {
             let expected = match (h, w) {
                 (_, Writer::Unknown(_)) => Settle::Unresolved("qmp".into()),
                 (_, Writer::Running) => Settle::Wait,
-                (_, Writer::Qemu { job_running: true, .. }) => Settle::Wait,
+                (
+                    _,
+                    Writer::Qemu {
+                        job_running: true, ..
+                    },
+                ) => Settle::Wait,
                 (Header::Other(_), _) => Settle::Unresolved("x".into()),
                 (Header::Base, Writer::Exited { ok: true }) => Settle::Done,
                 (Header::Base, Writer::Qemu { flushed: true, .. }) => Settle::Done,
@@ -316,8 +321,9 @@ enum Ev {
 
 #[derive(Clone, Debug)]
 enum Step {
-    /// A copied cluster's data: written, referenced by nothing yet.
-    Data(u8, u32),
+    /// A copied cluster's data: written, referenced by nothing yet (so
+    /// nothing reads it).
+    Data,
     /// Offline: an L2 entry referencing a copy, on disk.
     Reference(u8, u32),
     /// Online: an L2 entry referencing a copy, in QEMU's cache only.
@@ -397,7 +403,7 @@ impl Sim {
             .filter(|&b| below[b as usize] != base[b as usize])
             .map(|b| (b, below[b as usize].unwrap_or(0)))
             .collect();
-        sim.steps.extend(copies.iter().map(|&(b, v)| Step::Data(b, v)));
+        sim.steps.extend(copies.iter().map(|_| Step::Data));
         if online {
             sim.steps
                 .extend(copies.iter().map(|&(b, v)| Step::Cached(b, v)));
@@ -463,7 +469,7 @@ impl Sim {
         }
         let top = self.merge.top.clone();
         match self.steps[self.next].clone() {
-            Step::Data(..) => {}
+            Step::Data => {}
             Step::Reference(b, v) => {
                 self.disk.get_mut(&top).unwrap().insert(b, v);
             }
