@@ -215,7 +215,7 @@ async fn main() -> anyhow::Result<()> {
         tracing_subscriber::EnvFilter::try_from_env("HEARTH_LOG").unwrap_or_else(|_| "info".into());
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(RedactedStderr);
     match args.log_format {
         LogFormat::Text => logs
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -401,6 +401,39 @@ fn connection_bounds(args: &Args) -> descriptors::ConnectionBounds {
         bounds.descriptors()
     );
     bounds
+}
+
+/// hearthd's log goes to stderr with the credentials of URLs hidden
+/// (docs/limits.md): one buffer per log line, written whole.
+struct RedactedStderr;
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for RedactedStderr {
+    type Writer = RedactedLine;
+
+    fn make_writer(&'a self) -> RedactedLine {
+        RedactedLine(Vec::new())
+    }
+}
+
+struct RedactedLine(Vec<u8>);
+
+impl std::io::Write for RedactedLine {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for RedactedLine {
+    fn drop(&mut self) {
+        let text = String::from_utf8_lossy(&self.0);
+        let text = hearth_api::redact::redact_credentials(&text);
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), text.as_bytes());
+    }
 }
 
 async fn choose_accel(
