@@ -143,7 +143,7 @@ fn report(result: anyhow::Result<()>) -> ExitCode {
             }
             Err(e) => {
                 // A URL's credentials, quoted back from a manifest, are
-                // not shown (docs/cli.md).
+                // not shown (docs/http-api.md, "Credentials in URLs").
                 let text = format!("{e:#}");
                 eprintln!("error: {}", hearth_api::redact::redact_credentials(&text));
                 ExitCode::FAILURE
