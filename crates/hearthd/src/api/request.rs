@@ -216,7 +216,7 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequestParts<S> for ApiQuery<T> {
                 let detail = text
                     .strip_prefix("Failed to deserialize query string: ")
                     .unwrap_or(&text);
-                bad(format!("query: {detail}"))
+                bad(format!("bad query: {detail}"))
             })
     }
 }
