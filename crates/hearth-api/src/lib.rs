@@ -10,6 +10,7 @@ mod object;
 #[cfg(feature = "openapi")]
 pub mod openapi;
 mod quantity;
+pub mod redact;
 pub mod watch;
 
 pub use kinds::*;

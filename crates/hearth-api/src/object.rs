@@ -744,15 +744,20 @@ pub fn parse_documents(text: &str, origin: &str) -> Result<Vec<Object>, ParseErr
 }
 
 /// Turns one JSON value into a validated object.
-pub fn object_from_value(value: Value, label: &str) -> Result<Object, FieldError> {
+pub fn object_from_value(mut value: Value, label: &str) -> Result<Object, FieldError> {
     let fe = |object: String, field: &str, message: String| FieldError {
         object,
         field: field.to_string(),
         message,
     };
-    let Value::Object(map) = &value else {
+    let Value::Object(map) = &mut value else {
         return Err(fe(label.into(), "(document)", "is not a mapping".into()));
     };
+    // Written by hearthd only: whatever a client sends as status, even of
+    // the wrong shape, is dropped unread (an object read back from hearthd
+    // and sent again carries one).
+    map.remove("status");
+    let map = &*map;
     let name = map
         .get("metadata")
         .and_then(|m| m.get("name"))

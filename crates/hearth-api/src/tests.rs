@@ -758,3 +758,21 @@ fn vm_interfaces_are_checked_field_by_field() {
     );
     assert!(ok.is_ok(), "{ok:?}");
 }
+
+#[test]
+fn status_on_input_is_dropped_unread() {
+    for status in [
+        "{phase: Exploded, capacity: lots}",
+        "not a mapping",
+        "[1, 2]",
+    ] {
+        let text = format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {{name: d}}\nspec: {{size: 1Gi, source: {{blank: {{}}}}}}\nstatus: {status}\n"
+        );
+        let objs = parse_documents(&text, "t.yaml").unwrap_or_else(|e| panic!("{status}: {e}"));
+        let Object::VirtualDisk(d) = &objs[0] else {
+            panic!("not a disk")
+        };
+        assert!(d.status.is_none(), "{status}");
+    }
+}

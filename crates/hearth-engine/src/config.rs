@@ -22,6 +22,8 @@ pub struct EngineConfig {
     pub resync_interval: Duration,
     /// VirtualImage imports: timeouts, size limit, retry backoff.
     pub images: ImageImportConfig,
+    /// The loopback port forwards' connection bounds and timeouts.
+    pub forwards: crate::network::host::loopback::ForwardLimits,
     // ---- firmware (see docs/guests.md) ----
     /// OVMF's code image for `firmware: UEFI`, attached read-only.
     pub ovmf_code: PathBuf,

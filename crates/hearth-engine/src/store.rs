@@ -142,7 +142,12 @@ CREATE TABLE IF NOT EXISTS events (
     message TEXT NOT NULL,
     -- Its change-log sequence number; NULL for events recorded before the
     -- change log existed (added to older databases by `changes::migrate`).
-    seq INTEGER
+    seq INTEGER,
+    -- The life of the object it is about: the object's creationTimestamp
+    -- when it was recorded, or (the object gone, or not made yet) the life
+    -- of the object's event before it. A new object of a deleted one's
+    -- name starts a new life, so its events are not the old one's.
+    life TEXT
 );
 CREATE INDEX IF NOT EXISTS events_by_object ON events (kind, name, id);
 -- Disk image layers: qcow2 files, each backed by the one below it.
@@ -286,6 +291,35 @@ pub struct StoredLease {
 /// Events kept per object; older ones are dropped.
 const EVENTS_PER_OBJECT: i64 = 200;
 
+/// The life of the object `e.kind`/`e.name` now (SQL, for a row `e` of
+/// `events`): the object's creationTimestamp, or when it is gone the life
+/// of its newest event.
+const CURRENT_LIFE: &str = "COALESCE(
+    (SELECT json_extract(o.body, '$.metadata.creationTimestamp') FROM objects o
+      WHERE o.kind = e.kind AND o.name = e.name),
+    (SELECT l.life FROM events l WHERE l.kind = e.kind AND l.name = e.name
+      ORDER BY l.id DESC LIMIT 1))";
+
+/// Adds `events.life` to a database from before it: every event then
+/// belongs to the current object of its name, as all of them were shown.
+fn migrate_event_lives(conn: &Connection) -> Result<(), StoreError> {
+    let has_life: bool = conn.query_row(
+        "SELECT COUNT(*) > 0 FROM pragma_table_info('events') WHERE name = 'life'",
+        [],
+        |r| r.get(0),
+    )?;
+    if !has_life {
+        conn.execute_batch(
+            "BEGIN IMMEDIATE;
+             ALTER TABLE events ADD COLUMN life TEXT;
+             UPDATE events SET life = (SELECT json_extract(o.body, '$.metadata.creationTimestamp')
+               FROM objects o WHERE o.kind = events.kind AND o.name = events.name);
+             COMMIT;",
+        )?;
+    }
+    Ok(())
+}
+
 impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
         Self::open_with_history(path, CHANGE_HISTORY)
@@ -301,6 +335,7 @@ impl Store {
         conn.execute_batch(SCHEMA)?;
         add_missing_columns(&conn)?;
         changes::migrate(&mut conn, history)?;
+        migrate_event_lives(&conn)?;
         let head = changes::head_of(&conn)?;
         Ok(Store {
             conn: Arc::new(Mutex::new(conn)),
@@ -621,9 +656,12 @@ impl Store {
             serde_json::from_value(value).unwrap_or_default()
         };
         f(&mut status);
+        // Shown to anyone who reads the object: no URL's credentials.
+        let text = serde_json::to_string(&status)?;
+        let text = hearth_api::redact::redact_credentials(&text);
         tx.execute(
             "UPDATE objects SET status = ?3 WHERE kind = ?1 AND name = ?2",
-            params![kind.as_str(), name, serde_json::to_string(&status)?],
+            params![kind.as_str(), name, &*text],
         )?;
         Ok(Some(status))
     }
@@ -779,6 +817,8 @@ impl Store {
             EventType::Normal => "Normal",
             EventType::Warning => "Warning",
         };
+        // Shown to anyone who reads events: no URL's credentials.
+        let message = &*hearth_api::redact::redact_credentials(message);
         let event = Event {
             time,
             kind: kind.as_str().to_string(),
@@ -789,8 +829,20 @@ impl Store {
         };
         let seq = changes::log_event_tx(tx, &event)?;
         tx.execute(
-            "INSERT INTO events (time, kind, name, type, reason, message, seq) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-            params![event.time.to_rfc3339(), kind.as_str(), name, type_text, reason, message, seq as i64],
+            &format!(
+                "INSERT INTO events (time, kind, name, type, reason, message, seq, life)
+                 SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7, {CURRENT_LIFE}
+                 FROM (SELECT ?2 AS kind, ?3 AS name) e"
+            ),
+            params![
+                event.time.to_rfc3339(),
+                kind.as_str(),
+                name,
+                type_text,
+                reason,
+                message,
+                seq as i64
+            ],
         )?;
         tx.execute(
             "DELETE FROM events WHERE kind = ?1 AND name = ?2 AND id <= (
@@ -800,7 +852,9 @@ impl Store {
         Ok(())
     }
 
-    /// Events oldest first; the newest `limit` of them.
+    /// Events oldest first; the newest `limit` of them. With a name, only
+    /// those of the current life of each object of that name (the one that
+    /// exists, or the last one to have).
     pub fn events(
         &self,
         kind: Option<Kind>,
@@ -808,11 +862,12 @@ impl Store {
         limit: usize,
     ) -> Result<Vec<Event>, StoreError> {
         let conn = self.conn();
-        let mut stmt = conn.prepare(
-            "SELECT time, kind, name, type, reason, message FROM events
-             WHERE (?1 IS NULL OR kind = ?1) AND (?2 IS NULL OR name = ?2)
-             ORDER BY id DESC LIMIT ?3",
-        )?;
+        let mut stmt = conn.prepare(&format!(
+            "SELECT e.time, e.kind, e.name, e.type, e.reason, e.message FROM events e
+             WHERE (?1 IS NULL OR e.kind = ?1)
+               AND (?2 IS NULL OR (e.name = ?2 AND e.life IS {CURRENT_LIFE}))
+             ORDER BY e.id DESC LIMIT ?3"
+        ))?;
         let rows = stmt.query_map(params![kind.map(|k| k.as_str()), name, limit as i64], |r| {
             Ok((
                 r.get::<_, String>(0)?,
@@ -870,6 +925,111 @@ mod tests {
         )
         .unwrap()
         .remove(0)
+    }
+
+    fn created(name: &str, at: &str) -> Object {
+        let mut d = disk(name);
+        d.metadata_mut().creation_timestamp = Some(at.parse().unwrap());
+        d
+    }
+
+    fn reasons(s: &Store, name: Option<&str>) -> Vec<String> {
+        s.events(Some(Kind::VirtualDisk), name, 100)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.reason)
+            .collect()
+    }
+
+    #[test]
+    fn events_belong_to_the_life_of_their_object() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("t.db")).unwrap();
+        let ev = |reason: &str| {
+            s.record_event(Kind::VirtualDisk, "d", EventType::Normal, reason, "m")
+                .unwrap()
+        };
+        ev("BeforeAnyLife");
+        s.put_objects(&[created("d", "2026-01-01T00:00:00.000000001Z")])
+            .unwrap();
+        ev("Created");
+        ev("Ready");
+        s.remove(Kind::VirtualDisk, "d").unwrap();
+        // Recorded once the object is gone: still its life's.
+        ev("Deleted");
+        assert_eq!(reasons(&s, Some("d")), ["Created", "Ready", "Deleted"]);
+        s.put_objects(&[created("d", "2026-01-01T00:00:05Z")])
+            .unwrap();
+        ev("Created");
+        assert_eq!(reasons(&s, Some("d")), ["Created"]);
+        // Without a name, every event of every life.
+        assert_eq!(
+            reasons(&s, None),
+            ["BeforeAnyLife", "Created", "Ready", "Deleted", "Created"]
+        );
+        // The watch's initial list agrees.
+        let snap = s
+            .watch_snapshot(&[Kind::VirtualDisk], Some("d"), false, 100)
+            .unwrap();
+        let got: Vec<&str> = snap.events.iter().map(|(_, e)| e.reason.as_str()).collect();
+        assert_eq!(got, ["Created"]);
+    }
+
+    #[test]
+    fn an_older_database_gets_lives_for_the_events_of_its_objects() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.db");
+        {
+            let s = Store::open(&path).unwrap();
+            s.put_objects(&[created("d", "2026-01-01T00:00:00Z")])
+                .unwrap();
+            s.record_event(Kind::VirtualDisk, "d", EventType::Normal, "Old", "m")
+                .unwrap();
+            s.record_event(Kind::VirtualDisk, "gone", EventType::Normal, "Old", "m")
+                .unwrap();
+        }
+        // As a database from before the column.
+        let conn = Connection::open(&path).unwrap();
+        conn.execute_batch(
+            "CREATE TABLE before AS SELECT id, time, kind, name, type, reason, message, seq FROM events;
+             DROP TABLE events;
+             ALTER TABLE before RENAME TO events;",
+        )
+        .unwrap();
+        drop(conn);
+        let s = Store::open(&path).unwrap();
+        assert_eq!(reasons(&s, Some("d")), ["Old"]);
+        assert_eq!(reasons(&s, Some("gone")), ["Old"]);
+    }
+
+    #[test]
+    fn credentials_in_event_messages_and_status_are_not_stored() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("t.db")).unwrap();
+        s.put_objects(&[created("d", "2026-01-01T00:00:00Z")])
+            .unwrap();
+        s.record_event(
+            Kind::VirtualDisk,
+            "d",
+            EventType::Warning,
+            "Failed",
+            "GET https://u:secret@h/x: 404",
+        )
+        .unwrap();
+        s.update_status(Kind::VirtualDisk, "d", |st: &mut Value| {
+            *st = serde_json::json!({"message": "GET https://u:secret@h/x: 404"});
+        })
+        .unwrap();
+        let conn = s.conn();
+        let dump: String = conn
+            .query_row(
+                "SELECT (SELECT group_concat(message) FROM events) || (SELECT group_concat(status) FROM objects) || (SELECT group_concat(body) FROM changes)",
+                [],
+                |r| r.get(0),
+            )
+            .unwrap();
+        assert!(!dump.contains("secret"), "{dump}");
+        assert!(dump.contains("https://***@h/x"), "{dump}");
     }
 
     fn lease(network: &str, vm: &str, interface: u32, ip: &str) -> StoredLease {

@@ -724,8 +724,11 @@ async fn resync_removes_a_deleted_network_and_restarts_dnsmasq_on_a_config_chang
                 pid: pid1,
                 dir: network_dir(&networks, "hth1")
             }),
+            CleanupAction::RemoveDir(network_dir(&networks, "hth1")),
         ]
     );
+    assert!(!network_dir(&networks, "hth1").exists());
+    assert!(network_dir(&networks, "hth0").is_dir());
     let names: Vec<String> = hearth_links().into_iter().map(|(n, _)| n).collect();
     assert_eq!(names, ["hth0", "htt0", "htt1"]);
     assert!(cmdline(pid1).is_empty(), "dnsmasq {pid1} still runs");

@@ -23,6 +23,7 @@ fn config(dir: &Path) -> EngineConfig {
         },
         resync_interval: Duration::from_secs(3600),
         images: Default::default(),
+        forwards: Default::default(),
         ovmf_code: dir.join("OVMF_CODE.fd"),
         ovmf_vars: dir.join("OVMF_VARS.fd"),
         compaction_speed: 0,

@@ -142,7 +142,10 @@ fn report(result: anyhow::Result<()>) -> ExitCode {
                 ExitCode::from(exit.code)
             }
             Err(e) => {
-                eprintln!("error: {e:#}");
+                // A URL's credentials, quoted back from a manifest, are
+                // not shown (docs/http-api.md, "Credentials in URLs").
+                let text = format!("{e:#}");
+                eprintln!("error: {}", hearth_api::redact::redact_credentials(&text));
                 ExitCode::FAILURE
             }
         },

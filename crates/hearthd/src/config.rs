@@ -70,6 +70,20 @@ pub struct FileConfig {
     pub metrics_allow_remote: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub log_format: Option<LogFormat>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_max_connections: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_max_connections: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub http_header_timeout_seconds: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forward_max_connections: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forward_max_connections_total: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forward_connect_timeout_seconds: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forward_idle_timeout_seconds: Option<u64>,
 }
 
 /// Parses a configuration file's text; errors name the file and the key.
@@ -140,6 +154,13 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         metrics_listen,
         metrics_allow_remote,
         log_format,
+        api_max_connections,
+        metrics_max_connections,
+        http_header_timeout_seconds,
+        forward_max_connections,
+        forward_max_connections_total,
+        forward_connect_timeout_seconds,
+        forward_idle_timeout_seconds,
     } = file;
     macro_rules! fill {
         ($($field:ident),* ; $($opt:ident),*) => {
@@ -155,7 +176,10 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         state_dir, run_dir, image_roots, qemu_user, accel, resync_seconds, manifests,
         manifests_resync_seconds, manifests_delete_grace_ms, compaction_bytes_per_second,
         dns_resolv_file, ovmf_code, ovmf_vars, image_connect_timeout_seconds, image_read_timeout_seconds, image_max_bytes,
-        image_retry_max_seconds, metrics_allow_remote, log_format;
+        image_retry_max_seconds, metrics_allow_remote, log_format, api_max_connections,
+        metrics_max_connections, http_header_timeout_seconds, forward_max_connections,
+        forward_max_connections_total, forward_connect_timeout_seconds,
+        forward_idle_timeout_seconds;
         socket, metrics_listen
     );
     Ok(args)
@@ -186,6 +210,13 @@ pub fn to_file(args: &Args) -> FileConfig {
         metrics_listen: args.metrics_listen,
         metrics_allow_remote: Some(args.metrics_allow_remote),
         log_format: Some(args.log_format),
+        api_max_connections: Some(args.api_max_connections),
+        metrics_max_connections: Some(args.metrics_max_connections),
+        http_header_timeout_seconds: Some(args.http_header_timeout_seconds),
+        forward_max_connections: Some(args.forward_max_connections),
+        forward_max_connections_total: Some(args.forward_max_connections_total),
+        forward_connect_timeout_seconds: Some(args.forward_connect_timeout_seconds),
+        forward_idle_timeout_seconds: Some(args.forward_idle_timeout_seconds),
     }
 }
 

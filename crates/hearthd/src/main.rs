@@ -2,7 +2,9 @@
 
 mod api;
 mod config;
+mod descriptors;
 mod generate;
+mod serve;
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::PathBuf;
@@ -135,6 +137,48 @@ struct Args {
     /// an authenticating proxy in front of it).
     #[arg(long, env = "HEARTH_METRICS_ALLOW_REMOTE")]
     metrics_allow_remote: bool,
+    // ---- connections from clients (see docs/limits.md) ----
+    /// Connections the API socket serves at once; when full, the one idle
+    /// longest is closed for a new one.
+    #[arg(long, env = "HEARTH_API_MAX_CONNECTIONS", default_value_t = 256)]
+    api_max_connections: u64,
+    /// Connections the metrics listener serves at once; when full, the one
+    /// idle longest is closed for a new one.
+    #[arg(long, env = "HEARTH_METRICS_MAX_CONNECTIONS", default_value_t = 64)]
+    metrics_max_connections: u64,
+    /// Seconds a client of the API socket or the metrics listener has to
+    /// send a request's headers, from when it connected or was last
+    /// answered: a half-sent request, or a kept-alive connection that asks
+    /// nothing, is closed after it.
+    #[arg(long, env = "HEARTH_HTTP_HEADER_TIMEOUT_SECONDS", default_value_t = 30)]
+    http_header_timeout_seconds: u64,
+    /// Connections one loopback port forward (a TCP forward reached on
+    /// 127.0.0.1) relays at once; more are closed at once.
+    #[arg(long, env = "HEARTH_FORWARD_MAX_CONNECTIONS", default_value_t = 256)]
+    forward_max_connections: u64,
+    /// Connections all loopback port forwards together relay at once.
+    #[arg(
+        long,
+        env = "HEARTH_FORWARD_MAX_CONNECTIONS_TOTAL",
+        default_value_t = 1024
+    )]
+    forward_max_connections_total: u64,
+    /// Seconds a loopback port forward waits for the guest to accept a
+    /// connection before closing the client's.
+    #[arg(
+        long,
+        env = "HEARTH_FORWARD_CONNECT_TIMEOUT_SECONDS",
+        default_value_t = 10
+    )]
+    forward_connect_timeout_seconds: u64,
+    /// Seconds a connection through a loopback port forward may carry no
+    /// byte either way before it is closed.
+    #[arg(
+        long,
+        env = "HEARTH_FORWARD_IDLE_TIMEOUT_SECONDS",
+        default_value_t = 600
+    )]
+    forward_idle_timeout_seconds: u64,
 }
 
 #[derive(clap::ValueEnum, serde::Serialize, serde::Deserialize, Clone, Copy, Debug, PartialEq)]
@@ -171,7 +215,7 @@ async fn main() -> anyhow::Result<()> {
         tracing_subscriber::EnvFilter::try_from_env("HEARTH_LOG").unwrap_or_else(|_| "info".into());
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(RedactedStderr);
     match args.log_format {
         LogFormat::Text => logs
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -185,6 +229,7 @@ async fn main() -> anyhow::Result<()> {
             "no configuration file: flags, environment and defaults"
         ),
     }
+    let bounds = connection_bounds(&args);
     if let Some(addr) = args.metrics_listen
         && !addr.ip().is_loopback()
         && !args.metrics_allow_remote
@@ -245,6 +290,12 @@ async fn main() -> anyhow::Result<()> {
             retry_max: Duration::from_secs(args.image_retry_max_seconds.max(1)),
             ..Default::default()
         },
+        forwards: hearth_engine::network::host::loopback::ForwardLimits {
+            per_listener: bounds.forwards_per_listener,
+            total: bounds.forwards_total,
+            connect_timeout: Duration::from_secs(args.forward_connect_timeout_seconds.max(1)),
+            idle_timeout: Duration::from_secs(args.forward_idle_timeout_seconds.max(1)),
+        },
     };
     let engine = Engine::start(config).await?;
     let manifests = std::path::absolute(&args.manifests)
@@ -258,6 +309,7 @@ async fn main() -> anyhow::Result<()> {
         },
     );
 
+    let header_timeout = Duration::from_secs(args.http_header_timeout_seconds.max(1));
     let metrics = match args.metrics_listen {
         Some(addr) => {
             let listener = tokio::net::TcpListener::bind(addr)
@@ -266,7 +318,11 @@ async fn main() -> anyhow::Result<()> {
             let bound = listener.local_addr().unwrap_or(addr);
             tracing::info!(metrics_listen = %bound, "serving metrics");
             let app = api::metrics::listener_router(engine.clone(), source.clone());
-            Some(axum::serve(listener, app))
+            let limits = serve::Limits {
+                max_connections: bounds.metrics,
+                header_timeout,
+            };
+            Some(serve::serve(listener, app, limits, "metrics"))
         }
         None => None,
     };
@@ -280,14 +336,104 @@ async fn main() -> anyhow::Result<()> {
     let listener = bind_socket(&socket)?;
     tracing::info!(socket = %socket.display(), "serving the API");
     let app = api::router(engine).layer(axum::Extension(source));
-    let serve = axum::serve(listener, app);
+    let limits = serve::Limits {
+        max_connections: bounds.api,
+        header_timeout,
+    };
     tokio::select! {
-        r = serve => r.context("API server failed")?,
-        r = metrics => r.context("metrics server failed")?,
+        never = serve::serve(listener, app, limits, "api") => match never {},
+        never = metrics => match never {},
         _ = shutdown_signal() => tracing::info!("stopping; running VMs keep running"),
     }
     let _ = std::fs::remove_file(&socket);
     Ok(())
+}
+
+/// Raises the open-file limit and fits the listeners' connection bounds in
+/// their share of it (docs/limits.md), saying both in the log.
+fn connection_bounds(args: &Args) -> descriptors::ConnectionBounds {
+    let to_count = |n: u64| usize::try_from(n.max(1)).unwrap_or(usize::MAX);
+    let wanted = descriptors::ConnectionBounds {
+        api: to_count(args.api_max_connections),
+        metrics: if args.metrics_listen.is_some() {
+            to_count(args.metrics_max_connections)
+        } else {
+            0
+        },
+        forwards_total: to_count(args.forward_max_connections_total),
+        forwards_per_listener: to_count(args.forward_max_connections),
+    };
+    let limit = match descriptors::raise_open_file_limit() {
+        Ok(l) => {
+            if l.now > l.before {
+                tracing::info!(
+                    "raised the open-file limit (RLIMIT_NOFILE) from {} to {}, its hard limit",
+                    l.before,
+                    l.now
+                );
+            } else {
+                tracing::info!("the open-file limit (RLIMIT_NOFILE) is {}", l.now);
+            }
+            l.now
+        }
+        Err(e) => {
+            let now = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+                .current
+                .unwrap_or(u64::MAX);
+            tracing::warn!(error = %e, "cannot raise the open-file limit (RLIMIT_NOFILE); it stays {now}");
+            now
+        }
+    };
+    let bounds = descriptors::fit(wanted, limit);
+    if bounds != wanted {
+        tracing::warn!(
+            ?wanted,
+            "the connection bounds would hold more than {}% of the open-file limit: lowered",
+            descriptors::CONNECTION_SHARE_PERCENT
+        );
+    }
+    tracing::info!(
+        api = bounds.api,
+        metrics = bounds.metrics,
+        forwards_total = bounds.forwards_total,
+        forwards_per_listener = bounds.forwards_per_listener,
+        "connections from clients hold at most {} of {limit} descriptors",
+        bounds.descriptors()
+    );
+    bounds
+}
+
+/// hearthd's log goes to stderr with the credentials of URLs hidden
+/// (docs/limits.md): one buffer per log line, written whole.
+struct RedactedStderr;
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for RedactedStderr {
+    type Writer = RedactedLine;
+
+    fn make_writer(&'a self) -> RedactedLine {
+        RedactedLine(Vec::new())
+    }
+}
+
+struct RedactedLine(Vec<u8>);
+
+impl std::io::Write for RedactedLine {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for RedactedLine {
+    fn drop(&mut self) {
+        let text = String::from_utf8_lossy(&self.0);
+        let text = hearth_api::redact::redact_credentials(&text);
+        let _ = std::io::Write::write_all(&mut std::io::stderr().lock(), text.as_bytes());
+    }
 }
 
 async fn choose_accel(

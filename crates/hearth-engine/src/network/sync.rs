@@ -161,7 +161,11 @@ pub async fn resync(
     let removed = host::cleanup::run(nl, &want, &dir).await?;
     // A port taken on 127.0.0.1 by another program fails only that
     // listener, not the network; the next resync tries again.
-    for (f, e) in guard.state.loopback.sync(&want.networks) {
+    for (f, e) in guard
+        .state
+        .loopback
+        .sync(&want.networks, &ctx.config.forwards)
+    {
         tracing::warn!(
             listen = %f.listen,
             guest = %f.guest,

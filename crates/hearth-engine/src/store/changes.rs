@@ -247,12 +247,15 @@ impl Store {
                 serde_json::Value::from(kinds.iter().map(|k| k.as_str()).collect::<Vec<_>>())
                     .to_string()
             });
-            let mut stmt = conn.prepare(
-                "SELECT seq, time, kind, name, type, reason, message FROM events
-                 WHERE (?1 IS NULL OR kind IN (SELECT value FROM json_each(?1)))
-                   AND (?2 IS NULL OR name = ?2)
-                 ORDER BY id DESC LIMIT ?3",
-            )?;
+            // With a name, the events of each object's current life only
+            // (as `Store::events`).
+            let mut stmt = conn.prepare(&format!(
+                "SELECT e.seq, e.time, e.kind, e.name, e.type, e.reason, e.message FROM events e
+                 WHERE (?1 IS NULL OR e.kind IN (SELECT value FROM json_each(?1)))
+                   AND (?2 IS NULL OR (e.name = ?2 AND e.life IS {}))
+                 ORDER BY e.id DESC LIMIT ?3",
+                super::CURRENT_LIFE
+            ))?;
             let rows = stmt.query_map(
                 params![kind_list, name, i64::try_from(events).unwrap_or(i64::MAX)],
                 |r| {

@@ -137,6 +137,7 @@ mod tests {
             },
             resync_interval: Duration::from_secs(10),
             images: Default::default(),
+            forwards: Default::default(),
             ovmf_code: dir.join("OVMF_CODE.fd"),
             ovmf_vars: dir.join("OVMF_VARS.fd"),
             compaction_speed: 0,

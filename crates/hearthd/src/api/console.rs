@@ -10,7 +10,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use hearth_api::Kind;
@@ -21,6 +21,7 @@ use tokio::io::{AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 use super::ApiError;
+use super::request::{ApiPath, ApiQuery};
 
 const POLL: Duration = Duration::from_millis(200);
 const CHUNK: usize = 64 << 10;
@@ -42,8 +43,8 @@ struct Tail {
 
 pub async fn console(
     State(engine): State<Arc<Engine>>,
-    Path(name): Path<String>,
-    Query(q): Query<ConsoleQuery>,
+    ApiPath(name): ApiPath<String>,
+    ApiQuery(q): ApiQuery<ConsoleQuery>,
 ) -> Result<Response, ApiError> {
     let path = engine.console_path(&name)?;
     let tail = Tail {
@@ -132,7 +133,7 @@ impl Drop for Claim {
 /// is attached or when the VM is not running.
 pub async fn attach(
     State(engine): State<Arc<Engine>>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
     mut req: Request,
 ) -> Result<Response, ApiError> {
     let sock = engine.console_socket(&name)?;

@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use hearth_engine::Engine;
@@ -16,6 +16,7 @@ use serde::Deserialize;
 use tokio::io::AsyncReadExt;
 
 use super::ApiError;
+use super::request::{ApiPath, ApiQuery};
 
 /// The image format of the body (`qcow2` or `raw`).
 pub const FORMAT_HEADER: &str = "x-hearth-export-format";
@@ -32,8 +33,8 @@ pub struct ExportQuery {
 
 pub async fn export(
     State(engine): State<Arc<Engine>>,
-    Path(name): Path<String>,
-    Query(q): Query<ExportQuery>,
+    ApiPath(name): ApiPath<String>,
+    ApiQuery(q): ApiQuery<ExportQuery>,
 ) -> Result<Response, ApiError> {
     let format = ExportFormat::parse(q.format.as_deref().unwrap_or("qcow2")).map_err(|e| {
         ApiError(

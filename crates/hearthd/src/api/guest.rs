@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use axum::Json;
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
@@ -18,6 +18,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::ApiError;
+use super::request::{ApiPath, ApiQuery, JsonBody};
 
 /// The size of a guest file being read, when the guest's `stat` told it.
 pub const SIZE_HEADER: &str = "x-hearth-file-size";
@@ -48,8 +49,8 @@ pub struct StartRequest {
 /// returns at once with its session id and guest pid.
 pub async fn exec_start(
     State(engine): State<Arc<Engine>>,
-    Path(name): Path<String>,
-    Json(req): Json<StartRequest>,
+    ApiPath(name): ApiPath<String>,
+    JsonBody(req): JsonBody<StartRequest>,
 ) -> Result<Json<Value>, ApiError> {
     let input = match &req.stdin_base64 {
         None => None,
@@ -74,13 +75,28 @@ pub struct StatusQuery {
     wait_ms: u64,
 }
 
+/// The longest `waitMs`: the engine's own longest wait.
+const MAX_WAIT_MS: u64 = hearth_engine::guest::exec::MAX_WAIT.as_millis() as u64;
+
+#[derive(Deserialize)]
+pub struct ExecPath {
+    name: String,
+    id: u64,
+}
+
 /// `GET /v1/virtualmachines/{name}/agent/exec/{id}`: the program's state;
 /// once it has ended, its exit and output (given once).
 pub async fn exec_status(
     State(engine): State<Arc<Engine>>,
-    Path((name, id)): Path<(String, u64)>,
-    Query(q): Query<StatusQuery>,
+    ApiPath(ExecPath { name, id }): ApiPath<ExecPath>,
+    ApiQuery(q): ApiQuery<StatusQuery>,
 ) -> Result<Json<Value>, ApiError> {
+    if q.wait_ms > MAX_WAIT_MS {
+        return Err(bad(format!(
+            "query parameter waitMs: {} is more than the {MAX_WAIT_MS} allowed",
+            q.wait_ms
+        )));
+    }
     let wait = Duration::from_millis(q.wait_ms);
     Ok(Json(match engine.exec_status(&name, id, wait).await? {
         ExecStatus::Running { pid } => json!({"id": id, "pid": pid, "exited": false}),
@@ -110,8 +126,8 @@ pub struct FileQuery {
 /// the whole body has arrived.
 pub async fn put_file(
     State(engine): State<Arc<Engine>>,
-    Path(name): Path<String>,
-    Query(q): Query<FileQuery>,
+    ApiPath(name): ApiPath<String>,
+    ApiQuery(q): ApiQuery<FileQuery>,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
     let mode = match q.mode.as_deref() {
@@ -152,8 +168,8 @@ pub async fn put_file(
 /// so the client sees an incomplete answer, never a short file as whole.
 pub async fn get_file(
     State(engine): State<Arc<Engine>>,
-    Path(name): Path<String>,
-    Query(q): Query<FileQuery>,
+    ApiPath(name): ApiPath<String>,
+    ApiQuery(q): ApiQuery<FileQuery>,
 ) -> Result<Response, ApiError> {
     if q.mode.is_some() {
         return Err(bad(

@@ -6,29 +6,39 @@ mod export;
 mod guest;
 pub mod metrics;
 pub mod openapi;
+pub mod request;
 mod sources;
 mod watch;
 
 use std::sync::Arc;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use hearth_api::{Kind, Object, object_from_value};
+use hearth_api::redact::{is_redacted_form_of, redact_credentials, redact_json};
+use hearth_api::{ImageSource, Kind, Object, object_from_value};
+use hearth_engine::store::StoredObject;
 use hearth_engine::{Engine, RequestError, VmAction};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
+use request::{ApiPath, ApiQuery, JsonBody, MAX_BODY};
+
 /// Where API-made objects say they came from.
 pub const API_OWNER: &str = "api";
 
-/// Largest request body: manifests are small.
-const MAX_BODY: usize = 8 << 20;
+/// The most events one answer (or a watch's initial list) holds, and how
+/// many it holds unless asked.
+pub const MAX_EVENTS: usize = 10_000;
+pub const DEFAULT_EVENTS: usize = 100;
 
 pub fn router(engine: Arc<Engine>) -> Router {
     routes()
+        .fallback(request::no_route)
+        .method_not_allowed_fallback(request::no_method)
+        .layer(axum::middleware::map_response(request::errors_as_json))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(engine)
 }
@@ -98,7 +108,57 @@ impl From<RequestError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.0, Json(json!({"error": self.1}))).into_response()
+        (self.0, Json(json!({"error": redact_credentials(&self.1)}))).into_response()
+    }
+}
+
+/// An object as the API shows it: its status, and the URL of an image's
+/// source, without the credentials a URL may carry (docs/http-api.md).
+pub fn shown(object: &StoredObject) -> Value {
+    let mut v = object.to_json();
+    redact_shown(&mut v);
+    v
+}
+
+/// [`shown`] for an object already in its JSON form.
+pub fn redact_shown(object: &mut Value) {
+    if let Some(status) = object.get_mut("status") {
+        redact_json(status);
+    }
+    if let Some(Value::String(url)) = object.pointer_mut("/spec/source/http/url")
+        && let std::borrow::Cow::Owned(r) = redact_credentials(url)
+    {
+        *url = r;
+    }
+}
+
+/// An image sent back as hearthd showed it keeps the credentials of its
+/// stored URL: the shown one is the stored one with them hidden.
+fn keep_stored_credentials(engine: &Engine, object: &mut Object) -> Result<(), ApiError> {
+    let Object::VirtualImage(image) = object else {
+        return Ok(());
+    };
+    let ImageSource::Http(http) = &mut image.spec.source else {
+        return Ok(());
+    };
+    let Some(stored) = engine.store.get(Kind::VirtualImage, &image.metadata.name)? else {
+        return Ok(());
+    };
+    if let Object::VirtualImage(stored) = stored.object
+        && let ImageSource::Http(stored) = stored.spec.source
+        && is_redacted_form_of(&http.url, &stored.url)
+    {
+        http.url = stored.url;
+    }
+    Ok(())
+}
+
+impl From<hearth_engine::store::StoreError> for ApiError {
+    fn from(e: hearth_engine::store::StoreError) -> Self {
+        ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot read the store: {e}"),
+        )
     }
 }
 
@@ -125,37 +185,36 @@ async fn health(State(engine): State<Arc<Engine>>) -> Json<Value> {
     }))
 }
 
-async fn list(
-    State(engine): State<Arc<Engine>>,
-    Path(plural): Path<String>,
-) -> Result<Json<Value>, ApiError> {
-    let kind = kind_of(&plural)?;
-    let items: Vec<Value> = engine.list(kind)?.iter().map(|o| o.to_json()).collect();
+async fn list(engine: &Engine, plural: &str) -> Result<Json<Value>, ApiError> {
+    let kind = kind_of(plural)?;
+    let items: Vec<Value> = engine.list(kind)?.iter().map(shown).collect();
     Ok(Json(json!({"items": items})))
 }
 
 async fn get_one(
     State(engine): State<Arc<Engine>>,
-    Path((plural, name)): Path<(String, String)>,
+    ApiPath((plural, name)): ApiPath<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
     let kind = kind_of(&plural)?;
-    Ok(Json(engine.get(kind, &name)?.to_json()))
+    Ok(Json(shown(&engine.get(kind, &name)?)))
+}
+
+/// `POST /v1/apply`'s body: nothing but the objects.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ApplyRequest {
+    items: Vec<Value>,
 }
 
 async fn apply(
     State(engine): State<Arc<Engine>>,
-    body: axum::body::Bytes,
+    JsonBody(body): JsonBody<ApplyRequest>,
 ) -> Result<Json<Value>, ApiError> {
-    let bad = |m: String| ApiError(StatusCode::BAD_REQUEST, m);
-    let value: Value =
-        serde_json::from_slice(&body).map_err(|e| bad(format!("request body is not JSON: {e}")))?;
-    let Some(Value::Array(items)) = value.get("items") else {
-        return Err(bad("request body must be {\"items\": [objects]}".into()));
-    };
-    let mut objects: Vec<Object> = Vec::with_capacity(items.len());
-    for (i, item) in items.iter().enumerate() {
-        let obj = object_from_value(item.clone(), &format!("items[{i}]"))
-            .map_err(|e| bad(e.to_string()))?;
+    let mut objects: Vec<Object> = Vec::with_capacity(body.items.len());
+    for (i, item) in body.items.into_iter().enumerate() {
+        let mut obj = object_from_value(item, &format!("items[{i}]"))
+            .map_err(|e| ApiError(StatusCode::BAD_REQUEST, e.to_string()))?;
+        keep_stored_credentials(&engine, &mut obj)?;
         objects.push(obj);
     }
     let outcomes = tokio::task::block_in_place(|| engine.apply(objects, API_OWNER))?;
@@ -164,7 +223,7 @@ async fn apply(
 
 async fn delete(
     State(engine): State<Arc<Engine>>,
-    Path((plural, name)): Path<(String, String)>,
+    ApiPath((plural, name)): ApiPath<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
     let kind = kind_of(&plural)?;
     engine.delete(kind, &name, API_OWNER)?;
@@ -175,7 +234,7 @@ async fn delete(
 
 async fn vm_action(
     State(engine): State<Arc<Engine>>,
-    Path((name, action)): Path<(String, String)>,
+    ApiPath((name, action)): ApiPath<(String, String)>,
 ) -> Result<Json<Value>, ApiError> {
     let action = match action.as_str() {
         "start" => VmAction::Start,
@@ -194,7 +253,7 @@ async fn vm_action(
 
 async fn restore_group(
     State(engine): State<Arc<Engine>>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     // In its own task, like a VM's restore: a client that goes away does not
     // stop it half-way.
@@ -215,9 +274,20 @@ struct EventQuery {
     limit: Option<usize>,
 }
 
+/// A `limit` of events asked for, checked against [`MAX_EVENTS`].
+pub fn events_limit(limit: Option<usize>) -> Result<usize, ApiError> {
+    match limit.unwrap_or(DEFAULT_EVENTS) {
+        n @ 0..=MAX_EVENTS => Ok(n),
+        n => Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            format!("query parameter limit: {n} is more than the {MAX_EVENTS} events allowed"),
+        )),
+    }
+}
+
 async fn events(
     State(engine): State<Arc<Engine>>,
-    Query(q): Query<EventQuery>,
+    ApiQuery(q): ApiQuery<EventQuery>,
 ) -> Result<Json<Value>, ApiError> {
     let kind = match q.kind.as_deref() {
         None => None,
@@ -226,13 +296,20 @@ async fn events(
                 .ok_or_else(|| ApiError(StatusCode::BAD_REQUEST, format!("unknown kind {k:?}")))?,
         ),
     };
-    let items = engine.events(kind, q.name.as_deref(), q.limit.unwrap_or(100).min(10_000))?;
+    let items = engine.events(kind, q.name.as_deref(), events_limit(q.limit)?)?;
+    let mut items = serde_json::to_value(items).map_err(|e| {
+        ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot write the events: {e}"),
+        )
+    })?;
+    redact_json(&mut items);
     Ok(Json(json!({"items": items})))
 }
 
 async fn agent_ping(
     State(engine): State<Arc<Engine>>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     let started = std::time::Instant::now();
     engine.agent_ping(&name).await?;
@@ -255,12 +332,24 @@ fn default_exec_timeout() -> u64 {
     60
 }
 
+/// The longest `timeoutSeconds` of `POST .../agent/exec`.
+const MAX_EXEC_TIMEOUT_SECONDS: u64 = 600;
+
 async fn agent_exec(
     State(engine): State<Arc<Engine>>,
-    Path(name): Path<String>,
-    Json(req): Json<ExecRequest>,
+    ApiPath(name): ApiPath<String>,
+    JsonBody(req): JsonBody<ExecRequest>,
 ) -> Result<Json<Value>, ApiError> {
-    let timeout = std::time::Duration::from_secs(req.timeout_seconds.clamp(1, 600));
+    if !(1..=MAX_EXEC_TIMEOUT_SECONDS).contains(&req.timeout_seconds) {
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "request body: timeoutSeconds: {} is not between 1 and {MAX_EXEC_TIMEOUT_SECONDS}",
+                req.timeout_seconds
+            ),
+        ));
+    }
+    let timeout = std::time::Duration::from_secs(req.timeout_seconds);
     let out = engine
         .agent_exec(&name, &req.path, &req.args, timeout)
         .await?;
@@ -275,7 +364,7 @@ async fn agent_exec(
 
 async fn agent_freeze_status(
     State(engine): State<Arc<Engine>>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     let frozen = engine.agent_freeze_status(&name).await?;
     Ok(Json(
@@ -291,8 +380,8 @@ struct RestoreRequest {
 
 async fn restore(
     State(engine): State<Arc<Engine>>,
-    Path(name): Path<String>,
-    Json(req): Json<RestoreRequest>,
+    ApiPath(name): ApiPath<String>,
+    JsonBody(req): JsonBody<RestoreRequest>,
 ) -> Result<Json<Value>, ApiError> {
     // In its own task: a client that goes away must not abort a restore
     // half-way (with the VM stopped and the disks not yet switched).

@@ -303,8 +303,10 @@ fn health() {}
     request_body = ApplyRequest,
     responses(
         (status = 200, description = "Every object written (or unchanged), in order", body = ApplyResults),
-        (status = 400, description = "An invalid object: nothing changed", body = ErrorAnswer),
+        (status = 400, description = "An invalid object, a body that is not JSON, a key twice in one object, or a field other than items: nothing changed", body = ErrorAnswer),
         (status = 409, description = "A conflict (a disk used by two VMs, an object owned by a manifest file): nothing changed", body = ErrorAnswer),
+        (status = 413, description = "A body over 8 MiB: nothing changed", body = ErrorAnswer),
+        (status = 415, description = "A Content-Type that is not JSON: nothing changed", body = ErrorAnswer),
     ))]
 #[allow(dead_code)]
 fn apply() {}
@@ -317,8 +319,8 @@ fn apply() {}
         ("limit" = Option<u32>, Query, description = "At most this many (default 100, at most 10000)"),
     ),
     responses(
-        (status = 200, description = "The events", body = EventList),
-        (status = 400, description = "Unknown kind", body = ErrorAnswer),
+        (status = 200, description = "The events (with a name, of that object's current life)", body = EventList),
+        (status = 400, description = "Unknown kind, or a limit that is not a number or over 10000", body = ErrorAnswer),
     ))]
 #[allow(dead_code)]
 fn events() {}

@@ -16,8 +16,12 @@ pub async fn list(
     Extension(source): Extension<Arc<ManifestSource>>,
 ) -> Result<Json<Value>, ApiError> {
     // The view waits for a running re-list: keep it off the async workers.
-    tokio::task::spawn_blocking(move || source.view())
-        .await
-        .map(Json)
-        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
+    tokio::task::spawn_blocking(move || {
+        let mut view = source.view();
+        hearth_api::redact::redact_json(&mut view);
+        view
+    })
+    .await
+    .map(Json)
+    .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))
 }

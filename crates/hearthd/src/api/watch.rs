@@ -8,8 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use axum::extract::rejection::QueryRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use hearth_api::{Kind, check_dns_label};
@@ -17,14 +16,12 @@ use hearth_engine::Engine;
 use hearth_engine::watch::{Filter, Options, Watch};
 use serde::Deserialize;
 
-use super::ApiError;
+use super::request::{ApiPath, ApiQuery};
+use super::{ApiError, redact_shown};
 
 /// Bookmarks while nothing happens, unless the client asks otherwise.
 const DEFAULT_HEARTBEAT_SECONDS: u64 = 15;
 const MAX_HEARTBEAT_SECONDS: u64 = 300;
-/// Events in an initial list, as `GET /v1/events` defaults to.
-const DEFAULT_EVENTS: usize = 100;
-const MAX_EVENTS: usize = 10_000;
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -56,15 +53,10 @@ fn bad(message: String) -> ApiError {
     ApiError(StatusCode::BAD_REQUEST, message)
 }
 
-fn query_error(r: QueryRejection) -> ApiError {
-    bad(format!("bad query: {}", r.body_text()))
-}
-
 pub async fn watch(
     State(engine): State<Arc<Engine>>,
-    query: Result<Query<WatchQuery>, QueryRejection>,
+    ApiQuery(q): ApiQuery<WatchQuery>,
 ) -> Result<Response, ApiError> {
-    let Query(q) = query.map_err(query_error)?;
     let mut kinds = Vec::new();
     for word in q.kinds.iter().flat_map(|k| k.split(',')) {
         let word = word.trim();
@@ -94,7 +86,7 @@ pub async fn watch(
     }
     let options = Options {
         since: q.since,
-        initial_events: q.limit.unwrap_or(DEFAULT_EVENTS).min(MAX_EVENTS),
+        initial_events: super::events_limit(q.limit)?,
         heartbeat: heartbeat(q.heartbeat)?,
     };
     stream(&engine, filter, options)
@@ -103,12 +95,11 @@ pub async fn watch(
 /// `GET /v1/{plural}`: the list, or with `watch=true` the stream of that kind.
 pub async fn list_or_watch(
     State(engine): State<Arc<Engine>>,
-    Path(plural): Path<String>,
-    query: Result<Query<ListQuery>, QueryRejection>,
+    ApiPath(plural): ApiPath<String>,
+    ApiQuery(q): ApiQuery<ListQuery>,
 ) -> Result<Response, ApiError> {
-    let Query(q) = query.map_err(query_error)?;
     if !q.watch {
-        return super::list(State(engine), Path(plural))
+        return super::list(&engine, &plural)
             .await
             .map(IntoResponse::into_response);
     }
@@ -157,6 +148,13 @@ fn stream(engine: &Engine, filter: Filter, options: Options) -> Result<Response,
     let lines = futures_util::stream::unfold(watch, |mut w| async move {
         match w.next().await {
             Ok(Some(line)) => {
+                let mut line = serde_json::to_value(&line).unwrap_or_default();
+                if let Some(object) = line.get_mut("object") {
+                    redact_shown(object);
+                }
+                if let Some(event) = line.get_mut("event") {
+                    hearth_api::redact::redact_json(event);
+                }
                 let mut bytes = serde_json::to_vec(&line).unwrap_or_default();
                 bytes.push(b'\n');
                 Some((Ok::<Bytes, Infallible>(Bytes::from(bytes)), w))

@@ -70,6 +70,24 @@ impl Netns {
         String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
+    /// Runs `f` on a thread of this process that has entered the namespace,
+    /// and returns what it returns: the sockets `f` makes live in the
+    /// namespace, and work from any thread afterwards.
+    pub fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let path = format!("/run/netns/{}", self.name);
+        std::thread::spawn(move || {
+            let ns = std::fs::File::open(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+            rustix::thread::move_into_link_name_space(
+                std::os::fd::AsFd::as_fd(&ns),
+                Some(rustix::thread::LinkNameSpaceType::Network),
+            )
+            .unwrap_or_else(|e| panic!("setns {path}: {e}"));
+            f()
+        })
+        .join()
+        .expect("the thread in the namespace panicked")
+    }
+
     /// Names of the links whose name starts with hearth's prefixes.
     pub fn hearth_links(&self) -> Vec<String> {
         let v: serde_json::Value =

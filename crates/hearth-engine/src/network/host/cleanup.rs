@@ -7,6 +7,8 @@
 //!   tap names is deleted, taps before bridges;
 //! - a dnsmasq whose `--conf-file` lies under the networks directory and
 //!   whose network is not desired with DHCP is stopped;
+//! - a directory of the networks directory with hearth's prefix that no
+//!   such network needs is removed (after its dnsmasq is stopped);
 //! - the `inet hearth` table is deleted when no desired network needs rules
 //!   (otherwise the next apply replaces it whole, which drops every rule
 //!   that is not desired).
@@ -26,6 +28,8 @@ use super::{HostDesired, HostError, NetworkMode, network_dir, nft};
 pub struct Observed {
     pub links: Vec<ObservedLink>,
     pub dnsmasq: Vec<FoundDnsmasq>,
+    /// The directories of the networks directory with hearth's prefix.
+    pub dirs: Vec<PathBuf>,
     pub nft_table: bool,
 }
 
@@ -33,6 +37,7 @@ pub struct Observed {
 pub enum CleanupAction {
     DeleteLink(String),
     StopDnsmasq(FoundDnsmasq),
+    RemoveDir(PathBuf),
     DeleteNftTable,
 }
 
@@ -65,6 +70,15 @@ pub fn plan(desired: &HostDesired, observed: &Observed, networks_dir: &Path) -> 
             actions.push(CleanupAction::StopDnsmasq(d.clone()));
         }
     }
+    for dir in &observed.dirs {
+        let hearths = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(is_hearth_name);
+        if dir.parent() == Some(networks_dir) && hearths && !keep_dirs.contains(dir) {
+            actions.push(CleanupAction::RemoveDir(dir.clone()));
+        }
+    }
     let needs_table = desired
         .networks
         .iter()
@@ -80,8 +94,24 @@ pub async fn observe(nl: &Netlink, networks_dir: &Path) -> Result<Observed, Host
     Ok(Observed {
         links: nl.observe().await?,
         dnsmasq: dnsmasq::find_all(networks_dir),
+        dirs: hearth_dirs(networks_dir),
         nft_table: nft::observe().await?.is_some(),
     })
+}
+
+/// The directories in `networks_dir` named like hearth's bridges.
+fn hearth_dirs(networks_dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(networks_dir) else {
+        return vec![];
+    };
+    let mut dirs: Vec<PathBuf> = entries
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .filter(|e| e.file_name().to_str().is_some_and(is_hearth_name))
+        .map(|e| e.path())
+        .collect();
+    dirs.sort();
+    dirs
 }
 
 /// Observes, plans and carries the plan out. Returns the actions taken.
@@ -100,6 +130,15 @@ pub async fn run(
             CleanupAction::StopDnsmasq(found) => {
                 dnsmasq::stop_found(found)?;
             }
+            CleanupAction::RemoveDir(dir) => match std::fs::remove_dir_all(dir) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                // Files only hearth reads: a failure leaves them for the
+                // next resync, and stops nothing.
+                Err(e) => {
+                    tracing::warn!(dir = %dir.display(), error = %e, "cannot remove a network's run directory");
+                }
+            },
             CleanupAction::DeleteNftTable => {
                 nft::remove().await?;
             }
@@ -164,6 +203,11 @@ mod tests {
                     dir: "/elsewhere/hth1".into(),
                 },
             ],
+            dirs: vec![
+                "/s/networks/hth0".into(),
+                "/s/networks/hth1".into(),
+                "/s/networks/mine".into(),
+            ],
             nft_table: true,
         }
     }
@@ -190,6 +234,8 @@ mod tests {
                     pid: 11,
                     dir: "/s/networks/hth1".into()
                 }),
+                CleanupAction::RemoveDir("/s/networks/hth0".into()),
+                CleanupAction::RemoveDir("/s/networks/hth1".into()),
                 CleanupAction::DeleteNftTable,
             ]
         );
@@ -212,11 +258,13 @@ mod tests {
             actions,
             vec![
                 CleanupAction::DeleteLink("htt0".into()),
-                // hth1 has DHCP off: its dnsmasq goes, its bridge stays.
+                // hth1 has DHCP off: its dnsmasq and its files go, its
+                // bridge stays.
                 CleanupAction::StopDnsmasq(FoundDnsmasq {
                     pid: 11,
                     dir: "/s/networks/hth1".into()
                 }),
+                CleanupAction::RemoveDir("/s/networks/hth1".into()),
             ]
         );
     }

@@ -16,14 +16,52 @@
 //! resync (also the one at start-up, so a restarted hearthd listens again)
 //! and dropped when their forward goes. A connection already made runs to
 //! its end; a restart of hearthd ends it.
+//!
+//! Any local user can connect to 127.0.0.1, so what one connection costs
+//! hearthd (two descriptors: the client's and the guest's) is bounded
+//! ([`ForwardLimits`]): so many per listener and so many over all of them,
+//! a connection beyond either closed at once; a guest that does not answer
+//! the connection within the connect timeout, and a connection that carries
+//! no byte either way for the idle timeout, are closed.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
 use super::{HostNetwork, NetworkMode, Protocol};
+
+/// What the loopback forwards may hold (docs/limits.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ForwardLimits {
+    /// Connections one listener relays at once.
+    pub per_listener: usize,
+    /// Connections all listeners together relay at once.
+    pub total: usize,
+    /// Longest wait for the guest to accept a relayed connection.
+    pub connect_timeout: Duration,
+    /// A relayed connection with no byte either way for this long is closed.
+    pub idle_timeout: Duration,
+}
+
+impl Default for ForwardLimits {
+    fn default() -> Self {
+        ForwardLimits {
+            per_listener: 256,
+            total: 1024,
+            connect_timeout: Duration::from_secs(10),
+            idle_timeout: Duration::from_secs(600),
+        }
+    }
+}
 
 /// One loopback listener and the guest address it forwards to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -59,6 +97,9 @@ pub fn wanted(networks: &[HostNetwork]) -> BTreeSet<LoopbackForward> {
 #[derive(Default)]
 pub struct LoopbackProxies {
     running: BTreeMap<LoopbackForward, Listener>,
+    /// The limits of the first sync (they are hearthd's configuration, the
+    /// same at every sync) and the connections of all listeners together.
+    shared: Option<(ForwardLimits, Arc<Semaphore>)>,
 }
 
 struct Listener(JoinHandle<()>);
@@ -73,7 +114,15 @@ impl LoopbackProxies {
     /// Makes the listeners exactly [`wanted`]`(networks)`. Returns the ones
     /// that could not listen (the port taken by another program), each
     /// with its error; they are tried again at the next resync.
-    pub fn sync(&mut self, networks: &[HostNetwork]) -> Vec<(LoopbackForward, std::io::Error)> {
+    pub fn sync(
+        &mut self,
+        networks: &[HostNetwork],
+        limits: &ForwardLimits,
+    ) -> Vec<(LoopbackForward, std::io::Error)> {
+        let (limits, total) = self
+            .shared
+            .get_or_insert_with(|| (*limits, Arc::new(Semaphore::new(limits.total))))
+            .clone();
         let want = wanted(networks);
         self.running.retain(|f, _| want.contains(f));
         let mut failed = Vec::new();
@@ -84,8 +133,13 @@ impl LoopbackProxies {
             match listen(f.listen) {
                 Ok(listener) => {
                     tracing::info!(listen = %f.listen, guest = %f.guest, "loopback port forward listening");
+                    let bounds = Bounds {
+                        limits,
+                        own: Arc::new(Semaphore::new(limits.per_listener)),
+                        total: total.clone(),
+                    };
                     self.running
-                        .insert(f, Listener(tokio::spawn(serve(listener, f))));
+                        .insert(f, Listener(tokio::spawn(serve(listener, f, bounds))));
                 }
                 Err(e) => failed.push((f, e)),
             }
@@ -108,31 +162,191 @@ fn listen(addr: SocketAddrV4) -> std::io::Result<TcpListener> {
     TcpListener::from_std(std_listener)
 }
 
-async fn serve(listener: TcpListener, f: LoopbackForward) {
+/// One listener's share of the limits.
+struct Bounds {
+    limits: ForwardLimits,
+    /// This listener's connections.
+    own: Arc<Semaphore>,
+    /// Every listener's connections.
+    total: Arc<Semaphore>,
+}
+
+impl Bounds {
+    /// Room for one more connection, held until it ends; `None` (and
+    /// which bound is full) when there is none.
+    fn admit(&self) -> Result<(OwnedSemaphorePermit, OwnedSemaphorePermit), &'static str> {
+        let own = self
+            .own
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| "the listener's limit (hearthd --forward-max-connections)")?;
+        let total = self.total.clone().try_acquire_owned().map_err(
+            |_| "the limit of all loopback forwards (hearthd --forward-max-connections-total)",
+        )?;
+        Ok((own, total))
+    }
+}
+
+/// How often a full listener says so in the log, at most.
+const REFUSAL_LOG_INTERVAL: Duration = Duration::from_secs(60);
+
+async fn serve(listener: TcpListener, f: LoopbackForward, bounds: Bounds) {
+    let mut refused: u64 = 0;
+    let mut last_said: Option<Instant> = None;
     loop {
-        let (mut client, peer) = match listener.accept().await {
+        let (client, peer) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
                 // Out of descriptors and the like: go on after a pause.
                 tracing::warn!(listen = %f.listen, error = %e, "accepting a loopback connection");
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
             }
         };
-        tokio::spawn(async move {
-            let mut guest = match TcpStream::connect(f.guest).await {
-                Ok(g) => g,
-                Err(e) => {
-                    tracing::debug!(%peer, guest = %f.guest, error = %e, "loopback forward: guest not reached");
-                    return;
+        let permits = match bounds.admit() {
+            Ok(p) => p,
+            Err(which) => {
+                // Closed at once: the client sees the connection end.
+                drop(client);
+                refused += 1;
+                if last_said.is_none_or(|t| t.elapsed() >= REFUSAL_LOG_INTERVAL) {
+                    tracing::warn!(
+                        listen = %f.listen,
+                        guest = %f.guest,
+                        refused,
+                        "loopback forward full: connections closed at once; the bound is {which}"
+                    );
+                    last_said = Some(Instant::now());
+                    refused = 0;
                 }
-            };
-            let _ = client.set_nodelay(true);
-            let _ = guest.set_nodelay(true);
-            if let Err(e) = tokio::io::copy_bidirectional(&mut client, &mut guest).await {
-                tracing::debug!(%peer, guest = %f.guest, error = %e, "loopback forward ended");
+                continue;
             }
-        });
+        };
+        tokio::spawn(relay(client, peer, f, bounds.limits, permits));
+    }
+}
+
+async fn relay(
+    client: TcpStream,
+    peer: SocketAddr,
+    f: LoopbackForward,
+    limits: ForwardLimits,
+    _permits: (OwnedSemaphorePermit, OwnedSemaphorePermit),
+) {
+    let guest = match tokio::time::timeout(limits.connect_timeout, TcpStream::connect(f.guest))
+        .await
+    {
+        Ok(Ok(g)) => g,
+        Ok(Err(e)) => {
+            tracing::debug!(%peer, guest = %f.guest, error = %e, "loopback forward: guest not reached");
+            return;
+        }
+        Err(_) => {
+            tracing::debug!(%peer, guest = %f.guest, timeout = ?limits.connect_timeout, "loopback forward: the guest did not answer");
+            return;
+        }
+    };
+    let _ = client.set_nodelay(true);
+    let _ = guest.set_nodelay(true);
+    let activity = Activity::new();
+    let mut client = Watched {
+        inner: client,
+        activity: activity.clone(),
+    };
+    let mut guest = Watched {
+        inner: guest,
+        activity: activity.clone(),
+    };
+    let copy = tokio::io::copy_bidirectional(&mut client, &mut guest);
+    tokio::pin!(copy);
+    loop {
+        let quiet = activity.quiet_for();
+        if quiet >= limits.idle_timeout {
+            tracing::debug!(%peer, guest = %f.guest, idle = ?quiet, "loopback forward closed: idle");
+            return;
+        }
+        tokio::select! {
+            r = &mut copy => {
+                if let Err(e) = r {
+                    tracing::debug!(%peer, guest = %f.guest, error = %e, "loopback forward ended");
+                }
+                return;
+            }
+            () = tokio::time::sleep(limits.idle_timeout - quiet) => {}
+        }
+    }
+}
+
+/// When a relayed connection last carried a byte, either way.
+#[derive(Clone)]
+struct Activity {
+    start: Instant,
+    /// Milliseconds from `start` to the last byte.
+    last_ms: Arc<AtomicU64>,
+}
+
+impl Activity {
+    fn new() -> Activity {
+        Activity {
+            start: Instant::now(),
+            last_ms: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    fn touch(&self) {
+        let now = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn quiet_for(&self) -> Duration {
+        self.start
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.last_ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// A stream that marks its [`Activity`] at every byte read or written.
+struct Watched {
+    inner: TcpStream,
+    activity: Activity,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.activity.touch();
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        let r = Pin::new(&mut self.inner).poll_write(cx, data);
+        if let Poll::Ready(Ok(n)) = r
+            && n > 0
+        {
+            self.activity.touch();
+        }
+        r
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 
@@ -220,7 +434,7 @@ mod tests {
         f.guest_port = echo_port;
         let nets = vec![net(NetworkMode::Nat, vec![f])];
         let mut proxies = LoopbackProxies::default();
-        assert!(proxies.sync(&nets).is_empty());
+        assert!(proxies.sync(&nets, &ForwardLimits::default()).is_empty());
         assert_eq!(proxies.listening().len(), 1);
 
         let mut c = TcpStream::connect(("127.0.0.1", port))
@@ -232,7 +446,7 @@ mod tests {
         assert_eq!(got, b"ping through hearth");
 
         // The forward goes: the port is closed.
-        proxies.sync(&[]);
+        proxies.sync(&[], &ForwardLimits::default());
         assert!(proxies.listening().is_empty());
         tokio::task::yield_now().await;
         let mut closed = false;
@@ -247,11 +461,134 @@ mod tests {
 
         // Taken by another program: reported, and not listening.
         let other = std::net::TcpListener::bind(("127.0.0.1", port)).expect("take the port");
-        let failed = proxies.sync(&nets);
+        let failed = proxies.sync(&nets, &ForwardLimits::default());
         assert_eq!(failed.len(), 1);
         assert_eq!(failed[0].1.kind(), std::io::ErrorKind::AddrInUse);
         assert!(proxies.listening().is_empty());
         drop(other);
-        assert!(proxies.sync(&nets).is_empty(), "tried again once free");
+        assert!(
+            proxies.sync(&nets, &ForwardLimits::default()).is_empty(),
+            "tried again once free"
+        );
+    }
+
+    /// A free loopback port: bound, read, let go.
+    fn free_port() -> u16 {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+            .port()
+    }
+
+    /// A guest on loopback that accepts, reads and never writes; how many
+    /// of its connections are open.
+    async fn silent_guest() -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("guest");
+        let port = listener.local_addr().expect("addr").port();
+        let open = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = open.clone();
+        tokio::spawn(async move {
+            loop {
+                let (mut s, _) = listener.accept().await.expect("accept");
+                let count = count.clone();
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 64];
+                    while let Ok(n) = s.read(&mut buf).await {
+                        if n == 0 {
+                            break;
+                        }
+                    }
+                    count.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+        });
+        (port, open)
+    }
+
+    /// Whether the forward closed `c` within `within` (EOF or reset).
+    async fn closed_within(c: &mut TcpStream, within: Duration) -> bool {
+        let mut buf = [0u8; 64];
+        match tokio::time::timeout(within, c.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => true,
+            Ok(Ok(_)) => panic!("the silent guest sent something"),
+            Err(_) => false,
+        }
+    }
+
+    async fn until(what: &str, f: impl Fn() -> bool) {
+        for _ in 0..300 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{what}: not after 3 s");
+    }
+
+    #[tokio::test]
+    async fn connections_beyond_the_bounds_are_closed_at_once_and_idle_ones_after_the_timeout() {
+        let (guest_port, open) = silent_guest().await;
+        let (a, b) = (free_port(), free_port());
+        let mut forwards = vec![fwd(Protocol::Tcp, None, a), fwd(Protocol::Tcp, None, b)];
+        for f in &mut forwards {
+            f.guest_ip = Ipv4Addr::LOCALHOST;
+            f.guest_port = guest_port;
+        }
+        let limits = ForwardLimits {
+            per_listener: 3,
+            total: 5,
+            connect_timeout: Duration::from_secs(1),
+            idle_timeout: Duration::from_millis(1500),
+        };
+        let mut proxies = LoopbackProxies::default();
+        assert!(
+            proxies
+                .sync(&[net(NetworkMode::Nat, forwards)], &limits)
+                .is_empty()
+        );
+
+        // Three on the first listener, its fourth closed at once; two more
+        // on the second, then all of them are full.
+        let mut kept = Vec::new();
+        for (port, admitted) in [(a, 3), (a, 0), (b, 2), (b, 0), (a, 0)] {
+            let tries = admitted.max(1);
+            for _ in 0..tries {
+                let mut c = TcpStream::connect(("127.0.0.1", port))
+                    .await
+                    .expect("connect");
+                if admitted == 0 {
+                    assert!(
+                        closed_within(&mut c, Duration::from_secs(2)).await,
+                        "a connection beyond the bounds on port {port} stayed open"
+                    );
+                } else {
+                    kept.push(c);
+                }
+            }
+        }
+        until("the guest holds five", || open.load(Ordering::SeqCst) == 5).await;
+        for c in &mut kept {
+            assert!(!closed_within(c, Duration::from_millis(10)).await);
+        }
+
+        // One keeps talking past the idle timeout; the quiet ones are closed
+        // after it, and their room is free again.
+        let mut talker = kept.pop().expect("one");
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_millis(2500) {
+            talker.write_all(b"x").await.expect("still open");
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        for c in &mut kept {
+            assert!(
+                closed_within(c, Duration::from_millis(10)).await,
+                "idle, yet open"
+            );
+        }
+        assert!(!closed_within(&mut talker, Duration::from_millis(10)).await);
+        until("the guest holds one", || open.load(Ordering::SeqCst) == 1).await;
+        let mut again = TcpStream::connect(("127.0.0.1", a)).await.expect("connect");
+        assert!(!closed_within(&mut again, Duration::from_millis(200)).await);
     }
 }
