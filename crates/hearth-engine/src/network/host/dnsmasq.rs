@@ -489,7 +489,14 @@ pub fn steps(action: Action) -> &'static [Step] {
             AwaitReread,
             Record,
         ],
-        Action::Start => &[WriteConf, WriteHosts, ClearLeases, Start, AwaitReread, Record],
+        Action::Start => &[
+            WriteConf,
+            WriteHosts,
+            ClearLeases,
+            Start,
+            AwaitReread,
+            Record,
+        ],
     }
 }
 
@@ -521,8 +528,11 @@ pub fn record_after(
 
 /// The lines of `a` and `b`, sorted, each once, one per line.
 pub fn union_lines(a: &str, b: &str) -> String {
-    let lines: std::collections::BTreeSet<&str> =
-        a.lines().chain(b.lines()).filter(|l| !l.is_empty()).collect();
+    let lines: std::collections::BTreeSet<&str> = a
+        .lines()
+        .chain(b.lines())
+        .filter(|l| !l.is_empty())
+        .collect();
     lines.into_iter().map(|l| format!("{l}\n")).collect()
 }
 
@@ -563,7 +573,8 @@ async fn await_reread(files: &DnsmasqFiles, pid: u32, from: u64) -> Result<(), H
             .ok()
             .and_then(|b| {
                 let from = usize::try_from(from).ok()?;
-                b.get(from..).map(|t| String::from_utf8_lossy(t).into_owned())
+                b.get(from..)
+                    .map(|t| String::from_utf8_lossy(t).into_owned())
             })
             .unwrap_or_default();
         if logged_reread(&tail, pid, &files.hosts()) {
@@ -816,7 +827,10 @@ mod tests {
         assert_eq!(read.loaded, want);
         assert_eq!(read.offered, "w\nx\ny\n");
         // A new process has read only what it was started on.
-        let fresh = ProcId { pid: 11, start_ticks: 600 };
+        let fresh = ProcId {
+            pid: 11,
+            start_ticks: 600,
+        };
         let started = record_after(Step::Record, Some(&read), fresh, &want).unwrap();
         assert_eq!(started.process, fresh);
         assert_eq!(started.offered, "x\ny\n");
