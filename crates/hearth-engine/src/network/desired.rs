@@ -103,27 +103,58 @@ pub fn networks_changed(vm: &VirtualMachine, launched: &[LaunchedInterface]) -> 
 }
 
 /// The interfaces a QEMU of `vm` gets if it starts now: its spec's, each
-/// with its lease. Every NAT or Isolated interface must have one (`nat`
-/// says which networks are); the error names the first without.
+/// with its lease. The lease must be the one the interface asks for: on its
+/// network, for its MAC, at its reservation if it has one (after an edit the
+/// stored lease may still be the old one until its network plans again).
+/// Every NAT or Isolated interface must have one (`hands_out_addresses` says
+/// which networks are). The error names the first interface that is not
+/// ready.
 pub fn to_launch(
     vm: &VirtualMachine,
     leases: &[StoredLease],
     hands_out_addresses: impl Fn(&str) -> bool,
 ) -> Result<Vec<LaunchedInterface>, String> {
-    nics_of(vm, leases)
-        .into_iter()
-        .zip(&vm.spec.networks)
+    vm.spec
+        .networks
+        .iter()
         .enumerate()
-        .map(|(i, (nic, spec))| {
-            if nic.ip.is_none() && hands_out_addresses(&spec.virtual_network_name) {
-                return Err(format!(
-                    "spec.networks[{i}]: no address on VirtualNetwork {:?} yet",
-                    spec.virtual_network_name
-                ));
-            }
+        .map(|(i, spec)| {
+            let net = &spec.virtual_network_name;
+            let lease = leases.iter().find(|l| {
+                l.vm == vm.metadata.name && l.interface == i as u32 && l.network == *net
+            });
+            let mac = mac_of(vm, i).map(|m| m.to_string());
+            let reserved: Option<Ipv4Addr> =
+                spec.ip_address.as_deref().and_then(|a| a.parse().ok());
+            let ip = match (lease, reserved) {
+                (Some(l), _) if mac.as_ref() != Some(&l.mac) => {
+                    return Err(format!(
+                        "spec.networks[{i}]: its address on VirtualNetwork {net:?} is still leased to the MAC {} it had",
+                        l.mac
+                    ));
+                }
+                (Some(l), Some(r)) if l.ip != r => {
+                    return Err(format!(
+                        "spec.networks[{i}]: {r} is not leased to it on VirtualNetwork {net:?} yet (it still has {})",
+                        l.ip
+                    ));
+                }
+                (Some(l), _) => Some(l.ip),
+                (None, Some(r)) => {
+                    return Err(format!(
+                        "spec.networks[{i}]: {r} is not leased to it on VirtualNetwork {net:?} yet"
+                    ));
+                }
+                (None, None) if hands_out_addresses(net) => {
+                    return Err(format!(
+                        "spec.networks[{i}]: no address on VirtualNetwork {net:?} yet"
+                    ));
+                }
+                (None, None) => None,
+            };
             Ok(LaunchedInterface {
                 spec: spec.clone(),
-                ip: nic.ip,
+                ip,
             })
         })
         .collect()
@@ -588,5 +619,33 @@ mod tests {
             "10.77.0.11",
             "the running VM keeps it"
         );
+    }
+
+    #[test]
+    fn a_launch_waits_for_the_lease_its_interface_asks_for() {
+        let a = vm("[{virtualNetworkName: lan}]", "a");
+        let leases = vec![lease("lan", &a, 0, "10.77.0.10")];
+        assert_eq!(
+            to_launch(&a, &leases, |_| true).unwrap()[0].ip,
+            Some("10.77.0.10".parse().unwrap())
+        );
+        // Edited, not planned again yet: the stored lease is the old one.
+        let reserved = vm("[{virtualNetworkName: lan, ipAddress: 10.77.0.20}]", "a");
+        assert_eq!(
+            to_launch(&reserved, &leases, |_| true).unwrap_err(),
+            "spec.networks[0]: 10.77.0.20 is not leased to it on VirtualNetwork \"lan\" yet (it still has 10.77.0.10)"
+        );
+        let new_mac = vm(
+            "[{virtualNetworkName: lan, macAddress: \"02:00:00:00:00:99\"}]",
+            "a",
+        );
+        assert!(
+            to_launch(&new_mac, &leases, |_| true)
+                .unwrap_err()
+                .contains("still leased to the MAC"),
+        );
+        // A network that hands out no addresses (Bridge) needs none.
+        assert_eq!(to_launch(&a, &[], |_| false).unwrap()[0].ip, None);
+        assert!(to_launch(&a, &[], |_| true).is_err());
     }
 }

@@ -29,11 +29,11 @@ pub const NETWORKS_IN_EFFECT: &str = "NetworksInEffect";
 const AGENT_CALL_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Why the VM cannot start yet because of its networks, if it cannot: a
-/// network missing, being deleted or not Ready, or an interface of a NAT or
-/// Isolated network without its lease yet.
+/// network missing, being deleted or not Ready, or an interface without the
+/// lease it asks for yet (see [`desired::to_launch`]).
 pub fn waiting_for(ctx: &Context, vm: &VirtualMachine) -> Result<Option<String>, StoreError> {
-    let name = &vm.metadata.name;
     let leases = ctx.store.leases()?;
+    let mut bridge_mode = std::collections::BTreeMap::new();
     for (i, iface) in vm.spec.networks.iter().enumerate() {
         let net = &iface.virtual_network_name;
         let Some(stored) = ctx.store.get(Kind::VirtualNetwork, net)? else {
@@ -55,19 +55,14 @@ pub fn waiting_for(ctx: &Context, vm: &VirtualMachine) -> Result<Option<String>,
                 status.message.map(|m| format!(": {m}")).unwrap_or_default()
             )));
         }
-        let Object::VirtualNetwork(network) = stored.object else {
-            continue;
-        };
-        let leased = leases
-            .iter()
-            .any(|l| l.network == *net && l.vm == *name && l.interface == i as u32);
-        if network.spec.mode != NetworkMode::Bridge && !leased {
-            return Ok(Some(format!(
-                "spec.networks[{i}]: no address on VirtualNetwork {net:?} yet"
-            )));
+        if let Object::VirtualNetwork(network) = stored.object {
+            bridge_mode.insert(net.clone(), network.spec.mode == NetworkMode::Bridge);
         }
     }
-    Ok(None)
+    Ok(desired::to_launch(vm, &leases, |net| {
+        !bridge_mode.get(net).copied().unwrap_or(false)
+    })
+    .err())
 }
 
 /// The interfaces a QEMU of `vm` gets if it starts now: its spec's, each
