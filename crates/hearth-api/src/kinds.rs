@@ -169,6 +169,9 @@ pub struct VirtualMachineSpec {
     #[serde(default)]
     pub disks: Vec<DiskRef>,
     /// Network interfaces, in guest order (at most [`MAX_INTERFACES`]).
+    /// They take effect when QEMU starts: a change restarts a running VM,
+    /// and until its QEMU exits that QEMU keeps the interfaces, addresses
+    /// and port forwards it was started with.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub networks: Vec<NetworkInterface>,
     /// A NoCloud seed for cloud-init, attached read-only.

@@ -107,7 +107,8 @@ impl Context {
         Ok(vms)
     }
 
-    /// The VMs whose spec has an interface on `network`, sorted.
+    /// The VMs whose spec, or whose QEMU, has an interface on `network`,
+    /// sorted.
     pub fn vms_using_network(&self, network: &str) -> Result<Vec<String>, StoreError> {
         vms_using_network(&self.store, network)
     }
@@ -247,6 +248,15 @@ pub fn vms_using_network(store: &Store, network: &str) -> Result<Vec<String>, St
             _ => None,
         })
         .collect();
+    // A QEMU started with an interface on it holds its tap there until it
+    // exits, whatever its spec says now.
+    let launched =
+        crate::network::desired::launched_by_vm(&store.runtimes()?, &store.launches(None)?);
+    for (vm, nics) in launched {
+        if nics.iter().any(|n| n.spec.virtual_network_name == network) && !vms.contains(&vm) {
+            vms.push(vm);
+        }
+    }
     vms.sort();
     Ok(vms)
 }

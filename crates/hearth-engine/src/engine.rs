@@ -426,7 +426,7 @@ impl Engine {
             if !vms.is_empty() {
                 let list: Vec<String> = vms.iter().map(|v| format!("{v:?}")).collect();
                 return Err(RequestError::Conflict(format!(
-                    "VirtualNetwork {name:?} is in use by VirtualMachine {} (spec.networks); delete those VMs or remove the network from them first",
+                    "VirtualNetwork {name:?} is in use by VirtualMachine {} (its spec.networks, or its running QEMU until it restarts); delete those VMs or remove the network from them first",
                     list.join(", ")
                 )));
             }
@@ -929,12 +929,23 @@ impl Engine {
                 );
             }
         }
+        // What running QEMUs were started with: held until they exit.
+        let launched = crate::network::desired::launched_by_vm(
+            &self.store.runtimes()?,
+            &self.store.launches(None)?,
+        );
+        let running = |vm: &hearth_api::VirtualMachine| {
+            launched
+                .get(&vm.metadata.name)
+                .map(|l| crate::network::desired::in_effect(vm, Some(l)))
+        };
         let mut vms = BTreeMap::new();
         for s in self.store.list(Kind::VirtualMachine)? {
             if let Object::VirtualMachine(vm) = s.object {
                 vms.insert(
                     vm.metadata.name.clone(),
                     VmView {
+                        running: running(&vm),
                         vm,
                         in_batch: false,
                     },
@@ -973,6 +984,7 @@ impl Engine {
                         VmView {
                             vm: vm.clone(),
                             in_batch: true,
+                            running: running(vm),
                         },
                     );
                 }

@@ -27,6 +27,22 @@ pub struct RuntimeRecord {
     /// was started with, whatever the spec says now.
     #[serde(default)]
     pub disk_names: Vec<String>,
+    /// The network interfaces this process was started with, in guest
+    /// order: while it runs, the host keeps their taps, addresses and port
+    /// forwards, whatever the spec says now (docs/networking.md). `None` in a
+    /// record written before interfaces were recorded: its spec stands in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub networks: Option<Vec<LaunchedInterface>>,
+}
+
+/// One network interface as a QEMU got it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LaunchedInterface {
+    /// Its entry of `spec.networks` at the launch.
+    pub spec: hearth_api::NetworkInterface,
+    /// The address leased to it at the launch; none on a Bridge network
+    /// without a reservation.
+    pub ip: Option<std::net::Ipv4Addr>,
 }
 
 /// A QEMU launch, recorded durably before the process is spawned and cleared

@@ -679,7 +679,10 @@ impl Store {
     }
 
     pub fn runtimes(&self) -> Result<Vec<RuntimeRecord>, StoreError> {
-        let conn = self.conn();
+        Self::runtimes_tx(&self.conn())
+    }
+
+    pub fn runtimes_tx(conn: &Connection) -> Result<Vec<RuntimeRecord>, StoreError> {
         let mut stmt = conn.prepare("SELECT record FROM runtime ORDER BY vm")?;
         let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
         let mut out = Vec::new();
@@ -715,7 +718,13 @@ impl Store {
 
     /// Launches not settled yet, oldest first; of one VM, or of all.
     pub fn launches(&self, vm: Option<&str>) -> Result<Vec<LaunchMarker>, StoreError> {
-        let conn = self.conn();
+        Self::launches_tx(&self.conn(), vm)
+    }
+
+    pub fn launches_tx(
+        conn: &Connection,
+        vm: Option<&str>,
+    ) -> Result<Vec<LaunchMarker>, StoreError> {
         let mut stmt =
             conn.prepare("SELECT marker FROM launches WHERE (?1 IS NULL OR vm = ?1) ORDER BY id")?;
         let rows = stmt.query_map(params![vm], |r| r.get::<_, String>(0))?;
@@ -1176,6 +1185,7 @@ mod tests {
             restart_nonce: 0,
             disks: Vec::new(),
             disk_names: Vec::new(),
+            networks: None,
         };
         let created_at = Utc::now();
         let marker = |id: u64, vm: &str| LaunchMarker {

@@ -783,3 +783,66 @@ fn session_of(pid: &str) -> i32 {
         .collect();
     fields[3].parse().expect("session id")
 }
+
+/// What a daemon killed between writing the hosts file and signalling
+/// dnsmasq leaves: the file already says the new thing, dnsmasq still
+/// serves the old. The next apply decides from what dnsmasq has read (its
+/// record), not from the file, so it signals; dnsmasq's own log shows the
+/// reread and a client with the new MAC gets its address from it.
+#[tokio::test]
+async fn a_hosts_file_written_but_never_signalled_is_served_after_the_next_apply() {
+    if inside_netns("a_hosts_file_written_but_never_signalled_is_served_after_the_next_apply")
+        .is_none()
+    {
+        return;
+    }
+    let state = state_dir();
+    let networks = state.path().join("networks");
+    let want = desired();
+    let nl = Netlink::open().expect("netlink");
+    let report = host::apply(&nl, &want, &networks).await.expect("apply");
+    let pid = report.dnsmasq[0].1.pid();
+    let files = DnsmasqFiles::new(network_dir(&networks, "hth0"));
+    let read_line = format!("dnsmasq-dhcp[{pid}]: read {}", files.hosts().display());
+    let reads = || {
+        std::fs::read_to_string(files.log())
+            .unwrap_or_default()
+            .matches(&read_line)
+            .count()
+    };
+    // Its start's read.
+    assert_eq!(reads(), 1);
+
+    // The dead daemon's write: exactly what an apply of `more` writes.
+    let mut more = want.clone();
+    more.networks[0].static_leases.push(lease(11, "db"));
+    std::fs::write(
+        files.hosts(),
+        dnsmasq::render_hosts(&more.networks[0].static_leases),
+    )
+    .expect("hosts");
+    // dnsmasq has not read it: nothing told it to.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert_eq!(reads(), 1, "dnsmasq reread a file nobody signalled");
+
+    let report = host::apply(&nl, &more, &networks)
+        .await
+        .expect("apply after the kill");
+    dhcp_client_port("vcl0", "vbr0", "hth0", lease(11, "db").mac);
+    assert_eq!(
+        udhcpc("vcl0", state.path()).as_deref(),
+        Some("ip=10.77.0.11 router=10.77.0.1"),
+        "dnsmasq does not serve the new host"
+    );
+    assert_eq!(reads(), 2, "dnsmasq's log shows no reread");
+    assert_eq!(report.dnsmasq[0].1, DnsmasqOutcome::Reloaded { pid });
+    // Once it has read it, the same desired state changes nothing.
+    let report = host::apply(&nl, &more, &networks)
+        .await
+        .expect("apply again");
+    assert_eq!(report.dnsmasq[0].1, DnsmasqOutcome::Unchanged { pid });
+    assert_eq!(reads(), 2);
+    cleanup::run(&nl, &HostDesired::default(), &networks)
+        .await
+        .expect("cleanup");
+}

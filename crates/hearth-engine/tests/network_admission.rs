@@ -269,7 +269,7 @@ async fn a_network_in_use_cannot_be_deleted_and_goes_once_unused() {
     };
     assert_eq!(
         e,
-        "VirtualNetwork \"lan\" is in use by VirtualMachine \"db\", \"web\" (spec.networks); delete those VMs or remove the network from them first"
+        "VirtualNetwork \"lan\" is in use by VirtualMachine \"db\", \"web\" (its spec.networks, or its running QEMU until it restarts); delete those VMs or remove the network from them first"
     );
     assert!(
         !s.engine

@@ -404,3 +404,314 @@ fn vms_on_nat_and_isolated_networks_reach_each_other_keep_their_addresses_and_le
     );
     assert!(dnsmasq_pids(&d, "hth-lan").is_empty() && dnsmasq_pids(&d, "hth-iso").is_empty());
 }
+
+/// The taps QEMU process `pid` holds open, by name: each descriptor on
+/// `/dev/net/tun`, as the kernel names its interface in `fdinfo` (`iff:`).
+fn tap_fds(pid: u32) -> Vec<String> {
+    let mut taps = Vec::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .expect("QEMU's fds")
+        .flatten()
+    {
+        if std::fs::read_link(e.path()).is_ok_and(|t| t == Path::new("/dev/net/tun")) {
+            let info = std::fs::read_to_string(format!(
+                "/proc/{pid}/fdinfo/{}",
+                e.file_name().to_string_lossy()
+            ))
+            .unwrap_or_default();
+            taps.extend(
+                info.lines()
+                    .filter_map(|l| l.strip_prefix("iff:"))
+                    .map(|n| n.trim().to_string()),
+            );
+        }
+    }
+    taps.sort();
+    taps
+}
+
+/// The bridge `link` is enslaved to, from the kernel.
+fn master_of(d: &Daemon, link: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(
+        &d.netns
+            .as_ref()
+            .expect("netns")
+            .exec_ok("ip", &["-j", "link", "show", "dev", link]),
+    )
+    .expect("ip -j");
+    v[0]["master"].as_str().map(str::to_string)
+}
+
+/// The process state letter (`T` for stopped) from /proc/PID/stat.
+fn proc_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.trim_start().chars().next()
+}
+
+fn nft_table(d: &Daemon) -> String {
+    let out = d.in_netns("nft", &["list", "table", "inet", "hearth"]);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn network_file(d: &Daemon, bridge: &str, file: &str) -> String {
+    std::fs::read_to_string(d.run_dir().join("networks").join(bridge).join(file))
+        .unwrap_or_default()
+}
+
+#[test]
+fn a_running_vms_network_edit_keeps_what_its_qemu_uses_until_the_restart_applies_it() {
+    let _serial = serial();
+    let d = Daemon::start_in_netns(&[], &[]);
+    // a's guest takes its time to power off (its QEMU is frozen below), so
+    // the stop its edit starts waits with the old QEMU still there.
+    let vm_a = |networks: &str| {
+        format!(
+            "---\n{}  networks: {networks}\n",
+            vm_yaml("a", "AlwaysOn", &[], "hearth.httpd=80")
+                .replace("stopTimeoutSeconds: 10", "stopTimeoutSeconds: 600")
+        )
+    };
+    apply_manifest(
+        &d,
+        "nets.yaml",
+        &(network("lan", "NAT", "10.77.0.0/24") + &network("iso", "Isolated", "10.78.0.0/24")),
+    );
+    apply_manifest(
+        &d,
+        "a.yaml",
+        &vm_a("[{virtualNetworkName: lan, ports: [{hostPort: 8080, guestPort: 80}]}]"),
+    );
+    let a_lan = wait_confirmed(&d, "a", 1).remove(0);
+    assert_eq!(wait_console_lease(&d, "a", "eth0", 1), a_lan);
+    assert!(
+        d.agent_sh_ok("a", "ip -4 -o addr show dev eth0")
+            .contains(&format!("{a_lan}/24")),
+        "a's guest does not have {a_lan}"
+    );
+    let a_mac = d.get_vm("a").expect("a")["status"]["interfaces"][0]["mac"]
+        .as_str()
+        .expect("mac")
+        .to_string();
+    let qemu = d.qemu_pids_of("a");
+    assert_eq!(qemu.len(), 1, "{qemu:?}");
+    let qemu = qemu[0];
+    assert_eq!(tap_fds(qemu), ["htt-a-0"]);
+    assert_eq!(master_of(&d, "htt-a-0").as_deref(), Some("hth-lan"));
+    let dnat = format!("dnat ip to {a_lan}:80");
+    assert!(nft_table(&d).contains(&dnat), "{}", nft_table(&d));
+    assert_eq!(
+        fetch_forwarded(&d, "http://10.77.0.1:8080/").trim(),
+        "hello from hearth-guest"
+    );
+
+    // Frozen: the guest cannot power off, QEMU cannot exit.
+    let signal = |sig: &str| {
+        let ok = std::process::Command::new("kill")
+            .args([sig, &qemu.to_string()])
+            .status()
+            .expect("kill")
+            .success();
+        assert!(ok, "kill {sig} {qemu}");
+    };
+    signal("-STOP");
+    // a moves from lan to iso while its QEMU runs on lan. Then b asks lan
+    // for an address: the lowest free one, if a's were released.
+    apply_manifest(&d, "a.yaml", &vm_a("[{virtualNetworkName: iso}]"));
+    apply_manifest(&d, "b.yaml", &guest("b", "[{virtualNetworkName: lan}]", ""));
+    let b_lan = wait_confirmed(&d, "b", 1).remove(0);
+    let b_mac = d.get_vm("b").expect("b")["status"]["interfaces"][0]["mac"]
+        .as_str()
+        .expect("mac")
+        .to_string();
+
+    // Nothing a's running QEMU uses was taken away: its tap is still on lan
+    // where its descriptor points, its forward still reaches its address,
+    // and lan's dnsmasq still has a's host line and lease.
+    assert_eq!(proc_state(qemu), Some('T'), "a's old QEMU is gone");
+    assert_eq!(tap_fds(qemu), ["htt-a-0"]);
+    assert_eq!(
+        master_of(&d, "htt-a-0").as_deref(),
+        Some("hth-lan"),
+        "a's tap was taken off lan while its QEMU runs there"
+    );
+    assert!(
+        nft_table(&d).contains(&dnat),
+        "a's forward went: {}",
+        nft_table(&d)
+    );
+    let hearthd = d.child.as_ref().map(|c| c.id()).expect("hearthd");
+    assert_eq!(loopback_listener(&d, 8080), Some(hearthd));
+    assert!(
+        network_file(&d, "hth-lan", "hosts").contains(&format!("{a_mac},{a_lan},a")),
+        "{}",
+        network_file(&d, "hth-lan", "hosts")
+    );
+    assert!(
+        network_file(&d, "hth-lan", "leases").contains(&format!("{a_mac} {a_lan} a")),
+        "{}",
+        network_file(&d, "hth-lan", "leases")
+    );
+    // ... and a's address was not given to b: b's own DHCP client and
+    // dnsmasq's log say which address b got.
+    assert_ne!(
+        b_lan, a_lan,
+        "a's address went to b while a's guest uses it"
+    );
+    assert_eq!(wait_console_lease(&d, "b", "eth0", 1), b_lan);
+    let log = network_file(&d, "hth-lan", "dnsmasq.log");
+    assert!(
+        log.contains(&format!("DHCPACK(hth-lan) {b_lan} {b_mac}")),
+        "{log}"
+    );
+    assert!(
+        !log.contains(&format!("DHCPACK(hth-lan) {a_lan} {b_mac}")),
+        "{log}"
+    );
+    // The user is told.
+    let a = d.get_vm("a").expect("a");
+    let condition = a["status"]["conditions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|c| c["type"] == "NetworksInEffect")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(condition["status"], "False", "{a}");
+    assert_eq!(condition["reason"], "RestartPending", "{a}");
+    assert!(
+        d.event_reasons("VirtualMachine", "a")
+            .contains(&"NetworksChanged".to_string()),
+        "{:?}",
+        d.event_reasons("VirtualMachine", "a")
+    );
+
+    // Thawed, the guest gets the power-off it was asked for; the restart
+    // brings a up on iso.
+    signal("-CONT");
+    d.wait_vm("a", "running a new QEMU", BOOT_TIMEOUT, |v| {
+        v["status"]["phase"] == "Running" && v["status"]["pid"] != qemu
+    });
+    let a_iso = wait_confirmed(&d, "a", 1).remove(0);
+    assert!(a_iso.starts_with("10.78.0."), "{a_iso}");
+    assert_eq!(wait_console_lease(&d, "a", "eth0", 1), a_iso);
+    assert!(
+        d.agent_sh_ok("a", "ip -4 -o addr show dev eth0")
+            .contains(&format!("{a_iso}/24"))
+    );
+    assert!(proc_state(qemu).is_none(), "the old QEMU still runs");
+    let new_qemu = d.qemu_pids_of("a");
+    assert_eq!(new_qemu.len(), 1, "{new_qemu:?}");
+    assert_eq!(tap_fds(new_qemu[0]), ["htt-a-0"]);
+    assert_eq!(master_of(&d, "htt-a-0").as_deref(), Some("hth-iso"));
+    assert!(!nft_table(&d).contains(&dnat), "{}", nft_table(&d));
+    assert_eq!(loopback_listener(&d, 8080), None);
+    assert!(
+        !network_file(&d, "hth-lan", "hosts").contains(&a_mac),
+        "{}",
+        network_file(&d, "hth-lan", "hosts")
+    );
+    let a = d.get_vm("a").expect("a");
+    assert!(
+        !a["status"]["conditions"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|c| c["type"] == "NetworksInEffect"),
+        "{a}"
+    );
+    // Now a's old address is free: the next VM on lan gets it.
+    apply_manifest(&d, "c.yaml", &guest("c", "[{virtualNetworkName: lan}]", ""));
+    let c_lan = wait_confirmed(&d, "c", 1).remove(0);
+    assert_eq!(c_lan, a_lan);
+    assert_eq!(wait_console_lease(&d, "c", "eth0", 1), a_lan);
+}
+
+/// Every thread of `pid` is traced (`TracerPid` in its status is not 0).
+fn all_threads_traced(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("status"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("TracerPid:"))
+            .is_some_and(|v| v.trim() != "0")
+    })
+}
+
+#[test]
+fn a_hearthd_killed_between_writing_dnsmasqs_hosts_and_signalling_it_leaves_nothing_stale() {
+    let _serial = serial();
+    let mut d = Daemon::start_in_netns(&[], &[]);
+    apply_manifest(&d, "lan.yaml", &network("lan", "NAT", "10.77.0.0/24"));
+    d.wait_object("virtualnetworks", "lan", "ready", WAIT, |v| {
+        v["status"]["phase"] == "Ready"
+    });
+    let dnsmasq = dnsmasq_pids(&d, "hth-lan");
+    assert_eq!(dnsmasq.len(), 1, "{dnsmasq:?}");
+    let dnsmasq = dnsmasq[0];
+    let hosts = d.run_dir().join("networks/hth-lan/hosts");
+    let read_line = format!("dnsmasq-dhcp[{dnsmasq}]: read {}", hosts.display());
+    let log_file = d.run_dir().join("networks/hth-lan/dnsmasq.log");
+    let reads = || {
+        std::fs::read_to_string(&log_file)
+            .unwrap_or_default()
+            .matches(&read_line)
+            .count()
+    };
+    let reads_before = reads();
+    assert!(reads_before >= 1, "dnsmasq never read its hosts file");
+
+    // hearthd is killed as it enters its next pidfd_send_signal, before the
+    // call runs: the SIGHUP that follows a write of the hosts file.
+    let hearthd = d.child.as_ref().map(|c| c.id()).expect("hearthd");
+    let strace_log = d.dir.path().join("strace.log");
+    let mut strace = std::process::Command::new("strace")
+        .args(["-f", "-qq", "-p", &hearthd.to_string()])
+        .args(["-e", "trace=pidfd_send_signal"])
+        .args([
+            "-e",
+            "inject=pidfd_send_signal:error=EPERM:signal=SIGKILL:when=1",
+        ])
+        .arg("-o")
+        .arg(&strace_log)
+        .spawn()
+        .expect("strace (apt-get install strace)");
+    wait_until("strace traces every thread of hearthd", WAIT, || {
+        all_threads_traced(hearthd)
+    });
+    apply_manifest(&d, "b.yaml", &guest("b", "[{virtualNetworkName: lan}]", ""));
+    let status = d.wait_exit(WAIT);
+    let _ = strace.wait();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9),
+        "hearthd was not killed at its signal: {status}; strace:\n{}",
+        std::fs::read_to_string(&strace_log).unwrap_or_default()
+    );
+    // The moment of the kill: b's host line is on disk, dnsmasq (the same
+    // process) has not read it.
+    let written = std::fs::read_to_string(&hosts).expect("hosts");
+    let b_line = written
+        .lines()
+        .find(|l| l.ends_with(",b"))
+        .unwrap_or_else(|| panic!("no host line for b: {written:?}"))
+        .to_string();
+    assert_eq!(dnsmasq_pids(&d, "hth-lan"), [dnsmasq]);
+    assert_eq!(reads(), reads_before, "dnsmasq reread its hosts file");
+
+    // The next hearthd: dnsmasq is made to read what it has not read, and
+    // b's guest gets its address from it.
+    d.spawn();
+    let b_lan = wait_confirmed(&d, "b", 1).remove(0);
+    assert!(b_line.contains(&format!(",{b_lan},")), "{b_line}");
+    assert_eq!(wait_console_lease(&d, "b", "eth0", 1), b_lan);
+    assert!(reads() > reads_before || dnsmasq_pids(&d, "hth-lan") != [dnsmasq]);
+    let b_mac = b_line.split(',').next().expect("mac");
+    let log = network_file(&d, "hth-lan", "dnsmasq.log");
+    assert!(
+        log.contains(&format!("DHCPACK(hth-lan) {b_lan} {b_mac}")),
+        "{log}"
+    );
+}

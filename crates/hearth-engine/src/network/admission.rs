@@ -2,6 +2,13 @@
 //! the apply would leave: the stored objects with the batch's on top. Each
 //! refusal names the object, the field and the other holder; the engine
 //! refuses the whole apply, so nothing changes.
+//!
+//! A running QEMU keeps the interfaces, addresses and forwards it was
+//! started with until it exits (docs/networking.md), so addresses, ports
+//! and MACs are checked in three states: every VM as its spec says (once
+//! all have restarted); every VM with its networks in effect now; and, for
+//! each applied VM whose QEMU runs with other networks, its new spec among
+//! the others in effect now (its next start).
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -39,6 +46,60 @@ impl NetworkView {
 pub struct VmView {
     pub vm: VirtualMachine,
     pub in_batch: bool,
+    /// The VM with the networks its QEMU was started with
+    /// (`desired::in_effect`), while a QEMU has them.
+    pub running: Option<VirtualMachine>,
+}
+
+/// One VM in one of the states checked: its claims, whether the apply
+/// brings them, and whether a running QEMU holds them.
+#[derive(Clone, Copy, Debug)]
+struct Claimant<'a> {
+    vm: &'a VirtualMachine,
+    in_batch: bool,
+    held: bool,
+}
+
+/// The states an apply is checked in (see the module's doc), each a list of
+/// claimants in the order they claim: held first, then the VMs the apply
+/// does not touch, then the applied ones, by name within each.
+fn states(vms: &BTreeMap<String, VmView>) -> Vec<Vec<Claimant<'_>>> {
+    fn spec(v: &VmView) -> Claimant<'_> {
+        Claimant {
+            vm: &v.vm,
+            in_batch: v.in_batch,
+            held: false,
+        }
+    }
+    fn now(v: &VmView) -> Claimant<'_> {
+        match &v.running {
+            Some(r) => Claimant {
+                vm: r,
+                in_batch: false,
+                held: true,
+            },
+            None => spec(v),
+        }
+    }
+    fn order(mut c: Vec<Claimant<'_>>) -> Vec<Claimant<'_>> {
+        c.sort_by_key(|c| (!c.held, c.in_batch));
+        c
+    }
+    let mut out = vec![
+        order(vms.values().map(spec).collect()),
+        order(vms.values().map(now).collect()),
+    ];
+    for (name, v) in vms
+        .iter()
+        .filter(|(_, v)| v.in_batch && v.running.is_some())
+    {
+        out.push(order(
+            vms.iter()
+                .map(|(n, o)| if n == name { spec(v) } else { now(o) })
+                .collect(),
+        ));
+    }
+    out
 }
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
@@ -107,10 +168,12 @@ pub fn check(
     for v in vms.values().filter(|v| v.in_batch) {
         check_vm_networks(v, networks)?;
     }
-    check_addresses(networks, vms, leases)?;
     check_forwards_only_to_nat(networks, vms)?;
-    check_ports(vms)?;
-    check_interface_names(vms, networks)?;
+    for state in states(vms) {
+        check_addresses(networks, &state, leases)?;
+        check_ports(&state)?;
+        check_interface_names(&state, networks)?;
+    }
     Ok(())
 }
 
@@ -228,7 +291,7 @@ pub fn stored_on(network: &str, leases: &[StoredLease]) -> Vec<(Holder, Ipv4Addr
 
 fn check_addresses(
     networks: &BTreeMap<String, NetworkView>,
-    vms: &BTreeMap<String, VmView>,
+    state: &[Claimant<'_>],
     leases: &[StoredLease],
 ) -> Result<(), Refusal> {
     for (net_name, n) in networks {
@@ -236,21 +299,20 @@ fn check_addresses(
             // No subnet yet: only the address syntax could be checked (done).
             continue;
         };
-        // The VMs this apply does not touch claimed first: a clash is the
-        // applied VM's.
-        let wants: Vec<_> = vms
-            .values()
-            .filter(|v| !v.in_batch)
-            .chain(vms.values().filter(|v| v.in_batch))
-            .flat_map(|v| wants_on(net_name, &v.vm))
+        // Running QEMUs and the VMs this apply does not touch claimed
+        // first: a clash is the applied VM's.
+        let wants: Vec<_> = state
+            .iter()
+            .flat_map(|c| wants_on(net_name, c.vm))
             // hearth hands out no addresses on a Bridge network.
             .filter(|(_, wanted)| n.network.spec.mode != NetworkMode::Bridge || wanted.is_some())
             .collect();
         let plan = ipam::plan(subnet, stored_on(net_name, leases), &wants);
-        let batch_problem = plan
-            .problems
-            .into_iter()
-            .find(|(h, _)| vms.get(&h.vm).is_some_and(|v| v.in_batch));
+        let batch_problem = plan.problems.into_iter().find(|(h, _)| {
+            state
+                .iter()
+                .any(|c| c.in_batch && c.vm.metadata.name == h.vm)
+        });
         if let Some((holder, e)) = batch_problem {
             let object = format!("VirtualMachine {:?}", holder.vm);
             let field = format!("spec.networks[{}].ipAddress", holder.interface);
@@ -266,17 +328,26 @@ fn check_addresses(
     Ok(())
 }
 
-fn check_ports(vms: &BTreeMap<String, VmView>) -> Result<(), Refusal> {
-    let all: Vec<ports::Forward> = vms
-        .values()
-        .flat_map(|v| ports::forwards_of(&v.vm))
+fn check_ports(state: &[Claimant<'_>]) -> Result<(), Refusal> {
+    let all: Vec<ports::Forward> = state
+        .iter()
+        .flat_map(|c| {
+            let mut forwards = ports::forwards_of(c.vm);
+            if c.held {
+                for f in &mut forwards {
+                    f.field
+                        .push_str(", held by its running QEMU until it restarts");
+                }
+            }
+            forwards
+        })
         .collect();
-    for v in vms.values().filter(|v| v.in_batch) {
-        let mine = ports::forwards_of(&v.vm);
+    for c in state.iter().filter(|c| c.in_batch) {
+        let mine = ports::forwards_of(c.vm);
         if let Err(e) = ports::check(&mine, &all) {
             return Err(Refusal::Conflict(format!(
                 "VirtualMachine {:?}: {e}",
-                v.vm.metadata.name
+                c.vm.metadata.name
             )));
         }
     }
@@ -292,14 +363,14 @@ pub fn mac_of(vm: &VirtualMachine, i: usize) -> Option<MacAddr> {
 }
 
 fn check_interface_names(
-    vms: &BTreeMap<String, VmView>,
+    state: &[Claimant<'_>],
     networks: &BTreeMap<String, NetworkView>,
 ) -> Result<(), Refusal> {
-    let taps = vms.values().flat_map(|v| {
-        (0..v.vm.spec.networks.len()).map(move |i| {
+    let taps = state.iter().flat_map(|c| {
+        (0..c.vm.spec.networks.len()).map(move |i| {
             (
-                (v.vm.metadata.name.clone(), i),
-                names::tap_name(&v.vm.metadata.name, i as u32),
+                (c.vm.metadata.name.clone(), i),
+                names::tap_name(&c.vm.metadata.name, i as u32),
             )
         })
     });
@@ -309,14 +380,14 @@ fn check_interface_names(
         )));
     }
     for net_name in networks.keys() {
-        let macs = vms.values().flat_map(|v| {
-            v.vm.spec
+        let macs = state.iter().flat_map(|c| {
+            c.vm.spec
                 .networks
                 .iter()
                 .enumerate()
                 .filter(|(_, nic)| &nic.virtual_network_name == net_name)
                 .filter_map(|(i, _)| {
-                    mac_of(&v.vm, i).map(|m| ((v.vm.metadata.name.clone(), i), m.to_string()))
+                    mac_of(c.vm, i).map(|m| ((c.vm.metadata.name.clone(), i), m.to_string()))
                 })
                 .collect::<Vec<_>>()
         });
@@ -327,4 +398,178 @@ fn check_interface_names(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::network::desired::in_effect;
+    use crate::runtime::LaunchedInterface;
+
+    fn network(name: &str, subnet: &str) -> (String, NetworkView) {
+        let doc = format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {{name: {name}}}\nspec: {{subnet: {subnet}}}\n"
+        );
+        let network = match hearth_api::parse_documents(&doc, "test")
+            .expect("network")
+            .remove(0)
+        {
+            hearth_api::Object::VirtualNetwork(n) => n,
+            other => panic!("not a network: {other:?}"),
+        };
+        (
+            name.to_string(),
+            NetworkView {
+                network,
+                status: Default::default(),
+                deleting: false,
+                in_batch: false,
+            },
+        )
+    }
+
+    fn vm(name: &str, networks: &str) -> VirtualMachine {
+        let doc = format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: {name}}}\nspec:\n  boot: {{kernel: /k}}\n  networks: {networks}\n"
+        );
+        match hearth_api::parse_documents(&doc, "test")
+            .expect("vm")
+            .remove(0)
+        {
+            hearth_api::Object::VirtualMachine(v) => v,
+            other => panic!("not a vm: {other:?}"),
+        }
+    }
+
+    /// `spec` as stored, and a QEMU started from `launched_from` with the
+    /// address `ip` on its first interface.
+    fn running(spec: VirtualMachine, launched_from: &VirtualMachine, ip: &str) -> VmView {
+        let launched: Vec<LaunchedInterface> = launched_from
+            .spec
+            .networks
+            .iter()
+            .enumerate()
+            .map(|(i, n)| LaunchedInterface {
+                spec: n.clone(),
+                ip: (i == 0).then(|| ip.parse().expect("ip")),
+            })
+            .collect();
+        VmView {
+            running: Some(in_effect(&spec, Some(&launched))),
+            vm: spec,
+            in_batch: false,
+        }
+    }
+
+    fn applied(vm: VirtualMachine) -> VmView {
+        VmView {
+            vm,
+            in_batch: true,
+            running: None,
+        }
+    }
+
+    fn lease(network: &str, vm: &VirtualMachine, ip: &str) -> StoredLease {
+        StoredLease {
+            network: network.into(),
+            vm: vm.metadata.name.clone(),
+            interface: 0,
+            ip: ip.parse().expect("ip"),
+            mac: mac_of(vm, 0).expect("mac").to_string(),
+        }
+    }
+
+    fn networks() -> BTreeMap<String, NetworkView> {
+        [
+            network("lan", "10.77.0.0/24"),
+            network("iso", "10.78.0.0/24"),
+        ]
+        .into_iter()
+        .collect()
+    }
+
+    #[test]
+    fn a_running_qemus_address_and_port_are_held_after_its_spec_moves_on() {
+        let on_lan = vm(
+            "a",
+            "[{virtualNetworkName: lan, ports: [{hostPort: 8080, guestPort: 80}]}]",
+        );
+        let moved = vm("a", "[{virtualNetworkName: iso}]");
+        let leases = [lease("lan", &on_lan, "10.77.0.10")];
+        let with = |b: VirtualMachine, a: VmView| -> BTreeMap<String, VmView> {
+            [("a".to_string(), a), ("b".to_string(), applied(b))]
+                .into_iter()
+                .collect()
+        };
+        // a's spec left lan, but its QEMU still has 10.77.0.10 and 8080.
+        let b = vm("b", "[{virtualNetworkName: lan, ipAddress: 10.77.0.10}]");
+        let held = with(b.clone(), running(moved.clone(), &on_lan, "10.77.0.10"));
+        let e = check(&networks(), &held, &leases).unwrap_err().to_string();
+        assert!(
+            e.contains("10.77.0.10 is already taken by VirtualMachine \"a\""),
+            "{e}"
+        );
+        let b_port = vm(
+            "b",
+            "[{virtualNetworkName: lan, ports: [{hostPort: 8080, guestPort: 80}]}]",
+        );
+        let e = check(
+            &networks(),
+            &with(
+                b_port.clone(),
+                running(moved.clone(), &on_lan, "10.77.0.10"),
+            ),
+            &leases,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("already forwarded to VirtualMachine \"a\"")
+                && e.contains("held by its running QEMU until it restarts"),
+            "{e}"
+        );
+        // Once that QEMU is gone, both are free.
+        let stopped = VmView {
+            vm: moved,
+            in_batch: false,
+            running: None,
+        };
+        check(&networks(), &with(b, stopped.clone()), &[]).expect("free address");
+        check(&networks(), &with(b_port, stopped), &[]).expect("free port");
+    }
+
+    #[test]
+    fn a_running_vms_new_networks_are_checked_against_what_others_hold_now() {
+        // z's QEMU holds 10.77.0.20, though z's spec now reserves nothing.
+        let z_launched = vm("z", "[{virtualNetworkName: lan, ipAddress: 10.77.0.20}]");
+        let z = running(
+            vm("z", "[{virtualNetworkName: iso}]"),
+            &z_launched,
+            "10.77.0.20",
+        );
+        let a_launched = vm("a", "[{virtualNetworkName: lan}]");
+        let leases = [
+            lease("lan", &z_launched, "10.77.0.20"),
+            lease("lan", &a_launched, "10.77.0.10"),
+        ];
+        // a runs on lan with .10 and is edited to reserve z's address.
+        let a_new = vm("a", "[{virtualNetworkName: lan, ipAddress: 10.77.0.20}]");
+        let mut a = running(a_new, &a_launched, "10.77.0.10");
+        a.in_batch = true;
+        let vms: BTreeMap<String, VmView> = [("a".to_string(), a.clone()), ("z".to_string(), z)]
+            .into_iter()
+            .collect();
+        let e = check(&networks(), &vms, &leases).unwrap_err().to_string();
+        assert!(
+            e.contains("VirtualMachine \"a\": spec.networks[0].ipAddress: 10.77.0.20 is already taken by VirtualMachine \"z\""),
+            "{e}"
+        );
+        // Its own address is no obstacle to its own edit.
+        a.vm = vm(
+            "a",
+            "[{virtualNetworkName: lan, ipAddress: 10.77.0.10, ports: [{hostPort: 22, guestPort: 22}]}]",
+        );
+        let vms: BTreeMap<String, VmView> = [("a".to_string(), a)].into_iter().collect();
+        check(&networks(), &vms, &leases[1..]).expect("a keeps its own address");
+    }
 }

@@ -1,8 +1,14 @@
 //! From the store's objects to the host's desired state: which bridges,
 //! dnsmasq hosts, port forwards and taps must exist. A pure function of
-//! what is stored (networks, VMs, leases), so the same store always asks
-//! the host for the same things, and a daemon that restarts after a crash
-//! asks for exactly what the one before it had made.
+//! what is stored (networks, VMs with the interfaces their QEMUs were
+//! started with, leases), so the same store always asks the host for the
+//! same things, and a daemon that restarts after a crash asks for exactly
+//! what the one before it had made.
+//!
+//! A VM's networks **in effect** ([`in_effect`]) are those of its running
+//! QEMU (or of the launch under way) while there is one, its spec's
+//! otherwise: a QEMU keeps the taps, addresses and forwards it was started
+//! with until it exits, whatever the spec says meanwhile.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -16,7 +22,143 @@ use super::host::{
     DesiredTap, Dns, HostDesired, HostNetwork, Mac, NetworkMode, PortForward, Protocol, StaticLease,
 };
 use super::names;
+use crate::runtime::{LaunchMarker, LaunchedInterface, RuntimeRecord};
 use crate::store::StoredLease;
+
+/// The interfaces each VM's QEMU was started with, by VM: from its runtime
+/// record, else from its newest launch marker (a launch under way, or one a
+/// dead daemon left, whose QEMU may run). A record without interfaces (made
+/// before they were recorded) counts as none: the spec stands in.
+pub fn launched_by_vm(
+    records: &[RuntimeRecord],
+    markers: &[LaunchMarker],
+) -> BTreeMap<String, Vec<LaunchedInterface>> {
+    let mut out = BTreeMap::new();
+    let mut markers: Vec<&LaunchMarker> = markers.iter().collect();
+    markers.sort_by_key(|m| m.id);
+    for m in markers {
+        if let Some(n) = &m.record.networks {
+            out.insert(m.vm.clone(), n.clone());
+        }
+    }
+    for r in records {
+        if let Some(n) = &r.networks {
+            out.insert(r.vm.clone(), n.clone());
+        }
+    }
+    out
+}
+
+/// `vm` with the networks in effect: `launched` (each interface pinned to
+/// the address it was started with, as a reservation, so that no plan can
+/// move it or give it away) while a QEMU has them, else its spec's.
+pub fn in_effect(vm: &VirtualMachine, launched: Option<&[LaunchedInterface]>) -> VirtualMachine {
+    let Some(launched) = launched else {
+        return vm.clone();
+    };
+    let mut out = vm.clone();
+    out.spec.networks = launched
+        .iter()
+        .map(|l| {
+            let mut nic = l.spec.clone();
+            if let Some(ip) = l.ip {
+                nic.ip_address = Some(ip.to_string());
+            }
+            nic
+        })
+        .collect();
+    out
+}
+
+/// Every VM with its networks in effect, in the order given.
+pub fn vms_in_effect(
+    vms: &[VirtualMachine],
+    launched: &BTreeMap<String, Vec<LaunchedInterface>>,
+) -> Vec<VirtualMachine> {
+    vms.iter()
+        .map(|vm| in_effect(vm, launched.get(&vm.metadata.name).map(Vec::as_slice)))
+        .collect()
+}
+
+/// `vms` with those whose QEMU has interfaces first (a stable sort: the
+/// order is otherwise kept).
+pub fn running_first(
+    mut vms: Vec<VirtualMachine>,
+    launched: &BTreeMap<String, Vec<LaunchedInterface>>,
+) -> Vec<VirtualMachine> {
+    vms.sort_by_key(|vm| !launched.contains_key(&vm.metadata.name));
+    vms
+}
+
+/// Whether the spec's networks differ from those a QEMU was started with:
+/// they take effect at its next start.
+pub fn networks_changed(vm: &VirtualMachine, launched: &[LaunchedInterface]) -> bool {
+    vm.spec.networks.len() != launched.len()
+        || vm
+            .spec
+            .networks
+            .iter()
+            .zip(launched)
+            .any(|(spec, l)| *spec != l.spec)
+}
+
+/// The interfaces a QEMU of `vm` gets if it starts now: its spec's, each
+/// with its lease. The lease must be the one the interface asks for: on its
+/// network, for its MAC, at its reservation if it has one (after an edit the
+/// stored lease may still be the old one until its network plans again).
+/// Every NAT or Isolated interface must have one (`hands_out_addresses` says
+/// which networks are). The error names the first interface that is not
+/// ready.
+pub fn to_launch(
+    vm: &VirtualMachine,
+    leases: &[StoredLease],
+    hands_out_addresses: impl Fn(&str) -> bool,
+) -> Result<Vec<LaunchedInterface>, String> {
+    vm.spec
+        .networks
+        .iter()
+        .enumerate()
+        .map(|(i, spec)| {
+            let net = &spec.virtual_network_name;
+            let lease = leases.iter().find(|l| {
+                l.vm == vm.metadata.name && l.interface == i as u32 && l.network == *net
+            });
+            let mac = mac_of(vm, i).map(|m| m.to_string());
+            let reserved: Option<Ipv4Addr> =
+                spec.ip_address.as_deref().and_then(|a| a.parse().ok());
+            let ip = match (lease, reserved) {
+                (Some(l), _) if mac.as_ref() != Some(&l.mac) => {
+                    return Err(format!(
+                        "spec.networks[{i}]: its address on VirtualNetwork {net:?} is still leased to the MAC {} it had",
+                        l.mac
+                    ));
+                }
+                (Some(l), Some(r)) if l.ip != r => {
+                    return Err(format!(
+                        "spec.networks[{i}]: {r} is not leased to it on VirtualNetwork {net:?} yet (it still has {})",
+                        l.ip
+                    ));
+                }
+                (Some(l), _) => Some(l.ip),
+                (None, Some(r)) => {
+                    return Err(format!(
+                        "spec.networks[{i}]: {r} is not leased to it on VirtualNetwork {net:?} yet"
+                    ));
+                }
+                (None, None) if hands_out_addresses(net) => {
+                    return Err(format!(
+                        "spec.networks[{i}]: no address on VirtualNetwork {net:?} yet"
+                    ));
+                }
+                (None, None) => None,
+            };
+            Ok(LaunchedInterface {
+                spec: spec.clone(),
+                ip,
+            })
+        })
+        .collect()
+}
 
 /// A network as stored: its object, whether it is being deleted, and its
 /// subnet (given or picked; `None` while none is known).
@@ -35,12 +177,14 @@ pub fn host_bridge(network: &VirtualNetwork) -> String {
     }
 }
 
-/// Everything the host must have for these objects. A network being
-/// deleted, or one without a subnet (a NAT or Isolated network whose
-/// subnet is not picked yet), is left out, and so are the taps of its
-/// interfaces. A VM's taps exist as long as the VM is stored, running or
-/// not, so a restart finds them in place. A NAT network's DNS forwards to
-/// the `nameserver`s of `dns_upstream`.
+/// Everything the host must have for these objects; `vms` with their
+/// networks in effect ([`vms_in_effect`]). A network being deleted, or one
+/// without a subnet (a NAT or Isolated network whose subnet is not picked
+/// yet), is left out, and so are the taps of its interfaces. A VM's taps
+/// exist as long as the VM is stored, running or not, so a restart finds
+/// them in place. A NAT network's DNS forwards to the `nameserver`s of
+/// `dns_upstream`. A host port is forwarded once: should two VMs ask for it
+/// (apply refuses that), the first in `vms` has it.
 pub fn host_desired(
     networks: &[StoredNetwork<'_>],
     vms: &[VirtualMachine],
@@ -55,6 +199,46 @@ pub fn host_desired(
             .iter()
             .find(|l| l.network == network && l.vm == vm && l.interface == interface)
     };
+    // network name -> its forwards; VM by VM, so that a host port asked for
+    // twice goes to the first VM.
+    let mut forwards: BTreeMap<&str, Vec<PortForward>> = BTreeMap::new();
+    let mut taken: Vec<PortForward> = Vec::new();
+    for vm in vms {
+        for (i, iface) in vm.spec.networks.iter().enumerate() {
+            let name = iface.virtual_network_name.as_str();
+            let Some(lease) = lease_of(name, &vm.metadata.name, i as u32) else {
+                continue;
+            };
+            for p in &iface.ports {
+                let (Ok(host_port), Ok(guest_port)) =
+                    (u16::try_from(p.host_port), u16::try_from(p.guest_port))
+                else {
+                    continue;
+                };
+                let forward = PortForward {
+                    protocol: match p.protocol {
+                        ApiProtocol::Tcp => Protocol::Tcp,
+                        ApiProtocol::Udp => Protocol::Udp,
+                    },
+                    host_addr: p.host_address.as_deref().and_then(|a| a.parse().ok()),
+                    host_port,
+                    guest_ip: lease.ip,
+                    guest_port,
+                };
+                let clashes = taken.iter().any(|t| {
+                    t.protocol == forward.protocol
+                        && t.host_port == forward.host_port
+                        && (t.host_addr.is_none()
+                            || forward.host_addr.is_none()
+                            || t.host_addr == forward.host_addr)
+                });
+                if !clashes {
+                    taken.push(forward.clone());
+                    forwards.entry(name).or_default().push(forward);
+                }
+            }
+        }
+    }
     for stored in networks.iter().filter(|n| !n.deleting) {
         let net = stored.network;
         let name = net.metadata.name.as_str();
@@ -82,36 +266,11 @@ pub fn host_desired(
             })
             .collect();
         static_leases.sort_by_key(|l| l.ip);
-        let mut port_forwards = Vec::new();
-        if !matches!(mode, NetworkMode::Bridge { .. }) {
-            for vm in vms {
-                for (i, iface) in vm.spec.networks.iter().enumerate() {
-                    if iface.virtual_network_name != name {
-                        continue;
-                    }
-                    let Some(lease) = lease_of(name, &vm.metadata.name, i as u32) else {
-                        continue;
-                    };
-                    for p in &iface.ports {
-                        let (Ok(host_port), Ok(guest_port)) =
-                            (u16::try_from(p.host_port), u16::try_from(p.guest_port))
-                        else {
-                            continue;
-                        };
-                        port_forwards.push(PortForward {
-                            protocol: match p.protocol {
-                                ApiProtocol::Tcp => Protocol::Tcp,
-                                ApiProtocol::Udp => Protocol::Udp,
-                            },
-                            host_addr: p.host_address.as_deref().and_then(|a| a.parse().ok()),
-                            host_port,
-                            guest_ip: lease.ip,
-                            guest_port,
-                        });
-                    }
-                }
-            }
-        }
+        let mut port_forwards = if matches!(mode, NetworkMode::Bridge { .. }) {
+            Vec::new()
+        } else {
+            forwards.remove(name).unwrap_or_default()
+        };
         port_forwards.sort_by_key(|f| (f.protocol, f.host_port, f.host_addr));
         joined.insert(name, host_bridge(net));
         desired.networks.push(HostNetwork {
@@ -367,5 +526,126 @@ mod tests {
         reversed.reverse();
         let two = host_desired(&nets, &[b, a], &reversed, Path::new(UPSTREAM));
         assert_eq!(one, two);
+    }
+
+    #[test]
+    fn a_running_qemu_keeps_its_tap_forward_and_host_line_after_its_spec_moves_on() {
+        let lan = network(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: lan}\nspec: {}\n",
+        );
+        let iso = network(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: iso}\nspec: {mode: Isolated}\n",
+        );
+        let started = vm(
+            "[{virtualNetworkName: lan, ports: [{hostPort: 8080, guestPort: 80}]}]",
+            "a",
+        );
+        let moved = vm("[{virtualNetworkName: iso}]", "a");
+        let leases = vec![lease("lan", &started, 0, "10.77.0.10")];
+        let launched = to_launch(&started, &leases, |_| true).expect("leased");
+        assert_eq!(launched[0].ip, Some("10.77.0.10".parse().unwrap()));
+        assert!(networks_changed(&moved, &launched));
+        assert!(!networks_changed(&started, &launched));
+        assert_eq!(
+            to_launch(&moved, &leases, |_| true).unwrap_err(),
+            "spec.networks[0]: no address on VirtualNetwork \"iso\" yet"
+        );
+        let nets = [
+            StoredNetwork {
+                network: &lan,
+                deleting: false,
+                subnet: subnet("10.77.0.0/24"),
+            },
+            StoredNetwork {
+                network: &iso,
+                deleting: false,
+                subnet: subnet("10.78.0.0/24"),
+            },
+        ];
+        let by_vm: BTreeMap<String, Vec<LaunchedInterface>> =
+            [("a".to_string(), launched)].into_iter().collect();
+        let now = host_desired(
+            &nets,
+            &vms_in_effect(std::slice::from_ref(&moved), &by_vm),
+            &leases,
+            Path::new(UPSTREAM),
+        );
+        assert_eq!(now.taps.len(), 1);
+        assert_eq!(now.taps[0].name, "htt-a-0");
+        assert_eq!(now.taps[0].bridge, "hth-lan", "the tap its QEMU holds");
+        let lan_now = now.networks.iter().find(|n| n.bridge == "hth-lan").unwrap();
+        assert_eq!(lan_now.port_forwards.len(), 1);
+        assert_eq!(lan_now.static_leases.len(), 1);
+        // Without a QEMU, the spec is in effect.
+        let later = host_desired(
+            &nets,
+            &vms_in_effect(&[moved], &BTreeMap::new()),
+            &[],
+            Path::new(UPSTREAM),
+        );
+        assert_eq!(later.taps[0].bridge, "hth-iso");
+        assert!(later.networks.iter().all(|n| n.port_forwards.is_empty()));
+    }
+
+    #[test]
+    fn a_host_port_asked_for_twice_goes_to_the_first_vm_only() {
+        let lan = network(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: lan}\nspec: {}\n",
+        );
+        let ports = "[{virtualNetworkName: lan, ports: [{hostPort: 8080, guestPort: 80}]}]";
+        let (a, b) = (vm(ports, "a"), vm(ports, "b"));
+        let leases = vec![
+            lease("lan", &a, 0, "10.77.0.10"),
+            lease("lan", &b, 0, "10.77.0.11"),
+        ];
+        let nets = [StoredNetwork {
+            network: &lan,
+            deleting: false,
+            subnet: subnet("10.77.0.0/24"),
+        }];
+        let by_vm: BTreeMap<String, Vec<LaunchedInterface>> = [(
+            "b".to_string(),
+            to_launch(&b, &leases, |_| true).expect("leased"),
+        )]
+        .into_iter()
+        .collect();
+        let vms = running_first(vms_in_effect(&[a, b], &by_vm), &by_vm);
+        let d = host_desired(&nets, &vms, &leases, Path::new(UPSTREAM));
+        d.validate().expect("valid: one forward of 8080");
+        let forwards = &d.networks[0].port_forwards;
+        assert_eq!(forwards.len(), 1);
+        assert_eq!(
+            forwards[0].guest_ip.to_string(),
+            "10.77.0.11",
+            "the running VM keeps it"
+        );
+    }
+
+    #[test]
+    fn a_launch_waits_for_the_lease_its_interface_asks_for() {
+        let a = vm("[{virtualNetworkName: lan}]", "a");
+        let leases = vec![lease("lan", &a, 0, "10.77.0.10")];
+        assert_eq!(
+            to_launch(&a, &leases, |_| true).unwrap()[0].ip,
+            Some("10.77.0.10".parse().unwrap())
+        );
+        // Edited, not planned again yet: the stored lease is the old one.
+        let reserved = vm("[{virtualNetworkName: lan, ipAddress: 10.77.0.20}]", "a");
+        assert_eq!(
+            to_launch(&reserved, &leases, |_| true).unwrap_err(),
+            "spec.networks[0]: 10.77.0.20 is not leased to it on VirtualNetwork \"lan\" yet (it still has 10.77.0.10)"
+        );
+        let new_mac = vm(
+            "[{virtualNetworkName: lan, macAddress: \"02:00:00:00:00:99\"}]",
+            "a",
+        );
+        assert!(
+            to_launch(&new_mac, &leases, |_| true)
+                .unwrap_err()
+                .contains("still leased to the MAC"),
+        );
+        // A network that hands out no addresses (Bridge) needs none.
+        assert_eq!(to_launch(&a, &[], |_| false).unwrap()[0].ip, None);
+        assert!(to_launch(&a, &[], |_| true).is_err());
     }
 }

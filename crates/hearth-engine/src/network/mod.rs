@@ -14,6 +14,10 @@ pub mod ports;
 pub mod subnets;
 pub mod sync;
 
+#[cfg(test)]
+mod recovery_model;
+
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use hearth_api::{EventType, Kind, NetworkPhase, Object, VirtualMachine, VirtualNetworkStatus};
@@ -80,9 +84,15 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                     _ => None,
                 })
                 .collect();
+            // A running QEMU keeps the addresses it was started with.
+            let launched =
+                desired::launched_by_vm(&Store::runtimes_tx(tx)?, &Store::launches_tx(tx, None)?);
+            let vms = desired::vms_in_effect(&vms, &launched);
+            let running: BTreeSet<String> = launched.keys().cloned().collect();
             let stored = Store::leases_tx(tx, Some(name))?;
             let reservations_only = net.spec.mode == hearth_api::NetworkMode::Bridge;
-            let (leases, p) = plan_leases(name, subnet, reservations_only, &vms, &stored);
+            let (leases, p) =
+                plan_leases_in_effect(name, subnet, reservations_only, &vms, &running, &stored);
             if leases != stored {
                 Store::set_network_leases_tx(tx, name, &leases)?;
             }
@@ -258,8 +268,39 @@ pub fn plan_leases(
     vms: &[VirtualMachine],
     stored: &[StoredLease],
 ) -> (Vec<StoredLease>, Vec<String>) {
+    plan_leases_in_effect(
+        name,
+        subnet,
+        reservations_only,
+        vms,
+        &BTreeSet::new(),
+        stored,
+    )
+}
+
+/// [`plan_leases`] over VMs with their networks in effect
+/// ([`desired::in_effect`]): `running` names those whose QEMU was started
+/// with interfaces. Their claims (each pinned to the address it was started
+/// with) are placed before any other VM's, so an address a running guest
+/// uses is never planned for another VM.
+pub fn plan_leases_in_effect(
+    name: &str,
+    subnet: hearth_api::net::Ipv4Cidr,
+    reservations_only: bool,
+    vms: &[VirtualMachine],
+    running: &BTreeSet<String>,
+    stored: &[StoredLease],
+) -> (Vec<StoredLease>, Vec<String>) {
     let mut vms: Vec<&VirtualMachine> = vms.iter().collect();
-    vms.sort_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    vms.sort_by(|a, b| {
+        let key = |vm: &VirtualMachine| {
+            (
+                !running.contains(&vm.metadata.name),
+                vm.metadata.name.clone(),
+            )
+        };
+        key(a).cmp(&key(b))
+    });
     let wants: Vec<_> = vms
         .iter()
         .flat_map(|vm| admission::wants_on(name, vm))
@@ -292,4 +333,65 @@ pub fn plan_leases(
         .map(|(h, e)| format!("{h}: {e}"))
         .collect();
     (leases, problems)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vm(name: &str, networks: &str) -> VirtualMachine {
+        let doc = format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: {name}}}\nspec:\n  boot: {{kernel: /k}}\n  networks: {networks}\n"
+        );
+        match hearth_api::parse_documents(&doc, "test")
+            .expect("vm")
+            .remove(0)
+        {
+            Object::VirtualMachine(v) => v,
+            other => panic!("not a vm: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_running_qemus_address_is_planned_before_any_reservation() {
+        let subnet = "10.77.0.0/24".parse().unwrap();
+        let z = vm("z", "[{virtualNetworkName: lan}]");
+        let (stored, _) = plan_leases("lan", subnet, false, std::slice::from_ref(&z), &[]);
+        assert_eq!(stored[0].ip.to_string(), "10.77.0.10");
+        let launched: std::collections::BTreeMap<_, _> = [(
+            "z".to_string(),
+            desired::to_launch(&z, &stored, |_| true).unwrap(),
+        )]
+        .into_iter()
+        .collect();
+        // z's spec leaves lan while its QEMU runs; "a" (first by name)
+        // reserves z's address.
+        let a = vm("a", "[{virtualNetworkName: lan, ipAddress: 10.77.0.10}]");
+        let vms = desired::vms_in_effect(&[a, vm("z", "[]")], &launched);
+        let running: BTreeSet<String> = launched.keys().cloned().collect();
+        let (leases, problems) =
+            plan_leases_in_effect("lan", subnet, false, &vms, &running, &stored);
+        assert_eq!(leases.len(), 1);
+        assert_eq!(
+            (leases[0].vm.as_str(), leases[0].ip.to_string().as_str()),
+            ("z", "10.77.0.10")
+        );
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("taken by VirtualMachine \"z\""),
+            "{problems:?}"
+        );
+        // Once z's QEMU is gone, its spec is in effect: the address moves to a.
+        let vms = desired::vms_in_effect(
+            &[
+                vm("a", "[{virtualNetworkName: lan, ipAddress: 10.77.0.10}]"),
+                vm("z", "[]"),
+            ],
+            &Default::default(),
+        );
+        let (leases, problems) =
+            plan_leases_in_effect("lan", subnet, false, &vms, &BTreeSet::new(), &leases);
+        assert!(problems.is_empty(), "{problems:?}");
+        assert_eq!(leases[0].vm, "a");
+    }
 }

@@ -73,6 +73,9 @@ pub enum SyncError {
 /// What the store holds that the host side depends on.
 pub struct StoreView {
     pub networks: Vec<(VirtualNetwork, bool, Option<Ipv4Cidr>)>,
+    /// Every VM with its networks in effect ([`desired::in_effect`]): those
+    /// whose QEMU was started with interfaces first, so that what a running
+    /// QEMU has is never given to another VM.
     pub vms: Vec<VirtualMachine>,
     pub leases: Vec<StoredLease>,
 }
@@ -93,7 +96,7 @@ impl StoreView {
                 networks.push((net, s.deleting, subnet));
             }
         }
-        let vms = ctx
+        let vms: Vec<VirtualMachine> = ctx
             .store
             .list(Kind::VirtualMachine)?
             .into_iter()
@@ -102,9 +105,10 @@ impl StoreView {
                 _ => None,
             })
             .collect();
+        let launched = desired::launched_by_vm(&ctx.store.runtimes()?, &ctx.store.launches(None)?);
         Ok(StoreView {
             networks,
-            vms,
+            vms: desired::running_first(desired::vms_in_effect(&vms, &launched), &launched),
             leases: ctx.store.leases()?,
         })
     }

@@ -1,31 +1,39 @@
-//! A VM's network cards: waiting for its networks, making its taps before
-//! QEMU opens them, and what its status says about each interface (the
-//! lease, confirmed by the guest agent when there is one).
+//! A VM's network cards: waiting for its networks, fixing the interfaces a
+//! QEMU gets (recorded with its launch), making their taps before QEMU opens
+//! them, restarting the VM when its spec's networks change, and what its
+//! status says about each interface (the lease, confirmed by the guest agent
+//! when there is one).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use hearth_api::{
-    InterfaceStatus, Kind, NetworkMode, NetworkPhase, Object, VirtualMachine, VirtualNetworkStatus,
+    ConditionStatus, EventType, InterfaceStatus, Kind, NetworkMode, NetworkPhase, Object,
+    VirtualMachine, VirtualNetworkStatus, set_condition,
 };
 use hearth_qemu::cmdline::NicAttachment;
 use serde_json::Value;
 
 use crate::context::Context;
-use crate::network::desired::{Nic, nics_of};
+use crate::network::desired::{self, Nic};
 use crate::network::host::TapBackend;
-use crate::network::sync;
+use crate::network::{admission, names, sync};
+use crate::runtime::{LaunchedInterface, RuntimeRecord};
 use crate::store::StoreError;
+
+/// The condition a running VM has while its QEMU runs with other networks
+/// than its spec's.
+pub const NETWORKS_IN_EFFECT: &str = "NetworksInEffect";
 
 /// Longest wait for the agent's interface list; it answers at once.
 const AGENT_CALL_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Why the VM cannot start yet because of its networks, if it cannot: a
-/// network missing, being deleted or not Ready, or an interface of a NAT or
-/// Isolated network without its lease yet.
+/// network missing, being deleted or not Ready, or an interface without the
+/// lease it asks for yet (see [`desired::to_launch`]).
 pub fn waiting_for(ctx: &Context, vm: &VirtualMachine) -> Result<Option<String>, StoreError> {
-    let name = &vm.metadata.name;
     let leases = ctx.store.leases()?;
+    let mut bridge_mode = std::collections::BTreeMap::new();
     for (i, iface) in vm.spec.networks.iter().enumerate() {
         let net = &iface.virtual_network_name;
         let Some(stored) = ctx.store.get(Kind::VirtualNetwork, net)? else {
@@ -47,41 +55,73 @@ pub fn waiting_for(ctx: &Context, vm: &VirtualMachine) -> Result<Option<String>,
                 status.message.map(|m| format!(": {m}")).unwrap_or_default()
             )));
         }
-        let Object::VirtualNetwork(network) = stored.object else {
-            continue;
-        };
-        let leased = leases
-            .iter()
-            .any(|l| l.network == *net && l.vm == *name && l.interface == i as u32);
-        if network.spec.mode != NetworkMode::Bridge && !leased {
-            return Ok(Some(format!(
-                "spec.networks[{i}]: no address on VirtualNetwork {net:?} yet"
-            )));
+        if let Object::VirtualNetwork(network) = stored.object {
+            bridge_mode.insert(net.clone(), network.spec.mode == NetworkMode::Bridge);
         }
     }
-    Ok(None)
+    Ok(desired::to_launch(vm, &leases, |net| {
+        !bridge_mode.get(net).copied().unwrap_or(false)
+    })
+    .err())
 }
 
-/// The VM's NICs with their taps in place: a whole-host resync (which makes
-/// every stored VM's taps), then QEMU's view of each.
-pub async fn prepare(
-    ctx: &Context,
-    vm: &VirtualMachine,
-) -> Result<Vec<(Nic, NicAttachment)>, String> {
-    if vm.spec.networks.is_empty() {
-        return Ok(Vec::new());
-    }
-    {
-        let mut host = ctx.networking.lock().await;
-        sync::resync(ctx, &mut host)
-            .await
-            .map_err(|e| format!("spec.networks: cannot make the VM's taps: {e}"))?;
-    }
+/// The interfaces a QEMU of `vm` gets if it starts now: its spec's, each
+/// with its stored lease. Called under the engine's address lock, and the
+/// result recorded in the launch marker before the lock is let go: from then
+/// on the lease plans keep these addresses for this QEMU.
+pub fn to_launch(ctx: &Context, vm: &VirtualMachine) -> Result<Vec<LaunchedInterface>, String> {
     let leases = ctx.store.leases().map_err(|e| e.to_string())?;
+    let mut bridge_mode = std::collections::BTreeMap::new();
+    for iface in &vm.spec.networks {
+        let net = &iface.virtual_network_name;
+        let mode = match ctx.store.get(Kind::VirtualNetwork, net) {
+            Ok(Some(stored)) => match stored.object {
+                Object::VirtualNetwork(n) => n.spec.mode,
+                _ => NetworkMode::Nat,
+            },
+            Ok(None) => NetworkMode::Nat,
+            Err(e) => return Err(e.to_string()),
+        };
+        bridge_mode.insert(net.clone(), mode == NetworkMode::Bridge);
+    }
+    desired::to_launch(vm, &leases, |net| {
+        !bridge_mode.get(net).copied().unwrap_or(false)
+    })
+}
+
+/// The taps of every VM in place, this launch's among them: a whole-host
+/// resync, which makes the taps of the interfaces recorded in the launch
+/// marker.
+pub async fn prepare(ctx: &Context, launched: &[LaunchedInterface]) -> Result<(), String> {
+    if launched.is_empty() {
+        return Ok(());
+    }
+    let mut host = ctx.networking.lock().await;
+    sync::resync(ctx, &mut host)
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("spec.networks: cannot make the VM's taps: {e}"))
+}
+
+/// QEMU's view of each launched interface, in guest order.
+pub fn attachments(
+    vm: &VirtualMachine,
+    launched: &[LaunchedInterface],
+) -> Vec<(Nic, NicAttachment)> {
+    let effective = desired::in_effect(vm, Some(launched));
     let vhost = TapBackend::detect() == TapBackend::VhostNet;
-    Ok(nics_of(vm, &leases)
-        .into_iter()
-        .map(|nic| {
+    launched
+        .iter()
+        .enumerate()
+        .map(|(i, l)| {
+            let nic = Nic {
+                network: l.spec.virtual_network_name.clone(),
+                tap: names::tap_name(&vm.metadata.name, i as u32),
+                mac: admission::mac_of(&effective, i)
+                    .map(|m| m.to_string())
+                    .unwrap_or_default(),
+                ip: l.ip,
+            };
             let attachment = NicAttachment {
                 tap: nic.tap.clone(),
                 mac: nic.mac.clone(),
@@ -89,7 +129,68 @@ pub async fn prepare(
             };
             (nic, attachment)
         })
-        .collect())
+        .collect()
+}
+
+/// Whether the VM's QEMU runs with other networks than its spec's: then it
+/// is restarted to apply them (a record without interfaces never is).
+pub fn networks_changed(vm: &VirtualMachine, record: &RuntimeRecord) -> bool {
+    record
+        .networks
+        .as_ref()
+        .is_some_and(|launched| desired::networks_changed(vm, launched))
+}
+
+/// Says, before the VM is stopped for a spec change, when that change is
+/// one of its networks: an event, and a condition that stays until the new
+/// QEMU runs. Until the old QEMU exits it keeps its taps, addresses and
+/// forwards.
+pub fn note_restart_for_networks(ctx: &Context, vm: &VirtualMachine, record: &RuntimeRecord) {
+    if !networks_changed(vm, record) {
+        return;
+    }
+    let name = &vm.metadata.name;
+    ctx.set_vm_status(name, |s| {
+        set_condition(
+            &mut s.conditions,
+            NETWORKS_IN_EFFECT,
+            ConditionStatus::False,
+            "RestartPending",
+            "spec.networks changed: the VM is restarted to apply it; until its QEMU exits, that QEMU keeps the interfaces, addresses and port forwards it was started with",
+            chrono::Utc::now(),
+        );
+    });
+    ctx.event(
+        Kind::VirtualMachine,
+        name,
+        EventType::Normal,
+        "NetworksChanged",
+        "spec.networks changed: restarting the VM so that its QEMU gets the new interfaces; the running QEMU keeps its taps, addresses and port forwards until it exits",
+    );
+}
+
+/// A QEMU of the VM is gone: the networks it had and those of the spec plan
+/// their leases again (its addresses are no longer pinned) and resync the
+/// host (its old taps and forwards go, the spec's come).
+pub fn qemu_gone(ctx: &Context, vm: &VirtualMachine, record: &RuntimeRecord) {
+    let mut networks: Vec<&str> = vm
+        .spec
+        .networks
+        .iter()
+        .map(|n| n.virtual_network_name.as_str())
+        .collect();
+    networks.extend(
+        record
+            .networks
+            .iter()
+            .flatten()
+            .map(|n| n.spec.virtual_network_name.as_str()),
+    );
+    networks.sort();
+    networks.dedup();
+    for n in networks {
+        ctx.wake(Kind::VirtualNetwork, n);
+    }
 }
 
 /// What the status says right after QEMU started with these NICs.

@@ -69,9 +69,9 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
             deleting: stored.deleting,
             want_running: want_running(vm, &intent),
             process,
-            spec_changed: record
-                .as_ref()
-                .is_some_and(|r| r.spec_fingerprint != fingerprint(vm)),
+            spec_changed: record.as_ref().is_some_and(|r| {
+                r.spec_fingerprint != fingerprint(vm) || super::nics::networks_changed(vm, r)
+            }),
             restart_requested: record
                 .as_ref()
                 .is_some_and(|r| intent.restart_nonce > r.restart_nonce),
@@ -116,6 +116,9 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
             }
             Step::Stop(reason) => {
                 if let Some(r) = &record {
+                    if *reason == StopReason::SpecChanged {
+                        super::nics::note_restart_for_networks(ctx, vm, r);
+                    }
                     let _ops = ctx.lock_vm_ops(vm).await;
                     stop(ctx, vm, r, *reason).await?;
                 }
@@ -174,6 +177,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                     s.interfaces.clear();
                     remove_condition(&mut s.conditions, "DisksReady");
                     remove_condition(&mut s.conditions, "NetworksReady");
+                    remove_condition(&mut s.conditions, super::nics::NETWORKS_IN_EFFECT);
                 });
             }
         }
@@ -233,6 +237,7 @@ async fn launch(
                 s.cloud_init_instance_id = cloud_init_instance_id;
                 s.interfaces = super::nics::attached(&nics);
                 remove_condition(&mut s.conditions, "NetworksReady");
+                remove_condition(&mut s.conditions, super::nics::NETWORKS_IN_EFFECT);
             });
             let mut message = format!("QEMU started (pid {pid}) with accelerator {}", accel.reason);
             if let Some(backend) = super::nics::describe_backend(&nics) {
@@ -379,9 +384,13 @@ async fn try_launch(
         );
     }
     let seed = prepare_seed(cfg, vm).await?;
-    // The taps exist before hearthd attaches to them for QEMU (by name: a
-    // missing one would be a new tap that no bridge has).
-    let nics = super::nics::prepare(ctx, vm).await?;
+    // The interfaces and their addresses are fixed under the address lock
+    // and recorded with the launch marker before it is let go: from then on
+    // no lease plan moves or releases them, and the host keeps their taps
+    // and forwards, whatever the spec says, until this QEMU is gone.
+    let addresses = ctx.addresses.lock().unwrap_or_else(|p| p.into_inner());
+    let launched_nics = super::nics::to_launch(ctx, vm)?;
+    let nics = super::nics::attachments(vm, &launched_nics);
     // `process::launch` binds the sockets for QEMU, removing a stale file
     // only if nothing listens on it: a socket a running QEMU serves is
     // never cut off.
@@ -427,6 +436,7 @@ async fn try_launch(
             .iter()
             .map(|d| d.virtual_disk_name.clone())
             .collect(),
+        networks: Some(launched_nics.clone()),
     };
     // Recorded durably before the spawn, under an id that never repeats, so a
     // daemon that dies before the runtime record below is written leaves a way
@@ -444,6 +454,14 @@ async fn try_launch(
         record: record.clone(),
     };
     ctx.store.put_launch(&marker).map_err(store_err)?;
+    drop(addresses);
+    // The taps exist before hearthd attaches to them for QEMU (by name: a
+    // missing one would be a new tap that no bridge has).
+    if let Err(e) = super::nics::prepare(ctx, &launched_nics).await {
+        // Nothing was spawned for this launch.
+        let _ = ctx.store.drop_launch(launch_id);
+        return Err(e);
+    }
     let launched = process::launch_with(
         &cfg.qemu_binary,
         &spec,
@@ -651,6 +669,7 @@ fn forget(
         .is_some_and(|l| l.shutdown_seen.load(Ordering::SeqCst));
     let manual = vm.spec.run_policy == RunPolicy::Manual;
     ctx.store.clear_runtime(name)?;
+    super::nics::qemu_gone(ctx, vm, record);
     // Overlays made ahead for the QEMU that is gone: nobody switched to
     // them, and the next QEMU will not have their nodes.
     for disk in &record.disk_names {

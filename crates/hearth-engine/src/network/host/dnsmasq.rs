@@ -10,8 +10,19 @@
 //!
 //! Files, all in the network's directory `NETWORKS_DIR/BRIDGE/`:
 //! `dnsmasq.conf`, `hosts` (`MAC,IP,HOSTNAME` lines), `dnsmasq.pid`,
-//! `leases`, `dnsmasq.log`. Config and hosts are written atomically (temp
-//! file + rename), and only when their content changes.
+//! `leases`, `dnsmasq.log`, `loaded.json`. Config and hosts are written
+//! atomically (temp file + rename), and only when their content changes.
+//!
+//! What to do is never decided from the config and hosts files: a daemon
+//! killed between writing them and signalling dnsmasq leaves files that
+//! already say the new thing while dnsmasq still serves the old. It is
+//! decided from `loaded.json` ([`LoadedRecord`]): what one dnsmasq process
+//! (pid and start time) read at its start or at its last confirmed reread,
+//! written only after dnsmasq has read it. A record of another process, or
+//! none, means dnsmasq's data is unknown and it is restarted. The decision
+//! is the pure [`decide`]; [`steps`] lists what carries it out, each step
+//! one effect on the host, in an order where a kill between any two leaves
+//! something the next [`decide`] repairs.
 
 use std::io::Write;
 use std::os::fd::OwnedFd;
@@ -21,6 +32,7 @@ use std::time::Duration;
 
 use rustix::event::{PollFd, PollFlags, poll};
 use rustix::process::{Pid, PidfdFlags, Signal, pidfd_open, pidfd_send_signal};
+use serde::{Deserialize, Serialize};
 
 use super::{Dns, HostError, HostNetwork, NetworkMode, StaticLease, prefix_mask};
 
@@ -28,6 +40,8 @@ use super::{Dns, HostError, HostNetwork, NetworkMode, StaticLease, prefix_mask};
 pub const START_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a stopping dnsmasq gets after SIGTERM before SIGKILL.
 pub const STOP_GRACE: Duration = Duration::from_secs(5);
+/// How long a SIGHUPed dnsmasq may take to log that it reread its hosts.
+pub const REREAD_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The files of one network's dnsmasq.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,6 +67,10 @@ impl DnsmasqFiles {
     }
     pub fn log(&self) -> PathBuf {
         self.dir.join("dnsmasq.log")
+    }
+    /// What the running dnsmasq has read: [`LoadedRecord`].
+    pub fn loaded(&self) -> PathBuf {
+        self.dir.join("loaded.json")
     }
     /// The argument that identifies this network's dnsmasq in `/proc`.
     pub fn conf_arg(&self) -> String {
@@ -151,10 +169,19 @@ pub fn write_if_changed(path: &Path, content: &str) -> Result<bool, HostError> {
     Ok(true)
 }
 
+/// One process, told from any later one with the same pid by its start
+/// time (`/proc/PID/stat` field 22, clock ticks after boot).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcId {
+    pub pid: u32,
+    pub start_ticks: u64,
+}
+
 /// A running dnsmasq, held by a pidfd.
 #[derive(Debug)]
 pub struct Running {
     pub pid: u32,
+    pub id: ProcId,
     pidfd: OwnedFd,
 }
 
@@ -162,11 +189,20 @@ pub struct Running {
 fn open_checked(pid: u32, conf_arg: &str) -> Option<Running> {
     let p = Pid::from_raw(i32::try_from(pid).ok()?)?;
     let pidfd = pidfd_open(p, PidfdFlags::empty()).ok()?;
-    // Checked after the pidfd is open: if the cmdline matches now, the pidfd
-    // names this very process, whatever happens to the pid later.
+    // Checked after the pidfd is open: if the cmdline and start time match
+    // now, the pidfd names this very process, whatever happens to the pid
+    // later.
     let args = read_cmdline(pid)?;
+    let identity = hearth_qemu::process::identity_of(pid)?;
     if is_dnsmasq(&args) && args.iter().any(|a| a == conf_arg) {
-        Some(Running { pid, pidfd })
+        Some(Running {
+            pid,
+            id: ProcId {
+                pid,
+                start_ticks: identity.start_ticks,
+            },
+            pidfd,
+        })
     } else {
         None
     }
@@ -342,38 +378,288 @@ pub fn check_reachable(dir: &Path) -> Result<(), HostError> {
     Ok(())
 }
 
-/// Makes the network's dnsmasq run with its current config and hosts.
+/// What a dnsmasq process has read: the config at its start, the hosts
+/// file at its start or last reread.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Loaded {
+    pub conf: String,
+    pub hosts: String,
+}
+
+/// What one dnsmasq process has read, and may have served. It speaks of that
+/// process only (pid and start time): another dnsmasq, even on the same
+/// pid, is unknown.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoadedRecord {
+    pub process: ProcId,
+    /// What it has read for certain: written once its log showed that it
+    /// read the hosts file, at its start or after a SIGHUP.
+    pub loaded: Loaded,
+    /// Every hosts line it may have read since it started (sorted, one per
+    /// line): written *before* each SIGHUP, since a SIGHUP sent lands
+    /// whether or not the daemon that sent it lives to see it. dnsmasq keeps
+    /// what it handed out under any of these lines until it restarts.
+    pub offered: String,
+}
+
+/// What the network's dnsmasq needs, from what it has read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// It has read the desired config and hosts.
+    Keep,
+    /// Only lines were added to its hosts: SIGHUP.
+    Reload,
+    /// Its config differs, a hosts line it may have served is not desired
+    /// any more (see [`released_hosts`]), or what it has read is unknown (no
+    /// record of this process): stop it and start one on an empty lease
+    /// file.
+    Restart,
+    /// None runs.
+    Start,
+}
+
+/// The decision, from the running process (if any), the record of what a
+/// dnsmasq has read (if any) and the desired files. Never from the files on
+/// disk: they may be newer than what dnsmasq has read.
+pub fn decide(running: Option<ProcId>, record: Option<&LoadedRecord>, want: &Loaded) -> Action {
+    let Some(running) = running else {
+        return Action::Start;
+    };
+    match record {
+        Some(r) if r.process == running => {
+            if r.loaded.conf != want.conf
+                || released_hosts(&r.offered, &want.hosts)
+                || released_hosts(&r.loaded.hosts, &want.hosts)
+            {
+                Action::Restart
+            } else if r.loaded.hosts != want.hosts {
+                Action::Reload
+            } else {
+                Action::Keep
+            }
+        }
+        _ => Action::Restart,
+    }
+}
+
+/// One effect on the host. Each lands on its own: a kill may come between
+/// any two.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    /// The config file gets the desired content (temp file + rename).
+    WriteConf,
+    /// The hosts file gets the desired content (temp file + rename).
+    WriteHosts,
+    /// SIGTERM (then SIGKILL) to the running dnsmasq, until it is gone.
+    Stop,
+    /// The lease file is removed: a new dnsmasq remembers no MAC for an
+    /// address that IPAM gave to another.
+    ClearLeases,
+    /// dnsmasq is started: it reads the config before it returns, and the
+    /// hosts file around the time it daemonises.
+    Start,
+    /// The record's `offered` gets the desired hosts lines, before the
+    /// signal that may make dnsmasq read them.
+    Offer,
+    /// SIGHUP: dnsmasq rereads the hosts file, later, on its own.
+    Signal,
+    /// Its log shows that it read the hosts file (`read HOSTS`) after the
+    /// start or the signal.
+    AwaitReread,
+    /// The record names the running process, with the desired files as
+    /// read.
+    Record,
+}
+
+/// The steps of an action, in order. The files come first, so that
+/// whatever dnsmasq reads next (at a start, or at a SIGHUP of this run or of
+/// a run that died) is the desired content; what it may read is recorded
+/// before the signal, what it has read once its log shows it.
+pub fn steps(action: Action) -> &'static [Step] {
+    use Step::*;
+    match action {
+        Action::Keep => &[WriteConf, WriteHosts],
+        Action::Reload => &[WriteConf, WriteHosts, Offer, Signal, AwaitReread, Record],
+        Action::Restart => &[
+            WriteConf,
+            WriteHosts,
+            Stop,
+            ClearLeases,
+            Start,
+            AwaitReread,
+            Record,
+        ],
+        Action::Start => &[
+            WriteConf,
+            WriteHosts,
+            ClearLeases,
+            Start,
+            AwaitReread,
+            Record,
+        ],
+    }
+}
+
+/// The record after `step` (`Offer` or `Record`) of a run towards `want`:
+/// `record` is the one read before (if it is of `process`).
+pub fn record_after(
+    step: Step,
+    record: Option<&LoadedRecord>,
+    process: ProcId,
+    want: &Loaded,
+) -> Option<LoadedRecord> {
+    let same = record.filter(|r| r.process == process);
+    match step {
+        Step::Offer => same.map(|r| LoadedRecord {
+            offered: union_lines(&r.offered, &want.hosts),
+            ..r.clone()
+        }),
+        Step::Record => Some(LoadedRecord {
+            process,
+            loaded: want.clone(),
+            offered: match same {
+                Some(r) => union_lines(&r.offered, &want.hosts),
+                None => union_lines("", &want.hosts),
+            },
+        }),
+        _ => None,
+    }
+}
+
+/// The lines of `a` and `b`, sorted, each once, one per line.
+pub fn union_lines(a: &str, b: &str) -> String {
+    let lines: std::collections::BTreeSet<&str> = a
+        .lines()
+        .chain(b.lines())
+        .filter(|l| !l.is_empty())
+        .collect();
+    lines.into_iter().map(|l| format!("{l}\n")).collect()
+}
+
+/// The record of what a dnsmasq of these files has read, if one is there
+/// and readable (anything else counts as none: dnsmasq is restarted).
+pub fn read_record(files: &DnsmasqFiles) -> Option<LoadedRecord> {
+    let text = std::fs::read(files.loaded()).ok()?;
+    serde_json::from_slice(&text).ok()
+}
+
+fn write_record(files: &DnsmasqFiles, record: &LoadedRecord) -> Result<(), HostError> {
+    let text = serde_json::to_string(record).map_err(|e| HostError::Command {
+        what: format!("writing {}", files.loaded().display()),
+        detail: e.to_string(),
+    })?;
+    write_if_changed(&files.loaded(), &text).map(|_| ())
+}
+
+/// The length of dnsmasq's log: where lines logged from now on start.
+fn log_len(files: &DnsmasqFiles) -> u64 {
+    std::fs::metadata(files.log()).map(|m| m.len()).unwrap_or(0)
+}
+
+/// Whether `log` (from some offset on) has process `pid`'s line saying it
+/// read `hosts`. dnsmasq logs `dnsmasq-dhcp[PID]: read PATH` once it has
+/// parsed the file, and `cannot read PATH: ...` when it could not.
+pub fn logged_reread(log: &str, pid: u32, hosts: &Path) -> bool {
+    let line_end = format!("dnsmasq-dhcp[{pid}]: read {}", hosts.display());
+    log.lines().any(|l| l.ends_with(&line_end))
+}
+
+/// Waits, at most [`REREAD_TIMEOUT`], for dnsmasq `pid` to log the reread of
+/// its hosts file after offset `from` of its log.
+async fn await_reread(files: &DnsmasqFiles, pid: u32, from: u64) -> Result<(), HostError> {
+    let deadline = tokio::time::Instant::now() + REREAD_TIMEOUT;
+    loop {
+        let tail = std::fs::read(files.log())
+            .ok()
+            .and_then(|b| {
+                let from = usize::try_from(from).ok()?;
+                b.get(from..)
+                    .map(|t| String::from_utf8_lossy(t).into_owned())
+            })
+            .unwrap_or_default();
+        if logged_reread(&tail, pid, &files.hosts()) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let last = tail.lines().last().unwrap_or("nothing").to_string();
+            return Err(HostError::Command {
+                what: format!("reloading dnsmasq {pid} ({})", files.conf_arg()),
+                detail: format!(
+                    "it did not log a reread of {} within {REREAD_TIMEOUT:?} after SIGHUP (last logged: {last})",
+                    files.hosts().display()
+                ),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Makes the network's dnsmasq run with its current config and hosts: the
+/// steps of [`decide`]'s action, from the running process and the record of
+/// what it has read.
 pub async fn ensure(net: &HostNetwork, files: &DnsmasqFiles) -> Result<DnsmasqOutcome, HostError> {
     std::fs::create_dir_all(&files.dir)
         .and_then(|()| std::fs::set_permissions(&files.dir, std::fs::Permissions::from_mode(0o755)))
         .map_err(|e| HostError::io(format!("creating {}", files.dir.display()), e))?;
     check_reachable(&files.dir)?;
-    let conf_changed = write_if_changed(&files.conf(), &render_config(net, files))?;
-    let hosts = render_hosts(&net.static_leases);
-    let released = released_hosts(
-        &std::fs::read_to_string(files.hosts()).unwrap_or_default(),
-        &hosts,
-    );
-    let hosts_changed = write_if_changed(&files.hosts(), &hosts)?;
-    match observe(files) {
-        Some(running) if !conf_changed && !released => {
-            if hosts_changed {
-                running.reload()?;
-                Ok(DnsmasqOutcome::Reloaded { pid: running.pid })
-            } else {
-                Ok(DnsmasqOutcome::Unchanged { pid: running.pid })
+    let want = Loaded {
+        conf: render_config(net, files),
+        hosts: render_hosts(&net.static_leases),
+    };
+    let mut running = observe(files);
+    let mut record = read_record(files);
+    let action = decide(running.as_ref().map(|r| r.id), record.as_ref(), &want);
+    let mut log_from = 0;
+    for step in steps(action) {
+        match step {
+            Step::WriteConf => {
+                write_if_changed(&files.conf(), &want.conf)?;
+            }
+            Step::WriteHosts => {
+                write_if_changed(&files.hosts(), &want.hosts)?;
+            }
+            Step::Stop => {
+                if let Some(r) = running.take() {
+                    r.stop()?;
+                }
+            }
+            Step::ClearLeases => clear_leases(files)?,
+            Step::Start => {
+                log_from = log_len(files);
+                running = Some(start(files).await?);
+            }
+            Step::Signal => {
+                log_from = log_len(files);
+                running_of(&running, files)?.reload()?;
+            }
+            Step::AwaitReread => {
+                await_reread(files, running_of(&running, files)?.pid, log_from).await?;
+            }
+            Step::Offer | Step::Record => {
+                let process = running_of(&running, files)?.id;
+                if let Some(next) = record_after(*step, record.as_ref(), process, &want) {
+                    write_record(files, &next)?;
+                    record = Some(next);
+                }
             }
         }
-        Some(running) => {
-            running.stop()?;
-            Ok(DnsmasqOutcome::Started {
-                pid: start_fresh(files).await?.pid,
-            })
-        }
-        None => Ok(DnsmasqOutcome::Started {
-            pid: start_fresh(files).await?.pid,
-        }),
     }
+    let pid = running_of(&running, files)?.pid;
+    Ok(match action {
+        Action::Keep => DnsmasqOutcome::Unchanged { pid },
+        Action::Reload => DnsmasqOutcome::Reloaded { pid },
+        Action::Restart | Action::Start => DnsmasqOutcome::Started { pid },
+    })
+}
+
+fn running_of<'a>(
+    running: &'a Option<Running>,
+    files: &DnsmasqFiles,
+) -> Result<&'a Running, HostError> {
+    running.as_ref().ok_or_else(|| HostError::Command {
+        what: format!("dnsmasq {}", files.conf_arg()),
+        detail: "no dnsmasq runs after its start".into(),
+    })
 }
 
 /// Whether `new` lacks a line of `old`: a lease was released or moved to
@@ -385,21 +671,18 @@ pub fn released_hosts(old: &str, new: &str) -> bool {
     old.lines().any(|l| !new.lines().any(|n| n == l))
 }
 
-/// [`start`] on an empty lease file. Nothing is lost: every address is a
-/// static host and dnsmasq is authoritative, so a guest's renewal of the
+/// Removes the lease file before a start. Nothing is lost: every address is
+/// a static host and dnsmasq is authoritative, so a guest's renewal of the
 /// address it has is answered as before.
-async fn start_fresh(files: &DnsmasqFiles) -> Result<Running, HostError> {
+fn clear_leases(files: &DnsmasqFiles) -> Result<(), HostError> {
     match std::fs::remove_file(files.leases()) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => {
-            return Err(HostError::io(
-                format!("removing {}", files.leases().display()),
-                e,
-            ));
-        }
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(HostError::io(
+            format!("removing {}", files.leases().display()),
+            e,
+        )),
     }
-    start(files).await
 }
 
 /// A dnsmasq started by hearth, found in `/proc` by its `--conf-file` under
@@ -462,6 +745,109 @@ mod tests {
     }
     use crate::network::host::{Mac, StaticLease};
     use std::net::Ipv4Addr;
+
+    fn loaded(conf: &str, hosts: &str) -> Loaded {
+        Loaded {
+            conf: conf.into(),
+            hosts: hosts.into(),
+        }
+    }
+
+    #[test]
+    fn the_decision_comes_from_what_this_process_read_not_from_the_files() {
+        let p = ProcId {
+            pid: 10,
+            start_ticks: 500,
+        };
+        let a = "02:00:00:00:00:01,10.77.0.10,a\n";
+        let ab = "02:00:00:00:00:01,10.77.0.10,a\n02:00:00:00:00:02,10.77.0.11,b\n";
+        let record = |hosts: &str, offered: &str| LoadedRecord {
+            process: p,
+            loaded: loaded("c", hosts),
+            offered: offered.into(),
+        };
+        assert_eq!(decide(None, None, &loaded("c", a)), Action::Start);
+        assert_eq!(
+            decide(None, Some(&record(a, a)), &loaded("c", a)),
+            Action::Start
+        );
+        // No record, or one of another process (the pid reused): unknown.
+        assert_eq!(decide(Some(p), None, &loaded("c", a)), Action::Restart);
+        let reused = ProcId {
+            start_ticks: 900,
+            ..p
+        };
+        assert_eq!(
+            decide(Some(reused), Some(&record(a, a)), &loaded("c", a)),
+            Action::Restart
+        );
+        assert_eq!(
+            decide(Some(p), Some(&record(a, a)), &loaded("c", a)),
+            Action::Keep
+        );
+        assert_eq!(
+            decide(Some(p), Some(&record(a, a)), &loaded("c", ab)),
+            Action::Reload,
+            "a line added"
+        );
+        assert_eq!(
+            decide(Some(p), Some(&record(ab, ab)), &loaded("c", a)),
+            Action::Restart,
+            "a line released"
+        );
+        assert_eq!(
+            decide(Some(p), Some(&record(a, a)), &loaded("other", a)),
+            Action::Restart,
+            "the config changed"
+        );
+        // b's line was offered to it by a SIGHUP whose reread was never
+        // confirmed: it may have handed b's address out.
+        assert_eq!(
+            decide(Some(p), Some(&record(a, ab)), &loaded("c", a)),
+            Action::Restart
+        );
+    }
+
+    #[test]
+    fn the_record_offers_before_the_signal_and_loads_after_the_reread() {
+        let p = ProcId {
+            pid: 10,
+            start_ticks: 500,
+        };
+        let before = LoadedRecord {
+            process: p,
+            loaded: loaded("c", "x\n"),
+            offered: "w\nx\n".into(),
+        };
+        let want = loaded("c", "x\ny\n");
+        let offered = record_after(Step::Offer, Some(&before), p, &want).unwrap();
+        assert_eq!(offered.loaded, before.loaded, "not read yet");
+        assert_eq!(offered.offered, "w\nx\ny\n");
+        let read = record_after(Step::Record, Some(&offered), p, &want).unwrap();
+        assert_eq!(read.loaded, want);
+        assert_eq!(read.offered, "w\nx\ny\n");
+        // A new process has read only what it was started on.
+        let fresh = ProcId {
+            pid: 11,
+            start_ticks: 600,
+        };
+        let started = record_after(Step::Record, Some(&read), fresh, &want).unwrap();
+        assert_eq!(started.process, fresh);
+        assert_eq!(started.offered, "x\ny\n");
+        assert_eq!(record_after(Step::Offer, Some(&read), fresh, &want), None);
+        assert_eq!(record_after(Step::Signal, Some(&read), p, &want), None);
+    }
+
+    #[test]
+    fn a_reread_is_the_process_own_read_line() {
+        let hosts = Path::new("/run/hearth/networks/hth-lan/hosts");
+        let log = "Dec  2 04:50:31 dnsmasq-dhcp[11847]: DHCP, sockets bound exclusively to interface br-t\n\
+                   Dec  2 04:50:32 dnsmasq-dhcp[11847]: read /run/hearth/networks/hth-lan/hosts\n";
+        assert!(logged_reread(log, 11847, hosts));
+        assert!(!logged_reread(log, 11848, hosts), "another process");
+        let failed = "Dec  2 04:50:32 dnsmasq-dhcp[11847]: cannot read /run/hearth/networks/hth-lan/hosts: Permission denied\n";
+        assert!(!logged_reread(failed, 11847, hosts));
+    }
 
     fn net() -> HostNetwork {
         HostNetwork {
