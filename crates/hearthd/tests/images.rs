@@ -812,3 +812,74 @@ fn images_larger_than_the_limit_are_refused_whether_or_not_their_length_is_said(
     let v = wait_image_phase(&d2, "unsaid", "Ready");
     assert_eq!(v["status"]["digest"], format!("sha256:{digest}"));
 }
+
+#[test]
+fn an_image_larger_than_the_largest_disk_makes_no_disk_from_it() {
+    let src = roots();
+    let big = src.path().join("big.qcow2");
+    // One Ti more than spec.size may ask for; sparse, a few hundred KiB.
+    run(
+        "qemu-img",
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            big.to_str().expect("utf8"),
+            "17T",
+        ],
+    );
+    let d = Daemon::start_without_guest(&[src.path()], &[]);
+    let over_base = json!({
+        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
+        "metadata": {"name": "over-big"},
+        "spec": {"source": {"image": big}}
+    });
+    // Applied before the image is Ready: the disk waits, then fails.
+    apply_ok(
+        &d,
+        vec![
+            file_image("big", &big),
+            disk_from("from-big", "big", None),
+            over_base,
+        ],
+    );
+    let image = wait_image_phase(&d, "big", "Ready");
+    assert_eq!(image["status"]["virtualSize"], 17u64 << 40, "{image:#}");
+    for (disk, field) in [
+        ("from-big", "spec.source.virtualImage"),
+        ("over-big", "spec.source.image"),
+    ] {
+        let v = d.wait_object("virtualdisks", disk, "Failed", IMPORT, |v| {
+            v["status"]["phase"] == "Failed"
+        });
+        let err = v["status"]["lastError"].as_str().unwrap_or_default();
+        assert!(
+            err.contains(field)
+                && err.contains(&(17u64 << 40).to_string())
+                && err.contains(&(16u64 << 40).to_string()),
+            "{disk}: {err}"
+        );
+        assert!(v["status"]["capacity"].is_null(), "{v:#}");
+    }
+    // No layer file was made for either.
+    let layers: Vec<String> = std::fs::read_dir(d.state_dir().join("layers"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(
+        !layers.iter().any(|l| l.contains("big")),
+        "a layer was made: {layers:?}"
+    );
+    // With the image Ready, refused at apply time, naming disk and field.
+    let (status, v) = d.apply_json(vec![disk_from("later-big", "big", None)]);
+    assert_eq!(status, 400, "{v}");
+    let msg = v["error"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("later-big") && msg.contains("spec.source.virtualImage"),
+        "{msg}"
+    );
+}

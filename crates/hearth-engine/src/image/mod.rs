@@ -650,6 +650,9 @@ pub enum NotReady {
         size: u64,
         virtual_size: u64,
     },
+    /// The image's virtual size is more than any disk may have
+    /// ([`hearth_api::MAX_DISK_BYTES`]): never.
+    TooLarge { image: String, virtual_size: u64 },
 }
 
 impl NotReady {
@@ -667,13 +670,34 @@ impl NotReady {
                     "{size} bytes is smaller than VirtualImage {image:?} (virtualSize {virtual_size} bytes); a disk can grow an image, not shrink it"
                 ),
             ),
+            NotReady::TooLarge {
+                image,
+                virtual_size,
+            } => (
+                "spec.source.virtualImage",
+                too_large(&format!("VirtualImage {image:?}"), *virtual_size),
+            ),
         }
+    }
+
+    /// Whether the disk can never be made from the image as its spec is.
+    pub fn is_permanent(&self) -> bool {
+        !matches!(self, NotReady::Waiting(_))
     }
 
     pub fn message(&self) -> String {
         let (field, message) = self.field_and_message();
         format!("{field}: {message}")
     }
+}
+
+/// Why an image of `virtual_size` bytes cannot become a disk without a
+/// `spec.size`: the disk would be larger than `spec.size` may ask for.
+pub fn too_large(what: &str, virtual_size: u64) -> String {
+    format!(
+        "{what} has a virtual size of {virtual_size} bytes, more than the largest disk ({} bytes, the limit of spec.size): a disk made from it would have that size",
+        hearth_api::MAX_DISK_BYTES
+    )
 }
 
 /// Whether a disk of `size` (None: the image's own) can be made from
@@ -699,6 +723,10 @@ pub fn ready_for_disk(
             Some(size) if size < virtual_size => Err(NotReady::TooSmall {
                 image: image.to_string(),
                 size,
+                virtual_size,
+            }),
+            _ if virtual_size > hearth_api::MAX_DISK_BYTES => Err(NotReady::TooLarge {
+                image: image.to_string(),
                 virtual_size,
             }),
             _ => Ok(ReadyImage {
