@@ -212,6 +212,7 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
     let size = disk.spec.size.as_ref().map(|q| q.bytes());
     let mut backing_layer = None;
     let mut base_image = None;
+    let mut source_image = None;
     match &disk.spec.source {
         DiskSource::Blank(_) => {
             let size = size.ok_or("spec.size: a blank disk needs a size")?;
@@ -249,6 +250,8 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
             img::create_overlay(&new.path, &base, &base_info.format, size)
                 .await
                 .map_err(|e| format!("cannot create overlay: {e}"))?;
+            // The chain every start checks ends in exactly this file.
+            source_image = Some((base, base_info.format));
         }
         DiskSource::Snapshot(snap) => {
             let layer = storage::snapshot_layer(&ctx.store, snap)
@@ -284,6 +287,9 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
             storage::set_head_tx(tx, name, &new, backing_layer.as_deref())?;
             if let Some(base) = &base_image {
                 storage::set_layer_base_tx(tx, &new.id, base)?;
+            }
+            if let Some((base, format)) = &source_image {
+                storage::set_layer_source_image_tx(tx, &new.id, base, format)?;
             }
             Ok(())
         })
