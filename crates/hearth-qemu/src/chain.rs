@@ -14,7 +14,6 @@
 //! changes nothing, the descriptor is already the checked file.
 
 use std::fs::{File, OpenOptions};
-use std::io::Read;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -239,27 +238,31 @@ fn link_target(path: &Path) -> String {
         .unwrap_or_else(|_| "an unreadable target".into())
 }
 
+/// The first [`probe::HEAD_BYTES`] of the file (fewer if it is shorter),
+/// read with `pread`: the descriptor's offset, which QEMU inherits, is not
+/// moved.
+pub fn read_head(file: &File) -> std::io::Result<Vec<u8>> {
+    use std::os::unix::fs::FileExt;
+    let mut head = vec![0u8; probe::HEAD_BYTES];
+    let mut got = 0;
+    while got < head.len() {
+        match file.read_at(&mut head[got..], got as u64) {
+            Ok(0) => break,
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    head.truncate(got);
+    Ok(head)
+}
+
 fn check_qcow2(file: &File, e: &ExpectedLayer<'_>) -> Result<(), LayerError> {
     let path = e.path.to_path_buf();
-    let mut head = Vec::with_capacity(probe::HEAD_BYTES);
-    // Through a duplicate of the descriptor, so its offset stays at 0.
-    let mut reader = file.try_clone().map_err(|source| LayerError::Read {
+    let head = read_head(file).map_err(|source| LayerError::Read {
         path: path.clone(),
         source,
     })?;
-    use std::io::Seek;
-    reader
-        .rewind()
-        .and_then(|()| {
-            (&mut reader)
-                .take(probe::HEAD_BYTES as u64)
-                .read_to_end(&mut head)
-        })
-        .and_then(|_| reader.rewind())
-        .map_err(|source| LayerError::Read {
-            path: path.clone(),
-            source,
-        })?;
     let header = match probe::sniff(&head) {
         Ok(Sniffed::Qcow2(h)) => h,
         Ok(Sniffed::Raw(_)) => {

@@ -596,3 +596,96 @@ fn a_base_image_changed_after_its_disk_was_made_is_refused_at_start_and_qemu_get
     }
     assert!(holding_a_target(&d).is_none());
 }
+
+/// `sqlite3 DB SQL`: the rows it prints.
+fn sqlite(db: &Path, sql: &str) -> String {
+    let out = Command::new("sqlite3")
+        .arg(db)
+        .arg(sql)
+        .output()
+        .expect("sqlite3 (apt-get install sqlite3)");
+    assert!(
+        out.status.success(),
+        "sqlite3 {sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// A disk made before its base was recorded (the row removed while the
+/// daemon is down): the first start takes the base from the bottom layer's
+/// header, which hearthd wrote, checks it like a recorded one, and records
+/// it.
+#[test]
+fn a_disk_without_a_recorded_base_is_checked_by_the_base_its_layer_names_and_then_recorded() {
+    let _serial = serial();
+    let root = tempfile::Builder::new()
+        .prefix("hearth-bases-")
+        .tempdir()
+        .expect("tempdir");
+    let outside = tempfile::Builder::new()
+        .prefix("hearth-outside-")
+        .tempdir()
+        .expect("tempdir");
+    let base = root.path().join("base.qcow2");
+    std::fs::copy(guest_dir().join("data.qcow2"), &base).expect("copy base");
+    let foreign = outside.path().join("foreign.qcow2");
+    std::fs::copy(guest_dir().join("data.qcow2"), &foreign).expect("copy foreign");
+    let mut d = Daemon::start_without_guest(&[&guest_dir(), root.path()], &[]);
+    let m = manifest(
+        &d,
+        "old.yaml",
+        &format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: old\nspec:\n  source:\n    image: {}\n---\n{}",
+            base.display(),
+            vm_yaml("older", "Manual", &["old"], "")
+        ),
+    );
+    d.cli_ok(&["apply", "-f", utf8(&m)]);
+    d.wait_object(
+        "virtualdisks",
+        "old",
+        "Ready",
+        Duration::from_secs(60),
+        |v| v["status"]["phase"] == "Ready",
+    );
+    let db = d.state_dir().join("hearth.db");
+    let recorded = format!(
+        "{}|qcow2",
+        std::fs::canonicalize(&base).expect("base").display()
+    );
+    let rows = "SELECT path || '|' || format FROM layer_source_images";
+    assert_eq!(sqlite(&db, rows), recorded);
+    d.kill();
+    sqlite(&db, "DELETE FROM layer_source_images");
+    d.spawn();
+
+    // The base swapped for a link: refused although nothing was recorded.
+    let kept = root.path().join("base.kept");
+    std::fs::rename(&base, &kept).expect("keep");
+    std::os::unix::fs::symlink(&foreign, &base).expect("symlink");
+    d.cli_ok(&["start", "older"]);
+    let v = d.wait_vm("older", "refused", Duration::from_secs(60), |v| {
+        v["status"]["lastError"]
+            .as_str()
+            .is_some_and(|e| e.contains("VirtualDisk \"old\""))
+    });
+    let err = v["status"]["lastError"].as_str().unwrap_or_default();
+    assert!(
+        err.contains(utf8(&base)) && err.contains("symbolic link"),
+        "{err}"
+    );
+    assert!(d.qemu_pids_of("older").is_empty());
+    assert_eq!(sqlite(&db, rows), "", "a refused base is not recorded");
+
+    // Put back: it starts, and the base is recorded again.
+    std::fs::remove_file(&base).expect("unlink");
+    std::fs::rename(&kept, &base).expect("back");
+    d.cli_ok(&["start", "older"]);
+    let v = d.wait_phase("older", "Running", Duration::from_secs(90));
+    let pid = v["status"]["pid"].as_u64().expect("pid") as u32;
+    let real = std::fs::canonicalize(&base).expect("base");
+    assert!(open_files(pid).contains(&real));
+    assert!(!open_files(pid).contains(&foreign));
+    assert_eq!(sqlite(&db, rows), recorded);
+}

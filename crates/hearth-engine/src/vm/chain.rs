@@ -12,6 +12,7 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use hearth_qemu::cmdline::BackingLayer;
+use rusqlite::OptionalExtension;
 
 use crate::context::Context;
 use crate::image::names;
@@ -186,6 +187,21 @@ fn source_image(ctx: &Context, path: &Path, format: &str) -> Result<BackingLayer
 /// the file it names is the base the disk was made from; from now on the
 /// store records it.
 async fn legacy_source_image(ctx: &Context, bottom_layer: &Path) -> Result<Bottom, String> {
+    // Read by hearthd itself first: a blank disk's layer names nothing,
+    // and that needs no qemu-img.
+    let names_nothing = std::fs::File::open(bottom_layer)
+        .and_then(|f| hearth_qemu::chain::read_head(&f))
+        .ok()
+        .and_then(|head| match hearth_qemu::probe::sniff(&head) {
+            Ok(hearth_qemu::probe::Sniffed::Qcow2(h)) => {
+                h.backing_file_name(&head).ok().map(|n| n.is_none())
+            }
+            _ => None,
+        })
+        .unwrap_or(false);
+    if names_nothing {
+        return Ok(Bottom::Nothing);
+    }
     let info = hearth_qemu::img::info(bottom_layer)
         .await
         .map_err(|e| format!("reading the header of {}: {e}", bottom_layer.display()))?;
@@ -210,7 +226,7 @@ async fn legacy_source_image(ctx: &Context, bottom_layer: &Path) -> Result<Botto
                     rusqlite::params![bottom_layer.to_string_lossy()],
                     |r| r.get(0),
                 )
-                .ok();
+                .optional()?;
             if let Some(id) = &id {
                 storage::set_layer_source_image_tx(tx, id, &checked.path, &checked.format)?;
             }
