@@ -545,6 +545,14 @@ pub struct VirtualDisk {
     pub status: Option<VirtualDiskStatus>,
 }
 
+/// The smallest disk `spec.size` may ask for.
+pub const MIN_DISK_BYTES: u64 = 1 << 20;
+
+/// The largest disk: the limit of `spec.size`, and of the capacity a disk
+/// made from an image gets from the image's virtual size when it has no
+/// `spec.size`.
+pub const MAX_DISK_BYTES: u64 = 16 << 40;
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]

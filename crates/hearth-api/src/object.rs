@@ -8,10 +8,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::kinds::{
-    CloudInit, DiskSource, ImageSource, Kind, MAX_CLOUD_INIT_TEXT, MAX_FREEZE_DEADLINE_SECONDS,
-    MAX_INTERFACES, MIN_FREEZE_DEADLINE_SECONDS, NetworkInterface, NetworkMode, VirtualDisk,
-    VirtualDiskSnapshot, VirtualImage, VirtualMachine, VirtualMachineSnapshot,
-    VirtualMachineSnapshotGroup, VirtualNetwork, VirtualNetworkSpec,
+    CloudInit, DiskSource, ImageSource, Kind, MAX_CLOUD_INIT_TEXT, MAX_DISK_BYTES,
+    MAX_FREEZE_DEADLINE_SECONDS, MAX_INTERFACES, MIN_DISK_BYTES, MIN_FREEZE_DEADLINE_SECONDS,
+    NetworkInterface, NetworkMode, VirtualDisk, VirtualDiskSnapshot, VirtualImage, VirtualMachine,
+    VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualNetwork, VirtualNetworkSpec,
 };
 use crate::meta::API_VERSION;
 use crate::net;
@@ -289,7 +289,7 @@ impl Object {
                         ));
                     }
                     let b = size.bytes();
-                    if !((1 << 20)..=(16 << 40)).contains(&b) {
+                    if !(MIN_DISK_BYTES..=MAX_DISK_BYTES).contains(&b) {
                         return Err(err(
                             "spec.size",
                             format!("{size} is out of range 1Mi..16Ti"),

@@ -58,6 +58,10 @@ impl EngineConfig {
     }
 }
 
+/// What an import leaves free by default: room for the database and for
+/// the guests' disks to keep growing a while after an import is stopped.
+pub const DEFAULT_FREE_SPACE_RESERVE: u64 = 1 << 30;
+
 /// Limits of a VirtualImage import (see docs/images.md).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ImageImportConfig {
@@ -70,6 +74,10 @@ pub struct ImageImportConfig {
     /// Largest image accepted, in bytes (the source's length or what was
     /// read so far, whichever says more first).
     pub max_bytes: u64,
+    /// Bytes an import always leaves free on the image store's filesystem
+    /// (the state directory's: the database and every disk's layers live
+    /// there too). An import that would leave less stops with `NoSpace`.
+    pub free_space_reserve: u64,
     /// The first retry's delay; each further failure doubles it.
     pub retry_base: Duration,
     /// The longest delay between two attempts.
@@ -82,6 +90,7 @@ impl Default for ImageImportConfig {
             connect_timeout: Duration::from_secs(30),
             read_timeout: Duration::from_secs(60),
             max_bytes: 256 << 30,
+            free_space_reserve: DEFAULT_FREE_SPACE_RESERVE,
             retry_base: Duration::from_secs(2),
             retry_max: Duration::from_secs(300),
         }

@@ -83,7 +83,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                 // A disk from an image waits for the image to be Ready.
                 let size = disk.spec.size.as_ref().map(|q| q.bytes());
                 if let Err(why) = crate::image::ready_for_disk(&ctx.store, image, size)? {
-                    let never = matches!(why, crate::image::NotReady::TooSmall { .. });
+                    let never = why.is_permanent();
                     let message = why.message();
                     let old: VirtualDiskStatus =
                         serde_json::from_value(stored.status.clone()).unwrap_or_default();
@@ -218,6 +218,7 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
     let size = disk.spec.size.as_ref().map(|q| q.bytes());
     let mut backing_layer = None;
     let mut base_image = None;
+    let mut source_image = None;
     // A restore holds its snapshot's pin from reading the snapshot's layer
     // until the new layer over it is recorded (from then on the store
     // itself keeps the layer): the snapshot's delete waits for it, and so
@@ -239,17 +240,29 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
             let base_info = img::info(&base)
                 .await
                 .map_err(|e| format!("spec.source.image: {}: {e}", base.display()))?;
-            if let Some(s) = size
-                && s < base_info.virtual_size
-            {
-                return Err(format!(
-                    "spec.size: {s} bytes is smaller than the base image ({} bytes)",
-                    base_info.virtual_size
-                ));
+            match size {
+                Some(s) if s < base_info.virtual_size => {
+                    return Err(format!(
+                        "spec.size: {s} bytes is smaller than the base image ({} bytes)",
+                        base_info.virtual_size
+                    ));
+                }
+                None if base_info.virtual_size > hearth_api::MAX_DISK_BYTES => {
+                    return Err(format!(
+                        "spec.source.image: {}",
+                        crate::image::too_large(
+                            &format!("the base image {}", base.display()),
+                            base_info.virtual_size
+                        )
+                    ));
+                }
+                _ => {}
             }
             img::create_overlay(&new.path, &base, &base_info.format, size)
                 .await
                 .map_err(|e| format!("cannot create overlay: {e}"))?;
+            // The chain every start checks ends in exactly this file.
+            source_image = Some((base, base_info.format));
         }
         DiskSource::Snapshot(snap) => {
             _pin = Some(ctx.exports.of(snap).read_owned().await);
@@ -290,6 +303,9 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<(), Str
             storage::set_head_tx(tx, name, &new, backing_layer.as_deref())?;
             if let Some(base) = &base_image {
                 storage::set_layer_base_tx(tx, &new.id, base)?;
+            }
+            if let Some((base, format)) = &source_image {
+                storage::set_layer_source_image_tx(tx, &new.id, base, format)?;
             }
             Ok(())
         })

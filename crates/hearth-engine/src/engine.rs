@@ -859,8 +859,8 @@ impl Engine {
             return Ok(());
         }
         let size = d.spec.size.as_ref().map(|q| q.bytes());
-        if let Err(why @ crate::image::NotReady::TooSmall { .. }) =
-            crate::image::ready_for_disk(&self.store, image, size)?
+        if let Err(why) = crate::image::ready_for_disk(&self.store, image, size)?
+            && why.is_permanent()
         {
             let (field, message) = why.field_and_message();
             return Err(RequestError::Invalid(FieldError {

@@ -163,6 +163,15 @@ CREATE TABLE IF NOT EXISTS layer_bases (
     layer TEXT PRIMARY KEY,
     path TEXT NOT NULL
 );
+-- The file below a layer made from `spec.source.image`: an administrator's
+-- base image under an image root (canonical path, and the format it was
+-- opened with). Never the image store's to remove; every start checks that
+-- the chain still ends in exactly this file (docs/images.md).
+CREATE TABLE IF NOT EXISTS layer_source_images (
+    layer TEXT PRIMARY KEY,
+    path TEXT NOT NULL,
+    format TEXT NOT NULL
+);
 -- The writable top layer of each disk.
 CREATE TABLE IF NOT EXISTS heads (
     disk TEXT PRIMARY KEY,

@@ -58,9 +58,15 @@ pub struct DiskAttachment {
 /// One read-only layer below a disk's top layer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BackingLayer {
+    /// The name the layer above's header gives it, and its fd set's label.
     pub path: PathBuf,
     /// `qcow2` (which may chain further) or `raw` (the bottom).
     pub format: String,
+    /// Where the file opened for QEMU must really be (the kernel's name
+    /// for the descriptor): `path` without symbolic links. The caller fixes
+    /// it from what it recorded, not by resolving `path` now, for a file in
+    /// a directory someone else may change ([`crate::chain`]).
+    pub real_path: PathBuf,
 }
 
 /// The descriptor numbers QEMU inherits for one launch
@@ -1570,10 +1576,12 @@ mod tests {
             BackingLayer {
                 path: "/var/lib/hearth/layers/00000002-root.qcow2".into(),
                 format: "qcow2".into(),
+                real_path: "/var/lib/hearth/layers/00000002-root.qcow2".into(),
             },
             BackingLayer {
                 path: "/var/lib/hearth/images/sha256-ab.raw".into(),
                 format: "raw".into(),
+                real_path: "/var/lib/hearth/images/sha256-ab.raw".into(),
             },
         ];
         let fds = FdNumbers::for_spec(&s);

@@ -143,6 +143,12 @@ pub enum HandoverError {
     },
     #[error("socket {path} is in use by a running process; is this VM already running?")]
     SocketInUse { path: PathBuf },
+    #[error("disks[{index}]: {source}")]
+    Layer {
+        index: usize,
+        #[source]
+        source: crate::chain::LayerError,
+    },
     #[error("cannot open tap {tap} for QEMU")]
     Tap {
         tap: String,
@@ -179,20 +185,14 @@ impl Handover {
             n
         };
         let mut numbers = FdNumbers::default();
-        for (i, disk) in spec.disks.iter().enumerate() {
-            let mut layers = vec![keep(open_file(
-                &format!("disks[{i}] layer"),
-                &disk.path,
-                !disk.read_only,
-            )?)];
-            for layer in &disk.backing {
-                layers.push(keep(open_file(
-                    &format!("disks[{i}] backing layer"),
-                    &layer.path,
-                    false,
-                )?));
-            }
-            numbers.disk_layers.push(layers);
+        for (index, disk) in spec.disks.iter().enumerate() {
+            // Checked on the descriptors themselves: what QEMU gets is what
+            // was checked (crate::chain).
+            let layers = crate::chain::open_disk(disk)
+                .map_err(|source| HandoverError::Layer { index, source })?;
+            numbers
+                .disk_layers
+                .push(layers.into_iter().map(&mut keep).collect());
         }
         if let Some(seed) = &spec.seed {
             numbers.seed = Some(keep(open_file("cloud-init seed", seed, false)?));

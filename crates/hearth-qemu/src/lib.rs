@@ -8,6 +8,7 @@
 pub mod accel;
 pub mod agent;
 pub mod agent_io;
+pub mod chain;
 pub mod cmdline;
 pub mod fsmap;
 pub mod handover;

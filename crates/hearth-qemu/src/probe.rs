@@ -182,6 +182,35 @@ impl Qcow2Header {
         Ok(header)
     }
 
+    /// The backing file name the header names, as bytes (`None`: it names
+    /// none). The name must lie inside `head`, the bytes the header was
+    /// parsed from.
+    pub fn backing_file_name<'a>(&self, head: &'a [u8]) -> Result<Option<&'a [u8]>, Qcow2Refusal> {
+        if self.backing_file_offset == 0 && self.backing_file_size == 0 {
+            return Ok(None);
+        }
+        usize::try_from(self.backing_file_offset)
+            .ok()
+            .and_then(|start| head.get(start..start.checked_add(self.backing_file_size as usize)?))
+            .map(Some)
+            .ok_or_else(|| {
+                Qcow2Refusal::Malformed(format!(
+                    "the backing file name ({} bytes at offset {}) lies outside the first {} bytes",
+                    self.backing_file_size,
+                    self.backing_file_offset,
+                    head.len()
+                ))
+            })
+    }
+
+    /// Whether the guest data is in an external data file (the bit, the
+    /// raw-data-file autoclear bit, or the file name extension).
+    pub fn names_data_file(&self) -> bool {
+        self.incompatible_features & INCOMPAT_DATA_FILE != 0
+            || self.autoclear_features & AUTOCLEAR_DATA_FILE_RAW != 0
+            || self.extensions.contains(&EXT_DATA_FILE)
+    }
+
     /// The checks that make an image safe to open: no reference to any other
     /// file, nothing qemu-img would have to repair or decrypt.
     pub fn check(&self) -> Result<(), Qcow2Refusal> {
@@ -191,10 +220,7 @@ impl Qcow2Header {
                 size: self.backing_file_size,
             });
         }
-        if self.incompatible_features & INCOMPAT_DATA_FILE != 0
-            || self.autoclear_features & AUTOCLEAR_DATA_FILE_RAW != 0
-            || self.extensions.contains(&EXT_DATA_FILE)
-        {
+        if self.names_data_file() {
             return Err(Qcow2Refusal::ExternalDataFile);
         }
         let unknown = self.incompatible_features & !INCOMPAT_KNOWN;
@@ -399,6 +425,31 @@ mod tests {
         let mut h = header_v3();
         h[16..20].copy_from_slice(&1u32.to_be_bytes());
         assert!(matches!(refusal(&h), Qcow2Refusal::BackingFile { .. }));
+    }
+
+    #[test]
+    fn the_backing_file_name_is_read_from_the_header_and_must_lie_inside_it() {
+        let mut h = header_v3();
+        let q = Qcow2Header::parse(&h).expect("parse");
+        assert_eq!(q.backing_file_name(&h), Ok(None));
+        set64(&mut h, 8, 512);
+        h[16..20].copy_from_slice(&11u32.to_be_bytes());
+        h[512..523].copy_from_slice(b"/dev/sda123");
+        let q = Qcow2Header::parse(&h).expect("parse");
+        assert_eq!(q.backing_file_name(&h), Ok(Some(b"/dev/sda123".as_slice())));
+        // Past the bytes read, or an offset that does not fit: malformed.
+        set64(&mut h, 8, 4090);
+        let q = Qcow2Header::parse(&h).expect("parse");
+        assert!(matches!(
+            q.backing_file_name(&h),
+            Err(Qcow2Refusal::Malformed(_))
+        ));
+        set64(&mut h, 8, u64::MAX);
+        let q = Qcow2Header::parse(&h).expect("parse");
+        assert!(matches!(
+            q.backing_file_name(&h),
+            Err(Qcow2Refusal::Malformed(_))
+        ));
     }
 
     #[test]

@@ -70,6 +70,8 @@ async fn freeze_thaw_exec_resync_and_fs_mapping_against_the_real_guest_agent() {
             backing: vec![hearth_qemu::cmdline::BackingLayer {
                 path: guest.join("data.qcow2"),
                 format: "qcow2".into(),
+                real_path: std::fs::canonicalize(guest.join("data.qcow2"))
+                    .expect("canonical guest data disk"),
             }],
         });
     }

@@ -247,9 +247,22 @@ async fn a_vm_with_hostile_paths_runs_and_qmp_sees_them_verbatim() {
 #[tokio::test]
 async fn qemu_failing_at_start_reports_its_own_error_message() {
     let tmp = tempfile::tempdir().expect("tempdir");
-    // A file that opens but is no qcow2 image: QEMU itself refuses it.
+    // A qcow2 whose header passes hearth's checks but whose refcount table
+    // offset is not cluster-aligned: QEMU itself refuses it.
     let garbage = tmp.path().join("not a disk.qcow2");
-    std::fs::write(&garbage, vec![0x5a; 4096]).expect("write");
+    QemuImg::new(common::qemu_img())
+        .create_blank(&garbage, 16 << 20)
+        .await
+        .expect("qcow2");
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&garbage)
+            .expect("open");
+        f.write_all_at(&0x10001u64.to_be_bytes(), 48)
+            .expect("refcount_table_offset");
+    }
     let disk = |path: PathBuf| DiskAttachment {
         node_name: "disk-root".into(),
         path,
@@ -263,7 +276,10 @@ async fn qemu_failing_at_start_reports_its_own_error_message() {
         .expect_err("QEMU cannot use the disk");
     match err {
         LaunchError::Exited { stderr_tail, .. } => {
-            assert!(stderr_tail.contains("qcow2"), "{stderr_tail}");
+            assert!(
+                stderr_tail.contains("Reference count table offset invalid"),
+                "{stderr_tail}"
+            );
             assert!(stderr_tail.contains("qemu-system-x86_64"), "{stderr_tail}");
         }
         other => panic!("expected Exited, got {other}"),
@@ -278,7 +294,13 @@ async fn qemu_failing_at_start_reports_its_own_error_message() {
         .await
         .expect_err("no disk file");
     assert!(
-        matches!(&err, LaunchError::Handover(hearth_qemu::handover::HandoverError::Open { path, .. }) if path == &missing),
+        matches!(
+            &err,
+            LaunchError::Handover(hearth_qemu::handover::HandoverError::Layer {
+                index: 0,
+                source: hearth_qemu::chain::LayerError::Open { path, .. },
+            }) if path == &missing
+        ),
         "{err}"
     );
     assert!(err.to_string().contains("disks[0]"), "{err}");
@@ -498,6 +520,7 @@ async fn chain_layers_and_a_runtime_overlay_each_need_one_descriptor_in_their_no
             backing: vec![hearth_qemu::cmdline::BackingLayer {
                 path: base.clone(),
                 format: "qcow2".into(),
+                real_path: std::fs::canonicalize(&base).expect("canonical base"),
             }],
         }],
     );

@@ -63,6 +63,8 @@ pub struct FileConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_max_bytes: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_free_space_reserve: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub image_retry_max_seconds: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<SocketAddr>,
@@ -102,6 +104,10 @@ pub fn parse_file(text: &str, path: &Path) -> anyhow::Result<FileConfig> {
     if let Some(q) = &file.image_max_bytes {
         hearth_api::Quantity::parse(q)
             .map_err(|e| anyhow!("{}: image-max-bytes: {e}", path.display()))?;
+    }
+    if let Some(q) = &file.image_free_space_reserve {
+        hearth_api::Quantity::parse(q)
+            .map_err(|e| anyhow!("{}: image-free-space-reserve: {e}", path.display()))?;
     }
     Ok(file)
 }
@@ -150,6 +156,7 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         image_connect_timeout_seconds,
         image_read_timeout_seconds,
         image_max_bytes,
+        image_free_space_reserve,
         image_retry_max_seconds,
         metrics_listen,
         metrics_allow_remote,
@@ -176,9 +183,9 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         state_dir, run_dir, image_roots, qemu_user, accel, resync_seconds, manifests,
         manifests_resync_seconds, manifests_delete_grace_ms, compaction_bytes_per_second,
         dns_resolv_file, ovmf_code, ovmf_vars, image_connect_timeout_seconds, image_read_timeout_seconds, image_max_bytes,
-        image_retry_max_seconds, metrics_allow_remote, log_format, api_max_connections,
-        metrics_max_connections, http_header_timeout_seconds, forward_max_connections,
-        forward_max_connections_total, forward_connect_timeout_seconds,
+        image_free_space_reserve, image_retry_max_seconds, metrics_allow_remote, log_format,
+        api_max_connections, metrics_max_connections, http_header_timeout_seconds,
+        forward_max_connections, forward_max_connections_total, forward_connect_timeout_seconds,
         forward_idle_timeout_seconds;
         socket, metrics_listen
     );
@@ -206,6 +213,7 @@ pub fn to_file(args: &Args) -> FileConfig {
         image_connect_timeout_seconds: Some(args.image_connect_timeout_seconds),
         image_read_timeout_seconds: Some(args.image_read_timeout_seconds),
         image_max_bytes: Some(args.image_max_bytes.clone()),
+        image_free_space_reserve: Some(args.image_free_space_reserve.clone()),
         image_retry_max_seconds: Some(args.image_retry_max_seconds),
         metrics_listen: args.metrics_listen,
         metrics_allow_remote: Some(args.metrics_allow_remote),
@@ -423,6 +431,7 @@ log-format = "json"
         assert_eq!(a.run_dir, PathBuf::from("/run/hearth"));
         assert_eq!(a.manifests_resync_seconds, 30);
         assert_eq!(a.image_max_bytes, "256Gi");
+        assert_eq!(a.image_free_space_reserve, "1Gi");
         assert_eq!(a.socket, None);
         // And no file at all: every default.
         let d = resolve(&[], "");
@@ -508,6 +517,10 @@ log-format = "json"
             ("metrics-listen = \"localhost\"", "metrics-listen"),
             ("image-roots = \"/one\"", "image-roots"),
             ("image-max-bytes = \"lots\"", "image-max-bytes"),
+            (
+                "image-free-space-reserve = \"some\"",
+                "image-free-space-reserve",
+            ),
             ("metrics-allow-remote = \"yes\"", "metrics-allow-remote"),
         ] {
             let e = parse_file(text, Path::new("/t/h.toml"))

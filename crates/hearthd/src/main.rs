@@ -121,6 +121,12 @@ struct Args {
     /// larger one fails with reason TooLarge as soon as its length is known.
     #[arg(long, env = "HEARTH_IMAGE_MAX_BYTES", default_value = "256Gi")]
     image_max_bytes: String,
+    /// Free space a VirtualImage import always leaves on the state
+    /// directory's filesystem (the image store, the database and every
+    /// disk's layers), e.g. 4Gi. An import that would leave less stops with
+    /// reason NoSpace and waits until more room comes back.
+    #[arg(long, env = "HEARTH_IMAGE_FREE_SPACE_RESERVE", default_value = "1Gi")]
+    image_free_space_reserve: String,
     /// A failed VirtualImage import is retried after 2 s, then 4 s, 8 s ...:
     /// this caps that delay, in seconds.
     #[arg(long, env = "HEARTH_IMAGE_RETRY_MAX_SECONDS", default_value_t = 300)]
@@ -286,6 +292,9 @@ async fn main() -> anyhow::Result<()> {
             read_timeout: Duration::from_secs(args.image_read_timeout_seconds.max(1)),
             max_bytes: hearth_api::Quantity::parse(&args.image_max_bytes)
                 .map_err(|e| anyhow::anyhow!("--image-max-bytes: {e}"))?
+                .bytes(),
+            free_space_reserve: hearth_api::Quantity::parse(&args.image_free_space_reserve)
+                .map_err(|e| anyhow::anyhow!("--image-free-space-reserve: {e}"))?
                 .bytes(),
             retry_max: Duration::from_secs(args.image_retry_max_seconds.max(1)),
             ..Default::default()

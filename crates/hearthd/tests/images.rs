@@ -812,3 +812,309 @@ fn images_larger_than_the_limit_are_refused_whether_or_not_their_length_is_said(
     let v = wait_image_phase(&d2, "unsaid", "Ready");
     assert_eq!(v["status"]["digest"], format!("sha256:{digest}"));
 }
+
+// ---------------------------------------------------- free space and size
+
+/// A tmpfs of its own mounted on `at` (which it creates), detached when
+/// dropped (lazily: a daemon still running on it keeps it until it exits),
+/// so that the directory it is in can then be removed.
+struct SmallFs {
+    at: PathBuf,
+}
+
+impl SmallFs {
+    fn mount(at: &Path, size: &str) -> SmallFs {
+        std::fs::create_dir_all(at).expect("mount point");
+        let out = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
+            .arg(at)
+            .output()
+            .expect("mount (util-linux)");
+        assert!(
+            out.status.success(),
+            "mount -t tmpfs on {} (the tests run as root): {}",
+            at.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        SmallFs {
+            at: at.to_path_buf(),
+        }
+    }
+
+    fn resize(&self, size: &str) {
+        let out = Command::new("mount")
+            .args(["-o", &format!("remount,size={size}")])
+            .arg(&self.at)
+            .output()
+            .expect("mount");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Bytes available, from the filesystem itself.
+    fn available(&self) -> u64 {
+        free_bytes(&self.at)
+    }
+}
+
+fn free_bytes(path: &Path) -> u64 {
+    let s = rustix::fs::statvfs(path).expect("statvfs");
+    s.f_bavail * s.f_frsize
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.at).status();
+    }
+}
+
+/// The lowest free space a thread sees on a filesystem, polling it as fast
+/// as it can until stopped.
+struct LowWater {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<u64>>,
+}
+
+impl LowWater {
+    fn watch(path: &Path) -> LowWater {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (flag, path) = (stop.clone(), path.to_path_buf());
+        let thread = std::thread::spawn(move || {
+            let mut low = u64::MAX;
+            while !flag.load(std::sync::atomic::Ordering::SeqCst) {
+                match rustix::fs::statvfs(&path) {
+                    Ok(s) => low = low.min(s.f_bavail * s.f_frsize),
+                    // Unmounted under it: the test is over.
+                    Err(_) => break,
+                }
+            }
+            low
+        });
+        LowWater {
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    fn lowest(mut self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.thread
+            .take()
+            .map(|t| t.join().expect("watcher"))
+            .unwrap_or(u64::MAX)
+    }
+}
+
+#[test]
+fn a_download_stops_at_the_free_space_reserve_leaves_nothing_and_waits_for_room() {
+    const MIB: u64 = 1 << 20;
+    let reserve = 64 * MIB;
+    let src = roots();
+    let server = Server::start();
+    server.route("/endless.img", Behaviour::Endless);
+    // Says 1 GiB, then sends nothing.
+    server.route("/claims-a-gigabyte.img", Behaviour::Hang(1 << 30));
+    let qcow2 = make_qcow2(&src.path().join("small.qcow2"));
+    server.route("/small.qcow2", Behaviour::Serve(qcow2.clone()));
+    let dir = tempfile::Builder::new()
+        .prefix("hearth-e2e-")
+        .tempdir()
+        .expect("tempdir");
+    // The state directory on a 200 MiB filesystem of its own.
+    let mounted = SmallFs::mount(&dir.path().join("state"), "200m");
+    let d = Daemon::start_without_guest_in(
+        dir,
+        &[src.path()],
+        &[
+            "--image-free-space-reserve",
+            "64Mi",
+            "--image-read-timeout-seconds",
+            "20",
+            "--image-retry-max-seconds",
+            "2",
+            "--resync-seconds",
+            "1",
+        ],
+    );
+    // Declared after the daemon: detached before the daemon's directory
+    // is removed.
+    let fs = mounted;
+    let start = fs.available();
+    assert!(start > 150 * MIB, "{start}");
+
+    // A length that does not fit: refused before a byte is written, not
+    // after the read timeout.
+    apply_ok(
+        &d,
+        vec![http_image(
+            "claims",
+            &server.url("/claims-a-gigabyte.img"),
+            &"0".repeat(64),
+        )],
+    );
+    let v = wait_failed(&d, "claims", "NoSpace");
+    let message = v["status"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("1073741824 bytes") && message.contains("free space"),
+        "{message}"
+    );
+    assert_eq!(store_files(&d), Vec::<String>::new());
+    delete_and_wait(&d, "virtualimages", "claims");
+
+    // An endless body: written until the filesystem would keep less than
+    // the reserve, then stopped.
+    let low = LowWater::watch(&fs.at);
+    apply_ok(
+        &d,
+        vec![http_image(
+            "endless",
+            &server.url("/endless.img"),
+            &"0".repeat(64),
+        )],
+    );
+    let v = wait_failed(&d, "endless", "NoSpace");
+    let lowest = low.lowest();
+    eprintln!("free space: {start} bytes at the start, {lowest} at the lowest, reserve {reserve}");
+    let message = v["status"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("free space") && message.contains("--image-free-space-reserve"),
+        "{message}"
+    );
+    // The filesystem, not hearthd, says so: it never went below the
+    // reserve (the database's own few writes aside), and the download did
+    // fill what was above it.
+    assert!(
+        lowest >= reserve - 8 * MIB,
+        "the filesystem went down to {lowest} bytes free, below the {reserve} reserve"
+    );
+    assert!(
+        lowest <= reserve + 40 * MIB,
+        "the download stopped early: the lowest free space was {lowest} bytes"
+    );
+    assert_eq!(
+        store_files(&d),
+        Vec::<String>::new(),
+        "the partial file is gone"
+    );
+    assert!(fs.available() >= start - 8 * MIB, "{}", fs.available());
+
+    // Not tried again while the room is the same: several backoffs (2 s)
+    // and resyncs (1 s) later the server has still seen one request.
+    assert_eq!(server.hits("/endless.img"), 1);
+    std::thread::sleep(Duration::from_secs(8));
+    assert_eq!(server.hits("/endless.img"), 1, "retried without more room");
+    let v = d.get_image("endless").expect("image");
+    assert_eq!(v["status"]["phase"], "Failed", "{v:#}");
+    assert_eq!(v["status"]["attempts"], 1, "{v:#}");
+
+    // The daemon keeps serving, and other imports that fit still work.
+    let (status, _) = d.request("GET", "/v1/health", None);
+    assert_eq!(status, 200);
+    apply_ok(
+        &d,
+        vec![http_image(
+            "small",
+            &server.url("/small.qcow2"),
+            &sha256_of(&qcow2),
+        )],
+    );
+    wait_image_phase(&d, "small", "Ready");
+
+    // More room: the next attempt goes, and stops at the reserve again.
+    fs.resize("300m");
+    common::wait_until("a second attempt", IMPORT, || {
+        server.hits("/endless.img") >= 2
+    });
+    let v = d.wait_object(
+        "virtualimages",
+        "endless",
+        "attempt 2 failed",
+        IMPORT,
+        |v| v["status"]["phase"] == "Failed" && v["status"]["attempts"] == 2,
+    );
+    assert_eq!(v["status"]["reason"], "NoSpace", "{v:#}");
+    assert!(fs.available() >= reserve, "{}", fs.available());
+    let files = store_files(&d);
+    assert_eq!(files.len(), 1, "only the small image: {files:?}");
+    delete_and_wait(&d, "virtualimages", "endless");
+}
+
+#[test]
+fn an_image_larger_than_the_largest_disk_makes_no_disk_from_it() {
+    let src = roots();
+    let big = src.path().join("big.qcow2");
+    // One Ti more than spec.size may ask for; sparse, a few hundred KiB.
+    run(
+        "qemu-img",
+        &[
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            big.to_str().expect("utf8"),
+            "17T",
+        ],
+    );
+    let d = Daemon::start_without_guest(&[src.path()], &[]);
+    let over_base = json!({
+        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
+        "metadata": {"name": "over-big"},
+        "spec": {"source": {"image": big}}
+    });
+    // Applied before the image is Ready: the disk waits, then fails.
+    apply_ok(
+        &d,
+        vec![
+            file_image("big", &big),
+            disk_from("from-big", "big", None),
+            over_base,
+        ],
+    );
+    let image = wait_image_phase(&d, "big", "Ready");
+    assert_eq!(image["status"]["virtualSize"], 17u64 << 40, "{image:#}");
+    for (disk, field) in [
+        ("from-big", "spec.source.virtualImage"),
+        ("over-big", "spec.source.image"),
+    ] {
+        let v = d.wait_object("virtualdisks", disk, "Failed", IMPORT, |v| {
+            v["status"]["phase"] == "Failed"
+        });
+        let err = v["status"]["lastError"].as_str().unwrap_or_default();
+        assert!(
+            err.contains(field)
+                && err.contains(&(17u64 << 40).to_string())
+                && err.contains(&(16u64 << 40).to_string()),
+            "{disk}: {err}"
+        );
+        assert!(v["status"]["capacity"].is_null(), "{v:#}");
+    }
+    // No layer file was made for either.
+    let layers: Vec<String> = std::fs::read_dir(d.state_dir().join("layers"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(
+        !layers.iter().any(|l| l.contains("big")),
+        "a layer was made: {layers:?}"
+    );
+    // With the image Ready, refused at apply time, naming disk and field.
+    let (status, v) = d.apply_json(vec![disk_from("later-big", "big", None)]);
+    assert_eq!(status, 400, "{v}");
+    let msg = v["error"].as_str().unwrap_or_default();
+    assert!(
+        msg.contains("later-big") && msg.contains("spec.source.virtualImage"),
+        "{msg}"
+    );
+}

@@ -334,3 +334,358 @@ fn a_kernel_the_qemu_user_cannot_read_fails_the_start_naming_the_user() {
     );
     assert!(d.qemu_pids().is_empty(), "no QEMU runs");
 }
+
+/// A loop device over a file of the test's own, detached when dropped.
+struct LoopDevice(PathBuf);
+
+impl LoopDevice {
+    fn attach(file: &Path) -> LoopDevice {
+        let out = Command::new("losetup")
+            .args(["--find", "--show"])
+            .arg(file)
+            .output()
+            .expect("losetup (apt-get install util-linux)");
+        assert!(
+            out.status.success(),
+            "losetup: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        LoopDevice(PathBuf::from(
+            String::from_utf8_lossy(&out.stdout).trim().to_string(),
+        ))
+    }
+}
+
+impl Drop for LoopDevice {
+    fn drop(&mut self) {
+        let _ = Command::new("losetup").arg("-d").arg(&self.0).status();
+    }
+}
+
+fn qemu_img(args: &[&str]) {
+    let out = Command::new("qemu-img")
+        .args(args)
+        .output()
+        .expect("qemu-img (apt-get install qemu-utils)");
+    assert!(
+        out.status.success(),
+        "qemu-img {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn utf8(p: &Path) -> &str {
+    p.to_str().expect("utf8")
+}
+
+/// A change made to the files on the host.
+type Step = Box<dyn Fn()>;
+
+/// One way to change a base image after its disk was made, what it makes
+/// the base point at, and how to undo it.
+struct Attack {
+    disk: &'static str,
+    base: PathBuf,
+    target: PathBuf,
+    attack: Step,
+    undo: Step,
+}
+
+#[test]
+fn a_base_image_changed_after_its_disk_was_made_is_refused_at_start_and_qemu_gets_nothing() {
+    let _serial = serial();
+    let root = tempfile::Builder::new()
+        .prefix("hearth-bases-")
+        .tempdir()
+        .expect("tempdir");
+    let outside = tempfile::Builder::new()
+        .prefix("hearth-outside-")
+        .tempdir()
+        .expect("tempdir");
+    let root = root.path().to_path_buf();
+    let out = outside.path().to_path_buf();
+    // What the attacks point at, outside every image root: a file, a
+    // block device, and a qcow2 image (so a follower of the link sees an
+    // image it can open).
+    let mut marked = vec![0u8; 1 << 20];
+    marked[..20].copy_from_slice(b"HOST-SECRET-20-BYTES");
+    let secret = out.join("secret.raw");
+    std::fs::write(&secret, &marked).expect("secret");
+    std::fs::write(out.join("device.img"), &marked).expect("device file");
+    let device = LoopDevice::attach(&out.join("device.img"));
+    let foreign = out.join("foreign.qcow2");
+    qemu_img(&[
+        "convert",
+        "-q",
+        "-O",
+        "qcow2",
+        utf8(&secret),
+        utf8(&foreign),
+    ]);
+    let elsewhere = out.join("elsewhere");
+    std::fs::create_dir(&elsewhere).expect("mkdir");
+    std::fs::copy(&foreign, elsewhere.join("base.qcow2")).expect("copy");
+
+    // Each disk has a base of its own, a copy of the guest's data disk.
+    let data = guest_dir().join("data.qcow2");
+    let mut attacks = Vec::new();
+    for disk in ["rebased-device", "rebased-file", "linked", "moved-dir"] {
+        let dir = root.join(disk);
+        std::fs::create_dir(&dir).expect("mkdir");
+        let base = dir.join("base.qcow2");
+        std::fs::copy(&data, &base).expect("copy base");
+        let (target, attack, undo): (PathBuf, Step, Step) = match disk {
+            "rebased-device" | "rebased-file" => {
+                let target = if disk == "rebased-device" {
+                    device.0.clone()
+                } else {
+                    secret.clone()
+                };
+                let (b, t) = (base.clone(), target.clone());
+                let b2 = base.clone();
+                (
+                    target,
+                    Box::new(move || {
+                        qemu_img(&[
+                            "rebase",
+                            "-u",
+                            "-f",
+                            "qcow2",
+                            "-b",
+                            utf8(&t),
+                            "-F",
+                            "raw",
+                            utf8(&b),
+                        ])
+                    }),
+                    Box::new(move || {
+                        qemu_img(&["rebase", "-u", "-f", "qcow2", "-b", "", utf8(&b2)])
+                    }),
+                )
+            }
+            "linked" => {
+                let (b, f, kept) = (base.clone(), foreign.clone(), dir.join("base.kept"));
+                let (b2, kept2) = (base.clone(), kept.clone());
+                (
+                    foreign.clone(),
+                    Box::new(move || {
+                        std::fs::rename(&b, &kept).expect("keep");
+                        std::os::unix::fs::symlink(&f, &b).expect("symlink");
+                    }),
+                    Box::new(move || {
+                        std::fs::remove_file(&b2).expect("unlink");
+                        std::fs::rename(&kept2, &b2).expect("back");
+                    }),
+                )
+            }
+            _ => {
+                let (d, e, kept) = (dir.clone(), elsewhere.clone(), root.join("moved-dir.kept"));
+                let (d2, kept2) = (dir.clone(), kept.clone());
+                (
+                    elsewhere.join("base.qcow2"),
+                    Box::new(move || {
+                        std::fs::rename(&d, &kept).expect("keep");
+                        std::os::unix::fs::symlink(&e, &d).expect("symlink");
+                    }),
+                    Box::new(move || {
+                        std::fs::remove_file(&d2).expect("unlink");
+                        std::fs::rename(&kept2, &d2).expect("back");
+                    }),
+                )
+            }
+        };
+        attacks.push(Attack {
+            disk,
+            base,
+            target,
+            attack,
+            undo,
+        });
+    }
+
+    let d = Daemon::start_without_guest(&[&guest_dir(), &root], &[]);
+    let mut yaml = String::new();
+    for a in &attacks {
+        yaml.push_str(&format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: {}\nspec:\n  source:\n    image: {}\n---\n",
+            a.disk,
+            a.base.display()
+        ));
+    }
+    let names: Vec<&str> = attacks.iter().map(|a| a.disk).collect();
+    yaml.push_str(&vm_yaml("guarded", "Manual", &names, ""));
+    let m = manifest(&d, "guarded.yaml", &yaml);
+    d.cli_ok(&["apply", "-f", utf8(&m)]);
+    for a in &attacks {
+        d.wait_object(
+            "virtualdisks",
+            a.disk,
+            "Ready",
+            Duration::from_secs(60),
+            |v| v["status"]["phase"] == "Ready",
+        );
+    }
+    d.wait_phase("guarded", "Stopped", Duration::from_secs(30));
+
+    // Every base changed while the VM is stopped; then it is started. Each
+    // start stops at the first disk whose base is not what it was made
+    // from; that one is put back, and the next start finds the next.
+    for a in &attacks {
+        (a.attack)();
+    }
+    let targets: Vec<PathBuf> = attacks.iter().map(|a| a.target.clone()).collect();
+    let holding_a_target = |d: &Daemon| -> Option<String> {
+        d.qemu_pids().into_iter().find_map(|pid| {
+            let files = open_files(pid);
+            targets
+                .iter()
+                .find(|t| files.contains(t))
+                .map(|t| format!("QEMU {pid} holds {} among {files:?}", t.display()))
+        })
+    };
+    for (i, a) in attacks.iter().enumerate() {
+        d.cli_ok(&["start", "guarded"]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let err = loop {
+            if let Some(held) = holding_a_target(&d) {
+                panic!("{}: the changed base reached QEMU: {held}", a.disk);
+            }
+            let v = d.get_vm("guarded").expect("vm");
+            let err = v["status"]["lastError"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            if err.contains(&format!("spec.disks[{i}]")) {
+                assert_eq!(v["status"]["phase"], "Failed", "{v:#}");
+                break err;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{}: the VM did not fail naming the disk: {v:#}",
+                a.disk
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        eprintln!("{}: {err}", a.disk);
+        assert!(
+            err.contains(&format!("VirtualDisk \"{}\"", a.disk)) && err.contains(utf8(&a.base)),
+            "{}: the reason names the disk and its base: {err}",
+            a.disk
+        );
+        assert!(
+            d.qemu_pids_of("guarded").is_empty(),
+            "{}: no QEMU was started",
+            a.disk
+        );
+        (a.undo)();
+    }
+
+    // Everything as it was made: the VM starts, and its QEMU holds each
+    // base and none of the targets.
+    d.cli_ok(&["start", "guarded"]);
+    let v = d.wait_phase("guarded", "Running", Duration::from_secs(90));
+    let pid = v["status"]["pid"].as_u64().expect("pid") as u32;
+    let files = open_files(pid);
+    for a in &attacks {
+        let real = std::fs::canonicalize(&a.base).expect("base");
+        assert!(
+            files.contains(&real),
+            "QEMU does not hold {real:?}: {files:?}"
+        );
+        assert!(!files.contains(&a.target), "{files:?}");
+    }
+    assert!(holding_a_target(&d).is_none());
+}
+
+/// `sqlite3 DB SQL`: the rows it prints.
+fn sqlite(db: &Path, sql: &str) -> String {
+    let out = Command::new("sqlite3")
+        .arg(db)
+        .arg(sql)
+        .output()
+        .expect("sqlite3 (apt-get install sqlite3)");
+    assert!(
+        out.status.success(),
+        "sqlite3 {sql}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// A disk made before its base was recorded (the row removed while the
+/// daemon is down): the first start takes the base from the bottom layer's
+/// header, which hearthd wrote, checks it like a recorded one, and records
+/// it.
+#[test]
+fn a_disk_without_a_recorded_base_is_checked_by_the_base_its_layer_names_and_then_recorded() {
+    let _serial = serial();
+    let root = tempfile::Builder::new()
+        .prefix("hearth-bases-")
+        .tempdir()
+        .expect("tempdir");
+    let outside = tempfile::Builder::new()
+        .prefix("hearth-outside-")
+        .tempdir()
+        .expect("tempdir");
+    let base = root.path().join("base.qcow2");
+    std::fs::copy(guest_dir().join("data.qcow2"), &base).expect("copy base");
+    let foreign = outside.path().join("foreign.qcow2");
+    std::fs::copy(guest_dir().join("data.qcow2"), &foreign).expect("copy foreign");
+    let mut d = Daemon::start_without_guest(&[&guest_dir(), root.path()], &[]);
+    let m = manifest(
+        &d,
+        "old.yaml",
+        &format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: old\nspec:\n  source:\n    image: {}\n---\n{}",
+            base.display(),
+            vm_yaml("older", "Manual", &["old"], "")
+        ),
+    );
+    d.cli_ok(&["apply", "-f", utf8(&m)]);
+    d.wait_object(
+        "virtualdisks",
+        "old",
+        "Ready",
+        Duration::from_secs(60),
+        |v| v["status"]["phase"] == "Ready",
+    );
+    let db = d.state_dir().join("hearth.db");
+    let recorded = format!(
+        "{}|qcow2",
+        std::fs::canonicalize(&base).expect("base").display()
+    );
+    let rows = "SELECT path || '|' || format FROM layer_source_images";
+    assert_eq!(sqlite(&db, rows), recorded);
+    d.kill();
+    sqlite(&db, "DELETE FROM layer_source_images");
+    d.spawn();
+
+    // The base swapped for a link: refused although nothing was recorded.
+    let kept = root.path().join("base.kept");
+    std::fs::rename(&base, &kept).expect("keep");
+    std::os::unix::fs::symlink(&foreign, &base).expect("symlink");
+    d.cli_ok(&["start", "older"]);
+    let v = d.wait_vm("older", "refused", Duration::from_secs(60), |v| {
+        v["status"]["lastError"]
+            .as_str()
+            .is_some_and(|e| e.contains("VirtualDisk \"old\""))
+    });
+    let err = v["status"]["lastError"].as_str().unwrap_or_default();
+    assert!(
+        err.contains(utf8(&base)) && err.contains("symbolic link"),
+        "{err}"
+    );
+    assert!(d.qemu_pids_of("older").is_empty());
+    assert_eq!(sqlite(&db, rows), "", "a refused base is not recorded");
+
+    // Put back: it starts, and the base is recorded again.
+    std::fs::remove_file(&base).expect("unlink");
+    std::fs::rename(&kept, &base).expect("back");
+    d.cli_ok(&["start", "older"]);
+    let v = d.wait_phase("older", "Running", Duration::from_secs(90));
+    let pid = v["status"]["pid"].as_u64().expect("pid") as u32;
+    let real = std::fs::canonicalize(&base).expect("base");
+    assert!(open_files(pid).contains(&real));
+    assert!(!open_files(pid).contains(&foreign));
+    assert_eq!(sqlite(&db, rows), recorded);
+}

@@ -13,6 +13,7 @@ use sha2::{Digest, Sha256};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::progress::{Progress, Report, format_bytes};
+use super::space::{self, Space, SpaceGuard};
 use crate::config::ImageImportConfig;
 
 /// Why an attempt failed: `reason` is the status's one-word reason, the
@@ -21,6 +22,9 @@ use crate::config::ImageImportConfig;
 pub struct Failure {
     pub reason: &'static str,
     pub message: String,
+    /// `NoSpace`: the room above the free-space reserve the next attempt
+    /// needs to get further than this one; it is not started before.
+    pub needs_room: Option<u64>,
 }
 
 impl Failure {
@@ -28,21 +32,38 @@ impl Failure {
         Failure {
             reason,
             message: message.into(),
+            needs_room: None,
         }
     }
+
+    /// The message with `context` (the source, the field) in front.
+    fn within(mut self, context: &str) -> Failure {
+        self.message = format!("{context}: {}", self.message);
+        self
+    }
 }
+
+/// The reason of an import stopped by the free-space reserve.
+pub const NO_SPACE: &str = "NoSpace";
 
 /// A temporary file of an import. Removed when dropped, unless it was
 /// renamed into the store: an attempt that fails, is cancelled (its task
 /// aborted) or panics leaves nothing behind. A crash is covered by the sweep
 /// at start-up.
+/// Every write first makes sure the filesystem keeps `reserve` bytes free
+/// ([`SpaceGuard`]).
 pub struct TempFile {
     pub path: PathBuf,
     pub file: Option<tokio::fs::File>,
+    space: SpaceGuard,
+    written: u64,
 }
 
 impl TempFile {
-    pub async fn create(path: PathBuf) -> Result<TempFile, Failure> {
+    /// Creates the file; fails with `NoSpace` when its filesystem already
+    /// has no more than `reserve` bytes free.
+    pub async fn create(path: PathBuf, reserve: u64) -> Result<TempFile, Failure> {
+        let free = free_space(&path)?;
         let file = tokio::fs::OpenOptions::new()
             .write(true)
             .create_new(true)
@@ -50,10 +71,42 @@ impl TempFile {
             .open(&path)
             .await
             .map_err(|e| Failure::new("StoreFailed", format!("{}: {e}", path.display())))?;
-        Ok(TempFile {
+        let out = TempFile {
             path,
             file: Some(file),
-        })
+            space: SpaceGuard::new(reserve, free),
+            written: 0,
+        };
+        if out.space.room() == 0 {
+            return Err(out.no_space(1, "before the first byte"));
+        }
+        Ok(out)
+    }
+
+    /// Fails with `NoSpace` unless `n` more bytes fit above the reserve,
+    /// by a fresh look: for a source whose length is known before a byte is
+    /// read.
+    pub fn ensure_room(&mut self, n: u64) -> Result<(), Failure> {
+        self.space.looked(free_space(&self.path)?);
+        if self.space.before(n, true) == Space::Full {
+            return Err(self.no_space(n, &format!("for its {n} bytes, before the first one")));
+        }
+        Ok(())
+    }
+
+    fn no_space(&self, needs: u64, when: &str) -> Failure {
+        let dir = self.path.parent().unwrap_or(Path::new("/"));
+        Failure {
+            reason: NO_SPACE,
+            message: format!(
+                "not enough free space {when}: the filesystem of {} has {} free and hearthd keeps {} ({} bytes) free for its store (hearthd --image-free-space-reserve)",
+                dir.display(),
+                format_bytes(self.space.free()),
+                format_bytes(self.space.reserve()),
+                self.space.reserve(),
+            ),
+            needs_room: Some(self.written.saturating_add(needs)),
+        }
     }
 
     /// The data on disk (fsync) and the file closed.
@@ -69,12 +122,36 @@ impl TempFile {
     }
 
     async fn write(&mut self, data: &[u8]) -> Result<(), Failure> {
+        let n = data.len() as u64;
+        let mut fresh = false;
+        loop {
+            match self.space.before(n, fresh) {
+                Space::Write => break,
+                Space::Look => {
+                    self.space.looked(free_space(&self.path)?);
+                    fresh = true;
+                }
+                Space::Full => {
+                    return Err(self.no_space(n, &format!("after {} bytes", self.written)));
+                }
+            }
+        }
         let fail = |e: String| Failure::new("StoreFailed", format!("{}: {e}", self.path.display()));
         let Some(f) = self.file.as_mut() else {
             return Err(fail("written after it was closed".into()));
         };
-        f.write_all(data).await.map_err(|e| fail(e.to_string()))
+        f.write_all(data).await.map_err(|e| fail(e.to_string()))?;
+        self.space.wrote(n);
+        self.written += n;
+        Ok(())
     }
+}
+
+/// Bytes available on the filesystem that holds `file`'s directory.
+fn free_space(file: &Path) -> Result<u64, Failure> {
+    let dir = file.parent().unwrap_or(Path::new("/"));
+    space::available(dir)
+        .map_err(|e| Failure::new("StoreFailed", format!("statvfs {}: {e}", dir.display())))
 }
 
 impl Drop for TempFile {
@@ -177,6 +254,10 @@ pub async fn fetch_http(
             ),
         ));
     }
+    let context = format!("spec.source.http.url: GET {url}");
+    if let Some(t) = total {
+        out.ensure_room(t).map_err(|f| f.within(&context))?;
+    }
     let mut progress = Progress::new(total, Instant::now());
     report(progress.report());
     let mut hasher = Sha256::new();
@@ -230,7 +311,7 @@ pub async fn fetch_http(
             ));
         }
         hasher.update(&chunk);
-        out.write(&chunk).await?;
+        out.write(&chunk).await.map_err(|f| f.within(&context))?;
         if let Some(r) = progress.add(chunk.len() as u64, Instant::now()) {
             report(r);
         }
@@ -283,6 +364,8 @@ pub async fn fetch_file(
             ),
         ));
     }
+    let context = format!("spec.source.file: {}", src.display());
+    out.ensure_room(len).map_err(|f| f.within(&context))?;
     let mut progress = Progress::new(Some(len), Instant::now());
     report(progress.report());
     let mut hasher = Sha256::new();
@@ -303,7 +386,7 @@ pub async fn fetch_file(
             ));
         }
         hasher.update(&buf[..n]);
-        out.write(&buf[..n]).await?;
+        out.write(&buf[..n]).await.map_err(|f| f.within(&context))?;
         if let Some(r) = progress.add(n as u64, Instant::now()) {
             report(r);
         }

@@ -10,6 +10,7 @@
 pub mod import;
 pub mod names;
 pub mod progress;
+pub mod space;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -37,6 +38,9 @@ pub struct Imports {
 struct ImportsState {
     running: HashMap<String, tokio::task::JoinHandle<()>>,
     failed_at: HashMap<String, Instant>,
+    /// Images whose last attempt ran out of free space: the room above the
+    /// reserve the next attempt needs (it waits until there is that much).
+    needs_room: HashMap<String, u64>,
 }
 
 impl Imports {
@@ -55,14 +59,27 @@ impl Imports {
         self.lock().failed_at.get(name).copied()
     }
 
-    /// Called by the task itself as its last step.
-    fn finished(&self, name: &str, failed: bool) {
+    fn needs_room(&self, name: &str) -> Option<u64> {
+        self.lock().needs_room.get(name).copied()
+    }
+
+    /// Called by the task itself as its last step, with the failure if the
+    /// attempt failed.
+    fn finished(&self, name: &str, failure: Option<&Failure>) {
         let mut st = self.lock();
         st.running.remove(name);
-        if failed {
-            st.failed_at.insert(name.to_string(), Instant::now());
-        } else {
-            st.failed_at.remove(name);
+        match failure {
+            Some(f) => {
+                st.failed_at.insert(name.to_string(), Instant::now());
+                match f.needs_room {
+                    Some(n) => st.needs_room.insert(name.to_string(), n),
+                    None => st.needs_room.remove(name),
+                };
+            }
+            None => {
+                st.failed_at.remove(name);
+                st.needs_room.remove(name);
+            }
         }
     }
 
@@ -72,6 +89,7 @@ impl Imports {
         let handle = {
             let mut st = self.lock();
             st.failed_at.remove(name);
+            st.needs_room.remove(name);
             st.running.remove(name)
         };
         match handle {
@@ -134,6 +152,17 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                     return Ok(());
                 }
             }
+            if let Some(needs) = ctx.imports.needs_room(name) {
+                // It ran out of free space: the same attempt again would
+                // only fill the filesystem up to the reserve again. The
+                // periodic resync looks again.
+                let room = space::available(&ctx.config.images_dir())
+                    .unwrap_or(0)
+                    .saturating_sub(ctx.config.images.free_space_reserve);
+                if room < needs {
+                    return Ok(());
+                }
+            }
         }
         // Importing with no task: an attempt a restart cut short.
         ImagePhase::Pending | ImagePhase::Importing => {}
@@ -169,7 +198,7 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
                 s.message = None;
             })
     else {
-        ctx.imports.finished(&name, false);
+        ctx.imports.finished(&name, None);
         return;
     };
     let attempt = status.attempts.unwrap_or(1);
@@ -185,7 +214,7 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
         &format!("attempt {attempt}: {what}"),
     );
     let result = run(&ctx, &name, &image, generation).await;
-    let failed = result.is_err();
+    let failure = result.as_ref().err().cloned();
     match result {
         Ok(done) => {
             let read = format!(
@@ -223,11 +252,19 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
         Err(f) => {
             let cfg = &ctx.config.images;
             let wait = retry_delay(attempt, cfg.retry_base, cfg.retry_max);
-            let message = format!(
-                "{} (attempt {attempt}; next attempt in {:.0} s)",
-                f.message,
-                wait.as_secs_f64().ceil()
-            );
+            let message = match f.needs_room {
+                Some(needs) => format!(
+                    "{} (attempt {attempt}; the next attempt waits until more than {} ({needs} bytes) are free above the reserve, and at least {:.0} s)",
+                    f.message,
+                    format_bytes(needs),
+                    wait.as_secs_f64().ceil()
+                ),
+                None => format!(
+                    "{} (attempt {attempt}; next attempt in {:.0} s)",
+                    f.message,
+                    wait.as_secs_f64().ceil()
+                ),
+            };
             // The event first: whoever sees Failed finds it.
             ctx.event(
                 Kind::VirtualImage,
@@ -257,7 +294,7 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
             });
         }
     }
-    ctx.imports.finished(&name, failed);
+    ctx.imports.finished(&name, failure.as_ref());
 }
 
 /// What a successful attempt produced.
@@ -337,7 +374,11 @@ async fn new_temp(ctx: &Context, dir: &Path, name: &str) -> Result<TempFile, Fai
         .store
         .next_counter("image-import")
         .map_err(|e| Failure::new("StoreFailed", e.to_string()))?;
-    TempFile::create(names::temp_path(dir, n, name)).await
+    TempFile::create(
+        names::temp_path(dir, n, name),
+        ctx.config.images.free_space_reserve,
+    )
+    .await
 }
 
 /// An http image whose content is already stored: no download. Its file
@@ -650,6 +691,9 @@ pub enum NotReady {
         size: u64,
         virtual_size: u64,
     },
+    /// The image's virtual size is more than any disk may have
+    /// ([`hearth_api::MAX_DISK_BYTES`]): never.
+    TooLarge { image: String, virtual_size: u64 },
 }
 
 impl NotReady {
@@ -667,13 +711,34 @@ impl NotReady {
                     "{size} bytes is smaller than VirtualImage {image:?} (virtualSize {virtual_size} bytes); a disk can grow an image, not shrink it"
                 ),
             ),
+            NotReady::TooLarge {
+                image,
+                virtual_size,
+            } => (
+                "spec.source.virtualImage",
+                too_large(&format!("VirtualImage {image:?}"), *virtual_size),
+            ),
         }
+    }
+
+    /// Whether the disk can never be made from the image as its spec is.
+    pub fn is_permanent(&self) -> bool {
+        !matches!(self, NotReady::Waiting(_))
     }
 
     pub fn message(&self) -> String {
         let (field, message) = self.field_and_message();
         format!("{field}: {message}")
     }
+}
+
+/// Why an image of `virtual_size` bytes cannot become a disk without a
+/// `spec.size`: the disk would be larger than `spec.size` may ask for.
+pub fn too_large(what: &str, virtual_size: u64) -> String {
+    format!(
+        "{what} has a virtual size of {virtual_size} bytes, more than the largest disk ({} bytes, the limit of spec.size): a disk made from it would have that size",
+        hearth_api::MAX_DISK_BYTES
+    )
 }
 
 /// Whether a disk of `size` (None: the image's own) can be made from
@@ -699,6 +764,10 @@ pub fn ready_for_disk(
             Some(size) if size < virtual_size => Err(NotReady::TooSmall {
                 image: image.to_string(),
                 size,
+                virtual_size,
+            }),
+            _ if virtual_size > hearth_api::MAX_DISK_BYTES => Err(NotReady::TooLarge {
+                image: image.to_string(),
                 virtual_size,
             }),
             _ => Ok(ReadyImage {

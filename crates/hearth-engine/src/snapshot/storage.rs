@@ -164,14 +164,68 @@ pub fn set_layer_base_tx(
     Ok(())
 }
 
-/// Whether any layer still has the image file `path` as its base.
+/// Whether any layer still has the image file `path` as its base (an
+/// image's, or an administrator's `spec.source.image` file that happens to
+/// be named like one).
 pub fn base_in_use_tx(tx: &rusqlite::Transaction<'_>, path: &Path) -> Result<bool, StoreError> {
     let n: i64 = tx.query_row(
-        "SELECT COUNT(*) FROM layer_bases WHERE path = ?1",
+        "SELECT (SELECT COUNT(*) FROM layer_bases WHERE path = ?1)
+              + (SELECT COUNT(*) FROM layer_source_images WHERE path = ?1)",
         params![path.to_string_lossy()],
         |r| r.get(0),
     )?;
     Ok(n > 0)
+}
+
+/// The image file recorded below `layer` (`layer_bases`), if any.
+pub fn layer_base_tx(
+    tx: &rusqlite::Transaction<'_>,
+    layer: &str,
+) -> Result<Option<PathBuf>, StoreError> {
+    Ok(tx
+        .query_row(
+            "SELECT path FROM layer_bases WHERE layer = ?1",
+            params![layer],
+            |r| r.get::<_, String>(0),
+        )
+        .optional()?
+        .map(PathBuf::from))
+}
+
+/// Records that `layer` was made over the administrator's base image
+/// `path` (canonical), opened as `format`.
+pub fn set_layer_source_image_tx(
+    tx: &rusqlite::Transaction<'_>,
+    layer: &str,
+    path: &Path,
+    format: &str,
+) -> Result<(), StoreError> {
+    tx.execute(
+        "INSERT INTO layer_source_images (layer, path, format) VALUES (?1, ?2, ?3)
+         ON CONFLICT (layer) DO UPDATE SET path = excluded.path, format = excluded.format",
+        params![layer, path.to_string_lossy(), format],
+    )?;
+    Ok(())
+}
+
+/// The base image (path, format) recorded below `layer` by
+/// [`set_layer_source_image_tx`], if any.
+pub fn layer_source_image_tx(
+    tx: &rusqlite::Transaction<'_>,
+    layer: &str,
+) -> Result<Option<(PathBuf, String)>, StoreError> {
+    Ok(tx
+        .query_row(
+            "SELECT path, format FROM layer_source_images WHERE layer = ?1",
+            params![layer],
+            |r| {
+                Ok((
+                    PathBuf::from(r.get::<_, String>(0)?),
+                    r.get::<_, String>(1)?,
+                ))
+            },
+        )
+        .optional()?)
 }
 
 pub fn drop_head(store: &Store, disk: &str) -> Result<(), StoreError> {
@@ -283,6 +337,10 @@ fn collect(store: &Store, keep_open: bool) -> Result<Vec<PathBuf>, StoreError> {
                     .optional()?;
                 bases.extend(base.map(PathBuf::from));
                 tx.execute("DELETE FROM layer_bases WHERE layer = ?1", params![id])?;
+                tx.execute(
+                    "DELETE FROM layer_source_images WHERE layer = ?1",
+                    params![id],
+                )?;
                 tx.execute("DELETE FROM layers WHERE id = ?1", params![id])?;
                 doomed.push(path.clone());
             }

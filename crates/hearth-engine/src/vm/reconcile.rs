@@ -12,7 +12,7 @@ use hearth_api::{
     VirtualMachine, VmPhase, remove_condition, set_condition,
 };
 use hearth_qemu::ProcessIdentity;
-use hearth_qemu::cmdline::{BackingLayer, DiskAttachment, KernelBoot, LaunchSpec, disk_serial};
+use hearth_qemu::cmdline::{DiskAttachment, KernelBoot, LaunchSpec, disk_serial};
 use hearth_qemu::process;
 use serde_json::json;
 
@@ -345,13 +345,17 @@ async fn try_launch(
                 d.virtual_disk_name
             )
         })?;
-        let backing = backing_layers(&path).await.map_err(|e| {
+        let refused = |e: String| {
             format!(
                 "spec.disks[{i}]: VirtualDisk {:?}: {e}",
                 d.virtual_disk_name
             )
-        })?;
-        disks.push(DiskAttachment {
+        };
+        // The chain the store recorded, not the one the headers name now.
+        let backing = super::chain::backing_layers(ctx, &d.virtual_disk_name, &path)
+            .await
+            .map_err(refused)?;
+        let disk = DiskAttachment {
             node_name: format!("disk{i}"),
             path,
             read_only: false,
@@ -359,7 +363,11 @@ async fn try_launch(
             // filesystem report can be tied back to this VirtualDisk.
             serial: disk_serial(&d.virtual_disk_name),
             backing,
-        });
+        };
+        // Refused here, before anything is prepared for QEMU; the handover
+        // checks the same again on the descriptors it gives QEMU.
+        hearth_qemu::chain::check_disk(&disk).map_err(|e| refused(e.to_string()))?;
+        disks.push(disk);
     }
     let run_dir = cfg.vm_run_dir(name);
     let state_dir = cfg.vm_state_dir(name);
@@ -484,6 +492,21 @@ async fn try_launch(
             if super::launches::find(&marker).is_none() {
                 let _ = ctx.store.drop_launch(launch_id);
             }
+            if let process::LaunchError::Handover(hearth_qemu::handover::HandoverError::Layer {
+                index,
+                source,
+            }) = &e
+            {
+                // A layer that changed since the check above.
+                return Err(format!(
+                    "spec.disks[{index}]: VirtualDisk {:?}: {source}",
+                    vm.spec
+                        .disks
+                        .get(*index)
+                        .map(|d| d.virtual_disk_name.as_str())
+                        .unwrap_or_default()
+                ));
+            }
             return Err(format!(
                 "QEMU did not start: {e}{}",
                 permission_hint(&e, cfg.qemu_user.as_ref())
@@ -524,32 +547,6 @@ fn permission_hint(
         }
         _ => String::new(),
     }
-}
-
-/// The layers below a disk's head, top first, as its qcow2 headers chain
-/// them (read by `qemu-img`, which opens each in turn; the chain was
-/// checked to stay inside hearth's files and the image roots when the
-/// disk was made). QEMU gets each as a node of its own, by descriptor.
-async fn backing_layers(head: &std::path::Path) -> Result<Vec<BackingLayer>, String> {
-    let chain = hearth_qemu::img::backing_chain(head)
-        .await
-        .map_err(|e| format!("reading the layer chain of {}: {e}", head.display()))?;
-    let mut layers = Vec::new();
-    for info in chain.into_iter().skip(1) {
-        let path = std::path::PathBuf::from(&info.filename);
-        if !path.is_absolute() {
-            return Err(format!(
-                "a layer below {} is named by the relative path {:?}",
-                head.display(),
-                info.filename
-            ));
-        }
-        layers.push(BackingLayer {
-            path,
-            format: info.format,
-        });
-    }
-    Ok(layers)
 }
 
 /// Builds the VM's cloud-init seed afresh (or removes an old one when it has

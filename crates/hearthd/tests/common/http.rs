@@ -30,6 +30,9 @@ pub enum Behaviour {
     },
     /// The body with no Content-Length: it ends when the connection closes.
     NoLength(Vec<u8>),
+    /// A body with no Content-Length that never ends: zeros, as fast as
+    /// the client reads, until it goes or the server stops.
+    Endless,
     /// The whole body, `chunk` bytes every `pause`.
     Drip {
         body: Vec<u8>,
@@ -182,6 +185,17 @@ fn serve(
                 b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
             );
             let _ = conn.write_all(&body);
+        }
+        Behaviour::Endless => {
+            let _ = conn.write_all(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nConnection: close\r\n\r\n",
+            );
+            let zeros = vec![0u8; 1 << 20];
+            while !stop.load(Ordering::SeqCst) {
+                if conn.write_all(&zeros).is_err() {
+                    return;
+                }
+            }
         }
         Behaviour::Drip { body, chunk, pause } => {
             let _ = conn.write_all(head(body.len() as u64).as_bytes());

@@ -110,6 +110,16 @@ impl Daemon {
             .prefix("hearth-e2e-")
             .tempdir()
             .expect("tempdir");
+        Self::start_without_guest_in(dir, image_roots, extra_args)
+    }
+
+    /// [`Daemon::start_without_guest`] in a directory the test prepared
+    /// (its `state` may be a filesystem of its own, mounted there).
+    pub fn start_without_guest_in(
+        dir: tempfile::TempDir,
+        image_roots: &[&Path],
+        extra_args: &[&str],
+    ) -> Daemon {
         let mut args = vec!["--accel".to_string(), "tcg".to_string()];
         args.extend(extra_args.iter().map(|s| s.to_string()));
         let mut d = Daemon {
