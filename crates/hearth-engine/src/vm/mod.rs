@@ -3,6 +3,7 @@
 
 pub mod decide;
 pub mod firmware;
+pub mod graceful;
 pub mod launches;
 pub mod live;
 pub mod nics;
