@@ -478,9 +478,12 @@ fn a_restart_right_after_boot_and_a_stop_without_the_agent_power_the_guest_off_c
         !tail.contains("guest-shutdown called"),
         "qemu-ga shut the guest down after it was stopped?\n{tail}"
     );
+    // The image's own handler saw the press (acpid's rule logs either way:
+    // it powers off while systemd-logind does not run yet, else leaves the
+    // press to logind).
     assert!(
-        tail.contains("power button pressed") || tail.contains("Power key pressed"),
-        "nothing in the guest acted on the power button:\n{tail}"
+        tail.contains("power button pressed: "),
+        "the guest's acpid did not see the power button:\n{tail}"
     );
     assert!(
         tail.contains("Reached target poweroff.target") && tail.contains("reboot: Power down"),
