@@ -23,12 +23,14 @@
 #
 # Cached: when the outputs are newer than this script, hooks.sh and everything
 # under rootfs/, it exits at once. `--force` (or HEARTH_GUEST_FORCE=1) rebuilds.
+# HEARTH_GUEST_OUT=DIR builds into DIR instead of guest/out (a variant to try
+# out while guest/out stays as it is).
 set -euo pipefail
 export PATH="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 export LC_ALL=C.UTF-8
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-OUT="$(cd "$HERE/.." && pwd)/out"
+OUT="$(realpath -m "${HEARTH_GUEST_OUT:-$HERE/../out}")"
 CACHE="${HEARTH_GUEST_CACHE:-/var/cache/hearth/guest}/debian"
 SELF="$HERE/build.sh"
 HOOKS="$HERE/hooks.sh"
@@ -56,6 +58,9 @@ PACKAGES=(
     iperf3
     # Satisfies init-system-helpers' "usrmerge | usr-is-merged" without perl.
     usr-is-merged
+    # The ACPI power button from early in the boot, before systemd-logind runs
+    # (rootfs/etc/acpi/powerbtn.sh says why).
+    acpid
 )
 DPKG_OPTS=(
     # Dropped again at the end of the build (hooks.sh customize): no fsync per
@@ -77,7 +82,7 @@ FORCE="${HEARTH_GUEST_FORCE:-0}"
 for a in "$@"; do
     case "$a" in
         --force | -f) FORCE=1 ;;
-        -h | --help) sed -n '2,25p' "$SELF"; exit 0 ;;
+        -h | --help) sed -n '2,27p' "$SELF"; exit 0 ;;
         *) die "unknown argument: $a" ;;
     esac
 done
@@ -109,7 +114,8 @@ done
 
 mkdir -p "$OUT" "$CACHE/archives"
 
-# One build at a time (they share the cache and the outputs).
+# One build at a time per output directory, and one at a time per package
+# cache (builds into other directories share it).
 exec 9>"$OUT/.$NAME.lock"
 if ! flock -n 9; then
     log "another build is running; waiting for it"
@@ -118,6 +124,11 @@ if ! flock -n 9; then
         log "up to date: $QCOW (built by the other run)"
         exit 0
     fi
+fi
+exec 8>"$CACHE/.lock"
+if ! flock -n 8; then
+    log "another build uses the package cache $CACHE; waiting for it"
+    flock 8
 fi
 
 start=$(date +%s)

@@ -160,6 +160,13 @@ EOF
         fi
     done
 
+    # acpid, for the power button before systemd-logind runs: pulled in by
+    # sysinit.target, ordered only after the local filesystems (its drop-ins).
+    [ -e "$R/lib/systemd/system/acpid.service" ] || die "acpid.service is missing"
+    [ -x "$R/etc/acpi/powerbtn.sh" ] || die "/etc/acpi/powerbtn.sh is missing"
+    chroot "$R" systemctl add-wants sysinit.target acpid.service >/dev/null 2>&1 ||
+        die "systemctl add-wants sysinit.target acpid.service failed"
+
     # qemu-ga: Debian starts it from udev when the port appears; check the rule is there.
     grep -qs 'org.qemu.guest_agent.0' "$R"/lib/udev/rules.d/*qemu-guest-agent*.rules ||
         die "qemu-guest-agent's udev rule is missing"

@@ -78,6 +78,10 @@ pub struct EngineMetrics {
     reconcile_errors: Family<KindLabel, Counter>,
     freeze_window: Histograms,
     request_to_ready: Histograms,
+    /// Stops that had to quit or kill QEMU, by VM. Written per VM that
+    /// exists at scrape time (0 for one never forced), so each VM has its
+    /// series from its creation and loses it with its deletion.
+    forced_stops: std::sync::Mutex<BTreeMap<String, u64>>,
 }
 
 impl Default for EngineMetrics {
@@ -87,6 +91,7 @@ impl Default for EngineMetrics {
             reconcile_errors: Family::default(),
             freeze_window: Family::new_with_constructor(freeze_buckets),
             request_to_ready: Family::new_with_constructor(ready_buckets),
+            forced_stops: Default::default(),
         };
         // Every series exists from the start, at zero: a rate over a series
         // that appears only at its first event misses that event.
@@ -132,6 +137,27 @@ impl EngineMetrics {
         self.request_to_ready
             .get_or_create(&KindLabel::of(kind))
             .observe(took.as_secs_f64());
+    }
+
+    /// A stop of `vm` ran out of its grace period and stopped QEMU without
+    /// the guest.
+    pub fn forced_stop(&self, vm: &str) {
+        *self.forced_stops_map().entry(vm.to_string()).or_insert(0) += 1;
+    }
+
+    /// How many stops of `vm` were forced since hearthd started.
+    pub fn forced_stops_of(&self, vm: &str) -> u64 {
+        self.forced_stops_map().get(vm).copied().unwrap_or(0)
+    }
+
+    /// `vm` is deleted: its count goes with it (a new VM of that name starts
+    /// from zero, which a scraper sees as a counter reset).
+    pub fn forget_vm(&self, vm: &str) {
+        self.forced_stops_map().remove(vm);
+    }
+
+    fn forced_stops_map(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, u64>> {
+        self.forced_stops.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Adds these metrics (shared, not copied) to a scrape's registry.
@@ -201,6 +227,8 @@ struct VmSample {
     name: String,
     phase: VmPhase,
     agent_connected: bool,
+    /// Stops of this VM that were forced since hearthd started.
+    forced_stops: u64,
     process: Option<ProcessStats>,
     /// (vCPU index, CPU seconds of its thread).
     vcpus: Vec<(u32, f64)>,
@@ -302,6 +330,7 @@ pub async fn sample(ctx: &Context) -> Sample {
 async fn sample_vm(ctx: &Context, name: String, status: VirtualMachineStatus) -> VmSample {
     let mut s = VmSample {
         agent_connected: ctx.live_agent_connected(&name),
+        forced_stops: ctx.metrics.forced_stops_of(&name),
         name,
         phase: status.phase,
         process: None,
@@ -397,6 +426,15 @@ impl Collector for Sample {
             self.vms
                 .iter()
                 .map(|vm| (vm_label(vm), ConstGauge::new(i64::from(vm.agent_connected)))),
+        )?;
+        family(
+            e,
+            "vm_forced_stops",
+            "Stops of the VM whose guest did not power off within spec.stopTimeoutSeconds, so that QEMU was made to quit (an unclean shutdown for the guest), since hearthd started",
+            MetricType::Counter,
+            self.vms
+                .iter()
+                .map(|vm| (vm_label(vm), ConstCounter::new(vm.forced_stops))),
         )?;
         family(
             e,
@@ -569,6 +607,7 @@ mod tests {
                 name: "web".into(),
                 phase: VmPhase::Running,
                 agent_connected: true,
+                forced_stops: 2,
                 process: Some(ProcessStats {
                     cpu_seconds: 12.5,
                     rss_bytes: 300 << 20,
@@ -605,6 +644,7 @@ mod tests {
         assert_eq!(v(r#"hearth_vm_phase{vm="web",phase="Running"}"#), 1.0);
         assert_eq!(v(r#"hearth_vm_phase{vm="web",phase="Stopped"}"#), 0.0);
         assert_eq!(v(r#"hearth_vm_agent_connected{vm="web"}"#), 1.0);
+        assert_eq!(v(r#"hearth_vm_forced_stops_total{vm="web"}"#), 2.0);
         assert_eq!(v(r#"hearth_vm_cpu_seconds_total{vm="web"}"#), 12.5);
         assert_eq!(v(r#"hearth_vm_vcpu_seconds_total{vm="web",vcpu="1"}"#), 1.5);
         assert_eq!(
@@ -658,6 +698,20 @@ mod tests {
             0.0
         );
         assert_eq!(v("hearth_manifest_parse_errors_total"), 3.0);
+    }
+
+    #[test]
+    fn forced_stops_are_counted_per_vm_and_forgotten_with_it() {
+        let engine = EngineMetrics::default();
+        assert_eq!(engine.forced_stops_of("web"), 0);
+        engine.forced_stop("web");
+        engine.forced_stop("web");
+        engine.forced_stop("db");
+        assert_eq!(engine.forced_stops_of("web"), 2);
+        assert_eq!(engine.forced_stops_of("db"), 1);
+        engine.forget_vm("web");
+        assert_eq!(engine.forced_stops_of("web"), 0);
+        assert_eq!(engine.forced_stops_of("db"), 1);
     }
 
     #[test]

@@ -434,8 +434,13 @@ impl AgentClient {
     /// Asks the guest to shut down (`mode`: "powerdown", "halt" or "reboot").
     ///
     /// qemu-ga sends no reply when the request succeeds (the guest goes away), so a
-    /// timeout or EOF after sending counts as success; only an error reply fails.
-    /// The channel is left unsynced either way.
+    /// timeout or EOF after sending counts as success; only an error reply fails
+    /// (qemu-ga's shutdown command exited non-zero: in a systemd guest, typically
+    /// because systemd-logind does not run yet). Silence means success only from
+    /// an agent that is known to read: the channel is always resynchronised first,
+    /// even when it is in sync, so an agent that died since its last answer fails
+    /// here instead of being taken to shut the guest down. The channel is left
+    /// unsynced either way.
     pub async fn shutdown(&mut self, mode: &str, timeout: Duration) -> Result<(), AgentError> {
         if !matches!(mode, "powerdown" | "halt" | "reboot") {
             return Err(AgentError::InvalidArgument(format!(
@@ -444,6 +449,7 @@ impl AgentClient {
         }
         let command = "guest-shutdown";
         let deadline = Instant::now() + timeout;
+        self.synced = false;
         self.send_command(command, Some(json!({"mode": mode})), deadline, timeout)
             .await?;
         let outcome = self.read_reply(command, deadline, timeout).await;
@@ -1182,6 +1188,41 @@ mod tests {
         let err = client.shutdown("now", T).await.expect_err("bad mode");
         assert!(matches!(err, AgentError::InvalidArgument(_)));
         guest.await.expect("fake agent");
+    }
+
+    /// An agent that answered a moment ago and then went silent (qemu-ga
+    /// stopped in the guest, the port still open) must not be taken to have
+    /// accepted a shutdown: its silence is not the silence of a success.
+    #[tokio::test(start_paused = true)]
+    async fn shutdown_on_a_synced_channel_to_a_silent_agent_fails() {
+        let (_dir, mut client, mut fake) = setup().await;
+        let guest = tokio::spawn(async move {
+            fake.handle_sync().await;
+            assert_eq!(fake.recv().await["execute"], "guest-ping");
+            fake.reply(json!({})).await;
+            // From here on it reads and never answers.
+            let _ = fake.recv_sync().await;
+            let mut rest = String::new();
+            let _ = fake.read.read_line(&mut rest).await;
+            (fake, rest)
+        });
+        client.ping(T).await.expect("ping");
+        assert!(client.is_synced());
+        let err = client
+            .shutdown("powerdown", Duration::from_secs(2))
+            .await
+            .expect_err("no answer to the resync: not a shutdown");
+        assert!(
+            matches!(&err, AgentError::Timeout { command, .. } if command == "guest-sync-delimited"),
+            "{err}"
+        );
+        assert!(err.is_transport());
+        drop(client);
+        let (_fake, rest) = guest.await.expect("fake agent");
+        assert!(
+            !rest.contains("guest-shutdown"),
+            "guest-shutdown was sent to an agent that did not answer: {rest:?}"
+        );
     }
 
     #[test]

@@ -279,3 +279,214 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
         "{msg}"
     );
 }
+
+/// `hearth restart` the moment the guest agent first answers, and then a
+/// `hearth stop` with qemu-ga stopped in the guest: both end in the guest's
+/// own orderly power-off, before the grace period, never in a forced stop.
+///
+/// The restart comes early in the boot, when systemd-logind (which qemu-ga's
+/// `shutdown -h -P +0` goes through) does not run yet, so qemu-ga refuses
+/// the shutdown and the ACPI power button has to do it. Two boots in all:
+/// the second one serves both the first check's evidence (the first boot's
+/// journal, its own fsck) and the second check.
+///
+/// Ground truth is the guest's: its persistent journal, its console (the
+/// journal is forwarded to it for the second check) and the root
+/// filesystem's state as the next boot's fsck finds it.
+#[test]
+fn a_restart_right_after_boot_and_a_stop_without_the_agent_power_the_guest_off_cleanly() {
+    let _serial = serial();
+    let (image, sha) = debian_image();
+    let server = Server::start();
+    server.route("/debian-12.qcow2", Behaviour::File(image));
+    let d = Daemon::start();
+    let t0 = Instant::now();
+    let mark = |what: &str| {
+        eprintln!(
+            "debian_guest stop: {:>6.1} s  {what}",
+            t0.elapsed().as_secs_f64()
+        )
+    };
+    let name = "deb-stop";
+    let grace = Duration::from_secs(60);
+    apply(
+        &d,
+        vec![
+            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualImage",
+                    "metadata": {"name": "debian-12"},
+                    "spec": {"source": {"http": {"url": server.url("/debian-12.qcow2"), "sha256": sha}}}}),
+            image_disk("deb-stop-root", "debian-12", None),
+            vm(
+                name,
+                "BIOS",
+                "deb-stop-root",
+                json!({"userData": "#cloud-config\n"}),
+            ),
+        ],
+    );
+
+    // --- restart right after the agent's first answer -----------------------
+    let first = d.wait_vm(
+        name,
+        "agent connected",
+        IMPORT_TIMEOUT + DEBIAN_BOOT_TIMEOUT,
+        |v| v["status"]["phase"] == "Running" && v["status"]["agentConnected"] == true,
+    );
+    let pid1 = first["status"]["pid"].as_u64().expect("pid") as u32;
+    mark("first boot: agent connected; restarting");
+    let asked = Instant::now();
+    d.cli_ok(&["restart", name]);
+    let relaunched = std::cell::Cell::new(None);
+    let second = d.wait_vm(
+        name,
+        "running again with a new QEMU and its agent",
+        grace + DEBIAN_BOOT_TIMEOUT,
+        |v| {
+            let new_pid = v["status"]["pid"]
+                .as_u64()
+                .is_some_and(|p| p != u64::from(pid1));
+            if new_pid && relaunched.get().is_none() {
+                relaunched.set(Some(asked.elapsed()));
+            }
+            new_pid && v["status"]["phase"] == "Running" && v["status"]["agentConnected"] == true
+        },
+    );
+    let took = relaunched.get().expect("seen relaunched");
+    mark(&format!(
+        "restarted: the new QEMU ran {took:.1?} after the request"
+    ));
+    assert!(!is_alive(pid1), "the first QEMU {pid1} still runs");
+    let pid2 = second["status"]["pid"].as_u64().expect("pid") as u32;
+    assert!(is_alive(pid2), "{second:#}");
+    assert!(
+        took < grace,
+        "the restart took {took:?}: as long as a stop forced after its {grace:?} grace period"
+    );
+    let reasons = d.event_reasons("VirtualMachine", name);
+    assert!(
+        !reasons.iter().any(|r| r == "ForcedStop"),
+        "{:#?}",
+        d.events("VirtualMachine", name)
+    );
+    assert_eq!(forced_stops(&d, name), 0.0);
+    // The first boot's journal ends in systemd's power-off, and the second
+    // boot's fsck finds the root filesystem clean (after QEMU is made to quit
+    // it says "recovering journal").
+    let boots = sh_ok(
+        &d,
+        name,
+        "journalctl --list-boots --no-pager | tail -n +2 | wc -l",
+    );
+    assert_eq!(boots.trim(), "2", "two boots in the journal");
+    let journal = sh_ok(&d, name, "journalctl -b -1 -o short-monotonic --no-pager");
+    let shutdown_lines: Vec<&str> = journal
+        .lines()
+        .filter(|l| {
+            [
+                "guest-shutdown called",
+                "Power key",
+                "power button",
+                "powering",
+                "logind",
+                "poweroff.target",
+            ]
+            .iter()
+            .any(|w| l.contains(w))
+        })
+        .collect();
+    eprintln!(
+        "debian_guest stop: the first boot's shutdown, from its journal:\n{}",
+        shutdown_lines.join("\n")
+    );
+    assert!(
+        journal.contains("Reached target poweroff.target"),
+        "the first boot did not power off through systemd:\n{}",
+        journal
+            .lines()
+            .rev()
+            .take(40)
+            .collect::<Vec<_>>()
+            .into_iter()
+            .rev()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let console = std::fs::read_to_string(serial_log(&d, name)).unwrap_or_default();
+    let fsck: Vec<&str> = console
+        .lines()
+        .filter(|l| l.contains("debian-root:"))
+        .collect();
+    assert!(
+        fsck.iter().any(|l| l.contains("debian-root: clean"))
+            && !console.contains("recovering journal"),
+        "the second boot's fsck: {fsck:?}"
+    );
+
+    // --- a stop with the agent stopped in the guest: the power button -------
+    // The journal goes to the console from here on, so the console shows who
+    // acted on the stop.
+    sh_ok(
+        &d,
+        name,
+        "mkdir -p /etc/systemd/journald.conf.d && printf '[Journal]\\nForwardToConsole=yes\\nMaxLevelConsole=info\\n' > /etc/systemd/journald.conf.d/10-console.conf && systemctl restart systemd-journald",
+    );
+    // Started, not waited for: qemu-ga goes away before it could answer.
+    let (status, v) = d.request(
+        "POST",
+        &format!("/v1/virtualmachines/{name}/agent/exec/start"),
+        Some(&json!({"path": "/bin/systemctl", "args": ["--no-block", "stop", "qemu-guest-agent.service"]})),
+    );
+    assert_eq!(status, 200, "{v}");
+    d.wait_vm(name, "the agent gone", Duration::from_secs(120), |v| {
+        v["status"]["agentConnected"] == false
+    });
+    mark("second boot: qemu-ga stopped in the guest; stopping the VM");
+    let asked = Instant::now();
+    d.cli_ok(&["stop", name]);
+    d.wait_phase(name, "Stopped", grace + Duration::from_secs(30));
+    let took = asked.elapsed();
+    mark(&format!("stopped {took:.1?} after the request"));
+    wait_until("the second QEMU gone", Duration::from_secs(10), || {
+        !is_alive(pid2)
+    });
+    assert!(
+        took < grace,
+        "the stop took {took:?}, its grace period is {grace:?}"
+    );
+    let reasons = d.event_reasons("VirtualMachine", name);
+    assert!(
+        !reasons.iter().any(|r| r == "ForcedStop"),
+        "{:#?}",
+        d.events("VirtualMachine", name)
+    );
+    assert_eq!(forced_stops(&d, name), 0.0);
+    let console = std::fs::read_to_string(serial_log(&d, name)).unwrap_or_default();
+    let tail: String = console
+        .lines()
+        .skip_while(|l| {
+            !l.contains("Stopped qemu-guest-agent.service")
+                && !l.contains("Stopped QEMU Guest Agent")
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    eprintln!("debian_guest stop: the second boot's console from qemu-ga's stop:\n{tail}");
+    assert!(
+        !tail.is_empty(),
+        "the console does not show qemu-ga stopping:\n{console}"
+    );
+    assert!(
+        !tail.contains("guest-shutdown called"),
+        "qemu-ga shut the guest down after it was stopped?\n{tail}"
+    );
+    // The image's own handler saw the press (acpid's rule logs either way:
+    // it powers off while systemd-logind does not run yet, else leaves the
+    // press to logind).
+    assert!(
+        tail.contains("power button pressed: "),
+        "the guest's acpid did not see the power button:\n{tail}"
+    );
+    assert!(
+        tail.contains("Reached target poweroff.target") && tail.contains("reboot: Power down"),
+        "the guest did not power off through systemd:\n{tail}"
+    );
+}

@@ -5,7 +5,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use serde_json::json;
+use serde_json::{Value, json};
 
 /// The demo manifests from `examples/`: boot, talk to the agent, stop, start,
 /// survive a SIGKILL of hearthd (adopted, not restarted), delete cleanly.
@@ -204,5 +204,97 @@ fn guest_poweroff_and_qemu_crash_are_observed() {
     assert!(
         d.event_reasons("VirtualMachine", "solo")
             .contains(&"Crashed".to_string())
+    );
+}
+
+/// A guest that acts on no request (the small guest without its agent has
+/// nothing that handles the ACPI power button) is stopped by force once its
+/// grace period is over: the forced stop is counted in the VM's
+/// `hearth_vm_forced_stops_total` and told in a ForcedStop event that says
+/// what was asked; QEMU is gone, and the guest's console shows it never shut
+/// down. A guest that powers off when asked is not counted.
+#[test]
+fn a_stop_the_guest_does_not_act_on_is_forced_counted_and_told() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let deaf = vm_yaml("deaf", "Manual", &[], "hearth.agent=0")
+        .replace("stopTimeoutSeconds: 10", "stopTimeoutSeconds: 6");
+    let polite = vm_yaml("polite", "Manual", &[], "");
+    let m = manifest(&d, "vms.yaml", &format!("{deaf}---\n{polite}"));
+    d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    d.wait_phase("deaf", "Stopped", Duration::from_secs(20));
+    assert_eq!(
+        forced_stops(&d, "deaf"),
+        0.0,
+        "a VM's series exists from the start"
+    );
+    assert_eq!(forced_stops(&d, "polite"), 0.0);
+
+    // Asked to power off, the guest with its agent does.
+    d.cli_ok(&["start", "polite"]);
+    let vm = d.wait_agent("polite");
+    let polite_pid = vm["status"]["pid"].as_u64().expect("pid") as u32;
+    d.cli_ok(&["stop", "polite"]);
+    d.wait_phase("polite", "Stopped", Duration::from_secs(60));
+    wait_until("polite's QEMU gone", Duration::from_secs(10), || {
+        !is_alive(polite_pid)
+    });
+    let console = std::fs::read_to_string(serial_log(&d, "polite")).unwrap_or_default();
+    assert!(
+        console.contains("hearth-guest: poweroff"),
+        "the guest shut itself down: {console}"
+    );
+    assert_eq!(forced_stops(&d, "polite"), 0.0);
+
+    // The deaf one: running, then a stop nobody in the guest hears.
+    d.cli_ok(&["start", "deaf"]);
+    let vm = d.wait_phase("deaf", "Running", Duration::from_secs(60));
+    let pid = vm["status"]["pid"].as_u64().expect("pid") as u32;
+    wait_until("the guest's init runs", Duration::from_secs(60), || {
+        std::fs::read_to_string(serial_log(&d, "deaf"))
+            .unwrap_or_default()
+            .contains("hearth-guest: kernel cmdline")
+    });
+    let asked = std::time::Instant::now();
+    d.cli_ok(&["stop", "deaf"]);
+    d.wait_phase("deaf", "Stopped", Duration::from_secs(60));
+    let took = asked.elapsed();
+    wait_until("deaf's QEMU gone", Duration::from_secs(10), || {
+        !is_alive(pid)
+    });
+    assert!(
+        took >= Duration::from_secs(6),
+        "stopped after {took:?}, before its 6 s grace period was over"
+    );
+    let console = std::fs::read_to_string(serial_log(&d, "deaf")).unwrap_or_default();
+    assert!(
+        !console.contains("hearth-guest: poweroff"),
+        "the guest was not supposed to shut down: {console}"
+    );
+    assert_eq!(forced_stops(&d, "deaf"), 1.0);
+    assert_eq!(forced_stops(&d, "polite"), 0.0);
+    let forced: Vec<Value> = d
+        .events("VirtualMachine", "deaf")
+        .into_iter()
+        .filter(|e| e["reason"] == "ForcedStop")
+        .collect();
+    assert_eq!(forced.len(), 1, "{forced:?}");
+    assert_eq!(forced[0]["type"], "Warning", "{forced:?}");
+    let message = forced[0]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("within 6s") && message.contains("power button pressed"),
+        "the event says how long and what was asked: {message}"
+    );
+
+    // Deleted, the VM's series goes with it.
+    d.cli_ok(&["delete", "vm", "deaf"]);
+    wait_until("deaf gone", Duration::from_secs(30), || {
+        d.get_vm("deaf").is_none()
+    });
+    let (_, body) = raw_request(&d.socket(), "GET", "/metrics", None).expect("scrape");
+    let text = String::from_utf8_lossy(&body);
+    assert!(
+        !text.contains("hearth_vm_forced_stops_total{vm=\"deaf\"}"),
+        "{text}"
     );
 }

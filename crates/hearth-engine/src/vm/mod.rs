@@ -4,6 +4,7 @@
 mod chain;
 pub mod decide;
 pub mod firmware;
+pub mod graceful;
 pub mod launches;
 pub mod live;
 pub mod nics;

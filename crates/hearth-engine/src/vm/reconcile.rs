@@ -594,39 +594,32 @@ async fn stop(
     live.stopping.store(true, Ordering::SeqCst);
     let grace = Duration::from_secs(u64::from(vm.spec.stop_timeout_seconds));
 
-    // Graceful: the guest agent if it answers, else the ACPI power button.
-    let mut asked = false;
-    if live.agent_connected.load(Ordering::SeqCst)
-        && let Ok(mut guard) = tokio::time::timeout(Duration::from_secs(2), live.agent.lock()).await
-        && let Some(agent) = guard.as_mut()
-    {
-        asked = agent
-            .shutdown("powerdown", Duration::from_secs(3))
-            .await
-            .is_ok();
-    }
-    if !asked && let Some(qmp) = &live.qmp {
-        let _ = qmp
-            .execute("system_powerdown", None, Duration::from_secs(3))
-            .await;
-    }
-    if tokio::time::timeout(grace, process::wait_for_exit(&record.process))
-        .await
-        .is_ok()
-    {
+    // Graceful: the guest agent when it answers, else (or as well, when it
+    // refuses) the ACPI power button, again and again until QEMU exits or
+    // the grace period is over (vm/graceful.rs says why and when).
+    let asked = ask_to_power_off(&live, grace).await;
+    if asked.exited {
         return Ok(());
     }
 
-    // Forced: ask QEMU to quit, then kill it.
+    // Forced: ask QEMU to quit, then kill it. The guest did not shut down:
+    // for it this is pulling the plug, so it is counted and told.
+    ctx.metrics.forced_stop(name);
+    let mut message = format!(
+        "the guest did not power off within {}s ({}",
+        grace.as_secs(),
+        asked.plan.summary()
+    );
+    if let Some(refusal) = &asked.last_agent_error {
+        message.push_str(&format!("; last agent error: {refusal}"));
+    }
+    message.push_str("); stopping QEMU");
     ctx.event(
         Kind::VirtualMachine,
         name,
         EventType::Warning,
         "ForcedStop",
-        &format!(
-            "the guest did not power off within {}s; stopping QEMU",
-            grace.as_secs()
-        ),
+        &message,
     );
     if let Some(qmp) = &live.qmp {
         let _ = qmp.execute("quit", None, Duration::from_secs(2)).await;
@@ -648,6 +641,113 @@ async fn stop(
         )));
     }
     Ok(())
+}
+
+/// How long a stop waits for the agent channel (an exec poll or a file
+/// chunk holds it for one call).
+const AGENT_LOCK_WAIT: Duration = Duration::from_secs(2);
+/// One `guest-shutdown`: the resync, then the wait for a refusal (qemu-ga
+/// answers only when its shutdown command failed).
+const AGENT_SHUTDOWN_TIMEOUT: Duration = Duration::from_secs(5);
+const POWER_BUTTON_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// How asking the guest to power off went.
+struct Asked {
+    /// QEMU exited within the grace period.
+    exited: bool,
+    plan: super::graceful::Plan,
+    /// The agent's last refusal or failure, for the forced stop's event.
+    last_agent_error: Option<String>,
+}
+
+/// Carries out the graceful part of a stop (`graceful::Plan`): sends what
+/// the plan says, waits for QEMU's exit in between.
+async fn ask_to_power_off(live: &super::live::LiveVm, grace: Duration) -> Asked {
+    use super::graceful::{Answer, Next, Plan, Request};
+    let vm = live.record.vm.as_str();
+    let process = &live.record.process;
+    let started = tokio::time::Instant::now();
+    let mut plan = Plan::new(grace);
+    let mut last_agent_error = None;
+    loop {
+        let connected = live.agent_connected.load(Ordering::SeqCst);
+        match plan.next(started.elapsed(), connected) {
+            Next::Force => {
+                return Asked {
+                    exited: !process::is_alive(process),
+                    plan,
+                    last_agent_error,
+                };
+            }
+            Next::WaitUntil(until) => {
+                let wait = until.saturating_sub(started.elapsed());
+                if tokio::time::timeout(wait, process::wait_for_exit(process))
+                    .await
+                    .is_ok()
+                {
+                    tracing::info!(vm, asked = %plan.summary(), took = ?started.elapsed(), "stop: the guest powered off");
+                    return Asked {
+                        exited: true,
+                        plan,
+                        last_agent_error,
+                    };
+                }
+            }
+            Next::Send(Request::Agent) => {
+                let (answer, error) = ask_agent_to_power_off(live).await;
+                match &error {
+                    Some(e) => {
+                        tracing::info!(vm, ?answer, error = %e, "stop: asked the guest agent to power off")
+                    }
+                    None => tracing::info!(vm, ?answer, "stop: asked the guest agent to power off"),
+                }
+                if error.is_some() {
+                    last_agent_error = error;
+                }
+                plan.record(started.elapsed(), Request::Agent, answer);
+            }
+            Next::Send(Request::PowerButton) => {
+                let answer = match &live.qmp {
+                    Some(qmp) => match qmp
+                        .execute("system_powerdown", None, POWER_BUTTON_TIMEOUT)
+                        .await
+                    {
+                        Ok(_) => Answer::Pressed,
+                        Err(e) => {
+                            tracing::warn!(vm, error = %e, "stop: system_powerdown failed");
+                            Answer::NotPressed
+                        }
+                    },
+                    None => Answer::NotPressed,
+                };
+                tracing::info!(vm, ?answer, "stop: pressed the power button");
+                plan.record(started.elapsed(), Request::PowerButton, answer);
+            }
+        }
+    }
+}
+
+/// One `guest-shutdown` through the VM's shared agent channel: the answer,
+/// and what went wrong when it was not accepted.
+async fn ask_agent_to_power_off(
+    live: &super::live::LiveVm,
+) -> (super::graceful::Answer, Option<String>) {
+    use super::graceful::Answer;
+    let Ok(mut guard) = tokio::time::timeout(AGENT_LOCK_WAIT, live.agent.lock()).await else {
+        return (
+            Answer::NoAnswer,
+            Some("the agent channel stayed busy".into()),
+        );
+    };
+    let Some(agent) = guard.as_mut() else {
+        return (Answer::NoAnswer, Some("the agent is reconnecting".into()));
+    };
+    match agent.shutdown("powerdown", AGENT_SHUTDOWN_TIMEOUT).await {
+        Ok(()) => (Answer::Accepted, None),
+        // qemu-ga's shutdown command failed in the guest.
+        Err(e) if !e.is_transport() => (Answer::Refused, Some(e.to_string())),
+        Err(e) => (Answer::NoAnswer, Some(e.to_string())),
+    }
 }
 
 /// The recorded process is gone: say how it ended and drop the record.
@@ -745,6 +845,7 @@ fn remove(ctx: &Arc<Context>, vm: &VirtualMachine) -> Result<(), ReconcileError>
     let _ = std::fs::remove_dir_all(ctx.config.vm_run_dir(name));
     let _ = std::fs::remove_dir_all(ctx.config.vm_state_dir(name));
     ctx.store.remove(Kind::VirtualMachine, name)?;
+    ctx.metrics.forget_vm(name);
     ctx.event(
         Kind::VirtualMachine,
         name,

@@ -11,9 +11,17 @@ use super::{Daemon, repo_root, serial_log};
 /// Firmware, GRUB, the kernel, systemd and cloud-init, all emulated.
 pub const DEBIAN_BOOT_TIMEOUT: Duration = Duration::from_secs(600);
 
+/// Where the image is: `HEARTH_GUEST_OUT` when set (a variant built with
+/// `HEARTH_GUEST_OUT=DIR guest/debian/build.sh`), else guest/out.
+pub fn debian_out_dir() -> PathBuf {
+    std::env::var_os("HEARTH_GUEST_OUT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("guest/out"))
+}
+
 /// The built image and its SHA-256; fails loudly when it is not built.
 pub fn debian_image() -> (PathBuf, String) {
-    let out = repo_root().join("guest/out");
+    let out = debian_out_dir();
     let image = out.join("debian-12.qcow2");
     let sha = out.join("debian-12.sha256");
     assert!(
@@ -33,8 +41,8 @@ pub fn debian_image() -> (PathBuf, String) {
 
 /// The image's default user (cloud-init's `default_user`), as the build recorded it.
 pub fn default_user() -> String {
-    let info = std::fs::read_to_string(repo_root().join("guest/out/debian-12.info"))
-        .expect("guest/out/debian-12.info");
+    let path = debian_out_dir().join("debian-12.info");
+    let info = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     info.lines()
         .find_map(|l| l.strip_prefix("user="))
         .map(|u| u.trim().to_string())

@@ -865,3 +865,31 @@ pub fn agent_freeze_status(socket: &Path) -> Option<String> {
     let v: Value = serde_json::from_str(line.trim()).ok()?;
     v["return"].as_str().map(str::to_string)
 }
+
+/// `hearth_vm_forced_stops_total{vm=VM}` in a scrape of `GET /metrics` over
+/// the API socket, read as a scraper would. Panics unless there is exactly
+/// one such series.
+pub fn forced_stops(d: &Daemon, vm: &str) -> f64 {
+    let (status, body) = raw_request(&d.socket(), "GET", "/metrics", None)
+        .unwrap_or_else(|e| panic!("GET /metrics: {e}\n{}", d.log()));
+    let text = String::from_utf8(body).expect("metrics are UTF-8");
+    assert_eq!(status, 200, "{text}");
+    let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string())))
+        .unwrap_or_else(|e| panic!("not Prometheus text: {e}\n{text}"));
+    let found: Vec<f64> = scrape
+        .samples
+        .iter()
+        .filter(|s| s.metric == "hearth_vm_forced_stops_total" && s.labels.get("vm") == Some(vm))
+        .filter_map(|s| match s.value {
+            prometheus_parse::Value::Counter(v) => Some(v),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        found.len(),
+        1,
+        "hearth_vm_forced_stops_total{{vm={vm:?}}}: {} counter series, not one:\n{text}",
+        found.len()
+    );
+    found[0]
+}
