@@ -17,14 +17,14 @@
 //!
 //! A file of up to [`INLINE_PARSE_BYTES`] is parsed by the scan itself:
 //! within the [limits](hearth_api::limits) that takes milliseconds. A larger
-//! one is parsed on a thread of its own ([`MAX_PARSES`] at most); the scan
-//! waits [`PARSE_WAIT`] for the parses it started, and one that takes longer
-//! is listed as [`Content::Parsing`]. Its result is picked up by a later
-//! scan, which the `parsed` callback asks for. So one slow file never holds
-//! up the others.
+//! one is parsed on a thread of its own ([`MAX_PARSES`] at most; the next
+//! file starts as one frees up); the scan waits up to [`PARSE_WAIT`] for
+//! them, and one not done by then is listed as [`Content::Parsing`]. Its
+//! result is picked up by a later scan, which the `parsed` callback asks for.
+//! So one slow file never holds up the others.
 
 use std::collections::hash_map::DefaultHasher;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::hash::{Hash, Hasher};
 use std::io::Read;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
@@ -152,8 +152,10 @@ struct ParsesState {
 enum Started {
     Done(Content),
     Running,
-    /// Already running for an earlier scan, or no slot free.
-    Later,
+    /// Already running for an earlier scan.
+    Busy,
+    /// No slot free: the bytes back, to start once one is.
+    Full(Vec<u8>),
 }
 
 impl Parses {
@@ -169,26 +171,27 @@ impl Parses {
             return Started::Done(content);
         }
         if st.running.contains_key(job) {
-            return Started::Later;
+            return Started::Busy;
         }
         if st.running.len() >= MAX_PARSES {
-            st.starved = true;
-            return Started::Later;
+            return Started::Full(bytes);
         }
         st.running.insert(job.clone(), false);
         drop(st);
         let me = self.clone();
-        let (thread_job, dir) = (job.clone(), dir.to_path_buf());
+        let (thread_job, thread_dir) = (job.clone(), dir.to_path_buf());
+        let bytes = Arc::new(bytes);
+        let thread_bytes = bytes.clone();
         let spawned = std::thread::Builder::new()
             .name("manifest-parse".into())
-            .spawn(move || me.run(thread_job, &bytes, &dir));
+            .spawn(move || me.run(thread_job, &thread_bytes, &thread_dir));
         match spawned {
             Ok(_) => Started::Running,
             Err(e) => {
+                // Out of threads: correct, if slower, on this one.
+                tracing::warn!(file = job.0, error = %e, "cannot start a parse thread; parsing in the re-list");
                 self.lock().running.remove(job);
-                Started::Done(Content::Invalid(FileError::new(format!(
-                    "cannot start its parse: {e}; tried again at the next re-list"
-                ))))
+                Started::Done(self.inline(&bytes, dir))
             }
         }
     }
@@ -207,15 +210,16 @@ impl Parses {
         }
     }
 
-    /// Waits until `deadline` for `jobs`; those still running are no
-    /// longer waited for (their end asks for a scan).
-    fn wait(&self, jobs: &[Job], deadline: Instant) {
+    /// Waits until one of `started` has finished, a slot is free (if
+    /// `want_slot`), or `deadline`.
+    fn wait_change(&self, started: &[(usize, Job)], want_slot: bool, deadline: Instant) {
         let mut st = self.lock();
         loop {
-            let pending = jobs.iter().any(|j| st.running.contains_key(j));
+            let finished = started.iter().any(|(_, j)| !st.running.contains_key(j));
+            let slot = want_slot && st.running.len() < MAX_PARSES;
             let now = Instant::now();
-            if !pending || now >= deadline {
-                break;
+            if finished || slot || now >= deadline {
+                return;
             }
             st = self
                 .finished
@@ -223,20 +227,41 @@ impl Parses {
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
         }
-        for j in jobs {
-            if let Some(orphaned) = st.running.get_mut(j) {
-                *orphaned = true;
+    }
+
+    /// Takes the results of those of `started` that have finished. With
+    /// `give_up`, those still running are no longer waited for (their end
+    /// asks for a scan), and with files `queued` for a slot, so does the end
+    /// of any parse.
+    fn collect(
+        &self,
+        started: &mut Vec<(usize, Job)>,
+        give_up: bool,
+        queued: bool,
+    ) -> Vec<(usize, Content)> {
+        let mut st = self.lock();
+        let mut out = Vec::new();
+        started.retain(|(index, job)| match st.done.remove(job) {
+            Some(content) => {
+                out.push((*index, content));
+                false
             }
+            None => true,
+        });
+        if give_up {
+            for (_, job) in started.iter() {
+                if let Some(orphaned) = st.running.get_mut(job) {
+                    *orphaned = true;
+                }
+            }
+            st.starved |= queued;
         }
+        out
     }
 
     /// Parses on the calling thread.
     fn inline(&self, bytes: &[u8], dir: &Path) -> Content {
         parse_content(&*self.parse, bytes, dir)
-    }
-
-    fn take(&self, job: &Job) -> Option<Content> {
-        self.lock().done.remove(job)
     }
 
     /// Forgets finished parses no file is waiting for any more.
@@ -317,8 +342,10 @@ impl Scanner {
         // Collected, sorted by name, then made a map in one pass (all paths
         // share the directory, so name order is path order).
         let mut files: Vec<(String, PathBuf, FileScan)> = Vec::new();
-        // Parses this scan started, by index in `files`.
-        let mut waiting: Vec<(usize, Job)> = Vec::new();
+        // Parses this scan started, and files waiting for a slot, by index
+        // in `files`.
+        let mut started_parses: Vec<(usize, Job)> = Vec::new();
+        let mut queued: VecDeque<(usize, Job, Vec<u8>)> = VecDeque::new();
         for entry in entries {
             let entry = match entry {
                 Ok(e) => e,
@@ -414,10 +441,14 @@ impl Scanner {
                                     content
                                 }
                                 Started::Running => {
-                                    waiting.push((files.len(), job));
+                                    started_parses.push((files.len(), job));
                                     Content::Parsing
                                 }
-                                Started::Later => Content::Parsing,
+                                Started::Busy => Content::Parsing,
+                                Started::Full(bytes) => {
+                                    queued.push_back((files.len(), job, bytes));
+                                    Content::Parsing
+                                }
                             }
                         }
                     };
@@ -466,20 +497,38 @@ impl Scanner {
             };
             files.push((name, path, scan));
         }
-        // The parses this scan started, as far as they finish in time.
-        if !waiting.is_empty() {
-            let jobs: Vec<Job> = waiting.iter().map(|(_, j)| j.clone()).collect();
-            self.parses.wait(&jobs, deadline);
-            for (index, job) in &waiting {
-                let Some(content) = self.parses.take(job) else {
-                    continue;
-                };
-                count(&mut stats, &content);
-                if let Some(c) = self.cache.get_mut(&job.0) {
-                    c.content = content.clone();
+        // The parses this scan started, as far as they finish in time, and
+        // the queued ones as slots free up.
+        let mut landed: Vec<(usize, Content)> = Vec::new();
+        while !started_parses.is_empty() || !queued.is_empty() {
+            while let Some((index, job, bytes)) = queued.pop_front() {
+                match self.parses.start(&job, bytes, &self.dir) {
+                    Started::Done(content) => landed.push((index, content)),
+                    Started::Running => started_parses.push((index, job)),
+                    Started::Busy => {}
+                    Started::Full(bytes) => {
+                        queued.push_front((index, job, bytes));
+                        break;
+                    }
                 }
-                files[*index].2.content = content;
             }
+            let last = Instant::now() >= deadline;
+            landed.extend(
+                self.parses
+                    .collect(&mut started_parses, last, !queued.is_empty()),
+            );
+            if last {
+                break;
+            }
+            self.parses
+                .wait_change(&started_parses, !queued.is_empty(), deadline);
+        }
+        for (index, content) in landed {
+            count(&mut stats, &content);
+            if let Some(c) = self.cache.get_mut(&files[index].0) {
+                c.content = content.clone();
+            }
+            files[index].2.content = content;
         }
         self.cache.retain(|_, c| c.seen == generation);
         let wanted: HashSet<Job> = self
@@ -964,6 +1013,34 @@ mod tests {
             files(&l)
         );
         assert_eq!(gate.slow_parses(), MAX_PARSES + 1);
+    }
+
+    #[test]
+    fn files_waiting_for_a_slot_start_as_slots_free_up_within_the_scan() {
+        let d = tempfile::tempdir().expect("tmp");
+        for i in 0..10 {
+            std::fs::write(
+                d.path().join(format!("f{i}.yaml")),
+                vm(&format!("v{i}"), 256),
+            )
+            .expect("w");
+        }
+        // Every file on a thread, two at a time, and time enough for all.
+        let mut s = Scanner::with_parser(
+            d.path().to_path_buf(),
+            1 << 20,
+            Box::new(|| {}),
+            Arc::new(parse_manifest),
+            0,
+            Duration::from_secs(10),
+        );
+        let (l, stats) = s.scan();
+        assert_eq!((stats.parsed, stats.parsing), (10, 0));
+        assert!(
+            files(&l)
+                .values()
+                .all(|f| matches!(f.content, Content::Valid(_)))
+        );
     }
 
     #[test]
