@@ -4,6 +4,8 @@
 //! share these types, so they must stay free of any host assumption.
 
 mod kinds;
+pub mod limits;
+pub mod manifest;
 mod meta;
 pub mod net;
 mod object;
@@ -16,8 +18,8 @@ pub mod watch;
 pub use kinds::*;
 pub use meta::*;
 pub use object::{
-    FieldError, Object, ParseError, RawDocument, check_dns_label, object_from_value,
-    parse_documents, parse_documents_in, raw_documents, resolve_relative_paths,
+    ApplyRequestError, FieldError, Object, ParseError, RawDocument, apply_request, check_dns_label,
+    object_from_value, parse_documents, parse_documents_in, raw_documents, resolve_relative_paths,
 };
 pub use quantity::{Quantity, QuantityError};
 pub use watch::{WatchLine, WatchType};

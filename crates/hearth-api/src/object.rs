@@ -13,6 +13,7 @@ use crate::kinds::{
     NetworkInterface, NetworkMode, VirtualDisk, VirtualDiskSnapshot, VirtualImage, VirtualMachine,
     VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualNetwork, VirtualNetworkSpec,
 };
+use crate::limits::{self, LimitError, MAX_DOCUMENTS};
 use crate::meta::API_VERSION;
 use crate::net;
 
@@ -78,6 +79,9 @@ pub enum ParseError {
         column: usize,
         message: String,
     },
+    /// Over one of the [`limits`](crate::limits): not parsed at all.
+    #[error("{origin}: {error}")]
+    Limit { origin: String, error: LimitError },
     #[error("{origin}: {error}")]
     Invalid { origin: String, error: FieldError },
 }
@@ -85,7 +89,9 @@ pub enum ParseError {
 impl ParseError {
     pub fn origin(&self) -> &str {
         match self {
-            ParseError::Syntax { origin, .. } | ParseError::Invalid { origin, .. } => origin,
+            ParseError::Syntax { origin, .. }
+            | ParseError::Limit { origin, .. }
+            | ParseError::Invalid { origin, .. } => origin,
         }
     }
 }
@@ -489,11 +495,10 @@ fn check_cloud_init(ci: &CloudInit) -> Result<(), (String, String)> {
     if let Some(ud) = &ci.user_data
         && ud.starts_with("#cloud-config")
     {
-        check_yaml_mapping(ud)
-            .map_err(|m| f("userData", format!("not valid #cloud-config YAML: {m}")))?;
+        check_yaml_mapping(ud, "#cloud-config YAML").map_err(|m| f("userData", m))?;
     }
     if let Some(nc) = &ci.network_config {
-        check_yaml_mapping(nc).map_err(|m| f("networkConfig", format!("not valid YAML: {m}")))?;
+        check_yaml_mapping(nc, "YAML").map_err(|m| f("networkConfig", m))?;
     }
     if ci.ssh_authorized_keys.len() > 64 {
         return Err(f("sshAuthorizedKeys", "more than 64 keys".into()));
@@ -508,12 +513,15 @@ fn check_cloud_init(ci: &CloudInit) -> Result<(), (String, String)> {
     Ok(())
 }
 
-fn check_yaml_mapping(text: &str) -> Result<(), String> {
+/// A YAML text inside a spec (`what` says which kind) whose top level is a
+/// mapping; within the [`limits`] first, as a manifest is.
+fn check_yaml_mapping(text: &str, what: &str) -> Result<(), String> {
+    limits::check_yaml(text).map_err(|e| e.to_string())?;
     match serde_yaml_ng::from_str::<Value>(text) {
         Ok(Value::Object(_)) => Ok(()),
         Ok(Value::Null) => Ok(()),
-        Ok(_) => Err("the top level must be a mapping".into()),
-        Err(e) => Err(e.to_string()),
+        Ok(_) => Err(format!("not valid {what}: the top level must be a mapping")),
+        Err(e) => Err(format!("not valid {what}: {e}")),
     }
 }
 
@@ -635,7 +643,15 @@ pub struct RawDocument {
 /// Splits a text of one or more YAML or JSON documents into raw objects.
 /// Empty documents are skipped; a document `{"items": [...]}` (what `hearth
 /// get -o json` prints) is expanded. A syntax error carries line and column.
+/// A text over the [`limits`] (size, nesting, documents, values, objects) is
+/// refused before it is parsed.
 pub fn raw_documents(text: &str, origin: &str) -> Result<Vec<RawDocument>, ParseError> {
+    let limit = |error: LimitError| ParseError::Limit {
+        origin: origin.to_string(),
+        error,
+    };
+    limits::check_manifest_size(text.len()).map_err(limit)?;
+    limits::check_yaml(text).map_err(limit)?;
     let mut out = Vec::new();
     for (i, doc) in serde_yaml_ng::Deserializer::from_str(text).enumerate() {
         let doc_index = i + 1;
@@ -654,6 +670,19 @@ pub fn raw_documents(text: &str, origin: &str) -> Result<Vec<RawDocument>, Parse
                         },
                     });
                 };
+                if out.len() + items.len() > MAX_DOCUMENTS {
+                    return Err(ParseError::Invalid {
+                        origin: origin.to_string(),
+                        error: FieldError {
+                            object: format!("document {doc_index}"),
+                            field: "items".into(),
+                            message: format!(
+                                "{} objects in this text, more than the {MAX_DOCUMENTS} allowed",
+                                out.len() + items.len()
+                            ),
+                        },
+                    });
+                }
                 for (j, item) in items.iter().enumerate() {
                     out.push(RawDocument {
                         document: i,
@@ -741,6 +770,38 @@ pub fn parse_documents_in(
 /// [`parse_documents_in`] for texts whose paths are already absolute.
 pub fn parse_documents(text: &str, origin: &str) -> Result<Vec<Object>, ParseError> {
     parse_documents_in(text, origin, None)
+}
+
+/// Why an apply request body (`POST /v1/apply`) cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ApplyRequestError {
+    #[error("request body is not JSON: {0}")]
+    NotJson(serde_json::Error),
+    #[error("request body must be {{\"items\": [objects]}}")]
+    NoItems,
+    #[error("{0}")]
+    Invalid(FieldError),
+}
+
+/// The objects of an apply request body: JSON `{"items": [objects]}`, each
+/// validated, all or nothing. The JSON's own nesting stops at serde_json's
+/// recursion limit (128 levels); YAML inside a spec (cloud-init) is held to
+/// the [`limits`].
+pub fn apply_request(body: &[u8]) -> Result<Vec<Object>, ApplyRequestError> {
+    let value: Value = serde_json::from_slice(body).map_err(ApplyRequestError::NotJson)?;
+    let Value::Object(mut map) = value else {
+        return Err(ApplyRequestError::NoItems);
+    };
+    let Some(Value::Array(items)) = map.remove("items") else {
+        return Err(ApplyRequestError::NoItems);
+    };
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, item)| {
+            object_from_value(item, &format!("items[{i}]")).map_err(ApplyRequestError::Invalid)
+        })
+        .collect()
 }
 
 /// Turns one JSON value into a validated object.

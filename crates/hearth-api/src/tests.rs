@@ -776,3 +776,71 @@ fn status_on_input_is_dropped_unread() {
         assert!(d.status.is_none(), "{status}");
     }
 }
+
+#[test]
+fn cloud_init_yaml_nested_too_deep_is_refused_before_it_is_parsed() {
+    let nested = "{a: ".repeat(60_000);
+    for (field, text) in [
+        ("networkConfig", nested.clone()),
+        ("userData", format!("#cloud-config\n{nested}")),
+    ] {
+        let value = serde_json::json!({
+            "apiVersion": "hearth.dev/v1alpha1",
+            "kind": "VirtualMachine",
+            "metadata": {"name": "ci"},
+            "spec": {"boot": {"kernel": "/k"}, "cloudInit": {field: text}},
+        });
+        let e = object_from_value(value, "items[0]").expect_err("too deep");
+        assert_eq!(e.field, format!("spec.cloudInit.{field}"), "{e}");
+        let line = if field == "userData" { 2 } else { 1 };
+        assert_eq!(
+            e.message,
+            format!(
+                "line {line}, column 129: lists and mappings nested more than 32 levels deep; not parsed"
+            )
+        );
+    }
+}
+
+#[test]
+fn more_objects_than_the_limit_in_items_are_refused() {
+    let disk = serde_json::json!({
+        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
+        "metadata": {"name": "d"}, "spec": {"size": "1Gi", "source": {"blank": {}}},
+    });
+    let text = |n: usize| serde_json::json!({"items": vec![disk.clone(); n]}).to_string();
+    assert_eq!(raw_documents(&text(1000), "t").unwrap().len(), 1000);
+    let e = raw_documents(&text(1001), "t").unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "t: document 1: items: 1001 objects in this text, more than the 1000 allowed"
+    );
+}
+
+#[test]
+fn the_apply_request_body_is_items_of_valid_objects() {
+    let body = serde_json::json!({"items": [{
+        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
+        "metadata": {"name": "d"}, "spec": {"size": "1Gi", "source": {"blank": {}}},
+    }]});
+    let objs = apply_request(body.to_string().as_bytes()).unwrap();
+    assert_eq!(objs[0].name(), "d");
+    for (body, expected) in [
+        (&b"{"[..], "request body is not JSON: EOF while parsing"),
+        (b"[1]", "request body must be {\"items\": [objects]}"),
+        (
+            b"{\"items\": {}}",
+            "request body must be {\"items\": [objects]}",
+        ),
+        (
+            b"{\"items\": [1]}",
+            "items[0]: (document): is not a mapping",
+        ),
+    ] {
+        let e = apply_request(body).unwrap_err().to_string();
+        assert!(e.starts_with(expected), "{e}");
+    }
+    let deep = format!("{{\"items\": [{}]}}", "[".repeat(200));
+    let e = apply_request(deep.as_bytes()).unwrap_err().to_string();
+    assert!(e.contains("recursion limit exceeded"), "{e}");
+}

@@ -10,6 +10,7 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
+use hearth_api::limits::MAX_MANIFEST_BYTES;
 use hearth_api::{Kind, Object, ParseError};
 
 /// Where one manifest text comes from.
@@ -124,15 +125,11 @@ pub fn load(inputs: &[PathBuf]) -> anyhow::Result<Vec<Loaded>> {
     for source in expand(inputs)? {
         let origin = source.origin();
         let text = match &source {
-            Source::Stdin => {
-                let mut text = String::new();
-                std::io::stdin()
-                    .read_to_string(&mut text)
-                    .context("reading stdin")?;
-                text
-            }
+            Source::Stdin => read_manifest(std::io::stdin().lock(), &origin)?,
             Source::File(path) => {
-                std::fs::read_to_string(path).with_context(|| format!("{}", path.display()))?
+                let file =
+                    std::fs::File::open(path).with_context(|| format!("{}", path.display()))?;
+                read_manifest(file, &origin)?
             }
         };
         let base = base_dir(&source)?;
@@ -152,6 +149,27 @@ pub fn load(inputs: &[PathBuf]) -> anyhow::Result<Vec<Loaded>> {
         }
     }
     Ok(out)
+}
+
+/// Reads one manifest, at most [`MAX_MANIFEST_BYTES`] of it: a larger one
+/// (or an endless one, such as `/dev/zero`) is refused without reading on.
+pub fn read_manifest(reader: impl Read, origin: &str) -> anyhow::Result<String> {
+    let mut bytes = Vec::new();
+    reader
+        .take(MAX_MANIFEST_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| origin.to_string())?;
+    if bytes.len() > MAX_MANIFEST_BYTES {
+        bail!(
+            "{origin}: larger than {MAX_MANIFEST_BYTES} bytes, the most a manifest may have; not read further"
+        );
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{origin}: not UTF-8 text (binary data?) at byte {}",
+            e.utf8_error().valid_up_to()
+        )
+    })
 }
 
 /// Parses one text of YAML or JSON documents (`{"items": [...]}` lists are
@@ -388,6 +406,34 @@ spec: {source: {image: base.qcow2}}
             err.to_string()
                 .contains("VirtualMachine \"demo\" is declared twice"),
             "{err}"
+        );
+    }
+
+    #[test]
+    fn an_endless_or_oversized_input_is_refused_after_the_limit() {
+        let zero = std::fs::File::open("/dev/zero").expect("/dev/zero");
+        let err = read_manifest(zero, "/dev/zero").expect_err("endless");
+        assert!(
+            err.to_string()
+                .starts_with("/dev/zero: larger than 4194304 bytes"),
+            "{err}"
+        );
+        let exact = vec![b'#'; MAX_MANIFEST_BYTES];
+        assert_eq!(
+            read_manifest(&exact[..], "x").expect("at the limit").len(),
+            MAX_MANIFEST_BYTES
+        );
+        let err = read_manifest(&b"a: \xff"[..], "bin.yaml").expect_err("binary");
+        assert!(err.to_string().contains("bin.yaml: not UTF-8"), "{err}");
+    }
+
+    #[test]
+    fn a_deeply_nested_text_is_refused_with_its_origin_and_line() {
+        let text = format!("kind: VirtualDisk\nspec: {}", "[".repeat(100_000));
+        let err = parse(&text, "deep.yaml", Path::new("/")).expect_err("too deep");
+        assert_eq!(
+            err.to_string(),
+            "deep.yaml: line 2, column 38: lists and mappings nested more than 32 levels deep; not parsed"
         );
     }
 

@@ -16,8 +16,9 @@
 //!   renamed is the same declaration under another path: nothing restarts,
 //!   the owner string follows the file.
 //! - A file that cannot be used (empty, half written, binary, syntax error,
-//!   unknown field, too large) declares nothing new and takes nothing away:
-//!   the objects it last declared validly are *held* as they are.
+//!   unknown field, too large, not a regular file) declares nothing new and
+//!   takes nothing away: the objects it last declared validly are *held* as
+//!   they are. So does a file whose parse is still running.
 //! - The same object declared by two sources is a conflict: it is neither
 //!   changed nor deleted until one declaration goes.
 //! - A delete needs the object absent from every scan for `delete_grace`,
@@ -69,6 +70,17 @@ impl Decl {
 pub enum Content {
     Valid(Arc<[Decl]>),
     Invalid(FileError),
+    /// Its new bytes are still being parsed (a large file): not known yet.
+    /// Held like an invalid file, and whatever was reported about its
+    /// objects stands until the parse lands.
+    Parsing,
+}
+
+impl Content {
+    /// Invalid or still parsing: the file's last good declarations stand.
+    fn holds(&self) -> bool {
+        !matches!(self, Content::Valid(_))
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -159,7 +171,7 @@ impl FileEntry {
     fn last_good(&self) -> Arc<[Decl]> {
         match &self.content {
             Content::Valid(d) => d.clone(),
-            Content::Invalid(_) => self.held.clone(),
+            Content::Invalid(_) | Content::Parsing => self.held.clone(),
         }
     }
 }
@@ -210,6 +222,9 @@ pub struct FileView {
     pub valid: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Its new bytes are still being parsed; its objects are held meanwhile.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub parsing: bool,
     /// Declared objects (or, for an invalid file, the ones it holds).
     pub objects: Vec<ObjectView>,
 }
@@ -323,7 +338,7 @@ impl Core {
         let mut previous = std::mem::take(&mut self.files);
         let needs_history = files
             .iter()
-            .any(|(p, f)| matches!(f.content, Content::Invalid(_)) && !previous.contains_key(p));
+            .any(|(p, f)| f.content.holds() && !previous.contains_key(p));
         let mut vanished: HashMap<FileId, Arc<[Decl]>> = HashMap::new();
         if needs_history {
             for (path, entry) in &previous {
@@ -341,7 +356,7 @@ impl Core {
             .map(|(path, scan)| {
                 let held = match &scan.content {
                     Content::Valid(_) => nothing.clone(),
-                    Content::Invalid(_) => match previous.remove(&path) {
+                    Content::Invalid(_) | Content::Parsing => match previous.remove(&path) {
                         Some(prev) => prev.last_good(),
                         None => scan
                             .id
@@ -365,7 +380,7 @@ impl Core {
         for (path, entry) in &self.files {
             let (decls, valid) = match &entry.content {
                 Content::Valid(d) => (d, true),
-                Content::Invalid(_) => (&entry.held, false),
+                Content::Invalid(_) | Content::Parsing => (&entry.held, false),
             };
             for d in decls.iter() {
                 let source = (path.as_path(), d, valid);
@@ -431,17 +446,27 @@ impl Core {
                             }
                         }
                         ((path, _, false), true) => {
-                            let error = match self.files.get(path).map(|e| &e.content) {
-                                Some(Content::Invalid(e)) => e.to_string(),
-                                _ => String::new(),
-                            };
-                            problems.insert(
-                                owned(),
-                                Problem::Invalid {
-                                    file: path.to_path_buf(),
-                                    error,
-                                },
-                            );
+                            match self.files.get(path).map(|e| &e.content) {
+                                // Not known yet: the last verdict stands.
+                                Some(Content::Parsing) => {
+                                    if let Some(p) = self.scan_problems.get(&owned()) {
+                                        problems.insert(owned(), p.clone());
+                                    }
+                                }
+                                content => {
+                                    let error = match content {
+                                        Some(Content::Invalid(e)) => e.to_string(),
+                                        _ => String::new(),
+                                    };
+                                    problems.insert(
+                                        owned(),
+                                        Problem::Invalid {
+                                            file: path.to_path_buf(),
+                                            error,
+                                        },
+                                    );
+                                }
+                            }
                         }
                         (first, false) => {
                             let files: BTreeSet<PathBuf> = std::iter::once(first)
@@ -472,7 +497,14 @@ impl Core {
 
         // 4. Applies, except a batch refused before and not due for a retry.
         //    A refusal is forgotten once its file has nothing left to apply.
-        self.apply_failures.retain(|p, _| to_apply.contains_key(p));
+        //    A file still parsing keeps its refusal: nothing is resolved yet.
+        let files = &self.files;
+        self.apply_failures.retain(|p, _| {
+            to_apply.contains_key(p)
+                || files
+                    .get(p)
+                    .is_some_and(|e| matches!(e.content, Content::Parsing))
+        });
         let mut commands = Vec::new();
         for (file, decls) in to_apply {
             if let Some(f) = self.apply_failures.get(&file)
@@ -647,6 +679,7 @@ impl Core {
                 let (valid, error, decls) = match &entry.content {
                     Content::Valid(d) => (true, None, d.clone()),
                     Content::Invalid(e) => (false, Some(e.to_string()), entry.held.clone()),
+                    Content::Parsing => (false, None, entry.held.clone()),
                 };
                 let objects = decls
                     .iter()
@@ -656,6 +689,7 @@ impl Core {
                             Some(Problem::Invalid { .. }) => "Held",
                             Some(Problem::Conflict { .. }) => "Conflict",
                             Some(Problem::ApplyFailed { .. }) => "ApplyFailed",
+                            _ if matches!(entry.content, Content::Parsing) => "Held",
                             _ if self.applied.get(&key).is_some_and(|a| a.is(path, d)) => "Applied",
                             _ => "Pending",
                         };
@@ -670,6 +704,7 @@ impl Core {
                     path: path.clone(),
                     valid,
                     error,
+                    parsing: matches!(entry.content, Content::Parsing),
                     objects,
                 }
             })
@@ -1046,6 +1081,99 @@ mod tests {
         assert!(w.core.is_quiet(), "held by the renamed file");
         w.scan(9000, listing(vec![("b.yaml", invalid(7, "half"))]));
         assert_eq!(w.deletes(), 0);
+    }
+
+    fn parsing(ino: u64) -> FileScan {
+        FileScan {
+            id: Some(FileId { dev: 1, ino }),
+            content: Content::Parsing,
+        }
+    }
+
+    #[test]
+    fn a_file_still_parsing_holds_its_objects_and_reports_nothing() {
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        // Long past the grace period: nothing applied, deleted or reported.
+        for ms in [100, 5000, 60_000] {
+            let cmds = w.scan(ms, listing(vec![("a.yaml", parsing(1))]));
+            assert!(cmds.is_empty(), "{cmds:?}");
+            assert!(w.core.is_quiet());
+        }
+        let v = w.core.view(w.t0);
+        assert!(v.files[0].parsing && !v.files[0].valid, "{v:?}");
+        assert_eq!(v.files[0].objects[0].state, "Held");
+        assert!(v.problems.is_empty(), "{:?}", v.problems);
+        // The parse lands: applied like any edit.
+        let cmds = w.scan(
+            60_100,
+            listing(vec![("a.yaml", valid(1, vec![vm("x", 512)]))]),
+        );
+        assert_eq!(applies(&cmds), vec![(p("a.yaml"), vec![key("x")])]);
+        assert!(w.spec_of("x").is_some_and(|s| s.contains("512")));
+    }
+
+    #[test]
+    fn a_problem_stands_while_the_next_version_is_parsing() {
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        let cmds = w.scan(100, listing(vec![("a.yaml", invalid(1, "half"))]));
+        assert!(matches!(
+            &cmds[..],
+            [Command::Report {
+                problem: Some(Problem::Invalid { .. }),
+                ..
+            }]
+        ));
+        // Neither resolved nor reported again while the new bytes parse.
+        assert!(
+            w.scan(200, listing(vec![("a.yaml", parsing(1))]))
+                .is_empty()
+        );
+        assert_eq!(w.core.view(w.t0).problems.len(), 1);
+        let cmds = w.scan(300, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        assert_eq!(
+            cmds,
+            vec![Command::Report {
+                key: key("x"),
+                problem: None
+            }]
+        );
+    }
+
+    #[test]
+    fn a_refused_apply_stands_while_the_next_version_is_parsing() {
+        let mut core = Core::new(CoreConfig::default(), Vec::new());
+        let t0 = Instant::now();
+        let cmds = core.scan(t0, listing(vec![("a.yaml", valid(1, vec![vm("x", 256)]))]));
+        core.done(
+            t0,
+            &cmds[0],
+            &Outcome::Refused("kernel outside roots".into()),
+        );
+        assert_eq!(core.reports().len(), 1);
+        let later = t0 + Duration::from_millis(100);
+        assert!(
+            core.scan(later, listing(vec![("a.yaml", parsing(1))]))
+                .is_empty()
+        );
+        assert!(core.reports().is_empty(), "not resolved while parsing");
+    }
+
+    #[test]
+    fn a_renamed_file_still_parsing_keeps_holding_by_inode() {
+        let mut w = World::new();
+        w.scan(0, listing(vec![("a.yaml", valid(7, vec![vm("x", 256)]))]));
+        w.scan(100, listing(vec![("b.yaml", parsing(7))]));
+        assert!(w.core.is_quiet(), "held by the renamed file");
+        w.scan(9000, listing(vec![("b.yaml", parsing(7))]));
+        assert_eq!(w.deletes(), 0);
+        let cmds = w.scan(
+            9100,
+            listing(vec![("b.yaml", valid(7, vec![vm("x", 256)]))]),
+        );
+        assert_eq!(applies(&cmds), vec![(p("b.yaml"), vec![key("x")])]);
+        assert_eq!(w.owner_of("x"), Some(p("b.yaml")));
     }
 
     #[test]

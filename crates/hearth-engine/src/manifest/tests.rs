@@ -1,13 +1,15 @@
 //! Property test of the manifest core against a model directory and a model
 //! engine: random sequences of file operations (write in place, atomic
 //! replace, partial write, garbage, truncate, rename, delete), re-lists at
-//! random moments (some while the directory is missing) and time passing,
-//! with an engine that sometimes refuses.
+//! random moments (some while the directory is missing, some while a file's
+//! parse is still running) and time passing, with an engine that sometimes
+//! refuses.
 //!
 //! Checked on every re-list:
 //! - a delete only for an object no valid file declared in any re-list of
 //!   the last grace period, and not declared now;
-//! - an object whose file just became unusable is neither changed nor deleted;
+//! - an object whose file just became unusable (or is still being parsed) is
+//!   neither changed nor deleted;
 //! - an object declared by two files is never applied.
 //!
 //! Checked at the end: once every unusable file is fixed (removed) and no two
@@ -52,6 +54,8 @@ enum Op {
     Rename(usize, usize),
     Delete(usize),
     Relist,
+    /// A re-list that finds this file's parse still running.
+    RelistParsing(usize),
     /// A re-list while the directory is gone (removed, being recreated).
     RelistMissing,
     Advance(u64),
@@ -73,6 +77,7 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (f.clone(), f.clone()).prop_map(|(a, b)| Op::Rename(a, b)),
         2 => f.prop_map(Op::Delete),
         4 => Just(Op::Relist),
+        2 => (0..FILES.len()).prop_map(Op::RelistParsing),
         1 => Just(Op::RelistMissing),
         3 => (1u64..3000).prop_map(Op::Advance),
     ]
@@ -134,18 +139,25 @@ impl Dir {
             Op::Delete(f) => {
                 self.files.remove(FILES[*f]);
             }
-            Op::Relist | Op::RelistMissing | Op::Advance(_) => {}
+            Op::Relist | Op::RelistParsing(_) | Op::RelistMissing | Op::Advance(_) => {}
         }
     }
 
     /// What the scanner would hand the core.
     fn listing(&self) -> Listing {
+        self.listing_parsing(None)
+    }
+
+    /// What the scanner would hand the core while the parse of `parsing`
+    /// is still running.
+    fn listing_parsing(&self, parsing: Option<&str>) -> Listing {
         let mut out = BTreeMap::new();
         for (name, (ino, bytes)) in &self.files {
             if !is_candidate(name) {
                 continue;
             }
             let content = match parse_manifest(bytes, Path::new(DIR)) {
+                _ if parsing == Some(name.as_str()) => Content::Parsing,
                 Ok(objs) => Content::Valid(objs.into_iter().map(Decl::new).collect()),
                 Err(e) => Content::Invalid(e),
             };
@@ -239,7 +251,11 @@ impl Sim {
     }
 
     fn relist(&mut self) -> Vec<Command> {
-        let listing = self.dir.listing();
+        self.relist_parsing(None)
+    }
+
+    fn relist_parsing(&mut self, parsing: Option<&str>) -> Vec<Command> {
+        let listing = self.dir.listing_parsing(parsing);
         let now_declared = declared(&listing);
         let commands = self.core.scan(self.now(), listing.clone());
 
@@ -273,7 +289,7 @@ impl Sim {
         if let (Some(Listing::Files(prev)), Listing::Files(cur)) = (&self.last_listing, &listing) {
             for (path, scan) in cur {
                 if let (
-                    Content::Invalid(_),
+                    Content::Invalid(_) | Content::Parsing,
                     Some(FileScan {
                         content: Content::Valid(old),
                         ..
@@ -392,6 +408,7 @@ proptest! {
             sim.dir.apply(op);
             match op {
                 Op::Relist => { sim.relist(); }
+                Op::RelistParsing(f) => { sim.relist_parsing(Some(FILES[*f])); }
                 Op::RelistMissing => {
                     let now = sim.now();
                     let commands = sim.core.scan(now, Listing::Missing("removed".into()));

@@ -9,11 +9,15 @@
 //! (to confirm an absence before a delete, or to retry a refused call).
 //!
 //! The re-list itself (reading files, the core, the engine calls) runs on a
-//! blocking thread, one at a time; the state lives behind one mutex.
+//! blocking thread, one at a time. The scan (listing, reading, parsing) holds
+//! only the scanner's lock; the core's state, which `GET /v1/sources` reads,
+//! is locked only for the core's decision and the engine calls, so a slow
+//! scan never holds up the API. A parse that outlasts its scan
+//! (`scan::PARSE_WAIT`) wakes a re-list of its own when it is done.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -23,6 +27,7 @@ use inotify::{EventMask, Inotify, WatchDescriptor, WatchMask};
 use serde::Serialize;
 use serde_json::Value;
 use tokio::io::unix::AsyncFd;
+use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use super::core::{Command, Core, CoreConfig, FileId, Key, Outcome, Problem, Stored};
@@ -61,7 +66,7 @@ impl ManifestConfig {
             max_delay: Duration::from_secs(1),
             resync: Duration::from_secs(30),
             delete_grace: Duration::from_secs(2),
-            max_file_size: 4 << 20,
+            max_file_size: hearth_api::limits::MAX_MANIFEST_BYTES as u64,
             missing_poll: Duration::from_secs(1),
         }
     }
@@ -83,10 +88,12 @@ pub enum Reason {
     Missing,
     /// The core asked: a delete to confirm or a refused call to retry.
     Due,
+    /// A parse that outlasted its re-list has finished.
+    Parsed,
 }
 
 impl Reason {
-    pub const ALL: [Reason; 7] = [
+    pub const ALL: [Reason; 8] = [
         Reason::Start,
         Reason::Event,
         Reason::Periodic,
@@ -94,6 +101,7 @@ impl Reason {
         Reason::WatchLost,
         Reason::Missing,
         Reason::Due,
+        Reason::Parsed,
     ];
 
     /// As `GET /v1/sources` and the metrics name it.
@@ -106,6 +114,7 @@ impl Reason {
             Reason::WatchLost => "watchLost",
             Reason::Missing => "missing",
             Reason::Due => "due",
+            Reason::Parsed => "parsed",
         }
     }
 }
@@ -140,7 +149,7 @@ struct RelistStats {
 
 struct State {
     core: Core,
-    scanner: Scanner,
+    /// Finished re-lists by reason.
     relists: BTreeMap<Reason, u64>,
     last: Option<RelistStats>,
 }
@@ -150,6 +159,13 @@ pub struct ManifestSource {
     config: ManifestConfig,
     engine: Arc<Engine>,
     state: Mutex<State>,
+    /// Held for a whole re-list: one at a time, numbered in order.
+    scanner: Mutex<Scanner>,
+    /// Re-lists begun, counted before the directory is listed: one that
+    /// finishes as number N+1 after this read N began after the read.
+    relists_started: AtomicU64,
+    /// A parse that outlasted its re-list is done.
+    parsed: Arc<Notify>,
     watching: AtomicBool,
     counters: Mutex<ManifestCounters>,
 }
@@ -162,13 +178,22 @@ impl ManifestSource {
             ..CoreConfig::default()
         };
         let stored = owned_objects(&engine);
+        let parsed = Arc::new(Notify::new());
+        let wake = parsed.clone();
+        let scanner = Scanner::new(
+            config.dir.clone(),
+            config.max_file_size,
+            Box::new(move || wake.notify_one()),
+        );
         let source = Arc::new(ManifestSource {
             state: Mutex::new(State {
                 core: Core::new(core_config, stored),
-                scanner: Scanner::new(config.dir.clone(), config.max_file_size),
                 relists: BTreeMap::new(),
                 last: None,
             }),
+            scanner: Mutex::new(scanner),
+            relists_started: AtomicU64::new(0),
+            parsed,
             config,
             engine,
             watching: AtomicBool::new(false),
@@ -226,6 +251,10 @@ impl ManifestSource {
                 serde_json::to_value(&st.relists).unwrap_or(Value::Null),
             );
             map.insert(
+                "relistsStarted".into(),
+                Value::from(self.relists_started.load(Ordering::SeqCst)),
+            );
+            map.insert(
                 "lastRelist".into(),
                 serde_json::to_value(&st.last).unwrap_or(Value::Null),
             );
@@ -237,14 +266,18 @@ impl ManifestSource {
     fn relist(&self, reason: Reason) {
         let wall = std::time::Instant::now();
         let cpu = thread_cpu();
-        let mut st = self.lock();
-        if matches!(
+        let mut scanner = self.scanner.lock().unwrap_or_else(|p| p.into_inner());
+        self.relists_started.fetch_add(1, Ordering::SeqCst);
+        let stored = matches!(
             reason,
             Reason::Start | Reason::Periodic | Reason::Overflow | Reason::WatchLost
-        ) {
-            st.core.resync_store(owned_objects(&self.engine));
+        )
+        .then(|| owned_objects(&self.engine));
+        let (listing, scan) = scanner.scan();
+        let mut st = self.lock();
+        if let Some(stored) = stored {
+            st.core.resync_store(stored);
         }
-        let (listing, scan) = st.scanner.scan();
         let now = std::time::Instant::now();
         let commands = st.core.scan(now, listing);
         let relist_us = wall.elapsed().as_micros() as u64;
@@ -572,6 +605,9 @@ fn classify(
 }
 
 async fn run(source: std::sync::Weak<ManifestSource>) {
+    let Some(parsed) = source.upgrade().map(|s| s.parsed.clone()) else {
+        return;
+    };
     let mut watcher = Watcher::new();
     let mut due: Option<Reason> = Some(Reason::Start);
     // First and latest relevant event of the current burst.
@@ -620,6 +656,7 @@ async fn run(source: std::sync::Weak<ManifestSource>) {
 
         tokio::select! {
             _ = tokio::time::sleep_until(deadline) => due = Some(why),
+            _ = parsed.notified() => due = Some(Reason::Parsed),
             hints = watcher.next() => {
                 let now = Instant::now();
                 if hints.overflow {

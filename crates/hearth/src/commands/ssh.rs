@@ -320,6 +320,8 @@ pub fn cloud_init_user(user_data: &str) -> Option<String> {
     if !first_line.trim_end().starts_with("#cloud-config") {
         return None;
     }
+    // Within the limits first: userData stored by an older hearthd was not.
+    hearth_api::limits::check_yaml(user_data).ok()?;
     let doc: serde_yaml_ng::Value = serde_yaml_ng::from_str(user_data).ok()?;
     let name_of = |v: &serde_yaml_ng::Value| -> Option<String> {
         match v {

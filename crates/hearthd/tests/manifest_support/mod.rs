@@ -178,10 +178,7 @@ impl Env {
         out
     }
 
-    /// Re-lists of the directory so far, whatever started them. A re-list
-    /// holds the lock `GET /v1/sources` reads under from before its scan to
-    /// after it is counted, so one counted after this read scanned the
-    /// directory after this read.
+    /// Re-lists of the directory finished so far, whatever started them.
     pub fn relists(&self) -> u64 {
         self.sources()["relists"]
             .as_object()
@@ -189,28 +186,33 @@ impl Env {
             .unwrap_or(0)
     }
 
+    /// Re-lists begun so far. They run one at a time and are counted before
+    /// the directory is listed, so once [`Env::relists`] exceeds this read,
+    /// a re-list that began after this read has finished.
+    pub fn relists_started(&self) -> u64 {
+        self.sources()["relistsStarted"].as_u64().unwrap_or(0)
+    }
+
     /// Makes `change` to the directory and returns once hearthd has
     /// re-listed the directory as `change` left it: what a "nothing changed"
     /// assertion waits for, instead of a sleep. `change` must touch a
     /// manifest name (an ignored name wakes no re-list).
     ///
-    /// If no re-list is counted between the reads before and after `change`,
-    /// the next one counted began after `change`; it comes one quiet period
-    /// after the change's event. If one is counted in between, it may have
-    /// scanned before `change`, so the wait is for the one after it: the
+    /// Waits for a re-list begun after `change` to finish. If none began
+    /// while `change` was made, the next one is the change's event, one
+    /// quiet period later. If one began meanwhile, it may have listed the
+    /// directory before `change`, so the wait is for the one after it: the
     /// change's event if that re-list did not take it, else the periodic one.
     pub fn relisted_after<R>(&self, what: &str, change: impl FnOnce() -> R) -> R {
-        let before = self.relists();
         let out = change();
-        let after = self.relists();
-        let seen = if after == before { before } else { after };
+        let begun = self.relists_started();
         let resync = self.sources()["settings"]["resyncSeconds"]
             .as_u64()
             .unwrap_or(30);
         self.until(
             &format!("a re-list after {what}"),
             Duration::from_secs(resync + 15),
-            || self.relists() > seen,
+            || self.relists() > begun,
         );
         out
     }
