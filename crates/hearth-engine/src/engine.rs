@@ -22,6 +22,11 @@ use crate::context::{Context, Key};
 use crate::store::{Store, StoreError, StoredObject};
 use crate::vm::live::LiveVm;
 
+/// The most objects one apply may carry: it is checked and written as one
+/// transaction while other applies wait, and each object it creates is
+/// then reconciled (docs/limits.md).
+pub const MAX_APPLY_OBJECTS: usize = 10_000;
+
 /// Why a request was refused. Each maps to one HTTP status.
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
@@ -234,14 +239,18 @@ impl Engine {
 
     // ------------------------------------------------------------ queries
 
+    // The API's reads use the store's reading connection: they never wait
+    // for a reconciler's write.
+
     pub fn get(&self, kind: Kind, name: &str) -> Result<StoredObject, RequestError> {
         self.store
+            .reader()
             .get(kind, name)?
             .ok_or_else(|| RequestError::NotFound(format!("{kind} {name:?} not found")))
     }
 
     pub fn list(&self, kind: Kind) -> Result<Vec<StoredObject>, RequestError> {
-        Ok(self.store.list(kind)?)
+        Ok(self.store.reader().list(kind)?)
     }
 
     pub fn events(
@@ -250,7 +259,7 @@ impl Engine {
         name: Option<&str>,
         limit: usize,
     ) -> Result<Vec<Event>, RequestError> {
-        Ok(self.store.events(kind, name, limit)?)
+        Ok(self.store.reader().events(kind, name, limit)?)
     }
 
     /// The console log of a VM that exists.
@@ -269,12 +278,19 @@ impl Engine {
     // ------------------------------------------------------------ commands
 
     /// Creates or updates objects. All or nothing: every object is checked
-    /// before any is written, and they are written in one transaction.
+    /// before any is written, and they are written in one transaction,
+    /// with their events. At most [`MAX_APPLY_OBJECTS`] at once.
     pub fn apply(
         self: &Arc<Self>,
         objects: Vec<Object>,
         managed_by: &str,
     ) -> Result<Vec<ApplyOutcome>, RequestError> {
+        if objects.len() > MAX_APPLY_OBJECTS {
+            return Err(RequestError::BadRequest(format!(
+                "{} objects in one apply, more than the limit of {MAX_APPLY_OBJECTS} objects per apply; split them over several applies",
+                objects.len()
+            )));
+        }
         let _w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
         let mut seen = HashSet::new();
         let mut prepared = Vec::new();
@@ -350,38 +366,51 @@ impl Engine {
             .filter(|(_, a, old_owner)| *a != ApplyAction::Unchanged || old_owner.is_some())
             .map(|(o, _, _)| o.clone())
             .collect();
-        self.store.put_objects(&to_write)?;
-        drop(addresses);
-
-        let mut outcomes = Vec::new();
-        for (obj, action, old_owner) in prepared {
-            if action == ApplyAction::Unchanged
-                && let Some(old) = &old_owner
+        let mut events: Vec<(Kind, &str, &'static str, String)> = Vec::new();
+        for (obj, action, old_owner) in &prepared {
+            if *action == ApplyAction::Unchanged
+                && let Some(old) = old_owner
             {
-                self.event(
+                events.push((
                     obj.kind(),
                     obj.name(),
-                    EventType::Normal,
                     "SourceChanged",
-                    &format!("now managed by {managed_by} (was {old}); spec unchanged"),
-                );
+                    format!("now managed by {managed_by} (was {old}); spec unchanged"),
+                ));
             }
-            if action != ApplyAction::Unchanged {
+            if *action != ApplyAction::Unchanged {
                 let (reason, verb) = match action {
                     ApplyAction::Created => ("Created", "created"),
                     _ => ("Updated", "updated"),
                 };
-                self.event(
+                events.push((
                     obj.kind(),
                     obj.name(),
-                    EventType::Normal,
                     reason,
-                    &format!(
+                    format!(
                         "{verb} from {managed_by} (generation {})",
                         obj.metadata().generation
                     ),
-                );
+                ));
             }
+        }
+        // One commit for the objects and their events: one sync of the
+        // store, however many objects.
+        let now = Utc::now();
+        self.store.with_tx(|tx| {
+            Store::put_objects_tx(tx, &to_write)?;
+            for (kind, name, reason, message) in &events {
+                Store::record_event_tx(tx, now, *kind, name, EventType::Normal, reason, message)?;
+            }
+            Ok(())
+        })?;
+        drop(addresses);
+        for (kind, name, reason, message) in &events {
+            tracing::info!(kind = kind.as_str(), name, reason, "{message}");
+        }
+
+        let mut outcomes = Vec::new();
+        for (obj, action, _) in prepared {
             self.wake(obj.kind(), obj.name());
             if let Object::VirtualMachine(vm) = &obj {
                 for d in &vm.spec.disks {

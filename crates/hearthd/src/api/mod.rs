@@ -24,7 +24,8 @@ use serde_json::{Value, json};
 /// Where API-made objects say they came from.
 pub const API_OWNER: &str = "api";
 
-/// Largest request body: manifests are small.
+/// Largest request body: manifests are small, and an apply is read whole
+/// before it is checked (docs/limits.md).
 const MAX_BODY: usize = 8 << 20;
 
 pub fn router(engine: Arc<Engine>) -> Router {
@@ -144,9 +145,19 @@ async fn get_one(
 
 async fn apply(
     State(engine): State<Arc<Engine>>,
-    body: axum::body::Bytes,
+    body: Result<axum::body::Bytes, axum::extract::rejection::BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let bad = |m: String| ApiError(StatusCode::BAD_REQUEST, m);
+    let body = body.map_err(|r| match r.status() {
+        StatusCode::PAYLOAD_TOO_LARGE => ApiError(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!(
+                "request body is larger than {} MiB ({MAX_BODY} bytes), the most one apply may carry; split the objects over several applies",
+                MAX_BODY >> 20
+            ),
+        ),
+        status => ApiError(status, r.body_text()),
+    })?;
     let value: Value =
         serde_json::from_slice(&body).map_err(|e| bad(format!("request body is not JSON: {e}")))?;
     let Some(Value::Array(items)) = value.get("items") else {
