@@ -1125,8 +1125,23 @@ impl Engine {
         tokio::spawn(async move { engine.worker(key).await });
     }
 
+    /// The resync: every object is woken, except the disks, which are
+    /// looked at in one pass that wakes only those it finds out of date
+    /// (`disk::resync`, docs/reconciler.md "Disks").
     pub fn wake_all(self: &Arc<Self>) {
         for kind in Kind::ALL {
+            if kind == Kind::VirtualDisk {
+                match crate::disk::resync(&self.ctx) {
+                    Ok(names) => {
+                        for n in names {
+                            self.wake(kind, &n);
+                        }
+                        continue;
+                    }
+                    // Each disk then looks for itself.
+                    Err(e) => tracing::warn!(error = %e, "cannot resync the disks in one pass"),
+                }
+            }
             if let Ok(objs) = self.store.list(kind) {
                 for o in objs {
                     self.wake(kind, o.object.name());
@@ -1137,6 +1152,12 @@ impl Engine {
 
     async fn worker(self: Arc<Self>, key: Key) {
         loop {
+            // Disk reconciles take turns: a burst of thousands of new disks
+            // waits here, parked, not in the runtime's queue.
+            let _slot = match key.0 {
+                Kind::VirtualDisk => Some(self.ctx.disks.slot().await),
+                _ => None,
+            };
             let started = std::time::Instant::now();
             let result = match key.0 {
                 Kind::VirtualMachine => crate::vm::reconcile(&self.ctx, &key.1).await,

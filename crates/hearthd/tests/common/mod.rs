@@ -106,6 +106,16 @@ impl Daemon {
     /// A daemon that runs no VM (so it needs no test guest): `--accel tcg`
     /// without the probe, the given image roots, and `extra_args`.
     pub fn start_without_guest(image_roots: &[&Path], extra_args: &[&str]) -> Daemon {
+        Self::start_without_guest_env(image_roots, extra_args, &[])
+    }
+
+    /// [`Daemon::start_without_guest`] with extra environment variables
+    /// for hearthd (a restart with `spawn` does not keep them).
+    pub fn start_without_guest_env(
+        image_roots: &[&Path],
+        extra_args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let dir = tempfile::Builder::new()
             .prefix("hearth-e2e-")
             .tempdir()
@@ -119,7 +129,7 @@ impl Daemon {
             image_roots: image_roots.iter().map(|p| p.to_path_buf()).collect(),
             netns: None,
         };
-        d.spawn();
+        d.spawn_env(env);
         d
     }
 
