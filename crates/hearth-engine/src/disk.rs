@@ -52,8 +52,9 @@ const HEADER_BYTES: u64 = 64 << 10;
 /// after a restart: the first resync makes it again).
 pub struct Disks {
     slots: tokio::sync::Semaphore,
-    /// Per disk, the chain as its last compaction plan saw it.
-    planned: Mutex<HashMap<String, Shape>>,
+    /// Per disk, the chain as its last compaction plan saw it, and whether
+    /// that plan left merges to do.
+    planned: Mutex<HashMap<String, (Shape, bool)>>,
     planner: Mutex<Planner>,
     /// The disk the last refresh ended at.
     refreshed_up_to: Mutex<Option<String>>,
@@ -720,7 +721,8 @@ impl View {
 /// to reconcile, those whose status the store contradicts (or that are not
 /// Ready, or being deleted). A disk at rest costs its share of a few
 /// queries and nothing else: its compaction plan is made again only if its
-/// chain changed since the last one, and the files of at most
+/// chain changed since the last one (its actor is asked again while that
+/// plan has merges left), and the files of at most
 /// [`REFRESHES_PER_RESYNC`] disks are looked at (`stat`).
 pub fn resync(ctx: &Arc<Context>) -> Result<Vec<String>, StoreError> {
     let view = View::read(&ctx.store)?;
@@ -752,11 +754,20 @@ pub fn resync(ctx: &Arc<Context>) -> Result<Vec<String>, StoreError> {
                 continue;
             }
             let shape = Shape::of(&sub, head);
-            if planned.get(&d.name) != Some(&shape) {
-                if !compaction::plan(&sub, head).is_empty() || view.compacting.contains(&d.name) {
-                    to_compact.push(d.name.clone());
+            let work = match planned.get(&d.name) {
+                Some((seen, work)) if *seen == shape => *work,
+                _ => {
+                    let work = !compaction::plan(&sub, head).is_empty()
+                        || view.compacting.contains(&d.name);
+                    planned.insert(d.name.clone(), (shape, work));
+                    work
                 }
-                planned.insert(d.name.clone(), shape);
+            };
+            // Merges left to do are asked for again each resync, as before
+            // the plan was remembered: the actor may have yielded to a stop
+            // or a start, or waits out a failed merge.
+            if work {
+                to_compact.push(d.name.clone());
             }
             at_rest.push((d.name.as_str(), path.as_path(), s.allocated));
         }
@@ -911,14 +922,15 @@ fn plan_batch(ctx: &Arc<Context>, disks: &BTreeSet<String>) -> Result<(), StoreE
             continue;
         };
         let sub = around(&chains, &children, &head.id);
-        if !compaction::plan(&sub, &head.id).is_empty() || compacting.contains(d) {
+        let work = !compaction::plan(&sub, &head.id).is_empty() || compacting.contains(d);
+        if work {
             to_compact.push(d.clone());
         }
         ctx.disks
             .planned
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(d.clone(), Shape::of(&sub, &head.id));
+            .insert(d.clone(), (Shape::of(&sub, &head.id), work));
     }
     for d in to_compact {
         ctx.snapshots.compact(ctx, &d);
