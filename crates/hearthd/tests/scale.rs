@@ -13,96 +13,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use common::qemu_img_log::{QemuImgLog, real_qemu_img};
 use common::*;
 use serde_json::{Value, json};
-
-/// A `qemu-img` that appends `start PID ARGS` before running the real one
-/// and `end PID` after it, so the test counts runs and sees how many ran at
-/// once from the log alone.
-struct Wrapper {
-    dir: tempfile::TempDir,
-}
-
-impl Wrapper {
-    /// `pause`: shell commands run before the real qemu-img (to widen the
-    /// window in which runs overlap), or "".
-    fn new(pause: &str) -> Wrapper {
-        let real = real_qemu_img();
-        let dir = tempfile::Builder::new()
-            .prefix("hearth-qemu-img-")
-            .tempdir()
-            .expect("tempdir");
-        let log = dir.path().join("runs.log");
-        let script = format!(
-            "#!/bin/sh\necho \"start $$ $*\" >> {log}\n{pause}\n{real} \"$@\"\nrc=$?\necho \"end $$\" >> {log}\nexit $rc\n",
-            log = log.display(),
-            real = real.display(),
-        );
-        let path = dir.path().join("qemu-img");
-        std::fs::write(&path, script).expect("write wrapper");
-        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .expect("chmod wrapper");
-        Wrapper { dir }
-    }
-
-    /// hearthd's PATH: the wrapper's directory first.
-    fn path_var(&self) -> String {
-        format!(
-            "{}:{}",
-            self.dir.path().display(),
-            std::env::var("PATH").unwrap_or_default()
-        )
-    }
-
-    fn lines(&self) -> Vec<String> {
-        std::fs::read_to_string(self.dir.path().join("runs.log"))
-            .unwrap_or_default()
-            .lines()
-            .map(str::to_string)
-            .collect()
-    }
-
-    fn starts(&self) -> Vec<String> {
-        self.lines()
-            .into_iter()
-            .filter(|l| l.starts_with("start "))
-            .collect()
-    }
-
-    fn ends(&self) -> usize {
-        self.lines()
-            .iter()
-            .filter(|l| l.starts_with("end "))
-            .count()
-    }
-
-    /// The most runs that had started and not ended at any one time.
-    fn most_at_once(&self) -> usize {
-        let (mut now, mut most) = (0usize, 0usize);
-        for l in self.lines() {
-            if l.starts_with("start ") {
-                now += 1;
-                most = most.max(now);
-            } else if l.starts_with("end ") {
-                now = now.saturating_sub(1);
-            }
-        }
-        most
-    }
-}
-
-fn real_qemu_img() -> PathBuf {
-    let out = Command::new("sh")
-        .args(["-c", "command -v qemu-img"])
-        .output()
-        .expect("sh");
-    let path = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    assert!(
-        !path.is_empty(),
-        "qemu-img is not installed: apt-get install qemu-utils"
-    );
-    PathBuf::from(path)
-}
 
 /// A small qcow2 base image, made by the real qemu-img.
 fn base_image(dir: &Path) -> PathBuf {
@@ -173,7 +86,7 @@ fn size_and_mtime(path: &Path) -> (u64, i64) {
 #[test]
 fn a_resync_with_nothing_changed_runs_no_program_and_writes_nothing() {
     let _serial = serial();
-    let wrapper = Wrapper::new("");
+    let wrapper = QemuImgLog::new("");
     let images = tempfile::tempdir().expect("tempdir");
     let base = base_image(images.path());
     let path_var = wrapper.path_var();
@@ -314,7 +227,7 @@ fn fds_and_children(pid: u32) -> (usize, Vec<u32>) {
 #[test]
 fn external_programs_run_at_most_the_pool_size_at_once_and_are_always_reaped() {
     let _serial = serial();
-    let wrapper = Wrapper::new("sleep 0.1");
+    let wrapper = QemuImgLog::new("sleep 0.1");
     let images = tempfile::tempdir().expect("tempdir");
     let base = base_image(images.path());
     let path_var = wrapper.path_var();

@@ -8,6 +8,7 @@
 pub mod debian;
 pub mod http;
 pub mod netns;
+pub mod qemu_img_log;
 
 use std::ffi::OsStr;
 use std::io::{Read, Write};
