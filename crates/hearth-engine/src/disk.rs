@@ -40,6 +40,10 @@ pub const REFRESHES_PER_RESYNC: usize = 128;
 /// How long the planner waits after a batch, so that the hints arriving
 /// meanwhile share the next one (and its one reading of the layer graph).
 const PLAN_PAUSE: Duration = Duration::from_millis(200);
+/// A pass over the disks that finds the store unwritten since the last one,
+/// which found every disk at rest, reads nothing; every this many resyncs
+/// one reads everything anyway.
+const FULL_PASS_EVERY: u32 = 6;
 /// Layer ids reserved in one commit, for new disks.
 const IDS_PER_RESERVE: u64 = 64;
 /// Blank images kept in memory, one per disk size.
@@ -58,10 +62,25 @@ pub struct Disks {
     planner: Mutex<Planner>,
     /// The disk the last refresh ended at.
     refreshed_up_to: Mutex<Option<String>>,
+    /// The last full pass, when it found every disk at rest.
+    quiet: Mutex<Option<QuietPass>>,
     /// Reserved layer ids not handed out yet.
     ids: Mutex<std::ops::Range<u64>>,
     /// Blank qcow2 images by size, as `qemu-img create` made them.
     blanks: tokio::sync::Mutex<BTreeMap<u64, Arc<Vec<u8>>>>,
+}
+
+/// A disk at rest as a pass saw it: its name, its head's file, its
+/// allocated bytes.
+type AtRest = (String, PathBuf, Option<u64>);
+
+/// A full pass that woke nothing and asked for no merge.
+struct QuietPass {
+    /// The store's count of writes before it read.
+    writes: u64,
+    at_rest: Vec<AtRest>,
+    /// Passes since, that read nothing.
+    skipped: u32,
 }
 
 #[derive(Default)]
@@ -77,6 +96,7 @@ impl Default for Disks {
             planned: Mutex::default(),
             planner: Mutex::default(),
             refreshed_up_to: Mutex::default(),
+            quiet: Mutex::default(),
             ids: Mutex::new(0..0),
             blanks: tokio::sync::Mutex::default(),
         }
@@ -725,11 +745,29 @@ impl View {
 /// plan has merges left), and the files of at most
 /// [`REFRESHES_PER_RESYNC`] disks are looked at (`stat`).
 pub fn resync(ctx: &Arc<Context>) -> Result<Vec<String>, StoreError> {
+    let started = std::time::Instant::now();
+    // Every write goes through the store's writing connection, which
+    // counts them: unwritten since a pass that found every disk at rest,
+    // the store would say the same again. (A QEMU that dies unnoticed is
+    // found by its VM's own resync, which writes.)
+    let writes = ctx.store.writes();
+    {
+        let mut quiet = ctx.disks.quiet.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(q) = quiet.as_mut()
+            && q.writes == writes
+            && q.skipped + 1 < FULL_PASS_EVERY
+        {
+            q.skipped += 1;
+            refresh(ctx, &q.at_rest);
+            return Ok(Vec::new());
+        }
+        *quiet = None;
+    }
     let view = View::read(&ctx.store)?;
     let chains = compaction::chains(&ctx.store)?;
     let children = children_of(&chains);
     let mut wake = Vec::new();
-    let mut at_rest: Vec<(&str, &Path, Option<u64>)> = Vec::new();
+    let mut at_rest: Vec<AtRest> = Vec::new();
     let mut to_compact = Vec::new();
     {
         let mut planned = ctx.disks.planned.lock().unwrap_or_else(|p| p.into_inner());
@@ -769,20 +807,35 @@ pub fn resync(ctx: &Arc<Context>) -> Result<Vec<String>, StoreError> {
             if work {
                 to_compact.push(d.name.clone());
             }
-            at_rest.push((d.name.as_str(), path.as_path(), s.allocated));
+            at_rest.push((d.name.clone(), path.clone(), s.allocated));
         }
     }
+    let compacting = to_compact.len();
     for d in to_compact {
         ctx.snapshots.compact(ctx, &d);
     }
     refresh(ctx, &at_rest);
+    if wake.is_empty() && compacting == 0 {
+        *ctx.disks.quiet.lock().unwrap_or_else(|p| p.into_inner()) = Some(QuietPass {
+            writes,
+            at_rest,
+            skipped: 0,
+        });
+    }
+    tracing::debug!(
+        disks = view.disks.len(),
+        woken = wake.len(),
+        compacting,
+        ms = started.elapsed().as_secs_f64() * 1e3,
+        "disks resynced"
+    );
     Ok(wake)
 }
 
 /// Reads the allocated bytes of the next [`REFRESHES_PER_RESYNC`] disks at
 /// rest (by name, after the last one read) from their heads' files, and
 /// writes those that changed.
-fn refresh(ctx: &Context, at_rest: &[(&str, &Path, Option<u64>)]) {
+fn refresh(ctx: &Context, at_rest: &[AtRest]) {
     if at_rest.is_empty() {
         return;
     }
@@ -791,17 +844,18 @@ fn refresh(ctx: &Context, at_rest: &[(&str, &Path, Option<u64>)]) {
         .refreshed_up_to
         .lock()
         .unwrap_or_else(|p| p.into_inner());
-    let start = up_to
-        .as_deref()
-        .map_or(0, |last| at_rest.partition_point(|(n, _, _)| *n <= last));
+    let start = up_to.as_deref().map_or(0, |last| {
+        at_rest.partition_point(|(n, _, _)| n.as_str() <= last)
+    });
     for k in 0..at_rest.len().min(REFRESHES_PER_RESYNC) {
-        let (name, path, allocated) = at_rest[(start + k) % at_rest.len()];
+        let (name, path, allocated) = &at_rest[(start + k) % at_rest.len()];
+        let allocated = *allocated;
         if let Ok(meta) = std::fs::metadata(path) {
             let now = allocated_bytes(&meta);
             if allocated != Some(now) {
                 ctx.set_disk_status(name, |s| {
                     // Unless the head changed meanwhile.
-                    if s.path.as_deref() == Some(path) {
+                    if s.path.as_deref() == Some(path.as_path()) {
                         s.allocated = Some(now);
                     }
                 });
@@ -1181,6 +1235,30 @@ mod tests {
         let mut woken = resync(&ctx).unwrap();
         woken.sort();
         assert_eq!(woken, ["going", "moved", "new"]);
+        // Put right, they are at rest; passes that find the store unwritten
+        // since then say so without reading it.
+        ctx.store.put_objects(&[disk_object("new2")]).unwrap();
+        for n in ["going", "moved", "new"] {
+            ctx.store
+                .with_tx(|tx| {
+                    tx.execute("DELETE FROM heads WHERE disk = ?1", [n])?;
+                    tx.execute(
+                        "DELETE FROM objects WHERE kind = 'VirtualDisk' AND name = ?1",
+                        [n],
+                    )?;
+                    Ok(())
+                })
+                .unwrap();
+        }
+        reconcile(&ctx, "new2").await.unwrap();
+        assert!(resync(&ctx).unwrap().is_empty());
+        assert!(resync(&ctx).unwrap().is_empty());
+        ctx.store.mark_deleting(Kind::VirtualDisk, "new2").unwrap();
+        assert_eq!(
+            resync(&ctx).unwrap(),
+            ["new2"],
+            "a write is seen at the next pass"
+        );
         assert_eq!(status("at-rest").phase, DiskPhase::Ready);
         // The VM lets go of its disk: the status now contradicts the store.
         ctx.store.remove(Kind::VirtualMachine, "web").unwrap();

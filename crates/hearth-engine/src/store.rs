@@ -340,6 +340,13 @@ impl Store {
         Ok(v.unwrap_or(0) as u64)
     }
 
+    /// How many rows the store's writes have changed since it was opened:
+    /// unchanged, nothing was written (every write goes through the one
+    /// writing connection).
+    pub fn writes(&self) -> u64 {
+        self.conn().total_changes()
+    }
+
     /// The reading connection ([`Store::reader`]'s): it never waits for a
     /// write.
     pub fn reader(&self) -> Reader<'_> {
