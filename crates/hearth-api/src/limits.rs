@@ -19,14 +19,20 @@ use std::mem::MaybeUninit;
 /// objects nest about 6 deep (`items[0].spec.disks[0].source.blank`).
 pub const MAX_NESTING: usize = 32;
 
-/// Documents (`---`) in one text, and objects in one text once `{"items":
-/// [...]}` lists are expanded.
+/// Documents (`---`) in one text.
 pub const MAX_DOCUMENTS: usize = 1000;
 
+/// The most objects one apply may carry, and one text once `{"items":
+/// [...]}` lists are expanded (a text is applied as one apply): an apply is
+/// checked and written as one transaction while other applies wait, and
+/// each object it creates is then reconciled (docs/limits.md).
+pub const MAX_APPLY_OBJECTS: usize = 10_000;
+
 /// Values (scalars, aliases, lists, mappings) in one text. The parser holds
-/// every event of a document in memory, roughly 200 bytes each: 100,000
-/// values are about 20 MB; a manifest has a few hundred.
-pub const MAX_VALUES: usize = 100_000;
+/// every event of a document in memory, roughly 200 bytes each: 200,000
+/// values are about 40 MB. A manifest has a few hundred; a text of
+/// [`MAX_APPLY_OBJECTS`] small disks (about 13 values each) fits.
+pub const MAX_VALUES: usize = 200_000;
 
 /// Bytes of one manifest: a file in the manifest directory, or a file or
 /// stdin given to `hearth apply -f`.
@@ -269,7 +275,11 @@ mod tests {
         let list = |n: usize| format!("[{}]", vec!["1"; n].join(","));
         check_yaml(&list(MAX_VALUES - 1)).expect("at the limit");
         let e = err(&list(MAX_VALUES));
-        assert!(e.message.contains("more than 100000 values"), "{e}");
+        assert!(
+            e.message
+                .contains(&format!("more than {MAX_VALUES} values")),
+            "{e}"
+        );
         assert_eq!(e.location.map(|l| l.0), Some(1));
     }
 

@@ -13,7 +13,7 @@ use crate::kinds::{
     NetworkInterface, NetworkMode, VirtualDisk, VirtualDiskSnapshot, VirtualImage, VirtualMachine,
     VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualNetwork, VirtualNetworkSpec,
 };
-use crate::limits::{self, LimitError, MAX_DOCUMENTS};
+use crate::limits::{self, LimitError, MAX_APPLY_OBJECTS};
 use crate::meta::API_VERSION;
 use crate::net;
 
@@ -670,14 +670,14 @@ pub fn raw_documents(text: &str, origin: &str) -> Result<Vec<RawDocument>, Parse
                         },
                     });
                 };
-                if out.len() + items.len() > MAX_DOCUMENTS {
+                if out.len() + items.len() > MAX_APPLY_OBJECTS {
                     return Err(ParseError::Invalid {
                         origin: origin.to_string(),
                         error: FieldError {
                             object: format!("document {doc_index}"),
                             field: "items".into(),
                             message: format!(
-                                "{} objects in this text, more than the {MAX_DOCUMENTS} allowed",
+                                "{} objects in this text, more than the {MAX_APPLY_OBJECTS} allowed in one apply",
                                 out.len() + items.len()
                             ),
                         },

@@ -809,11 +809,11 @@ fn more_objects_than_the_limit_in_items_are_refused() {
         "metadata": {"name": "d"}, "spec": {"size": "1Gi", "source": {"blank": {}}},
     });
     let text = |n: usize| serde_json::json!({"items": vec![disk.clone(); n]}).to_string();
-    assert_eq!(raw_documents(&text(1000), "t").unwrap().len(), 1000);
-    let e = raw_documents(&text(1001), "t").unwrap_err();
+    assert_eq!(raw_documents(&text(10_000), "t").unwrap().len(), 10_000);
+    let e = raw_documents(&text(10_001), "t").unwrap_err();
     assert_eq!(
         e.to_string(),
-        "t: document 1: items: 1001 objects in this text, more than the 1000 allowed"
+        "t: document 1: items: 10001 objects in this text, more than the 10000 allowed in one apply"
     );
 }
 

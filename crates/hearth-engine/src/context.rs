@@ -55,6 +55,8 @@ pub struct Context {
     pub networking: crate::network::sync::HostNetworking,
     /// Reconcile and snapshot histograms for `GET /metrics`.
     pub metrics: crate::metrics::EngineMetrics,
+    /// What disk reconciles and resyncs keep between runs.
+    pub disks: crate::disk::Disks,
 }
 
 impl Context {
@@ -72,6 +74,7 @@ impl Context {
             addresses: Mutex::new(()),
             networking: Default::default(),
             metrics: Default::default(),
+            disks: Default::default(),
         }
     }
 
@@ -86,22 +89,42 @@ impl Context {
     /// the process was started with, whatever the spec says now: a disk just
     /// removed from a spec is still written until the VM restarts), then
     /// those whose spec lists it.
+    /// SQLite finds them in the stored JSON: nothing is parsed for the VMs
+    /// that do not use it (every new disk asks).
     pub fn vms_using_disk(&self, disk: &str) -> Result<Vec<String>, StoreError> {
-        let mut vms: Vec<String> = self
-            .store
-            .runtimes()?
-            .into_iter()
-            .filter(|r| {
-                r.disk_names.iter().any(|d| d == disk) && hearth_qemu::process::is_alive(&r.process)
-            })
-            .map(|r| r.vm)
-            .collect();
-        for s in self.store.list(Kind::VirtualMachine)? {
-            if let Object::VirtualMachine(vm) = s.object
-                && vm.spec.disks.iter().any(|d| d.virtual_disk_name == disk)
-                && !vms.contains(&vm.metadata.name)
-            {
-                vms.push(vm.metadata.name);
+        let (running, listed) = self.store.with_tx(|tx| {
+            let mut stmt = tx.prepare(
+                "SELECT record FROM runtime
+                 WHERE EXISTS (SELECT 1 FROM json_each(record, '$.disk_names') WHERE value = ?1)
+                 ORDER BY vm",
+            )?;
+            let running = stmt
+                .query_map(rusqlite::params![disk], |r| r.get::<_, String>(0))?
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut stmt = tx.prepare(
+                "SELECT name FROM objects WHERE kind = ?1 AND EXISTS (
+                     SELECT 1 FROM json_each(body, '$.spec.disks')
+                     WHERE json_extract(value, '$.virtualDiskName') = ?2)
+                 ORDER BY name",
+            )?;
+            let listed = stmt
+                .query_map(
+                    rusqlite::params![Kind::VirtualMachine.as_str(), disk],
+                    |r| r.get::<_, String>(0),
+                )?
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((running, listed))
+        })?;
+        let mut vms = Vec::new();
+        for text in running {
+            let r: RuntimeRecord = serde_json::from_str(&text)?;
+            if hearth_qemu::process::is_alive(&r.process) {
+                vms.push(r.vm);
+            }
+        }
+        for vm in listed {
+            if !vms.contains(&vm) {
+                vms.push(vm);
             }
         }
         Ok(vms)

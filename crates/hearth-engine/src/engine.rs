@@ -22,6 +22,8 @@ use crate::context::{Context, Key};
 use crate::store::{Store, StoreError, StoredObject};
 use crate::vm::live::LiveVm;
 
+pub use hearth_api::limits::MAX_APPLY_OBJECTS;
+
 /// Why a request was refused. Each maps to one HTTP status.
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
@@ -234,14 +236,18 @@ impl Engine {
 
     // ------------------------------------------------------------ queries
 
+    // The API's reads use the store's reading connection: they never wait
+    // for a reconciler's write.
+
     pub fn get(&self, kind: Kind, name: &str) -> Result<StoredObject, RequestError> {
         self.store
+            .reader()
             .get(kind, name)?
             .ok_or_else(|| RequestError::NotFound(format!("{kind} {name:?} not found")))
     }
 
     pub fn list(&self, kind: Kind) -> Result<Vec<StoredObject>, RequestError> {
-        Ok(self.store.list(kind)?)
+        Ok(self.store.reader().list(kind)?)
     }
 
     pub fn events(
@@ -250,7 +256,7 @@ impl Engine {
         name: Option<&str>,
         limit: usize,
     ) -> Result<Vec<Event>, RequestError> {
-        Ok(self.store.events(kind, name, limit)?)
+        Ok(self.store.reader().events(kind, name, limit)?)
     }
 
     /// The console log of a VM that exists.
@@ -269,12 +275,19 @@ impl Engine {
     // ------------------------------------------------------------ commands
 
     /// Creates or updates objects. All or nothing: every object is checked
-    /// before any is written, and they are written in one transaction.
+    /// before any is written, and they are written in one transaction,
+    /// with their events. At most [`MAX_APPLY_OBJECTS`] at once.
     pub fn apply(
         self: &Arc<Self>,
         objects: Vec<Object>,
         managed_by: &str,
     ) -> Result<Vec<ApplyOutcome>, RequestError> {
+        if objects.len() > MAX_APPLY_OBJECTS {
+            return Err(RequestError::BadRequest(format!(
+                "{} objects in one apply, more than the limit of {MAX_APPLY_OBJECTS} objects per apply; split them over several applies",
+                objects.len()
+            )));
+        }
         let _w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
         let mut seen = HashSet::new();
         let mut prepared = Vec::new();
@@ -350,38 +363,51 @@ impl Engine {
             .filter(|(_, a, old_owner)| *a != ApplyAction::Unchanged || old_owner.is_some())
             .map(|(o, _, _)| o.clone())
             .collect();
-        self.store.put_objects(&to_write)?;
-        drop(addresses);
-
-        let mut outcomes = Vec::new();
-        for (obj, action, old_owner) in prepared {
-            if action == ApplyAction::Unchanged
-                && let Some(old) = &old_owner
+        let mut events: Vec<(Kind, &str, &'static str, String)> = Vec::new();
+        for (obj, action, old_owner) in &prepared {
+            if *action == ApplyAction::Unchanged
+                && let Some(old) = old_owner
             {
-                self.event(
+                events.push((
                     obj.kind(),
                     obj.name(),
-                    EventType::Normal,
                     "SourceChanged",
-                    &format!("now managed by {managed_by} (was {old}); spec unchanged"),
-                );
+                    format!("now managed by {managed_by} (was {old}); spec unchanged"),
+                ));
             }
-            if action != ApplyAction::Unchanged {
+            if *action != ApplyAction::Unchanged {
                 let (reason, verb) = match action {
                     ApplyAction::Created => ("Created", "created"),
                     _ => ("Updated", "updated"),
                 };
-                self.event(
+                events.push((
                     obj.kind(),
                     obj.name(),
-                    EventType::Normal,
                     reason,
-                    &format!(
+                    format!(
                         "{verb} from {managed_by} (generation {})",
                         obj.metadata().generation
                     ),
-                );
+                ));
             }
+        }
+        // One commit for the objects and their events: one sync of the
+        // store, however many objects.
+        let now = Utc::now();
+        self.store.with_tx(|tx| {
+            Store::put_objects_tx(tx, &to_write)?;
+            for (kind, name, reason, message) in &events {
+                Store::record_event_tx(tx, now, *kind, name, EventType::Normal, reason, message)?;
+            }
+            Ok(())
+        })?;
+        drop(addresses);
+        for (kind, name, reason, message) in &events {
+            tracing::info!(kind = kind.as_str(), name, reason, "{message}");
+        }
+
+        let mut outcomes = Vec::new();
+        for (obj, action, _) in prepared {
             self.wake(obj.kind(), obj.name());
             if let Object::VirtualMachine(vm) = &obj {
                 for d in &vm.spec.disks {
@@ -1131,8 +1157,23 @@ impl Engine {
         tokio::spawn(async move { engine.worker(key).await });
     }
 
+    /// The resync: every object is woken, except the disks, which are
+    /// looked at in one pass that wakes only those it finds out of date
+    /// (`disk::resync`, docs/reconciler.md "Disks").
     pub fn wake_all(self: &Arc<Self>) {
         for kind in Kind::ALL {
+            if kind == Kind::VirtualDisk {
+                match crate::disk::resync(&self.ctx) {
+                    Ok(names) => {
+                        for n in names {
+                            self.wake(kind, &n);
+                        }
+                        continue;
+                    }
+                    // Each disk then looks for itself.
+                    Err(e) => tracing::warn!(error = %e, "cannot resync the disks in one pass"),
+                }
+            }
             if let Ok(objs) = self.store.list(kind) {
                 for o in objs {
                     self.wake(kind, o.object.name());
@@ -1143,6 +1184,12 @@ impl Engine {
 
     async fn worker(self: Arc<Self>, key: Key) {
         loop {
+            // Disk reconciles take turns: a burst of thousands of new disks
+            // waits here, parked, not in the runtime's queue.
+            let _slot = match key.0 {
+                Kind::VirtualDisk => Some(self.ctx.disks.slot().await),
+                _ => None,
+            };
             let started = std::time::Instant::now();
             let result = match key.0 {
                 Kind::VirtualMachine => crate::vm::reconcile(&self.ctx, &key.1).await,

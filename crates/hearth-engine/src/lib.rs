@@ -21,4 +21,6 @@ pub mod vm;
 pub mod watch;
 
 pub use config::EngineConfig;
-pub use engine::{ApplyAction, ApplyOutcome, Engine, RequestError, StartError, VmAction};
+pub use engine::{
+    ApplyAction, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, StartError, VmAction,
+};

@@ -67,6 +67,10 @@ pub struct RunIntent {
 #[derive(Clone)]
 pub struct Store {
     conn: Arc<Mutex<Connection>>,
+    /// A second connection, only for the API's reads: in WAL mode it reads
+    /// the last commit while `conn` writes, so a `GET` never waits for a
+    /// reconciler's transaction or its sync (docs/store.md "Concurrency").
+    reader: Arc<Mutex<Connection>>,
     /// The change log's last sequence number, sent after each commit that
     /// moved it: what wakes the watch streams (never polled).
     head: Arc<tokio::sync::watch::Sender<u64>>,
@@ -346,8 +350,12 @@ impl Store {
         changes::migrate(&mut conn, history)?;
         migrate_event_lives(&conn)?;
         let head = changes::head_of(&conn)?;
+        let reader = Connection::open(path)?;
+        reader.busy_timeout(std::time::Duration::from_secs(5))?;
+        reader.pragma_update(None, "query_only", true)?;
         Ok(Store {
             conn: Arc::new(Mutex::new(conn)),
+            reader: Arc::new(Mutex::new(reader)),
             head: Arc::new(tokio::sync::watch::channel(head).0),
         })
     }
@@ -395,6 +403,21 @@ impl Store {
             )
             .optional()?;
         Ok(v.unwrap_or(0) as u64)
+    }
+
+    /// How many rows the store's writes have changed since it was opened:
+    /// unchanged, nothing was written (every write goes through the one
+    /// writing connection).
+    pub fn writes(&self) -> u64 {
+        self.conn().total_changes()
+    }
+
+    /// The reading connection ([`Store::reader`]'s): it never waits for a
+    /// write.
+    pub fn reader(&self) -> Reader<'_> {
+        Reader {
+            conn: self.reader.lock().unwrap_or_else(|p| p.into_inner()),
+        }
     }
 
     fn conn(&self) -> Conn<'_> {
@@ -578,8 +601,14 @@ impl Store {
     /// Writes a batch of objects in one transaction: all or nothing.
     /// Status is kept for objects that already exist.
     pub fn put_objects(&self, objects: &[Object]) -> Result<(), StoreError> {
-        let mut conn = self.conn();
-        let tx = conn.transaction()?;
+        self.with_tx(|tx| Self::put_objects_tx(tx, objects))
+    }
+
+    /// `put_objects` inside a caller's transaction.
+    pub fn put_objects_tx(
+        tx: &rusqlite::Transaction<'_>,
+        objects: &[Object],
+    ) -> Result<(), StoreError> {
         for o in objects {
             let body = serde_json::to_string(o)?;
             tx.execute(
@@ -588,7 +617,6 @@ impl Store {
                 params![o.kind().as_str(), o.name(), body],
             )?;
         }
-        tx.commit()?;
         Ok(())
     }
 
@@ -668,10 +696,14 @@ impl Store {
         // Shown to anyone who reads the object: no URL's credentials.
         let text = serde_json::to_string(&status)?;
         let text = hearth_api::redact::redact_credentials(&text);
-        tx.execute(
-            "UPDATE objects SET status = ?3 WHERE kind = ?1 AND name = ?2",
-            params![kind.as_str(), name, &*text],
-        )?;
+        // An unchanged status is not written again: nothing to sync (every
+        // resync of a VM at rest comes here).
+        if *text != *current {
+            tx.execute(
+                "UPDATE objects SET status = ?3 WHERE kind = ?1 AND name = ?2",
+                params![kind.as_str(), name, &*text],
+            )?;
+        }
         Ok(Some(status))
     }
 
@@ -879,7 +911,16 @@ impl Store {
         name: Option<&str>,
         limit: usize,
     ) -> Result<Vec<Event>, StoreError> {
-        let conn = self.conn();
+        Self::events_tx(&self.conn(), kind, name, limit)
+    }
+
+    /// `events` on a given connection.
+    fn events_tx(
+        conn: &Connection,
+        kind: Option<Kind>,
+        name: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Event>, StoreError> {
         let mut stmt = conn.prepare(&format!(
             "SELECT e.time, e.kind, e.name, e.type, e.reason, e.message FROM events e
              WHERE (?1 IS NULL OR e.kind = ?1)
@@ -903,6 +944,31 @@ impl Store {
         }
         out.reverse();
         Ok(out)
+    }
+}
+
+/// Reads on the store's second connection: what the last commit left,
+/// without waiting for a writer.
+pub struct Reader<'a> {
+    conn: MutexGuard<'a, Connection>,
+}
+
+impl Reader<'_> {
+    pub fn get(&self, kind: Kind, name: &str) -> Result<Option<StoredObject>, StoreError> {
+        Store::get_tx(&self.conn, kind, name)
+    }
+
+    pub fn list(&self, kind: Kind) -> Result<Vec<StoredObject>, StoreError> {
+        Store::list_tx(&self.conn, kind)
+    }
+
+    pub fn events(
+        &self,
+        kind: Option<Kind>,
+        name: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<Event>, StoreError> {
+        Store::events_tx(&self.conn, kind, name, limit)
     }
 }
 
@@ -1237,5 +1303,84 @@ mod tests {
         s.drop_launch(other[0].id).unwrap();
         assert!(s.launches(None).unwrap().is_empty());
         assert_eq!(s.runtime("vm2").unwrap(), None);
+    }
+
+    #[test]
+    fn a_read_never_waits_for_a_write_in_progress() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("hearth.db")).unwrap();
+        s.put_objects(&[disk("d1")]).unwrap();
+        let (held_tx, held) = std::sync::mpsc::channel();
+        let (release_tx, release) = std::sync::mpsc::channel::<()>();
+        let writer = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                s.with_tx(|tx| {
+                    Store::put_objects_tx(tx, &[disk("d2")])?;
+                    held_tx.send(()).unwrap();
+                    // The write stays open, holding the writer's lock, until
+                    // the read below has answered.
+                    let _ = release.recv_timeout(std::time::Duration::from_secs(30));
+                    Ok(())
+                })
+                .unwrap()
+            })
+        };
+        held.recv().unwrap();
+        let (read_tx, read) = std::sync::mpsc::channel();
+        let reading = {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                let r = s.reader();
+                let names: Vec<String> = r
+                    .list(Kind::VirtualDisk)
+                    .unwrap()
+                    .iter()
+                    .map(|o| o.object.name().to_string())
+                    .collect();
+                read_tx
+                    .send((names, r.get(Kind::VirtualDisk, "d1").unwrap().is_some()))
+                    .unwrap();
+            })
+        };
+        let answer = read.recv_timeout(std::time::Duration::from_secs(10));
+        release_tx.send(()).unwrap();
+        writer.join().unwrap();
+        reading.join().unwrap();
+        // The last commit, not the write in progress.
+        assert_eq!(
+            answer.expect("the read waited for the write"),
+            (vec!["d1".to_string()], true)
+        );
+        // And once that commits, the reader sees it.
+        assert!(s.reader().get(Kind::VirtualDisk, "d2").unwrap().is_some());
+    }
+
+    #[test]
+    fn an_unchanged_status_is_not_written_again() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("hearth.db")).unwrap();
+        s.put_objects(&[disk("d1")]).unwrap();
+        let set = |phase: hearth_api::DiskPhase| {
+            s.update_status(
+                Kind::VirtualDisk,
+                "d1",
+                |st: &mut hearth_api::VirtualDiskStatus| st.phase = phase,
+            )
+            .unwrap()
+        };
+        set(hearth_api::DiskPhase::Ready);
+        let writes = s.conn().total_changes();
+        set(hearth_api::DiskPhase::Ready);
+        assert_eq!(
+            s.conn().total_changes(),
+            writes,
+            "the same status was written again"
+        );
+        set(hearth_api::DiskPhase::Failed);
+        assert!(
+            s.conn().total_changes() > writes,
+            "a changed status is written"
+        );
     }
 }

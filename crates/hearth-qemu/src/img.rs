@@ -3,16 +3,16 @@
 //! Paths must be absolute: `qemu-img` treats `proto:...` filenames (including
 //! `json:{...}`) as protocol specs, and an absolute path can never look like one.
 //! Output is read with a bound and every run has a timeout (a hung NFS mount must
-//! not hang a reconciler forever).
+//! not hang a reconciler forever). Every run takes a slot of the program pool
+//! (`programs`): however many objects want one, only so many run at once.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::Value;
-use tokio::io::{AsyncRead, AsyncReadExt};
 
+use crate::programs;
 use crate::tools::{MissingTool, find_binary};
 
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
@@ -409,68 +409,43 @@ impl QemuImg {
         }
     }
 
-    /// Runs qemu-img with the timeout; its exit status and bounded output.
+    /// Runs qemu-img in the program pool (`programs`), with the timeout;
+    /// its exit status and bounded output.
     async fn run_status(
         &self,
         operation: &'static str,
         path: &Path,
         args: Vec<OsString>,
     ) -> Result<RunOutput, ImgError> {
-        let mut child = tokio::process::Command::new(&self.binary)
-            .args(&args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|source| ImgError::Spawn {
+        let mut command = tokio::process::Command::new(&self.binary);
+        command.args(&args);
+        // Copies take time in proportion to the data: their own pool.
+        let class = match operation {
+            "convert" | "rebase" => programs::Class::Copy,
+            _ => programs::Class::Quick,
+        };
+        let limits = programs::Limits {
+            timeout: self.timeout,
+            stdout: MAX_STDOUT,
+            stderr: MAX_STDERR,
+        };
+        match programs::run(command, class, None, limits).await {
+            Ok(f) => Ok((Ok(f.status), f.stdout, f.stderr)),
+            Err(programs::RunError::Spawn(source)) => Err(ImgError::Spawn {
                 binary: self.binary.clone(),
                 source,
-            })?;
-        let stdout = child.stdout.take();
-        let stderr = child.stderr.take();
-        let run = async {
-            let (status, out, err) = tokio::join!(
-                child.wait(),
-                read_bounded(stdout, MAX_STDOUT),
-                read_bounded(stderr, MAX_STDERR)
-            );
-            (status, out, err)
-        };
-        match tokio::time::timeout(self.timeout, run).await {
-            Ok(done) => Ok(done),
-            Err(_) => {
-                let _ = child.kill().await;
-                Err(ImgError::Timeout {
-                    operation,
-                    path: path.to_owned(),
-                    timeout: self.timeout,
-                })
-            }
+            }),
+            Err(programs::RunError::Wait(e)) => Ok((Err(e), Vec::new(), Vec::new())),
+            Err(programs::RunError::Timeout(_)) => Err(ImgError::Timeout {
+                operation,
+                path: path.to_owned(),
+                timeout: self.timeout,
+            }),
         }
     }
 }
 
 type RunOutput = (std::io::Result<std::process::ExitStatus>, Vec<u8>, Vec<u8>);
-
-/// Reads up to `limit` bytes and drains the rest so the child never blocks on a
-/// full pipe.
-async fn read_bounded<R: AsyncRead + Unpin>(reader: Option<R>, limit: usize) -> Vec<u8> {
-    let mut kept = Vec::new();
-    let Some(mut reader) = reader else {
-        return kept;
-    };
-    let mut chunk = [0u8; 8192];
-    loop {
-        match reader.read(&mut chunk).await {
-            Ok(0) | Err(_) => return kept,
-            Ok(n) => {
-                let room = limit.saturating_sub(kept.len());
-                kept.extend_from_slice(&chunk[..n.min(room)]);
-            }
-        }
-    }
-}
 
 fn check_absolute(path: &Path) -> Result<(), ImgError> {
     if path.is_absolute() {

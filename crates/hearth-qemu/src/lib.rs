@@ -15,6 +15,7 @@ pub mod handover;
 pub mod img;
 pub mod probe;
 pub mod process;
+pub mod programs;
 pub mod qmp;
 pub mod stats;
 pub mod tools;

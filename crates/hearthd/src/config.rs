@@ -43,6 +43,8 @@ pub struct FileConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub resync_seconds: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_external_programs: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub manifests: Option<PathBuf>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub manifests_resync_seconds: Option<u64>,
@@ -146,6 +148,7 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         qemu_user,
         accel,
         resync_seconds,
+        max_external_programs,
         manifests,
         manifests_resync_seconds,
         manifests_delete_grace_ms,
@@ -180,7 +183,7 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         };
     }
     fill!(
-        state_dir, run_dir, image_roots, qemu_user, accel, resync_seconds, manifests,
+        state_dir, run_dir, image_roots, qemu_user, accel, resync_seconds, max_external_programs, manifests,
         manifests_resync_seconds, manifests_delete_grace_ms, compaction_bytes_per_second,
         dns_resolv_file, ovmf_code, ovmf_vars, image_connect_timeout_seconds, image_read_timeout_seconds, image_max_bytes,
         image_free_space_reserve, image_retry_max_seconds, metrics_allow_remote, log_format,
@@ -203,6 +206,7 @@ pub fn to_file(args: &Args) -> FileConfig {
         qemu_user: Some(args.qemu_user.clone()),
         accel: Some(args.accel),
         resync_seconds: Some(args.resync_seconds),
+        max_external_programs: Some(args.max_external_programs),
         manifests: Some(args.manifests.clone()),
         manifests_resync_seconds: Some(args.manifests_resync_seconds),
         manifests_delete_grace_ms: Some(args.manifests_delete_grace_ms),

@@ -64,6 +64,11 @@ struct Args {
     /// Seconds between full resyncs of every object.
     #[arg(long, default_value_t = 10)]
     resync_seconds: u64,
+    /// How many external programs (qemu-img, nft) hearthd runs at once, for
+    /// all objects together; long copies (qemu-img convert, rebase) have
+    /// half as many slots of their own. 0: twice the number of CPUs.
+    #[arg(long, env = "HEARTH_MAX_EXTERNAL_PROGRAMS", default_value_t = 0)]
+    max_external_programs: usize,
     /// The manifest directory: VMs and disks declared in its *.yaml, *.yml and
     /// *.json files are kept in their declared state. It may be missing (it is
     /// then waited for, and nothing is deleted); hearthd never writes into it.
@@ -261,6 +266,16 @@ async fn main() -> anyhow::Result<()> {
         );
         Some(qemu_user)
     };
+    let programs = match args.max_external_programs {
+        0 => hearth_qemu::programs::default_limit(),
+        n => n,
+    };
+    hearth_qemu::programs::set_limit(programs);
+    tracing::info!(
+        max_external_programs = programs,
+        copies = hearth_qemu::programs::global().copy_limit(),
+        "external programs run at most this many at once"
+    );
     let qemu = hearth_qemu::tools::find_binary("qemu-system-x86_64")?;
     hearth_qemu::tools::find_binary("qemu-img")?;
     let accel = choose_accel(args.accel, &qemu).await?;

@@ -2061,6 +2061,12 @@ async fn commit(
         return false;
     }
     held.thawed = None;
+    if took_cut {
+        // Each disk's status reads its new head's file (allocated bytes).
+        for disk in prepared.keys() {
+            ctx.wake(Kind::VirtualDisk, disk);
+        }
+    }
     // Observed as soon as the store has the results (what a reader sees).
     for (name, outcome) in outcomes {
         if !matches!(outcome, Outcome::Retry) {

@@ -48,11 +48,37 @@ pub fn allocate_tx(
     disk: &str,
 ) -> Result<NewLayer, StoreError> {
     let n = Store::next_counter_tx(tx, "layer")?;
+    Ok(numbered(state_dir, n, disk))
+}
+
+/// Reserves `count` layer ids at once, in one commit: the counter moves
+/// past all of them, so none is ever handed out again, used or not. For
+/// many new disks at once (`numbered` makes the layers).
+pub fn reserve(store: &Store, count: u64) -> Result<std::ops::RangeInclusive<u64>, StoreError> {
+    let count = count.max(1);
+    store.with_tx(|tx| {
+        tx.execute(
+            "INSERT INTO counters (name, value) VALUES ('layer', ?1)
+             ON CONFLICT (name) DO UPDATE SET value = value + ?1",
+            params![count as i64],
+        )?;
+        let last: i64 =
+            tx.query_row("SELECT value FROM counters WHERE name = 'layer'", [], |r| {
+                r.get(0)
+            })?;
+        let last = last as u64;
+        Ok(last + 1 - count..=last)
+    })
+}
+
+/// The layer of `disk` with counter value `n` (from `allocate` or
+/// `reserve`).
+pub fn numbered(state_dir: &Path, n: u64, disk: &str) -> NewLayer {
     let id = format!("{n:08}-{disk}");
-    Ok(NewLayer {
+    NewLayer {
         path: layers_dir(state_dir).join(format!("{id}.qcow2")),
         id,
-    })
+    }
 }
 
 /// The disk each layer file belongs to (a layer id is `<counter>-<disk>`),

@@ -64,7 +64,8 @@ pub async fn read_json(request: Request) -> Result<Value, ApiError> {
         ApiError(
             StatusCode::PAYLOAD_TOO_LARGE,
             format!(
-                "the request body is larger than the {} MiB allowed",
+                "the request body is larger than the {} MiB ({MAX_BODY} bytes) allowed; \
+                 split the objects over several applies",
                 MAX_BODY >> 20
             ),
         )

@@ -8,6 +8,7 @@
 pub mod debian;
 pub mod http;
 pub mod netns;
+pub mod qemu_img_log;
 
 use std::ffi::OsStr;
 use std::io::{Read, Write};
@@ -106,11 +107,21 @@ impl Daemon {
     /// A daemon that runs no VM (so it needs no test guest): `--accel tcg`
     /// without the probe, the given image roots, and `extra_args`.
     pub fn start_without_guest(image_roots: &[&Path], extra_args: &[&str]) -> Daemon {
+        Self::start_without_guest_env(image_roots, extra_args, &[])
+    }
+
+    /// [`Daemon::start_without_guest`] with extra environment variables
+    /// for hearthd (a restart with `spawn` does not keep them).
+    pub fn start_without_guest_env(
+        image_roots: &[&Path],
+        extra_args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let dir = tempfile::Builder::new()
             .prefix("hearth-e2e-")
             .tempdir()
             .expect("tempdir");
-        Self::start_without_guest_in(dir, image_roots, extra_args)
+        Self::start_without_guest_in_env(dir, image_roots, extra_args, env)
     }
 
     /// [`Daemon::start_without_guest`] in a directory the test prepared
@@ -119,6 +130,15 @@ impl Daemon {
         dir: tempfile::TempDir,
         image_roots: &[&Path],
         extra_args: &[&str],
+    ) -> Daemon {
+        Self::start_without_guest_in_env(dir, image_roots, extra_args, &[])
+    }
+
+    fn start_without_guest_in_env(
+        dir: tempfile::TempDir,
+        image_roots: &[&Path],
+        extra_args: &[&str],
+        env: &[(&str, &str)],
     ) -> Daemon {
         let mut args = vec!["--accel".to_string(), "tcg".to_string()];
         args.extend(extra_args.iter().map(|s| s.to_string()));
@@ -129,7 +149,7 @@ impl Daemon {
             image_roots: image_roots.iter().map(|p| p.to_path_buf()).collect(),
             netns: None,
         };
-        d.spawn();
+        d.spawn_env(env);
         d
     }
 

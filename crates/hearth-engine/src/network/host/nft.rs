@@ -151,6 +151,8 @@ pub fn render(networks: &[HostNetwork]) -> String {
 
 async fn nft(args: &[&str], stdin: Option<&str>) -> Result<String, HostError> {
     let what = format!("nft {}", args.join(" "));
+    // In the program pool like qemu-img, for as long as nft runs.
+    let _slot = hearth_qemu::programs::slot(hearth_qemu::programs::Class::Quick).await;
     let mut cmd = tokio::process::Command::new("nft");
     cmd.args(args)
         .stdin(if stdin.is_some() {
