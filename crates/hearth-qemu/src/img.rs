@@ -269,7 +269,8 @@ impl QemuImg {
             backing_format.into(),
             path.into(),
         ];
-        self.run("rebase", path, args).await.map(|_| ())
+        // The header alone: quick, so not in the pool of copies.
+        self.run("rebase -u", path, args).await.map(|_| ())
     }
 
     /// `qemu-img check -r leaks`: frees clusters that are allocated but not
