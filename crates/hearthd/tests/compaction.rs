@@ -910,13 +910,13 @@ fn a_stop_cancels_a_throttled_merge_which_is_then_done_offline() {
     );
 }
 
-/// A directory holding a `qemu-img` that runs the real one, except for the
-/// first safe `qemu-img rebase` (not `-u`), which it runs under strace's
-/// fault injection: killed by SIGKILL at its first `fdatasync`. qemu-img
-/// 10.0.2 has written the copied clusters, the header naming the new base
-/// and the refcounts by then, but not the L2 tables that point at the
-/// copies. Put first in hearthd's `PATH`.
-fn qemu_img_killed_at_fdatasync(dir: &Path) -> PathBuf {
+/// hearthd's PATH with a `qemu-img` in `dir` that runs the real one,
+/// except for the first safe `qemu-img rebase` (not `-u`), which it runs
+/// under strace's fault injection: killed by SIGKILL at its first
+/// `fdatasync`. qemu-img 10.0.2 has written the copied clusters, the header
+/// naming the new base and the refcounts by then, but not the L2 tables
+/// that point at the copies.
+fn qemu_img_killed_at_fdatasync(dir: &Path) -> String {
     let strace = Command::new("sh")
         .args(["-c", "command -v strace"])
         .output()
@@ -925,45 +925,25 @@ fn qemu_img_killed_at_fdatasync(dir: &Path) -> PathBuf {
         strace.status.success(),
         "strace is missing: apt-get install strace (.ci/install-deps.sh)"
     );
-    let real = Command::new("sh")
-        .args(["-c", "command -v qemu-img"])
-        .output()
-        .expect("sh");
-    let real = String::from_utf8_lossy(&real.stdout).trim().to_string();
-    assert!(!real.is_empty(), "qemu-img is missing");
-    let bin = dir.join("bin");
-    std::fs::create_dir_all(&bin).expect("bin dir");
     let once = dir.join("killed-once");
-    let script = format!(
-        "#!/bin/sh\n\
-         case \" $* \" in\n\
-         *\" rebase \"*\" -u \"*) ;;\n\
-         *\" rebase \"*) if [ ! -e {once} ]; then : > {once}; \
-         exec strace -f -o /dev/null -e inject=fdatasync:signal=KILL:when=1 {real} \"$@\"; fi ;;\n\
-         esac\n\
-         exec {real} \"$@\"\n",
-        once = once.display(),
-    );
-    let wrapper = bin.join("qemu-img");
-    std::fs::write(&wrapper, script).expect("wrapper");
-    std::fs::set_permissions(
-        &wrapper,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    common::qemu_img_log::wrapped_qemu_img(
+        dir,
+        &format!(
+            "case \" $* \" in\n\
+             *\" rebase \"*\" -u \"*) ;;\n\
+             *\" rebase \"*) if [ ! -e {once} ]; then : > {once}; \
+             exec strace -f -o /dev/null -e inject=fdatasync:signal=KILL:when=1 \"$REAL\" \"$@\"; fi ;;\n\
+             esac",
+            once = once.display(),
+        ),
     )
-    .expect("chmod");
-    bin
 }
 
 #[test]
 fn an_offline_merge_killed_after_its_header_switch_is_set_back_and_loses_nothing() {
     let _serial = serial();
     let tools = tempfile::tempdir().expect("tempdir");
-    let bin = qemu_img_killed_at_fdatasync(tools.path());
-    let path = format!(
-        "{}:{}",
-        bin.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
+    let path = qemu_img_killed_at_fdatasync(tools.path());
     let d = Daemon::start_env(&[("PATH", &path)]);
     let scratch = d.dir.path().join("scratch");
     std::fs::create_dir_all(&scratch).expect("scratch");

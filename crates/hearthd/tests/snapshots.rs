@@ -544,38 +544,23 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     exec(&d, "hook", "echo still-writable > /data/after.txt && sync");
 }
 
-/// A directory with a `qemu-img` that runs the real one, but first sleeps
-/// 6 s in the next `create` of an overlay (`-b`) or the next `convert`
-/// after the test touches `sleep-next-create` / `sleep-next-convert` in
-/// `dir`, touching `sleeping` while it does. Put first in hearthd's `PATH`.
-fn slow_qemu_img(dir: &Path) -> std::path::PathBuf {
-    let real = Command::new("sh")
-        .args(["-c", "command -v qemu-img"])
-        .output()
-        .expect("sh");
-    let real = String::from_utf8_lossy(&real.stdout).trim().to_string();
-    assert!(!real.is_empty(), "qemu-img is missing");
-    let bin = dir.join("bin");
-    std::fs::create_dir_all(&bin).expect("bin");
+/// hearthd's PATH with a `qemu-img` in `dir` that runs the real one, but
+/// first sleeps 6 s in the next `create` of an overlay (`-b`) or the next
+/// `convert` after the test touches `sleep-next-create` /
+/// `sleep-next-convert` in `dir`, touching `sleeping` while it does.
+fn slow_qemu_img(dir: &Path) -> String {
     let d = dir.display();
-    let script = format!(
-        "#!/bin/sh\n\
-         case \" $* \" in\n\
-         *\" create \"*\" -b \"*) f={d}/sleep-next-create ;;\n\
-         *\" convert \"*) f={d}/sleep-next-convert ;;\n\
-         *) f= ;;\n\
-         esac\n\
-         if [ -n \"$f\" ] && rm \"$f\" 2>/dev/null; then : > {d}/sleeping; sleep 6; rm -f {d}/sleeping; fi\n\
-         exec {real} \"$@\"\n"
-    );
-    let wrapper = bin.join("qemu-img");
-    std::fs::write(&wrapper, script).expect("wrapper");
-    std::fs::set_permissions(
-        &wrapper,
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    common::qemu_img_log::wrapped_qemu_img(
+        dir,
+        &format!(
+            "case \" $* \" in\n\
+             *\" create \"*\" -b \"*) f={d}/sleep-next-create ;;\n\
+             *\" convert \"*) f={d}/sleep-next-convert ;;\n\
+             *) f= ;;\n\
+             esac\n\
+             if [ -n \"$f\" ] && rm \"$f\" 2>/dev/null; then : > {d}/sleeping; sleep 6; rm -f {d}/sleeping; fi"
+        ),
     )
-    .expect("chmod");
-    bin
 }
 
 /// Writes `pattern` at `offset_mib` into a disk's head with qemu-io (no VM
@@ -608,14 +593,9 @@ fn chain_sum(image: &Path, scratch: &Path) -> String {
 fn a_restore_pins_its_snapshot_and_a_snapshot_being_deleted_is_not_restored() {
     let _serial = serial();
     let tools = tempfile::tempdir().expect("tempdir");
-    let bin = slow_qemu_img(tools.path());
+    let path = slow_qemu_img(tools.path());
     let flag = |name: &str| std::fs::write(tools.path().join(name), "").expect("flag");
     let sleeping = tools.path().join("sleeping");
-    let path = format!(
-        "{}:{}",
-        bin.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
     let d = Daemon::start_env(&[("PATH", &path)]);
     let scratch = d.dir.path().join("scratch");
     std::fs::create_dir_all(&scratch).expect("scratch");

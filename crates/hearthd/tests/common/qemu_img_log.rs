@@ -1,9 +1,36 @@
-//! A `qemu-img` first in hearthd's PATH that logs every run, for tests
-//! and benchmarks that count what hearthd runs (ground truth: the log is
-//! written by the processes themselves, not by hearthd).
+//! A `qemu-img` first in hearthd's PATH: one that logs every run, for
+//! tests and benchmarks that count what hearthd runs (ground truth: the log
+//! is written by the processes themselves, not by hearthd), and one that
+//! runs a test's script first (to hold a run still or kill it at a chosen
+//! system call).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+
+/// Writes a `qemu-img` into `dir/bin` that runs the shell `script` and
+/// then the real qemu-img with the same arguments (`$REAL` in the script
+/// names it; the script may `exec` it another way itself, e.g. under
+/// strace). Returns hearthd's PATH with it first.
+pub fn wrapped_qemu_img(dir: &Path, script: &str) -> String {
+    let bin = dir.join("bin");
+    std::fs::create_dir_all(&bin).expect("bin dir");
+    let text = format!(
+        "#!/bin/sh
+REAL={real}
+{script}
+exec \"$REAL\" \"$@\"\n",
+        real = real_qemu_img().display(),
+    );
+    let path = bin.join("qemu-img");
+    std::fs::write(&path, text).expect("write wrapper");
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod wrapper");
+    format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    )
+}
 
 /// A `qemu-img` that appends `start PID ARGS` before running the real one
 /// and `end PID` after it, so the test counts runs and sees how many ran at
