@@ -597,13 +597,13 @@ pub fn raw_request(
     );
     // A server that refuses a body (too large) answers and closes before
     // reading it all: the write then fails, but the answer is waiting.
-    if let Err(e) = sent {
-        if !matches!(
+    if let Err(e) = sent
+        && !matches!(
             e.kind(),
             std::io::ErrorKind::BrokenPipe | std::io::ErrorKind::ConnectionReset
-        ) {
-            return Err(e);
-        }
+        )
+    {
+        return Err(e);
     }
     let mut buf = Vec::new();
     stream.read_to_end(&mut buf)?;
