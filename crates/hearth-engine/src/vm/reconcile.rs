@@ -16,6 +16,8 @@ use hearth_qemu::cmdline::{DiskAttachment, KernelBoot, LaunchSpec, disk_serial};
 use hearth_qemu::process;
 use serde_json::json;
 
+use super::VmError;
+use super::chain::ChainError;
 use super::decide::{Disks, Observation, Process, Step, StopReason, decide};
 use crate::context::{Context, ReconcileError};
 use crate::runtime::{LaunchMarker, RuntimeRecord};
@@ -86,9 +88,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                 if ctx.store.runtime(name)?.is_none() {
                     // A launch a crashed daemon left unrecorded first: its
                     // QEMU is adopted (then nothing is launched) or stopped.
-                    let adopted = super::launches::settle_vm(ctx, name)
-                        .await
-                        .map_err(ReconcileError::Failed)?;
+                    let adopted = super::launches::settle_vm(ctx, name).await?;
                     match adopted {
                         Some(record) => {
                             ctx.ensure_live(&record).await;
@@ -255,7 +255,8 @@ async fn launch(
             ctx.snapshots.prepare_ahead(ctx, &format!("vm/{name}"));
             Ok(())
         }
-        Err(message) => {
+        Err(e) => {
+            let message = e.to_string();
             // This spec was tried: a waiter can tell this failure from one of
             // an older generation.
             let generation = vm.metadata.generation;
@@ -293,7 +294,7 @@ async fn try_launch(
     ctx: &Arc<Context>,
     vm: &VirtualMachine,
     restart_nonce: u64,
-) -> Result<Launched, String> {
+) -> Result<Launched, VmError> {
     let name = vm.metadata.name.as_str();
     let cfg = &ctx.config;
     // Without spec.boot the firmware boots from the disks, in their order
@@ -302,12 +303,15 @@ async fn try_launch(
         Some(boot) => Some(KernelBoot {
             kernel: cfg
                 .confine(&boot.kernel)
-                .map_err(|e| format!("spec.boot.kernel: {e}"))?,
+                .map_err(|source| VmError::BootFile {
+                    field: "spec.boot.kernel",
+                    source,
+                })?,
             initrd: match &boot.initrd {
-                Some(p) => Some(
-                    cfg.confine(p)
-                        .map_err(|e| format!("spec.boot.initrd: {e}"))?,
-                ),
+                Some(p) => Some(cfg.confine(p).map_err(|source| VmError::BootFile {
+                    field: "spec.boot.initrd",
+                    source,
+                })?),
                 None => None,
             },
             cmdline: boot.cmdline.clone(),
@@ -322,34 +326,32 @@ async fn try_launch(
         .iter()
         .map(|d| d.virtual_disk_name.clone())
         .collect();
-    crate::snapshot::overlays::settle_offline(&ctx.store, &disk_names).await?;
+    crate::snapshot::overlays::settle_offline(&ctx.store, &disk_names)
+        .await
+        .map_err(|e| VmError::Unsettled(e.to_string()))?;
     // And a chain merge its last QEMU (or a dead daemon's qemu-img) left:
     // the store's chain and the headers agree before QEMU opens them.
-    crate::snapshot::compaction::settle_offline(ctx, &disk_names).await?;
+    crate::snapshot::compaction::settle_offline(ctx, &disk_names)
+        .await
+        .map_err(|e| VmError::Unsettled(e.to_string()))?;
     let mut disks = Vec::new();
     for (i, d) in vm.spec.disks.iter().enumerate() {
         let stored = ctx
             .store
-            .get(Kind::VirtualDisk, &d.virtual_disk_name)
-            .map_err(|e| e.to_string())?
-            .ok_or_else(|| {
-                format!(
-                    "spec.disks[{i}]: VirtualDisk {:?} is gone",
-                    d.virtual_disk_name
-                )
+            .get(Kind::VirtualDisk, &d.virtual_disk_name)?
+            .ok_or_else(|| VmError::DiskGone {
+                index: i,
+                disk: d.virtual_disk_name.clone(),
             })?;
         let status: VirtualDiskStatus = serde_json::from_value(stored.status).unwrap_or_default();
-        let path = status.path.ok_or_else(|| {
-            format!(
-                "spec.disks[{i}]: VirtualDisk {:?} has no file yet",
-                d.virtual_disk_name
-            )
+        let path = status.path.ok_or_else(|| VmError::DiskWithoutFile {
+            index: i,
+            disk: d.virtual_disk_name.clone(),
         })?;
-        let refused = |e: String| {
-            format!(
-                "spec.disks[{i}]: VirtualDisk {:?}: {e}",
-                d.virtual_disk_name
-            )
+        let refused = |source: ChainError| VmError::Disk {
+            index: i,
+            disk: d.virtual_disk_name.clone(),
+            source,
         };
         // The chain the store recorded, not the one the headers name now.
         let backing = super::chain::backing_layers(ctx, &d.virtual_disk_name, &path)
@@ -366,13 +368,16 @@ async fn try_launch(
         };
         // Refused here, before anything is prepared for QEMU; the handover
         // checks the same again on the descriptors it gives QEMU.
-        hearth_qemu::chain::check_disk(&disk).map_err(|e| refused(e.to_string()))?;
+        hearth_qemu::chain::check_disk(&disk).map_err(|e| refused(e.into()))?;
         disks.push(disk);
     }
     let run_dir = cfg.vm_run_dir(name);
     let state_dir = cfg.vm_state_dir(name);
     for dir in [&run_dir, &state_dir] {
-        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|source| VmError::Dir {
+            path: dir.clone(),
+            source,
+        })?;
     }
     // No QEMU of this VM runs (a leftover launch was settled first), so the
     // files it reads can be made or replaced now. Both live in the VM's
@@ -450,8 +455,10 @@ async fn try_launch(
     // daemon that dies before the runtime record below is written leaves a way
     // to find this QEMU: its pidfile path (which names the launch) is in its
     // environment.
-    let store_err = |e: crate::store::StoreError| format!("cannot record the launch: {e}");
-    let launch_id = ctx.store.next_counter("launch").map_err(store_err)?;
+    let launch_id = ctx
+        .store
+        .next_counter("launch")
+        .map_err(VmError::RecordLaunch)?;
     let marker = LaunchMarker {
         id: launch_id,
         vm: name.to_string(),
@@ -461,7 +468,9 @@ async fn try_launch(
         created_at: Utc::now(),
         record: record.clone(),
     };
-    ctx.store.put_launch(&marker).map_err(store_err)?;
+    ctx.store
+        .put_launch(&marker)
+        .map_err(VmError::RecordLaunch)?;
     drop(addresses);
     // The taps exist before hearthd attaches to them for QEMU (by name: a
     // missing one would be a new tap that no bridge has).
@@ -495,22 +504,24 @@ async fn try_launch(
             if let process::LaunchError::Handover(hearth_qemu::handover::HandoverError::Layer {
                 index,
                 source,
-            }) = &e
+            }) = e
             {
                 // A layer that changed since the check above.
-                return Err(format!(
-                    "spec.disks[{index}]: VirtualDisk {:?}: {source}",
-                    vm.spec
+                return Err(VmError::Disk {
+                    index,
+                    disk: vm
+                        .spec
                         .disks
-                        .get(*index)
-                        .map(|d| d.virtual_disk_name.as_str())
-                        .unwrap_or_default()
-                ));
+                        .get(index)
+                        .map(|d| d.virtual_disk_name.clone())
+                        .unwrap_or_default(),
+                    source: source.into(),
+                });
             }
-            return Err(format!(
-                "QEMU did not start: {e}{}",
-                permission_hint(&e, cfg.qemu_user.as_ref())
-            ));
+            return Err(VmError::DidNotStart {
+                hint: permission_hint(&e, cfg.qemu_user.as_ref()),
+                source: e,
+            });
         }
     };
     record.process = identity;
@@ -519,7 +530,7 @@ async fn try_launch(
     // anything else happens.
     if let Err(e) = ctx.store.record_launch(launch_id, &record) {
         let _ = process::signal(&record.process, process::Signal::Kill);
-        return Err(format!("cannot record the started process: {e}"));
+        return Err(VmError::RecordStarted(e));
     }
     ctx.ensure_live(&record).await;
     Ok(Launched {
@@ -554,18 +565,18 @@ fn permission_hint(
 async fn prepare_seed(
     cfg: &crate::config::EngineConfig,
     vm: &VirtualMachine,
-) -> Result<Option<super::seed::SeedFiles>, String> {
+) -> Result<Option<super::seed::SeedFiles>, VmError> {
     let path = cfg.cloud_init_seed_path(&vm.metadata.name);
     let files = super::seed::SeedFiles::for_vm(vm);
     let job = files.clone();
-    let shown = path.display().to_string();
+    let at = path.clone();
     tokio::task::spawn_blocking(move || match &job {
-        Some(files) => super::seed::write_seed(&path, files),
-        None => super::seed::remove_seed(&path),
+        Some(files) => super::seed::write_seed(&at, files),
+        None => super::seed::remove_seed(&at),
     })
     .await
-    .map_err(|e| format!("spec.cloudInit: the seed writer failed: {e}"))?
-    .map_err(|e| format!("spec.cloudInit: cannot write the cloud-init seed {shown}: {e}"))?;
+    .map_err(VmError::SeedWriter)?
+    .map_err(|source| VmError::Seed { path, source })?;
     Ok(files)
 }
 
