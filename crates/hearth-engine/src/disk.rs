@@ -30,6 +30,137 @@ use crate::snapshot::compaction::{self, Chains};
 use crate::snapshot::storage::{self, NewLayer};
 use crate::store::{Store, StoreError};
 
+/// Why a disk's first layer cannot be made, or its file not read. The
+/// message is what the disk's status and its `CreateFailed` event say.
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    #[error("{}: {source}", path.display())]
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("spec.size: a blank disk needs a size")]
+    NoSize,
+    #[error("cannot create blank disk: {0}")]
+    Blank(#[source] BlankError),
+    #[error("spec.source.image: {0}")]
+    BaseRefused(#[source] crate::config::ConfigError),
+    #[error("spec.source.image: {0}")]
+    BaseHeader(#[source] BaseHeaderError),
+    #[error("spec.source.image: {}: {source}", path.display())]
+    BaseInfo {
+        path: PathBuf,
+        #[source]
+        source: img::ImgError,
+    },
+    #[error("spec.size: {size} bytes is smaller than the base image ({base} bytes)")]
+    SmallerThanBase { size: u64, base: u64 },
+    #[error(
+        "spec.source.image: {}",
+        crate::image::too_large(&format!("the base image {}", path.display()), *virtual_size)
+    )]
+    BaseTooLarge { path: PathBuf, virtual_size: u64 },
+    #[error("cannot create overlay: {0}")]
+    Overlay(#[source] img::ImgError),
+    /// The snapshot to restore is not (or no longer) Ready.
+    #[error("{0}")]
+    SnapshotNotReady(String),
+    #[error("spec.source.snapshot: VirtualDiskSnapshot {snapshot:?} has no layer")]
+    SnapshotWithoutLayer { snapshot: String },
+    #[error("{0}")]
+    SnapshotLayer(#[source] img::ImgError),
+    #[error("{}", .0.message())]
+    ImageNotReady(crate::image::NotReady),
+    #[error("reading {}: {source}", path.display())]
+    Reader {
+        path: PathBuf,
+        #[source]
+        source: tokio::task::JoinError,
+    },
+    #[error("qemu-img info {}: {source}", path.display())]
+    Info {
+        path: PathBuf,
+        #[source]
+        source: img::ImgError,
+    },
+    /// Reading the snapshot to restore from the store (as a reconcile
+    /// reports a store error).
+    #[error("store: {0}")]
+    SnapshotStore(#[source] StoreError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// Why a blank image of a size could not be made or copied.
+#[derive(Debug, thiserror::Error)]
+pub enum BlankError {
+    #[error(transparent)]
+    Img(#[from] img::ImgError),
+    #[error(
+        "qemu-img made {} as {format} of {virtual_size} bytes (backing {backing:?}), not a blank qcow2 of {size}",
+        path.display()
+    )]
+    Unexpected {
+        path: PathBuf,
+        format: String,
+        virtual_size: u64,
+        backing: Option<String>,
+        size: u64,
+    },
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: {source}", path.display())]
+    Writer {
+        path: PathBuf,
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}
+
+/// Why a base image (`spec.source.image`) is refused by its header.
+#[derive(Debug, thiserror::Error)]
+pub enum BaseHeaderError {
+    #[error("{}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: refused: {source}", path.display())]
+    Refused {
+        path: PathBuf,
+        #[source]
+        source: hearth_qemu::probe::Qcow2Refusal,
+    },
+    #[error(
+        "{}: a {format} image is refused ({format} images can name other files); convert it: qemu-img convert -O qcow2 IN OUT",
+        path.display()
+    )]
+    NamesOtherFiles { path: PathBuf, format: String },
+}
+
+/// Why hearthd could not read a head's qcow2 header itself (then
+/// `qemu-img info` is asked).
+#[derive(Debug, thiserror::Error)]
+enum HeaderError {
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Refused(#[from] hearth_qemu::probe::Qcow2Refusal),
+}
+
+/// A disk reconcile fails with the message of its error.
+impl From<DiskError> for ReconcileError {
+    fn from(e: DiskError) -> Self {
+        ReconcileError::Failed(e.to_string())
+    }
+}
+
 /// Disk reconciles that run at once. The others wait for a slot, parked:
 /// a burst of thousands of new disks never fills the runtime's queue ahead
 /// of the API's requests (docs/limits.md).
@@ -167,10 +298,10 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
         }
         crate::snapshot::overlays::settle_offline(&ctx.store, &[name.to_string()])
             .await
-            .map_err(ReconcileError::Failed)?;
+            .map_err(|e| ReconcileError::Failed(e.to_string()))?;
         crate::snapshot::compaction::settle_offline(ctx, &[name.to_string()])
             .await
-            .map_err(ReconcileError::Failed)?;
+            .map_err(|e| ReconcileError::Failed(e.to_string()))?;
         // Snapshots of the disk keep the layers they need.
         storage::drop_head(&ctx.store, name)?;
         let freed = storage::collect_garbage(&ctx.store)?;
@@ -200,9 +331,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
     let generation = disk.metadata.generation;
     match storage::head(&ctx.store, name)? {
         Some(head) => {
-            let files = file_status(&head.path)
-                .await
-                .map_err(ReconcileError::Failed)?;
+            let files = file_status(&head.path).await?;
             let chain_length = chain_length(&ctx.store, &head.id)?;
             ctx.set_disk_status(name, |s| {
                 set_ready(s, &head.path, files, chain_length, attached, generation)
@@ -258,7 +387,8 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
             }
             let made = match create(ctx, name, disk).await {
                 Ok(made) => made,
-                Err(message) => {
+                Err(e) => {
+                    let message = e.to_string();
                     ctx.set_disk_status(name, |s| {
                         s.phase = DiskPhase::Failed;
                         s.last_error = Some(message.clone());
@@ -274,7 +404,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                 }
             };
             let path = made.layer.path.clone();
-            let files = file_status(&path).await.map_err(ReconcileError::Failed)?;
+            let files = file_status(&path).await?;
             let chain_length = match &made.backing_layer {
                 Some(below) => 1 + chain_length(&ctx.store, below)?,
                 None => 1,
@@ -389,18 +519,22 @@ fn chain_length(store: &Store, head: &str) -> Result<u32, StoreError> {
 /// header's size field (what `qemu-img info` reports as its virtual size)
 /// and the blocks the file holds (its actual size). `qemu-img info` only
 /// when the header is not one hearthd reads.
-async fn file_status(path: &Path) -> Result<Files, String> {
+async fn file_status(path: &Path) -> Result<Files, DiskError> {
     let owned = path.to_path_buf();
     let read = tokio::task::spawn_blocking(move || read_files(&owned))
         .await
-        .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        .map_err(|source| DiskError::Reader {
+            path: path.to_path_buf(),
+            source,
+        })?;
     match read {
         Ok(files) => Ok(files),
         Err(why) => {
-            tracing::debug!(path = %path.display(), why, "reading the qcow2 header failed; asking qemu-img");
-            let info = img::info(path)
-                .await
-                .map_err(|e| format!("qemu-img info {}: {e}", path.display()))?;
+            tracing::debug!(path = %path.display(), why = %why, "reading the qcow2 header failed; asking qemu-img");
+            let info = img::info(path).await.map_err(|source| DiskError::Info {
+                path: path.to_path_buf(),
+                source,
+            })?;
             Ok(Files {
                 capacity: info.virtual_size,
                 allocated: info.actual_size,
@@ -409,15 +543,13 @@ async fn file_status(path: &Path) -> Result<Files, String> {
     }
 }
 
-fn read_files(path: &Path) -> Result<Files, String> {
+fn read_files(path: &Path) -> Result<Files, HeaderError> {
     use std::io::Read;
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let meta = file.metadata().map_err(|e| e.to_string())?;
+    let file = std::fs::File::open(path)?;
+    let meta = file.metadata()?;
     let mut head = Vec::new();
-    file.take(HEADER_BYTES)
-        .read_to_end(&mut head)
-        .map_err(|e| e.to_string())?;
-    let header = hearth_qemu::probe::Qcow2Header::parse(&head).map_err(|e| e.to_string())?;
+    file.take(HEADER_BYTES).read_to_end(&mut head)?;
+    let header = hearth_qemu::probe::Qcow2Header::parse(&head)?;
     Ok(Files {
         capacity: header.size,
         allocated: allocated_bytes(&meta),
@@ -446,14 +578,14 @@ struct Made {
 }
 
 /// Makes the file of `disk`'s first layer; the caller records it.
-async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<Made, String> {
+async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<Made, DiskError> {
     let state_dir = ctx.config.state_dir.clone();
     let dir = storage::layers_dir(&state_dir);
-    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let new = ctx
-        .disks
-        .new_layer(&ctx.store, &state_dir, name)
-        .map_err(|e| e.to_string())?;
+    std::fs::create_dir_all(&dir).map_err(|source| DiskError::Dir {
+        path: dir.clone(),
+        source,
+    })?;
+    let new = ctx.disks.new_layer(&ctx.store, &state_dir, name)?;
     let size = disk.spec.size.as_ref().map(|q| q.bytes());
     let mut backing_layer = None;
     let mut base_image = None;
@@ -461,70 +593,70 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<Made, S
     let mut pin = None;
     match &disk.spec.source {
         DiskSource::Blank(_) => {
-            let size = size.ok_or("spec.size: a blank disk needs a size")?;
+            let size = size.ok_or(DiskError::NoSize)?;
             write_blank(ctx, &new.path, size)
                 .await
-                .map_err(|e| format!("cannot create blank disk: {e}"))?;
+                .map_err(DiskError::Blank)?;
         }
         DiskSource::Image(base) => {
-            let base = ctx
-                .config
-                .confine(base)
-                .map_err(|e| format!("spec.source.image: {e}"))?;
-            check_base_header(&base).map_err(|e| format!("spec.source.image: {e}"))?;
+            let base = ctx.config.confine(base).map_err(DiskError::BaseRefused)?;
+            check_base_header(&base).map_err(DiskError::BaseHeader)?;
             let base_info = img::info(&base)
                 .await
-                .map_err(|e| format!("spec.source.image: {}: {e}", base.display()))?;
+                .map_err(|source| DiskError::BaseInfo {
+                    path: base.clone(),
+                    source,
+                })?;
             match size {
                 Some(s) if s < base_info.virtual_size => {
-                    return Err(format!(
-                        "spec.size: {s} bytes is smaller than the base image ({} bytes)",
-                        base_info.virtual_size
-                    ));
+                    return Err(DiskError::SmallerThanBase {
+                        size: s,
+                        base: base_info.virtual_size,
+                    });
                 }
                 None if base_info.virtual_size > hearth_api::MAX_DISK_BYTES => {
-                    return Err(format!(
-                        "spec.source.image: {}",
-                        crate::image::too_large(
-                            &format!("the base image {}", base.display()),
-                            base_info.virtual_size
-                        )
-                    ));
+                    return Err(DiskError::BaseTooLarge {
+                        path: base,
+                        virtual_size: base_info.virtual_size,
+                    });
                 }
                 _ => {}
             }
             img::create_overlay(&new.path, &base, &base_info.format, size)
                 .await
-                .map_err(|e| format!("cannot create overlay: {e}"))?;
+                .map_err(DiskError::Overlay)?;
             source_image = Some((base, base_info.format));
         }
         DiskSource::Snapshot(snap) => {
             pin = Some(ctx.exports.of(snap).read_owned().await);
             // Read again under the pin: a delete that got it first is done.
-            if let Some((why, _)) = snapshot_not_ready(ctx, snap).map_err(|e| e.to_string())? {
-                return Err(why);
+            if let Some((why, _)) =
+                snapshot_not_ready(ctx, snap).map_err(DiskError::SnapshotStore)?
+            {
+                return Err(DiskError::SnapshotNotReady(why));
             }
-            let layer = storage::snapshot_layer(&ctx.store, snap)
-                .map_err(|e| e.to_string())?
-                .ok_or_else(|| {
-                    format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} has no layer")
-                })?;
-            let info = img::info(&layer.path).await.map_err(|e| e.to_string())?;
+            let layer = storage::snapshot_layer(&ctx.store, snap)?.ok_or_else(|| {
+                DiskError::SnapshotWithoutLayer {
+                    snapshot: snap.clone(),
+                }
+            })?;
+            let info = img::info(&layer.path)
+                .await
+                .map_err(DiskError::SnapshotLayer)?;
             // Only a new overlay: the restore costs the same for any disk size.
             img::create_overlay_unopened(&new.path, &layer.path, "qcow2", info.virtual_size)
                 .await
-                .map_err(|e| format!("cannot create overlay: {e}"))?;
+                .map_err(DiskError::Overlay)?;
             backing_layer = Some(layer.id);
         }
         DiskSource::VirtualImage(image) => {
-            let ready = crate::image::ready_for_disk(&ctx.store, image, size)
-                .map_err(|e| e.to_string())?
-                .map_err(|why| why.message())?;
+            let ready = crate::image::ready_for_disk(&ctx.store, image, size)?
+                .map_err(DiskError::ImageNotReady)?;
             // The image file is the overlay's backing file, opened read-only;
             // a larger size grows the disk.
             img::create_overlay(&new.path, &ready.path, &ready.format, size)
                 .await
-                .map_err(|e| format!("cannot create overlay: {e}"))?;
+                .map_err(DiskError::Overlay)?;
             base_image = Some(ready.path);
         }
     }
@@ -543,44 +675,51 @@ async fn create(ctx: &Context, name: &str, disk: &VirtualDisk) -> Result<Made, S
 /// of one size is the same bytes, and thousands of new disks cost one
 /// `qemu-img` per size instead of one each. The copy is synced before it
 /// is recorded, as `qemu-img create` syncs its file.
-async fn write_blank(ctx: &Context, path: &Path, size: u64) -> Result<(), String> {
+async fn write_blank(ctx: &Context, path: &Path, size: u64) -> Result<(), BlankError> {
     let image = blank_image(ctx, size).await?;
     let target = path.to_path_buf();
     let written = tokio::task::spawn_blocking(move || write_sparse(&target, &image))
         .await
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    written.map_err(|e| {
+        .map_err(|source| BlankError::Writer {
+            path: path.to_path_buf(),
+            source,
+        })?;
+    written.map_err(|source| {
         // A new file of ours, incomplete: nobody refers to it.
         let _ = std::fs::remove_file(path);
-        format!("{}: {e}", path.display())
+        BlankError::Io {
+            path: path.to_path_buf(),
+            source,
+        }
     })
 }
 
 /// The blank image of `size` bytes: made once by `qemu-img create` (in the
 /// layers directory under a name no layer has, so one a crash leaves is
 /// swept at the next start), checked by `qemu-img info`, kept in memory.
-async fn blank_image(ctx: &Context, size: u64) -> Result<Arc<Vec<u8>>, String> {
+async fn blank_image(ctx: &Context, size: u64) -> Result<Arc<Vec<u8>>, BlankError> {
     let mut kept = ctx.disks.blanks.lock().await;
     if let Some(image) = kept.get(&size) {
         return Ok(image.clone());
     }
     let path = storage::layers_dir(&ctx.config.state_dir).join(format!("blank-{size}.qcow2"));
     let _ = std::fs::remove_file(&path);
-    img::create_blank(&path, size)
-        .await
-        .map_err(|e| e.to_string())?;
+    img::create_blank(&path, size).await?;
     let read = async {
-        let info = img::info(&path).await.map_err(|e| e.to_string())?;
+        let info = img::info(&path).await?;
         if info.format != "qcow2" || info.virtual_size != size || info.backing_filename.is_some() {
-            return Err(format!(
-                "qemu-img made {} as {} of {} bytes (backing {:?}), not a blank qcow2 of {size}",
-                path.display(),
-                info.format,
-                info.virtual_size,
-                info.backing_filename
-            ));
+            return Err(BlankError::Unexpected {
+                path: path.clone(),
+                format: info.format,
+                virtual_size: info.virtual_size,
+                backing: info.backing_filename,
+                size,
+            });
         }
-        std::fs::read(&path).map_err(|e| format!("{}: {e}", path.display()))
+        std::fs::read(&path).map_err(|source| BlankError::Io {
+            path: path.clone(),
+            source,
+        })
     }
     .await;
     let _ = std::fs::remove_file(&path);
@@ -613,7 +752,7 @@ fn write_sparse(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 }
 
 /// Why a snapshot cannot be restored yet; `true` when it never will be.
-fn snapshot_not_ready(ctx: &Context, snap: &str) -> Result<Option<(String, bool)>, ReconcileError> {
+fn snapshot_not_ready(ctx: &Context, snap: &str) -> Result<Option<(String, bool)>, StoreError> {
     let Some(s) = ctx.store.get(Kind::VirtualDiskSnapshot, snap)? else {
         return Ok(Some((
             format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} does not exist"),
@@ -643,23 +782,29 @@ fn snapshot_not_ready(ctx: &Context, snap: &str) -> Result<Option<(String, bool)
 /// A base image is read by QEMU with whatever it references: like an
 /// imported image, it may name no other file (a qcow2 backing or data file,
 /// a VMDK extent). Read here, before `qemu-img` or QEMU opens it.
-fn check_base_header(base: &std::path::Path) -> Result<(), String> {
+fn check_base_header(base: &Path) -> Result<(), BaseHeaderError> {
     use hearth_qemu::probe::{self, Sniffed};
     use std::io::Read;
+    let path = || base.to_path_buf();
     let mut head = Vec::with_capacity(probe::HEAD_BYTES);
     std::fs::File::open(base)
         .and_then(|f| f.take(probe::HEAD_BYTES as u64).read_to_end(&mut head))
-        .map_err(|e| format!("{}: {e}", base.display()))?;
+        .map_err(|source| BaseHeaderError::Read {
+            path: path(),
+            source,
+        })?;
+    let refused = |source| BaseHeaderError::Refused {
+        path: path(),
+        source,
+    };
     match probe::sniff(&head) {
-        Ok(Sniffed::Qcow2(header)) => header
-            .check()
-            .map_err(|r| format!("{}: refused: {r}", base.display())),
+        Ok(Sniffed::Qcow2(header)) => header.check().map_err(refused),
         Ok(Sniffed::Raw(_)) => Ok(()),
-        Ok(Sniffed::Other(format)) => Err(format!(
-            "{}: a {format} image is refused ({format} images can name other files); convert it: qemu-img convert -O qcow2 IN OUT",
-            base.display()
-        )),
-        Err(r) => Err(format!("{}: refused: {r}", base.display())),
+        Ok(Sniffed::Other(format)) => Err(BaseHeaderError::NamesOtherFiles {
+            path: path(),
+            format: format.to_string(),
+        }),
+        Err(r) => Err(refused(r)),
     }
 }
 
