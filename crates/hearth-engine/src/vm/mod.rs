@@ -11,6 +11,8 @@ pub mod live;
 pub mod nics;
 mod reconcile;
 pub mod seed;
+mod start;
+mod stop;
 
 pub use chain::ChainError;
 pub use error::VmError;
