@@ -38,7 +38,7 @@ pub enum VmError {
         index: usize,
         disk: String,
         #[source]
-        source: ChainError,
+        source: Box<ChainError>,
     },
     #[error("{}: {source}", path.display())]
     Dir {

@@ -160,7 +160,7 @@ async fn try_launch(
         let refused = |source: ChainError| VmError::Disk {
             index: i,
             disk: d.virtual_disk_name.clone(),
-            source,
+            source: Box::new(source),
         };
         // The chain the store recorded, not the one the headers name now.
         let backing = super::chain::backing_layers(ctx, &d.virtual_disk_name, &path)
@@ -324,7 +324,7 @@ async fn try_launch(
                         .get(index)
                         .map(|d| d.virtual_disk_name.clone())
                         .unwrap_or_default(),
-                    source: source.into(),
+                    source: Box::new(source.into()),
                 });
             }
             return Err(VmError::DidNotStart {
