@@ -144,11 +144,17 @@ impl EngineConfig {
 
     /// Canonicalises a user-supplied host path and checks it lies inside an
     /// allowed root, so a manifest cannot hand QEMU an arbitrary host file.
-    pub fn confine(&self, path: &Path) -> Result<PathBuf, String> {
-        let real = std::fs::canonicalize(path).map_err(|e| format!("{}: {}", path.display(), e))?;
-        let meta = std::fs::metadata(&real).map_err(|e| format!("{}: {}", real.display(), e))?;
+    pub fn confine(&self, path: &Path) -> Result<PathBuf, ConfigError> {
+        let real = std::fs::canonicalize(path).map_err(|source| ConfigError::Unreadable {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let meta = std::fs::metadata(&real).map_err(|source| ConfigError::Unreadable {
+            path: real.clone(),
+            source,
+        })?;
         if !meta.is_file() {
-            return Err(format!("{} is not a regular file", real.display()));
+            return Err(ConfigError::NotAFile { path: real });
         }
         for root in &self.image_roots {
             if let Ok(root) = std::fs::canonicalize(root)
@@ -162,10 +168,27 @@ impl EngineConfig {
             .iter()
             .map(|r| r.display().to_string())
             .collect();
-        Err(format!(
-            "{} is outside the allowed image roots ({}); start hearthd with --image-root DIR to allow another directory",
-            real.display(),
-            roots.join(", ")
-        ))
+        Err(ConfigError::OutsideRoots {
+            path: real,
+            roots: roots.join(", "),
+        })
     }
+}
+
+/// Why a host path given in a manifest may not be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{}: {source}", path.display())]
+    Unreadable {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{} is not a regular file", path.display())]
+    NotAFile { path: PathBuf },
+    #[error(
+        "{} is outside the allowed image roots ({roots}); start hearthd with --image-root DIR to allow another directory",
+        path.display()
+    )]
+    OutsideRoots { path: PathBuf, roots: String },
 }

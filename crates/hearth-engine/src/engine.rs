@@ -820,11 +820,11 @@ impl Engine {
     }
 
     fn check_host_paths(&self, obj: &Object) -> Result<(), RequestError> {
-        let fail = |field: &str, message: String| {
+        let fail = |field: &str, message: crate::config::ConfigError| {
             RequestError::Invalid(FieldError {
                 object: obj.display_name(),
                 field: field.into(),
-                message,
+                message: message.to_string(),
             })
         };
         match obj {

@@ -387,7 +387,10 @@ impl QemuImg {
         let items = value
             .as_array()
             .ok_or_else(|| bad("--backing-chain output is not an array".into()))?;
-        items.iter().map(|v| parse_info(v).map_err(bad)).collect()
+        items
+            .iter()
+            .map(|v| parse_info(v).map_err(|e| bad(e.to_string())))
+            .collect()
     }
 
     async fn run(
@@ -488,22 +491,27 @@ fn parse_info_output(path: &Path, out: &[u8]) -> Result<ImageInfo, ImgError> {
         path: path.to_owned(),
         reason: e.to_string(),
     })?;
-    parse_info(&value).map_err(|reason| ImgError::BadOutput {
+    parse_info(&value).map_err(|e| ImgError::BadOutput {
         path: path.to_owned(),
-        reason,
+        reason: e.to_string(),
     })
 }
 
-fn parse_info(v: &Value) -> Result<ImageInfo, String> {
+/// A field `qemu-img info` always prints, missing from its output.
+#[derive(Debug, thiserror::Error)]
+#[error("no {0}")]
+struct MissingField(&'static str);
+
+fn parse_info(v: &Value) -> Result<ImageInfo, MissingField> {
     let text = |k: &str| v.get(k).and_then(Value::as_str).map(str::to_owned);
     Ok(ImageInfo {
-        filename: text("filename").ok_or("no filename")?,
+        filename: text("filename").ok_or(MissingField("filename"))?,
         virtual_size: v
             .get("virtual-size")
             .and_then(Value::as_u64)
-            .ok_or("no virtual-size")?,
+            .ok_or(MissingField("virtual-size"))?,
         actual_size: v.get("actual-size").and_then(Value::as_u64).unwrap_or(0),
-        format: text("format").ok_or("no format")?,
+        format: text("format").ok_or(MissingField("format"))?,
         backing_filename: text("backing-filename"),
         backing_format: text("backing-filename-format"),
         corrupt: v

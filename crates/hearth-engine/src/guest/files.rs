@@ -96,7 +96,7 @@ impl Engine {
         path: &str,
         mode: Option<u32>,
     ) -> Result<Upload, RequestError> {
-        check_guest_path(path).map_err(|m| bad(vm, m))?;
+        check_guest_path(path).map_err(|m| bad(vm, m.to_string()))?;
         if let Some(m) = mode
             && m > 0o777
         {
@@ -178,7 +178,7 @@ impl Engine {
     /// Opens `path` in `vm`'s guest for reading. Refuses a directory or a
     /// special file; a missing path is `NotFound` naming it.
     pub async fn download_begin(&self, vm: &str, path: &str) -> Result<Download, RequestError> {
-        check_guest_path(path).map_err(|m| bad(vm, m))?;
+        check_guest_path(path).map_err(|m| bad(vm, m.to_string()))?;
         let (channel, _) = self.guest_channel(vm)?;
         let mut size = None;
         let mut mode = None;

@@ -253,22 +253,32 @@ pub(crate) fn unique_token() -> u64 {
 
 /// Checks a path in the guest given by a user: absolute, no NUL (qemu-ga
 /// takes C strings), and naming something below `/`.
-pub(crate) fn check_guest_path(path: &str) -> Result<(), String> {
+pub(crate) fn check_guest_path(path: &str) -> Result<(), GuestPathError> {
+    let path_owned = || path.to_string();
     if !path.starts_with('/') {
-        return Err(format!(
-            "guest path {path:?} is not absolute (it must start with /)"
-        ));
+        return Err(GuestPathError::NotAbsolute { path: path_owned() });
     }
     if path.contains('\0') {
-        return Err(format!("guest path {path:?} contains a NUL byte"));
+        return Err(GuestPathError::Nul { path: path_owned() });
     }
     if path.trim_end_matches('/').is_empty() || path.ends_with('/') {
-        return Err(format!(
-            "guest path {path:?} names a directory; name the file (e.g. {}/NAME)",
-            path.trim_end_matches('/')
-        ));
+        return Err(GuestPathError::Directory { path: path_owned() });
     }
     Ok(())
+}
+
+/// A path in the guest, given by a user, that is refused.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum GuestPathError {
+    #[error("guest path {path:?} is not absolute (it must start with /)")]
+    NotAbsolute { path: String },
+    #[error("guest path {path:?} contains a NUL byte")]
+    Nul { path: String },
+    #[error(
+        "guest path {path:?} names a directory; name the file (e.g. {}/NAME)",
+        path.trim_end_matches('/')
+    )]
+    Directory { path: String },
 }
 
 #[cfg(test)]
@@ -280,12 +290,13 @@ mod tests {
         assert!(check_guest_path("/tmp/x").is_ok());
         assert!(check_guest_path("/x").is_ok());
         for bad in ["tmp/x", "", "/", "//", "/tmp/", "/tmp/x\0y"] {
-            let err = check_guest_path(bad).expect_err(bad);
+            let err = check_guest_path(bad).expect_err(bad).to_string();
             assert!(err.contains("guest path"), "{err}");
         }
         assert!(
             check_guest_path("/tmp/")
                 .expect_err("dir")
+                .to_string()
                 .contains("/tmp/NAME")
         );
     }

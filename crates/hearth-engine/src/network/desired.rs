@@ -21,7 +21,7 @@ use super::admission::mac_of;
 use super::host::{
     DesiredTap, Dns, HostDesired, HostNetwork, Mac, NetworkMode, PortForward, Protocol, StaticLease,
 };
-use super::names;
+use super::{NetworkError, names};
 use crate::runtime::{LaunchMarker, LaunchedInterface, RuntimeRecord};
 use crate::store::StoredLease;
 
@@ -113,42 +113,49 @@ pub fn to_launch(
     vm: &VirtualMachine,
     leases: &[StoredLease],
     hands_out_addresses: impl Fn(&str) -> bool,
-) -> Result<Vec<LaunchedInterface>, String> {
+) -> Result<Vec<LaunchedInterface>, NetworkError> {
     vm.spec
         .networks
         .iter()
         .enumerate()
         .map(|(i, spec)| {
             let net = &spec.virtual_network_name;
-            let lease = leases.iter().find(|l| {
-                l.vm == vm.metadata.name && l.interface == i as u32 && l.network == *net
-            });
+            let lease = leases
+                .iter()
+                .find(|l| l.vm == vm.metadata.name && l.interface == i as u32 && l.network == *net);
             let mac = mac_of(vm, i).map(|m| m.to_string());
             let reserved: Option<Ipv4Addr> =
                 spec.ip_address.as_deref().and_then(|a| a.parse().ok());
             let ip = match (lease, reserved) {
                 (Some(l), _) if mac.as_ref() != Some(&l.mac) => {
-                    return Err(format!(
-                        "spec.networks[{i}]: its address on VirtualNetwork {net:?} is still leased to the MAC {} it had",
-                        l.mac
-                    ));
+                    return Err(NetworkError::LeasedToOldMac {
+                        index: i,
+                        network: net.clone(),
+                        mac: l.mac.clone(),
+                    });
                 }
                 (Some(l), Some(r)) if l.ip != r => {
-                    return Err(format!(
-                        "spec.networks[{i}]: {r} is not leased to it on VirtualNetwork {net:?} yet (it still has {})",
-                        l.ip
-                    ));
+                    return Err(NetworkError::ReservationNotLeased {
+                        index: i,
+                        network: net.clone(),
+                        reserved: r,
+                        still: Some(l.ip),
+                    });
                 }
                 (Some(l), _) => Some(l.ip),
                 (None, Some(r)) => {
-                    return Err(format!(
-                        "spec.networks[{i}]: {r} is not leased to it on VirtualNetwork {net:?} yet"
-                    ));
+                    return Err(NetworkError::ReservationNotLeased {
+                        index: i,
+                        network: net.clone(),
+                        reserved: r,
+                        still: None,
+                    });
                 }
                 (None, None) if hands_out_addresses(net) => {
-                    return Err(format!(
-                        "spec.networks[{i}]: no address on VirtualNetwork {net:?} yet"
-                    ));
+                    return Err(NetworkError::NoAddressYet {
+                        index: i,
+                        network: net.clone(),
+                    });
                 }
                 (None, None) => None,
             };
@@ -547,7 +554,9 @@ mod tests {
         assert!(networks_changed(&moved, &launched));
         assert!(!networks_changed(&started, &launched));
         assert_eq!(
-            to_launch(&moved, &leases, |_| true).unwrap_err(),
+            to_launch(&moved, &leases, |_| true)
+                .unwrap_err()
+                .to_string(),
             "spec.networks[0]: no address on VirtualNetwork \"iso\" yet"
         );
         let nets = [
@@ -632,7 +641,9 @@ mod tests {
         // Edited, not planned again yet: the stored lease is the old one.
         let reserved = vm("[{virtualNetworkName: lan, ipAddress: 10.77.0.20}]", "a");
         assert_eq!(
-            to_launch(&reserved, &leases, |_| true).unwrap_err(),
+            to_launch(&reserved, &leases, |_| true)
+                .unwrap_err()
+                .to_string(),
             "spec.networks[0]: 10.77.0.20 is not leased to it on VirtualNetwork \"lan\" yet (it still has 10.77.0.10)"
         );
         let new_mac = vm(
@@ -642,6 +653,7 @@ mod tests {
         assert!(
             to_launch(&new_mac, &leases, |_| true)
                 .unwrap_err()
+                .to_string()
                 .contains("still leased to the MAC"),
         );
         // A network that hands out no addresses (Bridge) needs none.

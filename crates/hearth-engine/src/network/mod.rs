@@ -23,7 +23,45 @@ use std::sync::Arc;
 use hearth_api::{EventType, Kind, NetworkPhase, Object, VirtualMachine, VirtualNetworkStatus};
 
 use crate::context::{Context, ReconcileError};
-use crate::store::{Store, StoredLease};
+use crate::store::{Store, StoreError, StoredLease};
+
+/// Why a network cannot be put in place, or why an interface of a VM
+/// cannot start on its network yet.
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    #[error("spec.subnet: {0}")]
+    SubnetSyntax(String),
+    #[error("spec.subnet: {0}")]
+    SubnetRefused(#[source] subnets::SubnetError),
+    #[error(transparent)]
+    NoSubnetLeft(#[from] subnets::SubnetError),
+    #[error(transparent)]
+    Host(#[from] host::HostError),
+    #[error("cannot read the host's addresses and routes: {0}")]
+    HostNetworks(#[source] host::HostError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(
+        "spec.networks[{index}]: its address on VirtualNetwork {network:?} is still leased to the MAC {mac} it had"
+    )]
+    LeasedToOldMac {
+        index: usize,
+        network: String,
+        mac: String,
+    },
+    #[error(
+        "spec.networks[{index}]: {reserved} is not leased to it on VirtualNetwork {network:?} yet{}",
+        still.map(|ip| format!(" (it still has {ip})")).unwrap_or_default()
+    )]
+    ReservationNotLeased {
+        index: usize,
+        network: String,
+        reserved: std::net::Ipv4Addr,
+        still: Option<std::net::Ipv4Addr>,
+    },
+    #[error("spec.networks[{index}]: no address on VirtualNetwork {network:?} yet")]
+    NoAddressYet { index: usize, network: String },
+}
 
 pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
     // The whole reconcile holds the host lock: two networks never pick the
@@ -67,7 +105,8 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
     let old: VirtualNetworkStatus = serde_json::from_value(stored.status).unwrap_or_default();
     let subnet = match subnet_of(ctx, &mut host, &net, &old).await {
         Ok(s) => s,
-        Err(message) => {
+        Err(e) => {
+            let message = e.to_string();
             fail(ctx, name, generation, &message);
             return Err(ReconcileError::Failed(message));
         }
@@ -206,12 +245,12 @@ async fn subnet_of(
     host: &mut sync::HostGuard<'_>,
     net: &hearth_api::VirtualNetwork,
     old: &VirtualNetworkStatus,
-) -> Result<Option<hearth_api::net::Ipv4Cidr>, String> {
+) -> Result<Option<hearth_api::net::Ipv4Cidr>, NetworkError> {
     let given = net.spec.subnet.as_deref().or(old.subnet.as_deref());
     let given = match given {
         Some(s) => Some(
             s.parse::<hearth_api::net::Ipv4Cidr>()
-                .map_err(|e| format!("spec.subnet: {e}"))?,
+                .map_err(NetworkError::SubnetSyntax)?,
         ),
         None => None,
     };
@@ -219,11 +258,10 @@ async fn subnet_of(
         return Ok(given);
     }
     let host_nets: Vec<subnets::HostNet> = host
-        .netlink()
-        .map_err(|e| e.to_string())?
+        .netlink()?
         .host_networks()
         .await
-        .map_err(|e| format!("cannot read the host's addresses and routes: {e}"))?
+        .map_err(NetworkError::HostNetworks)?
         .into_iter()
         .map(|(ip, len, what)| subnets::HostNet {
             cidr: hearth_api::net::Ipv4Cidr::new_truncating(ip, len),
@@ -232,16 +270,16 @@ async fn subnet_of(
         .collect();
     match given {
         Some(s) => {
-            subnets::check(s, &[], &host_nets).map_err(|e| format!("spec.subnet: {e}"))?;
+            subnets::check(s, &[], &host_nets).map_err(NetworkError::SubnetRefused)?;
             Ok(Some(s))
         }
         None => {
-            let view = sync::StoreView::read(ctx).map_err(|e| e.to_string())?;
+            let view = sync::StoreView::read(ctx)?;
             let others: Vec<(String, hearth_api::net::Ipv4Cidr)> = sync::known_subnets(&view)
                 .into_iter()
                 .filter(|(n, _)| *n != net.metadata.name)
                 .collect();
-            let picked = subnets::pick(&others, &host_nets).map_err(|e| e.to_string())?;
+            let picked = subnets::pick(&others, &host_nets)?;
             ctx.event(
                 Kind::VirtualNetwork,
                 &net.metadata.name,

@@ -11,6 +11,60 @@ use hearth_qemu::cmdline::{Firmware as QemuFirmware, Ovmf};
 
 use crate::config::EngineConfig;
 
+/// Why a VM's firmware cannot be prepared. Every message starts with the
+/// field, `spec.firmware`, and names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum FirmwareError {
+    #[error(
+        "spec.firmware: UEFI needs OVMF's {what} {}, which is not a regular file; start hearthd with {flag} PATH",
+        path.display()
+    )]
+    NotAFile {
+        what: &'static str,
+        path: PathBuf,
+        flag: &'static str,
+    },
+    #[error(
+        "spec.firmware: UEFI needs OVMF's {what} {} ({source}): install OVMF with `apt-get install ovmf`, or start hearthd with {flag} PATH",
+        path.display()
+    )]
+    Missing {
+        what: &'static str,
+        path: PathBuf,
+        flag: &'static str,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "spec.firmware: the VM's UEFI variables file {} is {vars_bytes} bytes but the template {} is {template_bytes} bytes (another OVMF build?); remove the VM's file to start over from the template (its boot entries are lost)",
+        vars.display(),
+        template.display()
+    )]
+    OtherBuild {
+        vars: PathBuf,
+        vars_bytes: u64,
+        template: PathBuf,
+        template_bytes: u64,
+    },
+    #[error("spec.firmware: {}: {source}", vars.display())]
+    Vars {
+        vars: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error(
+        "spec.firmware: cannot copy the UEFI variables template {} to {}: {source}",
+        template.display(),
+        vars.display()
+    )]
+    Copy {
+        template: PathBuf,
+        vars: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+}
+
 /// What [`prepare`] did for one launch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Prepared {
@@ -24,7 +78,11 @@ pub struct Prepared {
 /// is copied from the template on its first UEFI start (and kept after).
 /// Only called while no QEMU of the VM runs. Errors name the field and, for
 /// a missing file, the package that brings it.
-pub fn prepare(cfg: &EngineConfig, vm: &str, firmware: Firmware) -> Result<Prepared, String> {
+pub fn prepare(
+    cfg: &EngineConfig,
+    vm: &str,
+    firmware: Firmware,
+) -> Result<Prepared, FirmwareError> {
     match firmware {
         Firmware::Bios => Ok(Prepared {
             firmware: QemuFirmware::Bios,
@@ -42,17 +100,24 @@ pub fn prepare(cfg: &EngineConfig, vm: &str, firmware: Firmware) -> Result<Prepa
     }
 }
 
-fn existing_ovmf_file(path: &Path, what: &str, flag: &str) -> Result<PathBuf, String> {
+fn existing_ovmf_file(
+    path: &Path,
+    what: &'static str,
+    flag: &'static str,
+) -> Result<PathBuf, FirmwareError> {
     match std::fs::metadata(path) {
         Ok(m) if m.is_file() => Ok(path.to_owned()),
-        Ok(_) => Err(format!(
-            "spec.firmware: UEFI needs OVMF's {what} {}, which is not a regular file; start hearthd with {flag} PATH",
-            path.display()
-        )),
-        Err(e) => Err(format!(
-            "spec.firmware: UEFI needs OVMF's {what} {} ({e}): install OVMF with `apt-get install ovmf`, or start hearthd with {flag} PATH",
-            path.display()
-        )),
+        Ok(_) => Err(FirmwareError::NotAFile {
+            what,
+            path: path.to_owned(),
+            flag,
+        }),
+        Err(source) => Err(FirmwareError::Missing {
+            what,
+            path: path.to_owned(),
+            flag,
+            source,
+        }),
     }
 }
 
@@ -60,32 +125,34 @@ fn existing_ovmf_file(path: &Path, what: &str, flag: &str) -> Result<PathBuf, St
 /// An existing one is kept as it is (it holds the guest's boot entries),
 /// unless its size shows it belongs to another OVMF build, which would not
 /// start: then the start fails saying so.
-fn ensure_vars(template: &Path, vars: &Path) -> Result<bool, String> {
+fn ensure_vars(template: &Path, vars: &Path) -> Result<bool, FirmwareError> {
     match std::fs::metadata(vars) {
         Ok(existing) => {
             if let Ok(t) = std::fs::metadata(template)
                 && t.len() != existing.len()
             {
-                return Err(format!(
-                    "spec.firmware: the VM's UEFI variables file {} is {} bytes but the template {} is {} bytes (another OVMF build?); remove the VM's file to start over from the template (its boot entries are lost)",
-                    vars.display(),
-                    existing.len(),
-                    template.display(),
-                    t.len()
-                ));
+                return Err(FirmwareError::OtherBuild {
+                    vars: vars.to_owned(),
+                    vars_bytes: existing.len(),
+                    template: template.to_owned(),
+                    template_bytes: t.len(),
+                });
             }
             return Ok(false);
         }
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(format!("spec.firmware: {}: {e}", vars.display())),
+        Err(source) => {
+            return Err(FirmwareError::Vars {
+                vars: vars.to_owned(),
+                source,
+            });
+        }
     }
     let template = existing_ovmf_file(template, "variables template", "--ovmf-vars")?;
-    copy_atomically(&template, vars).map_err(|e| {
-        format!(
-            "spec.firmware: cannot copy the UEFI variables template {} to {}: {e}",
-            template.display(),
-            vars.display()
-        )
+    copy_atomically(&template, vars).map_err(|source| FirmwareError::Copy {
+        template: template.clone(),
+        vars: vars.to_owned(),
+        source,
     })?;
     Ok(true)
 }
@@ -194,7 +261,9 @@ mod tests {
     fn a_missing_code_image_names_the_file_and_the_package() {
         let (_dir, mut cfg) = setup();
         cfg.ovmf_code = "/nonexistent/OVMF_CODE_4M.fd".into();
-        let err = prepare(&cfg, "web", Firmware::Uefi).expect_err("no code");
+        let err = prepare(&cfg, "web", Firmware::Uefi)
+            .expect_err("no code")
+            .to_string();
         assert!(err.starts_with("spec.firmware: "), "{err}");
         assert!(err.contains("/nonexistent/OVMF_CODE_4M.fd"), "{err}");
         assert!(err.contains("apt-get install ovmf"), "{err}");
@@ -206,7 +275,9 @@ mod tests {
     fn a_missing_template_fails_only_the_first_start() {
         let (_dir, mut cfg) = setup();
         cfg.ovmf_vars = "/nonexistent/OVMF_VARS_4M.fd".into();
-        let err = prepare(&cfg, "web", Firmware::Uefi).expect_err("no template");
+        let err = prepare(&cfg, "web", Firmware::Uefi)
+            .expect_err("no template")
+            .to_string();
         assert!(err.contains("/nonexistent/OVMF_VARS_4M.fd"), "{err}");
         assert!(err.contains("apt-get install ovmf"), "{err}");
         assert!(err.contains("--ovmf-vars"), "{err}");
@@ -219,7 +290,9 @@ mod tests {
     fn vars_of_another_ovmf_build_are_not_used() {
         let (_dir, cfg) = setup();
         std::fs::write(cfg.uefi_vars_path("web"), b"of another size").expect("vars");
-        let err = prepare(&cfg, "web", Firmware::Uefi).expect_err("size mismatch");
+        let err = prepare(&cfg, "web", Firmware::Uefi)
+            .expect_err("size mismatch")
+            .to_string();
         assert!(err.contains("another OVMF build"), "{err}");
         assert!(err.contains("uefi-vars.fd"), "{err}");
         assert_eq!(

@@ -12,6 +12,7 @@ use hearth_qemu::ProcessIdentity;
 use hearth_qemu::process;
 use hearth_qemu::qmp::QmpClient;
 
+use super::VmError;
 use crate::context::Context;
 use crate::runtime::{LaunchMarker, RuntimeRecord};
 
@@ -61,9 +62,9 @@ pub async fn settle_all(ctx: &Arc<Context>) -> Vec<RuntimeRecord> {
 /// Settles the leftover launches of one VM; called before launching it.
 /// `Some` when a QEMU was adopted (then it must not be launched again).
 /// An error leaves the marker, and so blocks the launch.
-pub async fn settle_vm(ctx: &Arc<Context>, vm: &str) -> Result<Option<RuntimeRecord>, String> {
+pub async fn settle_vm(ctx: &Arc<Context>, vm: &str) -> Result<Option<RuntimeRecord>, VmError> {
     let mut adopted = None;
-    for marker in ctx.store.launches(Some(vm)).map_err(|e| e.to_string())? {
+    for marker in ctx.store.launches(Some(vm))? {
         if let Some(record) = settle(ctx, &marker).await? {
             adopted = Some(record);
         }
@@ -86,10 +87,9 @@ pub fn find(marker: &LaunchMarker) -> Option<ProcessIdentity> {
 async fn settle(
     ctx: &Arc<Context>,
     marker: &LaunchMarker,
-) -> Result<Option<RuntimeRecord>, String> {
-    let store_err = |e: crate::store::StoreError| e.to_string();
+) -> Result<Option<RuntimeRecord>, VmError> {
     let Some(id) = find(marker) else {
-        ctx.store.drop_launch(marker.id).map_err(store_err)?;
+        ctx.store.drop_launch(marker.id)?;
         tracing::info!(
             vm = marker.vm,
             launch = marker.id,
@@ -98,21 +98,15 @@ async fn settle(
         return Ok(None);
     };
     let vm = marker.vm.as_str();
-    let recorded = ctx.store.runtime(vm).map_err(store_err)?;
-    let exists = ctx
-        .store
-        .get(Kind::VirtualMachine, vm)
-        .map_err(store_err)?
-        .is_some();
+    let recorded = ctx.store.runtime(vm)?;
+    let exists = ctx.store.get(Kind::VirtualMachine, vm)?.is_some();
     if recorded.is_none() && exists && ready(&marker.record.qmp_socket, &id).await {
         let record = RuntimeRecord {
             process: id.clone(),
             started_at: marker.created_at,
             ..marker.record.clone()
         };
-        ctx.store
-            .record_launch(marker.id, &record)
-            .map_err(store_err)?;
+        ctx.store.record_launch(marker.id, &record)?;
         super::mark_running(ctx, &record, |_| {});
         ctx.event(
             Kind::VirtualMachine,
@@ -134,7 +128,7 @@ async fn settle(
         "it did not finish starting"
     };
     stop(&marker.record.qmp_socket, &id).await?;
-    ctx.store.drop_launch(marker.id).map_err(store_err)?;
+    ctx.store.drop_launch(marker.id)?;
     if exists {
         ctx.event(
             Kind::VirtualMachine,
@@ -170,7 +164,7 @@ async fn ready(qmp_socket: &std::path::Path, id: &ProcessIdentity) -> bool {
 }
 
 /// QMP `quit`, then SIGKILL; Ok once the process is gone.
-pub async fn stop(qmp_socket: &std::path::Path, id: &ProcessIdentity) -> Result<(), String> {
+pub async fn stop(qmp_socket: &std::path::Path, id: &ProcessIdentity) -> Result<(), VmError> {
     if let Ok((qmp, _events)) = QmpClient::connect(qmp_socket, Duration::from_secs(2)).await {
         let _ = qmp.execute("quit", None, Duration::from_secs(2)).await;
         if tokio::time::timeout(QUIT_WAIT, process::wait_for_exit(id))
@@ -183,5 +177,5 @@ pub async fn stop(qmp_socket: &std::path::Path, id: &ProcessIdentity) -> Result<
     let _ = process::signal(id, process::Signal::Kill);
     tokio::time::timeout(KILL_WAIT, process::wait_for_exit(id))
         .await
-        .map_err(|_| format!("QEMU pid {} survived SIGKILL", id.pid))
+        .map_err(|_| VmError::SurvivedKill { pid: id.pid })
 }

@@ -3,6 +3,7 @@
 
 mod chain;
 pub mod decide;
+mod error;
 pub mod firmware;
 pub mod graceful;
 pub mod launches;
@@ -10,7 +11,12 @@ pub mod live;
 pub mod nics;
 mod reconcile;
 pub mod seed;
+mod start;
+mod stop;
 
+pub use chain::ChainError;
+pub use error::VmError;
+pub use firmware::FirmwareError;
 pub use reconcile::{fingerprint, reconcile};
 
 use hearth_api::{VirtualMachineStatus, VmPhase};

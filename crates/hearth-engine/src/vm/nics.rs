@@ -14,6 +14,7 @@ use hearth_api::{
 use hearth_qemu::cmdline::NicAttachment;
 use serde_json::Value;
 
+use super::VmError;
 use crate::context::Context;
 use crate::network::desired::{self, Nic};
 use crate::network::host::TapBackend;
@@ -62,15 +63,16 @@ pub fn waiting_for(ctx: &Context, vm: &VirtualMachine) -> Result<Option<String>,
     Ok(desired::to_launch(vm, &leases, |net| {
         !bridge_mode.get(net).copied().unwrap_or(false)
     })
-    .err())
+    .err()
+    .map(|e| e.to_string()))
 }
 
 /// The interfaces a QEMU of `vm` gets if it starts now: its spec's, each
 /// with its stored lease. Called under the engine's address lock, and the
 /// result recorded in the launch marker before the lock is let go: from then
 /// on the lease plans keep these addresses for this QEMU.
-pub fn to_launch(ctx: &Context, vm: &VirtualMachine) -> Result<Vec<LaunchedInterface>, String> {
-    let leases = ctx.store.leases().map_err(|e| e.to_string())?;
+pub fn to_launch(ctx: &Context, vm: &VirtualMachine) -> Result<Vec<LaunchedInterface>, VmError> {
+    let leases = ctx.store.leases()?;
     let mut bridge_mode = std::collections::BTreeMap::new();
     for iface in &vm.spec.networks {
         let net = &iface.virtual_network_name;
@@ -80,19 +82,19 @@ pub fn to_launch(ctx: &Context, vm: &VirtualMachine) -> Result<Vec<LaunchedInter
                 _ => NetworkMode::Nat,
             },
             Ok(None) => NetworkMode::Nat,
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(e.into()),
         };
         bridge_mode.insert(net.clone(), mode == NetworkMode::Bridge);
     }
-    desired::to_launch(vm, &leases, |net| {
+    Ok(desired::to_launch(vm, &leases, |net| {
         !bridge_mode.get(net).copied().unwrap_or(false)
-    })
+    })?)
 }
 
 /// The taps of every VM in place, this launch's among them: a whole-host
 /// resync, which makes the taps of the interfaces recorded in the launch
 /// marker.
-pub async fn prepare(ctx: &Context, launched: &[LaunchedInterface]) -> Result<(), String> {
+pub async fn prepare(ctx: &Context, launched: &[LaunchedInterface]) -> Result<(), VmError> {
     if launched.is_empty() {
         return Ok(());
     }
@@ -100,7 +102,7 @@ pub async fn prepare(ctx: &Context, launched: &[LaunchedInterface]) -> Result<()
     sync::resync(ctx, &mut host)
         .await
         .map(|_| ())
-        .map_err(|e| format!("spec.networks: cannot make the VM's taps: {e}"))
+        .map_err(VmError::Taps)
 }
 
 /// QEMU's view of each launched interface, in guest order.

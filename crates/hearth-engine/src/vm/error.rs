@@ -1,0 +1,86 @@
+//! Why a VM's QEMU cannot be started (or a leftover launch settled). The
+//! message is what the VM's status and its `FailedToStart` event say, so
+//! each names the field at fault first.
+
+use std::path::PathBuf;
+
+use hearth_qemu::process::LaunchError;
+
+use super::chain::ChainError;
+use super::firmware::FirmwareError;
+use crate::config::ConfigError;
+use crate::context::ReconcileError;
+use crate::network::NetworkError;
+use crate::network::sync::SyncError;
+use crate::store::StoreError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// `spec.boot.kernel` or `spec.boot.initrd`.
+    #[error("{field}: {source}")]
+    BootFile {
+        field: &'static str,
+        #[source]
+        source: ConfigError,
+    },
+    /// A snapshot cut or a chain merge its last QEMU left could not be
+    /// settled before the start.
+    #[error("{0}")]
+    Unsettled(String),
+    #[error("spec.disks[{index}]: VirtualDisk {disk:?} is gone")]
+    DiskGone { index: usize, disk: String },
+    #[error("spec.disks[{index}]: VirtualDisk {disk:?} has no file yet")]
+    DiskWithoutFile { index: usize, disk: String },
+    /// The disk's chain is refused (before the start, or by the handover
+    /// on the descriptors given to QEMU).
+    #[error("spec.disks[{index}]: VirtualDisk {disk:?}: {source}")]
+    Disk {
+        index: usize,
+        disk: String,
+        #[source]
+        source: Box<ChainError>,
+    },
+    #[error("{}: {source}", path.display())]
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Firmware(#[from] FirmwareError),
+    #[error("spec.cloudInit: the seed writer failed: {0}")]
+    SeedWriter(#[source] tokio::task::JoinError),
+    #[error("spec.cloudInit: cannot write the cloud-init seed {}: {source}", path.display())]
+    Seed {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Network(#[from] NetworkError),
+    #[error("spec.networks: cannot make the VM's taps: {0}")]
+    Taps(#[source] SyncError),
+    #[error("cannot record the launch: {0}")]
+    RecordLaunch(#[source] StoreError),
+    /// `hint` says what to check when the cause is a file QEMU's user
+    /// may not read (empty otherwise).
+    #[error("QEMU did not start: {source}{hint}")]
+    DidNotStart {
+        #[source]
+        source: LaunchError,
+        hint: String,
+    },
+    #[error("cannot record the started process: {0}")]
+    RecordStarted(#[source] StoreError),
+    #[error("QEMU pid {pid} survived SIGKILL")]
+    SurvivedKill { pid: u32 },
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// A failed start or settle fails the VM's reconcile with its message.
+impl From<VmError> for ReconcileError {
+    fn from(e: VmError) -> Self {
+        ReconcileError::Failed(e.to_string())
+    }
+}
