@@ -216,31 +216,21 @@ impl QemuImg {
     /// Makes `new_backing` the backing file of `path` while keeping what
     /// `path` reads identical (`qemu-img rebase`, safe mode): every cluster
     /// that reads differently through the new backing chain than through the
-    /// old one, and that `path` does not hold itself, is copied into `path`
-    /// first; the header's backing file name changes last. So an interrupted
-    /// rebase leaves `path` reading exactly as before (its old backing still
-    /// named, some clusters copied up) and can simply be run again. The image
-    /// must not be open anywhere else (qemu-img takes its write lock).
+    /// old one, and that `path` does not hold itself, is copied into `path`.
+    /// The write order is not "header last": qemu-img writes the copied
+    /// clusters, then the header naming the new backing, then the refcounts,
+    /// `fdatasync`s, and only then the L2 tables that point at the copies.
+    /// So only an exit 0 shows the rebase is done; a run killed part way can
+    /// leave a header naming the new backing over old bytes (the caller
+    /// sets the header back, see docs/snapshots.md). The image must not be
+    /// open anywhere else (qemu-img takes its write lock).
     pub async fn rebase(
         &self,
         path: &Path,
         new_backing: &Path,
         backing_format: &str,
     ) -> Result<(), ImgError> {
-        check_absolute(path)?;
-        check_absolute(new_backing)?;
-        check_format(backing_format)?;
-        let args: Vec<OsString> = vec![
-            "rebase".into(),
-            "-q".into(),
-            "-f".into(),
-            "qcow2".into(),
-            "-b".into(),
-            new_backing.into(),
-            "-F".into(),
-            backing_format.into(),
-            path.into(),
-        ];
+        let args = rebase_args(path, new_backing, backing_format, false)?;
         self.run("rebase", path, args).await.map(|_| ())
     }
 
@@ -254,21 +244,7 @@ impl QemuImg {
         new_backing: &Path,
         backing_format: &str,
     ) -> Result<(), ImgError> {
-        check_absolute(path)?;
-        check_absolute(new_backing)?;
-        check_format(backing_format)?;
-        let args: Vec<OsString> = vec![
-            "rebase".into(),
-            "-q".into(),
-            "-u".into(),
-            "-f".into(),
-            "qcow2".into(),
-            "-b".into(),
-            new_backing.into(),
-            "-F".into(),
-            backing_format.into(),
-            path.into(),
-        ];
+        let args = rebase_args(path, new_backing, backing_format, true)?;
         // The header alone: quick, so not in the pool of copies.
         self.run("rebase -u", path, args).await.map(|_| ())
     }
@@ -621,6 +597,33 @@ pub async fn backing_chain(path: &Path) -> Result<Vec<ImageInfo>, ImgError> {
 /// [`QemuImg::info`] with `qemu-img` from `PATH`.
 pub async fn info(path: &Path) -> Result<ImageInfo, ImgError> {
     QemuImg::locate()?.info(path).await
+}
+
+/// `qemu-img rebase` of the qcow2 `path` onto `new_backing`; `unsafe_header`
+/// adds `-u` (the header alone, no copy).
+fn rebase_args(
+    path: &Path,
+    new_backing: &Path,
+    backing_format: &str,
+    unsafe_header: bool,
+) -> Result<Vec<OsString>, ImgError> {
+    check_absolute(path)?;
+    check_absolute(new_backing)?;
+    check_format(backing_format)?;
+    let mut args: Vec<OsString> = vec!["rebase".into(), "-q".into()];
+    if unsafe_header {
+        args.push("-u".into());
+    }
+    args.extend([
+        "-f".into(),
+        "qcow2".into(),
+        "-b".into(),
+        new_backing.into(),
+        "-F".into(),
+        backing_format.into(),
+        path.into(),
+    ]);
+    Ok(args)
 }
 
 #[cfg(test)]
