@@ -448,7 +448,7 @@ impl Engine {
             )));
         }
         if kind == Kind::VirtualNetwork {
-            let vms = crate::context::vms_using_network(&self.store, name)?;
+            let vms = crate::network::desired::vms_using_network(&self.store, name)?;
             if !vms.is_empty() {
                 let list: Vec<String> = vms.iter().map(|v| format!("{v:?}")).collect();
                 return Err(RequestError::Conflict(format!(

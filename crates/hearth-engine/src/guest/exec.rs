@@ -10,8 +10,7 @@
 //! the poller still collects the exit, and the result is dropped after
 //! [`RESULT_TTL`]. Sessions live in memory; a restarted hearthd has none.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -21,6 +20,7 @@ use hearth_qemu::agent::{AgentError, EXEC_POLL_FIRST, ExecOutput, next_exec_poll
 use tokio::sync::watch;
 use tokio::time::Instant;
 
+use super::sessions::{Session, State};
 use super::{CallError, Channel};
 use crate::engine::{Engine, RequestError};
 
@@ -39,29 +39,6 @@ pub const MAX_WAIT: Duration = Duration::from_secs(30);
 const CLIENT_GONE: Duration = Duration::from_secs(10);
 const IDLE_POLL: Duration = Duration::from_secs(2);
 
-/// The running and recently finished programs hearthd started, by id.
-#[derive(Default)]
-pub struct Execs {
-    sessions: Arc<Mutex<HashMap<u64, Arc<Session>>>>,
-    next_id: AtomicU64,
-}
-
-struct Session {
-    vm: String,
-    pid: i64,
-    process: ProcessIdentity,
-    state: watch::Sender<State>,
-    /// When a client last asked; the poller slows down when nobody does.
-    asked: Mutex<Instant>,
-}
-
-#[derive(Clone)]
-enum State {
-    Running,
-    Exited(Arc<ExecOutput>),
-    Failed(String),
-}
-
 /// What a start returns: hearthd's id for the session (what the client
 /// polls) and the program's pid in the guest (what a person can `kill`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,19 +52,6 @@ pub struct ExecStarted {
 pub enum ExecStatus {
     Running { pid: i64 },
     Exited { pid: i64, output: ExecOutput },
-}
-
-impl Execs {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Session>>> {
-        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn running_for(&self, vm: &str) -> usize {
-        self.lock()
-            .values()
-            .filter(|s| s.vm == vm && matches!(*s.state.borrow(), State::Running))
-            .count()
-    }
 }
 
 impl Engine {

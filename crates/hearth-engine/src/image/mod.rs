@@ -10,12 +10,11 @@
 pub mod import;
 pub mod names;
 pub mod progress;
+pub mod registry;
 pub mod space;
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::sync::Arc;
 
 use hearth_api::{
     DiskSource, EventType, ImagePhase, ImageSource, Kind, Object, VirtualImage, VirtualImageStatus,
@@ -27,81 +26,6 @@ use crate::snapshot::storage;
 use crate::store::{Store, StoreError};
 use import::{Failure, Fetched, TempFile};
 use progress::{format_bytes, retry_delay};
-
-/// The running import tasks and when each image's last attempt failed.
-#[derive(Default)]
-pub struct Imports {
-    state: Mutex<ImportsState>,
-}
-
-#[derive(Default)]
-struct ImportsState {
-    running: HashMap<String, tokio::task::JoinHandle<()>>,
-    failed_at: HashMap<String, Instant>,
-    /// Images whose last attempt ran out of free space: the room above the
-    /// reserve the next attempt needs (it waits until there is that much).
-    needs_room: HashMap<String, u64>,
-}
-
-impl Imports {
-    fn lock(&self) -> std::sync::MutexGuard<'_, ImportsState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn is_running(&self, name: &str) -> bool {
-        self.lock()
-            .running
-            .get(name)
-            .is_some_and(|h| !h.is_finished())
-    }
-
-    fn failed_at(&self, name: &str) -> Option<Instant> {
-        self.lock().failed_at.get(name).copied()
-    }
-
-    fn needs_room(&self, name: &str) -> Option<u64> {
-        self.lock().needs_room.get(name).copied()
-    }
-
-    /// Called by the task itself as its last step, with the failure if the
-    /// attempt failed.
-    fn finished(&self, name: &str, failure: Option<&Failure>) {
-        let mut st = self.lock();
-        st.running.remove(name);
-        match failure {
-            Some(f) => {
-                st.failed_at.insert(name.to_string(), Instant::now());
-                match f.needs_room {
-                    Some(n) => st.needs_room.insert(name.to_string(), n),
-                    None => st.needs_room.remove(name),
-                };
-            }
-            None => {
-                st.failed_at.remove(name);
-                st.needs_room.remove(name);
-            }
-        }
-    }
-
-    /// Stops the image's import, if one runs, and waits until it has ended
-    /// (its temporary file is removed as the task's future is dropped).
-    pub async fn cancel(&self, name: &str) -> bool {
-        let handle = {
-            let mut st = self.lock();
-            st.failed_at.remove(name);
-            st.needs_room.remove(name);
-            st.running.remove(name)
-        };
-        match handle {
-            Some(h) => {
-                h.abort();
-                let _ = h.await;
-                true
-            }
-            None => false,
-        }
-    }
-}
 
 pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
     let Some(stored) = ctx.store.get(Kind::VirtualImage, name)? else {
@@ -294,7 +218,8 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
             });
         }
     }
-    ctx.imports.finished(&name, failure.as_ref());
+    ctx.imports
+        .finished(&name, failure.as_ref().map(|f| f.needs_room));
 }
 
 /// What a successful attempt produced.

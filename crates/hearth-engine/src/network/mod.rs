@@ -74,7 +74,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
         return Ok(());
     };
     if stored.deleting {
-        let users = ctx.vms_using_network(name)?;
+        let users = desired::vms_using_network(&ctx.store, name)?;
         if !users.is_empty() {
             // Refused at the API; only if a VM arrived since.
             return Err(ReconcileError::Failed(format!(
@@ -209,7 +209,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
     }
     // VMs waiting for this network start now; running ones update their
     // interfaces.
-    for vm in ctx.vms_using_network(name)? {
+    for vm in desired::vms_using_network(&ctx.store, name)? {
         ctx.wake(Kind::VirtualMachine, &vm);
     }
     Ok(())
@@ -242,7 +242,7 @@ fn fail(ctx: &Context, name: &str, generation: u64, message: &str) {
 /// for a Bridge network without `spec.subnet`.
 async fn subnet_of(
     ctx: &Context,
-    host: &mut sync::HostGuard<'_>,
+    host: &mut host::lock::HostGuard<'_>,
     net: &hearth_api::VirtualNetwork,
     old: &VirtualNetworkStatus,
 ) -> Result<Option<hearth_api::net::Ipv4Cidr>, NetworkError> {

@@ -17,9 +17,7 @@
 //! layer below a head is never written, and a restore only puts a new
 //! overlay over it.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use hearth_api::{Kind, Object, SnapshotPhase, SnapshotStatus};
@@ -53,22 +51,6 @@ impl ExportFormat {
             ExportFormat::Qcow2 => "qcow2",
             ExportFormat::Raw => "raw",
         }
-    }
-}
-
-/// Per snapshot: read-held by each export while it converts, write-held by
-/// the snapshot's delete.
-#[derive(Default)]
-pub struct Pins(Mutex<HashMap<String, Arc<tokio::sync::RwLock<()>>>>);
-
-impl Pins {
-    pub fn of(&self, snapshot: &str) -> Arc<tokio::sync::RwLock<()>> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(snapshot.to_string())
-            .or_default()
-            .clone()
     }
 }
 
@@ -230,15 +212,5 @@ mod tests {
         std::fs::write(exports.join("00000002-s.raw"), b"x").unwrap();
         assert_eq!(sweep(dir.path()), 1);
         assert_eq!(std::fs::read_dir(&exports).unwrap().count(), 0);
-    }
-
-    #[tokio::test]
-    async fn a_delete_waits_for_the_exports_that_hold_the_pin() {
-        let pins = Pins::default();
-        let read = pins.of("s").read_owned().await;
-        assert!(pins.of("s").try_write_owned().is_err(), "pinned");
-        assert!(pins.of("other").try_write_owned().is_ok());
-        drop(read);
-        assert!(pins.of("s").try_write_owned().is_ok());
     }
 }

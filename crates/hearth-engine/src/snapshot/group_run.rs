@@ -13,10 +13,10 @@ use hearth_api::{
 use rusqlite::params;
 use tokio::sync::mpsc;
 
-use super::actor::MemberMsg;
 use super::clock_ms;
 use super::coordinator::{CutId, Input};
 use super::group::{Group, GroupCommand, GroupInput, GroupOutcome, MANAGED_BY_PREFIX, Report};
+use super::registry::MemberMsg;
 use crate::context::{Context, ReconcileError};
 use crate::store::Store;
 

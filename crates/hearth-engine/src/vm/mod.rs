@@ -10,6 +10,7 @@ pub mod launches;
 pub mod live;
 pub mod nics;
 mod reconcile;
+pub mod registry;
 pub mod seed;
 mod start;
 mod stop;
