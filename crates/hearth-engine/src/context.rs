@@ -88,6 +88,35 @@ impl Context {
         }
     }
 
+    /// A context over a fresh store in `dir` (`dir/state`, `dir/run`), for
+    /// unit tests of the reconcilers: no state-directory lock, no work
+    /// queue (wakes go nowhere), no QEMU.
+    #[cfg(test)]
+    pub(crate) fn for_test(dir: &std::path::Path) -> Arc<Context> {
+        let config = EngineConfig {
+            state_dir: dir.join("state"),
+            run_dir: dir.join("run"),
+            image_roots: vec![],
+            qemu_binary: "/usr/bin/qemu-system-x86_64".into(),
+            qemu_user: None,
+            accel: hearth_qemu::accel::AccelDecision {
+                accel: hearth_qemu::Accel::Tcg,
+                reason: "test".into(),
+            },
+            resync_interval: std::time::Duration::from_secs(10),
+            images: Default::default(),
+            ovmf_code: dir.join("OVMF_CODE.fd"),
+            ovmf_vars: dir.join("OVMF_VARS.fd"),
+            compaction_speed: 0,
+            dns_resolv_file: "/etc/resolv.conf".into(),
+            forwards: Default::default(),
+        };
+        std::fs::create_dir_all(&config.state_dir).expect("create the test state directory");
+        let store = Store::open(&config.database_path()).expect("open the test store");
+        let (wakes, _) = tokio::sync::mpsc::unbounded_channel();
+        Arc::new(Context::new(config, store, wakes))
+    }
+
     /// Asks for a reconcile of one object. A hint: the engine's queue runs
     /// it, never twice at once for one object, once more if it is running.
     pub fn wake(&self, kind: Kind, name: &str) {

@@ -24,16 +24,13 @@ use std::path::Path;
 use std::sync::Arc;
 
 use chrono::Utc;
-use hearth_api::{
-    DiskPhase, DiskSource, EventType, Kind, Object, SnapshotPhase, SnapshotStatus,
-    VirtualDiskStatus,
-};
+use hearth_api::{DiskPhase, DiskSource, EventType, Kind, Object, VirtualDiskStatus};
 use rusqlite::params;
 
 use crate::context::{Context, ReconcileError};
 use crate::snapshot::storage::{self, NewLayer};
 use crate::store::{Store, StoreError};
-use create::create;
+use create::{create, snapshot_not_ready};
 use files::{Files, file_status};
 use plan::plan_soon;
 use registry::{AtRest, QuietPass};
@@ -304,33 +301,5 @@ fn chain_length(store: &Store, head: &str) -> Result<u32, StoreError> {
             at = layer.backing;
         }
         Ok(u32::try_from(seen.len()).unwrap_or(u32::MAX))
-    })
-}
-
-/// Why a snapshot cannot be restored yet; `true` when it never will be.
-fn snapshot_not_ready(ctx: &Context, snap: &str) -> Result<Option<(String, bool)>, StoreError> {
-    let Some(s) = ctx.store.get(Kind::VirtualDiskSnapshot, snap)? else {
-        return Ok(Some((
-            format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} does not exist"),
-            true,
-        )));
-    };
-    if s.deleting {
-        return Ok(Some((
-            format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} is being deleted"),
-            true,
-        )));
-    }
-    let status: SnapshotStatus = serde_json::from_value(s.status).unwrap_or_default();
-    Ok(match status.phase {
-        SnapshotPhase::Ready => None,
-        SnapshotPhase::Failed => Some((
-            format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} failed"),
-            true,
-        )),
-        p => Some((
-            format!("spec.source.snapshot: waiting for VirtualDiskSnapshot {snap:?} ({p})"),
-            false,
-        )),
     })
 }

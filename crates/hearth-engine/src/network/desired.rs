@@ -19,11 +19,11 @@ use hearth_api::{
     Kind, NetworkMode as ApiMode, Object, Protocol as ApiProtocol, VirtualMachine, VirtualNetwork,
 };
 
-use super::admission::mac_of;
+use super::error::NetworkError;
 use super::host::{
     DesiredTap, Dns, HostDesired, HostNetwork, Mac, NetworkMode, PortForward, Protocol, StaticLease,
 };
-use super::{NetworkError, names};
+use super::names::{self, mac_of};
 use crate::runtime::{LaunchMarker, LaunchedInterface, RuntimeRecord};
 use crate::store::{Store, StoreError, StoredLease};
 

@@ -11,29 +11,14 @@ use hearth_api::{
     VirtualMachine, VmPhase, remove_condition, set_condition,
 };
 use hearth_qemu::process;
-use serde_json::json;
 
 use super::decide::{Disks, Observation, Process, Step, StopReason, decide};
 use crate::context::{Context, ReconcileError};
 use crate::runtime::RuntimeRecord;
 
+use super::fingerprint;
 use super::start::launch;
 use super::stop::stop;
-
-/// The part of a spec that needs a restart to take effect.
-pub fn fingerprint(vm: &VirtualMachine) -> String {
-    let s = &vm.spec;
-    json!({
-        "cpus": s.cpus,
-        "memoryBytes": s.memory.bytes(),
-        "boot": s.boot,
-        "firmware": s.firmware,
-        "disks": s.disks,
-        "cloudInit": s.cloud_init,
-        "guestAgent": s.guest_agent,
-    })
-    .to_string()
-}
 
 fn want_running(vm: &VirtualMachine, intent: &crate::store::RunIntent) -> bool {
     match vm.spec.run_policy {
