@@ -9,6 +9,7 @@ pub mod config;
 pub mod context;
 pub mod disk;
 pub mod engine;
+pub mod error;
 pub mod guest;
 pub mod image;
 pub mod manifest;
