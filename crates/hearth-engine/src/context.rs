@@ -16,6 +16,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use hearth_api::{
     EventType, Kind, VirtualDiskStatus, VirtualImageStatus, VirtualMachine, VirtualMachineStatus,
@@ -34,6 +35,15 @@ pub enum ReconcileError {
     Failed(String),
     #[error("store: {0}")]
     Store(#[from] StoreError),
+}
+
+/// What a reconcile wants next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Nothing until a wake or the periodic resync.
+    Done,
+    /// Run again after this long, whatever happens meanwhile.
+    RequeueAfter(Duration),
 }
 
 /// One object to reconcile.

@@ -15,6 +15,7 @@ pub mod image;
 pub mod manifest;
 pub mod metrics;
 pub mod network;
+pub mod runner;
 pub mod runtime;
 pub mod snapshot;
 pub mod store;

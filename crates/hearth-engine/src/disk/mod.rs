@@ -27,7 +27,7 @@ use chrono::Utc;
 use hearth_api::{DiskPhase, DiskSource, EventType, Kind, Object, VirtualDiskStatus};
 use rusqlite::params;
 
-use crate::context::{Context, ReconcileError};
+use crate::context::{Action, Context, ReconcileError};
 use crate::snapshot::storage::{self, NewLayer};
 use crate::store::{Store, StoreError};
 use create::{create, snapshot_not_ready};
@@ -65,13 +65,13 @@ impl Disks {
     }
 }
 
-pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, ReconcileError> {
     let Some(stored) = ctx.store.get(Kind::VirtualDisk, name)? else {
         ctx.disks.forget(name);
-        return Ok(());
+        return Ok(Action::Done);
     };
     let Object::VirtualDisk(disk) = &stored.object else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     let users = ctx.vms_using_disk(name)?;
 
@@ -110,7 +110,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                 freed.len()
             ),
         );
-        return Ok(());
+        return Ok(Action::Done);
     }
 
     let was_ready = serde_json::from_value::<VirtualDiskStatus>(stored.status.clone())
@@ -141,7 +141,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                         };
                         s.last_error = Some(why.0.clone());
                     });
-                    return Ok(());
+                    return Ok(Action::Done);
                 }
             }
             if let DiskSource::VirtualImage(image) = &disk.spec.source {
@@ -171,7 +171,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                     });
                     // The image lists the disks waiting for it too.
                     ctx.wake(Kind::VirtualImage, image);
-                    return Ok(());
+                    return Ok(Action::Done);
                 }
             }
             let made = match create(ctx, name, disk).await {
@@ -248,7 +248,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
             ctx.wake(Kind::VirtualDiskSnapshot, &snap);
         }
     }
-    Ok(())
+    Ok(Action::Done)
 }
 
 fn set_ready(

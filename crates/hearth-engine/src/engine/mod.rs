@@ -12,13 +12,13 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::ops::Deref;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use hearth_api::{Event, EventType, Kind};
 use serde_json::Value;
 
 use crate::config::EngineConfig;
 use crate::context::{Context, Key};
+use crate::runner::Runner;
 use crate::store::{Store, StoreError, StoredObject};
 
 mod apply;
@@ -73,7 +73,8 @@ pub struct Engine {
     ctx: Arc<Context>,
     /// Keys with a running worker; `true` means "changed while running: go again".
     queue: Mutex<HashMap<Key, bool>>,
-    failures: Mutex<HashMap<Key, u32>>,
+    /// Runs each reconcile: timing, metrics, backoff, requeues.
+    runner: Runner,
     /// Serialises apply/delete so their checks and writes are one step.
     writes: Mutex<()>,
     _lock: File,
@@ -122,7 +123,7 @@ impl Engine {
         let engine = Arc::new(Engine {
             ctx: Arc::new(Context::new(config, store, wakes)),
             queue: Mutex::new(HashMap::new()),
-            failures: Mutex::new(HashMap::new()),
+            runner: Runner::default(),
             writes: Mutex::new(()),
             _lock: lock,
         });
@@ -306,56 +307,7 @@ impl Engine {
 
     async fn worker(self: Arc<Self>, key: Key) {
         loop {
-            // Disk reconciles take turns: a burst of thousands of new disks
-            // waits here, parked, not in the runtime's queue.
-            let _slot = match key.0 {
-                Kind::VirtualDisk => Some(self.ctx.disks.slot().await),
-                _ => None,
-            };
-            let started = std::time::Instant::now();
-            let result = match key.0 {
-                Kind::VirtualMachine => crate::vm::reconcile(&self.ctx, &key.1).await,
-                Kind::VirtualDisk => crate::disk::reconcile(&self.ctx, &key.1).await,
-                Kind::VirtualDiskSnapshot => {
-                    crate::snapshot::reconcile_disk_snapshot(&self.ctx, &key.1).await
-                }
-                Kind::VirtualMachineSnapshot => {
-                    crate::snapshot::reconcile_vm_snapshot(&self.ctx, &key.1).await
-                }
-                Kind::VirtualMachineSnapshotGroup => {
-                    crate::snapshot::reconcile_group(&self.ctx, &key.1).await
-                }
-                Kind::VirtualImage => crate::image::reconcile(&self.ctx, &key.1).await,
-                Kind::VirtualNetwork => crate::network::reconcile(&self.ctx, &key.1).await,
-            };
-            self.metrics
-                .reconcile_done(key.0, started.elapsed(), result.is_err());
-            match result {
-                Ok(()) => {
-                    self.failures
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&key);
-                }
-                Err(e) => {
-                    let n = {
-                        let mut f = self.failures.lock().unwrap_or_else(|p| p.into_inner());
-                        let n = f.entry(key.clone()).or_insert(0);
-                        *n += 1;
-                        *n
-                    };
-                    let delay = backoff(n);
-                    tracing::warn!(kind = key.0.as_str(), name = key.1, error = %e, retry_in = ?delay, "reconcile failed");
-                    let weak = Arc::downgrade(&self);
-                    let k = key.clone();
-                    tokio::spawn(async move {
-                        tokio::time::sleep(delay).await;
-                        if let Some(engine) = weak.upgrade() {
-                            engine.wake(k.0, &k.1);
-                        }
-                    });
-                }
-            }
+            self.runner.run(&self.ctx, &key).await;
             let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
             match q.get_mut(&key) {
                 Some(dirty) if *dirty => *dirty = false,
@@ -369,24 +321,5 @@ impl Engine {
 
     pub fn status_json(&self, stored: &StoredObject) -> Value {
         stored.to_json()
-    }
-}
-
-/// 1 s, 2 s, 4 s ... capped at 60 s.
-fn backoff(failures: u32) -> Duration {
-    Duration::from_secs(1u64 << failures.saturating_sub(1).min(6)).min(Duration::from_secs(60))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::backoff;
-    use std::time::Duration;
-
-    #[test]
-    fn backoff_grows_and_caps() {
-        assert_eq!(backoff(1), Duration::from_secs(1));
-        assert_eq!(backoff(2), Duration::from_secs(2));
-        assert_eq!(backoff(4), Duration::from_secs(8));
-        assert_eq!(backoff(50), Duration::from_secs(60));
     }
 }

@@ -21,22 +21,22 @@ use hearth_api::{
 };
 use hearth_qemu::img::QemuImg;
 
-use crate::context::{Context, ReconcileError};
+use crate::context::{Action, Context, ReconcileError};
 use crate::snapshot::storage;
 use crate::store::{Store, StoreError};
 use import::{Failure, Fetched, TempFile};
 use progress::{format_bytes, retry_delay};
 
-pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, ReconcileError> {
     let Some(stored) = ctx.store.get(Kind::VirtualImage, name)? else {
         ctx.imports.cancel(name).await;
-        return Ok(());
+        return Ok(Action::Done);
     };
     let Object::VirtualImage(image) = stored.object else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     if stored.deleting {
-        return delete(ctx, name).await;
+        return delete(ctx, name).await.map(|()| Action::Done);
     }
     let status: VirtualImageStatus = serde_json::from_value(stored.status).unwrap_or_default();
     let used_by = disks_from(&ctx.store, name)?;
@@ -44,13 +44,13 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
         ctx.set_image_status(name, |s| s.used_by = used_by.clone());
     }
     if ctx.imports.is_running(name) {
-        return Ok(());
+        return Ok(Action::Done);
     }
     match status.phase {
         ImagePhase::Ready => {
             // Observed, not assumed: the file must still be there.
             if status.path.as_deref().is_some_and(Path::is_file) {
-                return Ok(());
+                return Ok(Action::Done);
             }
             ctx.event(
                 Kind::VirtualImage,
@@ -71,9 +71,11 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
             if let Some(at) = ctx.imports.failed_at(name) {
                 let cfg = &ctx.config.images;
                 let wait = retry_delay(status.attempts.unwrap_or(1), cfg.retry_base, cfg.retry_max);
-                // The failed attempt scheduled a wake for then.
-                if at.elapsed() < wait {
-                    return Ok(());
+                // Not yet: the retry is due `wait` after the failure.
+                if let Some(left) = wait.checked_sub(at.elapsed())
+                    && !left.is_zero()
+                {
+                    return Ok(Action::RequeueAfter(left));
                 }
             }
             if let Some(needs) = ctx.imports.needs_room(name) {
@@ -84,7 +86,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                     .unwrap_or(0)
                     .saturating_sub(ctx.config.images.free_space_reserve);
                 if room < needs {
-                    return Ok(());
+                    return Ok(Action::Done);
                 }
             }
         }
@@ -92,7 +94,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
         ImagePhase::Pending | ImagePhase::Importing => {}
     }
     start(ctx, name, image);
-    Ok(())
+    Ok(Action::Done)
 }
 
 fn start(ctx: &Arc<Context>, name: &str, image: VirtualImage) {
@@ -208,18 +210,14 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
                 s.bytes_total = None;
                 s.bytes_per_second = None;
             });
-            let weak = Arc::downgrade(&ctx);
-            let key = name.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(wait).await;
-                if let Some(ctx) = weak.upgrade() {
-                    ctx.wake(Kind::VirtualImage, &key);
-                }
-            });
         }
     }
     ctx.imports
         .finished(&name, failure.as_ref().map(|f| f.needs_room));
+    // The image's reconcile asks to run again when the retry is due.
+    if failure.is_some() {
+        ctx.wake(Kind::VirtualImage, &name);
+    }
 }
 
 /// What a successful attempt produced.

@@ -23,19 +23,19 @@ use std::sync::Arc;
 
 use hearth_api::{EventType, Kind, NetworkPhase, Object, VirtualMachine, VirtualNetworkStatus};
 
-use crate::context::{Context, ReconcileError};
+use crate::context::{Action, Context, ReconcileError};
 use crate::store::{Store, StoredLease};
 pub use error::NetworkError;
 
-pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, ReconcileError> {
     // The whole reconcile holds the host lock: two networks never pick the
     // same subnet, and the host is changed by one resync at a time.
     let mut host = ctx.networking.lock().await;
     let Some(stored) = ctx.store.get(Kind::VirtualNetwork, name)? else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     let Object::VirtualNetwork(net) = stored.object else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     if stored.deleting {
         let users = desired::vms_using_network(&ctx.store, name)?;
@@ -63,7 +63,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
             "Deleted",
             "its bridge, DHCP server and rules are gone from the host; the network and its leases were removed",
         );
-        return Ok(());
+        return Ok(Action::Done);
     }
     let generation = net.metadata.generation;
     let old: VirtualNetworkStatus = serde_json::from_value(stored.status).unwrap_or_default();
@@ -176,7 +176,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
     for vm in desired::vms_using_network(&ctx.store, name)? {
         ctx.wake(Kind::VirtualMachine, &vm);
     }
-    Ok(())
+    Ok(Action::Done)
 }
 
 fn fail(ctx: &Context, name: &str, generation: u64, message: &str) {
