@@ -713,3 +713,35 @@ pub fn ready_for_disk(
         ))),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_failed_import_asks_to_run_again_when_its_retry_is_due() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = Context::for_test(dir.path());
+        let image = hearth_api::parse_documents(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualImage\nmetadata: {name: img}\nspec: {source: {file: /srv/x.qcow2}}\n",
+            "t",
+        )
+        .unwrap();
+        ctx.store.put_objects(&image).unwrap();
+        ctx.set_image_status("img", |s| {
+            s.phase = ImagePhase::Failed;
+            s.attempts = Some(1);
+        });
+        ctx.imports.finished("img", Some(None));
+        // The first retry is due `retry_base` after the failure.
+        let wait = ctx.config.images.retry_base;
+        match reconcile(&ctx, "img").await.unwrap() {
+            Action::RequeueAfter(left) => {
+                assert!(left > Duration::ZERO && left <= wait, "{left:?}")
+            }
+            Action::Done => panic!("a failed import must ask for its retry"),
+        }
+    }
+}
