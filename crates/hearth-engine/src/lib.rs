@@ -2,8 +2,10 @@
 //! VMs. The HTTP API and the manifest directory drive it through `Engine`.
 //!
 //! Layers, each calling only the ones below it: `engine` (commands, work
-//! queue) → the reconcilers (`vm`, `disk`, `snapshot`), which see only a
-//! `context::Context` → `store` and `hearth_qemu`.
+//! queue) → `runner` (which reconciler runs a kind, backoff, requeues) → the
+//! reconcilers (`vm`, `disk`, `image`, `network`, `snapshot`), which see
+//! only a `context::Context` → the context and the registries it holds (one
+//! leaf module per subsystem) → `store` and `hearth_qemu`.
 
 pub mod config;
 pub mod context;
