@@ -1,22 +1,32 @@
 //! What the reconcilers work with: the store, the configuration (QEMU binary,
-//! directories), the live VMs, the operations locks, the snapshot actors and
-//! a way to wake an object. The engine owns one `Context` and hands it to
-//! every reconcile; nothing here knows the engine's command surface or its
-//! work queue (a wake is a message the engine's queue picks up).
+//! directories), the operations locks, a way to wake an object, and the
+//! registries each subsystem keeps in memory (the live VMs, the snapshot
+//! actors' senders and export pins, the image imports, the guest exec
+//! sessions, the host-networking lock, the disks' plans, the metrics). The
+//! engine owns one `Context` and hands it to every reconcile.
+//!
+//! A leaf: each registry is plain data in a leaf module of the subsystem that
+//! owns it (`vm::registry`, `snapshot::registry`, `image::registry`,
+//! `guest::sessions`, `network::host::lock`, `disk::registry`,
+//! `metrics::registry`); the code that works with them, such as attaching to
+//! a VM (`vm::live`) or starting an actor (`snapshot::actor`), lives with its
+//! subsystem and imports this, never the other way round. Nothing here knows
+//! the engine's command surface or its work queue (a wake is a message the
+//! engine's queue picks up).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use hearth_api::{
-    EventType, Kind, Object, VirtualDiskStatus, VirtualImageStatus, VirtualMachine,
-    VirtualMachineStatus,
+    EventType, Kind, VirtualDiskStatus, VirtualImageStatus, VirtualMachine, VirtualMachineStatus,
 };
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::config::EngineConfig;
 use crate::runtime::RuntimeRecord;
 use crate::store::{Store, StoreError};
-use crate::vm::live::LiveVm;
+use crate::vm::registry::{LiveVm, LiveVms};
 
 /// Why a reconcile failed; the engine retries it with backoff.
 #[derive(Debug, thiserror::Error)]
@@ -27,24 +37,34 @@ pub enum ReconcileError {
     Store(#[from] StoreError),
 }
 
+/// What a reconcile wants next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Nothing until a wake or the periodic resync.
+    Done,
+    /// Run again after this long, whatever happens meanwhile.
+    RequeueAfter(Duration),
+}
+
 /// One object to reconcile.
 pub type Key = (Kind, String);
 
 pub struct Context {
     pub config: EngineConfig,
     pub store: Store,
-    live: Mutex<HashMap<String, Arc<LiveVm>>>,
+    /// The live VMs; `ensure_live` (in `vm::live`) attaches to one.
+    pub(crate) live: LiveVms,
     /// Per VM or disk: held while a VM starts or stops and for a whole
     /// snapshot cut, so the two never interleave.
     ops_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// The freeze coordinators, one per VM (or unattached disk).
-    pub snapshots: crate::snapshot::Actors,
+    pub snapshots: crate::snapshot::registry::Actors,
     /// The running VirtualImage imports, one per image at most.
-    pub imports: crate::image::Imports,
+    pub imports: crate::image::registry::Imports,
     /// Disk snapshots an export is reading: their deletes wait.
-    pub exports: crate::snapshot::export::Pins,
+    pub exports: crate::snapshot::registry::Pins,
     /// Programs started in guests through `hearth exec`, until collected.
-    pub execs: crate::guest::Execs,
+    pub execs: crate::guest::sessions::Execs,
     /// Where wakes go: the engine's work queue.
     wakes: UnboundedSender<Key>,
     /// Held by an apply from its network checks until its objects are
@@ -52,11 +72,11 @@ pub struct Context {
     /// a lease never lands between an apply's check and its write.
     pub addresses: Mutex<()>,
     /// The host side of networking: one resync at a time.
-    pub networking: crate::network::sync::HostNetworking,
+    pub networking: crate::network::host::lock::HostNetworking,
     /// Reconcile and snapshot histograms for `GET /metrics`.
-    pub metrics: crate::metrics::EngineMetrics,
+    pub metrics: crate::metrics::registry::EngineMetrics,
     /// What disk reconciles and resyncs keep between runs.
-    pub disks: crate::disk::Disks,
+    pub disks: crate::disk::registry::Disks,
 }
 
 impl Context {
@@ -64,18 +84,47 @@ impl Context {
         Context {
             config,
             store,
-            live: Mutex::new(HashMap::new()),
+            live: LiveVms::default(),
             ops_locks: Mutex::new(HashMap::new()),
-            snapshots: crate::snapshot::Actors::default(),
-            imports: crate::image::Imports::default(),
+            snapshots: Default::default(),
+            imports: Default::default(),
             exports: Default::default(),
-            execs: crate::guest::Execs::default(),
+            execs: Default::default(),
             wakes,
             addresses: Mutex::new(()),
             networking: Default::default(),
             metrics: Default::default(),
             disks: Default::default(),
         }
+    }
+
+    /// A context over a fresh store in `dir` (`dir/state`, `dir/run`), for
+    /// unit tests of the reconcilers: no state-directory lock, no work
+    /// queue (wakes go nowhere), no QEMU.
+    #[cfg(test)]
+    pub(crate) fn for_test(dir: &std::path::Path) -> Arc<Context> {
+        let config = EngineConfig {
+            state_dir: dir.join("state"),
+            run_dir: dir.join("run"),
+            image_roots: vec![],
+            qemu_binary: "/usr/bin/qemu-system-x86_64".into(),
+            qemu_user: None,
+            accel: hearth_qemu::accel::AccelDecision {
+                accel: hearth_qemu::Accel::Tcg,
+                reason: "test".into(),
+            },
+            resync_interval: std::time::Duration::from_secs(10),
+            images: Default::default(),
+            ovmf_code: dir.join("OVMF_CODE.fd"),
+            ovmf_vars: dir.join("OVMF_VARS.fd"),
+            compaction_speed: 0,
+            dns_resolv_file: "/etc/resolv.conf".into(),
+            forwards: Default::default(),
+        };
+        std::fs::create_dir_all(&config.state_dir).expect("create the test state directory");
+        let store = Store::open(&config.database_path()).expect("open the test store");
+        let (wakes, _) = tokio::sync::mpsc::unbounded_channel();
+        Arc::new(Context::new(config, store, wakes))
     }
 
     /// Asks for a reconcile of one object. A hint: the engine's queue runs
@@ -128,12 +177,6 @@ impl Context {
             }
         }
         Ok(vms)
-    }
-
-    /// The VMs whose spec, or whose QEMU, has an interface on `network`,
-    /// sorted.
-    pub fn vms_using_network(&self, network: &str) -> Result<Vec<String>, StoreError> {
-        vms_using_network(&self.store, network)
     }
 
     // ------------------------------------------------------------ status & events
@@ -213,34 +256,12 @@ impl Context {
 
     // ------------------------------------------------------------ live VMs
 
-    /// The live handle of a recorded running process, attaching if needed.
-    pub async fn ensure_live(self: &Arc<Self>, record: &RuntimeRecord) -> Arc<LiveVm> {
-        if let Some(l) = self.live_get(&record.vm)
-            && l.record.process == record.process
-        {
-            return l;
-        }
-        let live = Arc::new(LiveVm::attach(self, record.clone()).await);
-        self.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(record.vm.clone(), live.clone());
-        live
-    }
-
     pub fn live_get(&self, vm: &str) -> Option<Arc<LiveVm>> {
-        self.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(vm)
-            .cloned()
+        self.live.get(vm)
     }
 
     pub fn take_live(&self, vm: &str) -> Option<Arc<LiveVm>> {
-        self.live
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(vm)
+        self.live.take(vm)
     }
 
     pub fn drop_live(&self, vm: &str) {
@@ -251,35 +272,4 @@ impl Context {
         self.live_get(vm)
             .is_some_and(|l| l.agent_connected.load(std::sync::atomic::Ordering::SeqCst))
     }
-}
-
-/// The VMs whose spec has an interface on `network`, sorted.
-pub fn vms_using_network(store: &Store, network: &str) -> Result<Vec<String>, StoreError> {
-    let mut vms: Vec<String> = store
-        .list(Kind::VirtualMachine)?
-        .into_iter()
-        .filter_map(|s| match s.object {
-            Object::VirtualMachine(vm)
-                if vm
-                    .spec
-                    .networks
-                    .iter()
-                    .any(|n| n.virtual_network_name == network) =>
-            {
-                Some(vm.metadata.name)
-            }
-            _ => None,
-        })
-        .collect();
-    // A QEMU started with an interface on it holds its tap there until it
-    // exits, whatever its spec says now.
-    let launched =
-        crate::network::desired::launched_by_vm(&store.runtimes()?, &store.launches(None)?);
-    for (vm, nics) in launched {
-        if nics.iter().any(|n| n.spec.virtual_network_name == network) && !vms.contains(&vm) {
-            vms.push(vm);
-        }
-    }
-    vms.sort();
-    Ok(vms)
 }

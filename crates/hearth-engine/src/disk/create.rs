@@ -5,14 +5,14 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use hearth_api::{DiskSource, VirtualDisk};
+use hearth_api::{DiskSource, Kind, SnapshotPhase, SnapshotStatus, VirtualDisk};
 use hearth_qemu::img;
 
 use super::error::{BaseHeaderError, BlankError, DiskError};
 use super::files::write_sparse;
-use super::snapshot_not_ready;
 use crate::context::Context;
 use crate::snapshot::storage::{self, NewLayer};
+use crate::store::StoreError;
 
 /// Blank images kept in memory, one per disk size.
 const BLANKS_KEPT: usize = 8;
@@ -217,4 +217,35 @@ fn check_base_header(base: &Path) -> Result<(), BaseHeaderError> {
         }),
         Err(r) => Err(refused(r)),
     }
+}
+
+/// Why a snapshot cannot be restored yet; `true` when it never will be.
+pub(super) fn snapshot_not_ready(
+    ctx: &Context,
+    snap: &str,
+) -> Result<Option<(String, bool)>, StoreError> {
+    let Some(s) = ctx.store.get(Kind::VirtualDiskSnapshot, snap)? else {
+        return Ok(Some((
+            format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} does not exist"),
+            true,
+        )));
+    };
+    if s.deleting {
+        return Ok(Some((
+            format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} is being deleted"),
+            true,
+        )));
+    }
+    let status: SnapshotStatus = serde_json::from_value(s.status).unwrap_or_default();
+    Ok(match status.phase {
+        SnapshotPhase::Ready => None,
+        SnapshotPhase::Failed => Some((
+            format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} failed"),
+            true,
+        )),
+        p => Some((
+            format!("spec.source.snapshot: waiting for VirtualDiskSnapshot {snap:?} ({p})"),
+            false,
+        )),
+    })
 }

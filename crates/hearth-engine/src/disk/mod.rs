@@ -16,106 +16,36 @@ mod create;
 mod error;
 mod files;
 mod plan;
+pub mod registry;
 mod resync;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::collections::HashSet;
+use std::path::Path;
+use std::sync::Arc;
 
 use chrono::Utc;
-use hearth_api::{
-    DiskPhase, DiskSource, EventType, Kind, Object, SnapshotPhase, SnapshotStatus,
-    VirtualDiskStatus,
-};
+use hearth_api::{DiskPhase, DiskSource, EventType, Kind, Object, VirtualDiskStatus};
 use rusqlite::params;
 
-use crate::context::{Context, ReconcileError};
+use crate::context::{Action, Context, ReconcileError};
 use crate::snapshot::storage::{self, NewLayer};
 use crate::store::{Store, StoreError};
-use create::create;
+use create::{create, snapshot_not_ready};
 use files::{Files, file_status};
-use plan::{Shape, plan_soon};
+use plan::plan_soon;
+use registry::{AtRest, QuietPass};
 
 pub use error::{BaseHeaderError, BlankError, DiskError};
+pub use registry::{Disks, RECONCILES_AT_ONCE};
 pub use resync::resync;
 
-/// Disk reconciles that run at once. The others wait for a slot, parked:
-/// a burst of thousands of new disks never fills the runtime's queue ahead
-/// of the API's requests (docs/limits.md).
-pub const RECONCILES_AT_ONCE: usize = 16;
 /// Disks whose allocated bytes one resync reads from their files (`stat`),
 /// round robin: with more disks, each is refreshed every few resyncs.
 pub const REFRESHES_PER_RESYNC: usize = 128;
 /// Layer ids reserved in one commit, for new disks.
 const IDS_PER_RESERVE: u64 = 64;
 
-/// What disk reconciles and resyncs keep in memory (none of it is needed
-/// after a restart: the first resync makes it again).
-pub struct Disks {
-    slots: tokio::sync::Semaphore,
-    /// Per disk, the chain as its last compaction plan saw it, and whether
-    /// that plan left merges to do.
-    planned: Mutex<HashMap<String, (Shape, bool)>>,
-    planner: Mutex<Planner>,
-    /// The disk the last refresh ended at.
-    refreshed_up_to: Mutex<Option<String>>,
-    /// The last full pass, when it found every disk at rest.
-    quiet: Mutex<Option<QuietPass>>,
-    /// Reserved layer ids not handed out yet.
-    ids: Mutex<std::ops::Range<u64>>,
-    /// Blank qcow2 images by size, as `qemu-img create` made them.
-    blanks: tokio::sync::Mutex<BTreeMap<u64, Arc<Vec<u8>>>>,
-}
-
-/// A disk at rest as a pass saw it: its name, its head's file, its
-/// allocated bytes.
-type AtRest = (String, PathBuf, Option<u64>);
-
-/// A full pass that woke nothing and asked for no merge.
-struct QuietPass {
-    /// The store's count of writes before it read.
-    writes: u64,
-    at_rest: Vec<AtRest>,
-    /// Passes since, that read nothing.
-    skipped: u32,
-}
-
-#[derive(Default)]
-struct Planner {
-    waiting: BTreeSet<String>,
-    running: bool,
-}
-
-impl Default for Disks {
-    fn default() -> Self {
-        Disks {
-            slots: tokio::sync::Semaphore::new(RECONCILES_AT_ONCE),
-            planned: Mutex::default(),
-            planner: Mutex::default(),
-            refreshed_up_to: Mutex::default(),
-            quiet: Mutex::default(),
-            ids: Mutex::new(0..0),
-            blanks: tokio::sync::Mutex::default(),
-        }
-    }
-}
-
 impl Disks {
-    /// A slot to run one disk reconcile in.
-    pub async fn slot(&self) -> tokio::sync::SemaphorePermit<'_> {
-        self.slots
-            .acquire()
-            .await
-            .expect("the disk slots are never closed")
-    }
-
-    fn forget(&self, disk: &str) {
-        self.planned
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(disk);
-    }
-
     /// A new layer for `disk`, its id from a reserved block (one commit for
     /// many new disks).
     fn new_layer(
@@ -135,13 +65,13 @@ impl Disks {
     }
 }
 
-pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, ReconcileError> {
     let Some(stored) = ctx.store.get(Kind::VirtualDisk, name)? else {
         ctx.disks.forget(name);
-        return Ok(());
+        return Ok(Action::Done);
     };
     let Object::VirtualDisk(disk) = &stored.object else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     let users = ctx.vms_using_disk(name)?;
 
@@ -180,7 +110,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                 freed.len()
             ),
         );
-        return Ok(());
+        return Ok(Action::Done);
     }
 
     let was_ready = serde_json::from_value::<VirtualDiskStatus>(stored.status.clone())
@@ -211,7 +141,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                         };
                         s.last_error = Some(why.0.clone());
                     });
-                    return Ok(());
+                    return Ok(Action::Done);
                 }
             }
             if let DiskSource::VirtualImage(image) = &disk.spec.source {
@@ -241,7 +171,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                     });
                     // The image lists the disks waiting for it too.
                     ctx.wake(Kind::VirtualImage, image);
-                    return Ok(());
+                    return Ok(Action::Done);
                 }
             }
             let made = match create(ctx, name, disk).await {
@@ -318,7 +248,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
             ctx.wake(Kind::VirtualDiskSnapshot, &snap);
         }
     }
-    Ok(())
+    Ok(Action::Done)
 }
 
 fn set_ready(
@@ -371,33 +301,5 @@ fn chain_length(store: &Store, head: &str) -> Result<u32, StoreError> {
             at = layer.backing;
         }
         Ok(u32::try_from(seen.len()).unwrap_or(u32::MAX))
-    })
-}
-
-/// Why a snapshot cannot be restored yet; `true` when it never will be.
-fn snapshot_not_ready(ctx: &Context, snap: &str) -> Result<Option<(String, bool)>, StoreError> {
-    let Some(s) = ctx.store.get(Kind::VirtualDiskSnapshot, snap)? else {
-        return Ok(Some((
-            format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} does not exist"),
-            true,
-        )));
-    };
-    if s.deleting {
-        return Ok(Some((
-            format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} is being deleted"),
-            true,
-        )));
-    }
-    let status: SnapshotStatus = serde_json::from_value(s.status).unwrap_or_default();
-    Ok(match status.phase {
-        SnapshotPhase::Ready => None,
-        SnapshotPhase::Failed => Some((
-            format!("spec.source.snapshot: VirtualDiskSnapshot {snap:?} failed"),
-            true,
-        )),
-        p => Some((
-            format!("spec.source.snapshot: waiting for VirtualDiskSnapshot {snap:?} ({p})"),
-            false,
-        )),
     })
 }

@@ -15,11 +15,7 @@ use crate::store::StoreError;
 /// meanwhile share the next one (and its one reading of the layer graph).
 const PLAN_PAUSE: Duration = Duration::from_millis(200);
 
-/// A disk's chain as its compaction plan reads it: each layer top-down,
-/// with its backing, whether something refers to it, and how many layers
-/// lie on it. The plan is made again only when this changes.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(super) struct Shape(Vec<(String, Option<String>, bool, usize)>);
+pub(super) use super::registry::Shape;
 
 impl Shape {
     pub(super) fn of(sub: &Chains, head: &str) -> Shape {

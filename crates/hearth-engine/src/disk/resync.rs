@@ -264,7 +264,6 @@ fn refresh(ctx: &Context, at_rest: &[AtRest]) {
 #[cfg(test)]
 mod tests {
     use std::path::Path;
-    use std::time::Duration;
 
     use hearth_api::Object;
 
@@ -273,28 +272,7 @@ mod tests {
     use crate::snapshot::storage;
 
     fn context(dir: &Path) -> Arc<Context> {
-        let config = crate::config::EngineConfig {
-            state_dir: dir.join("state"),
-            run_dir: dir.join("run"),
-            image_roots: vec![],
-            qemu_binary: "/usr/bin/qemu-system-x86_64".into(),
-            qemu_user: None,
-            accel: hearth_qemu::accel::AccelDecision {
-                accel: hearth_qemu::Accel::Tcg,
-                reason: "test".into(),
-            },
-            resync_interval: Duration::from_secs(10),
-            images: Default::default(),
-            ovmf_code: dir.join("OVMF_CODE.fd"),
-            ovmf_vars: dir.join("OVMF_VARS.fd"),
-            compaction_speed: 0,
-            dns_resolv_file: "/etc/resolv.conf".into(),
-            forwards: Default::default(),
-        };
-        std::fs::create_dir_all(&config.state_dir).unwrap();
-        let store = Store::open(&config.database_path()).unwrap();
-        let (wakes, _) = tokio::sync::mpsc::unbounded_channel();
-        Arc::new(Context::new(config, store, wakes))
+        Context::for_test(dir)
     }
 
     fn disk_object(name: &str) -> Object {

@@ -18,23 +18,22 @@
 use std::time::Duration;
 
 use hearth_qemu::agent::{AgentError, ExecOutput};
-use hearth_qemu::agent_io::OpenMode;
 
 use super::exec::call_error;
-use super::{CallError, Channel, check_guest_path, unique_token};
-use crate::engine::{Engine, RequestError};
+use super::{CallError, Channel, unique_token};
+use crate::error::RequestError;
 
 /// Bytes per `guest-file-write`.
 pub const WRITE_CHUNK: usize = 48 << 10;
 /// Bytes per `guest-file-read`.
 pub const READ_CHUNK: usize = 128 << 10;
 /// Bound for hearth's helper programs (`sh`, `stat`) in the guest.
-const HELPER_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const HELPER_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Before anything is written: the target must not be a directory or a
 /// special file, its directory must exist, and the temporary file is
 /// created private. $1 temporary file, $2 target, $3 the target's directory.
-const PREPARE: &str = r#"umask 077
+pub(crate) const PREPARE: &str = r#"umask 077
 if [ -d "$2" ]; then exit 11; fi
 if [ -e "$2" ] && [ ! -f "$2" ]; then exit 12; fi
 if [ ! -d "$3" ]; then exit 13; fi
@@ -51,15 +50,15 @@ if [ -n "$nochmod" ]; then exit 16; fi"#;
 /// it closes the guest's handle and removes the temporary file (in a task of
 /// its own: a client that goes away still leaves nothing behind).
 pub struct Upload {
-    vm: String,
-    path: String,
-    tmp: String,
-    mode: Option<u32>,
-    channel: Channel,
-    handle: Option<i64>,
-    buf: Vec<u8>,
-    written: u64,
-    settled: bool,
+    pub(crate) vm: String,
+    pub(crate) path: String,
+    pub(crate) tmp: String,
+    pub(crate) mode: Option<u32>,
+    pub(crate) channel: Channel,
+    pub(crate) handle: Option<i64>,
+    pub(crate) buf: Vec<u8>,
+    pub(crate) written: u64,
+    pub(crate) settled: bool,
 }
 
 /// A finished upload.
@@ -76,168 +75,14 @@ pub struct UploadDone {
 
 /// A file being read out of a guest, chunk by chunk.
 pub struct Download {
-    vm: String,
-    path: String,
-    channel: Channel,
-    handle: Option<i64>,
+    pub(crate) vm: String,
+    pub(crate) path: String,
+    pub(crate) channel: Channel,
+    pub(crate) handle: Option<i64>,
     /// From `stat` in the guest, when it has one.
     pub size: Option<u64>,
     pub mode: Option<u32>,
     pub read: u64,
-}
-
-impl Engine {
-    /// Starts writing `path` in `vm`'s guest: checks the target, creates the
-    /// temporary file and opens it. `mode` (permission bits) is set when the
-    /// copy is committed.
-    pub async fn upload_begin(
-        &self,
-        vm: &str,
-        path: &str,
-        mode: Option<u32>,
-    ) -> Result<Upload, RequestError> {
-        check_guest_path(path).map_err(|m| bad(vm, m.to_string()))?;
-        if let Some(m) = mode
-            && m > 0o777
-        {
-            return Err(bad(
-                vm,
-                format!("mode {m:o} is not a permission mode (0 to 777 octal)"),
-            ));
-        }
-        let (parent, name) = split(path);
-        let tmp = temporary_name(parent, name);
-        let (channel, _) = self.guest_channel(vm)?;
-        let parent_arg = if parent.is_empty() { "/" } else { parent };
-        let out = channel
-            .run(
-                "/bin/sh",
-                &["-c", PREPARE, "hearth-cp", &tmp, path, parent_arg],
-                HELPER_TIMEOUT,
-            )
-            .await
-            .map_err(|e| match e {
-                CallError::Agent(AgentError::Command { .. }) => RequestError::Conflict(format!(
-                    "VirtualMachine {vm:?}: copying into the guest needs guest-exec of /bin/sh (to create the file privately and rename it into place when complete), which the guest agent refused: {e}"
-                )),
-                e => call_error(vm, &format!("cannot prepare {path} in the guest"), e),
-            })?;
-        match out.exit_code {
-            Some(0) => {}
-            Some(11) => {
-                return Err(bad(
-                    vm,
-                    format!(
-                        "{path} is a directory in the guest; name the file to write (e.g. {path}/NAME)"
-                    ),
-                ));
-            }
-            Some(12) => {
-                return Err(bad(
-                    vm,
-                    format!("{path} exists in the guest and is not a regular file"),
-                ));
-            }
-            Some(13) => {
-                return Err(RequestError::NotFound(format!(
-                    "VirtualMachine {vm:?}: cannot write {path}: directory {parent_arg} does not exist in the guest"
-                )));
-            }
-            _ => {
-                return Err(bad(
-                    vm,
-                    format!(
-                        "cannot create a file in {parent_arg} in the guest: {}",
-                        helper_failure(&out)
-                    ),
-                ));
-            }
-        }
-        let mut upload = Upload {
-            vm: vm.to_string(),
-            path: path.to_string(),
-            tmp: tmp.clone(),
-            mode,
-            channel,
-            handle: None,
-            buf: Vec::with_capacity(WRITE_CHUNK),
-            written: 0,
-            settled: false,
-        };
-        match upload.channel.file_open(&tmp, OpenMode::Write).await {
-            Ok(h) => upload.handle = Some(h),
-            Err(e) => {
-                let err = call_error(vm, &format!("cannot open {tmp} in the guest"), e);
-                upload.abort().await;
-                return Err(err);
-            }
-        }
-        Ok(upload)
-    }
-
-    /// Opens `path` in `vm`'s guest for reading. Refuses a directory or a
-    /// special file; a missing path is `NotFound` naming it.
-    pub async fn download_begin(&self, vm: &str, path: &str) -> Result<Download, RequestError> {
-        check_guest_path(path).map_err(|m| bad(vm, m.to_string()))?;
-        let (channel, _) = self.guest_channel(vm)?;
-        let mut size = None;
-        let mut mode = None;
-        // `stat` is not the agent's: a guest without it is copied from
-        // without knowing the size or mode (and a directory is found by the
-        // first read).
-        match channel
-            .run("stat", &["-L", "-c", "%F|%a|%s", path], HELPER_TIMEOUT)
-            .await
-        {
-            Ok(out) if out.exit_code == Some(0) => {
-                let text = String::from_utf8_lossy(&out.stdout);
-                let mut fields = text.trim().split('|');
-                let kind = fields.next().unwrap_or_default().to_string();
-                mode = fields
-                    .next()
-                    .and_then(|m| u32::from_str_radix(m, 8).ok())
-                    .map(|m| m & 0o777);
-                size = fields.next().and_then(|s| s.parse::<u64>().ok());
-                if kind == "directory" {
-                    return Err(is_a_directory(vm, path));
-                }
-                if !kind.starts_with("regular") {
-                    return Err(bad(
-                        vm,
-                        format!("{path} is not a regular file in the guest (it is a {kind})"),
-                    ));
-                }
-            }
-            Ok(out) if String::from_utf8_lossy(&out.stderr).contains("No such file") => {
-                return Err(no_such_file(vm, path));
-            }
-            Ok(out) => {
-                tracing::debug!(vm, path, stderr = %String::from_utf8_lossy(&out.stderr), "stat failed in the guest");
-            }
-            Err(CallError::Agent(AgentError::Command { .. })) => {}
-            Err(e) => return Err(call_error(vm, &format!("cannot stat {path}"), e)),
-        }
-        let handle = channel
-            .file_open(path, OpenMode::Read)
-            .await
-            .map_err(|e| match &e {
-                CallError::Agent(AgentError::Command { desc, .. })
-                    if desc.contains("No such file") =>
-                {
-                    no_such_file(vm, path)
-                }
-                _ => call_error(vm, &format!("cannot open {path} in the guest"), e),
-            })?;
-        Ok(Download {
-            vm: vm.to_string(),
-            path: path.to_string(),
-            channel,
-            handle: Some(handle),
-            size,
-            mode,
-            read: 0,
-        })
-    }
 }
 
 impl Upload {
@@ -362,7 +207,7 @@ impl Upload {
 
     /// Closes the handle and removes the temporary file, as far as the
     /// guest lets us.
-    async fn abort(&mut self) {
+    pub(crate) async fn abort(&mut self) {
         self.settled = true;
         cleanup(self.channel.clone(), self.handle.take(), self.tmp.clone()).await;
     }
@@ -444,17 +289,17 @@ impl Drop for Download {
     }
 }
 
-fn bad(vm: &str, message: String) -> RequestError {
+pub(crate) fn bad(vm: &str, message: String) -> RequestError {
     RequestError::BadRequest(format!("VirtualMachine {vm:?}: {message}"))
 }
 
-fn no_such_file(vm: &str, path: &str) -> RequestError {
+pub(crate) fn no_such_file(vm: &str, path: &str) -> RequestError {
     RequestError::NotFound(format!(
         "VirtualMachine {vm:?}: {path}: no such file in the guest"
     ))
 }
 
-fn is_a_directory(vm: &str, path: &str) -> RequestError {
+pub(crate) fn is_a_directory(vm: &str, path: &str) -> RequestError {
     bad(
         vm,
         format!("{path} is a directory in the guest (hearth cp copies one file)"),
@@ -462,13 +307,13 @@ fn is_a_directory(vm: &str, path: &str) -> RequestError {
 }
 
 /// `/a/b` → (`/a`, `b`); `/b` → (``, `b`).
-fn split(path: &str) -> (&str, &str) {
+pub(crate) fn split(path: &str) -> (&str, &str) {
     path.rsplit_once('/').unwrap_or(("", path))
 }
 
 /// `.NAME.hearth-<16 hex>.tmp` next to the target; the name is cut so the
 /// whole stays within NAME_MAX (255 bytes).
-fn temporary_name(parent: &str, name: &str) -> String {
+pub(crate) fn temporary_name(parent: &str, name: &str) -> String {
     let mut cut = name.len().min(200);
     while !name.is_char_boundary(cut) {
         cut -= 1;
@@ -481,7 +326,7 @@ fn temporary_name(parent: &str, name: &str) -> String {
 }
 
 /// What a failed helper said: its stderr, or its exit.
-fn helper_failure(out: &ExecOutput) -> String {
+pub(crate) fn helper_failure(out: &ExecOutput) -> String {
     let text = String::from_utf8_lossy(&out.stderr);
     let text = text.trim();
     if !text.is_empty() {

@@ -15,6 +15,7 @@
 
 pub mod exec;
 pub mod files;
+pub mod sessions;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,8 +26,9 @@ use hearth_qemu::agent_io::{FileChunk, OpenMode};
 use tokio::sync::Mutex;
 use tokio::time::Instant;
 
-pub use exec::{ExecStarted, ExecStatus, Execs};
+pub use exec::{ExecStarted, ExecStatus};
 pub use files::{Download, Upload, UploadDone};
+pub use sessions::Execs;
 
 /// Bound for one agent request (a file chunk, a poll, a program start).
 /// Under TCG a 48 KiB write takes ~20-50 ms; this is for a loaded host.

@@ -10,109 +10,33 @@
 pub mod import;
 pub mod names;
 pub mod progress;
+pub mod registry;
 pub mod space;
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::sync::Arc;
 
 use hearth_api::{
     DiskSource, EventType, ImagePhase, ImageSource, Kind, Object, VirtualImage, VirtualImageStatus,
 };
 use hearth_qemu::img::QemuImg;
 
-use crate::context::{Context, ReconcileError};
+use crate::context::{Action, Context, ReconcileError};
 use crate::snapshot::storage;
 use crate::store::{Store, StoreError};
 use import::{Failure, Fetched, TempFile};
 use progress::{format_bytes, retry_delay};
 
-/// The running import tasks and when each image's last attempt failed.
-#[derive(Default)]
-pub struct Imports {
-    state: Mutex<ImportsState>,
-}
-
-#[derive(Default)]
-struct ImportsState {
-    running: HashMap<String, tokio::task::JoinHandle<()>>,
-    failed_at: HashMap<String, Instant>,
-    /// Images whose last attempt ran out of free space: the room above the
-    /// reserve the next attempt needs (it waits until there is that much).
-    needs_room: HashMap<String, u64>,
-}
-
-impl Imports {
-    fn lock(&self) -> std::sync::MutexGuard<'_, ImportsState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn is_running(&self, name: &str) -> bool {
-        self.lock()
-            .running
-            .get(name)
-            .is_some_and(|h| !h.is_finished())
-    }
-
-    fn failed_at(&self, name: &str) -> Option<Instant> {
-        self.lock().failed_at.get(name).copied()
-    }
-
-    fn needs_room(&self, name: &str) -> Option<u64> {
-        self.lock().needs_room.get(name).copied()
-    }
-
-    /// Called by the task itself as its last step, with the failure if the
-    /// attempt failed.
-    fn finished(&self, name: &str, failure: Option<&Failure>) {
-        let mut st = self.lock();
-        st.running.remove(name);
-        match failure {
-            Some(f) => {
-                st.failed_at.insert(name.to_string(), Instant::now());
-                match f.needs_room {
-                    Some(n) => st.needs_room.insert(name.to_string(), n),
-                    None => st.needs_room.remove(name),
-                };
-            }
-            None => {
-                st.failed_at.remove(name);
-                st.needs_room.remove(name);
-            }
-        }
-    }
-
-    /// Stops the image's import, if one runs, and waits until it has ended
-    /// (its temporary file is removed as the task's future is dropped).
-    pub async fn cancel(&self, name: &str) -> bool {
-        let handle = {
-            let mut st = self.lock();
-            st.failed_at.remove(name);
-            st.needs_room.remove(name);
-            st.running.remove(name)
-        };
-        match handle {
-            Some(h) => {
-                h.abort();
-                let _ = h.await;
-                true
-            }
-            None => false,
-        }
-    }
-}
-
-pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, ReconcileError> {
     let Some(stored) = ctx.store.get(Kind::VirtualImage, name)? else {
         ctx.imports.cancel(name).await;
-        return Ok(());
+        return Ok(Action::Done);
     };
     let Object::VirtualImage(image) = stored.object else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     if stored.deleting {
-        return delete(ctx, name).await;
+        return delete(ctx, name).await.map(|()| Action::Done);
     }
     let status: VirtualImageStatus = serde_json::from_value(stored.status).unwrap_or_default();
     let used_by = disks_from(&ctx.store, name)?;
@@ -120,13 +44,13 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
         ctx.set_image_status(name, |s| s.used_by = used_by.clone());
     }
     if ctx.imports.is_running(name) {
-        return Ok(());
+        return Ok(Action::Done);
     }
     match status.phase {
         ImagePhase::Ready => {
             // Observed, not assumed: the file must still be there.
             if status.path.as_deref().is_some_and(Path::is_file) {
-                return Ok(());
+                return Ok(Action::Done);
             }
             ctx.event(
                 Kind::VirtualImage,
@@ -147,9 +71,11 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
             if let Some(at) = ctx.imports.failed_at(name) {
                 let cfg = &ctx.config.images;
                 let wait = retry_delay(status.attempts.unwrap_or(1), cfg.retry_base, cfg.retry_max);
-                // The failed attempt scheduled a wake for then.
-                if at.elapsed() < wait {
-                    return Ok(());
+                // Not yet: the retry is due `wait` after the failure.
+                if let Some(left) = wait.checked_sub(at.elapsed())
+                    && !left.is_zero()
+                {
+                    return Ok(Action::RequeueAfter(left));
                 }
             }
             if let Some(needs) = ctx.imports.needs_room(name) {
@@ -160,7 +86,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                     .unwrap_or(0)
                     .saturating_sub(ctx.config.images.free_space_reserve);
                 if room < needs {
-                    return Ok(());
+                    return Ok(Action::Done);
                 }
             }
         }
@@ -168,7 +94,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
         ImagePhase::Pending | ImagePhase::Importing => {}
     }
     start(ctx, name, image);
-    Ok(())
+    Ok(Action::Done)
 }
 
 fn start(ctx: &Arc<Context>, name: &str, image: VirtualImage) {
@@ -284,17 +210,14 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
                 s.bytes_total = None;
                 s.bytes_per_second = None;
             });
-            let weak = Arc::downgrade(&ctx);
-            let key = name.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(wait).await;
-                if let Some(ctx) = weak.upgrade() {
-                    ctx.wake(Kind::VirtualImage, &key);
-                }
-            });
         }
     }
-    ctx.imports.finished(&name, failure.as_ref());
+    ctx.imports
+        .finished(&name, failure.as_ref().map(|f| f.needs_room));
+    // The image's reconcile asks to run again when the retry is due.
+    if failure.is_some() {
+        ctx.wake(Kind::VirtualImage, &name);
+    }
 }
 
 /// What a successful attempt produced.
@@ -789,4 +712,36 @@ pub fn ready_for_disk(
                 .unwrap_or_default()
         ))),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_failed_import_asks_to_run_again_when_its_retry_is_due() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = Context::for_test(dir.path());
+        let image = hearth_api::parse_documents(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualImage\nmetadata: {name: img}\nspec: {source: {file: /srv/x.qcow2}}\n",
+            "t",
+        )
+        .unwrap();
+        ctx.store.put_objects(&image).unwrap();
+        ctx.set_image_status("img", |s| {
+            s.phase = ImagePhase::Failed;
+            s.attempts = Some(1);
+        });
+        ctx.imports.finished("img", Some(None));
+        // The first retry is due `retry_base` after the failure.
+        let wait = ctx.config.images.retry_base;
+        match reconcile(&ctx, "img").await.unwrap() {
+            Action::RequeueAfter(left) => {
+                assert!(left > Duration::ZERO && left <= wait, "{left:?}")
+            }
+            Action::Done => panic!("a failed import must ask for its retry"),
+        }
+    }
 }

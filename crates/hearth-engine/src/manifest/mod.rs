@@ -9,6 +9,7 @@
 //! - `watch`: the async shell: inotify, debounce, periodic re-list, engine calls.
 
 pub mod core;
+pub mod counters;
 pub mod names;
 pub mod parse;
 pub mod scan;

@@ -13,10 +13,11 @@
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
-use hearth_api::net::{Ipv4Cidr, MacAddr};
+use hearth_api::net::Ipv4Cidr;
 use hearth_api::{FieldError, NetworkMode, VirtualMachine, VirtualNetwork, VirtualNetworkStatus};
 
 use super::ipam::{self, Holder, IpamError};
+pub use super::names::mac_of;
 use super::{names, ports, subnets};
 use crate::store::StoredLease;
 
@@ -352,14 +353,6 @@ fn check_ports(state: &[Claimant<'_>]) -> Result<(), Refusal> {
         }
     }
     Ok(())
-}
-
-/// The MAC of interface `i`: the one given, else the derived one.
-pub fn mac_of(vm: &VirtualMachine, i: usize) -> Option<MacAddr> {
-    match &vm.spec.networks.get(i)?.mac_address {
-        Some(m) => m.parse().ok(),
-        None => Some(names::derived_mac(&vm.metadata.name, i as u32)),
-    }
 }
 
 fn check_interface_names(

@@ -15,15 +15,17 @@ use std::net::Ipv4Addr;
 use std::path::Path;
 
 use hearth_api::net::Ipv4Cidr;
-use hearth_api::{NetworkMode as ApiMode, Protocol as ApiProtocol, VirtualMachine, VirtualNetwork};
+use hearth_api::{
+    Kind, NetworkMode as ApiMode, Object, Protocol as ApiProtocol, VirtualMachine, VirtualNetwork,
+};
 
-use super::admission::mac_of;
+use super::error::NetworkError;
 use super::host::{
     DesiredTap, Dns, HostDesired, HostNetwork, Mac, NetworkMode, PortForward, Protocol, StaticLease,
 };
-use super::{NetworkError, names};
+use super::names::{self, mac_of};
 use crate::runtime::{LaunchMarker, LaunchedInterface, RuntimeRecord};
-use crate::store::StoredLease;
+use crate::store::{Store, StoreError, StoredLease};
 
 /// The interfaces each VM's QEMU was started with, by VM: from its runtime
 /// record, else from its newest launch marker (a launch under way, or one a
@@ -47,6 +49,37 @@ pub fn launched_by_vm(
         }
     }
     out
+}
+
+/// The VMs whose spec, or whose QEMU, has an interface on `network`,
+/// sorted.
+pub fn vms_using_network(store: &Store, network: &str) -> Result<Vec<String>, StoreError> {
+    let mut vms: Vec<String> = store
+        .list(Kind::VirtualMachine)?
+        .into_iter()
+        .filter_map(|s| match s.object {
+            Object::VirtualMachine(vm)
+                if vm
+                    .spec
+                    .networks
+                    .iter()
+                    .any(|n| n.virtual_network_name == network) =>
+            {
+                Some(vm.metadata.name)
+            }
+            _ => None,
+        })
+        .collect();
+    // A QEMU started with an interface on it holds its tap there until it
+    // exits, whatever its spec says now.
+    let launched = launched_by_vm(&store.runtimes()?, &store.launches(None)?);
+    for (vm, nics) in launched {
+        if nics.iter().any(|n| n.spec.virtual_network_name == network) && !vms.contains(&vm) {
+            vms.push(vm);
+        }
+    }
+    vms.sort();
+    Ok(vms)
 }
 
 /// `vm` with the networks in effect: `launched` (each interface pinned to

@@ -7,6 +7,7 @@
 
 pub mod admission;
 pub mod desired;
+mod error;
 pub mod host;
 pub mod ipam;
 pub mod names;
@@ -22,59 +23,22 @@ use std::sync::Arc;
 
 use hearth_api::{EventType, Kind, NetworkPhase, Object, VirtualMachine, VirtualNetworkStatus};
 
-use crate::context::{Context, ReconcileError};
-use crate::store::{Store, StoreError, StoredLease};
+use crate::context::{Action, Context, ReconcileError};
+use crate::store::{Store, StoredLease};
+pub use error::NetworkError;
 
-/// Why a network cannot be put in place, or why an interface of a VM
-/// cannot start on its network yet.
-#[derive(Debug, thiserror::Error)]
-pub enum NetworkError {
-    #[error("spec.subnet: {0}")]
-    SubnetSyntax(String),
-    #[error("spec.subnet: {0}")]
-    SubnetRefused(#[source] subnets::SubnetError),
-    #[error(transparent)]
-    NoSubnetLeft(#[from] subnets::SubnetError),
-    #[error(transparent)]
-    Host(#[from] host::HostError),
-    #[error("cannot read the host's addresses and routes: {0}")]
-    HostNetworks(#[source] host::HostError),
-    #[error(transparent)]
-    Store(#[from] StoreError),
-    #[error(
-        "spec.networks[{index}]: its address on VirtualNetwork {network:?} is still leased to the MAC {mac} it had"
-    )]
-    LeasedToOldMac {
-        index: usize,
-        network: String,
-        mac: String,
-    },
-    #[error(
-        "spec.networks[{index}]: {reserved} is not leased to it on VirtualNetwork {network:?} yet{}",
-        still.map(|ip| format!(" (it still has {ip})")).unwrap_or_default()
-    )]
-    ReservationNotLeased {
-        index: usize,
-        network: String,
-        reserved: std::net::Ipv4Addr,
-        still: Option<std::net::Ipv4Addr>,
-    },
-    #[error("spec.networks[{index}]: no address on VirtualNetwork {network:?} yet")]
-    NoAddressYet { index: usize, network: String },
-}
-
-pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, ReconcileError> {
     // The whole reconcile holds the host lock: two networks never pick the
     // same subnet, and the host is changed by one resync at a time.
     let mut host = ctx.networking.lock().await;
     let Some(stored) = ctx.store.get(Kind::VirtualNetwork, name)? else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     let Object::VirtualNetwork(net) = stored.object else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     if stored.deleting {
-        let users = ctx.vms_using_network(name)?;
+        let users = desired::vms_using_network(&ctx.store, name)?;
         if !users.is_empty() {
             // Refused at the API; only if a VM arrived since.
             return Err(ReconcileError::Failed(format!(
@@ -99,7 +63,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
             "Deleted",
             "its bridge, DHCP server and rules are gone from the host; the network and its leases were removed",
         );
-        return Ok(());
+        return Ok(Action::Done);
     }
     let generation = net.metadata.generation;
     let old: VirtualNetworkStatus = serde_json::from_value(stored.status).unwrap_or_default();
@@ -209,10 +173,10 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
     }
     // VMs waiting for this network start now; running ones update their
     // interfaces.
-    for vm in ctx.vms_using_network(name)? {
+    for vm in desired::vms_using_network(&ctx.store, name)? {
         ctx.wake(Kind::VirtualMachine, &vm);
     }
-    Ok(())
+    Ok(Action::Done)
 }
 
 fn fail(ctx: &Context, name: &str, generation: u64, message: &str) {
@@ -242,7 +206,7 @@ fn fail(ctx: &Context, name: &str, generation: u64, message: &str) {
 /// for a Bridge network without `spec.subnet`.
 async fn subnet_of(
     ctx: &Context,
-    host: &mut sync::HostGuard<'_>,
+    host: &mut host::lock::HostGuard<'_>,
     net: &hearth_api::VirtualNetwork,
     old: &VirtualNetworkStatus,
 ) -> Result<Option<hearth_api::net::Ipv4Cidr>, NetworkError> {

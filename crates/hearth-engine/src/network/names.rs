@@ -20,6 +20,14 @@ pub const TAP_PREFIX: &str = "htt-";
 /// The kernel's limit (IFNAMSIZ less the NUL).
 pub const MAX_IFNAME: usize = 15;
 
+/// The MAC of interface `i`: the one given, else the derived one.
+pub fn mac_of(vm: &hearth_api::VirtualMachine, i: usize) -> Option<MacAddr> {
+    match &vm.spec.networks.get(i)?.mac_address {
+        Some(m) => m.parse().ok(),
+        None => Some(derived_mac(&vm.metadata.name, i as u32)),
+    }
+}
+
 /// The bridge of a NAT or Isolated network.
 pub fn bridge_name(network: &str) -> String {
     fit(BRIDGE_PREFIX, network)

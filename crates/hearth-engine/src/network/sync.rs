@@ -16,8 +16,7 @@ use hearth_api::{Kind, Object, VirtualMachine, VirtualNetwork, VirtualNetworkSta
 
 use super::desired::{self, StoredNetwork};
 use super::host::cleanup::CleanupAction;
-use super::host::link::Netlink;
-use super::host::loopback::LoopbackProxies;
+use super::host::lock::HostGuard;
 use super::host::{self, ApplyReport, HostError};
 use crate::context::Context;
 use crate::store::{StoreError, StoredLease};
@@ -25,41 +24,6 @@ use crate::store::{StoreError, StoredLease};
 /// Store counter bumped once the host has had a hearth network: from then
 /// on a start-up resync cleans up, even when no network is left.
 const USED_COUNTER: &str = "host-networking-used";
-
-/// The host side's one lock, its netlink socket (opened on first use, in
-/// the namespace hearthd runs in) and the loopback port forwards' listeners.
-#[derive(Default)]
-pub struct HostNetworking {
-    state: tokio::sync::Mutex<HostState>,
-}
-
-#[derive(Default)]
-struct HostState {
-    netlink: Option<Netlink>,
-    loopback: LoopbackProxies,
-}
-
-/// Held while the host is read or changed.
-pub struct HostGuard<'a> {
-    state: tokio::sync::MutexGuard<'a, HostState>,
-}
-
-impl HostNetworking {
-    pub async fn lock(&self) -> HostGuard<'_> {
-        HostGuard {
-            state: self.state.lock().await,
-        }
-    }
-}
-
-impl HostGuard<'_> {
-    pub fn netlink(&mut self) -> Result<&Netlink, HostError> {
-        if self.state.netlink.is_none() {
-            self.state.netlink = Some(Netlink::open()?);
-        }
-        Ok(self.state.netlink.as_ref().expect("just opened"))
-    }
-}
 
 /// Why a resync did not happen or did not finish.
 #[derive(Debug, thiserror::Error)]

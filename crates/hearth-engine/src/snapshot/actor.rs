@@ -5,7 +5,7 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::os::unix::fs::OpenOptionsExt;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use chrono::Utc;
@@ -21,6 +21,7 @@ use super::coordinator::{
 };
 use super::expedite;
 use super::overlays::{self, Ahead, Graph, Overlay, Settled};
+use super::registry::{Actors, MemberMsg, Msg};
 use super::storage::{self, Layer};
 use crate::context::Context;
 use crate::store::{Store, StoreError};
@@ -41,86 +42,11 @@ const COMPACTION_RETRY: Duration = Duration::from_secs(60);
 /// Pause before writing a cut's results again after the store refused.
 const COMMIT_RETRY: Duration = Duration::from_secs(1);
 
-enum Msg {
-    Requests(Vec<Request>),
-    /// A group's answer to one of its members (go on, or abort); its `now`
-    /// is stamped when the actor takes it.
-    Group(Input),
-    /// Merge the layers of this disk's chain that nobody needs any more.
-    Compact(String),
-    /// Make the next overlay of every disk ready (a VM just started).
-    Ahead,
-}
-
-/// What a member's actor tells its group's run.
-pub(crate) struct MemberMsg {
-    pub vm: String,
-    pub cut: CutId,
-    pub report: GroupMemberReport,
-}
-
 pub(crate) use super::group::Report as GroupMemberReport;
 
-/// The running actors, by target (`vm/NAME` or `disk/NAME`), and the
-/// running group runs, by group name.
-#[derive(Default)]
-pub struct Actors {
-    map: Mutex<HashMap<String, mpsc::UnboundedSender<Msg>>>,
-    groups: Mutex<HashMap<String, mpsc::UnboundedSender<MemberMsg>>>,
-    /// Per target: bumped when a stop, start or restore wants the VM's locks,
-    /// so a running compaction job is cancelled instead of making it wait.
-    yields: Mutex<HashMap<String, Arc<std::sync::atomic::AtomicU64>>>,
-}
-
+/// Starting actors needs the context they run with, so it is here, not in
+/// the registry.
 impl Actors {
-    fn yield_epoch(&self, target: &str) -> Arc<std::sync::atomic::AtomicU64> {
-        self.yields
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(target.to_string())
-            .or_default()
-            .clone()
-    }
-
-    /// Asks a compaction of `target` (`vm/NAME`) that holds its locks to
-    /// give them back soon: its stream job is cancelled (and merged again
-    /// later). Called before a stop, start or restore takes the locks.
-    pub fn ask_to_yield(&self, target: &str) {
-        self.yield_epoch(target)
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    /// Registers a group's run; its members' reports go to `tx`.
-    pub(crate) fn register_group(&self, group: &str, tx: mpsc::UnboundedSender<MemberMsg>) {
-        let mut g = self.groups.lock().unwrap_or_else(|p| p.into_inner());
-        g.insert(group.to_string(), tx);
-    }
-
-    pub(crate) fn unregister_group(&self, group: &str) {
-        let mut g = self.groups.lock().unwrap_or_else(|p| p.into_inner());
-        g.remove(group);
-    }
-
-    pub(crate) fn group_running(&self, group: &str) -> bool {
-        let g = self.groups.lock().unwrap_or_else(|p| p.into_inner());
-        g.get(group).is_some_and(|tx| !tx.is_closed())
-    }
-
-    /// Hands a member's report to its group's run; false when no run of
-    /// that group is going on (the daemon restarted since it began).
-    fn report_to_group(&self, group: &str, msg: MemberMsg) -> bool {
-        let g = self.groups.lock().unwrap_or_else(|p| p.into_inner());
-        g.get(group).is_some_and(|tx| tx.send(msg).is_ok())
-    }
-
-    /// Hands a group's answer to a member's actor.
-    pub(crate) fn signal(&self, target: &str, input: Input) {
-        let map = self.map.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(tx) = map.get(target) {
-            let _ = tx.send(Msg::Group(input));
-        }
-    }
-
     /// Hands requests to the target's actor, starting it if needed. Requests
     /// sent together are always served by the same cut.
     pub fn request(&self, ctx: &Arc<Context>, target: &str, requests: Vec<Request>) {

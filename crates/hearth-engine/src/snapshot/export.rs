@@ -17,18 +17,11 @@
 //! layer below a head is never written, and a restore only puts a new
 //! overlay over it.
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use hearth_api::{Kind, Object, SnapshotPhase, SnapshotStatus};
-
-use super::storage;
-use crate::engine::{Engine, RequestError};
-
 /// A conversion may take long (it copies every allocated byte of the chain).
-const CONVERT_TIMEOUT: Duration = Duration::from_secs(6 * 3600);
+pub(crate) const CONVERT_TIMEOUT: Duration = Duration::from_secs(6 * 3600);
 
 /// The formats an export can be written in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,22 +46,6 @@ impl ExportFormat {
             ExportFormat::Qcow2 => "qcow2",
             ExportFormat::Raw => "raw",
         }
-    }
-}
-
-/// Per snapshot: read-held by each export while it converts, write-held by
-/// the snapshot's delete.
-#[derive(Default)]
-pub struct Pins(Mutex<HashMap<String, Arc<tokio::sync::RwLock<()>>>>);
-
-impl Pins {
-    pub fn of(&self, snapshot: &str) -> Arc<tokio::sync::RwLock<()>> {
-        self.0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .entry(snapshot.to_string())
-            .or_default()
-            .clone()
     }
 }
 
@@ -102,104 +79,11 @@ pub fn sweep(state_dir: &Path) -> usize {
 /// The conversion's file while it is being written: removed when dropped,
 /// whether the conversion finished, failed or was cancelled (the client went
 /// away and the request's future was dropped, which also kills qemu-img).
-struct TempFile(PathBuf);
+pub(crate) struct TempFile(pub(crate) PathBuf);
 
 impl Drop for TempFile {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-impl Engine {
-    /// Converts a Ready disk snapshot into a standalone image and returns
-    /// it open (see the module's comment).
-    pub async fn export_snapshot(
-        &self,
-        name: &str,
-        format: ExportFormat,
-    ) -> Result<Export, RequestError> {
-        // A name from a URL: only a valid object name ever becomes part of
-        // a file name under the state directory.
-        if hearth_api::check_dns_label(name).is_err() {
-            return Err(RequestError::NotFound(format!(
-                "VirtualDiskSnapshot {name:?} not found"
-            )));
-        }
-        let pin = self.exports.of(name);
-        let _pinned = pin.read().await;
-        let stored = self
-            .store
-            .get(Kind::VirtualDiskSnapshot, name)?
-            .ok_or_else(|| {
-                RequestError::NotFound(format!("VirtualDiskSnapshot {name:?} not found"))
-            })?;
-        let Object::VirtualDiskSnapshot(_) = &stored.object else {
-            return Err(RequestError::NotFound(format!(
-                "VirtualDiskSnapshot {name:?} not found"
-            )));
-        };
-        if stored.deleting {
-            return Err(RequestError::Conflict(format!(
-                "VirtualDiskSnapshot {name:?} is being deleted; nothing was exported"
-            )));
-        }
-        let status: SnapshotStatus =
-            serde_json::from_value(stored.status.clone()).unwrap_or_default();
-        if status.phase != SnapshotPhase::Ready {
-            let why = match (&status.reason, &status.message) {
-                (Some(r), Some(m)) => format!(" ({r}: {m})"),
-                (Some(r), None) => format!(" ({r})"),
-                (None, Some(m)) => format!(" ({m})"),
-                (None, None) => String::new(),
-            };
-            return Err(RequestError::Conflict(format!(
-                "VirtualDiskSnapshot {name:?} is {}{why}, not Ready: only a Ready snapshot can be exported",
-                status.phase
-            )));
-        }
-        let layer = storage::snapshot_layer(&self.store, name)?.ok_or_else(|| {
-            RequestError::Conflict(format!(
-                "VirtualDiskSnapshot {name:?} is Ready but has no stored layer"
-            ))
-        })?;
-        let dir = exports_dir(&self.config.state_dir);
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| RequestError::Conflict(format!("cannot create {}: {e}", dir.display())))?;
-        let _ = std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700));
-        let n = self.store.next_counter("export")?;
-        let temp = TempFile(dir.join(format!("{n:08}-{name}.{}", format.as_str())));
-        hearth_qemu::img::convert_standalone(
-            &layer.path,
-            "qcow2",
-            &temp.0,
-            format.as_str(),
-            CONVERT_TIMEOUT,
-        )
-        .await
-        .map_err(|e| {
-            RequestError::Conflict(format!(
-                "VirtualDiskSnapshot {name:?}: the conversion to {} failed: {e}",
-                format.as_str()
-            ))
-        })?;
-        let info = hearth_qemu::img::info(&temp.0)
-            .await
-            .map_err(|e| RequestError::Conflict(format!("VirtualDiskSnapshot {name:?}: {e}")))?;
-        let file = std::fs::File::open(&temp.0).map_err(|e| {
-            RequestError::Conflict(format!("cannot open {}: {e}", temp.0.display()))
-        })?;
-        let size = file
-            .metadata()
-            .map_err(|e| RequestError::Conflict(format!("cannot stat the export: {e}")))?
-            .len();
-        // Unlinked now (the guard's drop); the open file is the only way left to it.
-        drop(temp);
-        Ok(Export {
-            file,
-            size,
-            format,
-            virtual_size: info.virtual_size,
-        })
     }
 }
 
@@ -230,15 +114,5 @@ mod tests {
         std::fs::write(exports.join("00000002-s.raw"), b"x").unwrap();
         assert_eq!(sweep(dir.path()), 1);
         assert_eq!(std::fs::read_dir(&exports).unwrap().count(), 0);
-    }
-
-    #[tokio::test]
-    async fn a_delete_waits_for_the_exports_that_hold_the_pin() {
-        let pins = Pins::default();
-        let read = pins.of("s").read_owned().await;
-        assert!(pins.of("s").try_write_owned().is_err(), "pinned");
-        assert!(pins.of("other").try_write_owned().is_ok());
-        drop(read);
-        assert!(pins.of("s").try_write_owned().is_ok());
     }
 }

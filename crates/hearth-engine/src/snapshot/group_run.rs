@@ -13,11 +13,11 @@ use hearth_api::{
 use rusqlite::params;
 use tokio::sync::mpsc;
 
-use super::actor::MemberMsg;
 use super::clock_ms;
 use super::coordinator::{CutId, Input};
 use super::group::{Group, GroupCommand, GroupInput, GroupOutcome, MANAGED_BY_PREFIX, Report};
-use crate::context::{Context, ReconcileError};
+use super::registry::MemberMsg;
+use crate::context::{Action, Context, ReconcileError};
 use crate::store::Store;
 
 fn status_of(v: &serde_json::Value) -> SnapshotStatus {
@@ -44,12 +44,12 @@ fn fail_group(ctx: &Context, name: &str, reason: &str, message: &str) {
     );
 }
 
-pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<Action, ReconcileError> {
     let Some(stored) = ctx.store.get(Kind::VirtualMachineSnapshotGroup, name)? else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     let Object::VirtualMachineSnapshotGroup(group) = &stored.object else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     let status = status_of(&stored.status);
 
@@ -60,7 +60,7 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), Recon
             ctx.set_snapshot_status(Kind::VirtualMachineSnapshotGroup, name, |s| {
                 s.phase = SnapshotPhase::Terminating
             });
-            return Ok(());
+            return Ok(Action::Done);
         }
         let mut left = 0;
         for member in &status.virtual_machine_snapshot_names {
@@ -85,7 +85,7 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), Recon
                 "the group and its member VM snapshots are gone",
             );
         }
-        return Ok(());
+        return Ok(Action::Done);
     }
 
     match status.phase {
@@ -102,7 +102,7 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), Recon
                             "spec.virtualMachineNames: VirtualMachine {vm_name:?} does not exist"
                         ),
                     );
-                    return Ok(());
+                    return Ok(Action::Done);
                 };
                 if let Object::VirtualMachine(v) = &vm.object {
                     deadline_ms = deadline_ms.min(u64::from(v.spec.freeze_deadline_seconds) * 1000);
@@ -115,7 +115,7 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), Recon
                         "NameTooLong",
                         &format!("the member VM snapshot name {why}; use a shorter group name"),
                     );
-                    return Ok(());
+                    return Ok(Action::Done);
                 }
                 if ctx
                     .store
@@ -128,7 +128,7 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), Recon
                         "NameTaken",
                         &format!("a VirtualMachineSnapshot named {member:?} already exists"),
                     );
-                    return Ok(());
+                    return Ok(Action::Done);
                 }
                 members.push(VirtualMachineSnapshot {
                     api_version: API_VERSION.into(),
@@ -213,7 +213,7 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), Recon
                 if let Some(s) = ctx.store.get(Kind::VirtualMachineSnapshot, m)?
                     && !status_of(&s.status).phase.is_final()
                 {
-                    return Ok(());
+                    return Ok(Action::Done);
                 }
             }
             tracing::info!(group = name, members = ?status.virtual_machine_snapshot_names, "no run of the group goes on: failing it");
@@ -231,7 +231,7 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<(), Recon
         }
         _ => {}
     }
-    Ok(())
+    Ok(Action::Done)
 }
 
 /// The run of one group: feeds the core, performs its commands.

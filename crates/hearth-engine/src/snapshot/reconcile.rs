@@ -12,19 +12,22 @@ use rusqlite::params;
 
 use super::actor::{request_of, target_of};
 use super::storage;
-use crate::context::{Context, ReconcileError};
+use crate::context::{Action, Context, ReconcileError};
 use crate::store::Store;
 
 fn status_of(v: &serde_json::Value) -> SnapshotStatus {
     serde_json::from_value(v.clone()).unwrap_or_default()
 }
 
-pub async fn reconcile_disk_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+pub async fn reconcile_disk_snapshot(
+    ctx: &Arc<Context>,
+    name: &str,
+) -> Result<Action, ReconcileError> {
     let Some(stored) = ctx.store.get(Kind::VirtualDiskSnapshot, name)? else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     let Object::VirtualDiskSnapshot(snap) = &stored.object else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     let status = status_of(&stored.status);
     if stored.deleting {
@@ -35,7 +38,7 @@ pub async fn reconcile_disk_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(
             ctx.set_snapshot_status(Kind::VirtualDiskSnapshot, name, |s| {
                 s.phase = SnapshotPhase::Terminating
             });
-            return Ok(());
+            return Ok(Action::Done);
         }
         // An export reading the snapshot's layers, or a restore reading its
         // layer until the restored disk is recorded, holds its pin: wait
@@ -84,10 +87,10 @@ pub async fn reconcile_disk_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(
         if let Some(parent) = &status.virtual_machine_snapshot_name {
             ctx.wake(Kind::VirtualMachineSnapshot, parent);
         }
-        return Ok(());
+        return Ok(Action::Done);
     }
     if status.phase != SnapshotPhase::Pending {
-        return Ok(());
+        return Ok(Action::Done);
     }
     let disk = &snap.spec.virtual_disk_name;
     let Some(disk_obj) = ctx.store.get(Kind::VirtualDisk, disk)? else {
@@ -98,7 +101,7 @@ pub async fn reconcile_disk_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(
             "DiskNotFound",
             &format!("VirtualDisk {disk:?} does not exist"),
         );
-        return Ok(());
+        return Ok(Action::Done);
     };
     if disk_obj.deleting {
         fail(
@@ -108,20 +111,20 @@ pub async fn reconcile_disk_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(
             "DiskDeleting",
             &format!("VirtualDisk {disk:?} is being deleted"),
         );
-        return Ok(());
+        return Ok(Action::Done);
     }
     if storage::head(&ctx.store, disk)?.is_none() {
         // The disk's image is not made yet; its reconcile wakes us.
-        return Ok(());
+        return Ok(Action::Done);
     }
     if status.virtual_machine_snapshot_name.is_some() {
         // Requested together with its siblings by the VM snapshot.
-        return Ok(());
+        return Ok(Action::Done);
     }
     let target = target_of(ctx, disk)?;
     ctx.snapshots
         .request(ctx, &target, vec![request_of(&ctx.store, snap)]);
-    Ok(())
+    Ok(Action::Done)
 }
 
 /// A snapshot of either kind that can never be taken, with the reason.
@@ -134,12 +137,15 @@ fn fail(ctx: &Context, kind: Kind, name: &str, reason: &str, message: &str) {
     ctx.event(kind, name, EventType::Warning, reason, message);
 }
 
-pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+pub async fn reconcile_vm_snapshot(
+    ctx: &Arc<Context>,
+    name: &str,
+) -> Result<Action, ReconcileError> {
     let Some(stored) = ctx.store.get(Kind::VirtualMachineSnapshot, name)? else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     let Object::VirtualMachineSnapshot(vmsnap) = &stored.object else {
-        return Ok(());
+        return Ok(Action::Done);
     };
     let status = status_of(&stored.status);
     let fail_vm = |reason: &str, message: &str| {
@@ -165,7 +171,7 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
                 "the VM snapshot and its disk snapshots are gone",
             );
         }
-        return Ok(());
+        return Ok(Action::Done);
     }
 
     match status.phase {
@@ -176,17 +182,17 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
                     "VirtualMachineNotFound",
                     &format!("VirtualMachine {vm_name:?} does not exist"),
                 );
-                return Ok(());
+                return Ok(Action::Done);
             };
             let Object::VirtualMachine(vm) = &vm.object else {
-                return Ok(());
+                return Ok(Action::Done);
             };
             if vm.spec.disks.is_empty() {
                 fail_vm(
                     "NoDisks",
                     &format!("VirtualMachine {vm_name:?} has no disks"),
                 );
-                return Ok(());
+                return Ok(Action::Done);
             }
             let mut children = Vec::new();
             for d in &vm.spec.disks {
@@ -196,14 +202,14 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
                         "NameTooLong",
                         &format!("the disk snapshot name {why}; use a shorter VM snapshot name"),
                     );
-                    return Ok(());
+                    return Ok(Action::Done);
                 }
                 if ctx.store.get(Kind::VirtualDiskSnapshot, &child)?.is_some() {
                     fail_vm(
                         "NameTaken",
                         &format!("a VirtualDiskSnapshot named {child:?} already exists"),
                     );
-                    return Ok(());
+                    return Ok(Action::Done);
                 }
                 children.push(VirtualDiskSnapshot {
                     api_version: API_VERSION.into(),
@@ -279,7 +285,7 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
                             "DiskSnapshotDeleted",
                             &format!("its disk snapshot {c:?} was deleted"),
                         );
-                        return Ok(());
+                        return Ok(Action::Done);
                     }
                 }
             }
@@ -292,10 +298,10 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
                 // Idempotent: the actor ignores requests it already has.
                 let target = format!("vm/{}", vmsnap.spec.virtual_machine_name);
                 ctx.snapshots.request(ctx, &target, open);
-                return Ok(());
+                return Ok(Action::Done);
             }
             if children.iter().any(|(_, s)| !s.phase.is_final()) {
-                return Ok(());
+                return Ok(Action::Done);
             }
             let failed: Vec<String> = children
                 .iter()
@@ -360,5 +366,5 @@ pub async fn reconcile_vm_snapshot(ctx: &Arc<Context>, name: &str) -> Result<(),
         }
         _ => {}
     }
-    Ok(())
+    Ok(Action::Done)
 }

@@ -13,10 +13,10 @@ use hearth_qemu::agent::{
 use hearth_qemu::process;
 use hearth_qemu::qmp::QmpClient;
 use tokio::sync::Mutex;
-use tokio::task::JoinHandle;
 
 use crate::context::Context;
 use crate::runtime::RuntimeRecord;
+pub use crate::vm::registry::LiveVm;
 
 const AGENT_SYNC_TIMEOUT: Duration = Duration::from_secs(2);
 const AGENT_PING_INTERVAL: Duration = Duration::from_secs(5);
@@ -25,26 +25,17 @@ const QMP_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// once; the program's own run time is covered by the caller's timeout).
 const EXEC_CALL_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// The live side of one running VM.
-pub struct LiveVm {
-    pub record: RuntimeRecord,
-    pub qmp: Option<QmpClient>,
-    /// The one guest-agent connection (the chardev accepts a single client);
-    /// everything that talks to the guest takes this lock.
-    pub agent: Arc<Mutex<Option<AgentClient>>>,
-    pub agent_connected: Arc<AtomicBool>,
-    /// QMP `SHUTDOWN` was seen: the guest (or we) asked to power off.
-    pub shutdown_seen: Arc<AtomicBool>,
-    /// Set while hearthd itself is stopping the VM.
-    pub stopping: Arc<AtomicBool>,
-    tasks: Vec<JoinHandle<()>>,
-}
-
-impl Drop for LiveVm {
-    fn drop(&mut self) {
-        for t in &self.tasks {
-            t.abort();
+impl Context {
+    /// The live handle of a recorded running process, attaching if needed.
+    pub async fn ensure_live(self: &Arc<Self>, record: &RuntimeRecord) -> Arc<LiveVm> {
+        if let Some(l) = self.live_get(&record.vm)
+            && l.record.process == record.process
+        {
+            return l;
         }
+        let live = Arc::new(LiveVm::attach(self, record.clone()).await);
+        self.live.insert(&record.vm, live.clone());
+        live
     }
 }
 

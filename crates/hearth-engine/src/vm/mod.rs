@@ -10,6 +10,7 @@ pub mod launches;
 pub mod live;
 pub mod nics;
 mod reconcile;
+pub mod registry;
 pub mod seed;
 mod start;
 mod stop;
@@ -17,12 +18,27 @@ mod stop;
 pub use chain::ChainError;
 pub use error::VmError;
 pub use firmware::FirmwareError;
-pub use reconcile::{fingerprint, reconcile};
+pub use reconcile::reconcile;
 
 use hearth_api::{VirtualMachineStatus, VmPhase};
 
 use crate::context::Context;
 use crate::runtime::RuntimeRecord;
+
+/// The part of a spec that needs a restart to take effect.
+pub fn fingerprint(vm: &hearth_api::VirtualMachine) -> String {
+    let s = &vm.spec;
+    serde_json::json!({
+        "cpus": s.cpus,
+        "memoryBytes": s.memory.bytes(),
+        "boot": s.boot,
+        "firmware": s.firmware,
+        "disks": s.disks,
+        "cloudInit": s.cloud_init,
+        "guestAgent": s.guest_agent,
+    })
+    .to_string()
+}
 
 /// The status of a VM whose QEMU runs now, started or adopted: what the
 /// runtime record says, plus what `more` adds.

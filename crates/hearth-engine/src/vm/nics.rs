@@ -273,17 +273,16 @@ pub fn confirm(interfaces: &mut [InterfaceStatus], reported: &[(String, Vec<Stri
 
 /// Asks the guest agent for its interfaces, if the channel is free right
 /// now (a snapshot's freeze is never delayed by this), and merges the
-/// answer into the VM's status. Stops asking once every interface is
-/// confirmed; a restart of the VM starts over.
-pub async fn confirm_with_agent(ctx: &Arc<Context>, name: &str) {
-    let Some(live) = ctx.live_get(name) else {
-        return;
-    };
+/// answer into the VM's status. Returns when to ask again: until every
+/// interface is confirmed, for a bounded time after the start; a restart of
+/// the VM starts over.
+pub async fn confirm_with_agent(ctx: &Arc<Context>, name: &str) -> Option<Duration> {
+    let live = ctx.live_get(name)?;
     if !live
         .agent_connected
         .load(std::sync::atomic::Ordering::Relaxed)
     {
-        return;
+        return None;
     }
     let current: Vec<InterfaceStatus> = match ctx.store.get(Kind::VirtualMachine, name) {
         Ok(Some(stored)) => {
@@ -291,18 +290,14 @@ pub async fn confirm_with_agent(ctx: &Arc<Context>, name: &str) {
                 .map(|s| s.interfaces)
                 .unwrap_or_default()
         }
-        _ => return,
+        _ => return None,
     };
     if current.is_empty() || current.iter().all(|i| i.confirmed == Some(true)) {
-        return;
+        return None;
     }
     let answer = {
-        let Ok(mut agent) = live.agent.try_lock() else {
-            return;
-        };
-        let Some(client) = agent.as_mut() else {
-            return;
-        };
+        let mut agent = live.agent.try_lock().ok()?;
+        let client = agent.as_mut()?;
         match client
             .execute("guest-network-get-interfaces", None, AGENT_CALL_TIMEOUT)
             .await
@@ -310,7 +305,7 @@ pub async fn confirm_with_agent(ctx: &Arc<Context>, name: &str) {
             Ok(v) => v,
             Err(e) => {
                 tracing::debug!(vm = name, error = %e, "guest-network-get-interfaces");
-                return;
+                return None;
             }
         }
     };
@@ -327,16 +322,7 @@ pub async fn confirm_with_agent(ctx: &Arc<Context>, name: &str) {
     // configuration never confirms, and is not asked forever).
     let young = started
         .is_some_and(|t| chrono::Utc::now() - t < chrono::Duration::seconds(CONFIRM_WINDOW_SECS));
-    if !all_confirmed && young {
-        let ctx = Arc::downgrade(ctx);
-        let name = name.to_string();
-        tokio::spawn(async move {
-            tokio::time::sleep(CONFIRM_RETRY).await;
-            if let Some(ctx) = ctx.upgrade() {
-                ctx.wake(Kind::VirtualMachine, &name);
-            }
-        });
-    }
+    (!all_confirmed && young).then_some(CONFIRM_RETRY)
 }
 
 /// How long after a start the agent is asked again until it confirms.

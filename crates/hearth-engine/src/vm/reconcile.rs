@@ -11,29 +11,14 @@ use hearth_api::{
     VirtualMachine, VmPhase, remove_condition, set_condition,
 };
 use hearth_qemu::process;
-use serde_json::json;
 
 use super::decide::{Disks, Observation, Process, Step, StopReason, decide};
-use crate::context::{Context, ReconcileError};
+use crate::context::{Action, Context, ReconcileError};
 use crate::runtime::RuntimeRecord;
 
+use super::fingerprint;
 use super::start::launch;
 use super::stop::stop;
-
-/// The part of a spec that needs a restart to take effect.
-pub fn fingerprint(vm: &VirtualMachine) -> String {
-    let s = &vm.spec;
-    json!({
-        "cpus": s.cpus,
-        "memoryBytes": s.memory.bytes(),
-        "boot": s.boot,
-        "firmware": s.firmware,
-        "disks": s.disks,
-        "cloudInit": s.cloud_init,
-        "guestAgent": s.guest_agent,
-    })
-    .to_string()
-}
 
 fn want_running(vm: &VirtualMachine, intent: &crate::store::RunIntent) -> bool {
     match vm.spec.run_policy {
@@ -43,14 +28,14 @@ fn want_running(vm: &VirtualMachine, intent: &crate::store::RunIntent) -> bool {
     }
 }
 
-pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
+pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, ReconcileError> {
     for _ in 0..4 {
         let Some(stored) = ctx.store.get(Kind::VirtualMachine, name)? else {
             ctx.drop_live(name);
-            return Ok(());
+            return Ok(Action::Done);
         };
         let Object::VirtualMachine(vm) = &stored.object else {
-            return Ok(());
+            return Ok(Action::Done);
         };
         let intent = ctx.store.intent(name)?;
         let record = ctx.store.runtime(name)?;
@@ -102,7 +87,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                                         Utc::now(),
                                     );
                                 });
-                                return Ok(());
+                                return Ok(Action::Done);
                             }
                             launch(ctx, vm, intent.restart_nonce).await?
                         }
@@ -155,8 +140,11 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
                         Utc::now(),
                     );
                 });
-                if agent && !vm.spec.networks.is_empty() {
-                    super::nics::confirm_with_agent(ctx, name).await;
+                if agent
+                    && !vm.spec.networks.is_empty()
+                    && let Some(again) = super::nics::confirm_with_agent(ctx, name).await
+                {
+                    return Ok(Action::RequeueAfter(again));
                 }
             }
             Step::KeepStopped => {
@@ -177,10 +165,10 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileEr
             }
         }
         if !step.continues() {
-            return Ok(());
+            return Ok(Action::Done);
         }
     }
-    Ok(())
+    Ok(Action::Done)
 }
 
 fn disks_ready(ctx: &Context, vm: &VirtualMachine) -> Result<Disks, ReconcileError> {

@@ -16,6 +16,7 @@ pub mod apply;
 pub mod cleanup;
 pub mod dnsmasq;
 pub mod link;
+pub mod lock;
 pub mod loopback;
 pub mod nft;
 

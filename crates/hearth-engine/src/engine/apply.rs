@@ -1,0 +1,547 @@
+//! The commands that write desired state: apply (with the checks every
+//! object passes before anything is written), delete and the VM actions.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+use chrono::Utc;
+use hearth_api::{DiskSource, EventType, FieldError, Kind, Object, RunPolicy};
+
+use super::{ApplyAction, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, VmAction};
+use crate::store::{Store, StoredObject};
+
+impl Engine {
+    /// Creates or updates objects. All or nothing: every object is checked
+    /// before any is written, and they are written in one transaction,
+    /// with their events. At most [`MAX_APPLY_OBJECTS`] at once.
+    pub fn apply(
+        self: &Arc<Self>,
+        objects: Vec<Object>,
+        managed_by: &str,
+    ) -> Result<Vec<ApplyOutcome>, RequestError> {
+        if objects.len() > MAX_APPLY_OBJECTS {
+            return Err(RequestError::BadRequest(format!(
+                "{} objects in one apply, more than the limit of {MAX_APPLY_OBJECTS} objects per apply; split them over several applies",
+                objects.len()
+            )));
+        }
+        let _w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut seen = HashSet::new();
+        let mut prepared = Vec::new();
+        let mut old_networks: Vec<String> = Vec::new();
+        for mut obj in objects {
+            obj.strip_server_fields();
+            obj.validate()?;
+            if !seen.insert((obj.kind(), obj.name().to_string())) {
+                return Err(RequestError::BadRequest(format!(
+                    "{} appears twice in one apply",
+                    obj.display_name()
+                )));
+            }
+            self.check_host_paths(&obj)?;
+            self.check_image_source(&obj)?;
+            let existing = self.store.get(obj.kind(), obj.name())?;
+            // The owner alone can change (a manifest file renamed, or a file
+            // taking over an API object): written, but the spec is unchanged.
+            let old_owner = existing
+                .as_ref()
+                .map(|e| {
+                    e.object
+                        .metadata()
+                        .managed_by
+                        .clone()
+                        .unwrap_or_else(|| "api".into())
+                })
+                .filter(|o| o != managed_by);
+            let action = if let Some(existing) = &existing {
+                self.check_update(existing, &obj, managed_by)?;
+                if existing.object.spec_json() == obj.spec_json() {
+                    ApplyAction::Unchanged
+                } else {
+                    ApplyAction::Configured
+                }
+            } else {
+                ApplyAction::Created
+            };
+            let meta = obj.metadata_mut();
+            match &existing {
+                Some(e) => {
+                    let old = e.object.metadata();
+                    meta.creation_timestamp = old.creation_timestamp;
+                    meta.generation = old.generation + u64::from(action == ApplyAction::Configured);
+                }
+                None => {
+                    meta.creation_timestamp = Some(Utc::now());
+                    meta.generation = 1;
+                }
+            }
+            meta.managed_by = Some(managed_by.to_string());
+            // A VM leaving a network frees its address there.
+            if let Some(StoredObject {
+                object: Object::VirtualMachine(old),
+                ..
+            }) = &existing
+            {
+                old_networks.extend(
+                    old.spec
+                        .networks
+                        .iter()
+                        .map(|n| n.virtual_network_name.clone()),
+                );
+            }
+            prepared.push((obj, action, old_owner));
+        }
+        self.check_disk_exclusivity(prepared.iter().map(|(o, _, _)| o))?;
+        let addresses = self.addresses.lock().unwrap_or_else(|p| p.into_inner());
+        self.check_networks(prepared.iter().map(|(o, _, _)| o))?;
+
+        let to_write: Vec<Object> = prepared
+            .iter()
+            .filter(|(_, a, old_owner)| *a != ApplyAction::Unchanged || old_owner.is_some())
+            .map(|(o, _, _)| o.clone())
+            .collect();
+        let mut events: Vec<(Kind, &str, &'static str, String)> = Vec::new();
+        for (obj, action, old_owner) in &prepared {
+            if *action == ApplyAction::Unchanged
+                && let Some(old) = old_owner
+            {
+                events.push((
+                    obj.kind(),
+                    obj.name(),
+                    "SourceChanged",
+                    format!("now managed by {managed_by} (was {old}); spec unchanged"),
+                ));
+            }
+            if *action != ApplyAction::Unchanged {
+                let (reason, verb) = match action {
+                    ApplyAction::Created => ("Created", "created"),
+                    _ => ("Updated", "updated"),
+                };
+                events.push((
+                    obj.kind(),
+                    obj.name(),
+                    reason,
+                    format!(
+                        "{verb} from {managed_by} (generation {})",
+                        obj.metadata().generation
+                    ),
+                ));
+            }
+        }
+        // One commit for the objects and their events: one sync of the
+        // store, however many objects.
+        let now = Utc::now();
+        self.store.with_tx(|tx| {
+            Store::put_objects_tx(tx, &to_write)?;
+            for (kind, name, reason, message) in &events {
+                Store::record_event_tx(tx, now, *kind, name, EventType::Normal, reason, message)?;
+            }
+            Ok(())
+        })?;
+        drop(addresses);
+        for (kind, name, reason, message) in &events {
+            tracing::info!(kind = kind.as_str(), name, reason, "{message}");
+        }
+
+        let mut outcomes = Vec::new();
+        for (obj, action, _) in prepared {
+            self.wake(obj.kind(), obj.name());
+            if let Object::VirtualMachine(vm) = &obj {
+                for d in &vm.spec.disks {
+                    self.wake(Kind::VirtualDisk, &d.virtual_disk_name);
+                }
+                // The networks assign (or release) its addresses.
+                for n in &vm.spec.networks {
+                    self.wake(Kind::VirtualNetwork, &n.virtual_network_name);
+                }
+            }
+            outcomes.push(ApplyOutcome {
+                kind: obj.kind(),
+                name: obj.name().to_string(),
+                action,
+            });
+        }
+        for n in old_networks {
+            self.wake(Kind::VirtualNetwork, &n);
+        }
+        Ok(outcomes)
+    }
+
+    /// Marks an object for deletion; its reconcile tears it down.
+    pub fn delete(
+        self: &Arc<Self>,
+        kind: Kind,
+        name: &str,
+        managed_by: &str,
+    ) -> Result<(), RequestError> {
+        let _w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
+        let existing = self.get(kind, name)?;
+        check_owner(&existing, managed_by)?;
+        if kind == Kind::VirtualDisk
+            && let Some(vm) = self.vms_using_disk(name)?.first()
+        {
+            return Err(RequestError::Conflict(format!(
+                "VirtualDisk {name:?} is in use by VirtualMachine {vm:?} (its spec.disks, or its running QEMU until it restarts); delete the VM or remove the disk from it first"
+            )));
+        }
+        if kind == Kind::VirtualNetwork {
+            let vms = crate::network::desired::vms_using_network(&self.store, name)?;
+            if !vms.is_empty() {
+                let list: Vec<String> = vms.iter().map(|v| format!("{v:?}")).collect();
+                return Err(RequestError::Conflict(format!(
+                    "VirtualNetwork {name:?} is in use by VirtualMachine {} (its spec.networks, or its running QEMU until it restarts); delete those VMs or remove the network from them first",
+                    list.join(", ")
+                )));
+            }
+        }
+        if kind == Kind::VirtualImage {
+            let disks = crate::image::disks_blocking_delete(&self.store, name)?;
+            if !disks.is_empty() {
+                let list: Vec<String> = disks.iter().map(|d| format!("{d:?}")).collect();
+                return Err(RequestError::Conflict(format!(
+                    "VirtualImage {name:?} is in use by VirtualDisk {} (made from it); delete those disks first",
+                    list.join(", ")
+                )));
+            }
+        }
+        if !existing.deleting {
+            self.store.mark_deleting(kind, name)?;
+            self.event(
+                kind,
+                name,
+                EventType::Normal,
+                "Deleting",
+                &format!("deletion requested by {managed_by}"),
+            );
+        }
+        self.wake(kind, name);
+        Ok(())
+    }
+
+    pub fn vm_action(
+        self: &Arc<Self>,
+        name: &str,
+        action: VmAction,
+    ) -> Result<String, RequestError> {
+        let stored = self.get(Kind::VirtualMachine, name)?;
+        let Object::VirtualMachine(vm) = &stored.object else {
+            return Err(RequestError::NotFound(format!(
+                "VirtualMachine {name:?} not found"
+            )));
+        };
+        if stored.deleting {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachine {name:?} is being deleted"
+            )));
+        }
+        if vm.spec.run_policy == RunPolicy::AlwaysOff && action != VmAction::Stop {
+            return Err(RequestError::Conflict(format!(
+                "VirtualMachine {name:?} has spec.runPolicy AlwaysOff; set it to AlwaysOn or Manual to start it"
+            )));
+        }
+        let message = match action {
+            VmAction::Start => {
+                self.store
+                    .update_intent(name, |i| i.want_running = Some(true))?;
+                format!("VirtualMachine {name:?} is starting")
+            }
+            VmAction::Stop => {
+                self.store
+                    .update_intent(name, |i| i.want_running = Some(false))?;
+                if vm.spec.run_policy == RunPolicy::AlwaysOn {
+                    format!(
+                        "VirtualMachine {name:?} is stopping; it stays stopped until `hearth start {name}`"
+                    )
+                } else {
+                    format!("VirtualMachine {name:?} is stopping")
+                }
+            }
+            VmAction::Restart => {
+                if self.store.runtime(name)?.is_none() {
+                    self.store
+                        .update_intent(name, |i| i.want_running = Some(true))?;
+                    format!("VirtualMachine {name:?} was not running; starting it")
+                } else {
+                    let next = self
+                        .store
+                        .runtime(name)?
+                        .map(|r| r.restart_nonce)
+                        .unwrap_or(0)
+                        + 1;
+                    self.store.update_intent(name, |i| {
+                        i.want_running = Some(true);
+                        i.restart_nonce = i.restart_nonce.max(next);
+                    })?;
+                    format!("VirtualMachine {name:?} is restarting")
+                }
+            }
+        };
+        self.event(
+            Kind::VirtualMachine,
+            name,
+            EventType::Normal,
+            "UserRequest",
+            &message,
+        );
+        self.wake(Kind::VirtualMachine, name);
+        Ok(message)
+    }
+    fn check_host_paths(&self, obj: &Object) -> Result<(), RequestError> {
+        let fail = |field: &str, message: crate::config::ConfigError| {
+            RequestError::Invalid(FieldError {
+                object: obj.display_name(),
+                field: field.into(),
+                message: message.to_string(),
+            })
+        };
+        match obj {
+            Object::VirtualMachine(vm) => {
+                if let Some(boot) = &vm.spec.boot {
+                    self.config
+                        .confine(&boot.kernel)
+                        .map_err(|m| fail("spec.boot.kernel", m))?;
+                    if let Some(i) = &boot.initrd {
+                        self.config
+                            .confine(i)
+                            .map_err(|m| fail("spec.boot.initrd", m))?;
+                    }
+                }
+            }
+            Object::VirtualDisk(d) => {
+                if let DiskSource::Image(p) = &d.spec.source {
+                    self.config
+                        .confine(p)
+                        .map_err(|m| fail("spec.source.image", m))?;
+                }
+            }
+            Object::VirtualImage(image) => {
+                if let hearth_api::ImageSource::File(p) = &image.spec.source {
+                    self.config
+                        .confine(p)
+                        .map_err(|m| fail("spec.source.file", m))?;
+                }
+            }
+            Object::VirtualDiskSnapshot(_)
+            | Object::VirtualMachineSnapshot(_)
+            | Object::VirtualMachineSnapshotGroup(_)
+            | Object::VirtualNetwork(_) => {}
+        }
+        Ok(())
+    }
+
+    /// A disk from an image that is Ready must not be smaller than it; an
+    /// image being deleted makes no new disks.
+    fn check_image_source(&self, obj: &Object) -> Result<(), RequestError> {
+        let Object::VirtualDisk(d) = obj else {
+            return Ok(());
+        };
+        let DiskSource::VirtualImage(image) = &d.spec.source else {
+            return Ok(());
+        };
+        let Some(stored) = self.store.get(Kind::VirtualImage, image)? else {
+            return Ok(());
+        };
+        if stored.deleting {
+            return Err(RequestError::Conflict(format!(
+                "{}: spec.source.virtualImage: VirtualImage {image:?} is being deleted",
+                obj.display_name()
+            )));
+        }
+        if self.store.get(Kind::VirtualDisk, obj.name())?.is_some() {
+            // An existing disk's spec cannot change (checked below).
+            return Ok(());
+        }
+        let size = d.spec.size.as_ref().map(|q| q.bytes());
+        if let Err(why) = crate::image::ready_for_disk(&self.store, image, size)?
+            && why.is_permanent()
+        {
+            let (field, message) = why.field_and_message();
+            return Err(RequestError::Invalid(FieldError {
+                object: obj.display_name(),
+                field: field.into(),
+                message,
+            }));
+        }
+        Ok(())
+    }
+
+    fn check_update(
+        &self,
+        existing: &StoredObject,
+        new: &Object,
+        managed_by: &str,
+    ) -> Result<(), RequestError> {
+        check_owner(existing, managed_by)?;
+        if existing.deleting {
+            return Err(RequestError::Conflict(format!(
+                "{} is being deleted; apply it again once it is gone",
+                new.display_name()
+            )));
+        }
+        if let Some(why) = new.kind().immutable_spec()
+            && existing.object.spec_json() != new.spec_json()
+        {
+            return Err(RequestError::Invalid(FieldError {
+                object: new.display_name(),
+                field: "spec".into(),
+                message: why.into(),
+            }));
+        }
+        Ok(())
+    }
+
+    /// Subnets, addresses, port forwards and interface names over the state
+    /// this apply would leave (docs/networking.md).
+    fn check_networks<'a>(
+        &self,
+        batch: impl Iterator<Item = &'a Object>,
+    ) -> Result<(), RequestError> {
+        use crate::network::admission::{self, NetworkView, Refusal, VmView};
+        let batch: Vec<&Object> = batch.collect();
+        let touches_networks = batch.iter().any(|o| match o {
+            Object::VirtualNetwork(_) => true,
+            Object::VirtualMachine(vm) => !vm.spec.networks.is_empty(),
+            _ => false,
+        });
+        if !touches_networks {
+            return Ok(());
+        }
+        let leases = self.store.leases()?;
+        let mut networks = BTreeMap::new();
+        for s in self.store.list(Kind::VirtualNetwork)? {
+            if let Object::VirtualNetwork(n) = s.object {
+                let status = serde_json::from_value(s.status).unwrap_or_default();
+                networks.insert(
+                    n.metadata.name.clone(),
+                    NetworkView {
+                        network: n,
+                        status,
+                        deleting: s.deleting,
+                        in_batch: false,
+                    },
+                );
+            }
+        }
+        // What running QEMUs were started with: held until they exit.
+        let launched = crate::network::desired::launched_by_vm(
+            &self.store.runtimes()?,
+            &self.store.launches(None)?,
+        );
+        let running = |vm: &hearth_api::VirtualMachine| {
+            launched
+                .get(&vm.metadata.name)
+                .map(|l| crate::network::desired::in_effect(vm, Some(l)))
+        };
+        let mut vms = BTreeMap::new();
+        for s in self.store.list(Kind::VirtualMachine)? {
+            if let Object::VirtualMachine(vm) = s.object {
+                vms.insert(
+                    vm.metadata.name.clone(),
+                    VmView {
+                        running: running(&vm),
+                        vm,
+                        in_batch: false,
+                    },
+                );
+            }
+        }
+        let refused = |r: Refusal| match r {
+            Refusal::Invalid(e) => RequestError::Invalid(e),
+            Refusal::Conflict(m) => RequestError::Conflict(m),
+        };
+        for o in batch {
+            match o {
+                Object::VirtualNetwork(n) => {
+                    let name = n.metadata.name.clone();
+                    let (status, deleting) = match networks.get(&name) {
+                        Some(old) => {
+                            let held = leases.iter().filter(|l| l.network == name).count();
+                            admission::check_network_update(old, n, held).map_err(refused)?;
+                            (old.status.clone(), old.deleting)
+                        }
+                        None => (Default::default(), false),
+                    };
+                    networks.insert(
+                        name,
+                        NetworkView {
+                            network: n.clone(),
+                            status,
+                            deleting,
+                            in_batch: true,
+                        },
+                    );
+                }
+                Object::VirtualMachine(vm) => {
+                    vms.insert(
+                        vm.metadata.name.clone(),
+                        VmView {
+                            vm: vm.clone(),
+                            in_batch: true,
+                            running: running(vm),
+                        },
+                    );
+                }
+                _ => {}
+            }
+        }
+        admission::check(&networks, &vms, &leases).map_err(refused)
+    }
+
+    /// A disk belongs to at most one VM.
+    fn check_disk_exclusivity<'a>(
+        &self,
+        batch: impl Iterator<Item = &'a Object>,
+    ) -> Result<(), RequestError> {
+        let batch: Vec<&Object> = batch.collect();
+        let batch_vms: HashSet<&str> = batch
+            .iter()
+            .filter(|o| o.kind() == Kind::VirtualMachine)
+            .map(|o| o.name())
+            .collect();
+        let mut owner: HashMap<String, String> = HashMap::new();
+        for s in self.store.list(Kind::VirtualMachine)? {
+            if let Object::VirtualMachine(vm) = s.object {
+                if batch_vms.contains(vm.metadata.name.as_str()) {
+                    continue;
+                }
+                for d in vm.spec.disks {
+                    owner.insert(d.virtual_disk_name, vm.metadata.name.clone());
+                }
+            }
+        }
+        for o in batch {
+            if let Object::VirtualMachine(vm) = o {
+                for (i, d) in vm.spec.disks.iter().enumerate() {
+                    if let Some(other) = owner.get(&d.virtual_disk_name) {
+                        return Err(RequestError::Conflict(format!(
+                            "{}: spec.disks[{i}].virtualDiskName: VirtualDisk {:?} is already used by VirtualMachine {other:?}",
+                            o.display_name(),
+                            d.virtual_disk_name
+                        )));
+                    }
+                    owner.insert(d.virtual_disk_name.clone(), vm.metadata.name.clone());
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn check_owner(existing: &StoredObject, managed_by: &str) -> Result<(), RequestError> {
+    let owner = existing
+        .object
+        .metadata()
+        .managed_by
+        .as_deref()
+        .unwrap_or("api");
+    // The manifest directory may move an object between its files; nobody
+    // else may touch what a file owns.
+    if owner != managed_by && owner.starts_with("file:") && !managed_by.starts_with("file:") {
+        return Err(RequestError::Conflict(format!(
+            "{} is owned by the manifest file {}; edit or remove that file instead",
+            existing.object.display_name(),
+            owner.trim_start_matches("file:")
+        )));
+    }
+    Ok(())
+}

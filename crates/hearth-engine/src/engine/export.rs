@@ -1,0 +1,101 @@
+//! Export of a disk snapshot as one standalone image (docs/snapshots.md
+//! "Export"); the pins and the sweep live in `snapshot::export`.
+
+use hearth_api::{Kind, Object, SnapshotPhase, SnapshotStatus};
+
+use super::{Engine, RequestError};
+use crate::snapshot::export::{CONVERT_TIMEOUT, Export, ExportFormat, TempFile, exports_dir};
+use crate::snapshot::storage;
+
+impl Engine {
+    /// Converts a Ready disk snapshot into a standalone image and returns
+    /// it open (see the module's comment).
+    pub async fn export_snapshot(
+        &self,
+        name: &str,
+        format: ExportFormat,
+    ) -> Result<Export, RequestError> {
+        // A name from a URL: only a valid object name ever becomes part of
+        // a file name under the state directory.
+        if hearth_api::check_dns_label(name).is_err() {
+            return Err(RequestError::NotFound(format!(
+                "VirtualDiskSnapshot {name:?} not found"
+            )));
+        }
+        let pin = self.exports.of(name);
+        let _pinned = pin.read().await;
+        let stored = self
+            .store
+            .get(Kind::VirtualDiskSnapshot, name)?
+            .ok_or_else(|| {
+                RequestError::NotFound(format!("VirtualDiskSnapshot {name:?} not found"))
+            })?;
+        let Object::VirtualDiskSnapshot(_) = &stored.object else {
+            return Err(RequestError::NotFound(format!(
+                "VirtualDiskSnapshot {name:?} not found"
+            )));
+        };
+        if stored.deleting {
+            return Err(RequestError::Conflict(format!(
+                "VirtualDiskSnapshot {name:?} is being deleted; nothing was exported"
+            )));
+        }
+        let status: SnapshotStatus =
+            serde_json::from_value(stored.status.clone()).unwrap_or_default();
+        if status.phase != SnapshotPhase::Ready {
+            let why = match (&status.reason, &status.message) {
+                (Some(r), Some(m)) => format!(" ({r}: {m})"),
+                (Some(r), None) => format!(" ({r})"),
+                (None, Some(m)) => format!(" ({m})"),
+                (None, None) => String::new(),
+            };
+            return Err(RequestError::Conflict(format!(
+                "VirtualDiskSnapshot {name:?} is {}{why}, not Ready: only a Ready snapshot can be exported",
+                status.phase
+            )));
+        }
+        let layer = storage::snapshot_layer(&self.store, name)?.ok_or_else(|| {
+            RequestError::Conflict(format!(
+                "VirtualDiskSnapshot {name:?} is Ready but has no stored layer"
+            ))
+        })?;
+        let dir = exports_dir(&self.config.state_dir);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| RequestError::Conflict(format!("cannot create {}: {e}", dir.display())))?;
+        let _ = std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700));
+        let n = self.store.next_counter("export")?;
+        let temp = TempFile(dir.join(format!("{n:08}-{name}.{}", format.as_str())));
+        hearth_qemu::img::convert_standalone(
+            &layer.path,
+            "qcow2",
+            &temp.0,
+            format.as_str(),
+            CONVERT_TIMEOUT,
+        )
+        .await
+        .map_err(|e| {
+            RequestError::Conflict(format!(
+                "VirtualDiskSnapshot {name:?}: the conversion to {} failed: {e}",
+                format.as_str()
+            ))
+        })?;
+        let info = hearth_qemu::img::info(&temp.0)
+            .await
+            .map_err(|e| RequestError::Conflict(format!("VirtualDiskSnapshot {name:?}: {e}")))?;
+        let file = std::fs::File::open(&temp.0).map_err(|e| {
+            RequestError::Conflict(format!("cannot open {}: {e}", temp.0.display()))
+        })?;
+        let size = file
+            .metadata()
+            .map_err(|e| RequestError::Conflict(format!("cannot stat the export: {e}")))?
+            .len();
+        // Unlinked now (the guard's drop); the open file is the only way left to it.
+        drop(temp);
+        Ok(Export {
+            file,
+            size,
+            format,
+            virtual_size: info.virtual_size,
+        })
+    }
+}
