@@ -40,7 +40,7 @@ impl Engine {
             }
             self.check_host_paths(&obj)?;
             self.check_image_source(&obj)?;
-            let existing = self.store.get(obj.kind(), obj.name())?;
+            let existing = self.ctx.store.get(obj.kind(), obj.name())?;
             // The owner alone can change (a manifest file renamed, or a file
             // taking over an API object): written, but the spec is unchanged.
             let old_owner = existing
@@ -92,7 +92,7 @@ impl Engine {
             prepared.push((obj, action, old_owner));
         }
         self.check_disk_exclusivity(prepared.iter().map(|(o, _, _)| o))?;
-        let addresses = self.addresses.lock().unwrap_or_else(|p| p.into_inner());
+        let addresses = self.ctx.addresses.lock().unwrap_or_else(|p| p.into_inner());
         self.check_networks(prepared.iter().map(|(o, _, _)| o))?;
 
         let to_write: Vec<Object> = prepared
@@ -131,7 +131,7 @@ impl Engine {
         // One commit for the objects and their events: one sync of the
         // store, however many objects.
         let now = Utc::now();
-        self.store.with_tx(|tx| {
+        self.ctx.store.with_tx(|tx| {
             Store::put_objects_tx(tx, &to_write)?;
             for (kind, name, reason, message) in &events {
                 Store::record_event_tx(tx, now, *kind, name, EventType::Normal, reason, message)?;
@@ -178,14 +178,14 @@ impl Engine {
         let existing = self.get(kind, name)?;
         check_owner(&existing, managed_by)?;
         if kind == Kind::VirtualDisk
-            && let Some(vm) = self.vms_using_disk(name)?.first()
+            && let Some(vm) = self.ctx.vms_using_disk(name)?.first()
         {
             return Err(RequestError::Conflict(format!(
                 "VirtualDisk {name:?} is in use by VirtualMachine {vm:?} (its spec.disks, or its running QEMU until it restarts); delete the VM or remove the disk from it first"
             )));
         }
         if kind == Kind::VirtualNetwork {
-            let vms = crate::context::vms_using_network(&self.store, name)?;
+            let vms = crate::context::vms_using_network(&self.ctx.store, name)?;
             if !vms.is_empty() {
                 let list: Vec<String> = vms.iter().map(|v| format!("{v:?}")).collect();
                 return Err(RequestError::Conflict(format!(
@@ -195,7 +195,7 @@ impl Engine {
             }
         }
         if kind == Kind::VirtualImage {
-            let disks = crate::image::disks_blocking_delete(&self.store, name)?;
+            let disks = crate::image::disks_blocking_delete(&self.ctx.store, name)?;
             if !disks.is_empty() {
                 let list: Vec<String> = disks.iter().map(|d| format!("{d:?}")).collect();
                 return Err(RequestError::Conflict(format!(
@@ -205,8 +205,8 @@ impl Engine {
             }
         }
         if !existing.deleting {
-            self.store.mark_deleting(kind, name)?;
-            self.event(
+            self.ctx.store.mark_deleting(kind, name)?;
+            self.ctx.event(
                 kind,
                 name,
                 EventType::Normal,
@@ -241,12 +241,14 @@ impl Engine {
         }
         let message = match action {
             VmAction::Start => {
-                self.store
+                self.ctx
+                    .store
                     .update_intent(name, |i| i.want_running = Some(true))?;
                 format!("VirtualMachine {name:?} is starting")
             }
             VmAction::Stop => {
-                self.store
+                self.ctx
+                    .store
                     .update_intent(name, |i| i.want_running = Some(false))?;
                 if vm.spec.run_policy == RunPolicy::AlwaysOn {
                     format!(
@@ -257,18 +259,20 @@ impl Engine {
                 }
             }
             VmAction::Restart => {
-                if self.store.runtime(name)?.is_none() {
-                    self.store
+                if self.ctx.store.runtime(name)?.is_none() {
+                    self.ctx
+                        .store
                         .update_intent(name, |i| i.want_running = Some(true))?;
                     format!("VirtualMachine {name:?} was not running; starting it")
                 } else {
                     let next = self
+                        .ctx
                         .store
                         .runtime(name)?
                         .map(|r| r.restart_nonce)
                         .unwrap_or(0)
                         + 1;
-                    self.store.update_intent(name, |i| {
+                    self.ctx.store.update_intent(name, |i| {
                         i.want_running = Some(true);
                         i.restart_nonce = i.restart_nonce.max(next);
                     })?;
@@ -276,7 +280,7 @@ impl Engine {
                 }
             }
         };
-        self.event(
+        self.ctx.event(
             Kind::VirtualMachine,
             name,
             EventType::Normal,
@@ -297,11 +301,13 @@ impl Engine {
         match obj {
             Object::VirtualMachine(vm) => {
                 if let Some(boot) = &vm.spec.boot {
-                    self.config
+                    self.ctx
+                        .config
                         .confine(&boot.kernel)
                         .map_err(|m| fail("spec.boot.kernel", m))?;
                     if let Some(i) = &boot.initrd {
-                        self.config
+                        self.ctx
+                            .config
                             .confine(i)
                             .map_err(|m| fail("spec.boot.initrd", m))?;
                     }
@@ -309,14 +315,16 @@ impl Engine {
             }
             Object::VirtualDisk(d) => {
                 if let DiskSource::Image(p) = &d.spec.source {
-                    self.config
+                    self.ctx
+                        .config
                         .confine(p)
                         .map_err(|m| fail("spec.source.image", m))?;
                 }
             }
             Object::VirtualImage(image) => {
                 if let hearth_api::ImageSource::File(p) = &image.spec.source {
-                    self.config
+                    self.ctx
+                        .config
                         .confine(p)
                         .map_err(|m| fail("spec.source.file", m))?;
                 }
@@ -338,7 +346,7 @@ impl Engine {
         let DiskSource::VirtualImage(image) = &d.spec.source else {
             return Ok(());
         };
-        let Some(stored) = self.store.get(Kind::VirtualImage, image)? else {
+        let Some(stored) = self.ctx.store.get(Kind::VirtualImage, image)? else {
             return Ok(());
         };
         if stored.deleting {
@@ -347,12 +355,12 @@ impl Engine {
                 obj.display_name()
             )));
         }
-        if self.store.get(Kind::VirtualDisk, obj.name())?.is_some() {
+        if self.ctx.store.get(Kind::VirtualDisk, obj.name())?.is_some() {
             // An existing disk's spec cannot change (checked below).
             return Ok(());
         }
         let size = d.spec.size.as_ref().map(|q| q.bytes());
-        if let Err(why) = crate::image::ready_for_disk(&self.store, image, size)?
+        if let Err(why) = crate::image::ready_for_disk(&self.ctx.store, image, size)?
             && why.is_permanent()
         {
             let (field, message) = why.field_and_message();
@@ -406,9 +414,9 @@ impl Engine {
         if !touches_networks {
             return Ok(());
         }
-        let leases = self.store.leases()?;
+        let leases = self.ctx.store.leases()?;
         let mut networks = BTreeMap::new();
-        for s in self.store.list(Kind::VirtualNetwork)? {
+        for s in self.ctx.store.list(Kind::VirtualNetwork)? {
             if let Object::VirtualNetwork(n) = s.object {
                 let status = serde_json::from_value(s.status).unwrap_or_default();
                 networks.insert(
@@ -424,8 +432,8 @@ impl Engine {
         }
         // What running QEMUs were started with: held until they exit.
         let launched = crate::network::desired::launched_by_vm(
-            &self.store.runtimes()?,
-            &self.store.launches(None)?,
+            &self.ctx.store.runtimes()?,
+            &self.ctx.store.launches(None)?,
         );
         let running = |vm: &hearth_api::VirtualMachine| {
             launched
@@ -433,7 +441,7 @@ impl Engine {
                 .map(|l| crate::network::desired::in_effect(vm, Some(l)))
         };
         let mut vms = BTreeMap::new();
-        for s in self.store.list(Kind::VirtualMachine)? {
+        for s in self.ctx.store.list(Kind::VirtualMachine)? {
             if let Object::VirtualMachine(vm) = s.object {
                 vms.insert(
                     vm.metadata.name.clone(),
@@ -499,7 +507,7 @@ impl Engine {
             .map(|o| o.name())
             .collect();
         let mut owner: HashMap<String, String> = HashMap::new();
-        for s in self.store.list(Kind::VirtualMachine)? {
+        for s in self.ctx.store.list(Kind::VirtualMachine)? {
             if let Object::VirtualMachine(vm) = s.object {
                 if batch_vms.contains(vm.metadata.name.as_str()) {
                     continue;

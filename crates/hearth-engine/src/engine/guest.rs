@@ -38,7 +38,7 @@ impl Engine {
                 "VirtualMachine {name:?} has spec.guestAgent false"
             )));
         }
-        self.live_get(name).ok_or_else(|| {
+        self.ctx.live_get(name).ok_or_else(|| {
             RequestError::Conflict(format!("VirtualMachine {name:?} is not running"))
         })
     }
@@ -134,7 +134,7 @@ impl Engine {
                 MAX_INPUT >> 20
             )));
         }
-        if self.execs.running_for(vm) >= MAX_RUNNING {
+        if self.ctx.execs.running_for(vm) >= MAX_RUNNING {
             return Err(RequestError::Conflict(format!(
                 "VirtualMachine {vm:?}: {MAX_RUNNING} programs started through hearthd are still running; wait for some to end"
             )));
@@ -145,7 +145,7 @@ impl Engine {
             .exec_start(path, &arg_refs, input)
             .await
             .map_err(|e| call_error(vm, &format!("cannot run {path:?} in the guest"), e))?;
-        let id = self.execs.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let id = self.ctx.execs.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let (state, _) = watch::channel(State::Running);
         let session = Arc::new(Session {
             vm: vm.to_string(),
@@ -154,8 +154,8 @@ impl Engine {
             state,
             asked: Mutex::new(Instant::now()),
         });
-        self.execs.lock().insert(id, session.clone());
-        let sessions = self.execs.sessions.clone();
+        self.ctx.execs.lock().insert(id, session.clone());
+        let sessions = self.ctx.execs.sessions.clone();
         tokio::spawn(async move {
             let end = poll_until_exit(&channel, &session).await;
             let _ = session.state.send_replace(end);
@@ -179,7 +179,7 @@ impl Engine {
         wait: Duration,
     ) -> Result<ExecStatus, RequestError> {
         let session = self
-            .execs
+            .ctx.execs
             .lock()
             .get(&id)
             .filter(|s| s.vm == vm)
@@ -218,7 +218,7 @@ impl Engine {
     }
 
     fn forget(&self, id: u64, session: &Arc<Session>) {
-        let mut map = self.execs.lock();
+        let mut map = self.ctx.execs.lock();
         if map.get(&id).is_some_and(|s| Arc::ptr_eq(s, session)) {
             map.remove(&id);
         }
@@ -239,7 +239,7 @@ impl Engine {
                 "VirtualMachine {vm:?} has no guest agent (spec.guestAgent is false)"
             )));
         }
-        let live = self.live_get(vm).ok_or_else(|| {
+        let live = self.ctx.live_get(vm).ok_or_else(|| {
             RequestError::Conflict(format!("VirtualMachine {vm:?} is not running"))
         })?;
         if live.record.agent_socket.is_none() {
@@ -261,7 +261,7 @@ impl Engine {
         let channel = Channel::new(
             live.agent.clone(),
             process.clone(),
-            self.ops_lock(&format!("vm/{vm}")),
+            self.ctx.ops_lock(&format!("vm/{vm}")),
         );
         Ok((channel, process))
     }

@@ -74,7 +74,7 @@ impl Engine {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        self.event(
+        self.ctx.event(
             Kind::VirtualMachineSnapshotGroup,
             name,
             EventType::Normal,
@@ -130,7 +130,7 @@ impl Engine {
         // snapshot whose delete came first is not restored.
         let mut _pins = Vec::new();
         for child in &status.virtual_disk_snapshot_names {
-            _pins.push(self.exports.of(child).read_owned().await);
+            _pins.push(self.ctx.exports.of(child).read_owned().await);
         }
         if self.get(Kind::VirtualMachineSnapshot, from)?.deleting {
             return Err(RequestError::Conflict(format!(
@@ -154,20 +154,22 @@ impl Engine {
                     "VirtualDisk {disk:?} of the snapshot is no longer in VirtualMachine {vm_name:?} (spec.disks)"
                 )));
             }
-            let layer = storage::snapshot_layer(&self.store, child)?.ok_or_else(|| {
+            let layer = storage::snapshot_layer(&self.ctx.store, child)?.ok_or_else(|| {
                 RequestError::Conflict(format!("VirtualDiskSnapshot {child:?} has no stored layer"))
             })?;
             plan.push((disk, layer));
         }
         let was_running = self
+            .ctx
             .store
             .runtime(vm_name)?
             .is_some_and(|r| hearth_qemu::process::is_alive(&r.process));
-        let previous = self.store.intent(vm_name)?;
+        let previous = self.ctx.store.intent(vm_name)?;
         if was_running {
-            self.store
+            self.ctx
+                .store
                 .update_intent(vm_name, |i| i.want_running = Some(false))?;
-            self.event(
+            self.ctx.event(
                 Kind::VirtualMachine,
                 vm_name,
                 EventType::Normal,
@@ -179,7 +181,7 @@ impl Engine {
         let result = self.restore_disks(vm, &plan, was_running).await;
         // Whatever happened, the VM goes back to what it was asked to be.
         if was_running {
-            self.store.update_intent(vm_name, |i| {
+            self.ctx.store.update_intent(vm_name, |i| {
                 i.want_running = previous.want_running.or(Some(true))
             })?;
         }
@@ -192,7 +194,7 @@ impl Engine {
             "VirtualMachine {vm_name:?}: {} disk(s) restored from VirtualMachineSnapshot {from:?}",
             plan.len()
         );
-        self.event(
+        self.ctx.event(
             Kind::VirtualMachine,
             vm_name,
             EventType::Normal,
@@ -215,7 +217,7 @@ impl Engine {
         if was_running {
             let limit = Duration::from_secs(u64::from(vm.spec.stop_timeout_seconds) + 60);
             let started = std::time::Instant::now();
-            while self.store.runtime(vm_name)?.is_some() {
+            while self.ctx.store.runtime(vm_name)?.is_some() {
                 if started.elapsed() > limit {
                     return Err(RequestError::Conflict(format!(
                         "VirtualMachine {vm_name:?} did not stop within {} s; nothing was restored",
@@ -225,8 +227,8 @@ impl Engine {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
-        let _ops = self.lock_vm_ops(vm).await;
-        if self.store.runtime(vm_name)?.is_some() {
+        let _ops = self.ctx.lock_vm_ops(vm).await;
+        if self.ctx.store.runtime(vm_name)?.is_some() {
             return Err(RequestError::Conflict(format!(
                 "VirtualMachine {vm_name:?} is running; stop it first (nothing was restored)"
             )));
@@ -234,18 +236,18 @@ impl Engine {
         // The last QEMU is gone: a cut it left unsettled is settled first,
         // so the heads replaced below are the real ones.
         let disks: Vec<String> = plan.iter().map(|(d, _)| d.clone()).collect();
-        crate::snapshot::overlays::settle_offline(&self.store, &disks)
+        crate::snapshot::overlays::settle_offline(&self.ctx.store, &disks)
             .await
             .map_err(|e| RequestError::Conflict(format!("{e} (nothing was restored)")))?;
-        crate::snapshot::compaction::settle_offline(self, &disks)
+        crate::snapshot::compaction::settle_offline(&self.ctx, &disks)
             .await
             .map_err(|e| RequestError::Conflict(format!("{e} (nothing was restored)")))?;
-        let state_dir = self.config.state_dir.clone();
+        let state_dir = self.ctx.config.state_dir.clone();
         std::fs::create_dir_all(storage::layers_dir(&state_dir))
             .map_err(|e| RequestError::Conflict(e.to_string()))?;
         let mut made = Vec::new();
         for (disk, layer) in plan {
-            let new = storage::allocate(&self.store, &state_dir, disk)?;
+            let new = storage::allocate(&self.ctx.store, &state_dir, disk)?;
             if let Err(e) =
                 hearth_qemu::img::create_overlay(&new.path, &layer.path, "qcow2", None).await
             {
@@ -259,7 +261,7 @@ impl Engine {
             }
             made.push((disk.clone(), new, layer.id.clone()));
         }
-        self.store.with_tx(|tx| {
+        self.ctx.store.with_tx(|tx| {
             for (disk, new, backing) in &made {
                 storage::set_head_tx(tx, disk, new, Some(backing))?;
                 let path = new.path.clone();
@@ -274,7 +276,7 @@ impl Engine {
             }
             Ok(())
         })?;
-        storage::collect_garbage(&self.store)?;
+        storage::collect_garbage(&self.ctx.store)?;
         Ok(())
     }
 }

@@ -141,7 +141,7 @@ fn keep_stored_credentials(engine: &Engine, object: &mut Object) -> Result<(), A
     let ImageSource::Http(http) = &mut image.spec.source else {
         return Ok(());
     };
-    let Some(stored) = engine.store.get(Kind::VirtualImage, &image.metadata.name)? else {
+    let Some(stored) = engine.find(Kind::VirtualImage, &image.metadata.name)? else {
         return Ok(());
     };
     if let Object::VirtualImage(stored) = stored.object
@@ -177,7 +177,7 @@ fn kind_of(plural: &str) -> Result<Kind, ApiError> {
 }
 
 async fn health(State(engine): State<Arc<Engine>>) -> Json<Value> {
-    let a = &engine.config.accel;
+    let a = &engine.config().accel;
     Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
         "accelerator": a.accel.as_str(),
