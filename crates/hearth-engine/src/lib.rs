@@ -28,7 +28,8 @@ pub mod watch;
 
 pub use config::EngineConfig;
 pub use engine::{
-    ApplyAction, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, StartError, VmAction,
+    ApplyAction, ApplyMode, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, StartError,
+    VmAction,
 };
 pub use guest::exec::MAX_WAIT as EXEC_MAX_WAIT;
 pub use guest::{Download, ExecStarted, ExecStatus, Upload, UploadDone};

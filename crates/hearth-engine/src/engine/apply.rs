@@ -7,7 +7,9 @@ use std::sync::Arc;
 use chrono::Utc;
 use hearth_api::{DiskSource, EventType, FieldError, Kind, Object, RunPolicy};
 
-use super::{ApplyAction, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, VmAction};
+use super::{
+    ApplyAction, ApplyMode, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, VmAction,
+};
 use crate::store::{Store, StoredObject};
 
 impl Engine {
@@ -18,6 +20,19 @@ impl Engine {
         self: &Arc<Self>,
         objects: Vec<Object>,
         managed_by: &str,
+    ) -> Result<Vec<ApplyOutcome>, RequestError> {
+        self.apply_with(objects, managed_by, ApplyMode::CreateOrUpdate)
+    }
+
+    /// [`apply`](Self::apply) with a choice of what it may do: an apply
+    /// that only creates refuses, before writing anything, an object that
+    /// already exists (how `hearth snapshot` takes a new snapshot without
+    /// ever re-applying over an old one).
+    pub fn apply_with(
+        self: &Arc<Self>,
+        objects: Vec<Object>,
+        managed_by: &str,
+        mode: ApplyMode,
     ) -> Result<Vec<ApplyOutcome>, RequestError> {
         if objects.len() > MAX_APPLY_OBJECTS {
             return Err(RequestError::BadRequest(format!(
@@ -41,6 +56,12 @@ impl Engine {
             self.check_host_paths(&obj)?;
             self.check_image_source(&obj)?;
             let existing = self.ctx.store.get(obj.kind(), obj.name())?;
+            if mode == ApplyMode::CreateOnly && existing.is_some() {
+                return Err(RequestError::Conflict(format!(
+                    "{} already exists; an apply with create=true only creates",
+                    obj.display_name()
+                )));
+            }
             // The owner alone can change (a manifest file renamed, or a file
             // taking over an API object): written, but the spec is unchanged.
             let old_owner = existing

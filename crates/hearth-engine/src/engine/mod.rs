@@ -59,6 +59,16 @@ pub struct ApplyOutcome {
     pub action: ApplyAction,
 }
 
+/// What an apply may do to an object that already exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApplyMode {
+    /// Create what is new, update what changed (`POST /v1/apply`).
+    CreateOrUpdate,
+    /// Create only: an object that exists refuses the whole apply
+    /// (`POST /v1/apply?create=true`).
+    CreateOnly,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum VmAction {
     Start,

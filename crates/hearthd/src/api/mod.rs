@@ -20,7 +20,7 @@ use axum::{Json, Router};
 use hearth_api::redact::{is_redacted_form_of, redact_credentials, redact_json};
 use hearth_api::{ImageSource, Kind, Object, object_from_value};
 use hearth_engine::store::StoredObject;
-use hearth_engine::{Engine, RequestError, VmAction};
+use hearth_engine::{ApplyMode, Engine, RequestError, VmAction};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -206,8 +206,17 @@ struct ApplyRequest {
     items: Vec<Value>,
 }
 
+/// `POST /v1/apply?create=true`: only create; an object that exists is a
+/// 409 and nothing is written.
+#[derive(Deserialize)]
+struct ApplyQuery {
+    #[serde(default)]
+    create: bool,
+}
+
 async fn apply(
     State(engine): State<Arc<Engine>>,
+    ApiQuery(q): ApiQuery<ApplyQuery>,
     JsonBody(body): JsonBody<ApplyRequest>,
 ) -> Result<Json<Value>, ApiError> {
     let mut objects: Vec<Object> = Vec::with_capacity(body.items.len());
@@ -217,7 +226,12 @@ async fn apply(
         keep_stored_credentials(&engine, &mut obj)?;
         objects.push(obj);
     }
-    let outcomes = tokio::task::block_in_place(|| engine.apply(objects, API_OWNER))?;
+    let mode = if q.create {
+        ApplyMode::CreateOnly
+    } else {
+        ApplyMode::CreateOrUpdate
+    };
+    let outcomes = tokio::task::block_in_place(|| engine.apply_with(objects, API_OWNER, mode))?;
     Ok(Json(json!({"results": outcomes})))
 }
 
