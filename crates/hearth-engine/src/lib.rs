@@ -31,6 +31,7 @@ pub use engine::{
     ApplyAction, ApplyMode, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, StartError,
     VmAction,
 };
+pub use error::Refusal;
 pub use guest::exec::MAX_WAIT as EXEC_MAX_WAIT;
 pub use guest::{Download, ExecStarted, ExecStatus, Upload, UploadDone};
 pub use manifest::{ManifestConfig, ManifestSource};

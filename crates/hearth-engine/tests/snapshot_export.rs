@@ -103,7 +103,10 @@ async fn a_delete_waits_for_the_export_that_reads_the_snapshot() {
     })
     .await;
     match engine.export_snapshot("s", ExportFormat::Qcow2).await {
-        Err(RequestError::NotFound(m)) => assert!(m.contains("\"s\""), "{m}"),
+        Err(e @ RequestError::NotFound { .. }) => {
+            let m = e.to_string();
+            assert!(m.contains("\"s\""), "{m}")
+        }
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("exported a deleted snapshot"),
     }

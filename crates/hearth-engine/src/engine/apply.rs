@@ -35,10 +35,9 @@ impl Engine {
         mode: ApplyMode,
     ) -> Result<Vec<ApplyOutcome>, RequestError> {
         if objects.len() > MAX_APPLY_OBJECTS {
-            return Err(RequestError::BadRequest(format!(
-                "{} objects in one apply, more than the limit of {MAX_APPLY_OBJECTS} objects per apply; split them over several applies",
-                objects.len()
-            )));
+            return Err(RequestError::TooManyObjects {
+                count: objects.len(),
+            });
         }
         let _w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
         let mut seen = HashSet::new();
@@ -48,19 +47,18 @@ impl Engine {
             obj.strip_server_fields();
             obj.validate()?;
             if !seen.insert((obj.kind(), obj.name().to_string())) {
-                return Err(RequestError::BadRequest(format!(
-                    "{} appears twice in one apply",
-                    obj.display_name()
-                )));
+                return Err(RequestError::Twice {
+                    object: obj.display_name(),
+                });
             }
             self.check_host_paths(&obj)?;
             self.check_image_source(&obj)?;
             let existing = self.ctx.store.get(obj.kind(), obj.name())?;
             if mode == ApplyMode::CreateOnly && existing.is_some() {
-                return Err(RequestError::Conflict(format!(
-                    "{} already exists; an apply with create=true only creates",
-                    obj.display_name()
-                )));
+                return Err(RequestError::Exists {
+                    kind: obj.kind(),
+                    name: obj.name().to_string(),
+                });
             }
             // The owner alone can change (a manifest file renamed, or a file
             // taking over an API object): written, but the spec is unchanged.
@@ -246,14 +244,10 @@ impl Engine {
     ) -> Result<String, RequestError> {
         let stored = self.get(Kind::VirtualMachine, name)?;
         let Object::VirtualMachine(vm) = &stored.object else {
-            return Err(RequestError::NotFound(format!(
-                "VirtualMachine {name:?} not found"
-            )));
+            return Err(RequestError::not_found(Kind::VirtualMachine, name));
         };
         if stored.deleting {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachine {name:?} is being deleted"
-            )));
+            return Err(RequestError::deleting(Kind::VirtualMachine, name, ""));
         }
         if vm.spec.run_policy == RunPolicy::AlwaysOff && action != VmAction::Stop {
             return Err(RequestError::Conflict(format!(
@@ -402,10 +396,11 @@ impl Engine {
     ) -> Result<(), RequestError> {
         check_owner(existing, managed_by)?;
         if existing.deleting {
-            return Err(RequestError::Conflict(format!(
-                "{} is being deleted; apply it again once it is gone",
-                new.display_name()
-            )));
+            return Err(RequestError::deleting(
+                new.kind(),
+                new.name(),
+                "; apply it again once it is gone",
+            ));
         }
         if let Some(why) = new.kind().immutable_spec()
             && existing.object.spec_json() != new.spec_json()
@@ -566,11 +561,10 @@ fn check_owner(existing: &StoredObject, managed_by: &str) -> Result<(), RequestE
     // The manifest directory may move an object between its files; nobody
     // else may touch what a file owns.
     if owner != managed_by && owner.starts_with("file:") && !managed_by.starts_with("file:") {
-        return Err(RequestError::Conflict(format!(
-            "{} is owned by the manifest file {}; edit or remove that file instead",
-            existing.object.display_name(),
-            owner.trim_start_matches("file:")
-        )));
+        return Err(RequestError::OwnedByFile {
+            object: existing.object.display_name(),
+            file: owner.trim_start_matches("file:").to_string(),
+        });
     }
     Ok(())
 }

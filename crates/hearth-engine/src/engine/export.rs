@@ -18,9 +18,7 @@ impl Engine {
         // A name from a URL: only a valid object name ever becomes part of
         // a file name under the state directory.
         if hearth_api::check_dns_label(name).is_err() {
-            return Err(RequestError::NotFound(format!(
-                "VirtualDiskSnapshot {name:?} not found"
-            )));
+            return Err(RequestError::not_found(Kind::VirtualDiskSnapshot, name));
         }
         let pin = self.ctx.exports.of(name);
         let _pinned = pin.read().await;
@@ -28,18 +26,16 @@ impl Engine {
             .ctx
             .store
             .get(Kind::VirtualDiskSnapshot, name)?
-            .ok_or_else(|| {
-                RequestError::NotFound(format!("VirtualDiskSnapshot {name:?} not found"))
-            })?;
+            .ok_or_else(|| RequestError::not_found(Kind::VirtualDiskSnapshot, name))?;
         let Object::VirtualDiskSnapshot(_) = &stored.object else {
-            return Err(RequestError::NotFound(format!(
-                "VirtualDiskSnapshot {name:?} not found"
-            )));
+            return Err(RequestError::not_found(Kind::VirtualDiskSnapshot, name));
         };
         if stored.deleting {
-            return Err(RequestError::Conflict(format!(
-                "VirtualDiskSnapshot {name:?} is being deleted; nothing was exported"
-            )));
+            return Err(RequestError::deleting(
+                Kind::VirtualDiskSnapshot,
+                name,
+                "; nothing was exported",
+            ));
         }
         let status: SnapshotStatus =
             serde_json::from_value(stored.status.clone()).unwrap_or_default();

@@ -38,9 +38,11 @@ impl Engine {
                 "VirtualMachine {name:?} has spec.guestAgent false"
             )));
         }
-        self.ctx.live_get(name).ok_or_else(|| {
-            RequestError::Conflict(format!("VirtualMachine {name:?} is not running"))
-        })
+        self.ctx
+            .live_get(name)
+            .ok_or_else(|| RequestError::NotRunning {
+                vm: name.to_string(),
+            })
     }
 
     /// Runs `f` with the VM's guest-agent connection, which it shares with
@@ -116,7 +118,10 @@ impl Engine {
         args: &[String],
         input: Option<&[u8]>,
     ) -> Result<ExecStarted, RequestError> {
-        let bad = |m: String| RequestError::BadRequest(format!("VirtualMachine {vm:?}: {m}"));
+        let bad = |message: String| RequestError::Guest {
+            vm: vm.to_string(),
+            message,
+        };
         if path.is_empty() {
             return Err(bad("no program to run (path is empty)".into()));
         }
@@ -185,10 +190,13 @@ impl Engine {
             .filter(|s| s.vm == vm)
             .cloned()
             .ok_or_else(|| {
-                RequestError::NotFound(format!(
-                    "VirtualMachine {vm:?}: no program with id {id} started through hearthd (a finished program's result is given once and kept for {}s; a restarted hearthd has none)",
-                    RESULT_TTL.as_secs()
-                ))
+                RequestError::NotInGuest {
+                    vm: vm.to_string(),
+                    what: format!(
+                        "no program with id {id} started through hearthd (a finished program's result is given once and kept for {}s; a restarted hearthd has none)",
+                        RESULT_TTL.as_secs()
+                    ),
+                }
             })?;
         *session.asked.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
         let mut rx = session.state.subscribe();
@@ -239,9 +247,10 @@ impl Engine {
                 "VirtualMachine {vm:?} has no guest agent (spec.guestAgent is false)"
             )));
         }
-        let live = self.ctx.live_get(vm).ok_or_else(|| {
-            RequestError::Conflict(format!("VirtualMachine {vm:?} is not running"))
-        })?;
+        let live = self
+            .ctx
+            .live_get(vm)
+            .ok_or_else(|| RequestError::NotRunning { vm: vm.to_string() })?;
         if live.record.agent_socket.is_none() {
             return Err(RequestError::Conflict(format!(
                 "VirtualMachine {vm:?} was started without a guest agent channel; restart it to get one"
@@ -317,9 +326,12 @@ impl Engine {
                 ));
             }
             Some(13) => {
-                return Err(RequestError::NotFound(format!(
-                    "VirtualMachine {vm:?}: cannot write {path}: directory {parent_arg} does not exist in the guest"
-                )));
+                return Err(RequestError::NotInGuest {
+                    vm: vm.to_string(),
+                    what: format!(
+                        "cannot write {path}: directory {parent_arg} does not exist in the guest"
+                    ),
+                });
             }
             _ => {
                 return Err(bad(

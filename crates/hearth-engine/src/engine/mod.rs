@@ -25,8 +25,7 @@ mod export;
 mod guest;
 mod restore;
 
-pub use crate::error::RequestError;
-pub use hearth_api::limits::MAX_APPLY_OBJECTS;
+pub use crate::error::{MAX_APPLY_OBJECTS, RequestError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -277,7 +276,7 @@ impl Engine {
             .store
             .reader()
             .get(kind, name)?
-            .ok_or_else(|| RequestError::NotFound(format!("{kind} {name:?} not found")))
+            .ok_or_else(|| RequestError::not_found(kind, name))
     }
 
     pub fn list(&self, kind: Kind) -> Result<Vec<StoredObject>, RequestError> {

@@ -17,9 +17,10 @@ impl Engine {
     pub async fn restore_group(self: &Arc<Self>, name: &str) -> Result<String, RequestError> {
         let stored = self.get(Kind::VirtualMachineSnapshotGroup, name)?;
         let Object::VirtualMachineSnapshotGroup(group) = &stored.object else {
-            return Err(RequestError::NotFound(format!(
-                "VirtualMachineSnapshotGroup {name:?} not found"
-            )));
+            return Err(RequestError::not_found(
+                Kind::VirtualMachineSnapshotGroup,
+                name,
+            ));
         };
         let status: hearth_api::SnapshotStatus =
             serde_json::from_value(stored.status.clone()).unwrap_or_default();
@@ -95,20 +96,18 @@ impl Engine {
         use crate::snapshot::storage;
         let stored = self.get(Kind::VirtualMachine, vm_name)?;
         let Object::VirtualMachine(vm) = &stored.object else {
-            return Err(RequestError::NotFound(format!(
-                "VirtualMachine {vm_name:?} not found"
-            )));
+            return Err(RequestError::not_found(Kind::VirtualMachine, vm_name));
         };
         let snap = self.get(Kind::VirtualMachineSnapshot, from)?;
         let Object::VirtualMachineSnapshot(vmsnap) = &snap.object else {
-            return Err(RequestError::NotFound(format!(
-                "VirtualMachineSnapshot {from:?} not found"
-            )));
+            return Err(RequestError::not_found(Kind::VirtualMachineSnapshot, from));
         };
         if snap.deleting {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachineSnapshot {from:?} is being deleted; nothing was restored"
-            )));
+            return Err(RequestError::deleting(
+                Kind::VirtualMachineSnapshot,
+                from,
+                "; nothing was restored",
+            ));
         }
         if vmsnap.spec.virtual_machine_name != vm_name {
             return Err(RequestError::Conflict(format!(
@@ -133,9 +132,11 @@ impl Engine {
             _pins.push(self.ctx.exports.of(child).read_owned().await);
         }
         if self.get(Kind::VirtualMachineSnapshot, from)?.deleting {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachineSnapshot {from:?} is being deleted; nothing was restored"
-            )));
+            return Err(RequestError::deleting(
+                Kind::VirtualMachineSnapshot,
+                from,
+                "; nothing was restored",
+            ));
         }
         let mut plan = Vec::new();
         for child in &status.virtual_disk_snapshot_names {

@@ -344,7 +344,7 @@ impl ManifestSource {
                         tracing::info!(kind = key.0.as_str(), name = key.1, file = %file.display(), "manifest file gone: deleting");
                         Outcome::Done
                     }
-                    Err(RequestError::NotFound(_)) => Outcome::NotFound,
+                    Err(RequestError::NotFound { .. }) => Outcome::NotFound,
                     Err(e) => Outcome::Refused(e.to_string()),
                 }
             }

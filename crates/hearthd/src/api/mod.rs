@@ -20,7 +20,7 @@ use axum::{Json, Router};
 use hearth_api::redact::{is_redacted_form_of, redact_credentials, redact_json};
 use hearth_api::{ImageSource, Kind, Object, object_from_value};
 use hearth_engine::store::StoredObject;
-use hearth_engine::{ApplyMode, Engine, RequestError, VmAction};
+use hearth_engine::{ApplyMode, Engine, Refusal, RequestError, VmAction};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -96,11 +96,11 @@ pub struct ApiError(StatusCode, String);
 
 impl From<RequestError> for ApiError {
     fn from(e: RequestError) -> Self {
-        let status = match &e {
-            RequestError::Invalid(_) | RequestError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            RequestError::NotFound(_) => StatusCode::NOT_FOUND,
-            RequestError::Conflict(_) => StatusCode::CONFLICT,
-            RequestError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        let status = match e.refusal() {
+            Refusal::BadRequest => StatusCode::BAD_REQUEST,
+            Refusal::NotFound => StatusCode::NOT_FOUND,
+            Refusal::Conflict => StatusCode::CONFLICT,
+            Refusal::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError(status, e.to_string())
     }
