@@ -6,19 +6,24 @@
 //! reconcilers (`vm`, `disk`, `image`, `network`, `snapshot`), which see
 //! only a `context::Context` → the context and the registries it holds (one
 //! leaf module per subsystem) → `store` and `hearth_qemu`.
+//!
+//! Outside the crate the engine is `Engine`'s methods and the few types
+//! re-exported here; `context`, `guest`, `metrics`, `runner`, `runtime` and
+//! `error` are the crate's own. (`disk`, `image`, `manifest`, `snapshot` and
+//! `vm` stay public for now: closing them turns up code only tests use.)
 
 pub mod config;
-pub mod context;
+pub(crate) mod context;
 pub mod disk;
-pub mod engine;
-pub mod error;
-pub mod guest;
+pub(crate) mod engine;
+pub(crate) mod error;
+pub(crate) mod guest;
 pub mod image;
 pub mod manifest;
-pub mod metrics;
+pub(crate) mod metrics;
 pub mod network;
-pub mod runner;
-pub mod runtime;
+pub(crate) mod runner;
+pub(crate) mod runtime;
 pub mod snapshot;
 pub mod store;
 pub mod vm;
@@ -26,5 +31,13 @@ pub mod watch;
 
 pub use config::EngineConfig;
 pub use engine::{
-    ApplyAction, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, StartError, VmAction,
+    ApplyAction, ApplyMode, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, StartError,
+    VmAction,
 };
+pub use error::Refusal;
+pub use guest::exec::MAX_WAIT as EXEC_MAX_WAIT;
+pub use guest::{Download, ExecStarted, ExecStatus, Upload, UploadDone};
+pub use manifest::{ManifestConfig, ManifestSource};
+pub use metrics::{ManifestMetrics, PREFIX as METRICS_PREFIX, Sample, encode as encode_metrics};
+pub use snapshot::expedite::SCRIPT as EXPEDITE_SCRIPT;
+pub use snapshot::export::{Export, ExportFormat};

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hearth_api::{Kind, parse_documents};
-use hearth_engine::snapshot::export::ExportFormat;
+use hearth_engine::ExportFormat;
 use hearth_engine::{Engine, EngineConfig, RequestError};
 
 fn config(dir: &Path) -> EngineConfig {
@@ -78,7 +78,7 @@ async fn a_delete_waits_for_the_export_that_reads_the_snapshot() {
     drop(export);
 
     // An export holds the pin (as it does while it converts): the delete waits.
-    let pin = engine.exports.of("s").read_owned().await;
+    let pin = engine.export_pin("s").read_owned().await;
     engine
         .delete(Kind::VirtualDiskSnapshot, "s", "api")
         .expect("delete");
@@ -103,7 +103,10 @@ async fn a_delete_waits_for_the_export_that_reads_the_snapshot() {
     })
     .await;
     match engine.export_snapshot("s", ExportFormat::Qcow2).await {
-        Err(RequestError::NotFound(m)) => assert!(m.contains("\"s\""), "{m}"),
+        Err(e @ RequestError::NotFound { .. }) => {
+            let m = e.to_string();
+            assert!(m.contains("\"s\""), "{m}")
+        }
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("exported a deleted snapshot"),
     }

@@ -566,7 +566,7 @@ fn one_rep(d: &Daemon, g: &Guest, round: usize, seconds: u64) -> Rep {
         n = g.name
     );
     if g.side == Side::LimitExpedited {
-        let (code, out) = exec(d, g, hearth_engine::snapshot::expedite::SCRIPT);
+        let (code, out) = exec(d, g, hearth_engine::EXPEDITE_SCRIPT);
         assert!(
             code == 0 && out.trim() == "raised",
             "the step before the freeze: {code} {out}"

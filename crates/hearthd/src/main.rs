@@ -324,12 +324,12 @@ async fn main() -> anyhow::Result<()> {
     let engine = Engine::start(config).await?;
     let manifests = std::path::absolute(&args.manifests)
         .with_context(|| format!("--manifests {}", args.manifests.display()))?;
-    let source = hearth_engine::manifest::ManifestSource::start(
+    let source = hearth_engine::ManifestSource::start(
         engine.clone(),
-        hearth_engine::manifest::ManifestConfig {
+        hearth_engine::ManifestConfig {
             resync: Duration::from_secs(args.manifests_resync_seconds.max(1)),
             delete_grace: Duration::from_millis(args.manifests_delete_grace_ms),
-            ..hearth_engine::manifest::ManifestConfig::new(manifests)
+            ..hearth_engine::ManifestConfig::new(manifests)
         },
     );
 

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use chrono::Utc;
 use hearth_api::{DiskSource, EventType, FieldError, Kind, Object, RunPolicy};
 
-use super::{ApplyAction, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, VmAction};
+use super::{
+    ApplyAction, ApplyMode, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, VmAction,
+};
 use crate::store::{Store, StoredObject};
 
 impl Engine {
@@ -19,11 +21,23 @@ impl Engine {
         objects: Vec<Object>,
         managed_by: &str,
     ) -> Result<Vec<ApplyOutcome>, RequestError> {
+        self.apply_with(objects, managed_by, ApplyMode::CreateOrUpdate)
+    }
+
+    /// [`apply`](Self::apply) with a choice of what it may do: an apply
+    /// that only creates refuses, before writing anything, an object that
+    /// already exists (how `hearth snapshot` takes a new snapshot without
+    /// ever re-applying over an old one).
+    pub fn apply_with(
+        self: &Arc<Self>,
+        objects: Vec<Object>,
+        managed_by: &str,
+        mode: ApplyMode,
+    ) -> Result<Vec<ApplyOutcome>, RequestError> {
         if objects.len() > MAX_APPLY_OBJECTS {
-            return Err(RequestError::BadRequest(format!(
-                "{} objects in one apply, more than the limit of {MAX_APPLY_OBJECTS} objects per apply; split them over several applies",
-                objects.len()
-            )));
+            return Err(RequestError::TooManyObjects {
+                count: objects.len(),
+            });
         }
         let _w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
         let mut seen = HashSet::new();
@@ -33,14 +47,19 @@ impl Engine {
             obj.strip_server_fields();
             obj.validate()?;
             if !seen.insert((obj.kind(), obj.name().to_string())) {
-                return Err(RequestError::BadRequest(format!(
-                    "{} appears twice in one apply",
-                    obj.display_name()
-                )));
+                return Err(RequestError::Twice {
+                    object: obj.display_name(),
+                });
             }
             self.check_host_paths(&obj)?;
             self.check_image_source(&obj)?;
-            let existing = self.store.get(obj.kind(), obj.name())?;
+            let existing = self.ctx.store.get(obj.kind(), obj.name())?;
+            if mode == ApplyMode::CreateOnly && existing.is_some() {
+                return Err(RequestError::Exists {
+                    kind: obj.kind(),
+                    name: obj.name().to_string(),
+                });
+            }
             // The owner alone can change (a manifest file renamed, or a file
             // taking over an API object): written, but the spec is unchanged.
             let old_owner = existing
@@ -92,7 +111,7 @@ impl Engine {
             prepared.push((obj, action, old_owner));
         }
         self.check_disk_exclusivity(prepared.iter().map(|(o, _, _)| o))?;
-        let addresses = self.addresses.lock().unwrap_or_else(|p| p.into_inner());
+        let addresses = self.ctx.addresses.lock().unwrap_or_else(|p| p.into_inner());
         self.check_networks(prepared.iter().map(|(o, _, _)| o))?;
 
         let to_write: Vec<Object> = prepared
@@ -131,7 +150,7 @@ impl Engine {
         // One commit for the objects and their events: one sync of the
         // store, however many objects.
         let now = Utc::now();
-        self.store.with_tx(|tx| {
+        self.ctx.store.with_tx(|tx| {
             Store::put_objects_tx(tx, &to_write)?;
             for (kind, name, reason, message) in &events {
                 Store::record_event_tx(tx, now, *kind, name, EventType::Normal, reason, message)?;
@@ -178,14 +197,14 @@ impl Engine {
         let existing = self.get(kind, name)?;
         check_owner(&existing, managed_by)?;
         if kind == Kind::VirtualDisk
-            && let Some(vm) = self.vms_using_disk(name)?.first()
+            && let Some(vm) = self.ctx.vms_using_disk(name)?.first()
         {
             return Err(RequestError::Conflict(format!(
                 "VirtualDisk {name:?} is in use by VirtualMachine {vm:?} (its spec.disks, or its running QEMU until it restarts); delete the VM or remove the disk from it first"
             )));
         }
         if kind == Kind::VirtualNetwork {
-            let vms = crate::network::desired::vms_using_network(&self.store, name)?;
+            let vms = crate::network::desired::vms_using_network(&self.ctx.store, name)?;
             if !vms.is_empty() {
                 let list: Vec<String> = vms.iter().map(|v| format!("{v:?}")).collect();
                 return Err(RequestError::Conflict(format!(
@@ -195,7 +214,7 @@ impl Engine {
             }
         }
         if kind == Kind::VirtualImage {
-            let disks = crate::image::disks_blocking_delete(&self.store, name)?;
+            let disks = crate::image::disks_blocking_delete(&self.ctx.store, name)?;
             if !disks.is_empty() {
                 let list: Vec<String> = disks.iter().map(|d| format!("{d:?}")).collect();
                 return Err(RequestError::Conflict(format!(
@@ -205,8 +224,8 @@ impl Engine {
             }
         }
         if !existing.deleting {
-            self.store.mark_deleting(kind, name)?;
-            self.event(
+            self.ctx.store.mark_deleting(kind, name)?;
+            self.ctx.event(
                 kind,
                 name,
                 EventType::Normal,
@@ -225,14 +244,10 @@ impl Engine {
     ) -> Result<String, RequestError> {
         let stored = self.get(Kind::VirtualMachine, name)?;
         let Object::VirtualMachine(vm) = &stored.object else {
-            return Err(RequestError::NotFound(format!(
-                "VirtualMachine {name:?} not found"
-            )));
+            return Err(RequestError::not_found(Kind::VirtualMachine, name));
         };
         if stored.deleting {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachine {name:?} is being deleted"
-            )));
+            return Err(RequestError::deleting(Kind::VirtualMachine, name, ""));
         }
         if vm.spec.run_policy == RunPolicy::AlwaysOff && action != VmAction::Stop {
             return Err(RequestError::Conflict(format!(
@@ -241,12 +256,14 @@ impl Engine {
         }
         let message = match action {
             VmAction::Start => {
-                self.store
+                self.ctx
+                    .store
                     .update_intent(name, |i| i.want_running = Some(true))?;
                 format!("VirtualMachine {name:?} is starting")
             }
             VmAction::Stop => {
-                self.store
+                self.ctx
+                    .store
                     .update_intent(name, |i| i.want_running = Some(false))?;
                 if vm.spec.run_policy == RunPolicy::AlwaysOn {
                     format!(
@@ -257,18 +274,20 @@ impl Engine {
                 }
             }
             VmAction::Restart => {
-                if self.store.runtime(name)?.is_none() {
-                    self.store
+                if self.ctx.store.runtime(name)?.is_none() {
+                    self.ctx
+                        .store
                         .update_intent(name, |i| i.want_running = Some(true))?;
                     format!("VirtualMachine {name:?} was not running; starting it")
                 } else {
                     let next = self
+                        .ctx
                         .store
                         .runtime(name)?
                         .map(|r| r.restart_nonce)
                         .unwrap_or(0)
                         + 1;
-                    self.store.update_intent(name, |i| {
+                    self.ctx.store.update_intent(name, |i| {
                         i.want_running = Some(true);
                         i.restart_nonce = i.restart_nonce.max(next);
                     })?;
@@ -276,7 +295,7 @@ impl Engine {
                 }
             }
         };
-        self.event(
+        self.ctx.event(
             Kind::VirtualMachine,
             name,
             EventType::Normal,
@@ -297,11 +316,13 @@ impl Engine {
         match obj {
             Object::VirtualMachine(vm) => {
                 if let Some(boot) = &vm.spec.boot {
-                    self.config
+                    self.ctx
+                        .config
                         .confine(&boot.kernel)
                         .map_err(|m| fail("spec.boot.kernel", m))?;
                     if let Some(i) = &boot.initrd {
-                        self.config
+                        self.ctx
+                            .config
                             .confine(i)
                             .map_err(|m| fail("spec.boot.initrd", m))?;
                     }
@@ -309,14 +330,16 @@ impl Engine {
             }
             Object::VirtualDisk(d) => {
                 if let DiskSource::Image(p) = &d.spec.source {
-                    self.config
+                    self.ctx
+                        .config
                         .confine(p)
                         .map_err(|m| fail("spec.source.image", m))?;
                 }
             }
             Object::VirtualImage(image) => {
                 if let hearth_api::ImageSource::File(p) = &image.spec.source {
-                    self.config
+                    self.ctx
+                        .config
                         .confine(p)
                         .map_err(|m| fail("spec.source.file", m))?;
                 }
@@ -338,7 +361,7 @@ impl Engine {
         let DiskSource::VirtualImage(image) = &d.spec.source else {
             return Ok(());
         };
-        let Some(stored) = self.store.get(Kind::VirtualImage, image)? else {
+        let Some(stored) = self.ctx.store.get(Kind::VirtualImage, image)? else {
             return Ok(());
         };
         if stored.deleting {
@@ -347,12 +370,12 @@ impl Engine {
                 obj.display_name()
             )));
         }
-        if self.store.get(Kind::VirtualDisk, obj.name())?.is_some() {
+        if self.ctx.store.get(Kind::VirtualDisk, obj.name())?.is_some() {
             // An existing disk's spec cannot change (checked below).
             return Ok(());
         }
         let size = d.spec.size.as_ref().map(|q| q.bytes());
-        if let Err(why) = crate::image::ready_for_disk(&self.store, image, size)?
+        if let Err(why) = crate::image::ready_for_disk(&self.ctx.store, image, size)?
             && why.is_permanent()
         {
             let (field, message) = why.field_and_message();
@@ -373,10 +396,11 @@ impl Engine {
     ) -> Result<(), RequestError> {
         check_owner(existing, managed_by)?;
         if existing.deleting {
-            return Err(RequestError::Conflict(format!(
-                "{} is being deleted; apply it again once it is gone",
-                new.display_name()
-            )));
+            return Err(RequestError::deleting(
+                new.kind(),
+                new.name(),
+                "; apply it again once it is gone",
+            ));
         }
         if let Some(why) = new.kind().immutable_spec()
             && existing.object.spec_json() != new.spec_json()
@@ -406,9 +430,9 @@ impl Engine {
         if !touches_networks {
             return Ok(());
         }
-        let leases = self.store.leases()?;
+        let leases = self.ctx.store.leases()?;
         let mut networks = BTreeMap::new();
-        for s in self.store.list(Kind::VirtualNetwork)? {
+        for s in self.ctx.store.list(Kind::VirtualNetwork)? {
             if let Object::VirtualNetwork(n) = s.object {
                 let status = serde_json::from_value(s.status).unwrap_or_default();
                 networks.insert(
@@ -424,8 +448,8 @@ impl Engine {
         }
         // What running QEMUs were started with: held until they exit.
         let launched = crate::network::desired::launched_by_vm(
-            &self.store.runtimes()?,
-            &self.store.launches(None)?,
+            &self.ctx.store.runtimes()?,
+            &self.ctx.store.launches(None)?,
         );
         let running = |vm: &hearth_api::VirtualMachine| {
             launched
@@ -433,7 +457,7 @@ impl Engine {
                 .map(|l| crate::network::desired::in_effect(vm, Some(l)))
         };
         let mut vms = BTreeMap::new();
-        for s in self.store.list(Kind::VirtualMachine)? {
+        for s in self.ctx.store.list(Kind::VirtualMachine)? {
             if let Object::VirtualMachine(vm) = s.object {
                 vms.insert(
                     vm.metadata.name.clone(),
@@ -499,7 +523,7 @@ impl Engine {
             .map(|o| o.name())
             .collect();
         let mut owner: HashMap<String, String> = HashMap::new();
-        for s in self.store.list(Kind::VirtualMachine)? {
+        for s in self.ctx.store.list(Kind::VirtualMachine)? {
             if let Object::VirtualMachine(vm) = s.object {
                 if batch_vms.contains(vm.metadata.name.as_str()) {
                     continue;
@@ -537,11 +561,10 @@ fn check_owner(existing: &StoredObject, managed_by: &str) -> Result<(), RequestE
     // The manifest directory may move an object between its files; nobody
     // else may touch what a file owns.
     if owner != managed_by && owner.starts_with("file:") && !managed_by.starts_with("file:") {
-        return Err(RequestError::Conflict(format!(
-            "{} is owned by the manifest file {}; edit or remove that file instead",
-            existing.object.display_name(),
-            owner.trim_start_matches("file:")
-        )));
+        return Err(RequestError::OwnedByFile {
+            object: existing.object.display_name(),
+            file: owner.trim_start_matches("file:").to_string(),
+        });
     }
     Ok(())
 }

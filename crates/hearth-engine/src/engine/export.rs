@@ -18,27 +18,24 @@ impl Engine {
         // A name from a URL: only a valid object name ever becomes part of
         // a file name under the state directory.
         if hearth_api::check_dns_label(name).is_err() {
-            return Err(RequestError::NotFound(format!(
-                "VirtualDiskSnapshot {name:?} not found"
-            )));
+            return Err(RequestError::not_found(Kind::VirtualDiskSnapshot, name));
         }
-        let pin = self.exports.of(name);
+        let pin = self.ctx.exports.of(name);
         let _pinned = pin.read().await;
         let stored = self
+            .ctx
             .store
             .get(Kind::VirtualDiskSnapshot, name)?
-            .ok_or_else(|| {
-                RequestError::NotFound(format!("VirtualDiskSnapshot {name:?} not found"))
-            })?;
+            .ok_or_else(|| RequestError::not_found(Kind::VirtualDiskSnapshot, name))?;
         let Object::VirtualDiskSnapshot(_) = &stored.object else {
-            return Err(RequestError::NotFound(format!(
-                "VirtualDiskSnapshot {name:?} not found"
-            )));
+            return Err(RequestError::not_found(Kind::VirtualDiskSnapshot, name));
         };
         if stored.deleting {
-            return Err(RequestError::Conflict(format!(
-                "VirtualDiskSnapshot {name:?} is being deleted; nothing was exported"
-            )));
+            return Err(RequestError::deleting(
+                Kind::VirtualDiskSnapshot,
+                name,
+                "; nothing was exported",
+            ));
         }
         let status: SnapshotStatus =
             serde_json::from_value(stored.status.clone()).unwrap_or_default();
@@ -54,16 +51,16 @@ impl Engine {
                 status.phase
             )));
         }
-        let layer = storage::snapshot_layer(&self.store, name)?.ok_or_else(|| {
+        let layer = storage::snapshot_layer(&self.ctx.store, name)?.ok_or_else(|| {
             RequestError::Conflict(format!(
                 "VirtualDiskSnapshot {name:?} is Ready but has no stored layer"
             ))
         })?;
-        let dir = exports_dir(&self.config.state_dir);
+        let dir = exports_dir(&self.ctx.config.state_dir);
         std::fs::create_dir_all(&dir)
             .map_err(|e| RequestError::Conflict(format!("cannot create {}: {e}", dir.display())))?;
         let _ = std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700));
-        let n = self.store.next_counter("export")?;
+        let n = self.ctx.store.next_counter("export")?;
         let temp = TempFile(dir.join(format!("{n:08}-{name}.{}", format.as_str())));
         hearth_qemu::img::convert_standalone(
             &layer.path,

@@ -39,9 +39,11 @@ impl Engine {
                 "VirtualMachine {name:?} has spec.guestAgent false"
             )));
         }
-        self.live_get(name).ok_or_else(|| {
-            RequestError::Conflict(format!("VirtualMachine {name:?} is not running"))
-        })
+        self.ctx
+            .live_get(name)
+            .ok_or_else(|| RequestError::NotRunning {
+                vm: name.to_string(),
+            })
     }
 
     /// Runs `f` with the VM's guest-agent connection, which it shares with
@@ -117,7 +119,10 @@ impl Engine {
         args: &[String],
         input: Option<&[u8]>,
     ) -> Result<ExecStarted, RequestError> {
-        let bad = |m: String| RequestError::BadRequest(format!("VirtualMachine {vm:?}: {m}"));
+        let bad = |message: String| RequestError::Guest {
+            vm: vm.to_string(),
+            message,
+        };
         if path.is_empty() {
             return Err(bad("no program to run (path is empty)".into()));
         }
@@ -135,7 +140,7 @@ impl Engine {
                 MAX_INPUT >> 20
             )));
         }
-        if self.execs.running_for(vm) >= MAX_RUNNING {
+        if self.ctx.execs.running_for(vm) >= MAX_RUNNING {
             return Err(RequestError::Conflict(format!(
                 "VirtualMachine {vm:?}: {MAX_RUNNING} programs started through hearthd are still running; wait for some to end"
             )));
@@ -146,7 +151,7 @@ impl Engine {
             .exec_start(path, &arg_refs, input)
             .await
             .map_err(|e| call_error(vm, &format!("cannot run {path:?} in the guest"), e))?;
-        let id = self.execs.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let id = self.ctx.execs.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let (state, _) = watch::channel(State::Running);
         let session = Arc::new(Session {
             vm: vm.to_string(),
@@ -155,8 +160,8 @@ impl Engine {
             state,
             asked: Mutex::new(Instant::now()),
         });
-        self.execs.lock().insert(id, session.clone());
-        let sessions = self.execs.sessions.clone();
+        self.ctx.execs.lock().insert(id, session.clone());
+        let sessions = self.ctx.execs.sessions.clone();
         tokio::spawn(async move {
             let end = poll_until_exit(&channel, &session).await;
             let _ = session.state.send_replace(end);
@@ -180,16 +185,19 @@ impl Engine {
         wait: Duration,
     ) -> Result<ExecStatus, RequestError> {
         let session = self
-            .execs
+            .ctx.execs
             .lock()
             .get(&id)
             .filter(|s| s.vm == vm)
             .cloned()
             .ok_or_else(|| {
-                RequestError::NotFound(format!(
-                    "VirtualMachine {vm:?}: no program with id {id} started through hearthd (a finished program's result is given once and kept for {}s; a restarted hearthd has none)",
-                    RESULT_TTL.as_secs()
-                ))
+                RequestError::NotInGuest {
+                    vm: vm.to_string(),
+                    what: format!(
+                        "no program with id {id} started through hearthd (a finished program's result is given once and kept for {}s; a restarted hearthd has none)",
+                        RESULT_TTL.as_secs()
+                    ),
+                }
             })?;
         *session.asked.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
         let mut rx = session.state.subscribe();
@@ -219,7 +227,7 @@ impl Engine {
     }
 
     fn forget(&self, id: u64, session: &Arc<Session>) {
-        let mut map = self.execs.lock();
+        let mut map = self.ctx.execs.lock();
         if map.get(&id).is_some_and(|s| Arc::ptr_eq(s, session)) {
             map.remove(&id);
         }
@@ -240,9 +248,10 @@ impl Engine {
                 "VirtualMachine {vm:?} has no guest agent (spec.guestAgent is false)"
             )));
         }
-        let live = self.live_get(vm).ok_or_else(|| {
-            RequestError::Conflict(format!("VirtualMachine {vm:?} is not running"))
-        })?;
+        let live = self
+            .ctx
+            .live_get(vm)
+            .ok_or_else(|| RequestError::NotRunning { vm: vm.to_string() })?;
         if live.record.agent_socket.is_none() {
             return Err(RequestError::Conflict(format!(
                 "VirtualMachine {vm:?} was started without a guest agent channel; restart it to get one"
@@ -262,7 +271,7 @@ impl Engine {
         let channel = Channel::new(
             live.agent.clone(),
             process.clone(),
-            self.ops_lock(&format!("vm/{vm}")),
+            self.ctx.ops_lock(&format!("vm/{vm}")),
         );
         Ok((channel, process))
     }
@@ -318,9 +327,12 @@ impl Engine {
                 ));
             }
             Some(13) => {
-                return Err(RequestError::NotFound(format!(
-                    "VirtualMachine {vm:?}: cannot write {path}: directory {parent_arg} does not exist in the guest"
-                )));
+                return Err(RequestError::NotInGuest {
+                    vm: vm.to_string(),
+                    what: format!(
+                        "cannot write {path}: directory {parent_arg} does not exist in the guest"
+                    ),
+                });
             }
             _ => {
                 return Err(bad(

@@ -10,7 +10,6 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::ops::Deref;
 use std::sync::{Arc, Mutex};
 
 use hearth_api::{Event, EventType, Kind};
@@ -26,8 +25,7 @@ mod export;
 mod guest;
 mod restore;
 
-pub use crate::error::RequestError;
-pub use hearth_api::limits::MAX_APPLY_OBJECTS;
+pub use crate::error::{MAX_APPLY_OBJECTS, RequestError};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -60,6 +58,16 @@ pub struct ApplyOutcome {
     pub action: ApplyAction,
 }
 
+/// What an apply may do to an object that already exists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ApplyMode {
+    /// Create what is new, update what changed (`POST /v1/apply`).
+    CreateOrUpdate,
+    /// Create only: an object that exists refuses the whole apply
+    /// (`POST /v1/apply?create=true`).
+    CreateOnly,
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum VmAction {
     Start,
@@ -78,15 +86,6 @@ pub struct Engine {
     /// Serialises apply/delete so their checks and writes are one step.
     writes: Mutex<()>,
     _lock: File,
-}
-
-/// The API-facing commands read the store, the config and the live VMs
-/// through the context, as the reconcilers do.
-impl Deref for Engine {
-    type Target = Context;
-    fn deref(&self) -> &Context {
-        &self.ctx
-    }
 }
 
 impl Engine {
@@ -139,19 +138,19 @@ impl Engine {
 
         // Adopt what a previous daemon started: connect to the QEMU processes
         // that still run, so no reconcile ever starts a second one.
-        if let Ok(records) = engine.store.runtimes() {
+        if let Ok(records) = engine.ctx.store.runtimes() {
             for mut r in records {
                 if hearth_qemu::process::is_alive(&r.process) {
                     if r.disk_names.is_empty() && !r.disks.is_empty() {
                         // A record from before the devices' disks were
                         // recorded: the launch-time files name them.
                         match crate::snapshot::storage::disks_of_layer_files(
-                            &engine.store,
+                            &engine.ctx.store,
                             &r.disks,
                         ) {
                             Ok(Some(names)) => {
                                 r.disk_names = names;
-                                if let Err(e) = engine.store.put_runtime(&r) {
+                                if let Err(e) = engine.ctx.store.put_runtime(&r) {
                                     tracing::warn!(vm = %r.vm, error = %e, "cannot update the runtime record");
                                 }
                             }
@@ -164,7 +163,7 @@ impl Engine {
                         }
                     }
                     engine.ctx.ensure_live(&r).await;
-                    engine.event(
+                    engine.ctx.event(
                         Kind::VirtualMachine,
                         &r.vm,
                         EventType::Normal,
@@ -183,7 +182,10 @@ impl Engine {
         for r in crate::vm::launches::settle_all(&engine.ctx).await {
             engine.ctx.ensure_live(&r).await;
         }
-        match crate::snapshot::storage::sweep_orphans(&engine.store, &engine.config.state_dir) {
+        match crate::snapshot::storage::sweep_orphans(
+            &engine.ctx.store,
+            &engine.ctx.config.state_dir,
+        ) {
             Ok(removed) if !removed.is_empty() => {
                 tracing::info!(
                     count = removed.len(),
@@ -194,13 +196,13 @@ impl Engine {
             Err(e) => tracing::warn!(error = %e, "cannot sweep orphan layer files"),
         }
         // Conversions a crash cut short (docs/snapshots.md "Export").
-        let n = crate::snapshot::export::sweep(&engine.config.state_dir);
+        let n = crate::snapshot::export::sweep(&engine.ctx.config.state_dir);
         if n > 0 {
             tracing::info!(count = n, "removed export files a crash left behind");
         }
         // Before any import starts: temporaries of cut-short imports, and
         // image files nothing refers to.
-        match crate::image::sweep(&engine.store, &engine.config.images_dir()) {
+        match crate::image::sweep(&engine.ctx.store, &engine.ctx.config.images_dir()) {
             Ok(removed) if !removed.is_empty() => {
                 tracing::info!(count = removed.len(), "removed image files no image needs")
             }
@@ -212,9 +214,9 @@ impl Engine {
         crate::network::sync::startup(&engine.ctx).await;
         engine.wake_all();
         // Guests a crashed daemon left frozen are thawed right away.
-        engine.snapshots.resume_all(&engine.ctx);
+        engine.ctx.snapshots.resume_all(&engine.ctx);
         let weak = Arc::downgrade(&engine);
-        let interval = engine.config.resync_interval;
+        let interval = engine.ctx.config.resync_interval;
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(interval).await;
@@ -225,20 +227,61 @@ impl Engine {
         Ok(engine)
     }
 
+    // ------------------------------------------------------------ accessors
+
+    /// What the reconcilers see; for the engine's own subsystems.
+    pub(crate) fn ctx(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.ctx.config
+    }
+
+    pub fn metrics(&self) -> &crate::metrics::EngineMetrics {
+        &self.ctx.metrics
+    }
+
+    /// What `/metrics` shows of the VMs, disks and host as they are now.
+    pub async fn sample_metrics(&self) -> crate::metrics::Sample {
+        crate::metrics::sample(&self.ctx).await
+    }
+
+    /// One object as the store holds it now, `None` when there is none.
+    pub fn find(&self, kind: Kind, name: &str) -> Result<Option<StoredObject>, StoreError> {
+        self.ctx.store.get(kind, name)
+    }
+
+    /// The change stream from `options`' position (docs/http-api.md "Watch").
+    pub fn watch(
+        &self,
+        filter: crate::watch::Filter,
+        options: crate::watch::Options,
+    ) -> Result<crate::watch::Watch, StoreError> {
+        crate::watch::Watch::start(&self.ctx.store, filter, options)
+    }
+
+    /// The pin an export of `snapshot` holds while it reads the layers
+    /// (`snapshot::export`): held for writing, it keeps exports waiting.
+    pub fn export_pin(&self, snapshot: &str) -> Arc<tokio::sync::RwLock<()>> {
+        self.ctx.exports.of(snapshot)
+    }
+
     // ------------------------------------------------------------ queries
 
     // The API's reads use the store's reading connection: they never wait
     // for a reconciler's write.
 
     pub fn get(&self, kind: Kind, name: &str) -> Result<StoredObject, RequestError> {
-        self.store
+        self.ctx
+            .store
             .reader()
             .get(kind, name)?
-            .ok_or_else(|| RequestError::NotFound(format!("{kind} {name:?} not found")))
+            .ok_or_else(|| RequestError::not_found(kind, name))
     }
 
     pub fn list(&self, kind: Kind) -> Result<Vec<StoredObject>, RequestError> {
-        Ok(self.store.reader().list(kind)?)
+        Ok(self.ctx.store.reader().list(kind)?)
     }
 
     pub fn events(
@@ -247,20 +290,20 @@ impl Engine {
         name: Option<&str>,
         limit: usize,
     ) -> Result<Vec<Event>, RequestError> {
-        Ok(self.store.reader().events(kind, name, limit)?)
+        Ok(self.ctx.store.reader().events(kind, name, limit)?)
     }
 
     /// The console log of a VM that exists.
     pub fn console_path(&self, name: &str) -> Result<std::path::PathBuf, RequestError> {
         self.get(Kind::VirtualMachine, name)?;
-        Ok(self.config.serial_log(name))
+        Ok(self.ctx.config.serial_log(name))
     }
 
     /// The serial console socket of a VM that exists (QEMU serves it while
     /// the VM runs).
     pub fn console_socket(&self, name: &str) -> Result<std::path::PathBuf, RequestError> {
         self.get(Kind::VirtualMachine, name)?;
-        Ok(self.config.serial_socket(name))
+        Ok(self.ctx.config.serial_socket(name))
     }
 
     // ------------------------------------------------------------ work queue
@@ -297,7 +340,7 @@ impl Engine {
                     Err(e) => tracing::warn!(error = %e, "cannot resync the disks in one pass"),
                 }
             }
-            if let Ok(objs) = self.store.list(kind) {
+            if let Ok(objs) = self.ctx.store.list(kind) {
                 for o in objs {
                     self.wake(kind, o.object.name());
                 }

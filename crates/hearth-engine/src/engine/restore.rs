@@ -17,9 +17,10 @@ impl Engine {
     pub async fn restore_group(self: &Arc<Self>, name: &str) -> Result<String, RequestError> {
         let stored = self.get(Kind::VirtualMachineSnapshotGroup, name)?;
         let Object::VirtualMachineSnapshotGroup(group) = &stored.object else {
-            return Err(RequestError::NotFound(format!(
-                "VirtualMachineSnapshotGroup {name:?} not found"
-            )));
+            return Err(RequestError::not_found(
+                Kind::VirtualMachineSnapshotGroup,
+                name,
+            ));
         };
         let status: hearth_api::SnapshotStatus =
             serde_json::from_value(stored.status.clone()).unwrap_or_default();
@@ -74,7 +75,7 @@ impl Engine {
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        self.event(
+        self.ctx.event(
             Kind::VirtualMachineSnapshotGroup,
             name,
             EventType::Normal,
@@ -95,20 +96,18 @@ impl Engine {
         use crate::snapshot::storage;
         let stored = self.get(Kind::VirtualMachine, vm_name)?;
         let Object::VirtualMachine(vm) = &stored.object else {
-            return Err(RequestError::NotFound(format!(
-                "VirtualMachine {vm_name:?} not found"
-            )));
+            return Err(RequestError::not_found(Kind::VirtualMachine, vm_name));
         };
         let snap = self.get(Kind::VirtualMachineSnapshot, from)?;
         let Object::VirtualMachineSnapshot(vmsnap) = &snap.object else {
-            return Err(RequestError::NotFound(format!(
-                "VirtualMachineSnapshot {from:?} not found"
-            )));
+            return Err(RequestError::not_found(Kind::VirtualMachineSnapshot, from));
         };
         if snap.deleting {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachineSnapshot {from:?} is being deleted; nothing was restored"
-            )));
+            return Err(RequestError::deleting(
+                Kind::VirtualMachineSnapshot,
+                from,
+                "; nothing was restored",
+            ));
         }
         if vmsnap.spec.virtual_machine_name != vm_name {
             return Err(RequestError::Conflict(format!(
@@ -130,12 +129,14 @@ impl Engine {
         // snapshot whose delete came first is not restored.
         let mut _pins = Vec::new();
         for child in &status.virtual_disk_snapshot_names {
-            _pins.push(self.exports.of(child).read_owned().await);
+            _pins.push(self.ctx.exports.of(child).read_owned().await);
         }
         if self.get(Kind::VirtualMachineSnapshot, from)?.deleting {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachineSnapshot {from:?} is being deleted; nothing was restored"
-            )));
+            return Err(RequestError::deleting(
+                Kind::VirtualMachineSnapshot,
+                from,
+                "; nothing was restored",
+            ));
         }
         let mut plan = Vec::new();
         for child in &status.virtual_disk_snapshot_names {
@@ -154,20 +155,22 @@ impl Engine {
                     "VirtualDisk {disk:?} of the snapshot is no longer in VirtualMachine {vm_name:?} (spec.disks)"
                 )));
             }
-            let layer = storage::snapshot_layer(&self.store, child)?.ok_or_else(|| {
+            let layer = storage::snapshot_layer(&self.ctx.store, child)?.ok_or_else(|| {
                 RequestError::Conflict(format!("VirtualDiskSnapshot {child:?} has no stored layer"))
             })?;
             plan.push((disk, layer));
         }
         let was_running = self
+            .ctx
             .store
             .runtime(vm_name)?
             .is_some_and(|r| hearth_qemu::process::is_alive(&r.process));
-        let previous = self.store.intent(vm_name)?;
+        let previous = self.ctx.store.intent(vm_name)?;
         if was_running {
-            self.store
+            self.ctx
+                .store
                 .update_intent(vm_name, |i| i.want_running = Some(false))?;
-            self.event(
+            self.ctx.event(
                 Kind::VirtualMachine,
                 vm_name,
                 EventType::Normal,
@@ -179,7 +182,7 @@ impl Engine {
         let result = self.restore_disks(vm, &plan, was_running).await;
         // Whatever happened, the VM goes back to what it was asked to be.
         if was_running {
-            self.store.update_intent(vm_name, |i| {
+            self.ctx.store.update_intent(vm_name, |i| {
                 i.want_running = previous.want_running.or(Some(true))
             })?;
         }
@@ -192,7 +195,7 @@ impl Engine {
             "VirtualMachine {vm_name:?}: {} disk(s) restored from VirtualMachineSnapshot {from:?}",
             plan.len()
         );
-        self.event(
+        self.ctx.event(
             Kind::VirtualMachine,
             vm_name,
             EventType::Normal,
@@ -215,7 +218,7 @@ impl Engine {
         if was_running {
             let limit = Duration::from_secs(u64::from(vm.spec.stop_timeout_seconds) + 60);
             let started = std::time::Instant::now();
-            while self.store.runtime(vm_name)?.is_some() {
+            while self.ctx.store.runtime(vm_name)?.is_some() {
                 if started.elapsed() > limit {
                     return Err(RequestError::Conflict(format!(
                         "VirtualMachine {vm_name:?} did not stop within {} s; nothing was restored",
@@ -225,8 +228,8 @@ impl Engine {
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
-        let _ops = self.lock_vm_ops(vm).await;
-        if self.store.runtime(vm_name)?.is_some() {
+        let _ops = self.ctx.lock_vm_ops(vm).await;
+        if self.ctx.store.runtime(vm_name)?.is_some() {
             return Err(RequestError::Conflict(format!(
                 "VirtualMachine {vm_name:?} is running; stop it first (nothing was restored)"
             )));
@@ -234,18 +237,18 @@ impl Engine {
         // The last QEMU is gone: a cut it left unsettled is settled first,
         // so the heads replaced below are the real ones.
         let disks: Vec<String> = plan.iter().map(|(d, _)| d.clone()).collect();
-        crate::snapshot::overlays::settle_offline(&self.store, &disks)
+        crate::snapshot::overlays::settle_offline(&self.ctx.store, &disks)
             .await
             .map_err(|e| RequestError::Conflict(format!("{e} (nothing was restored)")))?;
-        crate::snapshot::compaction::settle_offline(self, &disks)
+        crate::snapshot::compaction::settle_offline(&self.ctx, &disks)
             .await
             .map_err(|e| RequestError::Conflict(format!("{e} (nothing was restored)")))?;
-        let state_dir = self.config.state_dir.clone();
+        let state_dir = self.ctx.config.state_dir.clone();
         std::fs::create_dir_all(storage::layers_dir(&state_dir))
             .map_err(|e| RequestError::Conflict(e.to_string()))?;
         let mut made = Vec::new();
         for (disk, layer) in plan {
-            let new = storage::allocate(&self.store, &state_dir, disk)?;
+            let new = storage::allocate(&self.ctx.store, &state_dir, disk)?;
             if let Err(e) =
                 hearth_qemu::img::create_overlay(&new.path, &layer.path, "qcow2", None).await
             {
@@ -259,7 +262,7 @@ impl Engine {
             }
             made.push((disk.clone(), new, layer.id.clone()));
         }
-        self.store.with_tx(|tx| {
+        self.ctx.store.with_tx(|tx| {
             for (disk, new, backing) in &made {
                 storage::set_head_tx(tx, disk, new, Some(backing))?;
                 let path = new.path.clone();
@@ -274,7 +277,7 @@ impl Engine {
             }
             Ok(())
         })?;
-        storage::collect_garbage(&self.store)?;
+        storage::collect_garbage(&self.ctx.store)?;
         Ok(())
     }
 }

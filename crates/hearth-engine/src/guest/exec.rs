@@ -94,10 +94,12 @@ pub(crate) async fn poll_until_exit(channel: &Channel, session: &Session) -> Sta
 
 /// A failed call as the API shows it: what was being done, for which VM.
 pub(crate) fn call_error(vm: &str, doing: &str, e: CallError) -> RequestError {
-    let message = format!("VirtualMachine {vm:?}: {doing}: {e}");
     match e {
         // The guest said no (no such program, permission denied, ...).
-        CallError::Agent(AgentError::Command { .. }) => RequestError::BadRequest(message),
-        _ => RequestError::Conflict(message),
+        CallError::Agent(AgentError::Command { .. }) => RequestError::Guest {
+            vm: vm.to_string(),
+            message: format!("{doing}: {e}"),
+        },
+        _ => RequestError::Conflict(format!("VirtualMachine {vm:?}: {doing}: {e}")),
     }
 }

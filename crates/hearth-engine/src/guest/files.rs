@@ -290,13 +290,17 @@ impl Drop for Download {
 }
 
 pub(crate) fn bad(vm: &str, message: String) -> RequestError {
-    RequestError::BadRequest(format!("VirtualMachine {vm:?}: {message}"))
+    RequestError::Guest {
+        vm: vm.to_string(),
+        message,
+    }
 }
 
 pub(crate) fn no_such_file(vm: &str, path: &str) -> RequestError {
-    RequestError::NotFound(format!(
-        "VirtualMachine {vm:?}: {path}: no such file in the guest"
-    ))
+    RequestError::NotInGuest {
+        vm: vm.to_string(),
+        what: format!("{path}: no such file in the guest"),
+    }
 }
 
 pub(crate) fn is_a_directory(vm: &str, path: &str) -> RequestError {

@@ -28,7 +28,6 @@ use tokio::time::Instant;
 
 pub use exec::{ExecStarted, ExecStatus};
 pub use files::{Download, Upload, UploadDone};
-pub use sessions::Execs;
 
 /// Bound for one agent request (a file chunk, a poll, a program start).
 /// Under TCG a 48 KiB write takes ~20-50 ms; this is for a loaded host.

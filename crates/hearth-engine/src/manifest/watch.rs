@@ -289,7 +289,7 @@ impl ManifestSource {
                         tracing::info!(kind = key.0.as_str(), name = key.1, file = %file.display(), "manifest file gone: deleting");
                         Outcome::Done
                     }
-                    Err(RequestError::NotFound(_)) => Outcome::NotFound,
+                    Err(RequestError::NotFound { .. }) => Outcome::NotFound,
                     Err(e) => Outcome::Refused(e.to_string()),
                 }
             }
@@ -312,6 +312,7 @@ impl ManifestSource {
                     p.message()
                 );
                 self.engine
+                    .ctx()
                     .event(kind, name, EventType::Warning, p.reason(), &p.message());
                 set_manifest_condition(
                     &self.engine,
@@ -324,6 +325,7 @@ impl ManifestSource {
             None => {
                 let message = "the manifest problem is resolved: the object follows its file again";
                 self.engine
+                    .ctx()
                     .event(kind, name, EventType::Normal, "ManifestValid", message);
                 set_manifest_condition(
                     &self.engine,
@@ -379,22 +381,27 @@ fn set_manifest_condition(
     let set = |c: &mut Vec<Condition>| set_condition(c, CONDITION, status, reason, message, now);
     let (kind, name) = (key.0, key.1.as_str());
     if kind == Kind::VirtualMachine {
-        engine.set_vm_status(name, |s| set(&mut s.conditions));
+        engine.ctx().set_vm_status(name, |s| set(&mut s.conditions));
     } else if kind == Kind::VirtualDisk {
-        engine.set_disk_status(name, |s| set(&mut s.conditions));
+        engine
+            .ctx()
+            .set_disk_status(name, |s| set(&mut s.conditions));
     } else {
-        let r = engine.store.update_status::<Value, _>(kind, name, |v| {
-            if let Value::Object(map) = v {
-                let mut conditions: Vec<Condition> = map
-                    .get("conditions")
-                    .and_then(|c| serde_json::from_value(c.clone()).ok())
-                    .unwrap_or_default();
-                set(&mut conditions);
-                if let Ok(c) = serde_json::to_value(conditions) {
-                    map.insert("conditions".into(), c);
+        let r = engine
+            .ctx()
+            .store
+            .update_status::<Value, _>(kind, name, |v| {
+                if let Value::Object(map) = v {
+                    let mut conditions: Vec<Condition> = map
+                        .get("conditions")
+                        .and_then(|c| serde_json::from_value(c.clone()).ok())
+                        .unwrap_or_default();
+                    set(&mut conditions);
+                    if let Ok(c) = serde_json::to_value(conditions) {
+                        map.insert("conditions".into(), c);
+                    }
                 }
-            }
-        });
+            });
         if let Err(e) = r {
             tracing::warn!(kind = kind.as_str(), name, error = %e, "cannot write status");
         }

@@ -7,7 +7,6 @@
 
 use std::io::Write;
 
-use anyhow::bail;
 use chrono::{DateTime, Utc};
 use hearth_api::Kind;
 use serde_json::Value;
@@ -106,12 +105,6 @@ pub async fn events(
 ) -> anyhow::Result<()> {
     let mut follower = match Follower::open(client, path_of(args), RECONNECT_FOR, notes).await {
         Ok(f) => f,
-        // A hearthd from before the change stream: the plain list, if that
-        // is all that was asked for.
-        Err(e) if e.is_not_found() && !args.watch => return listed_events(client, args, out).await,
-        Err(e) if e.is_not_found() => {
-            bail!("hearthd has no change stream to follow (it is older than this hearth): {e}")
-        }
         Err(e) => return Err(e.into()),
     };
     let mut listed: Vec<(u64, Value)> = Vec::new();
@@ -146,41 +139,6 @@ pub async fn events(
         }
         out.flush()?;
     }
-}
-
-/// `GET /v1/events`, for a hearthd without the change stream (no seqs).
-async fn listed_events(
-    client: &ApiClient,
-    args: &Args,
-    out: &mut impl Write,
-) -> anyhow::Result<()> {
-    let mut path = format!("/v1/events?limit={}", args.limit);
-    if let Some(s) = &args.subject {
-        path.push_str(&format!("&kind={}", s.kind.as_str()));
-        if let Some(name) = &s.name {
-            path.push_str(&format!("&name={name}"));
-        }
-    }
-    let answer = client.get(&path).await?;
-    let Some(items) = answer.get("items").and_then(Value::as_array) else {
-        bail!("hearthd's events answer has no \"items\" list");
-    };
-    if items.is_empty() {
-        eprintln!("No events found.");
-        return Ok(());
-    }
-    match args.output {
-        Format::Table => {
-            let events: Vec<(u64, Value)> = items.iter().map(|e| (0, e.clone())).collect();
-            write_events(Format::Table, &events, Utc::now(), &mut None, out)?;
-        }
-        Format::Json => {
-            for e in items {
-                writeln!(out, "{e}")?;
-            }
-        }
-    }
-    Ok(())
 }
 
 /// `vm/demo` for a kind this CLI knows, else `kind/name` as sent.
@@ -339,40 +297,6 @@ AGE   TYPE     REASON    OBJECT      MESSAGE
         assert_eq!(line["seq"], 7);
         assert_eq!(line["reason"], "Started");
         assert_eq!(out.iter().filter(|b| **b == b'\n').count(), 1);
-    }
-
-    #[tokio::test]
-    async fn a_hearthd_without_the_stream_still_lists_but_cannot_be_followed() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let server = ScriptedServer::routes(
-            dir.path(),
-            vec![(
-                "GET",
-                "/v1/events?limit=5&kind=VirtualMachine&name=demo",
-                vec![ok(
-                    &json!({"items": [event(1, "Started", "VirtualMachine", "demo", "pid 4")]})
-                        .to_string(),
-                )],
-            )],
-        );
-        let client = ApiClient::new(&server.socket);
-        let mut args = Args {
-            watch: false,
-            subject: parse_subject("vm/demo").ok(),
-            output: Format::Json,
-            limit: 5,
-        };
-        let mut out = Vec::new();
-        events(&client, &args, &mut out, Box::new(std::io::sink()))
-            .await
-            .expect("listed");
-        let line: Value = serde_json::from_slice(&out).expect("a JSON line");
-        assert_eq!(line["reason"], "Started");
-        args.watch = true;
-        let err = events(&client, &args, &mut Vec::new(), Box::new(std::io::sink()))
-            .await
-            .expect_err("no stream to follow");
-        assert!(err.to_string().contains("no change stream"), "{err}");
     }
 
     #[tokio::test]

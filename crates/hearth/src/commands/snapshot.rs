@@ -4,7 +4,8 @@
 //! A snapshot is an ordinary object: this command builds one
 //! VirtualDiskSnapshot, VirtualMachineSnapshot or VirtualMachineSnapshotGroup
 //! and sends it through
-//! `POST /v1/apply`, exactly what `hearth apply` of the same manifest does.
+//! `POST /v1/apply?create=true`: what `hearth apply` of the same manifest
+//! does, except that an existing object is refused instead of updated.
 
 use std::io::Write;
 use std::time::Duration;
@@ -20,8 +21,9 @@ use crate::client::{ApiClient, ApiError};
 use crate::follow::{Follower, Update};
 use crate::output::{at, human_bytes, str_at, u64_at};
 use hearth_api::WatchType;
+use hyper::StatusCode;
 
-/// Only for a hearthd without the change stream (it answers 404).
+/// How often the snapshot is read while hearthd is out of reach.
 const POLL_INTERVAL: Duration = Duration::from_millis(250);
 
 /// `-20250101-120000`: what a default name adds after the source's name.
@@ -265,7 +267,9 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
 ///
 /// A snapshot command takes a new snapshot or fails: it never re-applies over
 /// an existing object of the same name, which would at best do nothing and at
-/// worst point an old snapshot's spec somewhere else.
+/// worst point an old snapshot's spec somewhere else. So it is one apply that
+/// only creates (`?create=true`), which hearthd refuses with a 409 when the
+/// name is taken.
 pub async fn create(
     client: &ApiClient,
     request: &Request,
@@ -280,22 +284,26 @@ pub async fn create(
         };
         anyhow::anyhow!("{who} already exists{detail}; no new snapshot was taken ({hint})")
     };
-    match client.get(&object_path(request.kind, &request.name)).await {
-        Ok(existing) => {
-            let detail = str_at(&existing, &["status", "phase"])
-                .map(|p| format!(" (it is {p})"))
-                .unwrap_or_default();
-            return Err(taken(detail));
-        }
-        Err(e) if e.is_not_found() => {}
-        Err(e) => return Err(e.into()),
-    }
     let object = request.object();
     // The same checks hearthd makes, so a bad request fails before it is sent.
     object_from_value(object.clone(), "the snapshot").map_err(anyhow::Error::msg)?;
-    let answer = client
-        .post("/v1/apply", Some(&json!({ "items": [object] })))
-        .await?;
+    let answer = match client
+        .post("/v1/apply?create=true", Some(&json!({ "items": [object] })))
+        .await
+    {
+        Ok(answer) => answer,
+        Err(ApiError::Server { status, .. }) if status == StatusCode::CONFLICT => {
+            // Nothing was written; say what holds the name, when it still does.
+            let detail = match client.get(&object_path(request.kind, &request.name)).await {
+                Ok(existing) => str_at(&existing, &["status", "phase"])
+                    .map(|p| format!(" (it is {p})"))
+                    .unwrap_or_default(),
+                Err(_) => String::new(),
+            };
+            return Err(taken(detail));
+        }
+        Err(e) => return Err(e.into()),
+    };
     let text = super::apply::render_results(&answer)?;
     out.write_all(text.as_bytes())?;
     let action = answer
@@ -304,7 +312,6 @@ pub async fn create(
         .and_then(|r| r.first())
         .and_then(|r| str_at(r, &["action"]));
     if action != Some("created") {
-        // Created by someone else between our look and our apply.
         return Err(taken(String::new()));
     }
     Ok(())
@@ -376,8 +383,8 @@ fn timed_out(request: &Request, timeout: Duration, last: &str) -> anyhow::Error 
 
 /// Follows the snapshot on hearthd's change stream until it is Ready
 /// (returning it) or will never be: the answer comes the moment hearthd
-/// stores it, with no polling delay. A hearthd without the stream (404) is
-/// polled instead. Prints a progress line each time the phase or the cut
+/// stores it, with no polling delay. A hearthd that cannot be reached
+/// (restarting) is asked for the snapshot in turn. Prints a progress line each time the phase or the cut
 /// changes; Ready and Failed are left to the caller's summary or error.
 pub async fn follow_until_final(
     client: &ApiClient,
@@ -400,8 +407,8 @@ pub async fn follow_until_final(
     let mut follower = match opened {
         Err(_) => return Err(timed_out(request, timeout, "no status yet")),
         Ok(Ok(f)) => f,
-        Ok(Err(e)) if e.is_not_found() || matches!(e, ApiError::Unreachable { .. }) => {
-            // An older hearthd, or one restarting: ask it in turn.
+        Ok(Err(ApiError::Unreachable { .. })) => {
+            // hearthd restarting: ask it in turn.
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             return wait_until_final(client, request, left, POLL_INTERVAL, out).await;
         }
@@ -442,7 +449,7 @@ pub async fn follow_until_final(
 }
 
 /// Polls until the snapshot is Ready (returning it) or will never be, for a
-/// hearthd without the change stream.
+/// hearthd that was out of reach when the stream was opened.
 pub async fn wait_until_final(
     client: &ApiClient,
     request: &Request,
@@ -551,6 +558,13 @@ mod tests {
         (
             StatusCode::NOT_FOUND,
             r#"{"error": "not found"}"#.to_string(),
+        )
+    }
+
+    fn conflict() -> (StatusCode, String) {
+        (
+            StatusCode::CONFLICT,
+            r#"{"error": "VirtualDiskSnapshot \"data-20250304-050607\" already exists; an apply with create=true only creates"}"#.to_string(),
         )
     }
 
@@ -728,12 +742,10 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn create_checks_the_name_is_free_then_applies_one_snapshot() {
+    async fn create_is_one_apply_that_only_creates() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let server = ScriptedServer::start(
-            dir.path(),
-            vec![not_found(), created("VirtualDiskSnapshot", "data-1")],
-        );
+        let server =
+            ScriptedServer::start(dir.path(), vec![created("VirtualDiskSnapshot", "data-1")]);
         let client = ApiClient::new(&server.socket);
         let mut out = Vec::new();
         create(&client, &disk_request("data-1"), &mut out)
@@ -744,25 +756,19 @@ mod tests {
             "virtualdisksnapshot/data-1 created\n"
         );
         let seen = server.seen();
-        assert_eq!(seen.len(), 2);
+        assert_eq!(seen.len(), 1);
         assert_eq!(
             (seen[0].method.as_str(), seen[0].path.as_str()),
-            ("GET", "/v1/virtualdisksnapshots/data-1")
+            ("POST", "/v1/apply?create=true")
         );
-        assert_eq!(
-            (seen[1].method.as_str(), seen[1].path.as_str()),
-            ("POST", "/v1/apply")
-        );
-        assert_eq!(sent_object(&seen[1].body), disk_request("data-1").object());
+        assert_eq!(sent_object(&seen[0].body), disk_request("data-1").object());
     }
 
     #[tokio::test]
     async fn create_vm_snapshot_posts_a_virtual_machine_snapshot() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let server = ScriptedServer::start(
-            dir.path(),
-            vec![not_found(), created("VirtualMachineSnapshot", "pre")],
-        );
+        let server =
+            ScriptedServer::start(dir.path(), vec![created("VirtualMachineSnapshot", "pre")]);
         let client = ApiClient::new(&server.socket);
         let request = Request {
             kind: Kind::VirtualMachineSnapshot,
@@ -778,8 +784,8 @@ mod tests {
             "virtualmachinesnapshot/pre created\n"
         );
         let seen = server.seen();
-        assert_eq!(seen[0].path, "/v1/virtualmachinesnapshots/pre");
-        let sent = sent_object(&seen[1].body);
+        assert_eq!(seen[0].path, "/v1/apply?create=true");
+        let sent = sent_object(&seen[0].body);
         assert_eq!(sent["kind"], "VirtualMachineSnapshot");
         assert_eq!(sent["spec"]["virtualMachineName"], "demo");
     }
@@ -787,7 +793,10 @@ mod tests {
     #[tokio::test]
     async fn an_existing_name_is_refused_without_applying() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let server = ScriptedServer::start(dir.path(), vec![snap(json!({"phase": "Ready"}))]);
+        let server = ScriptedServer::start(
+            dir.path(),
+            vec![conflict(), snap(json!({"phase": "Ready"}))],
+        );
         let client = ApiClient::new(&server.socket);
         let mut request = disk_request("data-20250304-050607");
         request.default_name = true;
@@ -799,7 +808,12 @@ mod tests {
             "snapshot/data-20250304-050607 already exists (it is Ready); no new snapshot was taken \
              (another snapshot was started in the same second; pass --name)"
         );
-        assert_eq!(server.seen().len(), 1, "nothing was applied");
+        let seen = server.seen();
+        assert_eq!(
+            (seen[0].method.as_str(), seen[0].path.as_str()),
+            ("POST", "/v1/apply?create=true"),
+            "one apply that only creates, refused"
+        );
     }
 
     #[tokio::test]
@@ -807,12 +821,9 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let server = ScriptedServer::start(
             dir.path(),
-            vec![
-                not_found(),
-                ok(
-                    r#"{"results": [{"kind": "VirtualDiskSnapshot", "name": "x", "action": "unchanged"}]}"#,
-                ),
-            ],
+            vec![ok(
+                r#"{"results": [{"kind": "VirtualDiskSnapshot", "name": "x", "action": "unchanged"}]}"#,
+            )],
         );
         let client = ApiClient::new(&server.socket);
         let mut out = Vec::new();
@@ -976,41 +987,6 @@ mod tests {
         assert_eq!(
             err.to_string(),
             "snapshot/s was deleted before it became Ready"
-        );
-    }
-
-    #[tokio::test]
-    async fn a_hearthd_without_the_stream_is_polled() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let server = ScriptedServer::routes(
-            dir.path(),
-            vec![(
-                "GET",
-                "/v1/virtualdisksnapshots/s",
-                vec![
-                    snap(json!({"phase": "Pending"})),
-                    snap(json!({"phase": "Ready", "consistent": true})),
-                ],
-            )],
-        );
-        let client = ApiClient::new(&server.socket);
-        let last = follow_until_final(
-            &client,
-            &disk_request("s"),
-            Duration::from_secs(10),
-            &mut Vec::new(),
-        )
-        .await
-        .expect("Ready");
-        assert_eq!(last["status"]["phase"], "Ready");
-        let seen: Vec<String> = server.seen().iter().map(|s| s.path.clone()).collect();
-        assert_eq!(
-            seen,
-            [
-                "/v1/watch?kinds=virtualdisksnapshots&name=s",
-                "/v1/virtualdisksnapshots/s",
-                "/v1/virtualdisksnapshots/s"
-            ]
         );
     }
 

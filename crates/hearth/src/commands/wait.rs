@@ -462,37 +462,6 @@ vm/demo: Stopped
     }
 
     #[tokio::test]
-    async fn a_hearthd_without_the_stream_is_polled() {
-        let dir = tempfile::tempdir().expect("tempdir");
-        // No route for /v1/watch: 404, as a hearthd older than the stream answers.
-        let server = ScriptedServer::routes(
-            dir.path(),
-            vec![(
-                "GET",
-                "/v1/virtualmachines/demo",
-                vec![vm_answer("Starting"), vm_answer("Running")],
-            )],
-        );
-        let client = ApiClient::new(&server.socket);
-        let (result, out) = streamed(
-            &client,
-            &args(WaitFor::Phase("Running".into()), Duration::from_secs(10)),
-        )
-        .await;
-        result.expect("Running");
-        assert_eq!(out, "vm/demo: Starting\nvm/demo: Running\n");
-        let paths: Vec<String> = server.seen().into_iter().map(|s| s.path).collect();
-        assert_eq!(
-            paths,
-            [
-                "/v1/watch?kinds=virtualmachines&name=demo",
-                "/v1/virtualmachines/demo",
-                "/v1/virtualmachines/demo"
-            ]
-        );
-    }
-
-    #[tokio::test]
     async fn a_stream_wait_times_out_with_the_last_status() {
         let dir = tempfile::tempdir().expect("tempdir");
         let server = ScriptedServer::routes(

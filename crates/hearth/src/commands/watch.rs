@@ -2,9 +2,8 @@
 //! wait` and `hearth apply --wait`.
 //!
 //! The objects are followed on hearthd's change stream ([`Follow::Stream`]:
-//! every change is judged as it is committed, nothing is polled); a
-//! hearthd from before the stream is polled instead (`GET /v1/KIND/NAME`).
-//! Either way a pure [`Goal::judge`] decides whether each observation is
+//! every change is judged as it is committed, nothing is polled), or, in
+//! tests, polled ([`Follow::Poll`], `GET /v1/KIND/NAME`). Either way a pure [`Goal::judge`] decides whether each observation is
 //! there, still on its way, or will not get there, and a [`Reporter`] shows
 //! how it goes. The judging is pure so every case is tested without a daemon.
 
@@ -14,15 +13,14 @@ use anyhow::bail;
 use hearth_api::{Kind, WatchType};
 use serde_json::Value;
 
+#[cfg(test)]
+use super::object_path;
+use super::short_ref;
 use super::wait::WaitFor;
-use super::{object_path, short_ref};
 use crate::client::{ApiClient, ApiError};
 use crate::follow::{Follower, Update};
 use crate::output::{at, human_bytes, str_at, u64_at};
 use crate::progress::{Reporter, Transfer, View};
-
-/// How often each object is read when hearthd has no change stream.
-pub const POLL_INTERVAL: Duration = Duration::from_millis(250);
 
 /// What one poll found.
 #[derive(Clone, Debug)]
@@ -91,7 +89,8 @@ impl Observation {
     }
 }
 
-pub async fn observe(client: &ApiClient, path: &str) -> Result<Observation, ApiError> {
+#[cfg(test)]
+async fn observe(client: &ApiClient, path: &str) -> Result<Observation, ApiError> {
     match client.get(path).await {
         Ok(obj) => Ok(Observation::Present(obj)),
         Err(e) if e.is_not_found() => Ok(Observation::Absent),
@@ -373,6 +372,7 @@ pub struct Target {
 struct Watched {
     target: Target,
     who: String,
+    #[cfg(test)]
     path: String,
     last: Observation,
     /// The last failure seen, kept when a retry clears it from the status.
@@ -384,10 +384,11 @@ struct Watched {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Follow {
     /// hearthd's change stream (`GET /v1/watch`): each change is judged
-    /// as it is committed, nothing is polled. A hearthd from before the
-    /// stream (it answers 404) is polled every [`POLL_INTERVAL`] instead.
+    /// as it is committed, nothing is polled.
     Stream,
-    /// Read every object each interval.
+    /// Read every object each interval (the judging, tested without a
+    /// stream).
+    #[cfg(test)]
     Poll(Duration),
 }
 
@@ -406,6 +407,7 @@ pub async fn watch(
         .into_iter()
         .map(|target| Watched {
             who: short_ref(target.kind, &target.name),
+            #[cfg(test)]
             path: object_path(target.kind, &target.name),
             target,
             last: Observation::Absent,
@@ -414,28 +416,23 @@ pub async fn watch(
         })
         .collect();
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut follow = follow;
-    loop {
-        match follow {
-            Follow::Stream => {
-                match follow_stream(client, &mut watched, timeout, deadline, reporter).await? {
-                    Followed::Done => return Ok(()),
-                    Followed::TimedOut => {
-                        reporter.abandon()?;
-                        return Err(timed_out(&watched, total, timeout));
-                    }
-                    // A hearthd from before the stream: poll it.
-                    Followed::NoStream => follow = Follow::Poll(POLL_INTERVAL),
+    match follow {
+        Follow::Stream => {
+            match follow_stream(client, &mut watched, timeout, deadline, reporter).await? {
+                Followed::Done => Ok(()),
+                Followed::TimedOut => {
+                    reporter.abandon()?;
+                    Err(timed_out(&watched, total, timeout))
                 }
             }
-            Follow::Poll(every) => {
-                return poll(client, &mut watched, timeout, deadline, every, reporter).await;
-            }
         }
+        #[cfg(test)]
+        Follow::Poll(every) => poll(client, &mut watched, timeout, deadline, every, reporter).await,
     }
 }
 
 /// Reads every target each `every` until all are done.
+#[cfg(test)]
 async fn poll(
     client: &ApiClient,
     watched: &mut [Watched],
@@ -465,8 +462,6 @@ async fn poll(
 enum Followed {
     Done,
     TimedOut,
-    /// hearthd has no stream (older than it): poll.
-    NoStream,
 }
 
 /// The stream's path for these targets: their kinds, and the name when
@@ -507,7 +502,6 @@ async fn follow_stream(
         match opened {
             Err(_) => return Ok(Followed::TimedOut),
             Ok(Ok(f)) => break f,
-            Ok(Err(e)) if e.is_not_found() => return Ok(Followed::NoStream),
             Ok(Err(e @ ApiError::Unreachable { .. })) => {
                 let why = e.to_string();
                 for w in watched.iter_mut() {

@@ -79,8 +79,7 @@ pub async fn console(
             }
             let vm_exists = t
                 .engine
-                .store
-                .get(Kind::VirtualMachine, &t.vm)
+                .find(Kind::VirtualMachine, &t.vm)
                 .ok()
                 .flatten()
                 .is_some();

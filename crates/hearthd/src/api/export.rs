@@ -11,7 +11,7 @@ use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use hearth_engine::Engine;
-use hearth_engine::snapshot::export::ExportFormat;
+use hearth_engine::ExportFormat;
 use serde::Deserialize;
 use tokio::io::AsyncReadExt;
 

@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use base64::Engine as _;
 use futures_util::StreamExt;
 use hearth_engine::Engine;
-use hearth_engine::guest::ExecStatus;
+use hearth_engine::ExecStatus;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -76,7 +76,7 @@ pub struct StatusQuery {
 }
 
 /// The longest `waitMs`: the engine's own longest wait.
-const MAX_WAIT_MS: u64 = hearth_engine::guest::exec::MAX_WAIT.as_millis() as u64;
+const MAX_WAIT_MS: u64 = hearth_engine::EXEC_MAX_WAIT.as_millis() as u64;
 
 #[derive(Deserialize)]
 pub struct ExecPath {

@@ -10,8 +10,9 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use hearth_engine::Engine;
-use hearth_engine::manifest::ManifestSource;
-use hearth_engine::metrics::{ManifestMetrics, PREFIX, encode, sample};
+use hearth_engine::{
+    METRICS_PREFIX as PREFIX, ManifestMetrics, ManifestSource, encode_metrics as encode,
+};
 use prometheus_client::registry::Registry;
 
 const PROMETHEUS_TEXT: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
@@ -30,9 +31,9 @@ pub async fn scrape(
     source: Option<Extension<Arc<ManifestSource>>>,
     headers: HeaderMap,
 ) -> Response {
-    let sampled = sample(&engine).await;
+    let sampled = engine.sample_metrics().await;
     let mut registry = Registry::with_prefix(PREFIX);
-    engine.metrics.register(&mut registry);
+    engine.metrics().register(&mut registry);
     registry.register_collector(Box::new(sampled));
     if let Some(Extension(source)) = source {
         registry.register_collector(Box::new(ManifestMetrics(source.counters())));

@@ -20,7 +20,7 @@ use axum::{Json, Router};
 use hearth_api::redact::{is_redacted_form_of, redact_credentials, redact_json};
 use hearth_api::{ImageSource, Kind, Object, object_from_value};
 use hearth_engine::store::StoredObject;
-use hearth_engine::{Engine, RequestError, VmAction};
+use hearth_engine::{ApplyMode, Engine, Refusal, RequestError, VmAction};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -96,11 +96,11 @@ pub struct ApiError(StatusCode, String);
 
 impl From<RequestError> for ApiError {
     fn from(e: RequestError) -> Self {
-        let status = match &e {
-            RequestError::Invalid(_) | RequestError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            RequestError::NotFound(_) => StatusCode::NOT_FOUND,
-            RequestError::Conflict(_) => StatusCode::CONFLICT,
-            RequestError::Store(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        let status = match e.refusal() {
+            Refusal::BadRequest => StatusCode::BAD_REQUEST,
+            Refusal::NotFound => StatusCode::NOT_FOUND,
+            Refusal::Conflict => StatusCode::CONFLICT,
+            Refusal::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         };
         ApiError(status, e.to_string())
     }
@@ -141,7 +141,7 @@ fn keep_stored_credentials(engine: &Engine, object: &mut Object) -> Result<(), A
     let ImageSource::Http(http) = &mut image.spec.source else {
         return Ok(());
     };
-    let Some(stored) = engine.store.get(Kind::VirtualImage, &image.metadata.name)? else {
+    let Some(stored) = engine.find(Kind::VirtualImage, &image.metadata.name)? else {
         return Ok(());
     };
     if let Object::VirtualImage(stored) = stored.object
@@ -177,7 +177,7 @@ fn kind_of(plural: &str) -> Result<Kind, ApiError> {
 }
 
 async fn health(State(engine): State<Arc<Engine>>) -> Json<Value> {
-    let a = &engine.config.accel;
+    let a = &engine.config().accel;
     Json(json!({
         "version": env!("CARGO_PKG_VERSION"),
         "accelerator": a.accel.as_str(),
@@ -206,8 +206,17 @@ struct ApplyRequest {
     items: Vec<Value>,
 }
 
+/// `POST /v1/apply?create=true`: only create; an object that exists is a
+/// 409 and nothing is written.
+#[derive(Deserialize)]
+struct ApplyQuery {
+    #[serde(default)]
+    create: bool,
+}
+
 async fn apply(
     State(engine): State<Arc<Engine>>,
+    ApiQuery(q): ApiQuery<ApplyQuery>,
     JsonBody(body): JsonBody<ApplyRequest>,
 ) -> Result<Json<Value>, ApiError> {
     let mut objects: Vec<Object> = Vec::with_capacity(body.items.len());
@@ -217,7 +226,12 @@ async fn apply(
         keep_stored_credentials(&engine, &mut obj)?;
         objects.push(obj);
     }
-    let outcomes = tokio::task::block_in_place(|| engine.apply(objects, API_OWNER))?;
+    let mode = if q.create {
+        ApplyMode::CreateOnly
+    } else {
+        ApplyMode::CreateOrUpdate
+    };
+    let outcomes = tokio::task::block_in_place(|| engine.apply_with(objects, API_OWNER, mode))?;
     Ok(Json(json!({"results": outcomes})))
 }
 

@@ -300,11 +300,14 @@ fn health() {}
 #[utoipa::path(post, path = "/v1/apply", tag = "objects",
     summary = "Create or update objects, all or nothing",
     description = "Every object is validated (syntax, fields, host paths inside the image roots, a disk used by at most one VM, immutable specs, network clashes, ownership) before any is written; the batch is written in one store transaction. Host paths must be absolute.",
+    params(
+        ("create" = Option<bool>, Query, description = "true: only create; an object that already exists is a 409 and nothing is written"),
+    ),
     request_body = ApplyRequest,
     responses(
         (status = 200, description = "Every object written (or unchanged), in order", body = ApplyResults),
         (status = 400, description = "An invalid object, a body that is not JSON, a key twice in one object, or a field other than items: nothing changed", body = ErrorAnswer),
-        (status = 409, description = "A conflict (a disk used by two VMs, an object owned by a manifest file): nothing changed", body = ErrorAnswer),
+        (status = 409, description = "A conflict (a disk used by two VMs, an object owned by a manifest file, with create=true an object that exists): nothing changed", body = ErrorAnswer),
         (status = 413, description = "A body over 8 MiB: nothing changed", body = ErrorAnswer),
         (status = 415, description = "A Content-Type that is not JSON: nothing changed", body = ErrorAnswer),
     ))]

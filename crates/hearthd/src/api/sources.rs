@@ -7,7 +7,7 @@ use std::sync::Arc;
 use axum::Json;
 use axum::extract::Extension;
 use axum::http::StatusCode;
-use hearth_engine::manifest::ManifestSource;
+use hearth_engine::ManifestSource;
 use serde_json::Value;
 
 use super::ApiError;

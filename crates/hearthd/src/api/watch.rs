@@ -13,7 +13,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use hearth_api::{Kind, check_dns_label};
 use hearth_engine::Engine;
-use hearth_engine::watch::{Filter, Options, Watch};
+use hearth_engine::watch::{Filter, Options};
 use serde::Deserialize;
 
 use super::request::{ApiPath, ApiQuery};
@@ -137,7 +137,7 @@ fn heartbeat(seconds: Option<u64>) -> Result<Duration, ApiError> {
 }
 
 fn stream(engine: &Engine, filter: Filter, options: Options) -> Result<Response, ApiError> {
-    let watch = Watch::start(&engine.store, filter, options).map_err(|e| {
+    let watch = engine.watch(filter, options).map_err(|e| {
         ApiError(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("cannot read the store: {e}"),
