@@ -23,7 +23,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hearth_api::{EventType, Kind};
-use rusqlite::params;
 use serde_json::{Value, json};
 
 use super::overlays;
@@ -31,6 +30,8 @@ use super::storage::{self, Layer};
 use hearth_qemu::process::ProcessIdentity;
 
 use crate::context::Context;
+use crate::store::journals::{self, Of};
+use crate::store::layers::{self, Roots};
 use crate::store::{Store, StoreError};
 use crate::vm::live::LiveVm;
 
@@ -229,134 +230,30 @@ pub fn decide(header: &Header, writer: &Writer) -> Settle {
 
 // ------------------------------------------------------------------ records
 
-/// A merge recorded before it starts.
-#[derive(Clone, Debug)]
-pub struct Intent {
-    pub id: i64,
-    pub target: String,
-    pub disk: String,
-    pub top: Layer,
-    pub base: Layer,
-    pub gone: Vec<Layer>,
-    pub job: Option<String>,
-    /// The QEMU an online merge runs in: only that process's cache can
-    /// hold the job's unflushed metadata, so only it can be asked to flush.
-    pub qemu: Option<ProcessIdentity>,
-}
+pub use crate::store::journals::{CompactionIntent as Intent, compaction_job as job_id};
 
 /// The layers as the store has them, with every direct reference.
 pub fn chains(store: &Store) -> Result<Chains, StoreError> {
-    store.with_tx(|tx| {
-        let mut c = Chains::default();
-        {
-            let mut stmt = tx.prepare("SELECT id, backing FROM layers")?;
-            let rows = stmt.query_map([], |r| {
-                Ok((r.get::<_, String>(0)?, r.get::<_, Option<String>>(1)?))
-            })?;
-            for row in rows {
-                let (id, b) = row?;
-                c.backing.insert(id, b);
-            }
-        }
-        for sql in [
-            "SELECT layer FROM heads",
-            "SELECT layer FROM snapshot_layers",
-            "SELECT base FROM cut_overlays",
-            "SELECT base FROM ahead_overlays",
-            "SELECT top FROM compactions",
-            "SELECT base FROM compactions",
-        ] {
-            let mut stmt = tx.prepare(sql)?;
-            let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
-            for r in rows {
-                c.roots.insert(r?);
-            }
-        }
-        // A merge in progress keeps its gone layers where they are too.
-        let mut stmt = tx.prepare("SELECT gone FROM compactions")?;
-        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
-        for r in rows {
-            let gone: Vec<String> = serde_json::from_str(&r?).unwrap_or_default();
-            c.roots.extend(gone);
-        }
-        Ok(c)
+    let g = layers::graph(store, Roots::Referenced)?;
+    Ok(Chains {
+        backing: g.backing,
+        roots: g.roots.into_iter().collect(),
     })
 }
 
 /// The recorded merges of `disk`.
 pub fn intents_of_disk(store: &Store, disk: &str) -> Result<Vec<Intent>, StoreError> {
-    select(store, "disk = ?1", disk)
+    journals::compactions(store, Of::Disk(disk))
 }
 
 /// The recorded merges of a target's actor.
 pub fn intents_of_target(store: &Store, target: &str) -> Result<Vec<Intent>, StoreError> {
-    select(store, "target = ?1", target)
+    journals::compactions(store, Of::Target(target))
 }
 
 /// The targets with a recorded merge (after a restart their actors settle it).
 pub fn targets(store: &Store) -> Result<Vec<String>, StoreError> {
-    store.with_tx(|tx| {
-        let mut stmt = tx.prepare("SELECT DISTINCT target FROM compactions")?;
-        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
-        Ok(rows.filter_map(Result::ok).collect())
-    })
-}
-
-fn select(store: &Store, cond: &str, arg: &str) -> Result<Vec<Intent>, StoreError> {
-    store.with_tx(|tx| {
-        let mut stmt = tx.prepare(&format!(
-            "SELECT id, target, disk, top, base, gone, job, qemu FROM compactions WHERE {cond} ORDER BY id"
-        ))?;
-        let rows = stmt
-            .query_map(params![arg], |r| {
-                Ok((
-                    r.get::<_, i64>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, String>(2)?,
-                    r.get::<_, String>(3)?,
-                    r.get::<_, String>(4)?,
-                    r.get::<_, String>(5)?,
-                    r.get::<_, Option<String>>(6)?,
-                    r.get::<_, Option<String>>(7)?,
-                ))
-            })?
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut out = Vec::new();
-        for (id, target, disk, top, base, gone, job, qemu) in rows {
-            let gone: Vec<String> = serde_json::from_str(&gone).unwrap_or_default();
-            let layer = |id: &str| -> Result<Layer, StoreError> {
-                Ok(storage::layer_tx(tx, id)?.unwrap_or(Layer {
-                    id: id.to_string(),
-                    path: PathBuf::new(),
-                    backing: None,
-                }))
-            };
-            out.push(Intent {
-                id,
-                target,
-                disk,
-                top: layer(&top)?,
-                base: layer(&base)?,
-                gone: gone.iter().map(|g| layer(g)).collect::<Result<_, _>>()?,
-                job,
-                qemu: qemu.as_deref().and_then(parse_identity),
-            });
-        }
-        Ok(out)
-    })
-}
-
-/// `pid:start_ticks`, as the `qemu` column holds it.
-fn format_identity(p: &ProcessIdentity) -> String {
-    format!("{}:{}", p.pid, p.start_ticks)
-}
-
-fn parse_identity(s: &str) -> Option<ProcessIdentity> {
-    let (pid, ticks) = s.split_once(':')?;
-    Some(ProcessIdentity {
-        pid: pid.parse().ok()?,
-        start_ticks: ticks.parse().ok()?,
-    })
+    journals::compaction_targets(store)
 }
 
 /// Records a merge before anything starts, under a never-repeating id;
@@ -368,51 +265,19 @@ fn record(
     m: &Merge,
     qemu: Option<&ProcessIdentity>,
 ) -> Result<i64, StoreError> {
-    store.with_tx(|tx| {
-        let id = Store::next_counter_tx(tx, "compaction")? as i64;
-        tx.execute(
-            "INSERT INTO compactions (id, target, disk, top, base, gone, job, qemu)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-            params![
-                id,
-                target,
-                disk,
-                m.top,
-                m.base,
-                serde_json::to_string(&m.gone).unwrap_or_default(),
-                qemu.map(|_| job_id(id)),
-                qemu.map(format_identity),
-            ],
-        )?;
-        Ok(id)
-    })
-}
-
-/// The QMP job id of merge `id`.
-pub fn job_id(id: i64) -> String {
-    format!("hc{id}")
+    journals::record_compaction(store, target, disk, (&m.top, &m.base, &m.gone), qemu)
 }
 
 /// A finished merge: the top's backing is the base (one transaction with
 /// the intent's removal); the merged layers are then unreachable and
 /// collected, their files unlinked unless a process still holds one.
 fn finish(store: &Store, i: &Intent) -> Result<Vec<PathBuf>, StoreError> {
-    store.with_tx(|tx| {
-        tx.execute(
-            "UPDATE layers SET backing = ?1 WHERE id = ?2",
-            params![i.base.id, i.top.id],
-        )?;
-        tx.execute("DELETE FROM compactions WHERE id = ?1", params![i.id])?;
-        Ok(())
-    })?;
+    journals::finish_compaction(store, i)?;
     storage::collect_garbage_unless_open(store)
 }
 
 fn forget(store: &Store, id: i64) -> Result<(), StoreError> {
-    store.with_tx(|tx| {
-        tx.execute("DELETE FROM compactions WHERE id = ?1", params![id])?;
-        Ok(())
-    })
+    journals::forget_compaction(store, id)
 }
 
 // ------------------------------------------------------------------ shell
@@ -845,7 +710,7 @@ pub async fn compact_disk(
         report.skipped.push(why);
         return Ok(report);
     }
-    if !overlays::of_disk(&ctx.store, disk)
+    if !overlays::of_disk::<overlays::Overlay>(&ctx.store, disk)
         .map_err(|e| e.to_string())?
         .is_empty()
     {
@@ -989,14 +854,7 @@ fn pin_readers(
     top: &Layer,
 ) -> Result<Vec<tokio::sync::OwnedRwLockWriteGuard<()>>, Skip> {
     let chains = chains(&ctx.store).map_err(|e| e.to_string())?;
-    let readers: Vec<String> = ctx
-        .store
-        .with_tx(|tx| {
-            let mut stmt = tx.prepare("SELECT snapshot, layer FROM snapshot_layers")?;
-            let rows =
-                stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
-            Ok(rows.filter_map(Result::ok).collect::<Vec<_>>())
-        })
+    let readers: Vec<String> = layers::snapshot_layers(&ctx.store)
         .map_err(|e| e.to_string())?
         .into_iter()
         .filter(|(_, layer)| chains.chain(layer).contains(&top.id))

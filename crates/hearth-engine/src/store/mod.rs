@@ -11,8 +11,8 @@
 
 mod changes;
 mod events;
-mod journals;
-mod layers;
+pub mod journals;
+pub mod layers;
 mod networks;
 mod objects;
 #[cfg(test)]

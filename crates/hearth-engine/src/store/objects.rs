@@ -194,4 +194,51 @@ impl Store {
         }
         Ok(Some(status))
     }
+
+    /// Whether object `kind`/`name` exists, inside a caller's transaction.
+    pub fn exists_tx(conn: &Connection, kind: Kind, name: &str) -> Result<bool, StoreError> {
+        let n: i64 = conn.query_row(
+            "SELECT COUNT(*) FROM objects WHERE kind = ?1 AND name = ?2",
+            params![kind.as_str(), name],
+            |r| r.get(0),
+        )?;
+        Ok(n > 0)
+    }
+
+    /// The status of object `kind`/`name` as stored, inside a caller's
+    /// transaction; `None` when there is no such object.
+    pub fn status_tx(
+        conn: &Connection,
+        kind: Kind,
+        name: &str,
+    ) -> Result<Option<Value>, StoreError> {
+        let text: Option<String> = conn
+            .query_row(
+                "SELECT status FROM objects WHERE kind = ?1 AND name = ?2",
+                params![kind.as_str(), name],
+                |r| r.get(0),
+            )
+            .optional()?;
+        Ok(text.map(|t| serde_json::from_str(&t)).transpose()?)
+    }
+
+    /// Writes a new object with its first status, inside a caller's
+    /// transaction: an object made by hearthd itself (a group's or a VM
+    /// snapshot's members). Fails when one of its name exists.
+    pub fn create_with_status_tx(
+        tx: &rusqlite::Transaction<'_>,
+        object: &Object,
+        status: &impl Serialize,
+    ) -> Result<(), StoreError> {
+        tx.execute(
+            "INSERT INTO objects (kind, name, body, status) VALUES (?1, ?2, ?3, ?4)",
+            params![
+                object.kind().as_str(),
+                object.name(),
+                serde_json::to_string(object)?,
+                serde_json::to_string(status)?
+            ],
+        )?;
+        Ok(())
+    }
 }
