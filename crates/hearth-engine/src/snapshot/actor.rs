@@ -548,7 +548,7 @@ async fn run_compaction(
                 disk,
                 EventType::Warning,
                 "CompactionFailed",
-                &e,
+                &e.to_string(),
             );
             true
         }
@@ -1275,7 +1275,7 @@ async fn prepare(
     // head must be known before another layer goes on top of it.
     let Some(live) = held.live.clone() else {
         if let Err(e) = overlays::settle_offline(&ctx.store, disks).await {
-            return disks.iter().map(|d| (d.clone(), e.clone())).collect();
+            return disks.iter().map(|d| (d.clone(), e.to_string())).collect();
         }
         let mut failed = Vec::new();
         for disk in disks {

@@ -18,6 +18,7 @@
 use std::path::PathBuf;
 
 use hearth_api::{Kind, VirtualDiskStatus};
+use hearth_qemu::qmp::QmpError;
 use serde_json::{Value, json};
 
 use super::storage::{self, NewLayer};
@@ -26,6 +27,47 @@ use crate::store::{Store, StoreError};
 use crate::vm::live::LiveVm;
 
 const QMP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Why an overlay could not be read, removed or settled.
+#[derive(Debug, thiserror::Error)]
+pub enum OverlayError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("forgetting the ahead overlay: {0}")]
+    ForgetAhead(#[source] StoreError),
+    #[error("no QMP connection to the VM")]
+    NoQmp,
+    /// A QMP command failed (named as QEMU knows it).
+    #[error("{command}: {source}")]
+    Qmp {
+        command: &'static str,
+        source: QmpError,
+    },
+    #[error("removing node {node}: {source}")]
+    RemoveNode { node: String, source: QmpError },
+    #[error("QEMU has no node {0}")]
+    NoNode(String),
+    #[error("the overlay {} of snapshot cut {cut} of VirtualDisk {disk:?} is not settled: {why}", path.display())]
+    Unsettled {
+        path: PathBuf,
+        cut: u64,
+        disk: String,
+        why: String,
+    },
+}
+
+impl OverlayError {
+    fn qmp(command: &'static str) -> impl FnOnce(QmpError) -> OverlayError {
+        move |source| OverlayError::Qmp { command, source }
+    }
+}
+
+/// The snapshot actor still reports its errors as text.
+impl From<OverlayError> for String {
+    fn from(e: OverlayError) -> String {
+        e.to_string()
+    }
+}
 
 pub use crate::store::journals::{Ahead, Entry, Journal, Overlay, claim_tx, record_tx};
 
@@ -87,7 +129,11 @@ pub fn unusable(a: &Ahead, head: &str, node_size: Option<u64>, capacity: u64) ->
 /// runs (a node QEMU does not know counts as deleted), then its record,
 /// then its file. With QEMU running and the node not deletable, nothing
 /// else is touched and the reason comes back.
-pub async fn remove_ahead(store: &Store, live: Option<&LiveVm>, a: &Ahead) -> Result<(), String> {
+pub async fn remove_ahead(
+    store: &Store,
+    live: Option<&LiveVm>,
+    a: &Ahead,
+) -> Result<(), OverlayError> {
     if let Some(l) = live {
         delete_node(l, &a.node, &a.path).await?;
     }
@@ -97,10 +143,10 @@ pub async fn remove_ahead(store: &Store, live: Option<&LiveVm>, a: &Ahead) -> Re
 /// [`remove_ahead`] when no QEMU has its node: the record, then the file
 /// (a crash in between leaves an unrecorded file nothing has open, which
 /// the start-up sweep removes).
-pub fn forget_ahead(store: &Store, a: &Ahead) -> Result<(), String> {
+pub fn forget_ahead(store: &Store, a: &Ahead) -> Result<(), OverlayError> {
     store
         .with_tx(|tx| journals::forget_tx(tx, a).map(drop))
-        .map_err(|e| format!("forgetting the ahead overlay: {e}"))?;
+        .map_err(OverlayError::ForgetAhead)?;
     let _ = std::fs::remove_file(&a.path);
     tracing::info!(disk = %a.disk, node = %a.node, path = %a.path.display(), "removed an ahead overlay");
     Ok(())
@@ -139,17 +185,20 @@ pub struct Graph {
 }
 
 impl Graph {
-    pub async fn read(live: &LiveVm) -> Result<Graph, String> {
+    pub async fn read(live: &LiveVm) -> Result<Graph, OverlayError> {
         Self::read_within(live, QMP_TIMEOUT).await
     }
 
     /// [`Graph::read`], waiting at most `timeout` for QEMU's answer.
-    pub async fn read_within(live: &LiveVm, timeout: std::time::Duration) -> Result<Graph, String> {
-        let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+    pub async fn read_within(
+        live: &LiveVm,
+        timeout: std::time::Duration,
+    ) -> Result<Graph, OverlayError> {
+        let qmp = live.qmp.as_ref().ok_or(OverlayError::NoQmp)?;
         let block = qmp
             .execute("query-block", None, timeout)
             .await
-            .map_err(|e| format!("query-block: {e}"))?;
+            .map_err(OverlayError::qmp("query-block"))?;
         Ok(Graph { block })
     }
 
@@ -194,7 +243,7 @@ pub async fn settle(
     for o in overlays {
         let seen = match (&graph, live) {
             (None, _) | (_, None) => Seen::QemuGone,
-            (Some(Err(e)), _) => Seen::Unknown(e.clone()),
+            (Some(Err(e)), _) => Seen::Unknown(e.to_string()),
             (Some(Ok(g)), Some(l)) => {
                 let top = device_index(l, &o.disk).and_then(|i| g.top_node(i));
                 if top.is_some() && top == o.node.as_deref() {
@@ -216,9 +265,10 @@ pub async fn settle(
             Decision::Adopt => adopt(store, o),
             Decision::Remove => remove(store, o),
             Decision::DeleteNodeThenRemove => match (live, &o.node) {
-                (Some(l), Some(node)) => delete_node(l, node, &o.path)
-                    .await
-                    .map_or_else(Settled::Unresolved, |()| remove(store, o)),
+                (Some(l), Some(node)) => delete_node(l, node, &o.path).await.map_or_else(
+                    |e| Settled::Unresolved(e.to_string()),
+                    |()| remove(store, o),
+                ),
                 _ => remove(store, o),
             },
             Decision::Keep(why) => Settled::Unresolved(why),
@@ -348,10 +398,10 @@ pub struct NodeInfo {
 /// given explicitly reports a `json:{...}` filename holding its whole chain,
 /// which QEMU cuts off at 4 KiB (about 45 layers) so it no longer parses:
 /// such a node's file is read from its `file` node ([`file_child`]).
-pub async fn named_nodes(qmp: &hearth_qemu::qmp::QmpClient) -> Result<Vec<NodeInfo>, String> {
+pub async fn named_nodes(qmp: &hearth_qemu::qmp::QmpClient) -> Result<Vec<NodeInfo>, OverlayError> {
     let fdsets = hearth_qemu::qmp::fdsets(qmp, QMP_TIMEOUT)
         .await
-        .map_err(|e| format!("query-fdsets: {e}"))?;
+        .map_err(OverlayError::qmp("query-fdsets"))?;
     let nodes = qmp
         .execute(
             "query-named-block-nodes",
@@ -359,7 +409,7 @@ pub async fn named_nodes(qmp: &hearth_qemu::qmp::QmpClient) -> Result<Vec<NodeIn
             QMP_TIMEOUT,
         )
         .await
-        .map_err(|e| format!("query-named-block-nodes: {e}"))?;
+        .map_err(OverlayError::qmp("query-named-block-nodes"))?;
     let mut out: Vec<NodeInfo> = nodes
         .as_array()
         .into_iter()
@@ -389,13 +439,16 @@ pub async fn named_nodes(qmp: &hearth_qemu::qmp::QmpClient) -> Result<Vec<NodeIn
 }
 
 /// The file format node `node` reads (see [`named_nodes`]).
-pub async fn node_file(qmp: &hearth_qemu::qmp::QmpClient, node: &str) -> Result<String, String> {
+pub async fn node_file(
+    qmp: &hearth_qemu::qmp::QmpClient,
+    node: &str,
+) -> Result<String, OverlayError> {
     named_nodes(qmp)
         .await?
         .into_iter()
         .find(|n| n.node == node)
         .map(|n| n.file)
-        .ok_or_else(|| format!("QEMU has no node {node}"))
+        .ok_or_else(|| OverlayError::NoNode(node.to_string()))
 }
 
 /// The id of the `blockdev-create` job that formats overlay node `node`.
@@ -408,8 +461,12 @@ pub fn create_job(node: &str) -> String {
 /// delete a node that has users, so this can never pull a disk out from
 /// under the guest. A node QEMU does not know (never added) counts as
 /// deleted.
-async fn delete_node(live: &LiveVm, node: &str, path: &std::path::Path) -> Result<(), String> {
-    let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+async fn delete_node(
+    live: &LiveVm,
+    node: &str,
+    path: &std::path::Path,
+) -> Result<(), OverlayError> {
+    let qmp = live.qmp.as_ref().ok_or(OverlayError::NoQmp)?;
     // A formatting job that a crash left concluded but not dismissed holds
     // nothing, but would stay listed in QEMU: dismiss it (best effort; QEMU
     // refuses for a job that still runs, and then the file node is in use
@@ -423,32 +480,35 @@ async fn delete_node(live: &LiveVm, node: &str, path: &std::path::Path) -> Resul
         .await;
     hearth_qemu::qmp::delete_node(qmp, node, QMP_TIMEOUT)
         .await
-        .map_err(|e| format!("removing node {node}: {e}"))?;
+        .map_err(|source| OverlayError::RemoveNode {
+            node: node.to_string(),
+            source,
+        })?;
     hearth_qemu::qmp::remove_file_node(qmp, &file_node(node), path, QMP_TIMEOUT)
         .await
-        .map_err(|e| format!("removing node {}: {e}", file_node(node)))
+        .map_err(|source| OverlayError::RemoveNode {
+            node: file_node(node),
+            source,
+        })
 }
 
 /// Settles every overlay of `disks` when no QEMU of theirs runs: before a
 /// VM is launched (so it boots from the real head), restored or deleted.
-pub async fn settle_offline(store: &Store, disks: &[String]) -> Result<(), String> {
+pub async fn settle_offline(store: &Store, disks: &[String]) -> Result<(), OverlayError> {
     for disk in disks {
         // An ahead overlay nobody switched to: no QEMU, nothing to keep.
-        if let Some(a) = of_disk::<Ahead>(store, disk)
-            .map_err(|e| e.to_string())?
-            .pop()
-        {
+        if let Some(a) = of_disk::<Ahead>(store, disk)?.pop() {
             remove_ahead(store, None, &a).await?;
         }
-        let overlays = of_disk::<Overlay>(store, disk).map_err(|e| e.to_string())?;
+        let overlays = of_disk::<Overlay>(store, disk)?;
         for (o, s) in settle(store, None, &overlays).await {
             if let Settled::Unresolved(why) = s {
-                return Err(format!(
-                    "the overlay {} of snapshot cut {} of VirtualDisk {:?} is not settled: {why}",
-                    o.path.display(),
-                    o.cut,
-                    o.disk
-                ));
+                return Err(OverlayError::Unsettled {
+                    path: o.path,
+                    cut: o.cut,
+                    disk: o.disk,
+                    why,
+                });
             }
         }
     }
