@@ -11,7 +11,6 @@ use std::time::{Duration, Instant};
 use chrono::Utc;
 use hearth_api::{EventType, Kind, Object, SnapshotPhase, SnapshotStatus, VirtualDiskSnapshot};
 use hearth_qemu::agent::{AgentClient, AgentError, FreezeStatus};
-use rusqlite::params;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -24,7 +23,7 @@ use super::overlays::{self, Ahead, Graph, Overlay, Settled};
 use super::registry::{Actors, MemberMsg, Msg};
 use super::storage::{self, Layer};
 use crate::context::Context;
-use crate::store::{Store, StoreError};
+use crate::store::{Store, StoreError, journals};
 use crate::vm::live::LiveVm;
 use hearth_qemu::fsmap::MountMap;
 
@@ -107,18 +106,8 @@ impl Actors {
     /// (after a daemon restart), so frozen guests are thawed and journalled
     /// overlays settled right away.
     pub fn resume_all(&self, ctx: &Arc<Context>) {
-        let mut targets: Vec<String> = ctx
-            .store
-            .with_tx(|tx| {
-                // Frozen guests, and overlays a cut left to settle.
-                let mut stmt = tx.prepare(
-                    "SELECT target FROM freeze_intents UNION SELECT target FROM cut_overlays
-                     UNION SELECT target FROM ahead_overlays",
-                )?;
-                let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
-                Ok(rows.filter_map(Result::ok).collect::<Vec<_>>())
-            })
-            .unwrap_or_default();
+        // Frozen guests, and overlays a cut left to settle.
+        let mut targets: Vec<String> = journals::unsettled_targets(&ctx.store).unwrap_or_default();
         if let Ok(snaps) = ctx.store.list(Kind::VirtualDiskSnapshot) {
             for s in snaps {
                 if let Object::VirtualDiskSnapshot(snap) = &s.object {
@@ -485,7 +474,7 @@ async fn run_compaction(
                 disk,
                 EventType::Warning,
                 "CompactionFailed",
-                &e,
+                &e.to_string(),
             );
             true
         }
@@ -549,7 +538,7 @@ async fn recover(
     // Overlays made ahead by an earlier daemon: nobody switched to them,
     // and nothing here vouches for them any more. Removed whether QEMU runs
     // or not (its node first, when it runs).
-    let aheads = overlays::ahead_of_target(&ctx.store, target)?;
+    let aheads = overlays::of_target::<Ahead>(&ctx.store, target)?;
     if !aheads.is_empty() {
         let live = live_of(ctx, target).await;
         for a in &aheads {
@@ -599,13 +588,7 @@ async fn recover(
         pending.push(request_of(&ctx.store, snap));
     }
     let intent: Option<(CutId, Vec<Request>)> = ctx.store.with_tx(|tx| {
-        let row: Option<(i64, String)> = rusqlite::OptionalExtension::optional(tx.query_row(
-            "SELECT cut, requests FROM freeze_intents WHERE target = ?1",
-            params![target],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        ))?;
-        Ok(row.map(|(cut, reqs)| {
-            let names: Vec<String> = serde_json::from_str(&reqs).unwrap_or_default();
+        Ok(journals::freeze_of_tx(tx, target)?.map(|(cut, names)| {
             let open: Vec<Request> = pending
                 .iter()
                 .filter(|r| names.contains(&r.snapshot))
@@ -897,11 +880,7 @@ async fn execute(
                             overlays::claim_tx(tx, a, cut)?;
                         }
                     }
-                    tx.execute(
-                    "INSERT INTO freeze_intents (target, cut, deadline, requests) VALUES (?1, ?2, ?3, ?4)
-                     ON CONFLICT (target) DO UPDATE SET cut = excluded.cut, deadline = excluded.deadline, requests = excluded.requests",
-                    params![target, cut as i64, wall.to_rfc3339(), serde_json::to_string(&names)?],
-                )?;
+                    journals::record_freeze_tx(tx, target, cut, wall, &names)?;
                     mark_in_progress_tx(tx, &names, cut)?;
                     // The event of the freeze that follows, in the same write.
                     let (kind, name) = event_subject(target);
@@ -1222,7 +1201,7 @@ async fn prepare(
     // head must be known before another layer goes on top of it.
     let Some(live) = held.live.clone() else {
         if let Err(e) = overlays::settle_offline(&ctx.store, disks).await {
-            return disks.iter().map(|d| (d.clone(), e.clone())).collect();
+            return disks.iter().map(|d| (d.clone(), e.to_string())).collect();
         }
         let mut failed = Vec::new();
         for disk in disks {
@@ -1267,7 +1246,7 @@ async fn prepare(
         // Only needed to check overlays made ahead.
         let named = if disks
             .iter()
-            .any(|d| overlays::ahead_of_disk(&ctx.store, d).is_ok_and(|a| a.is_some()))
+            .any(|d| overlays::of_disk::<Ahead>(&ctx.store, d).is_ok_and(|a| !a.is_empty()))
         {
             Some(named_nodes(&live).await?)
         } else {
@@ -1377,7 +1356,7 @@ async fn prepare_disk(
     disk: &str,
 ) -> Result<Prepared, String> {
     let state_dir = &ctx.config.state_dir;
-    if overlays::of_disk(&ctx.store, disk)
+    if overlays::of_disk::<Overlay>(&ctx.store, disk)
         .map_err(|e| e.to_string())?
         .iter()
         .any(|o| o.cut != cut)
@@ -1459,7 +1438,10 @@ async fn prepare_disk(
     // An overlay made ahead serves when it still fits: over the disk's
     // head, in this QEMU, of the device's size. Else it goes, and one is
     // made now.
-    if let Some(a) = overlays::ahead_of_disk(&ctx.store, disk).map_err(|e| e.to_string())? {
+    if let Some(a) = overlays::of_disk::<Ahead>(&ctx.store, disk)
+        .map_err(|e| e.to_string())?
+        .pop()
+    {
         let size = named.and_then(|n| n.get(&a.node).copied());
         match overlays::unusable(&a, &head.id, size, capacity) {
             None => {
@@ -1576,11 +1558,11 @@ async fn ahead_disk(
     index: usize,
     disk: &str,
 ) -> bool {
-    match overlays::ahead_of_disk(&ctx.store, disk) {
+    match overlays::of_disk::<Ahead>(&ctx.store, disk).map(|mut a| a.pop()) {
         Ok(None) => {}
         _ => return false,
     }
-    if !overlays::of_disk(&ctx.store, disk).is_ok_and(|o| o.is_empty()) {
+    if !overlays::of_disk::<Overlay>(&ctx.store, disk).is_ok_and(|o| o.is_empty()) {
         return false;
     }
     let Ok(Some(head)) = storage::head(&ctx.store, disk) else {
@@ -1606,7 +1588,7 @@ async fn ahead_disk(
             node: overlays::ahead_node(id, index),
             base: head.id.clone(),
         };
-        overlays::record_ahead_tx(tx, &a)?;
+        overlays::record_tx(tx, &a)?;
         Ok(a)
     });
     let a = match recorded {
@@ -1783,7 +1765,7 @@ async fn discard(ctx: &Arc<Context>, target: &str, held: &mut CutContext, cut: C
         }
     }
     // Also those recorded before a failure stopped `prepare`.
-    let recorded = overlays::of_target(&ctx.store, target).unwrap_or_default();
+    let recorded = overlays::of_target::<Overlay>(&ctx.store, target).unwrap_or_default();
     let mut all = overlays;
     for o in recorded {
         if o.cut == cut && !all.iter().any(|a| a.disk == o.disk) {
@@ -1890,13 +1872,7 @@ async fn commit(
             }
         }
         for (name, outcome) in outcomes {
-            let exists: bool = tx
-                .query_row(
-                    "SELECT COUNT(*) FROM objects WHERE kind = ?1 AND name = ?2",
-                    params![Kind::VirtualDiskSnapshot.as_str(), name],
-                    |r| r.get::<_, i64>(0),
-                )
-                .map(|n| n > 0)?;
+            let exists = Store::exists_tx(tx, Kind::VirtualDiskSnapshot, name)?;
             if !exists {
                 continue;
             }
@@ -1971,10 +1947,7 @@ async fn commit(
             )?;
         }
         if !keep_intent {
-            tx.execute(
-                "DELETE FROM freeze_intents WHERE target = ?1",
-                params![target],
-            )?;
+            journals::forget_freeze_tx(tx, target)?;
         }
         if let Some((time, message)) = &held.thawed {
             let (kind, name) = event_subject(target);

@@ -23,14 +23,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hearth_api::{EventType, Kind};
-use rusqlite::params;
 use serde_json::{Value, json};
 
-use super::overlays;
+use super::overlays::{self, OverlayError};
 use super::storage::{self, Layer};
+use hearth_qemu::img::ImgError;
 use hearth_qemu::process::ProcessIdentity;
+use hearth_qemu::qmp::QmpError;
 
 use crate::context::Context;
+use crate::store::journals::{self, Of};
+use crate::store::layers::{self, Roots};
 use crate::store::{Store, StoreError};
 use crate::vm::live::LiveVm;
 
@@ -229,134 +232,30 @@ pub fn decide(header: &Header, writer: &Writer) -> Settle {
 
 // ------------------------------------------------------------------ records
 
-/// A merge recorded before it starts.
-#[derive(Clone, Debug)]
-pub struct Intent {
-    pub id: i64,
-    pub target: String,
-    pub disk: String,
-    pub top: Layer,
-    pub base: Layer,
-    pub gone: Vec<Layer>,
-    pub job: Option<String>,
-    /// The QEMU an online merge runs in: only that process's cache can
-    /// hold the job's unflushed metadata, so only it can be asked to flush.
-    pub qemu: Option<ProcessIdentity>,
-}
+pub use crate::store::journals::{CompactionIntent as Intent, compaction_job as job_id};
 
 /// The layers as the store has them, with every direct reference.
 pub fn chains(store: &Store) -> Result<Chains, StoreError> {
-    store.with_tx(|tx| {
-        let mut c = Chains::default();
-        {
-            let mut stmt = tx.prepare("SELECT id, backing FROM layers")?;
-            let rows = stmt.query_map([], |r| {
-                Ok((r.get::<_, String>(0)?, r.get::<_, Option<String>>(1)?))
-            })?;
-            for row in rows {
-                let (id, b) = row?;
-                c.backing.insert(id, b);
-            }
-        }
-        for sql in [
-            "SELECT layer FROM heads",
-            "SELECT layer FROM snapshot_layers",
-            "SELECT base FROM cut_overlays",
-            "SELECT base FROM ahead_overlays",
-            "SELECT top FROM compactions",
-            "SELECT base FROM compactions",
-        ] {
-            let mut stmt = tx.prepare(sql)?;
-            let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
-            for r in rows {
-                c.roots.insert(r?);
-            }
-        }
-        // A merge in progress keeps its gone layers where they are too.
-        let mut stmt = tx.prepare("SELECT gone FROM compactions")?;
-        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
-        for r in rows {
-            let gone: Vec<String> = serde_json::from_str(&r?).unwrap_or_default();
-            c.roots.extend(gone);
-        }
-        Ok(c)
+    let g = layers::graph(store, Roots::Referenced)?;
+    Ok(Chains {
+        backing: g.backing,
+        roots: g.roots.into_iter().collect(),
     })
 }
 
 /// The recorded merges of `disk`.
 pub fn intents_of_disk(store: &Store, disk: &str) -> Result<Vec<Intent>, StoreError> {
-    select(store, "disk = ?1", disk)
+    journals::compactions(store, Of::Disk(disk))
 }
 
 /// The recorded merges of a target's actor.
 pub fn intents_of_target(store: &Store, target: &str) -> Result<Vec<Intent>, StoreError> {
-    select(store, "target = ?1", target)
+    journals::compactions(store, Of::Target(target))
 }
 
 /// The targets with a recorded merge (after a restart their actors settle it).
 pub fn targets(store: &Store) -> Result<Vec<String>, StoreError> {
-    store.with_tx(|tx| {
-        let mut stmt = tx.prepare("SELECT DISTINCT target FROM compactions")?;
-        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
-        Ok(rows.filter_map(Result::ok).collect())
-    })
-}
-
-fn select(store: &Store, cond: &str, arg: &str) -> Result<Vec<Intent>, StoreError> {
-    store.with_tx(|tx| {
-        let mut stmt = tx.prepare(&format!(
-            "SELECT id, target, disk, top, base, gone, job, qemu FROM compactions WHERE {cond} ORDER BY id"
-        ))?;
-        let rows = stmt
-            .query_map(params![arg], |r| {
-                Ok((
-                    r.get::<_, i64>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, String>(2)?,
-                    r.get::<_, String>(3)?,
-                    r.get::<_, String>(4)?,
-                    r.get::<_, String>(5)?,
-                    r.get::<_, Option<String>>(6)?,
-                    r.get::<_, Option<String>>(7)?,
-                ))
-            })?
-            .collect::<Result<Vec<_>, _>>()?;
-        let mut out = Vec::new();
-        for (id, target, disk, top, base, gone, job, qemu) in rows {
-            let gone: Vec<String> = serde_json::from_str(&gone).unwrap_or_default();
-            let layer = |id: &str| -> Result<Layer, StoreError> {
-                Ok(storage::layer_tx(tx, id)?.unwrap_or(Layer {
-                    id: id.to_string(),
-                    path: PathBuf::new(),
-                    backing: None,
-                }))
-            };
-            out.push(Intent {
-                id,
-                target,
-                disk,
-                top: layer(&top)?,
-                base: layer(&base)?,
-                gone: gone.iter().map(|g| layer(g)).collect::<Result<_, _>>()?,
-                job,
-                qemu: qemu.as_deref().and_then(parse_identity),
-            });
-        }
-        Ok(out)
-    })
-}
-
-/// `pid:start_ticks`, as the `qemu` column holds it.
-fn format_identity(p: &ProcessIdentity) -> String {
-    format!("{}:{}", p.pid, p.start_ticks)
-}
-
-fn parse_identity(s: &str) -> Option<ProcessIdentity> {
-    let (pid, ticks) = s.split_once(':')?;
-    Some(ProcessIdentity {
-        pid: pid.parse().ok()?,
-        start_ticks: ticks.parse().ok()?,
-    })
+    journals::compaction_targets(store)
 }
 
 /// Records a merge before anything starts, under a never-repeating id;
@@ -368,60 +267,75 @@ fn record(
     m: &Merge,
     qemu: Option<&ProcessIdentity>,
 ) -> Result<i64, StoreError> {
-    store.with_tx(|tx| {
-        let id = Store::next_counter_tx(tx, "compaction")? as i64;
-        tx.execute(
-            "INSERT INTO compactions (id, target, disk, top, base, gone, job, qemu)
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8)",
-            params![
-                id,
-                target,
-                disk,
-                m.top,
-                m.base,
-                serde_json::to_string(&m.gone).unwrap_or_default(),
-                qemu.map(|_| job_id(id)),
-                qemu.map(format_identity),
-            ],
-        )?;
-        Ok(id)
-    })
-}
-
-/// The QMP job id of merge `id`.
-pub fn job_id(id: i64) -> String {
-    format!("hc{id}")
+    journals::record_compaction(store, target, disk, (&m.top, &m.base, &m.gone), qemu)
 }
 
 /// A finished merge: the top's backing is the base (one transaction with
 /// the intent's removal); the merged layers are then unreachable and
 /// collected, their files unlinked unless a process still holds one.
 fn finish(store: &Store, i: &Intent) -> Result<Vec<PathBuf>, StoreError> {
-    store.with_tx(|tx| {
-        tx.execute(
-            "UPDATE layers SET backing = ?1 WHERE id = ?2",
-            params![i.base.id, i.top.id],
-        )?;
-        tx.execute("DELETE FROM compactions WHERE id = ?1", params![i.id])?;
-        Ok(())
-    })?;
+    journals::finish_compaction(store, i)?;
     storage::collect_garbage_unless_open(store)
 }
 
 fn forget(store: &Store, id: i64) -> Result<(), StoreError> {
-    store.with_tx(|tx| {
-        tx.execute("DELETE FROM compactions WHERE id = ?1", params![id])?;
-        Ok(())
-    })
+    journals::forget_compaction(store, id)
 }
 
 // ------------------------------------------------------------------ shell
 
+/// Why a merge could not be read, settled, started or undone.
+#[derive(Debug, thiserror::Error)]
+pub enum CompactionError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Overlay(#[from] OverlayError),
+    #[error(transparent)]
+    Img(#[from] ImgError),
+    #[error("no QMP connection to the VM")]
+    NoQmp,
+    #[error("qemu-img info {}: {source}", path.display())]
+    Info { path: PathBuf, source: ImgError },
+    #[error("QEMU has no node of layer {}", .0.display())]
+    NoLayerNode(PathBuf),
+    #[error("node {0} has no file node of hearth's naming")]
+    NoFileNode(String),
+    #[error("blockdev-reopen of {node}: {source}")]
+    Reopen { node: String, source: QmpError },
+    #[error(transparent)]
+    Qmp(#[from] QmpError),
+    #[error("compaction {0} names no merged layer")]
+    NoMergedLayer(i64),
+    #[error("{} is open by a process: its header is set back later", .0.display())]
+    TopOpen(PathBuf),
+    #[error("{}'s header was set back to {} but reads {read}", top.display(), first.display())]
+    NotSetBack {
+        top: PathBuf,
+        first: PathBuf,
+        read: String,
+    },
+    #[error("layer {0} is not recorded")]
+    Unrecorded(String),
+    /// A recorded merge that is not settled ([`still_open`]'s words).
+    #[error("{0}")]
+    Unsettled(String),
+}
+
+impl From<CompactionError> for Skip {
+    fn from(e: CompactionError) -> Skip {
+        Skip::from(e.to_string())
+    }
+}
+
 /// What the top layer's header names as its backing file.
-async fn header_backing(path: &Path) -> Result<Option<PathBuf>, String> {
+async fn header_backing(path: &Path) -> Result<Option<PathBuf>, CompactionError> {
     let info = hearth_qemu::img::info(path)
         .await
-        .map_err(|e| format!("qemu-img info {}: {e}", path.display()))?;
+        .map_err(|source| CompactionError::Info {
+            path: path.to_path_buf(),
+            source,
+        })?;
     Ok(info.backing_filename.map(|b| {
         let b = PathBuf::from(b);
         if b.is_relative() {
@@ -437,7 +351,7 @@ async fn header_of(i: &Intent) -> Header {
     let first = i.gone.first().map(|l| l.path.clone()).unwrap_or_default();
     match header_backing(&i.top.path).await {
         Ok(b) => Header::of(b.as_deref(), &i.base.path, &first),
-        Err(e) => Header::Other(e),
+        Err(e) => Header::Other(e.to_string()),
     }
 }
 
@@ -515,8 +429,8 @@ fn into_head(store: &Store, i: &Intent) -> bool {
 /// then the file (`fdatasync`) — and refuses to do when that fails. So an
 /// answer `{}` is a flush seen to complete. `read_only` reopens a kept
 /// layer read-only in the same step.
-async fn flush_top(live: &LiveVm, i: &Intent, read_only: bool) -> Result<(), String> {
-    let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+async fn flush_top(live: &LiveVm, i: &Intent, read_only: bool) -> Result<(), CompactionError> {
+    let qmp = live.qmp.as_ref().ok_or(CompactionError::NoQmp)?;
     let nodes = overlays::named_nodes(qmp).await?;
     let qcow2_of = |path: &Path| {
         let mut of: Vec<&overlays::NodeInfo> = nodes
@@ -527,12 +441,12 @@ async fn flush_top(live: &LiveVm, i: &Intent, read_only: bool) -> Result<(), Str
         of.sort_by_key(|n| n.read_only);
         of.first().map(|n| n.node.clone())
     };
-    let top = qcow2_of(&i.top.path)
-        .ok_or_else(|| format!("QEMU has no node of layer {}", i.top.path.display()))?;
-    let base = qcow2_of(&i.base.path)
-        .ok_or_else(|| format!("QEMU has no node of layer {}", i.base.path.display()))?;
-    let file = overlays::file_child(&top)
-        .ok_or_else(|| format!("node {top} has no file node of hearth's naming"))?;
+    let top =
+        qcow2_of(&i.top.path).ok_or_else(|| CompactionError::NoLayerNode(i.top.path.clone()))?;
+    let base =
+        qcow2_of(&i.base.path).ok_or_else(|| CompactionError::NoLayerNode(i.base.path.clone()))?;
+    let file =
+        overlays::file_child(&top).ok_or_else(|| CompactionError::NoFileNode(top.clone()))?;
     qmp.execute(
         "blockdev-reopen",
         Some(json!({"options": [{
@@ -546,35 +460,27 @@ async fn flush_top(live: &LiveVm, i: &Intent, read_only: bool) -> Result<(), Str
     )
     .await
     .map(|_| ())
-    .map_err(|e| format!("blockdev-reopen of {top}: {e}"))
+    .map_err(|source| CompactionError::Reopen { node: top, source })
 }
 
 /// Sets the top's header back to the first merged layer (`qemu-img rebase
 /// -u`: the header alone), reads it back, then frees what a killed writer
 /// allocated and never referenced (`qemu-img check -r leaks`). Only when no
 /// process holds the top.
-async fn undo(i: &Intent) -> Result<(), String> {
-    let first = i
-        .gone
-        .first()
-        .ok_or_else(|| format!("compaction {} names no merged layer", i.id))?;
+async fn undo(i: &Intent) -> Result<(), CompactionError> {
+    let first = i.gone.first().ok_or(CompactionError::NoMergedLayer(i.id))?;
     if storage::open_files().contains(&i.top.path) {
-        return Err(format!(
-            "{} is open by a process: its header is set back later",
-            i.top.path.display()
-        ));
+        return Err(CompactionError::TopOpen(i.top.path.clone()));
     }
-    hearth_qemu::img::set_backing(&i.top.path, &first.path, "qcow2")
-        .await
-        .map_err(|e| e.to_string())?;
+    hearth_qemu::img::set_backing(&i.top.path, &first.path, "qcow2").await?;
     match header_of(i).await {
         Header::FirstGone => {}
         other => {
-            return Err(format!(
-                "{}'s header was set back to {} but reads {other:?}",
-                i.top.path.display(),
-                first.path.display()
-            ));
+            return Err(CompactionError::NotSetBack {
+                top: i.top.path.clone(),
+                first: first.path.clone(),
+                read: format!("{other:?}"),
+            });
         }
     }
     if let Err(e) = hearth_qemu::img::repair_leaks(&i.top.path).await {
@@ -633,7 +539,7 @@ pub async fn settle(
                     undone = true;
                     Settle::Abandoned
                 }
-                Err(e) => Settle::Unresolved(e),
+                Err(e) => Settle::Unresolved(e.to_string()),
             };
         }
         tracing::info!(id = i.id, disk = %i.disk, ?header, ?writer, ?settled, "settling a compaction");
@@ -720,12 +626,12 @@ fn still_open(id: i64, disk: &str, s: &Settle) -> Option<String> {
 
 /// Settles the merges of `disks` when no QEMU of theirs runs (before a VM
 /// is launched, so it boots from a header the store agrees with).
-pub async fn settle_offline(ctx: &Context, disks: &[String]) -> Result<(), String> {
+pub async fn settle_offline(ctx: &Context, disks: &[String]) -> Result<(), CompactionError> {
     for d in disks {
-        let intents = intents_of_disk(&ctx.store, d).map_err(|e| e.to_string())?;
+        let intents = intents_of_disk(&ctx.store, d)?;
         for (id, s) in settle(ctx, None, &intents, None).await {
             if let Some(why) = still_open(id, d, &s) {
-                return Err(why);
+                return Err(CompactionError::Unsettled(why));
             }
         }
     }
@@ -798,6 +704,12 @@ impl From<String> for Skip {
     }
 }
 
+impl From<OverlayError> for Skip {
+    fn from(e: OverlayError) -> Skip {
+        Skip::from(e.to_string())
+    }
+}
+
 impl From<&str> for Skip {
     fn from(why: &str) -> Skip {
         Skip::from(why.to_string())
@@ -814,9 +726,9 @@ pub async fn compact_disk(
     disk: &str,
     speed: u64,
     yield_to: &Yield,
-) -> Result<Report, String> {
+) -> Result<Report, CompactionError> {
     let mut report = Report::default();
-    let intents = intents_of_disk(&ctx.store, disk).map_err(|e| e.to_string())?;
+    let intents = intents_of_disk(&ctx.store, disk)?;
     if let Some(l) = live {
         // A job a dead daemon started may still run in QEMU: follow it to
         // its end (it holds this actor, as it did the one that started it).
@@ -845,19 +757,16 @@ pub async fn compact_disk(
         report.skipped.push(why);
         return Ok(report);
     }
-    if !overlays::of_disk(&ctx.store, disk)
-        .map_err(|e| e.to_string())?
-        .is_empty()
-    {
+    if !overlays::of_disk::<overlays::Overlay>(&ctx.store, disk)?.is_empty() {
         report
             .skipped
             .push("a snapshot cut's overlay is not settled yet".into());
         return Ok(report);
     }
-    let Some(head) = storage::head(&ctx.store, disk).map_err(|e| e.to_string())? else {
+    let Some(head) = storage::head(&ctx.store, disk)? else {
         return Ok(report);
     };
-    let chains = chains(&ctx.store).map_err(|e| e.to_string())?;
+    let chains = chains(&ctx.store)?;
     let device = live.and_then(|l| overlays::device_index(l, disk).map(|i| (l, i)));
     for m in plan(&chains, &head.id) {
         if yield_to.asked() {
@@ -866,11 +775,10 @@ pub async fn compact_disk(
                 .push("a stop, start or restore of the VM asks for its locks".into());
             break;
         }
-        let layer = |id: &str| -> Result<Layer, String> {
+        let layer = |id: &str| -> Result<Layer, CompactionError> {
             ctx.store
-                .with_tx(|tx| storage::layer_tx(tx, id))
-                .map_err(|e| e.to_string())?
-                .ok_or_else(|| format!("layer {id} is not recorded"))
+                .with_tx(|tx| storage::layer_tx(tx, id))?
+                .ok_or_else(|| CompactionError::Unrecorded(id.to_string()))
         };
         let top = layer(&m.top)?;
         let base = layer(&m.base)?;
@@ -989,14 +897,7 @@ fn pin_readers(
     top: &Layer,
 ) -> Result<Vec<tokio::sync::OwnedRwLockWriteGuard<()>>, Skip> {
     let chains = chains(&ctx.store).map_err(|e| e.to_string())?;
-    let readers: Vec<String> = ctx
-        .store
-        .with_tx(|tx| {
-            let mut stmt = tx.prepare("SELECT snapshot, layer FROM snapshot_layers")?;
-            let rows =
-                stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))?;
-            Ok(rows.filter_map(Result::ok).collect::<Vec<_>>())
-        })
+    let readers: Vec<String> = layers::snapshot_layers(&ctx.store)
         .map_err(|e| e.to_string())?
         .into_iter()
         .filter(|(_, layer)| chains.chain(layer).contains(&top.id))
@@ -1179,8 +1080,8 @@ async fn stream(
 /// Gives QEMU `layer` read-only again after a merge into it: its file node
 /// reopened over a read-only descriptor, the read-write one removed. Does
 /// nothing when QEMU has no node of it (it never had one to write).
-async fn back_to_read_only(live: &LiveVm, layer: &Layer) -> Result<(), String> {
-    let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+async fn back_to_read_only(live: &LiveVm, layer: &Layer) -> Result<(), CompactionError> {
+    let qmp = live.qmp.as_ref().ok_or(CompactionError::NoQmp)?;
     let Some(node) = overlays::named_nodes(qmp)
         .await?
         .into_iter()
@@ -1189,10 +1090,8 @@ async fn back_to_read_only(live: &LiveVm, layer: &Layer) -> Result<(), String> {
         return Ok(());
     };
     let file = overlays::file_child(&node.node)
-        .ok_or_else(|| format!("node {} has no file node of hearth's naming", node.node))?;
-    hearth_qemu::qmp::reopen_file_node(qmp, &file, &layer.path, true, QMP_TIMEOUT)
-        .await
-        .map_err(|e| e.to_string())
+        .ok_or_else(|| CompactionError::NoFileNode(node.node.clone()))?;
+    Ok(hearth_qemu::qmp::reopen_file_node(qmp, &file, &layer.path, true, QMP_TIMEOUT).await?)
 }
 
 /// Waits for merge `id`'s QMP job to end, showing its progress in the

@@ -30,14 +30,17 @@ pub enum ExportFormat {
     Raw,
 }
 
+/// A format name an export cannot be written in.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("format {0:?} is not one an export can be written in (use qcow2 or raw)")]
+pub struct UnknownFormat(pub String);
+
 impl ExportFormat {
-    pub fn parse(s: &str) -> Result<ExportFormat, String> {
+    pub fn parse(s: &str) -> Result<ExportFormat, UnknownFormat> {
         match s {
             "qcow2" => Ok(ExportFormat::Qcow2),
             "raw" => Ok(ExportFormat::Raw),
-            other => Err(format!(
-                "format {other:?} is not one an export can be written in (use qcow2 or raw)"
-            )),
+            other => Err(UnknownFormat(other.to_string())),
         }
     }
 
@@ -95,7 +98,7 @@ mod tests {
     fn formats_are_qcow2_and_raw_only() {
         assert_eq!(ExportFormat::parse("qcow2"), Ok(ExportFormat::Qcow2));
         assert_eq!(ExportFormat::parse("raw"), Ok(ExportFormat::Raw));
-        let err = ExportFormat::parse("vmdk").expect_err("vmdk");
+        let err = ExportFormat::parse("vmdk").expect_err("vmdk").to_string();
         assert!(
             err.contains("\"vmdk\"") && err.contains("qcow2 or raw"),
             "{err}"

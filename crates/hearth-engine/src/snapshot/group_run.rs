@@ -10,7 +10,6 @@ use hearth_api::{
     API_VERSION, EventType, Kind, Object, ObjectMeta, SnapshotPhase, SnapshotStatus,
     VirtualMachineSnapshot, VirtualMachineSnapshotSpec, check_dns_label,
 };
-use rusqlite::params;
 use tokio::sync::mpsc;
 
 use super::clock_ms;
@@ -155,15 +154,10 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<Action, R
             // a group shown InProgress.
             let written = ctx.store.with_tx(|tx| {
                 for m in &members {
-                    let body = serde_json::to_string(&Object::VirtualMachineSnapshot(m.clone()))?;
-                    tx.execute(
-                        "INSERT INTO objects (kind, name, body, status) VALUES (?1, ?2, ?3, ?4)",
-                        params![
-                            Kind::VirtualMachineSnapshot.as_str(),
-                            m.metadata.name,
-                            body,
-                            serde_json::to_string(&SnapshotStatus::default())?
-                        ],
+                    Store::create_with_status_tx(
+                        tx,
+                        &Object::VirtualMachineSnapshot(m.clone()),
+                        &SnapshotStatus::default(),
                     )?;
                 }
                 Store::update_status_tx::<SnapshotStatus, _>(
@@ -413,13 +407,9 @@ fn finish(
     }
     let written = ctx.store.with_tx(|tx| {
         if only_in_progress {
-            let current: Option<String> = rusqlite::OptionalExtension::optional(tx.query_row(
-                "SELECT status FROM objects WHERE kind = ?1 AND name = ?2",
-                params![Kind::VirtualMachineSnapshotGroup.as_str(), name],
-                |r| r.get(0),
-            ))?;
+            let current = Store::status_tx(tx, Kind::VirtualMachineSnapshotGroup, name)?;
             let phase = current
-                .and_then(|c| serde_json::from_str::<SnapshotStatus>(&c).ok())
+                .and_then(|c| serde_json::from_value::<SnapshotStatus>(c).ok())
                 .map(|s| s.phase);
             if phase != Some(SnapshotPhase::InProgress) {
                 return Ok(false);

@@ -18,198 +18,94 @@
 use std::path::PathBuf;
 
 use hearth_api::{Kind, VirtualDiskStatus};
-use rusqlite::params;
+use hearth_qemu::qmp::QmpError;
 use serde_json::{Value, json};
 
-use super::coordinator::CutId;
 use super::storage::{self, NewLayer};
+use crate::store::journals::{self, Of};
 use crate::store::{Store, StoreError};
 use crate::vm::live::LiveVm;
 
 const QMP_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// One recorded overlay.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Overlay {
-    pub cut: CutId,
-    pub target: String,
-    pub disk: String,
-    /// The layer id the overlay gets once adopted.
-    pub layer: String,
-    pub path: PathBuf,
-    /// Its QEMU node name (live cuts only).
-    pub node: Option<String>,
-    /// The layer it lies over (the disk's head when the cut began).
-    pub base: String,
+/// Why an overlay could not be read, removed or settled.
+#[derive(Debug, thiserror::Error)]
+pub enum OverlayError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("forgetting the ahead overlay: {0}")]
+    ForgetAhead(#[source] StoreError),
+    #[error("no QMP connection to the VM")]
+    NoQmp,
+    /// A QMP command failed (named as QEMU knows it).
+    #[error("{command}: {source}")]
+    Qmp {
+        command: &'static str,
+        source: QmpError,
+    },
+    #[error("removing node {node}: {source}")]
+    RemoveNode { node: String, source: QmpError },
+    #[error("QEMU has no node {0}")]
+    NoNode(String),
+    #[error("the overlay {} of snapshot cut {cut} of VirtualDisk {disk:?} is not settled: {why}", path.display())]
+    Unsettled {
+        path: PathBuf,
+        cut: u64,
+        disk: String,
+        why: String,
+    },
 }
 
-/// Records `o` in its own store transaction. Called before the overlay's
+impl OverlayError {
+    fn qmp(command: &'static str) -> impl FnOnce(QmpError) -> OverlayError {
+        move |source| OverlayError::Qmp { command, source }
+    }
+}
+
+/// The snapshot actor still reports its errors as text.
+impl From<OverlayError> for String {
+    fn from(e: OverlayError) -> String {
+        e.to_string()
+    }
+}
+
+pub use crate::store::journals::{Ahead, Entry, Journal, Overlay, claim_tx, record_tx};
+
+/// Records `e` in its own store transaction. Called before the overlay's
 /// file is created.
-pub fn record(store: &Store, o: &Overlay) -> Result<(), StoreError> {
-    store.with_tx(|tx| record_tx(tx, o))
+pub fn record<E: Entry>(store: &Store, e: &E) -> Result<(), StoreError> {
+    store.with_tx(|tx| record_tx(tx, e))
 }
 
-/// `record` inside a caller's transaction.
-pub fn record_tx(tx: &rusqlite::Transaction<'_>, o: &Overlay) -> Result<(), StoreError> {
-    tx.execute(
-        "INSERT INTO cut_overlays (cut, target, disk, layer, path, node, base)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-        params![
-            o.cut as i64,
-            o.target,
-            o.disk,
-            o.layer,
-            o.path.to_string_lossy(),
-            o.node,
-            o.base
-        ],
-    )?;
-    Ok(())
+/// The overlays of `E`'s journal that a target's actor made.
+pub fn of_target<E: Entry>(store: &Store, target: &str) -> Result<Vec<E>, StoreError> {
+    journals::select(store, Of::Target(target))
 }
 
-fn select(store: &Store, sql_where: &str, arg: &str) -> Result<Vec<Overlay>, StoreError> {
-    store.with_tx(|tx| {
-        let mut stmt = tx.prepare(&format!(
-            "SELECT cut, target, disk, layer, path, node, base FROM cut_overlays WHERE {sql_where} ORDER BY cut"
-        ))?;
-        let rows = stmt.query_map(params![arg], |r| {
-            Ok(Overlay {
-                cut: r.get::<_, i64>(0)? as CutId,
-                target: r.get(1)?,
-                disk: r.get(2)?,
-                layer: r.get(3)?,
-                path: PathBuf::from(r.get::<_, String>(4)?),
-                node: r.get(5)?,
-                base: r.get(6)?,
-            })
-        })?;
-        Ok(rows.collect::<Result<Vec<_>, _>>()?)
-    })
-}
-
-pub fn of_target(store: &Store, target: &str) -> Result<Vec<Overlay>, StoreError> {
-    select(store, "target = ?1", target)
-}
-
-pub fn of_disk(store: &Store, disk: &str) -> Result<Vec<Overlay>, StoreError> {
-    select(store, "disk = ?1", disk)
+/// The overlays of `E`'s journal over `disk` (an ahead one: one at most).
+pub fn of_disk<E: Entry>(store: &Store, disk: &str) -> Result<Vec<E>, StoreError> {
+    journals::select(store, Of::Disk(disk))
 }
 
 /// Every recorded overlay path, ahead ones too (the start-up sweep keeps
 /// these files; their journals settle them).
 pub fn all_paths(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
-    let mut paths: Vec<PathBuf> = select(store, "?1 = ?1", "")?
+    let mut paths: Vec<PathBuf> = journals::select::<Overlay>(store, Of::All)?
         .into_iter()
         .map(|o| o.path)
         .collect();
     paths.extend(
-        select_ahead(store, "?1 = ?1", "")?
+        journals::select::<Ahead>(store, Of::All)?
             .into_iter()
             .map(|a| a.path),
     );
     Ok(paths)
 }
 
-/// An overlay made ahead of the cut that will use it: formatted over its
-/// disk's head and added to the running QEMU as an unattached node, so a
-/// request only has to freeze. Recorded in `ahead_overlays` before its file
-/// or node exists; the intent of the cut that takes it moves it to
-/// `cut_overlays` ([`claim_tx`]). Until then nobody has switched to it, so
-/// a leftover one is always removed, never adopted.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Ahead {
-    /// From the durable counter `ahead`: never repeats, names the node.
-    pub id: u64,
-    pub target: String,
-    pub disk: String,
-    pub layer: String,
-    pub path: PathBuf,
-    pub node: String,
-    /// The disk's head it was made over.
-    pub base: String,
-}
-
 /// The QEMU node name of ahead overlay `id` on device `index`; never the
 /// name of a cut's own overlay (`h{cut}d{index}`).
 pub fn ahead_node(id: u64, index: usize) -> String {
     format!("a{id}d{index}")
-}
-
-/// Records an ahead overlay in a store transaction of the caller's, before
-/// its file is created.
-pub fn record_ahead_tx(tx: &rusqlite::Transaction<'_>, a: &Ahead) -> Result<(), StoreError> {
-    tx.execute(
-        "INSERT INTO ahead_overlays (disk, id, target, layer, path, node, base)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
-        params![
-            a.disk,
-            a.id as i64,
-            a.target,
-            a.layer,
-            a.path.to_string_lossy(),
-            a.node,
-            a.base
-        ],
-    )?;
-    Ok(())
-}
-
-fn select_ahead(store: &Store, sql_where: &str, arg: &str) -> Result<Vec<Ahead>, StoreError> {
-    store.with_tx(|tx| {
-        let mut stmt = tx.prepare(&format!(
-            "SELECT id, target, disk, layer, path, node, base FROM ahead_overlays WHERE {sql_where} ORDER BY id"
-        ))?;
-        let rows = stmt.query_map(params![arg], |r| {
-            Ok(Ahead {
-                id: r.get::<_, i64>(0)? as u64,
-                target: r.get(1)?,
-                disk: r.get(2)?,
-                layer: r.get(3)?,
-                path: PathBuf::from(r.get::<_, String>(4)?),
-                node: r.get(5)?,
-                base: r.get(6)?,
-            })
-        })?;
-        Ok(rows.collect::<Result<Vec<_>, _>>()?)
-    })
-}
-
-pub fn ahead_of_target(store: &Store, target: &str) -> Result<Vec<Ahead>, StoreError> {
-    select_ahead(store, "target = ?1", target)
-}
-
-pub fn ahead_of_disk(store: &Store, disk: &str) -> Result<Option<Ahead>, StoreError> {
-    Ok(select_ahead(store, "disk = ?1", disk)?.into_iter().next())
-}
-
-/// Cut `cut` takes ahead overlay `a`: its record moves to the cut's
-/// journal, in the caller's transaction (the cut's intent, or for a cut
-/// without a freeze the write just before its transaction). From then on it
-/// is settled as any overlay of the cut. Fails when the record is gone.
-pub fn claim_tx(
-    tx: &rusqlite::Transaction<'_>,
-    a: &Ahead,
-    cut: CutId,
-) -> Result<Overlay, StoreError> {
-    let gone = tx.execute(
-        "DELETE FROM ahead_overlays WHERE disk = ?1 AND id = ?2",
-        params![a.disk, a.id as i64],
-    )?;
-    if gone != 1 {
-        // Removed meanwhile: the cut must not switch to it.
-        return Err(StoreError::Sqlite(rusqlite::Error::QueryReturnedNoRows));
-    }
-    let o = Overlay {
-        cut,
-        target: a.target.clone(),
-        disk: a.disk.clone(),
-        layer: a.layer.clone(),
-        path: a.path.clone(),
-        node: Some(a.node.clone()),
-        base: a.base.clone(),
-    };
-    record_tx(tx, &o)?;
-    Ok(o)
 }
 
 /// Why ahead overlay `a` cannot serve a cut of its disk now, if it cannot:
@@ -233,7 +129,11 @@ pub fn unusable(a: &Ahead, head: &str, node_size: Option<u64>, capacity: u64) ->
 /// runs (a node QEMU does not know counts as deleted), then its record,
 /// then its file. With QEMU running and the node not deletable, nothing
 /// else is touched and the reason comes back.
-pub async fn remove_ahead(store: &Store, live: Option<&LiveVm>, a: &Ahead) -> Result<(), String> {
+pub async fn remove_ahead(
+    store: &Store,
+    live: Option<&LiveVm>,
+    a: &Ahead,
+) -> Result<(), OverlayError> {
     if let Some(l) = live {
         delete_node(l, &a.node, &a.path).await?;
     }
@@ -243,27 +143,12 @@ pub async fn remove_ahead(store: &Store, live: Option<&LiveVm>, a: &Ahead) -> Re
 /// [`remove_ahead`] when no QEMU has its node: the record, then the file
 /// (a crash in between leaves an unrecorded file nothing has open, which
 /// the start-up sweep removes).
-pub fn forget_ahead(store: &Store, a: &Ahead) -> Result<(), String> {
+pub fn forget_ahead(store: &Store, a: &Ahead) -> Result<(), OverlayError> {
     store
-        .with_tx(|tx| {
-            tx.execute(
-                "DELETE FROM ahead_overlays WHERE disk = ?1 AND id = ?2",
-                params![a.disk, a.id as i64],
-            )?;
-            Ok(())
-        })
-        .map_err(|e| format!("forgetting the ahead overlay: {e}"))?;
+        .with_tx(|tx| journals::forget_tx(tx, a).map(drop))
+        .map_err(OverlayError::ForgetAhead)?;
     let _ = std::fs::remove_file(&a.path);
     tracing::info!(disk = %a.disk, node = %a.node, path = %a.path.display(), "removed an ahead overlay");
-    Ok(())
-}
-
-/// Removes the records of a cut in a store transaction of the caller's.
-pub fn forget_cut_tx(tx: &rusqlite::Transaction<'_>, cut: CutId) -> Result<(), StoreError> {
-    tx.execute(
-        "DELETE FROM cut_overlays WHERE cut = ?1",
-        params![cut as i64],
-    )?;
     Ok(())
 }
 
@@ -280,10 +165,7 @@ pub fn adopt_tx(tx: &rusqlite::Transaction<'_>, o: &Overlay) -> Result<(), Store
         // One more layer to read through, right with the switch.
         s.chain_length = s.chain_length.map(|n| n + 1);
     })?;
-    tx.execute(
-        "DELETE FROM cut_overlays WHERE cut = ?1 AND disk = ?2",
-        params![o.cut as i64, o.disk],
-    )?;
+    journals::forget_tx(tx, o)?;
     Ok(())
 }
 
@@ -303,17 +185,20 @@ pub struct Graph {
 }
 
 impl Graph {
-    pub async fn read(live: &LiveVm) -> Result<Graph, String> {
+    pub async fn read(live: &LiveVm) -> Result<Graph, OverlayError> {
         Self::read_within(live, QMP_TIMEOUT).await
     }
 
     /// [`Graph::read`], waiting at most `timeout` for QEMU's answer.
-    pub async fn read_within(live: &LiveVm, timeout: std::time::Duration) -> Result<Graph, String> {
-        let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+    pub async fn read_within(
+        live: &LiveVm,
+        timeout: std::time::Duration,
+    ) -> Result<Graph, OverlayError> {
+        let qmp = live.qmp.as_ref().ok_or(OverlayError::NoQmp)?;
         let block = qmp
             .execute("query-block", None, timeout)
             .await
-            .map_err(|e| format!("query-block: {e}"))?;
+            .map_err(OverlayError::qmp("query-block"))?;
         Ok(Graph { block })
     }
 
@@ -358,7 +243,7 @@ pub async fn settle(
     for o in overlays {
         let seen = match (&graph, live) {
             (None, _) | (_, None) => Seen::QemuGone,
-            (Some(Err(e)), _) => Seen::Unknown(e.clone()),
+            (Some(Err(e)), _) => Seen::Unknown(e.to_string()),
             (Some(Ok(g)), Some(l)) => {
                 let top = device_index(l, &o.disk).and_then(|i| g.top_node(i));
                 if top.is_some() && top == o.node.as_deref() {
@@ -380,9 +265,10 @@ pub async fn settle(
             Decision::Adopt => adopt(store, o),
             Decision::Remove => remove(store, o),
             Decision::DeleteNodeThenRemove => match (live, &o.node) {
-                (Some(l), Some(node)) => delete_node(l, node, &o.path)
-                    .await
-                    .map_or_else(Settled::Unresolved, |()| remove(store, o)),
+                (Some(l), Some(node)) => delete_node(l, node, &o.path).await.map_or_else(
+                    |e| Settled::Unresolved(e.to_string()),
+                    |()| remove(store, o),
+                ),
                 _ => remove(store, o),
             },
             Decision::Keep(why) => Settled::Unresolved(why),
@@ -460,15 +346,9 @@ fn adopt(store: &Store, o: &Overlay) -> Settled {
 /// Forgets the record, then unlinks the file: a crash in between leaves an
 /// unrecorded file that nothing has open, which the start-up sweep removes.
 fn remove(store: &Store, o: &Overlay) -> Settled {
-    let r = store.with_tx(|tx| {
-        tx.execute(
-            "DELETE FROM cut_overlays WHERE cut = ?1 AND disk = ?2",
-            params![o.cut as i64, o.disk],
-        )?;
-        Ok(())
-    });
+    let r = store.with_tx(|tx| journals::forget_tx(tx, o));
     match r {
-        Ok(()) => {
+        Ok(_) => {
             let _ = std::fs::remove_file(&o.path);
             Settled::Removed
         }
@@ -518,10 +398,10 @@ pub struct NodeInfo {
 /// given explicitly reports a `json:{...}` filename holding its whole chain,
 /// which QEMU cuts off at 4 KiB (about 45 layers) so it no longer parses:
 /// such a node's file is read from its `file` node ([`file_child`]).
-pub async fn named_nodes(qmp: &hearth_qemu::qmp::QmpClient) -> Result<Vec<NodeInfo>, String> {
+pub async fn named_nodes(qmp: &hearth_qemu::qmp::QmpClient) -> Result<Vec<NodeInfo>, OverlayError> {
     let fdsets = hearth_qemu::qmp::fdsets(qmp, QMP_TIMEOUT)
         .await
-        .map_err(|e| format!("query-fdsets: {e}"))?;
+        .map_err(OverlayError::qmp("query-fdsets"))?;
     let nodes = qmp
         .execute(
             "query-named-block-nodes",
@@ -529,7 +409,7 @@ pub async fn named_nodes(qmp: &hearth_qemu::qmp::QmpClient) -> Result<Vec<NodeIn
             QMP_TIMEOUT,
         )
         .await
-        .map_err(|e| format!("query-named-block-nodes: {e}"))?;
+        .map_err(OverlayError::qmp("query-named-block-nodes"))?;
     let mut out: Vec<NodeInfo> = nodes
         .as_array()
         .into_iter()
@@ -559,13 +439,16 @@ pub async fn named_nodes(qmp: &hearth_qemu::qmp::QmpClient) -> Result<Vec<NodeIn
 }
 
 /// The file format node `node` reads (see [`named_nodes`]).
-pub async fn node_file(qmp: &hearth_qemu::qmp::QmpClient, node: &str) -> Result<String, String> {
+pub async fn node_file(
+    qmp: &hearth_qemu::qmp::QmpClient,
+    node: &str,
+) -> Result<String, OverlayError> {
     named_nodes(qmp)
         .await?
         .into_iter()
         .find(|n| n.node == node)
         .map(|n| n.file)
-        .ok_or_else(|| format!("QEMU has no node {node}"))
+        .ok_or_else(|| OverlayError::NoNode(node.to_string()))
 }
 
 /// The id of the `blockdev-create` job that formats overlay node `node`.
@@ -578,8 +461,12 @@ pub fn create_job(node: &str) -> String {
 /// delete a node that has users, so this can never pull a disk out from
 /// under the guest. A node QEMU does not know (never added) counts as
 /// deleted.
-async fn delete_node(live: &LiveVm, node: &str, path: &std::path::Path) -> Result<(), String> {
-    let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+async fn delete_node(
+    live: &LiveVm,
+    node: &str,
+    path: &std::path::Path,
+) -> Result<(), OverlayError> {
+    let qmp = live.qmp.as_ref().ok_or(OverlayError::NoQmp)?;
     // A formatting job that a crash left concluded but not dismissed holds
     // nothing, but would stay listed in QEMU: dismiss it (best effort; QEMU
     // refuses for a job that still runs, and then the file node is in use
@@ -593,29 +480,35 @@ async fn delete_node(live: &LiveVm, node: &str, path: &std::path::Path) -> Resul
         .await;
     hearth_qemu::qmp::delete_node(qmp, node, QMP_TIMEOUT)
         .await
-        .map_err(|e| format!("removing node {node}: {e}"))?;
+        .map_err(|source| OverlayError::RemoveNode {
+            node: node.to_string(),
+            source,
+        })?;
     hearth_qemu::qmp::remove_file_node(qmp, &file_node(node), path, QMP_TIMEOUT)
         .await
-        .map_err(|e| format!("removing node {}: {e}", file_node(node)))
+        .map_err(|source| OverlayError::RemoveNode {
+            node: file_node(node),
+            source,
+        })
 }
 
 /// Settles every overlay of `disks` when no QEMU of theirs runs: before a
 /// VM is launched (so it boots from the real head), restored or deleted.
-pub async fn settle_offline(store: &Store, disks: &[String]) -> Result<(), String> {
+pub async fn settle_offline(store: &Store, disks: &[String]) -> Result<(), OverlayError> {
     for disk in disks {
         // An ahead overlay nobody switched to: no QEMU, nothing to keep.
-        if let Some(a) = ahead_of_disk(store, disk).map_err(|e| e.to_string())? {
+        if let Some(a) = of_disk::<Ahead>(store, disk)?.pop() {
             remove_ahead(store, None, &a).await?;
         }
-        let overlays = of_disk(store, disk).map_err(|e| e.to_string())?;
+        let overlays = of_disk::<Overlay>(store, disk)?;
         for (o, s) in settle(store, None, &overlays).await {
             if let Settled::Unresolved(why) = s {
-                return Err(format!(
-                    "the overlay {} of snapshot cut {} of VirtualDisk {:?} is not settled: {why}",
-                    o.path.display(),
-                    o.cut,
-                    o.disk
-                ));
+                return Err(OverlayError::Unsettled {
+                    path: o.path,
+                    cut: o.cut,
+                    disk: o.disk,
+                    why,
+                });
             }
         }
     }
@@ -626,6 +519,11 @@ pub async fn settle_offline(store: &Store, disks: &[String]) -> Result<(), Strin
 mod tests {
     use super::*;
     use crate::snapshot::storage::{allocate, head, set_head_tx, sweep_orphans};
+
+    /// The ahead overlay of `disk`, if one is recorded.
+    fn ahead_of_disk(store: &Store, disk: &str) -> Result<Option<Ahead>, StoreError> {
+        Ok(of_disk::<Ahead>(store, disk)?.pop())
+    }
 
     /// A store with disk `d` whose head is a real file, and a recorded
     /// overlay of cut 7 over it (`live`: with a QEMU node name).
@@ -674,7 +572,7 @@ mod tests {
         assert_eq!(settled[0].1, Settled::Removed);
         assert_eq!(head(&store, "d").unwrap().unwrap(), before);
         assert!(!o.path.exists(), "the empty file is unlinked");
-        assert!(of_disk(&store, "d").unwrap().is_empty());
+        assert!(of_disk::<Overlay>(&store, "d").unwrap().is_empty());
     }
 
     #[tokio::test]
@@ -694,7 +592,7 @@ mod tests {
             (o.layer.clone(), o.path.clone(), Some(o.base.clone()))
         );
         assert!(
-            of_disk(&store, "d").unwrap().is_empty(),
+            of_disk::<Overlay>(&store, "d").unwrap().is_empty(),
             "the record is settled"
         );
     }
@@ -707,7 +605,7 @@ mod tests {
         settle_offline(&store, &["d".to_string()]).await.unwrap();
         assert!(!o.path.exists());
         assert_eq!(head(&store, "d").unwrap().unwrap(), before);
-        assert!(of_disk(&store, "d").unwrap().is_empty());
+        assert!(of_disk::<Overlay>(&store, "d").unwrap().is_empty());
     }
 
     /// An ahead overlay of disk `d` over its head (as in `setup`), its file
@@ -727,7 +625,7 @@ mod tests {
                     node: ahead_node(id, 0),
                     base: h.id.clone(),
                 };
-                record_ahead_tx(tx, &a)?;
+                record_tx(tx, &a)?;
                 Ok(a)
             })
             .unwrap();
@@ -793,12 +691,12 @@ mod tests {
             (12, Some(a.node.as_str()), &a.base)
         );
         assert_eq!(ahead_of_disk(&store, "d").unwrap(), None);
-        assert_eq!(of_disk(&store, "d").unwrap(), vec![claimed]);
+        assert_eq!(of_disk::<Overlay>(&store, "d").unwrap(), vec![claimed]);
         // Settled from now on as any cut's overlay; a removed (or already
         // claimed) ahead record is never claimed.
         assert!(store.with_tx(|tx| claim_tx(tx, &a, 13)).is_err());
         assert_eq!(
-            of_disk(&store, "d").unwrap().len(),
+            of_disk::<Overlay>(&store, "d").unwrap().len(),
             1,
             "the failed claim wrote nothing"
         );

@@ -8,7 +8,6 @@ use hearth_api::{
     API_VERSION, EventType, Kind, Object, ObjectMeta, SnapshotPhase, SnapshotStatus,
     VirtualDiskSnapshot, VirtualDiskSnapshotSpec, check_dns_label,
 };
-use rusqlite::params;
 
 use super::actor::{request_of, target_of};
 use super::storage;
@@ -60,15 +59,8 @@ pub async fn reconcile_disk_snapshot(
         // The object and its layer reference go together, so a cut committing
         // at the same moment either sees both or neither.
         ctx.store.with_tx(|tx| {
-            tx.execute(
-                "DELETE FROM snapshot_layers WHERE snapshot = ?1",
-                params![name],
-            )?;
-            tx.execute(
-                "DELETE FROM objects WHERE kind = ?1 AND name = ?2",
-                params![Kind::VirtualDiskSnapshot.as_str(), name],
-            )?;
-            Ok(())
+            storage::drop_snapshot_layer_tx(tx, name)?;
+            Store::remove_tx(tx, Kind::VirtualDiskSnapshot, name)
         })?;
         let freed = storage::collect_garbage(&ctx.store)?;
         // Layers of the chain that nobody needs now are merged by the
@@ -232,19 +224,14 @@ pub async fn reconcile_vm_snapshot(
             // leaves either no children or all of them, each Pending.
             ctx.store.with_tx(|tx| {
                 for c in &children {
-                    let body = serde_json::to_string(&Object::VirtualDiskSnapshot(c.clone()))?;
                     let status = SnapshotStatus {
                         virtual_machine_snapshot_name: Some(name.to_string()),
                         ..SnapshotStatus::default()
                     };
-                    tx.execute(
-                        "INSERT INTO objects (kind, name, body, status) VALUES (?1, ?2, ?3, ?4)",
-                        params![
-                            Kind::VirtualDiskSnapshot.as_str(),
-                            c.metadata.name,
-                            body,
-                            serde_json::to_string(&status)?
-                        ],
+                    Store::create_with_status_tx(
+                        tx,
+                        &Object::VirtualDiskSnapshot(c.clone()),
+                        &status,
                     )?;
                 }
                 Store::update_status_tx::<SnapshotStatus, _>(

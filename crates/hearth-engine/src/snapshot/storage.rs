@@ -11,26 +11,16 @@
 //!   reference, and a layer file is removed once nothing reaches it any more
 //!   (no head, no snapshot, no layer above it).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use rusqlite::{OptionalExtension, params};
+use crate::store::{Store, StoreError, layers};
 
-use crate::store::{Store, StoreError};
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Layer {
-    pub id: String,
-    pub path: PathBuf,
-    pub backing: Option<String>,
-}
-
-/// A layer made for a cut or a restore, not yet recorded.
-#[derive(Clone, Debug)]
-pub struct NewLayer {
-    pub id: String,
-    pub path: PathBuf,
-}
+pub use crate::store::layers::{
+    Layer, NewLayer, base_in_use_tx, drop_head, drop_snapshot_layer, drop_snapshot_layer_tx, head,
+    head_tx, layer_base_tx, layer_source_image_tx, layer_tx, set_head_tx, set_layer_base_tx,
+    set_layer_source_image_tx, set_snapshot_layer_tx, snapshot_layer,
+};
 
 pub fn layers_dir(state_dir: &Path) -> PathBuf {
     state_dir.join("layers")
@@ -55,20 +45,7 @@ pub fn allocate_tx(
 /// past all of them, so none is ever handed out again, used or not. For
 /// many new disks at once (`numbered` makes the layers).
 pub fn reserve(store: &Store, count: u64) -> Result<std::ops::RangeInclusive<u64>, StoreError> {
-    let count = count.max(1);
-    store.with_tx(|tx| {
-        tx.execute(
-            "INSERT INTO counters (name, value) VALUES ('layer', ?1)
-             ON CONFLICT (name) DO UPDATE SET value = value + ?1",
-            params![count as i64],
-        )?;
-        let last: i64 =
-            tx.query_row("SELECT value FROM counters WHERE name = 'layer'", [], |r| {
-                r.get(0)
-            })?;
-        let last = last as u64;
-        Ok(last + 1 - count..=last)
-    })
+    layers::reserve_ids(store, count.max(1))
 }
 
 /// The layer of `disk` with counter value `n` (from `allocate` or
@@ -90,197 +67,13 @@ pub fn disks_of_layer_files(
     store.with_tx(|tx| {
         let mut out = Vec::new();
         for f in files {
-            let id: Option<String> = tx
-                .query_row(
-                    "SELECT id FROM layers WHERE path = ?1",
-                    params![f.to_string_lossy()],
-                    |r| r.get(0),
-                )
-                .optional()?;
+            let id = layers::id_of_file_tx(tx, f)?;
             match id.as_deref().and_then(|i| i.split_once('-')) {
                 Some((_, disk)) => out.push(disk.to_string()),
                 None => return Ok(None),
             }
         }
         Ok(Some(out))
-    })
-}
-
-pub fn head(store: &Store, disk: &str) -> Result<Option<Layer>, StoreError> {
-    store.with_tx(|tx| head_tx(tx, disk))
-}
-
-pub fn head_tx(tx: &rusqlite::Transaction<'_>, disk: &str) -> Result<Option<Layer>, StoreError> {
-    let id: Option<String> = tx
-        .query_row(
-            "SELECT layer FROM heads WHERE disk = ?1",
-            params![disk],
-            |r| r.get(0),
-        )
-        .optional()?;
-    match id {
-        Some(id) => layer_tx(tx, &id),
-        None => Ok(None),
-    }
-}
-
-pub fn layer_tx(tx: &rusqlite::Transaction<'_>, id: &str) -> Result<Option<Layer>, StoreError> {
-    Ok(tx
-        .query_row(
-            "SELECT id, path, backing FROM layers WHERE id = ?1",
-            params![id],
-            |r| {
-                Ok(Layer {
-                    id: r.get(0)?,
-                    path: PathBuf::from(r.get::<_, String>(1)?),
-                    backing: r.get(2)?,
-                })
-            },
-        )
-        .optional()?)
-}
-
-pub fn snapshot_layer(store: &Store, snapshot: &str) -> Result<Option<Layer>, StoreError> {
-    store.with_tx(|tx| {
-        let id: Option<String> = tx
-            .query_row(
-                "SELECT layer FROM snapshot_layers WHERE snapshot = ?1",
-                params![snapshot],
-                |r| r.get(0),
-            )
-            .optional()?;
-        match id {
-            Some(id) => layer_tx(tx, &id),
-            None => Ok(None),
-        }
-    })
-}
-
-/// Records `new` as a layer over `backing` and makes it `disk`'s head.
-pub fn set_head_tx(
-    tx: &rusqlite::Transaction<'_>,
-    disk: &str,
-    new: &NewLayer,
-    backing: Option<&str>,
-) -> Result<(), StoreError> {
-    tx.execute(
-        "INSERT INTO layers (id, path, backing) VALUES (?1, ?2, ?3)",
-        params![new.id, new.path.to_string_lossy(), backing],
-    )?;
-    tx.execute(
-        "INSERT INTO heads (disk, layer) VALUES (?1, ?2)
-         ON CONFLICT (disk) DO UPDATE SET layer = excluded.layer",
-        params![disk, new.id],
-    )?;
-    Ok(())
-}
-
-/// Records that `layer`'s backing file is the image file `path`, which is
-/// not a layer: the image store keeps that file while the layer exists.
-pub fn set_layer_base_tx(
-    tx: &rusqlite::Transaction<'_>,
-    layer: &str,
-    path: &Path,
-) -> Result<(), StoreError> {
-    tx.execute(
-        "INSERT INTO layer_bases (layer, path) VALUES (?1, ?2)
-         ON CONFLICT (layer) DO UPDATE SET path = excluded.path",
-        params![layer, path.to_string_lossy()],
-    )?;
-    Ok(())
-}
-
-/// Whether any layer still has the image file `path` as its base (an
-/// image's, or an administrator's `spec.source.image` file that happens to
-/// be named like one).
-pub fn base_in_use_tx(tx: &rusqlite::Transaction<'_>, path: &Path) -> Result<bool, StoreError> {
-    let n: i64 = tx.query_row(
-        "SELECT (SELECT COUNT(*) FROM layer_bases WHERE path = ?1)
-              + (SELECT COUNT(*) FROM layer_source_images WHERE path = ?1)",
-        params![path.to_string_lossy()],
-        |r| r.get(0),
-    )?;
-    Ok(n > 0)
-}
-
-/// The image file recorded below `layer` (`layer_bases`), if any.
-pub fn layer_base_tx(
-    tx: &rusqlite::Transaction<'_>,
-    layer: &str,
-) -> Result<Option<PathBuf>, StoreError> {
-    Ok(tx
-        .query_row(
-            "SELECT path FROM layer_bases WHERE layer = ?1",
-            params![layer],
-            |r| r.get::<_, String>(0),
-        )
-        .optional()?
-        .map(PathBuf::from))
-}
-
-/// Records that `layer` was made over the administrator's base image
-/// `path` (canonical), opened as `format`.
-pub fn set_layer_source_image_tx(
-    tx: &rusqlite::Transaction<'_>,
-    layer: &str,
-    path: &Path,
-    format: &str,
-) -> Result<(), StoreError> {
-    tx.execute(
-        "INSERT INTO layer_source_images (layer, path, format) VALUES (?1, ?2, ?3)
-         ON CONFLICT (layer) DO UPDATE SET path = excluded.path, format = excluded.format",
-        params![layer, path.to_string_lossy(), format],
-    )?;
-    Ok(())
-}
-
-/// The base image (path, format) recorded below `layer` by
-/// [`set_layer_source_image_tx`], if any.
-pub fn layer_source_image_tx(
-    tx: &rusqlite::Transaction<'_>,
-    layer: &str,
-) -> Result<Option<(PathBuf, String)>, StoreError> {
-    Ok(tx
-        .query_row(
-            "SELECT path, format FROM layer_source_images WHERE layer = ?1",
-            params![layer],
-            |r| {
-                Ok((
-                    PathBuf::from(r.get::<_, String>(0)?),
-                    r.get::<_, String>(1)?,
-                ))
-            },
-        )
-        .optional()?)
-}
-
-pub fn drop_head(store: &Store, disk: &str) -> Result<(), StoreError> {
-    store.with_tx(|tx| {
-        tx.execute("DELETE FROM heads WHERE disk = ?1", params![disk])?;
-        Ok(())
-    })
-}
-
-pub fn set_snapshot_layer_tx(
-    tx: &rusqlite::Transaction<'_>,
-    snapshot: &str,
-    layer: &str,
-) -> Result<(), StoreError> {
-    tx.execute(
-        "INSERT INTO snapshot_layers (snapshot, layer) VALUES (?1, ?2)
-         ON CONFLICT (snapshot) DO UPDATE SET layer = excluded.layer",
-        params![snapshot, layer],
-    )?;
-    Ok(())
-}
-
-pub fn drop_snapshot_layer(store: &Store, snapshot: &str) -> Result<(), StoreError> {
-    store.with_tx(|tx| {
-        tx.execute(
-            "DELETE FROM snapshot_layers WHERE snapshot = ?1",
-            params![snapshot],
-        )?;
-        Ok(())
     })
 }
 
@@ -303,76 +96,7 @@ pub fn collect_garbage_unless_open(store: &Store) -> Result<Vec<PathBuf>, StoreE
 }
 
 fn collect(store: &Store, keep_open: bool) -> Result<Vec<PathBuf>, StoreError> {
-    let (doomed, bases) = store.with_tx(|tx| {
-        let mut all: BTreeMap<String, (PathBuf, Option<String>)> = BTreeMap::new();
-        {
-            let mut stmt = tx.prepare("SELECT id, path, backing FROM layers")?;
-            let rows = stmt.query_map([], |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, Option<String>>(2)?,
-                ))
-            })?;
-            for row in rows {
-                let (id, path, backing) = row?;
-                all.insert(id, (PathBuf::from(path), backing));
-            }
-        }
-        let mut roots: Vec<String> = Vec::new();
-        for sql in [
-            "SELECT layer FROM heads",
-            "SELECT layer FROM snapshot_layers",
-            // A recorded merge keeps its layers until it is settled.
-            "SELECT top FROM compactions",
-            "SELECT base FROM compactions",
-        ] {
-            let mut stmt = tx.prepare(sql)?;
-            let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
-            for r in rows {
-                roots.push(r?);
-            }
-        }
-        {
-            let mut stmt = tx.prepare("SELECT gone FROM compactions")?;
-            let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
-            for r in rows {
-                roots.extend(serde_json::from_str::<Vec<String>>(&r?).unwrap_or_default());
-            }
-        }
-        let mut live = BTreeSet::new();
-        for root in roots {
-            let mut cur = Some(root);
-            while let Some(id) = cur {
-                if !live.insert(id.clone()) {
-                    break;
-                }
-                cur = all.get(&id).and_then(|(_, b)| b.clone());
-            }
-        }
-        let mut doomed = Vec::new();
-        let mut bases = BTreeSet::new();
-        for (id, (path, _)) in &all {
-            if !live.contains(id) {
-                let base: Option<String> = tx
-                    .query_row(
-                        "SELECT path FROM layer_bases WHERE layer = ?1",
-                        params![id],
-                        |r| r.get(0),
-                    )
-                    .optional()?;
-                bases.extend(base.map(PathBuf::from));
-                tx.execute("DELETE FROM layer_bases WHERE layer = ?1", params![id])?;
-                tx.execute(
-                    "DELETE FROM layer_source_images WHERE layer = ?1",
-                    params![id],
-                )?;
-                tx.execute("DELETE FROM layers WHERE id = ?1", params![id])?;
-                doomed.push(path.clone());
-            }
-        }
-        Ok((doomed, bases))
-    })?;
+    let (doomed, bases) = layers::forget_unreachable(store)?;
     let open = if keep_open && !doomed.is_empty() {
         open_files()
     } else {
@@ -396,11 +120,7 @@ fn collect(store: &Store, keep_open: bool) -> Result<Vec<PathBuf>, StoreError> {
 /// to a cut's overlay just before the daemon died still has it open; the
 /// next cut adopts it). Run at start-up, before anything creates layers.
 pub fn sweep_orphans(store: &Store, state_dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
-    let mut known: BTreeSet<PathBuf> = store.with_tx(|tx| {
-        let mut stmt = tx.prepare("SELECT path FROM layers")?;
-        let rows = stmt.query_map([], |r| r.get::<_, String>(0))?;
-        Ok(rows.filter_map(Result::ok).map(PathBuf::from).collect())
-    })?;
+    let mut known = layers::paths(store)?;
     // A cut's overlay may hold the only copy of the guest's latest writes
     // (QEMU switched to it, then exited while no daemon ran): the journal
     // settles it, the sweep never touches it.
@@ -565,11 +285,7 @@ mod tests {
                 set_head_tx(tx, "d", &a, Some(&base.id))?;
                 set_head_tx(tx, "d", &b, Some(&a.id))?;
                 set_head_tx(tx, "d", &top, Some(&b.id))?;
-                tx.execute(
-                    "UPDATE layers SET backing = ?1 WHERE id = ?2",
-                    params![base.id, top.id],
-                )?;
-                Ok(())
+                crate::store::layers::set_backing_tx(tx, &top.id, &base.id)
             })
             .unwrap();
         let _held = std::fs::File::open(&b.path).unwrap();

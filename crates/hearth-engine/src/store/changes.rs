@@ -12,7 +12,8 @@
 use hearth_api::{Event, Kind, WatchType};
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
-use super::{Store, StoreError, StoredObject, event_from_row};
+use super::events::event_from_row;
+use super::{Store, StoreError, StoredObject};
 
 /// Changes kept in the log by default. Older ones are trimmed; a watcher
 /// that asks to resume from before them gets a full re-list instead
@@ -254,7 +255,7 @@ impl Store {
                  WHERE (?1 IS NULL OR e.kind IN (SELECT value FROM json_each(?1)))
                    AND (?2 IS NULL OR (e.name = ?2 AND e.life IS {}))
                  ORDER BY e.id DESC LIMIT ?3",
-                super::CURRENT_LIFE
+                super::events::CURRENT_LIFE
             ))?;
             let rows = stmt.query_map(
                 params![kind_list, name, i64::try_from(events).unwrap_or(i64::MAX)],

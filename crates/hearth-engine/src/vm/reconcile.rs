@@ -215,7 +215,9 @@ fn forget(
     // Overlays made ahead for the QEMU that is gone: nobody switched to
     // them, and the next QEMU will not have their nodes.
     for disk in &record.disk_names {
-        if let Ok(Some(a)) = crate::snapshot::overlays::ahead_of_disk(&ctx.store, disk)
+        if let Ok(Some(a)) =
+            crate::snapshot::overlays::of_disk::<crate::snapshot::overlays::Ahead>(&ctx.store, disk)
+                .map(|mut a| a.pop())
             && let Err(e) = crate::snapshot::overlays::forget_ahead(&ctx.store, &a)
         {
             tracing::warn!(vm = name, disk, error = %e, "cannot remove an overlay made ahead");

@@ -337,6 +337,11 @@ enum Step {
 /// One disk: `L0 <- L1 <- ... <- top`, the merge taking the run below the
 /// top. `disk` is what is on disk (referenced clusters, headers); QEMU's
 /// view adds its cache.
+/// A rule of the merge protocol the simulation saw broken.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Violation(String);
+
 #[derive(Clone, Debug)]
 struct Sim {
     online: bool,
@@ -526,7 +531,7 @@ impl Sim {
     }
 
     /// `compaction::settle`, acting on the model. Err: a broken promise.
-    fn settle(&mut self) -> Result<(), String> {
+    fn settle(&mut self) -> Result<(), Violation> {
         if !self.recorded {
             return Ok(());
         }
@@ -553,19 +558,19 @@ impl Sim {
                 }
                 self.unlinked = true;
                 if self.disk_view() != self.expected {
-                    return Err(format!(
+                    return Err(Violation(format!(
                         "settled as done ({writer:?}) but the top reads {:?} on disk, not {:?}",
                         self.disk_view(),
                         self.expected
-                    ));
+                    )));
                 }
             }
             Settle::Undo => {
                 if self.writer_alive && !self.online {
-                    return Err("undone while qemu-img still writes".into());
+                    return Err(Violation("undone while qemu-img still writes".into()));
                 }
                 if self.qemu_alive {
-                    return Err("undone under a running QEMU".into());
+                    return Err(Violation("undone under a running QEMU".into()));
                 }
                 self.header
                     .insert(self.merge.top.clone(), Some(self.merge.gone[0].clone()));
@@ -577,7 +582,7 @@ impl Sim {
         Ok(())
     }
 
-    fn handle(&mut self, ev: Ev) -> Result<(), String> {
+    fn handle(&mut self, ev: Ev) -> Result<(), Violation> {
         match ev {
             Ev::Step => self.step(),
             Ev::KillWriter => {
@@ -609,18 +614,18 @@ impl Sim {
             Ev::Settle => self.settle()?,
         }
         if self.qemu_alive && self.qemu_view() != self.expected {
-            return Err(format!(
+            return Err(Violation(format!(
                 "the guest reads {:?}, not {:?}",
                 self.qemu_view(),
                 self.expected
-            ));
+            )));
         }
         Ok(())
     }
 
     /// The end of the world: QEMU dies uncleanly, hearthd restarts, a
     /// qemu-img left running finishes on its own; then hearthd settles.
-    fn finish(&mut self) -> Result<(), String> {
+    fn finish(&mut self) -> Result<(), Violation> {
         self.handle(Ev::QemuCrash)?;
         self.handle(Ev::DaemonCrash)?;
         while self.writer_alive {
@@ -630,18 +635,18 @@ impl Sim {
             self.settle()?;
         }
         if self.recorded {
-            return Err(format!(
+            return Err(Violation(format!(
                 "still recorded: {:?} with {:?}",
                 self.header(),
                 self.writer()
-            ));
+            )));
         }
         if self.disk_view() != self.expected {
-            return Err(format!(
+            return Err(Violation(format!(
                 "after the merge settled the top reads {:?} on disk, not {:?}",
                 self.disk_view(),
                 self.expected
-            ));
+            )));
         }
         Ok(())
     }
@@ -683,7 +688,7 @@ proptest! {
             }
         }
         if let Err(e) = sim.finish() {
-            return Err(TestCaseError::fail(e));
+            return Err(TestCaseError::fail(e.to_string()));
         }
     }
 }
