@@ -591,10 +591,10 @@ async fn delete_node(live: &LiveVm, node: &str, path: &std::path::Path) -> Resul
             QMP_TIMEOUT,
         )
         .await;
-    hearth_qemu::qmp::delete_node(qmp, node, QMP_TIMEOUT)
+    hearth_qemu::qmp::remove_node(qmp, node, None, QMP_TIMEOUT)
         .await
         .map_err(|e| format!("removing node {node}: {e}"))?;
-    hearth_qemu::qmp::remove_file_node(qmp, &file_node(node), path, QMP_TIMEOUT)
+    hearth_qemu::qmp::remove_node(qmp, &file_node(node), Some(path), QMP_TIMEOUT)
         .await
         .map_err(|e| format!("removing node {}: {e}", file_node(node)))
 }
