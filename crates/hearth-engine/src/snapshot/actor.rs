@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use hearth_api::{EventType, Kind, Object, SnapshotPhase, SnapshotStatus, VirtualDiskSnapshot};
-use hearth_qemu::agent::{AgentClient, AgentError, FreezeStatus};
+use hearth_qemu::agent::AgentError;
 use rusqlite::params;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
@@ -26,6 +26,11 @@ use crate::context::Context;
 use crate::store::{Store, StoreError};
 use crate::vm::live::LiveVm;
 use hearth_qemu::fsmap::MountMap;
+use hearth_qemu::seam::{GuestAgent, Monitor};
+
+mod steps;
+#[cfg(test)]
+mod tests;
 
 /// How long a cut waits for a just-started guest's agent before giving up.
 const AGENT_WAIT: Duration = Duration::from_secs(20);
@@ -368,33 +373,13 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             // snapshot and its siblings, parallel clients): a burst is under
             // way, so gather its stragglers briefly to share one cut and one
             // freeze. A request that found the actor idle skips this.
-            let started = Instant::now();
-            while started.elapsed() < MAX_GATHER {
-                match tokio::time::timeout(GATHER, rx.recv()).await {
-                    Ok(Some(Msg::Requests(rs))) => {
-                        for r in rs {
-                            core.handle(Input::Requested(r));
-                        }
-                    }
-                    // Not held by a group while idle: nothing to act on.
-                    Ok(Some(Msg::Group(_))) => {}
-                    Ok(Some(Msg::Compact(d))) => {
-                        compact.insert(d);
-                    }
-                    Ok(Some(Msg::Ahead)) => ahead_due = true,
-                    Ok(None) => {
-                        closed = true;
-                        break;
-                    }
-                    Err(_) => break,
-                }
-            }
+            closed = steps::gather(&mut rx, &mut core, &mut compact, &mut ahead_due).await;
         }
         if core.is_idle() && (core.has_pending() || core.needs_thaw()) {
             let Some(e) = ctx.upgrade() else { return };
             // A thaw retry holds no lock: stop, start and restore never wait
             // behind a guest agent that does not answer.
-            let agent_deadline = Instant::now() + AGENT_WAIT;
+            let agent_deadline = tokio::time::Instant::now() + AGENT_WAIT;
             let guards = if core.has_pending() {
                 // A just-started guest's agent is awaited before the locks are
                 // taken, so a stop or restore asked meanwhile goes first.
@@ -771,11 +756,11 @@ pub fn request_of(store: &Store, snap: &VirtualDiskSnapshot) -> Request {
 
 /// Waits, holding no lock, until the VM's guest agent answers, the VM does
 /// not run (or has no agent), or `deadline`.
-async fn wait_for_agent(ctx: &Arc<Context>, target: &str, deadline: Instant) {
+async fn wait_for_agent(ctx: &Arc<Context>, target: &str, deadline: tokio::time::Instant) {
     let Some(vm) = target.strip_prefix("vm/") else {
         return;
     };
-    while Instant::now() < deadline {
+    while tokio::time::Instant::now() < deadline {
         let wants_agent = matches!(
             ctx.store.get(Kind::VirtualMachine, vm),
             Ok(Some(s)) if matches!(&s.object, Object::VirtualMachine(v) if v.spec.guest_agent)
@@ -797,7 +782,7 @@ async fn wait_for_agent(ctx: &Arc<Context>, target: &str, deadline: Instant) {
 async fn access(
     ctx: &Arc<Context>,
     target: &str,
-    agent_deadline: Instant,
+    agent_deadline: tokio::time::Instant,
 ) -> (Access, Option<Arc<LiveVm>>) {
     let Some(vm) = target.strip_prefix("vm/") else {
         return (Access::Offline, None);
@@ -820,9 +805,8 @@ async fn access(
         );
     }
     if let Some(qmp) = &live.qmp
-        && let Ok(v) = qmp.execute("query-status", None, QMP_TIMEOUT).await
+        && let Ok(status) = qmp.query_status(QMP_TIMEOUT).await
     {
-        let status = v.get("status").and_then(Value::as_str).unwrap_or("unknown");
         if status != "running" {
             return (
                 Access::NoAgent(format!(
@@ -832,21 +816,14 @@ async fn access(
             );
         }
     }
-    let deadline = agent_deadline;
-    while !live
-        .agent_connected
-        .load(std::sync::atomic::Ordering::SeqCst)
-    {
-        if Instant::now() >= deadline {
-            return (
-                Access::NoAgent(format!(
-                    "the guest agent does not answer (waited {} s)",
-                    AGENT_WAIT.as_secs()
-                )),
-                Some(live),
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    if !steps::await_agent(&live.agent_connected, agent_deadline).await {
+        return (
+            Access::NoAgent(format!(
+                "the guest agent does not answer (waited {} s)",
+                AGENT_WAIT.as_secs()
+            )),
+            Some(live),
+        );
     }
     (Access::Agent, Some(live))
 }
@@ -866,23 +843,23 @@ fn fault(e: AgentError) -> AgentFault {
 
 /// Runs `f` on the VM's agent connection within `timeout`, waiting for the
 /// connection to come up if it is not there yet.
-async fn with_agent<T>(
-    live: &LiveVm,
+async fn with_agent<A: GuestAgent, T>(
+    agent: &tokio::sync::Mutex<Option<A>>,
     timeout: Duration,
-    f: impl AsyncFnOnce(&mut AgentClient, Duration) -> Result<T, AgentError>,
+    f: impl AsyncFnOnce(&mut A, Duration) -> Result<T, AgentError>,
 ) -> Result<T, AgentFault> {
-    let deadline = Instant::now() + timeout;
+    let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         if left.is_zero() {
             return Err(AgentFault::Timeout);
         }
-        let mut guard = match tokio::time::timeout(left, live.agent.lock()).await {
+        let mut guard = match tokio::time::timeout(left, agent.lock()).await {
             Ok(g) => g,
             Err(_) => return Err(AgentFault::Timeout),
         };
         if let Some(client) = guard.as_mut() {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             return f(client, left.max(Duration::from_millis(1)))
                 .await
                 .map_err(fault);
@@ -1019,19 +996,12 @@ async fn execute(
         } => {
             // Its event went with the intent.
             held.freeze_started = Some(Utc::now());
-            let result =
-                match &held.live {
-                    Some(live) => {
-                        with_agent(live, Duration::from_millis(timeout), async |c, t| {
-                            match &mountpoints {
-                                Some(list) => c.fsfreeze_freeze_list(list, t).await,
-                                None => c.fsfreeze_freeze(t).await,
-                            }
-                        })
-                        .await
-                    }
-                    None => Err(AgentFault::Disconnected),
-                };
+            let result = match &held.live {
+                Some(live) => {
+                    steps::freeze(&live.agent, Duration::from_millis(timeout), &mountpoints).await
+                }
+                None => Err(AgentFault::Disconnected),
+            };
             Some(Input::FreezeReplied {
                 cut,
                 result,
@@ -1040,11 +1010,7 @@ async fn execute(
         }
         Command::QueryFreeze { cut, timeout } => {
             let result = match &held.live {
-                Some(live) => with_agent(live, Duration::from_millis(timeout), async |c, t| {
-                    c.fsfreeze_status(t).await
-                })
-                .await
-                .map(|s| s == FreezeStatus::Frozen),
+                Some(live) => steps::frozen(&live.agent, Duration::from_millis(timeout)).await,
                 None => Err(AgentFault::Disconnected),
             };
             Some(Input::StatusReplied {
@@ -1142,15 +1108,7 @@ async fn execute(
             };
             let result = match live {
                 Some(live) => {
-                    with_agent(&live, Duration::from_millis(timeout), async |c, t| {
-                        // Thaw only a frozen guest: its thaw hook must never
-                        // run without a freeze before it.
-                        if only_if_frozen && c.fsfreeze_status(t).await? == FreezeStatus::Thawed {
-                            return Ok(None);
-                        }
-                        c.fsfreeze_thaw(t).await.map(Some)
-                    })
-                    .await
+                    steps::thaw(&live.agent, Duration::from_millis(timeout), only_if_frozen).await
                 }
                 // No process, nothing frozen.
                 None => Ok(None),
@@ -1393,7 +1351,7 @@ async fn expedite_freeze(live: &LiveVm) -> expedite::Outcome {
         }
         f => format!("guest-exec: {f}"),
     };
-    let pid = match with_agent(live, left(), async |c, t| {
+    let pid = match with_agent(&live.agent, left(), async |c, t| {
         c.exec_start("/bin/sh", &["-c", expedite::SCRIPT], t).await
     })
     .await
@@ -1405,7 +1363,11 @@ async fn expedite_freeze(live: &LiveVm) -> expedite::Outcome {
         if left().is_zero() {
             break;
         }
-        match with_agent(live, left(), async |c, t| c.exec_status(pid, t).await).await {
+        match with_agent(&live.agent, left(), async |c, t| {
+            c.exec_status(pid, t).await
+        })
+        .await
+        {
             Ok(Some(out)) => {
                 return expedite::Outcome::from_exit(out.exit_code, &out.stdout, &out.stderr);
             }
@@ -1423,7 +1385,7 @@ async fn expedite_freeze(live: &LiveVm) -> expedite::Outcome {
 /// The guest's filesystems by disk, from `guest-get-fsinfo`, matched to
 /// the running QEMU's devices by serial, else by PCI address.
 async fn filesystems_by_disk(live: &LiveVm) -> Result<MountMap, String> {
-    let fsinfo = with_agent(live, QMP_TIMEOUT, async |c, t| c.get_fsinfo(t).await)
+    let fsinfo = with_agent(&live.agent, QMP_TIMEOUT, async |c, t| c.get_fsinfo(t).await)
         .await
         .map_err(|f| format!("guest-get-fsinfo: {f}"))?;
     let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
@@ -1567,9 +1529,15 @@ async fn prepare_disk(
     }
     let node = format!("h{cut}d{index}");
     let overlay = journal(Some(node.clone()))?;
-    add_overlay_node(live, &overlay.path, &head.path, capacity, &node)
-        .await
-        .map_err(|e| format!("the overlay of VirtualDisk {disk:?}: {e}"))?;
+    add_overlay_node(
+        live.qmp.as_ref(),
+        &overlay.path,
+        &head.path,
+        capacity,
+        &node,
+    )
+    .await
+    .map_err(|e| format!("the overlay of VirtualDisk {disk:?}: {e}"))?;
     Ok(Prepared {
         disk: disk.to_string(),
         overlay,
@@ -1690,7 +1658,7 @@ async fn ahead_disk(
             return false;
         }
     };
-    match add_overlay_node(live, &a.path, &head.path, capacity, &a.node).await {
+    match add_overlay_node(live.qmp.as_ref(), &a.path, &head.path, capacity, &a.node).await {
         Ok(()) => true,
         Err(e) => {
             tracing::warn!(target, disk, node = %a.node, error = %e, "cannot make an overlay ahead");
@@ -1713,14 +1681,14 @@ async fn ahead_disk(
 /// `blockdev-create` job on that node, and the qcow2 node is added over it.
 /// QEMU never opens the file by path: hearthd hands it over by descriptor
 /// (`qmp::add_protocol_node`), as QEMU runs as an unprivileged user.
-async fn add_overlay_node(
-    live: &LiveVm,
+async fn add_overlay_node<M: Monitor>(
+    qmp: Option<&M>,
     path: &std::path::Path,
     base: &std::path::Path,
     capacity: u64,
     node: &str,
 ) -> Result<(), String> {
-    let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
+    let qmp = qmp.ok_or("no QMP connection")?;
     // Private to hearthd, as every layer: QEMU gets it by descriptor.
     std::fs::OpenOptions::new()
         .write(true)
@@ -1736,7 +1704,7 @@ async fn add_overlay_node(
     };
     // QEMU runs unprivileged and cannot open the file by path: hearthd
     // hands it over (an fd set), and QEMU formats it through that node.
-    hearth_qemu::qmp::add_protocol_node(qmp, &file_node, path, false, QMP_TIMEOUT)
+    qmp.add_protocol_node(&file_node, path, false, QMP_TIMEOUT)
         .await
         .map_err(|e| format!("handing {} to QEMU: {e}", path.display()))?;
     let job = overlays::create_job(node);
@@ -1801,17 +1769,7 @@ async fn transact(held: &CutContext, timeout: Duration) -> TxResult {
     if actions.is_empty() {
         return TxResult::Applied;
     }
-    let Some(qmp) = live.qmp.as_ref() else {
-        return TxResult::Rejected("no QMP connection".into());
-    };
-    match qmp
-        .execute("transaction", Some(json!({"actions": actions})), timeout)
-        .await
-    {
-        Ok(_) => TxResult::Applied,
-        Err(e @ hearth_qemu::qmp::QmpError::Command { .. }) => TxResult::Rejected(e.to_string()),
-        Err(e) => TxResult::Unknown(e.to_string()),
-    }
+    steps::transaction(live.qmp.as_ref(), actions, timeout).await
 }
 
 /// Did the transaction run? Read from QEMU's block graph: each device's top
@@ -1821,18 +1779,12 @@ async fn transact(held: &CutContext, timeout: Duration) -> TxResult {
 /// in order: its answer comes only once the transaction has ended.
 async fn observe(held: &CutContext, timeout: Duration) -> Option<bool> {
     let live = held.live.as_ref()?;
-    let graph = Graph::read_within(live, timeout).await.ok()?;
-    let mut seen = BTreeSet::new();
-    for p in &held.prepared {
-        if let (Some(i), Some(node)) = (p.device, &p.overlay.node) {
-            seen.insert(graph.top_node(i) == Some(node.as_str()));
-        }
-    }
-    match (seen.contains(&true), seen.contains(&false)) {
-        (true, false) => Some(true),
-        (false, true) => Some(false),
-        _ => None,
-    }
+    let switches: Vec<(usize, &str)> = held
+        .prepared
+        .iter()
+        .filter_map(|p| Some((p.device?, p.overlay.node.as_deref()?)))
+        .collect();
+    steps::observe(live.qmp.as_ref()?, &switches, timeout).await
 }
 
 /// The cut did not happen (as far as hearth could prove): settle its

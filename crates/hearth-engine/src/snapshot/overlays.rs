@@ -310,8 +310,16 @@ impl Graph {
     /// [`Graph::read`], waiting at most `timeout` for QEMU's answer.
     pub async fn read_within(live: &LiveVm, timeout: std::time::Duration) -> Result<Graph, String> {
         let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+        Self::query(qmp, timeout).await
+    }
+
+    /// [`Graph::read_within`] on any monitor.
+    pub async fn query<M: hearth_qemu::seam::Monitor>(
+        qmp: &M,
+        timeout: std::time::Duration,
+    ) -> Result<Graph, String> {
         let block = qmp
-            .execute("query-block", None, timeout)
+            .query_block(timeout)
             .await
             .map_err(|e| format!("query-block: {e}"))?;
         Ok(Graph { block })
@@ -580,17 +588,20 @@ pub fn create_job(node: &str) -> String {
 /// deleted.
 async fn delete_node(live: &LiveVm, node: &str, path: &std::path::Path) -> Result<(), String> {
     let qmp = live.qmp.as_ref().ok_or("no QMP connection to the VM")?;
+    delete_nodes(qmp, node, path).await
+}
+
+/// [`delete_node`] on any monitor.
+pub(crate) async fn delete_nodes<M: hearth_qemu::seam::Monitor>(
+    qmp: &M,
+    node: &str,
+    path: &std::path::Path,
+) -> Result<(), String> {
     // A formatting job that a crash left concluded but not dismissed holds
     // nothing, but would stay listed in QEMU: dismiss it (best effort; QEMU
     // refuses for a job that still runs, and then the file node is in use
     // and its deletion below is refused too, so a later settle decides).
-    let _ = qmp
-        .execute(
-            "job-dismiss",
-            Some(json!({"id": create_job(node)})),
-            QMP_TIMEOUT,
-        )
-        .await;
+    let _ = qmp.job_dismiss(&create_job(node), QMP_TIMEOUT).await;
     hearth_qemu::qmp::remove_node(qmp, node, None, QMP_TIMEOUT)
         .await
         .map_err(|e| format!("removing node {node}: {e}"))?;
