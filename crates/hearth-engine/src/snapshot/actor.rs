@@ -16,8 +16,8 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::coordinator::{
-    Access, AgentFault, Command, Coordinator, CutId, Durable, Input, Millis, Mounts, Outcome,
-    Request, Scope, TxResult,
+    Access, AgentFault, Command, Coordinator, CutId, Durable, Input, IntentNotRecorded, Millis,
+    Mounts, MountsUnknown, Outcome, Request, Scope, TxResult,
 };
 use super::expedite;
 use super::overlays::{self, Ahead, Graph, Overlay, Settled};
@@ -25,9 +25,11 @@ use super::storage::{self, Layer};
 use crate::context::Context;
 use crate::store::{Store, StoreError};
 use crate::vm::live::LiveVm;
+use errors::{MountsError, NodeError, PrepareError};
 use hearth_qemu::fsmap::MountMap;
 use hearth_qemu::seam::{GuestAgent, Monitor};
 
+mod errors;
 mod steps;
 #[cfg(test)]
 mod tests;
@@ -250,7 +252,7 @@ struct CutContext {
     freeze_started: Option<chrono::DateTime<Utc>>,
     /// Which of the guest's filesystems lie on which disk (live cuts with an
     /// agent), read before the freeze; the error when the agent could not say.
-    mounts: Option<Result<MountMap, String>>,
+    mounts: Option<Result<MountMap, MountsError>>,
     /// What the step before the freeze did (live cuts with an agent).
     expedited: Option<expedite::Outcome>,
     /// The cut's snapshots show InProgress.
@@ -911,7 +913,9 @@ async fn execute(
                     .as_ref()
                     .map(|l| l.record.disk_names.as_slice())
                     .unwrap_or(&[]);
-                m.clone().map(|m| mounts_by_name(&m, names))
+                m.clone()
+                    .map(|m| mounts_by_name(&m, names))
+                    .map_err(|e| MountsUnknown(e.to_string()))
             });
             Some(Input::Prepared {
                 cut,
@@ -973,7 +977,7 @@ async fn execute(
                     )?;
                     Ok(())
                 })
-                .map_err(|e| e.to_string());
+                .map_err(|e| IntentNotRecorded(e.to_string()));
             held.in_progress = result.is_ok();
             if result.is_ok() {
                 for p in &mut held.prepared {
@@ -1260,7 +1264,7 @@ async fn prepare(
         for disk in disks {
             match prepare_disk(ctx, target, None, None, None, cut, disk).await {
                 Ok(p) => held.prepared.push(p),
-                Err(why) => failed.push((disk.clone(), why)),
+                Err(why) => failed.push((disk.clone(), why.to_string())),
             }
         }
         return failed;
@@ -1295,7 +1299,7 @@ async fn prepare(
         }
     };
     let overlays = async {
-        let graph = Graph::read(&live).await?;
+        let graph = Graph::read(&live).await.map_err(PrepareError::Overlays)?;
         // Only needed to check overlays made ahead.
         let named = if disks
             .iter()
@@ -1316,7 +1320,7 @@ async fn prepare(
                 disk,
             )
         });
-        Ok::<_, String>(futures_util::future::join_all(each).await)
+        Ok::<_, PrepareError>(futures_util::future::join_all(each).await)
     };
     let (mounts, made, expedited) = tokio::join!(mounts, overlays, expedited);
     held.mounts = mounts;
@@ -1326,13 +1330,13 @@ async fn prepare(
     held.expedited = expedited;
     let made = match made {
         Ok(m) => m,
-        Err(e) => return disks.iter().map(|d| (d.clone(), e.clone())).collect(),
+        Err(e) => return disks.iter().map(|d| (d.clone(), e.to_string())).collect(),
     };
     let mut failed = Vec::new();
     for (disk, m) in disks.iter().zip(made) {
         match m {
             Ok(p) => held.prepared.push(p),
-            Err(why) => failed.push((disk.clone(), why)),
+            Err(why) => failed.push((disk.clone(), why.to_string())),
         }
     }
     failed
@@ -1384,14 +1388,14 @@ async fn expedite_freeze(live: &LiveVm) -> expedite::Outcome {
 
 /// The guest's filesystems by disk, from `guest-get-fsinfo`, matched to
 /// the running QEMU's devices by serial, else by PCI address.
-async fn filesystems_by_disk(live: &LiveVm) -> Result<MountMap, String> {
+async fn filesystems_by_disk(live: &LiveVm) -> Result<MountMap, MountsError> {
     let fsinfo = with_agent(&live.agent, QMP_TIMEOUT, async |c, t| c.get_fsinfo(t).await)
         .await
-        .map_err(|f| format!("guest-get-fsinfo: {f}"))?;
-    let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
+        .map_err(MountsError::Agent)?;
+    let qmp = live.qmp.as_ref().ok_or(MountsError::NoQmp)?;
     let pci = hearth_qemu::fsmap::disk_pci_addresses(qmp, QMP_TIMEOUT)
         .await
-        .map_err(|e| format!("query-pci: {e}"))?;
+        .map_err(|e| MountsError::Pci(Arc::new(e)))?;
     let serials: Vec<String> = live
         .record
         .disk_names
@@ -1411,20 +1415,16 @@ async fn prepare_disk(
     named: Option<&HashMap<String, u64>>,
     cut: CutId,
     disk: &str,
-) -> Result<Prepared, String> {
+) -> Result<Prepared, PrepareError> {
     let state_dir = &ctx.config.state_dir;
-    if overlays::of_disk(&ctx.store, disk)
-        .map_err(|e| e.to_string())?
+    if overlays::of_disk(&ctx.store, disk)?
         .iter()
         .any(|o| o.cut != cut)
     {
-        return Err(format!(
-            "an earlier cut's overlay of VirtualDisk {disk:?} is not settled yet"
-        ));
+        return Err(PrepareError::Unsettled(disk.to_string()));
     }
-    let head = storage::head(&ctx.store, disk)
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("VirtualDisk {disk:?} has no image yet"))?;
+    let head =
+        storage::head(&ctx.store, disk)?.ok_or_else(|| PrepareError::NoImage(disk.to_string()))?;
     // The overlay's layer id and its journal row, in one store write.
     let journal = |node: Option<String>| {
         ctx.store
@@ -1442,7 +1442,7 @@ async fn prepare_disk(
                 overlays::record_tx(tx, &overlay)?;
                 Ok(overlay)
             })
-            .map_err(|e| e.to_string())
+            .map_err(PrepareError::Store)
     };
     let (Some(graph), Some(live)) = (graph, live) else {
         // Offline: the overlay is recorded, then created; the store switches
@@ -1450,10 +1450,13 @@ async fn prepare_disk(
         let overlay = journal(None)?;
         let info = hearth_qemu::img::info(&head.path)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(PrepareError::Info)?;
         hearth_qemu::img::create_overlay(&overlay.path, &head.path, "qcow2", None)
             .await
-            .map_err(|e| format!("creating the overlay for {disk:?}: {e}"))?;
+            .map_err(|source| PrepareError::CreateOverlay {
+                disk: disk.to_string(),
+                source,
+            })?;
         return Ok(Prepared {
             disk: disk.to_string(),
             overlay,
@@ -1465,37 +1468,39 @@ async fn prepare_disk(
         });
     };
     // The device is the one the running QEMU was started with for this disk.
-    let index = overlays::device_index(live, disk).ok_or_else(|| {
-        format!("VirtualDisk {disk:?} is not attached to the running QEMU (the VM must restart to attach it)")
-    })?;
+    let index = overlays::device_index(live, disk)
+        .ok_or_else(|| PrepareError::NotAttached(disk.to_string()))?;
     let inserted = graph
         .device(index)
-        .ok_or_else(|| format!("QEMU has no device for VirtualDisk {disk:?}"))?;
+        .ok_or_else(|| PrepareError::NoDevice(disk.to_string()))?;
     let top_node = inserted
         .get("node-name")
         .and_then(Value::as_str)
-        .ok_or("query-block gave no node-name")?
+        .ok_or(PrepareError::NoNodeName)?
         .to_string();
     let capacity = inserted
         .pointer("/image/virtual-size")
         .and_then(Value::as_u64)
-        .ok_or("query-block gave no virtual-size")?;
+        .ok_or(PrepareError::NoVirtualSize)?;
     // The top layer is open through an fd set: its label is the path.
-    let qmp = live.qmp.clone().ok_or("no QMP connection")?;
-    let top_file = overlays::node_file(&qmp, &top_node).await?;
+    let qmp = live.qmp.clone().ok_or(PrepareError::NoQmp)?;
+    let top_file = overlays::node_file(&qmp, &top_node)
+        .await
+        .map_err(PrepareError::Overlays)?;
     if !top_file.is_empty() && std::path::Path::new(&top_file) != head.path {
         // QEMU writes to a layer the store does not know as the head. The
         // journal makes this impossible for hearth's own overlays; refuse
         // rather than put a layer over a file of unknown origin.
-        return Err(format!(
-            "QEMU writes VirtualDisk {disk:?} to {top_file}, not to its recorded head {}",
-            head.path.display()
-        ));
+        return Err(PrepareError::ForeignTop {
+            disk: disk.to_string(),
+            file: top_file,
+            head: head.path.clone(),
+        });
     }
     // An overlay made ahead serves when it still fits: over the disk's
     // head, in this QEMU, of the device's size. Else it goes, and one is
     // made now.
-    if let Some(a) = overlays::ahead_of_disk(&ctx.store, disk).map_err(|e| e.to_string())? {
+    if let Some(a) = overlays::ahead_of_disk(&ctx.store, disk)? {
         let size = named.and_then(|n| n.get(&a.node).copied());
         match overlays::unusable(&a, &head.id, size, capacity) {
             None => {
@@ -1521,8 +1526,9 @@ async fn prepare_disk(
                 tracing::info!(target, cut, disk, node = %a.node, why, "the overlay made ahead does not fit; replacing it");
                 overlays::remove_ahead(&ctx.store, Some(live), &a)
                     .await
-                    .map_err(|e| {
-                        format!("removing the overlay made ahead for VirtualDisk {disk:?}: {e}")
+                    .map_err(|why| PrepareError::RemoveAhead {
+                        disk: disk.to_string(),
+                        why,
                     })?;
             }
         }
@@ -1537,7 +1543,10 @@ async fn prepare_disk(
         &node,
     )
     .await
-    .map_err(|e| format!("the overlay of VirtualDisk {disk:?}: {e}"))?;
+    .map_err(|source| PrepareError::Node {
+        disk: disk.to_string(),
+        source,
+    })?;
     Ok(Prepared {
         disk: disk.to_string(),
         overlay,
@@ -1551,10 +1560,11 @@ async fn prepare_disk(
 
 /// The virtual size of every named block node of the running QEMU
 /// ([`overlays::named_nodes`]), by node name.
-async fn named_nodes(live: &LiveVm) -> Result<HashMap<String, u64>, String> {
-    let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
+async fn named_nodes(live: &LiveVm) -> Result<HashMap<String, u64>, PrepareError> {
+    let qmp = live.qmp.as_ref().ok_or(PrepareError::NoQmp)?;
     Ok(overlays::named_nodes(qmp)
-        .await?
+        .await
+        .map_err(PrepareError::Overlays)?
         .into_iter()
         .filter_map(|n| Some((n.node, n.size?)))
         .collect())
@@ -1687,26 +1697,36 @@ async fn add_overlay_node<M: Monitor>(
     base: &std::path::Path,
     capacity: u64,
     node: &str,
-) -> Result<(), String> {
-    let qmp = qmp.ok_or("no QMP connection")?;
+) -> Result<(), NodeError> {
+    let qmp = qmp.ok_or(NodeError::NoQmp)?;
     // Private to hearthd, as every layer: QEMU gets it by descriptor.
     std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(path)
-        .map_err(|e| format!("creating {}: {e}", path.display()))?;
+        .map_err(|source| NodeError::Create {
+            path: path.to_path_buf(),
+            source,
+        })?;
     let file_node = overlays::file_node(node);
     let run = async |command: &str, args: Value| {
         qmp.execute(command, Some(args), QMP_TIMEOUT)
             .await
-            .map_err(|e| format!("{command} for {node}: {e}"))
+            .map_err(|source| NodeError::Qmp {
+                command: command.to_string(),
+                node: node.to_string(),
+                source,
+            })
     };
     // QEMU runs unprivileged and cannot open the file by path: hearthd
     // hands it over (an fd set), and QEMU formats it through that node.
     qmp.add_protocol_node(&file_node, path, false, QMP_TIMEOUT)
         .await
-        .map_err(|e| format!("handing {} to QEMU: {e}", path.display()))?;
+        .map_err(|source| NodeError::HandOver {
+            path: path.to_path_buf(),
+            source,
+        })?;
     let job = overlays::create_job(node);
     run(
         "blockdev-create",
@@ -1727,16 +1747,22 @@ async fn add_overlay_node<M: Monitor>(
             .as_array()
             .and_then(|a| a.iter().find(|j| j["id"] == job.as_str()))
             .cloned()
-            .ok_or_else(|| format!("QEMU lost the job {job}"))?;
+            .ok_or_else(|| NodeError::LostJob(job.clone()))?;
         if mine["status"] == "concluded" {
             run("job-dismiss", json!({"id": job})).await?;
             if let Some(e) = mine.get("error").and_then(Value::as_str) {
-                return Err(format!("formatting {} as qcow2: {e}", path.display()));
+                return Err(NodeError::Format {
+                    path: path.to_path_buf(),
+                    error: e.to_string(),
+                });
             }
             break;
         }
         if Instant::now() >= deadline {
-            return Err(format!("the job {job} did not end within {QMP_TIMEOUT:?}"));
+            return Err(NodeError::JobTimeout {
+                job,
+                timeout: QMP_TIMEOUT,
+            });
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }

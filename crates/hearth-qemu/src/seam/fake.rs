@@ -663,7 +663,7 @@ impl Graph {
             if o.backing.is_some() {
                 return Err(command_error(
                     command,
-                    format!("The overlay already has a backing image"),
+                    "The overlay already has a backing image".to_string(),
                 ));
             }
             if self.user_of(&overlay).is_some() || switches.iter().any(|(_, o)| *o == overlay) {
