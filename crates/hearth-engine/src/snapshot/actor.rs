@@ -808,15 +808,14 @@ async fn access(
     }
     if let Some(qmp) = &live.qmp
         && let Ok(status) = qmp.query_status(QMP_TIMEOUT).await
+        && status != "running"
     {
-        if status != "running" {
-            return (
-                Access::NoAgent(format!(
-                    "the VM is not running its vCPUs (QEMU status {status})"
-                )),
-                Some(live),
-            );
-        }
+        return (
+            Access::NoAgent(format!(
+                "the VM is not running its vCPUs (QEMU status {status})"
+            )),
+            Some(live),
+        );
     }
     if !steps::await_agent(&live.agent_connected, agent_deadline).await {
         return (
@@ -1545,7 +1544,7 @@ async fn prepare_disk(
     .await
     .map_err(|source| PrepareError::Node {
         disk: disk.to_string(),
-        source,
+        source: Box::new(source),
     })?;
     Ok(Prepared {
         disk: disk.to_string(),

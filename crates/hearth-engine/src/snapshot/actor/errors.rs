@@ -74,7 +74,10 @@ pub(crate) enum PrepareError {
     #[error("removing the overlay made ahead for VirtualDisk {disk:?}: {why}")]
     RemoveAhead { disk: String, why: String },
     #[error("the overlay of VirtualDisk {disk:?}: {source}")]
-    Node { disk: String, source: NodeError },
+    Node {
+        disk: String,
+        source: Box<NodeError>,
+    },
 }
 
 /// Why the guest's filesystems could not be matched to its disks.
