@@ -21,7 +21,7 @@ use serde_json::json;
 
 use crate::cmdline::disk_device_id;
 use crate::lines::truncate;
-use crate::qmp::{QmpClient, QmpError};
+use crate::qmp::QmpError;
 
 /// At most this many filesystems in one `guest-get-fsinfo` reply.
 pub const MAX_FILESYSTEMS: usize = 256;
@@ -169,8 +169,8 @@ fn optional_str(obj: &Value, key: &str) -> Result<Option<String>, String> {
 /// The PCI address of each of hearth's disk devices, by device index (the `i`
 /// of [`disk_device_id`]), from QEMU's `query-pci`. Indexes with no such
 /// device in the reply are absent. QEMU knows only PCI domain 0.
-pub async fn disk_pci_addresses(
-    qmp: &QmpClient,
+pub async fn disk_pci_addresses<M: crate::seam::Monitor + ?Sized>(
+    qmp: &M,
     timeout: Duration,
 ) -> Result<BTreeMap<usize, PciAddress>, QmpError> {
     let reply = qmp.execute("query-pci", None, timeout).await?;

@@ -17,6 +17,7 @@ pub mod probe;
 pub mod process;
 pub mod programs;
 pub mod qmp;
+pub mod seam;
 pub mod stats;
 pub mod tools;
 

@@ -28,6 +28,7 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch};
 use tokio::task::AbortHandle;
 
 use crate::lines::{BoundedReader, QapiReply, ReadError, classify_reply, truncate};
+use crate::seam::Monitor;
 
 /// Default bound for one QMP line. `query-block` with a long snapshot chain is the
 /// largest reply we issue; it stays far below this.
@@ -365,8 +366,8 @@ pub struct FileNode {
 /// descriptor to QEMU (`add-fd` with `SCM_RIGHTS`, labelled with the path):
 /// into fd set `set`, or a new set when `None`. Returns the set's id and the
 /// descriptor's number in QEMU; `/dev/fdset/S` then opens it.
-async fn hand_over(
-    qmp: &QmpClient,
+async fn hand_over<M: Monitor + ?Sized>(
+    qmp: &M,
     path: &Path,
     read_only: bool,
     set: Option<u64>,
@@ -396,8 +397,8 @@ async fn hand_over(
 /// Hands `path` over ([`hand_over`]) and adds `node` (`blockdev-add` of
 /// `file_node(filename)`); if the node cannot be added, the fd set is
 /// removed again.
-async fn add_handed_over(
-    qmp: &QmpClient,
+async fn add_handed_over<M: Monitor + ?Sized>(
+    qmp: &M,
     node: &str,
     path: &Path,
     read_only: bool,
@@ -430,8 +431,8 @@ async fn add_handed_over(
 /// so it needs no access to it. With [`add_protocol_node`], the one way a
 /// running QEMU gets a new file: every runtime `blockdev-add` of hearth
 /// goes through these two.
-pub async fn add_file_node(
-    qmp: &QmpClient,
+pub async fn add_file_node<M: Monitor + ?Sized>(
+    qmp: &M,
     node: &str,
     path: &Path,
     read_only: bool,
@@ -456,8 +457,8 @@ pub async fn add_file_node(
 /// Adds a protocol (`file` driver) node `node` over `path`, handed over by
 /// descriptor: the node a `blockdev-create` job formats, and the format
 /// node is then added over it by name.
-pub async fn add_protocol_node(
-    qmp: &QmpClient,
+pub async fn add_protocol_node<M: Monitor + ?Sized>(
+    qmp: &M,
     node: &str,
     path: &Path,
     read_only: bool,
@@ -474,33 +475,28 @@ pub async fn add_protocol_node(
     .await
 }
 
-/// Deletes node `node` (`blockdev-del`). QEMU refuses for a node in use; a
-/// node it does not know counts as deleted.
-pub async fn delete_node(qmp: &QmpClient, node: &str, timeout: Duration) -> Result<(), QmpError> {
+/// Deletes node `node` (`blockdev-del`; QEMU refuses for a node in use, and
+/// a node it does not know counts as deleted). With `file` (a protocol
+/// node's file), then removes every fd set labelled with that path
+/// (`remove-fd`), so fd sets do not pile up across cuts.
+pub async fn remove_node<M: Monitor + ?Sized>(
+    qmp: &M,
+    node: &str,
+    file: Option<&Path>,
+    timeout: Duration,
+) -> Result<(), QmpError> {
     match qmp
         .execute("blockdev-del", Some(json!({"node-name": node})), timeout)
         .await
     {
-        Ok(_) => Ok(()),
+        Ok(_) => {}
         Err(QmpError::Command { desc, .. })
-            if desc.contains("Failed to find node") || desc.contains("Cannot find node") =>
-        {
-            Ok(())
-        }
-        Err(e) => Err(e),
+            if desc.contains("Failed to find node") || desc.contains("Cannot find node") => {}
+        Err(e) => return Err(e),
     }
-}
-
-/// Deletes node `node` (`blockdev-del`; QEMU refuses for a node in use, and
-/// a node it does not know counts as deleted), then removes every fd set
-/// labelled `path` (`remove-fd`), so fd sets do not pile up across cuts.
-pub async fn remove_file_node(
-    qmp: &QmpClient,
-    node: &str,
-    path: &Path,
-    timeout: Duration,
-) -> Result<(), QmpError> {
-    delete_node(qmp, node, timeout).await?;
+    let Some(path) = file else {
+        return Ok(());
+    };
     let label = path.to_string_lossy();
     for (set, opaque) in fdsets(qmp, timeout).await? {
         if opaque == label {
@@ -527,8 +523,8 @@ pub async fn remove_file_node(
 /// Another process that has the file open with locking (a VM restored from
 /// the layer) holds the same lock: the write is refused, and nothing is
 /// changed under that reader.
-pub async fn reopen_file_node(
-    qmp: &QmpClient,
+pub async fn reopen_file_node<M: Monitor + ?Sized>(
+    qmp: &M,
     node: &str,
     path: &Path,
     read_only: bool,
@@ -595,7 +591,10 @@ fn fds_of_set(sets: &Value, set: u64) -> Vec<i64> {
 }
 
 /// Every fd set with the label of its first descriptor (`query-fdsets`).
-pub async fn fdsets(qmp: &QmpClient, timeout: Duration) -> Result<Vec<(u64, String)>, QmpError> {
+pub async fn fdsets<M: Monitor + ?Sized>(
+    qmp: &M,
+    timeout: Duration,
+) -> Result<Vec<(u64, String)>, QmpError> {
     let sets = qmp.execute("query-fdsets", None, timeout).await?;
     Ok(parse_fdsets(&sets))
 }

@@ -489,7 +489,7 @@ async fn a_launch_with_a_pidfile_can_be_found_again_from_the_pidfile_alone() {
 /// (`add_file_node`, `SCM_RIGHTS`) becomes the top with `blockdev-snapshot`,
 /// which reopens the old top's format node read-only but leaves its file
 /// node on its descriptor; an unused node and its fd set go again with
-/// `remove_file_node`.
+/// `remove_node`.
 #[tokio::test]
 async fn chain_layers_and_a_runtime_overlay_each_need_one_descriptor_in_their_nodes_mode() {
     use std::os::unix::fs::PermissionsExt;
@@ -615,7 +615,7 @@ async fn chain_layers_and_a_runtime_overlay_each_need_one_descriptor_in_their_no
     hearth_qemu::qmp::add_file_node(&qmp, "spare", &spare, false, T)
         .await
         .expect("spare node");
-    hearth_qemu::qmp::remove_file_node(&qmp, "spare", &spare, T)
+    hearth_qemu::qmp::remove_node(&qmp, "spare", Some(&spare), T)
         .await
         .expect("removed");
     let fdsets = hearth_qemu::qmp::fdsets(&qmp, T).await.expect("fdsets");
@@ -631,12 +631,12 @@ async fn chain_layers_and_a_runtime_overlay_each_need_one_descriptor_in_their_no
         .expect("nodes");
     assert!(!names.to_string().contains("\"spare\""), "{names}");
     // Removing it again is fine: a node QEMU does not know counts as gone.
-    hearth_qemu::qmp::remove_file_node(&qmp, "spare", &spare, T)
+    hearth_qemu::qmp::remove_node(&qmp, "spare", Some(&spare), T)
         .await
         .expect("removed twice");
     // A node in use is refused, and its set stays.
     assert!(
-        hearth_qemu::qmp::remove_file_node(&qmp, "ov1", &overlay, T)
+        hearth_qemu::qmp::remove_node(&qmp, "ov1", Some(&overlay), T)
             .await
             .is_err()
     );

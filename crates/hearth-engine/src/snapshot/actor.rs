@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use hearth_api::{EventType, Kind, Object, SnapshotPhase, SnapshotStatus, VirtualDiskSnapshot};
-use hearth_qemu::agent::{AgentClient, AgentError, FreezeStatus};
+use hearth_qemu::agent::AgentError;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use super::coordinator::{
-    Access, AgentFault, Command, Coordinator, CutId, Durable, Input, Millis, Mounts, Outcome,
-    Request, Scope, TxResult,
+    Access, AgentFault, Command, Coordinator, CutId, Durable, Input, IntentNotRecorded, Millis,
+    Mounts, MountsUnknown, Outcome, Request, Scope, TxResult,
 };
 use super::expedite;
 use super::overlays::{self, Ahead, Graph, Overlay, Settled};
@@ -25,7 +25,14 @@ use super::storage::{self, Layer};
 use crate::context::Context;
 use crate::store::{Store, StoreError, journals};
 use crate::vm::live::LiveVm;
+use errors::{MountsError, NodeError, PrepareError};
 use hearth_qemu::fsmap::MountMap;
+use hearth_qemu::seam::{GuestAgent, Monitor};
+
+mod errors;
+mod steps;
+#[cfg(test)]
+mod tests;
 
 /// How long a cut waits for a just-started guest's agent before giving up.
 const AGENT_WAIT: Duration = Duration::from_secs(20);
@@ -160,7 +167,7 @@ struct CutContext {
     freeze_started: Option<chrono::DateTime<Utc>>,
     /// Which of the guest's filesystems lie on which disk (live cuts with an
     /// agent), read before the freeze; the error when the agent could not say.
-    mounts: Option<Result<MountMap, String>>,
+    mounts: Option<Result<MountMap, MountsError>>,
     /// What the step before the freeze did (live cuts with an agent).
     expedited: Option<expedite::Outcome>,
     /// The cut's snapshots show InProgress.
@@ -283,33 +290,13 @@ async fn run(ctx: Weak<Context>, target: String, mut rx: mpsc::UnboundedReceiver
             // snapshot and its siblings, parallel clients): a burst is under
             // way, so gather its stragglers briefly to share one cut and one
             // freeze. A request that found the actor idle skips this.
-            let started = Instant::now();
-            while started.elapsed() < MAX_GATHER {
-                match tokio::time::timeout(GATHER, rx.recv()).await {
-                    Ok(Some(Msg::Requests(rs))) => {
-                        for r in rs {
-                            core.handle(Input::Requested(r));
-                        }
-                    }
-                    // Not held by a group while idle: nothing to act on.
-                    Ok(Some(Msg::Group(_))) => {}
-                    Ok(Some(Msg::Compact(d))) => {
-                        compact.insert(d);
-                    }
-                    Ok(Some(Msg::Ahead)) => ahead_due = true,
-                    Ok(None) => {
-                        closed = true;
-                        break;
-                    }
-                    Err(_) => break,
-                }
-            }
+            closed = steps::gather(&mut rx, &mut core, &mut compact, &mut ahead_due).await;
         }
         if core.is_idle() && (core.has_pending() || core.needs_thaw()) {
             let Some(e) = ctx.upgrade() else { return };
             // A thaw retry holds no lock: stop, start and restore never wait
             // behind a guest agent that does not answer.
-            let agent_deadline = Instant::now() + AGENT_WAIT;
+            let agent_deadline = tokio::time::Instant::now() + AGENT_WAIT;
             let guards = if core.has_pending() {
                 // A just-started guest's agent is awaited before the locks are
                 // taken, so a stop or restore asked meanwhile goes first.
@@ -680,11 +667,11 @@ pub fn request_of(store: &Store, snap: &VirtualDiskSnapshot) -> Request {
 
 /// Waits, holding no lock, until the VM's guest agent answers, the VM does
 /// not run (or has no agent), or `deadline`.
-async fn wait_for_agent(ctx: &Arc<Context>, target: &str, deadline: Instant) {
+async fn wait_for_agent(ctx: &Arc<Context>, target: &str, deadline: tokio::time::Instant) {
     let Some(vm) = target.strip_prefix("vm/") else {
         return;
     };
-    while Instant::now() < deadline {
+    while tokio::time::Instant::now() < deadline {
         let wants_agent = matches!(
             ctx.store.get(Kind::VirtualMachine, vm),
             Ok(Some(s)) if matches!(&s.object, Object::VirtualMachine(v) if v.spec.guest_agent)
@@ -706,7 +693,7 @@ async fn wait_for_agent(ctx: &Arc<Context>, target: &str, deadline: Instant) {
 async fn access(
     ctx: &Arc<Context>,
     target: &str,
-    agent_deadline: Instant,
+    agent_deadline: tokio::time::Instant,
 ) -> (Access, Option<Arc<LiveVm>>) {
     let Some(vm) = target.strip_prefix("vm/") else {
         return (Access::Offline, None);
@@ -729,33 +716,24 @@ async fn access(
         );
     }
     if let Some(qmp) = &live.qmp
-        && let Ok(v) = qmp.execute("query-status", None, QMP_TIMEOUT).await
+        && let Ok(status) = qmp.query_status(QMP_TIMEOUT).await
+        && status != "running"
     {
-        let status = v.get("status").and_then(Value::as_str).unwrap_or("unknown");
-        if status != "running" {
-            return (
-                Access::NoAgent(format!(
-                    "the VM is not running its vCPUs (QEMU status {status})"
-                )),
-                Some(live),
-            );
-        }
+        return (
+            Access::NoAgent(format!(
+                "the VM is not running its vCPUs (QEMU status {status})"
+            )),
+            Some(live),
+        );
     }
-    let deadline = agent_deadline;
-    while !live
-        .agent_connected
-        .load(std::sync::atomic::Ordering::SeqCst)
-    {
-        if Instant::now() >= deadline {
-            return (
-                Access::NoAgent(format!(
-                    "the guest agent does not answer (waited {} s)",
-                    AGENT_WAIT.as_secs()
-                )),
-                Some(live),
-            );
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    if !steps::await_agent(&live.agent_connected, agent_deadline).await {
+        return (
+            Access::NoAgent(format!(
+                "the guest agent does not answer (waited {} s)",
+                AGENT_WAIT.as_secs()
+            )),
+            Some(live),
+        );
     }
     (Access::Agent, Some(live))
 }
@@ -775,23 +753,23 @@ fn fault(e: AgentError) -> AgentFault {
 
 /// Runs `f` on the VM's agent connection within `timeout`, waiting for the
 /// connection to come up if it is not there yet.
-async fn with_agent<T>(
-    live: &LiveVm,
+async fn with_agent<A: GuestAgent, T>(
+    agent: &tokio::sync::Mutex<Option<A>>,
     timeout: Duration,
-    f: impl AsyncFnOnce(&mut AgentClient, Duration) -> Result<T, AgentError>,
+    f: impl AsyncFnOnce(&mut A, Duration) -> Result<T, AgentError>,
 ) -> Result<T, AgentFault> {
-    let deadline = Instant::now() + timeout;
+    let deadline = tokio::time::Instant::now() + timeout;
     loop {
-        let left = deadline.saturating_duration_since(Instant::now());
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         if left.is_zero() {
             return Err(AgentFault::Timeout);
         }
-        let mut guard = match tokio::time::timeout(left, live.agent.lock()).await {
+        let mut guard = match tokio::time::timeout(left, agent.lock()).await {
             Ok(g) => g,
             Err(_) => return Err(AgentFault::Timeout),
         };
         if let Some(client) = guard.as_mut() {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             return f(client, left.max(Duration::from_millis(1)))
                 .await
                 .map_err(fault);
@@ -843,7 +821,9 @@ async fn execute(
                     .as_ref()
                     .map(|l| l.record.disk_names.as_slice())
                     .unwrap_or(&[]);
-                m.clone().map(|m| mounts_by_name(&m, names))
+                m.clone()
+                    .map(|m| mounts_by_name(&m, names))
+                    .map_err(|e| MountsUnknown(e.to_string()))
             });
             Some(Input::Prepared {
                 cut,
@@ -901,7 +881,7 @@ async fn execute(
                     )?;
                     Ok(())
                 })
-                .map_err(|e| e.to_string());
+                .map_err(|e| IntentNotRecorded(e.to_string()));
             held.in_progress = result.is_ok();
             if result.is_ok() {
                 for p in &mut held.prepared {
@@ -924,19 +904,12 @@ async fn execute(
         } => {
             // Its event went with the intent.
             held.freeze_started = Some(Utc::now());
-            let result =
-                match &held.live {
-                    Some(live) => {
-                        with_agent(live, Duration::from_millis(timeout), async |c, t| {
-                            match &mountpoints {
-                                Some(list) => c.fsfreeze_freeze_list(list, t).await,
-                                None => c.fsfreeze_freeze(t).await,
-                            }
-                        })
-                        .await
-                    }
-                    None => Err(AgentFault::Disconnected),
-                };
+            let result = match &held.live {
+                Some(live) => {
+                    steps::freeze(&live.agent, Duration::from_millis(timeout), &mountpoints).await
+                }
+                None => Err(AgentFault::Disconnected),
+            };
             Some(Input::FreezeReplied {
                 cut,
                 result,
@@ -945,11 +918,7 @@ async fn execute(
         }
         Command::QueryFreeze { cut, timeout } => {
             let result = match &held.live {
-                Some(live) => with_agent(live, Duration::from_millis(timeout), async |c, t| {
-                    c.fsfreeze_status(t).await
-                })
-                .await
-                .map(|s| s == FreezeStatus::Frozen),
+                Some(live) => steps::frozen(&live.agent, Duration::from_millis(timeout)).await,
                 None => Err(AgentFault::Disconnected),
             };
             Some(Input::StatusReplied {
@@ -1047,15 +1016,7 @@ async fn execute(
             };
             let result = match live {
                 Some(live) => {
-                    with_agent(&live, Duration::from_millis(timeout), async |c, t| {
-                        // Thaw only a frozen guest: its thaw hook must never
-                        // run without a freeze before it.
-                        if only_if_frozen && c.fsfreeze_status(t).await? == FreezeStatus::Thawed {
-                            return Ok(None);
-                        }
-                        c.fsfreeze_thaw(t).await.map(Some)
-                    })
-                    .await
+                    steps::thaw(&live.agent, Duration::from_millis(timeout), only_if_frozen).await
                 }
                 // No process, nothing frozen.
                 None => Ok(None),
@@ -1207,7 +1168,7 @@ async fn prepare(
         for disk in disks {
             match prepare_disk(ctx, target, None, None, None, cut, disk).await {
                 Ok(p) => held.prepared.push(p),
-                Err(why) => failed.push((disk.clone(), why)),
+                Err(why) => failed.push((disk.clone(), why.to_string())),
             }
         }
         return failed;
@@ -1242,7 +1203,7 @@ async fn prepare(
         }
     };
     let overlays = async {
-        let graph = Graph::read(&live).await?;
+        let graph = Graph::read(&live).await.map_err(PrepareError::Overlays)?;
         // Only needed to check overlays made ahead.
         let named = if disks
             .iter()
@@ -1263,7 +1224,7 @@ async fn prepare(
                 disk,
             )
         });
-        Ok::<_, String>(futures_util::future::join_all(each).await)
+        Ok::<_, PrepareError>(futures_util::future::join_all(each).await)
     };
     let (mounts, made, expedited) = tokio::join!(mounts, overlays, expedited);
     held.mounts = mounts;
@@ -1273,13 +1234,13 @@ async fn prepare(
     held.expedited = expedited;
     let made = match made {
         Ok(m) => m,
-        Err(e) => return disks.iter().map(|d| (d.clone(), e.clone())).collect(),
+        Err(e) => return disks.iter().map(|d| (d.clone(), e.to_string())).collect(),
     };
     let mut failed = Vec::new();
     for (disk, m) in disks.iter().zip(made) {
         match m {
             Ok(p) => held.prepared.push(p),
-            Err(why) => failed.push((disk.clone(), why)),
+            Err(why) => failed.push((disk.clone(), why.to_string())),
         }
     }
     failed
@@ -1298,7 +1259,7 @@ async fn expedite_freeze(live: &LiveVm) -> expedite::Outcome {
         }
         f => format!("guest-exec: {f}"),
     };
-    let pid = match with_agent(live, left(), async |c, t| {
+    let pid = match with_agent(&live.agent, left(), async |c, t| {
         c.exec_start("/bin/sh", &["-c", expedite::SCRIPT], t).await
     })
     .await
@@ -1310,7 +1271,11 @@ async fn expedite_freeze(live: &LiveVm) -> expedite::Outcome {
         if left().is_zero() {
             break;
         }
-        match with_agent(live, left(), async |c, t| c.exec_status(pid, t).await).await {
+        match with_agent(&live.agent, left(), async |c, t| {
+            c.exec_status(pid, t).await
+        })
+        .await
+        {
             Ok(Some(out)) => {
                 return expedite::Outcome::from_exit(out.exit_code, &out.stdout, &out.stderr);
             }
@@ -1327,14 +1292,14 @@ async fn expedite_freeze(live: &LiveVm) -> expedite::Outcome {
 
 /// The guest's filesystems by disk, from `guest-get-fsinfo`, matched to
 /// the running QEMU's devices by serial, else by PCI address.
-async fn filesystems_by_disk(live: &LiveVm) -> Result<MountMap, String> {
-    let fsinfo = with_agent(live, QMP_TIMEOUT, async |c, t| c.get_fsinfo(t).await)
+async fn filesystems_by_disk(live: &LiveVm) -> Result<MountMap, MountsError> {
+    let fsinfo = with_agent(&live.agent, QMP_TIMEOUT, async |c, t| c.get_fsinfo(t).await)
         .await
-        .map_err(|f| format!("guest-get-fsinfo: {f}"))?;
-    let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
+        .map_err(MountsError::Agent)?;
+    let qmp = live.qmp.as_ref().ok_or(MountsError::NoQmp)?;
     let pci = hearth_qemu::fsmap::disk_pci_addresses(qmp, QMP_TIMEOUT)
         .await
-        .map_err(|e| format!("query-pci: {e}"))?;
+        .map_err(|e| MountsError::Pci(Arc::new(e)))?;
     let serials: Vec<String> = live
         .record
         .disk_names
@@ -1354,20 +1319,16 @@ async fn prepare_disk(
     named: Option<&HashMap<String, u64>>,
     cut: CutId,
     disk: &str,
-) -> Result<Prepared, String> {
+) -> Result<Prepared, PrepareError> {
     let state_dir = &ctx.config.state_dir;
-    if overlays::of_disk::<Overlay>(&ctx.store, disk)
-        .map_err(|e| e.to_string())?
+    if overlays::of_disk::<Overlay>(&ctx.store, disk)?
         .iter()
         .any(|o| o.cut != cut)
     {
-        return Err(format!(
-            "an earlier cut's overlay of VirtualDisk {disk:?} is not settled yet"
-        ));
+        return Err(PrepareError::Unsettled(disk.to_string()));
     }
-    let head = storage::head(&ctx.store, disk)
-        .map_err(|e| e.to_string())?
-        .ok_or_else(|| format!("VirtualDisk {disk:?} has no image yet"))?;
+    let head =
+        storage::head(&ctx.store, disk)?.ok_or_else(|| PrepareError::NoImage(disk.to_string()))?;
     // The overlay's layer id and its journal row, in one store write.
     let journal = |node: Option<String>| {
         ctx.store
@@ -1385,7 +1346,7 @@ async fn prepare_disk(
                 overlays::record_tx(tx, &overlay)?;
                 Ok(overlay)
             })
-            .map_err(|e| e.to_string())
+            .map_err(PrepareError::Store)
     };
     let (Some(graph), Some(live)) = (graph, live) else {
         // Offline: the overlay is recorded, then created; the store switches
@@ -1393,10 +1354,13 @@ async fn prepare_disk(
         let overlay = journal(None)?;
         let info = hearth_qemu::img::info(&head.path)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(PrepareError::Info)?;
         hearth_qemu::img::create_overlay(&overlay.path, &head.path, "qcow2", None)
             .await
-            .map_err(|e| format!("creating the overlay for {disk:?}: {e}"))?;
+            .map_err(|source| PrepareError::CreateOverlay {
+                disk: disk.to_string(),
+                source,
+            })?;
         return Ok(Prepared {
             disk: disk.to_string(),
             overlay,
@@ -1408,40 +1372,39 @@ async fn prepare_disk(
         });
     };
     // The device is the one the running QEMU was started with for this disk.
-    let index = overlays::device_index(live, disk).ok_or_else(|| {
-        format!("VirtualDisk {disk:?} is not attached to the running QEMU (the VM must restart to attach it)")
-    })?;
+    let index = overlays::device_index(live, disk)
+        .ok_or_else(|| PrepareError::NotAttached(disk.to_string()))?;
     let inserted = graph
         .device(index)
-        .ok_or_else(|| format!("QEMU has no device for VirtualDisk {disk:?}"))?;
+        .ok_or_else(|| PrepareError::NoDevice(disk.to_string()))?;
     let top_node = inserted
         .get("node-name")
         .and_then(Value::as_str)
-        .ok_or("query-block gave no node-name")?
+        .ok_or(PrepareError::NoNodeName)?
         .to_string();
     let capacity = inserted
         .pointer("/image/virtual-size")
         .and_then(Value::as_u64)
-        .ok_or("query-block gave no virtual-size")?;
+        .ok_or(PrepareError::NoVirtualSize)?;
     // The top layer is open through an fd set: its label is the path.
-    let qmp = live.qmp.clone().ok_or("no QMP connection")?;
-    let top_file = overlays::node_file(&qmp, &top_node).await?;
+    let qmp = live.qmp.clone().ok_or(PrepareError::NoQmp)?;
+    let top_file = overlays::node_file(&qmp, &top_node)
+        .await
+        .map_err(PrepareError::Overlays)?;
     if !top_file.is_empty() && std::path::Path::new(&top_file) != head.path {
         // QEMU writes to a layer the store does not know as the head. The
         // journal makes this impossible for hearth's own overlays; refuse
         // rather than put a layer over a file of unknown origin.
-        return Err(format!(
-            "QEMU writes VirtualDisk {disk:?} to {top_file}, not to its recorded head {}",
-            head.path.display()
-        ));
+        return Err(PrepareError::ForeignTop {
+            disk: disk.to_string(),
+            file: top_file,
+            head: head.path.clone(),
+        });
     }
     // An overlay made ahead serves when it still fits: over the disk's
     // head, in this QEMU, of the device's size. Else it goes, and one is
     // made now.
-    if let Some(a) = overlays::of_disk::<Ahead>(&ctx.store, disk)
-        .map_err(|e| e.to_string())?
-        .pop()
-    {
+    if let Some(a) = overlays::of_disk::<Ahead>(&ctx.store, disk)?.pop() {
         let size = named.and_then(|n| n.get(&a.node).copied());
         match overlays::unusable(&a, &head.id, size, capacity) {
             None => {
@@ -1467,17 +1430,27 @@ async fn prepare_disk(
                 tracing::info!(target, cut, disk, node = %a.node, why, "the overlay made ahead does not fit; replacing it");
                 overlays::remove_ahead(&ctx.store, Some(live), &a)
                     .await
-                    .map_err(|e| {
-                        format!("removing the overlay made ahead for VirtualDisk {disk:?}: {e}")
+                    .map_err(|why| PrepareError::RemoveAhead {
+                        disk: disk.to_string(),
+                        why,
                     })?;
             }
         }
     }
     let node = format!("h{cut}d{index}");
     let overlay = journal(Some(node.clone()))?;
-    add_overlay_node(live, &overlay.path, &head.path, capacity, &node)
-        .await
-        .map_err(|e| format!("the overlay of VirtualDisk {disk:?}: {e}"))?;
+    add_overlay_node(
+        live.qmp.as_ref(),
+        &overlay.path,
+        &head.path,
+        capacity,
+        &node,
+    )
+    .await
+    .map_err(|source| PrepareError::Node {
+        disk: disk.to_string(),
+        source: Box::new(source),
+    })?;
     Ok(Prepared {
         disk: disk.to_string(),
         overlay,
@@ -1491,10 +1464,11 @@ async fn prepare_disk(
 
 /// The virtual size of every named block node of the running QEMU
 /// ([`overlays::named_nodes`]), by node name.
-async fn named_nodes(live: &LiveVm) -> Result<HashMap<String, u64>, String> {
-    let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
+async fn named_nodes(live: &LiveVm) -> Result<HashMap<String, u64>, PrepareError> {
+    let qmp = live.qmp.as_ref().ok_or(PrepareError::NoQmp)?;
     Ok(overlays::named_nodes(qmp)
-        .await?
+        .await
+        .map_err(PrepareError::Overlays)?
         .into_iter()
         .filter_map(|n| Some((n.node, n.size?)))
         .collect())
@@ -1598,7 +1572,7 @@ async fn ahead_disk(
             return false;
         }
     };
-    match add_overlay_node(live, &a.path, &head.path, capacity, &a.node).await {
+    match add_overlay_node(live.qmp.as_ref(), &a.path, &head.path, capacity, &a.node).await {
         Ok(()) => true,
         Err(e) => {
             tracing::warn!(target, disk, node = %a.node, error = %e, "cannot make an overlay ahead");
@@ -1621,32 +1595,42 @@ async fn ahead_disk(
 /// `blockdev-create` job on that node, and the qcow2 node is added over it.
 /// QEMU never opens the file by path: hearthd hands it over by descriptor
 /// (`qmp::add_protocol_node`), as QEMU runs as an unprivileged user.
-async fn add_overlay_node(
-    live: &LiveVm,
+async fn add_overlay_node<M: Monitor>(
+    qmp: Option<&M>,
     path: &std::path::Path,
     base: &std::path::Path,
     capacity: u64,
     node: &str,
-) -> Result<(), String> {
-    let qmp = live.qmp.as_ref().ok_or("no QMP connection")?;
+) -> Result<(), NodeError> {
+    let qmp = qmp.ok_or(NodeError::NoQmp)?;
     // Private to hearthd, as every layer: QEMU gets it by descriptor.
     std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(path)
-        .map_err(|e| format!("creating {}: {e}", path.display()))?;
+        .map_err(|source| NodeError::Create {
+            path: path.to_path_buf(),
+            source,
+        })?;
     let file_node = overlays::file_node(node);
     let run = async |command: &str, args: Value| {
         qmp.execute(command, Some(args), QMP_TIMEOUT)
             .await
-            .map_err(|e| format!("{command} for {node}: {e}"))
+            .map_err(|source| NodeError::Qmp {
+                command: command.to_string(),
+                node: node.to_string(),
+                source,
+            })
     };
     // QEMU runs unprivileged and cannot open the file by path: hearthd
     // hands it over (an fd set), and QEMU formats it through that node.
-    hearth_qemu::qmp::add_protocol_node(qmp, &file_node, path, false, QMP_TIMEOUT)
+    qmp.add_protocol_node(&file_node, path, false, QMP_TIMEOUT)
         .await
-        .map_err(|e| format!("handing {} to QEMU: {e}", path.display()))?;
+        .map_err(|source| NodeError::HandOver {
+            path: path.to_path_buf(),
+            source,
+        })?;
     let job = overlays::create_job(node);
     run(
         "blockdev-create",
@@ -1667,16 +1651,22 @@ async fn add_overlay_node(
             .as_array()
             .and_then(|a| a.iter().find(|j| j["id"] == job.as_str()))
             .cloned()
-            .ok_or_else(|| format!("QEMU lost the job {job}"))?;
+            .ok_or_else(|| NodeError::LostJob(job.clone()))?;
         if mine["status"] == "concluded" {
             run("job-dismiss", json!({"id": job})).await?;
             if let Some(e) = mine.get("error").and_then(Value::as_str) {
-                return Err(format!("formatting {} as qcow2: {e}", path.display()));
+                return Err(NodeError::Format {
+                    path: path.to_path_buf(),
+                    error: e.to_string(),
+                });
             }
             break;
         }
         if Instant::now() >= deadline {
-            return Err(format!("the job {job} did not end within {QMP_TIMEOUT:?}"));
+            return Err(NodeError::JobTimeout {
+                job,
+                timeout: QMP_TIMEOUT,
+            });
         }
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
@@ -1709,17 +1699,7 @@ async fn transact(held: &CutContext, timeout: Duration) -> TxResult {
     if actions.is_empty() {
         return TxResult::Applied;
     }
-    let Some(qmp) = live.qmp.as_ref() else {
-        return TxResult::Rejected("no QMP connection".into());
-    };
-    match qmp
-        .execute("transaction", Some(json!({"actions": actions})), timeout)
-        .await
-    {
-        Ok(_) => TxResult::Applied,
-        Err(e @ hearth_qemu::qmp::QmpError::Command { .. }) => TxResult::Rejected(e.to_string()),
-        Err(e) => TxResult::Unknown(e.to_string()),
-    }
+    steps::transaction(live.qmp.as_ref(), actions, timeout).await
 }
 
 /// Did the transaction run? Read from QEMU's block graph: each device's top
@@ -1729,18 +1709,12 @@ async fn transact(held: &CutContext, timeout: Duration) -> TxResult {
 /// in order: its answer comes only once the transaction has ended.
 async fn observe(held: &CutContext, timeout: Duration) -> Option<bool> {
     let live = held.live.as_ref()?;
-    let graph = Graph::read_within(live, timeout).await.ok()?;
-    let mut seen = BTreeSet::new();
-    for p in &held.prepared {
-        if let (Some(i), Some(node)) = (p.device, &p.overlay.node) {
-            seen.insert(graph.top_node(i) == Some(node.as_str()));
-        }
-    }
-    match (seen.contains(&true), seen.contains(&false)) {
-        (true, false) => Some(true),
-        (false, true) => Some(false),
-        _ => None,
-    }
+    let switches: Vec<(usize, &str)> = held
+        .prepared
+        .iter()
+        .filter_map(|p| Some((p.device?, p.overlay.node.as_deref()?)))
+        .collect();
+    steps::observe(live.qmp.as_ref()?, &switches, timeout).await
 }
 
 /// The cut did not happen (as far as hearth could prove): settle its

@@ -653,11 +653,8 @@ async fn drop_nodes(live: &LiveVm, gone: &[Layer]) {
         // Format nodes (qcow2) before the protocol nodes they sit on.
         mine.sort_by_key(|n| n.driver == "file");
         for n in mine {
-            let r = if n.driver == "file" {
-                hearth_qemu::qmp::remove_file_node(qmp, &n.node, &layer.path, QMP_TIMEOUT).await
-            } else {
-                hearth_qemu::qmp::delete_node(qmp, &n.node, QMP_TIMEOUT).await
-            };
+            let file = (n.driver == "file").then_some(layer.path.as_path());
+            let r = hearth_qemu::qmp::remove_node(qmp, &n.node, file, QMP_TIMEOUT).await;
             if let Err(e) = r {
                 tracing::warn!(node = %n.node, error = %e, "cannot delete the node of a merged layer");
             }

@@ -86,7 +86,7 @@ pub enum Scope {
 /// unless the map cannot be trusted to name them all: the agent could not
 /// list the filesystems, a filesystem lies on no disk hearth knows, or a cut
 /// disk is not in the map. Then everything is frozen, and `why` says so.
-pub fn freeze_scope(requests: &[Request], mounts: Option<&Result<Mounts, String>>) -> Scope {
+pub fn freeze_scope(requests: &[Request], mounts: Option<&Result<Mounts, MountsUnknown>>) -> Scope {
     if requests.iter().any(|r| r.whole_vm) {
         return Scope::All { why: None };
     }
@@ -135,6 +135,29 @@ pub enum Access {
     Agent,
     /// Running without an agent to freeze with; the text says why.
     NoAgent(String),
+}
+
+/// Why the guest's filesystems could not be matched to the disks: what
+/// the guest agent or QEMU answered, shown in the snapshots' status.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct MountsUnknown(pub String);
+
+/// Why the store did not take a cut's freeze intent.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct IntentNotRecorded(pub String);
+
+impl From<&str> for MountsUnknown {
+    fn from(why: &str) -> Self {
+        MountsUnknown(why.to_string())
+    }
+}
+
+impl From<&str> for IntentNotRecorded {
+    fn from(why: &str) -> Self {
+        IntentNotRecorded(why.to_string())
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -187,13 +210,13 @@ pub enum Input {
         failed: Vec<(String, String)>,
         /// The guest's filesystems by disk, read while preparing (live cuts
         /// with an agent); the error when the agent could not say.
-        mounts: Option<Result<Mounts, String>>,
+        mounts: Option<Result<Mounts, MountsUnknown>>,
         now: Millis,
     },
     /// The freeze intent was (or could not be) stored.
     IntentRecorded {
         cut: CutId,
-        result: Result<(), String>,
+        result: Result<(), IntentNotRecorded>,
         now: Millis,
     },
     FreezeReplied {
@@ -410,7 +433,7 @@ struct Cut {
     /// Frozen is believed: our freeze reply, then a status read saying frozen.
     trusted: bool,
     /// The guest's filesystems by disk, from `Prepared`.
-    mounts: Option<Result<Mounts, String>>,
+    mounts: Option<Result<Mounts, MountsUnknown>>,
     /// What the freeze covers, decided just before the intent.
     scope: Option<Scope>,
     /// No mounted filesystem lies on the cut's disks: nothing to freeze.
@@ -1056,7 +1079,7 @@ impl Coordinator {
     fn intent_recorded(
         &mut self,
         c: &mut Cut,
-        result: Result<(), String>,
+        result: Result<(), IntentNotRecorded>,
         now: Millis,
     ) -> Vec<Command> {
         if c.freeze_sent_at.is_some() {

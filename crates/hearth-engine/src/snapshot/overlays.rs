@@ -195,8 +195,16 @@ impl Graph {
         timeout: std::time::Duration,
     ) -> Result<Graph, OverlayError> {
         let qmp = live.qmp.as_ref().ok_or(OverlayError::NoQmp)?;
+        Self::query(qmp, timeout).await
+    }
+
+    /// [`Graph::read_within`] on any monitor.
+    pub async fn query<M: hearth_qemu::seam::Monitor>(
+        qmp: &M,
+        timeout: std::time::Duration,
+    ) -> Result<Graph, OverlayError> {
         let block = qmp
-            .execute("query-block", None, timeout)
+            .query_block(timeout)
             .await
             .map_err(OverlayError::qmp("query-block"))?;
         Ok(Graph { block })
@@ -467,24 +475,27 @@ async fn delete_node(
     path: &std::path::Path,
 ) -> Result<(), OverlayError> {
     let qmp = live.qmp.as_ref().ok_or(OverlayError::NoQmp)?;
+    delete_nodes(qmp, node, path).await
+}
+
+/// [`delete_node`] on any monitor.
+pub(crate) async fn delete_nodes<M: hearth_qemu::seam::Monitor>(
+    qmp: &M,
+    node: &str,
+    path: &std::path::Path,
+) -> Result<(), OverlayError> {
     // A formatting job that a crash left concluded but not dismissed holds
     // nothing, but would stay listed in QEMU: dismiss it (best effort; QEMU
     // refuses for a job that still runs, and then the file node is in use
     // and its deletion below is refused too, so a later settle decides).
-    let _ = qmp
-        .execute(
-            "job-dismiss",
-            Some(json!({"id": create_job(node)})),
-            QMP_TIMEOUT,
-        )
-        .await;
-    hearth_qemu::qmp::delete_node(qmp, node, QMP_TIMEOUT)
+    let _ = qmp.job_dismiss(&create_job(node), QMP_TIMEOUT).await;
+    hearth_qemu::qmp::remove_node(qmp, node, None, QMP_TIMEOUT)
         .await
         .map_err(|source| OverlayError::RemoveNode {
             node: node.to_string(),
             source,
         })?;
-    hearth_qemu::qmp::remove_file_node(qmp, &file_node(node), path, QMP_TIMEOUT)
+    hearth_qemu::qmp::remove_node(qmp, &file_node(node), Some(path), QMP_TIMEOUT)
         .await
         .map_err(|source| OverlayError::RemoveNode {
             node: file_node(node),

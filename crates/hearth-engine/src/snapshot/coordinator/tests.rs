@@ -1364,7 +1364,7 @@ impl Sim {
 
     /// What the agent reports before a live cut's freeze: 0 nothing (it
     /// was not asked), 1 an error, else the real layout.
-    fn mounts(&self) -> Option<Result<Mounts, String>> {
+    fn mounts(&self) -> Option<Result<Mounts, MountsUnknown>> {
         match self.layout {
             0 => return None,
             1 => return Some(Err("guest-get-fsinfo: timeout".into())),

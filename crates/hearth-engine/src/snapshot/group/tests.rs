@@ -128,7 +128,7 @@ impl Sim {
         }
     }
 
-    fn mounts(v: &Vm) -> Option<Result<Mounts, String>> {
+    fn mounts(v: &Vm) -> Option<Result<Mounts, crate::snapshot::coordinator::MountsUnknown>> {
         (v.agent == Agent::Present).then(|| {
             Ok(Mounts {
                 by_disk: [(v.request.disk.clone(), vec!["/data".to_string()])].into(),
