@@ -10,8 +10,8 @@ use std::path::Path;
 use hearth_api::{
     API_VERSION, Boot, CloudInit, DiskRef, DiskSource, Empty, Firmware, HttpSource, ImageSource,
     NetworkInterface, NetworkMode, ObjectMeta, Quantity, RunPolicy, VirtualDisk,
-    VirtualDiskSnapshot, VirtualDiskSnapshotSpec, VirtualDiskSpec, VirtualImage,
-    VirtualImageSpec, VirtualMachine, VirtualMachineSnapshot, VirtualMachineSnapshotGroup,
+    VirtualDiskSnapshot, VirtualDiskSnapshotSpec, VirtualDiskSpec, VirtualImage, VirtualImageSpec,
+    VirtualMachine, VirtualMachineSnapshot, VirtualMachineSnapshotGroup,
     VirtualMachineSnapshotGroupSpec, VirtualMachineSnapshotSpec, VirtualMachineSpec,
     VirtualNetwork, VirtualNetworkSpec,
 };
@@ -207,8 +207,8 @@ impl Disk {
     }
 
     /// An overlay over a base image file, which is only read.
-    pub fn from_image(name: &str, image: &Path) -> Disk {
-        Disk::with_source(name, DiskSource::Image(image.to_path_buf()))
+    pub fn from_image(name: &str, image: impl AsRef<Path>) -> Disk {
+        Disk::with_source(name, DiskSource::Image(image.as_ref().to_path_buf()))
     }
 
     /// An overlay over a Ready VirtualDiskSnapshot.
@@ -253,8 +253,8 @@ impl Image {
     }
 
     /// A file under one of hearthd's image roots.
-    pub fn file(name: &str, path: &Path) -> Image {
-        Image::with_source(name, ImageSource::File(path.to_path_buf()))
+    pub fn file(name: &str, path: impl AsRef<Path>) -> Image {
+        Image::with_source(name, ImageSource::File(path.as_ref().to_path_buf()))
     }
 
     /// A download, checked against its SHA-256.
@@ -470,8 +470,7 @@ mod tests {
     use hearth_api::{Object, parse_documents};
 
     fn parse_one(yaml: &str) -> Object {
-        let mut objects =
-            parse_documents(yaml, "t.yaml").unwrap_or_else(|e| panic!("{e}\n{yaml}"));
+        let mut objects = parse_documents(yaml, "t.yaml").unwrap_or_else(|e| panic!("{e}\n{yaml}"));
         assert_eq!(objects.len(), 1, "{yaml}");
         objects.remove(0)
     }
@@ -520,7 +519,11 @@ mod tests {
             .with(Disk::from_snapshot("r", "s"))
             .with(Disk::from_virtual_image("vi", "img"))
             .with(Image::file("img", Path::new("/images/a.qcow2")))
-            .with(Image::http("web", "http://127.0.0.1:1/a.img", &"0".repeat(64)))
+            .with(Image::http(
+                "web",
+                "http://127.0.0.1:1/a.img",
+                &"0".repeat(64),
+            ))
             .with(Network::new("n").subnet("10.77.0.0/24"))
             .with(DiskSnapshot::of("s", "d").required_consistency(false))
             .with(VmSnapshot::of("vs", "a"))
