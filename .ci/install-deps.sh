@@ -91,7 +91,8 @@ fi
 
 # --- cargo-nextest (scripts/test runs the suite with it) ------------------
 # Pinned; built from crates.io with the locked dependencies the release was
-# tested with. Skipped when that version is already installed.
+# tested with, without its self-update (which would pull in a TLS stack to
+# build). Skipped when that version is already installed.
 NEXTEST_VERSION=0.9.151
 install_nextest() {
     local have
@@ -100,7 +101,8 @@ install_nextest() {
         return 0
     fi
     log "cargo install cargo-nextest $NEXTEST_VERSION (have: ${have:-none})"
-    cargo install --locked cargo-nextest --version "$NEXTEST_VERSION"
+    cargo install --locked cargo-nextest --version "$NEXTEST_VERSION" \
+        --no-default-features --features default-no-update
 }
 
 if [ "${#missing[@]}" -eq 0 ] && [ -f "$BPO_SOURCES" ]; then
