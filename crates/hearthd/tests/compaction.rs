@@ -18,7 +18,7 @@ use common::*;
 use serde_json::Value;
 
 fn snapshot(d: &Daemon, name: &str, disk: &str) {
-    d.apply(vec![DiskSnapshot::of(&name, &disk).json()]);
+    d.apply(vec![DiskSnapshot::of(name, disk).json()]);
     let s = snapshot_final(d, name, Duration::from_secs(90));
     assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
 }

@@ -90,7 +90,7 @@ fn make_qcow2(path: &Path) -> Vec<u8> {
 }
 
 fn image(name: &str, url: &str, sha256: &str) -> Value {
-    Image::http(&name, &url, &sha256).json()
+    Image::http(name, url, sha256).json()
 }
 
 #[test]

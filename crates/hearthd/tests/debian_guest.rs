@@ -190,7 +190,7 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
         Duration::from_secs(60),
     );
     let snap = "deb-bios-1";
-    d.apply(vec![VmSnapshot::of(&snap, "deb-bios").json()]);
+    d.apply(vec![VmSnapshot::of(snap, "deb-bios").json()]);
     let s = d.wait_object(
         "virtualmachinesnapshots",
         snap,

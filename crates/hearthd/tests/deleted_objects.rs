@@ -12,7 +12,7 @@ use serde_json::Value;
 const WAIT: Duration = Duration::from_secs(30);
 
 fn disk(name: &str, size: &str) -> serde_json::Value {
-    Disk::blank(&name, &size).json()
+    Disk::blank(name, size).json()
 }
 
 #[test]

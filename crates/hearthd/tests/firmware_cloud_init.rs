@@ -31,7 +31,7 @@ fn require_ovmf() {
 }
 
 fn overlay_disk(name: &str) -> Value {
-    Disk::from_image(&name, guest_dir().join("data.qcow2")).json()
+    Disk::from_image(name, guest_dir().join("data.qcow2")).json()
 }
 
 /// A VM of the test guest with `spec` merged over the usual fields.

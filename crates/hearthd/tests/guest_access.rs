@@ -56,7 +56,7 @@ fn guest_sha256(d: &Daemon, vm: &str, path: &str) -> String {
 }
 
 fn snapshot(name: &str) -> serde_json::Value {
-    DiskSnapshot::of(&name, "data").json()
+    DiskSnapshot::of(name, "data").json()
 }
 
 /// Applies a snapshot of the data disk and waits (on the change stream)

@@ -62,11 +62,11 @@ fn sha256_of(bytes: &[u8]) -> String {
 }
 
 fn http_image(name: &str, url: &str, sha256: &str) -> Value {
-    Image::http(&name, &url, &sha256).json()
+    Image::http(name, url, sha256).json()
 }
 
 fn file_image(name: &str, path: &Path) -> Value {
-    Image::file(&name, path).json()
+    Image::file(name, path).json()
 }
 
 fn disk_from(name: &str, image: &str, size: Option<&str>) -> Value {
@@ -435,7 +435,7 @@ fn images_that_name_other_files_or_are_not_images_are_refused() {
     );
     // The same files as a disk's base image (`source: {image: PATH}`) are
     // refused too, before qemu-img or QEMU opens them.
-    let base_disk = |name: &str, path: PathBuf| Disk::from_image(&name, path).json();
+    let base_disk = |name: &str, path: PathBuf| Disk::from_image(name, path).json();
     d.apply(vec![
         base_disk("on-backed", p("backed.qcow2")),
         base_disk("on-desc", p("desc.vmdk")),

@@ -75,7 +75,7 @@ fn unix_closed_within(s: &mut UnixStream, within: Duration) -> bool {
 /// A blank disk made while the flood runs: hearthd still opens files
 /// (the store, qemu-img's output, the layer).
 fn make_a_disk(d: &Daemon, name: &str) {
-    let (status, v) = d.apply_json(vec![Disk::blank(&name, "16Mi").json()]);
+    let (status, v) = d.apply_json(vec![Disk::blank(name, "16Mi").json()]);
     assert_eq!(status, 200, "{v}");
     let disk = d.wait_object("virtualdisks", name, "Ready", WAIT, |v| {
         v["status"]["phase"] == "Ready"

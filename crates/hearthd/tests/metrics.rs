@@ -172,7 +172,7 @@ fn objects(yaml: &str) -> Vec<Value> {
 }
 
 fn disk_snapshot(name: &str, disk: &str) -> Value {
-    DiskSnapshot::of(&name, &disk).json()
+    DiskSnapshot::of(name, disk).json()
 }
 
 // ---------------------------------------------------------------- OpenAPI

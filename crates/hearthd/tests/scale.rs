@@ -31,15 +31,15 @@ fn base_image(dir: &Path) -> PathBuf {
 }
 
 fn blank_disk(name: &str, size: &str) -> Value {
-    Disk::blank(&name, &size).json()
+    Disk::blank(name, size).json()
 }
 
 fn image_disk(name: &str, base: &Path) -> Value {
-    Disk::from_image(&name, base).json()
+    Disk::from_image(name, base).json()
 }
 
 fn disk_snapshot(name: &str, disk: &str) -> Value {
-    DiskSnapshot::of(&name, &disk).json()
+    DiskSnapshot::of(name, disk).json()
 }
 
 fn items(d: &Daemon, plural: &str) -> Vec<Value> {

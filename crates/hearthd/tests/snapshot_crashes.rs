@@ -34,7 +34,7 @@ impl Rng {
 }
 
 fn snapshot(name: &str, disk: &str) -> Value {
-    DiskSnapshot::of(&name, &disk).json()
+    DiskSnapshot::of(name, disk).json()
 }
 
 fn get_snapshot(d: &Daemon, name: &str) -> Option<Value> {

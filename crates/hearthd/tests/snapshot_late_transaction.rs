@@ -169,7 +169,7 @@ fn vm_manifest(deadline_s: u32) -> String {
 }
 
 fn snapshot(name: &str, required: bool) -> Value {
-    DiskSnapshot::of(&name, "late-data")
+    DiskSnapshot::of(name, "late-data")
         .required_consistency(required)
         .json()
 }

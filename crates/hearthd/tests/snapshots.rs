@@ -14,17 +14,17 @@ use serde_json::{Value, json};
 const SNAP_TIMEOUT: Duration = Duration::from_secs(90);
 
 fn disk_snapshot(name: &str, disk: &str, required: bool) -> Value {
-    DiskSnapshot::of(&name, &disk)
+    DiskSnapshot::of(name, disk)
         .required_consistency(required)
         .json()
 }
 
 fn vm_snapshot(name: &str, vm: &str) -> Value {
-    VmSnapshot::of(&name, &vm).json()
+    VmSnapshot::of(name, vm).json()
 }
 
 fn restored_disk(name: &str, snapshot: &str) -> Value {
-    Disk::from_snapshot(&name, &snapshot).json()
+    Disk::from_snapshot(name, snapshot).json()
 }
 
 fn get(d: &Daemon, plural: &str, name: &str) -> Option<Value> {

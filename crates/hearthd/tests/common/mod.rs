@@ -666,7 +666,7 @@ pub fn vm_yaml(name: &str, run_policy: &str, disks: &[&str], extra_cmdline: &str
 
 /// An overlay disk over the test guest's data image.
 pub fn guest_disk(name: &str) -> Disk {
-    Disk::from_image(name, &guest_dir().join("data.qcow2"))
+    Disk::from_image(name, guest_dir().join("data.qcow2"))
 }
 
 pub fn overlay_disk_yaml(name: &str) -> String {
