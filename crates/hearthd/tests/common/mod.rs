@@ -656,12 +656,25 @@ pub fn guest_vm(name: &str, extra_cmdline: &str) -> Vm {
     )
 }
 
-/// A VM manifest booting the test guest, with absolute paths.
+/// A VM manifest booting the test guest, with absolute paths. Kept as
+/// text: tests edit it with `str::replace` (a builder writes every default,
+/// so an added key would be a duplicate).
 pub fn vm_yaml(name: &str, run_policy: &str, disks: &[&str], extra_cmdline: &str) -> String {
-    guest_vm(name, extra_cmdline)
-        .run_policy_named(run_policy)
-        .disks(disks)
-        .yaml()
+    let g = guest_dir();
+    let disks: String = disks
+        .iter()
+        .map(|d| format!("    - virtualDiskName: {d}\n"))
+        .collect();
+    let disks = if disks.is_empty() {
+        "  disks: []\n".to_string()
+    } else {
+        format!("  disks:\n{disks}")
+    };
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata:\n  name: {name}\nspec:\n  runPolicy: {run_policy}\n  memory: 256Mi\n  stopTimeoutSeconds: 10\n  boot:\n    kernel: {k}\n    initrd: {i}\n    cmdline: \"console=ttyS0 quiet panic=-1 {extra_cmdline}\"\n{disks}",
+        k = g.join("vmlinuz").display(),
+        i = g.join("initrd.img").display(),
+    )
 }
 
 /// An overlay disk over the test guest's data image.
@@ -670,7 +683,10 @@ pub fn guest_disk(name: &str) -> Disk {
 }
 
 pub fn overlay_disk_yaml(name: &str) -> String {
-    guest_disk(name).yaml()
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: {name}\nspec:\n  source:\n    image: {}\n",
+        guest_dir().join("data.qcow2").display()
+    )
 }
 
 /// A VM's serial console file, as QEMU writes it.
