@@ -89,8 +89,25 @@ if getent group kvm >/dev/null && ! id -nG "$QEMU_USER" | tr ' ' '\n' | grep -qx
     usermod -aG kvm "$QEMU_USER"
 fi
 
+# --- cargo-nextest (scripts/test runs the suite with it) ------------------
+# Pinned; built from crates.io with the locked dependencies the release was
+# tested with, without its self-update (which would pull in a TLS stack to
+# build). Skipped when that version is already installed.
+NEXTEST_VERSION=0.9.151
+install_nextest() {
+    local have
+    have="$(cargo nextest --version 2>/dev/null | awk 'NR == 1 { print $2 }' || true)"
+    if [ "$have" = "$NEXTEST_VERSION" ]; then
+        return 0
+    fi
+    log "cargo install cargo-nextest $NEXTEST_VERSION (have: ${have:-none})"
+    cargo install --locked cargo-nextest --version "$NEXTEST_VERSION" \
+        --no-default-features --features default-no-update
+}
+
 if [ "${#missing[@]}" -eq 0 ] && [ -f "$BPO_SOURCES" ]; then
     log "all packages present (qemu-system-x86 $(pkg_version qemu-system-x86), qemu-utils $(pkg_version qemu-utils)); nothing to do"
+    install_nextest
     exit 0
 fi
 if [ "${#missing[@]}" -gt 0 ]; then
@@ -177,3 +194,6 @@ apt-get install -y -q --no-install-recommends --no-remove \
     "${install_args[@]}"
 
 log "done: qemu-system-x86 $(pkg_version qemu-system-x86), qemu-utils $(pkg_version qemu-utils), busybox-static $(pkg_version busybox-static)"
+
+# After the packages: building it needs the C toolchain installed above.
+install_nextest

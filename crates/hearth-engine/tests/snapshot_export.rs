@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use hearth_api::{Kind, parse_documents};
 use hearth_engine::ExportFormat;
 use hearth_engine::{Engine, EngineConfig, RequestError};
+use hearth_test_support::converters_of;
 
 fn config(dir: &Path) -> EngineConfig {
     EngineConfig {
@@ -110,28 +111,6 @@ async fn a_delete_waits_for_the_export_that_reads_the_snapshot() {
         Err(e) => panic!("{e}"),
         Ok(_) => panic!("exported a deleted snapshot"),
     }
-}
-
-/// qemu-img processes whose command line names `path`.
-fn converters_of(path: &Path) -> Vec<u32> {
-    let want = path.to_string_lossy().into_owned();
-    std::fs::read_dir("/proc")
-        .expect("/proc")
-        .flatten()
-        .filter_map(|p| p.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|raw| {
-                    let args: Vec<String> = raw
-                        .split(|b| *b == 0)
-                        .map(|a| String::from_utf8_lossy(a).into_owned())
-                        .collect();
-                    args.first().is_some_and(|a| a.ends_with("qemu-img"))
-                        && args.iter().any(|a| a.starts_with(&want))
-                })
-                .unwrap_or(false)
-        })
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -192,14 +192,10 @@ fn disk_rules_and_objects_arriving_in_any_order() {
     assert!(d.get_disk("later").is_some());
 
     d.cli_ok(&["delete", "vm", "waiter"]);
-    wait_until("VM gone", Duration::from_secs(60), || {
-        d.get_vm("waiter").is_none()
-    });
+    d.wait_gone("virtualmachines", "waiter", Duration::from_secs(60));
     assert!(d.qemu_pids().is_empty());
     d.cli_ok(&["delete", "disk", "later"]);
-    wait_until("disk gone", Duration::from_secs(30), || {
-        d.get_disk("later").is_none()
-    });
+    d.wait_gone("virtualdisks", "later", Duration::from_secs(30));
 }
 
 /// One HTTP/1.1 request over the API socket with exactly these bytes as its

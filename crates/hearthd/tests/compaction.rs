@@ -15,22 +15,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::*;
-use serde_json::{Value, json};
-
-fn apply(d: &Daemon, items: Vec<Value>) {
-    let (status, v) = d.request("POST", "/v1/apply", Some(&json!({"items": items})));
-    assert_eq!(status, 200, "apply: {v}");
-}
+use serde_json::Value;
 
 fn snapshot(d: &Daemon, name: &str, disk: &str) {
-    apply(
-        d,
-        vec![
-            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-                    "metadata": {"name": name},
-                    "spec": {"virtualDiskName": disk, "requiredConsistency": true}}),
-        ],
-    );
+    d.apply(vec![DiskSnapshot::of(name, disk).json()]);
     let s = snapshot_final(d, name, Duration::from_secs(90));
     assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
 }
@@ -99,23 +87,13 @@ fn chain_sha(image: &Path, scratch: &Path) -> String {
     sum
 }
 
-fn chain_length(d: &Daemon, disk: &str) -> Option<u64> {
-    d.get_disk(disk)?["status"]["chainLength"].as_u64()
-}
-
 fn wait_chain_length(d: &Daemon, disk: &str, n: u64, timeout: Duration) {
-    let deadline = std::time::Instant::now() + timeout;
-    while std::time::Instant::now() < deadline {
-        if chain_length(d, disk) == Some(n) {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    panic!(
-        "{disk}: chain length {:?}, not {n}, after {timeout:?}\nevents: {:?}\n{}",
-        chain_length(d, disk),
-        d.events("VirtualDisk", disk),
-        d.log()
+    d.wait_object(
+        "virtualdisks",
+        disk,
+        &format!("chain length {n}"),
+        timeout,
+        |v| v["status"]["chainLength"].as_u64() == Some(n),
     );
 }
 

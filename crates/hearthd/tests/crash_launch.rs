@@ -68,8 +68,6 @@ fn a_daemon_dying_right_after_spawning_qemu_leaves_exactly_one_qemu_which_is_ado
     assert_eq!(status["status"]["pid"].as_u64(), Some(u64::from(first)));
     assert_eq!(d.qemu_pids_of(vm), vec![first]);
     d.cli_ok(&["delete", "vm", vm]);
-    wait_until("VM object gone", Duration::from_secs(60), || {
-        d.get_vm(vm).is_none()
-    });
+    d.wait_gone("virtualmachines", vm, Duration::from_secs(60));
     assert!(d.qemu_pids_of(vm).is_empty(), "QEMU stopped with the VM");
 }

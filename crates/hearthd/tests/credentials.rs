@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use common::*;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 const USER: &str = "puller";
 const PASSWORD: &str = "hunter2-Tr0ub4dor";
@@ -90,11 +90,7 @@ fn make_qcow2(path: &Path) -> Vec<u8> {
 }
 
 fn image(name: &str, url: &str, sha256: &str) -> Value {
-    json!({
-        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualImage",
-        "metadata": {"name": name},
-        "spec": {"source": {"http": {"url": url, "sha256": sha256}}}
-    })
+    Image::http(name, url, sha256).json()
 }
 
 #[test]

@@ -22,11 +22,6 @@ use serde_json::{Value, json};
 const IMPORT_TIMEOUT: Duration = Duration::from_secs(300);
 const TEST_KEY: &str = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHearthTestKeyHearthTestKeyHearthTestKey0 hearth-test@host";
 
-fn apply(d: &Daemon, items: Vec<Value>) {
-    let (status, v) = d.apply_json(items);
-    assert_eq!(status, 200, "apply: {v}");
-}
-
 fn sh(d: &Daemon, vm: &str, script: &str) -> (i64, String) {
     d.agent_sh(vm, script)
 }
@@ -61,14 +56,9 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
     };
 
     // --- the image, over HTTP, checked against its sha256 -----------------
-    apply(
-        &d,
-        vec![
-            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualImage",
-                    "metadata": {"name": "debian-12"},
-                    "spec": {"source": {"http": {"url": server.url("/debian-12.qcow2"), "sha256": sha}}}}),
-        ],
-    );
+    d.apply(vec![
+        Image::http("debian-12", &server.url("/debian-12.qcow2"), &sha).json(),
+    ]);
     let img = d.wait_object("virtualimages", "debian-12", "Ready", IMPORT_TIMEOUT, |v| {
         let p = &v["status"]["phase"];
         assert_ne!(p, "Failed", "import failed: {v:#}");
@@ -85,13 +75,10 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
     );
 
     // --- disks from it: one twice its size, one as large as it ------------
-    apply(
-        &d,
-        vec![
-            image_disk("deb-bios-root", "debian-12", Some(virtual_size * 2)),
-            image_disk("deb-uefi-root", "debian-12", None),
-        ],
-    );
+    d.apply(vec![
+        image_disk("deb-bios-root", "debian-12", Some(virtual_size * 2)),
+        image_disk("deb-uefi-root", "debian-12", None),
+    ]);
     for disk in ["deb-bios-root", "deb-uefi-root"] {
         d.wait_object(
             "virtualdisks",
@@ -117,24 +104,21 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
     // --- two VMs, BIOS and UEFI, configured by cloud-init -----------------
     let user_data =
         "#cloud-config\nruncmd:\n  - [sh, -c, 'echo ran-by-cloud-init > /var/lib/hearth-runcmd']\n";
-    apply(
-        &d,
-        vec![
-            vm(
-                "deb-bios",
-                "BIOS",
-                "deb-bios-root",
-                json!({"userData": user_data, "sshAuthorizedKeys": [TEST_KEY]}),
-            ),
-            vm(
-                "deb-uefi",
-                "UEFI",
-                "deb-uefi-root",
-                json!({"userData": user_data, "hostname": "uefi-host",
+    d.apply(vec![
+        vm(
+            "deb-bios",
+            "BIOS",
+            "deb-bios-root",
+            json!({"userData": user_data, "sshAuthorizedKeys": [TEST_KEY]}),
+        ),
+        vm(
+            "deb-uefi",
+            "UEFI",
+            "deb-uefi-root",
+            json!({"userData": user_data, "hostname": "uefi-host",
                        "sshAuthorizedKeys": [TEST_KEY]}),
-            ),
-        ],
-    );
+        ),
+    ]);
     mark("image Ready, disks Ready, VMs applied");
     for name in ["deb-bios", "deb-uefi"] {
         d.wait_vm(name, "agent connected", DEBIAN_BOOT_TIMEOUT, |v| {
@@ -206,13 +190,7 @@ fn debian_image_boots_with_bios_and_uefi_and_cloud_init_applies_and_snapshots_re
         Duration::from_secs(60),
     );
     let snap = "deb-bios-1";
-    apply(
-        &d,
-        vec![
-            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualMachineSnapshot",
-                    "metadata": {"name": snap}, "spec": {"virtualMachineName": "deb-bios"}}),
-        ],
-    );
+    d.apply(vec![VmSnapshot::of(snap, "deb-bios").json()]);
     let s = d.wait_object(
         "virtualmachinesnapshots",
         snap,
@@ -309,21 +287,16 @@ fn a_restart_right_after_boot_and_a_stop_without_the_agent_power_the_guest_off_c
     };
     let name = "deb-stop";
     let grace = Duration::from_secs(60);
-    apply(
-        &d,
-        vec![
-            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualImage",
-                    "metadata": {"name": "debian-12"},
-                    "spec": {"source": {"http": {"url": server.url("/debian-12.qcow2"), "sha256": sha}}}}),
-            image_disk("deb-stop-root", "debian-12", None),
-            vm(
-                name,
-                "BIOS",
-                "deb-stop-root",
-                json!({"userData": "#cloud-config\n"}),
-            ),
-        ],
-    );
+    d.apply(vec![
+        Image::http("debian-12", &server.url("/debian-12.qcow2"), &sha).json(),
+        image_disk("deb-stop-root", "debian-12", None),
+        vm(
+            name,
+            "BIOS",
+            "deb-stop-root",
+            json!({"userData": "#cloud-config\n"}),
+        ),
+    ]);
 
     // --- restart right after the agent's first answer -----------------------
     let first = d.wait_vm(

@@ -84,9 +84,7 @@ fn hearth_ssh_reaches_a_debian_guest_configured_by_cloud_init() {
     let (status, v) = d.apply_json(vec![
         json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualNetwork",
                "metadata": {"name": "lan"}, "spec": {"subnet": "10.77.0.0/24"}}),
-        json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualImage",
-               "metadata": {"name": "debian-12"},
-               "spec": {"source": {"file": image.display().to_string()}}}),
+        Image::file("debian-12", image.display().to_string()).json(),
         image_disk("deb-root", "debian-12", None),
         json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualMachine",
                "metadata": {"name": "deb"},

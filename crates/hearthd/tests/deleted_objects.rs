@@ -7,16 +7,12 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 const WAIT: Duration = Duration::from_secs(30);
 
 fn disk(name: &str, size: &str) -> serde_json::Value {
-    json!({
-        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-        "metadata": {"name": name},
-        "spec": {"size": size, "source": {"blank": {}}}
-    })
+    Disk::blank(name, size).json()
 }
 
 #[test]

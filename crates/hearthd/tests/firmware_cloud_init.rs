@@ -30,15 +30,8 @@ fn require_ovmf() {
     }
 }
 
-fn apply(d: &Daemon, items: Vec<Value>) {
-    let (status, v) = d.request("POST", "/v1/apply", Some(&json!({"items": items})));
-    assert_eq!(status, 200, "apply: {v}");
-}
-
 fn overlay_disk(name: &str) -> Value {
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-           "metadata": {"name": name},
-           "spec": {"source": {"image": guest_dir().join("data.qcow2")}}})
+    Disk::from_image(name, guest_dir().join("data.qcow2")).json()
 }
 
 /// A VM of the test guest with `spec` merged over the usual fields.
@@ -121,22 +114,6 @@ fn blkid(path: &Path) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn wait_final(d: &Daemon, plural: &str, name: &str) -> Value {
-    let deadline = std::time::Instant::now() + SNAP_TIMEOUT;
-    loop {
-        let (_, v) = d.request("GET", &format!("/v1/{plural}/{name}"), None);
-        if matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed")) {
-            return v;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{plural}/{name} not final: {v:#}\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
-
 /// Every file under `dir`, recursively.
 fn files_under(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
@@ -162,18 +139,15 @@ fn uefi_vm_with_cloud_init_keeps_its_vars_gets_a_seed_and_snapshots_only_its_dis
     let key = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHearthTestKey me@laptop";
     let cloud_init = json!({"userData": user_data, "networkConfig": network_config,
                             "sshAuthorizedKeys": [key], "hostname": "web-1"});
-    apply(
-        &d,
-        vec![
-            overlay_disk("ci-root"),
-            vm(
-                "ci",
-                json!({"firmware": "UEFI", "boot": guest_kernel_boot(),
+    d.apply(vec![
+        overlay_disk("ci-root"),
+        vm(
+            "ci",
+            json!({"firmware": "UEFI", "boot": guest_kernel_boot(),
                        "disks": [{"virtualDiskName": "ci-root"}],
                        "cloudInit": cloud_init}),
-            ),
-        ],
-    );
+        ),
+    ]);
     let booting = std::time::Instant::now();
     let v = d.wait_agent("ci");
     eprintln!(
@@ -244,14 +218,8 @@ fn uefi_vm_with_cloud_init_keeps_its_vars_gets_a_seed_and_snapshots_only_its_dis
     assert_eq!(exec(&d, "ci", "cat /data/hello.txt"), "hello from hearth\n");
 
     // A VM snapshot covers the VirtualDisk and nothing else.
-    apply(
-        &d,
-        vec![
-            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualMachineSnapshot",
-                    "metadata": {"name": "ci-snap"}, "spec": {"virtualMachineName": "ci"}}),
-        ],
-    );
-    let snap = wait_final(&d, "virtualmachinesnapshots", "ci-snap");
+    d.apply(vec![VmSnapshot::of("ci-snap", "ci").json()]);
+    let snap = d.wait_final("virtualmachinesnapshots", "ci-snap", SNAP_TIMEOUT);
     assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
     let children = snap["status"]["virtualDiskSnapshotNames"]
         .as_array()
@@ -294,15 +262,12 @@ fn uefi_vm_with_cloud_init_keeps_its_vars_gets_a_seed_and_snapshots_only_its_dis
     let new_user_data = "#cloud-config\nruncmd: [[touch, /etc/hearth-was-here-again]]\n";
     let mut cloud_init = cloud_init.clone();
     cloud_init["userData"] = json!(new_user_data);
-    apply(
-        &d,
-        vec![vm(
-            "ci",
-            json!({"firmware": "UEFI", "boot": guest_kernel_boot(),
+    d.apply(vec![vm(
+        "ci",
+        json!({"firmware": "UEFI", "boot": guest_kernel_boot(),
                    "disks": [{"virtualDiskName": "ci-root"}],
                    "cloudInit": cloud_init}),
-        )],
-    );
+    )]);
     let v = d.wait_vm("ci", "restarted with the new spec", BOOT_TIMEOUT, |v| {
         v["status"]["phase"] == "Running"
             && v["status"]["agentConnected"] == true
@@ -344,9 +309,7 @@ fn uefi_vm_with_cloud_init_keeps_its_vars_gets_a_seed_and_snapshots_only_its_dis
     // Deleting the VM takes its variables file and its seed along.
     let (status, v) = d.request("DELETE", "/v1/virtualmachines/ci", None);
     assert!(status == 200 || status == 202, "{status} {v}");
-    wait_until("VM gone", Duration::from_secs(60), || {
-        d.get_vm("ci").is_none()
-    });
+    d.wait_gone("virtualmachines", "ci", Duration::from_secs(60));
     assert!(!vars.exists());
     assert!(!seed.exists());
     assert!(!state.exists());
@@ -357,23 +320,20 @@ fn a_vm_without_boot_starts_seabios_on_its_disk_and_uefi_without_ovmf_fails_nami
     let _serial = serial();
     let missing_code = "/nonexistent/hearth-test/OVMF_CODE_4M.fd";
     let d = Daemon::start_with(&["--ovmf-code", missing_code]);
-    apply(
-        &d,
-        vec![
-            overlay_disk("bios-root"),
-            vm(
-                "bios",
-                json!({"disks": [{"virtualDiskName": "bios-root"}], "guestAgent": false,
+    d.apply(vec![
+        overlay_disk("bios-root"),
+        vm(
+            "bios",
+            json!({"disks": [{"virtualDiskName": "bios-root"}], "guestAgent": false,
                        "cloudInit": {}}),
-            ),
-            overlay_disk("uefi-root"),
-            vm(
-                "uefi",
-                json!({"firmware": "UEFI", "disks": [{"virtualDiskName": "uefi-root"}],
+        ),
+        overlay_disk("uefi-root"),
+        vm(
+            "uefi",
+            json!({"firmware": "UEFI", "disks": [{"virtualDiskName": "uefi-root"}],
                        "guestAgent": false}),
-            ),
-        ],
-    );
+        ),
+    ]);
 
     // BIOS: SeaBIOS runs and tries the VirtualDisk (an ext4 image, nothing
     // to boot), never the seed; there is no kernel on the command line.

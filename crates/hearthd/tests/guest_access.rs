@@ -11,7 +11,6 @@ use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::json;
 
 /// The real CLI with `stdin` written to it, then closed.
 fn cli_with_stdin(d: &Daemon, args: &[&str], stdin: &[u8]) -> Output {
@@ -57,28 +56,20 @@ fn guest_sha256(d: &Daemon, vm: &str, path: &str) -> String {
 }
 
 fn snapshot(name: &str) -> serde_json::Value {
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-           "metadata": {"name": name},
-           "spec": {"virtualDiskName": "data", "requiredConsistency": true}})
+    DiskSnapshot::of(name, "data").json()
 }
 
-/// Applies a snapshot of the data disk and waits (polling every 20 ms) until
-/// it is Ready; returns it and the time from the request to Ready.
+/// Applies a snapshot of the data disk and waits (on the change stream)
+/// until it is Ready; returns it and the time from the request to Ready.
 fn timed_snapshot(d: &Daemon, name: &str) -> (serde_json::Value, Duration) {
     let started = Instant::now();
     let (status, v) = d.apply_json(vec![snapshot(name)]);
     assert_eq!(status, 200, "apply snapshot {name}: {v}");
-    let deadline = started + Duration::from_secs(60);
-    loop {
-        let (_, s) = d.request("GET", &format!("/v1/virtualdisksnapshots/{name}"), None);
-        match s["status"]["phase"].as_str() {
-            Some("Ready") => return (s, started.elapsed()),
-            Some("Failed") => panic!("snapshot {name} failed: {s:#}\n{}", d.log()),
-            _ => {}
-        }
-        assert!(Instant::now() < deadline, "snapshot {name}: {s:#}");
-        std::thread::sleep(Duration::from_millis(20));
+    let s = d.wait_final("virtualdisksnapshots", name, Duration::from_secs(60));
+    if s["status"]["phase"] == "Failed" {
+        panic!("snapshot {name} failed: {s:#}\n{}", d.log());
     }
+    (s, started.elapsed())
 }
 
 #[test]

@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::Daemon;
 use common::http::{Behaviour, Server};
+use common::{Daemon, Disk, DiskSnapshot, Image, ObjectBuilder};
 use serde_json::{Value, json};
 
 const IMPORT: Duration = Duration::from_secs(60);
@@ -62,19 +62,11 @@ fn sha256_of(bytes: &[u8]) -> String {
 }
 
 fn http_image(name: &str, url: &str, sha256: &str) -> Value {
-    json!({
-        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualImage",
-        "metadata": {"name": name},
-        "spec": {"source": {"http": {"url": url, "sha256": sha256}}}
-    })
+    Image::http(name, url, sha256).json()
 }
 
 fn file_image(name: &str, path: &Path) -> Value {
-    json!({
-        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualImage",
-        "metadata": {"name": name},
-        "spec": {"source": {"file": path}}
-    })
+    Image::file(name, path).json()
 }
 
 fn disk_from(name: &str, image: &str, size: Option<&str>) -> Value {
@@ -86,11 +78,6 @@ fn disk_from(name: &str, image: &str, size: Option<&str>) -> Value {
         "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
         "metadata": {"name": name}, "spec": spec
     })
-}
-
-fn apply_ok(d: &Daemon, items: Vec<Value>) {
-    let (status, v) = d.apply_json(items);
-    assert_eq!(status, 200, "apply: {v}");
 }
 
 fn wait_image_phase(d: &Daemon, name: &str, phase: &str) -> Value {
@@ -178,13 +165,10 @@ fn an_http_image_is_verified_stored_by_digest_and_disks_grow_from_it() {
 
     // A disk smaller than the image, applied before the image is Ready,
     // fails once the image's size is known.
-    apply_ok(
-        &d,
-        vec![
-            http_image("base", &server.url("/good.qcow2"), &digest),
-            disk_from("tiny", "base", Some("2Mi")),
-        ],
-    );
+    d.apply(vec![
+        http_image("base", &server.url("/good.qcow2"), &digest),
+        disk_from("tiny", "base", Some("2Mi")),
+    ]);
     let image = wait_image_phase(&d, "base", "Ready");
     let st = &image["status"];
     assert_eq!(st["format"], "qcow2", "{image:#}");
@@ -232,7 +216,7 @@ fn an_http_image_is_verified_stored_by_digest_and_disks_grow_from_it() {
 
     // A disk twice the image's size: an overlay whose backing file is the
     // stored image.
-    apply_ok(&d, vec![disk_from("web-root", "base", Some("8Mi"))]);
+    d.apply(vec![disk_from("web-root", "base", Some("8Mi"))]);
     let disk = d.wait_object("virtualdisks", "web-root", "Ready", IMPORT, |v| {
         v["status"]["phase"] == "Ready"
     });
@@ -308,7 +292,7 @@ fn failed_downloads_say_why_leave_no_file_and_are_retried_until_the_server_is_fi
         } else {
             digest.clone()
         };
-        apply_ok(&d, vec![http_image(name, &server.url(&path), &sum)]);
+        d.apply(vec![http_image(name, &server.url(&path), &sum)]);
         let v = wait_failed(&d, name, reason);
         let message = v["status"]["message"].as_str().unwrap_or_default();
         assert!(message.contains(says), "{name}: {message}");
@@ -330,10 +314,11 @@ fn failed_downloads_say_why_leave_no_file_and_are_retried_until_the_server_is_fi
     }
 
     // 404 until the file is put on the server; then the retry succeeds.
-    apply_ok(
-        &d,
-        vec![http_image("later", &server.url("/later.qcow2"), &digest)],
-    );
+    d.apply(vec![http_image(
+        "later",
+        &server.url("/later.qcow2"),
+        &digest,
+    )]);
     let v = wait_failed(&d, "later", "HttpStatus");
     assert!(
         v["status"]["message"]
@@ -411,15 +396,12 @@ fn images_that_name_other_files_or_are_not_images_are_refused() {
     )
     .expect("write");
     let d = Daemon::start_without_guest(&[src.path()], &[]);
-    apply_ok(
-        &d,
-        vec![
-            file_image("backed", &p("backed.qcow2")),
-            file_image("external", &p("external.qcow2")),
-            file_image("notes", &p("notes.txt")),
-            file_image("desc", &p("desc.vmdk")),
-        ],
-    );
+    d.apply(vec![
+        file_image("backed", &p("backed.qcow2")),
+        file_image("external", &p("external.qcow2")),
+        file_image("notes", &p("notes.txt")),
+        file_image("desc", &p("desc.vmdk")),
+    ]);
     let v = wait_failed(&d, "backed", "UnsafeImage");
     assert!(
         v["status"]["message"]
@@ -453,17 +435,11 @@ fn images_that_name_other_files_or_are_not_images_are_refused() {
     );
     // The same files as a disk's base image (`source: {image: PATH}`) are
     // refused too, before qemu-img or QEMU opens them.
-    let base_disk = |name: &str, path: PathBuf| {
-        json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-               "metadata": {"name": name}, "spec": {"source": {"image": path}}})
-    };
-    apply_ok(
-        &d,
-        vec![
-            base_disk("on-backed", p("backed.qcow2")),
-            base_disk("on-desc", p("desc.vmdk")),
-        ],
-    );
+    let base_disk = |name: &str, path: PathBuf| Disk::from_image(name, path).json();
+    d.apply(vec![
+        base_disk("on-backed", p("backed.qcow2")),
+        base_disk("on-desc", p("desc.vmdk")),
+    ]);
     for (disk, says) in [("on-backed", "backing file"), ("on-desc", "vmdk")] {
         let v = d.wait_object("virtualdisks", disk, "Failed", IMPORT, |v| {
             v["status"]["phase"] == "Failed"
@@ -498,13 +474,10 @@ fn images_with_the_same_content_share_one_file_and_file_sources_work() {
     let raw_digest = sha256_of(&raw);
     let d = Daemon::start_without_guest(&[src.path()], &[]);
 
-    apply_ok(
-        &d,
-        vec![
-            file_image("from-file", &src.path().join("good.qcow2")),
-            file_image("raw", &src.path().join("disk.raw")),
-        ],
-    );
+    d.apply(vec![
+        file_image("from-file", &src.path().join("good.qcow2")),
+        file_image("raw", &src.path().join("disk.raw")),
+    ]);
     let a = wait_image_phase(&d, "from-file", "Ready");
     assert_eq!(a["status"]["digest"], format!("sha256:{digest}"));
     assert_eq!(a["status"]["format"], "qcow2");
@@ -514,10 +487,11 @@ fn images_with_the_same_content_share_one_file_and_file_sources_work() {
     assert_eq!(r["status"]["digest"], format!("sha256:{raw_digest}"));
 
     // The same content over http: already stored, so not downloaded.
-    apply_ok(
-        &d,
-        vec![http_image("from-http", &server.url("/good.qcow2"), &digest)],
-    );
+    d.apply(vec![http_image(
+        "from-http",
+        &server.url("/good.qcow2"),
+        &digest,
+    )]);
     let b = wait_image_phase(&d, "from-http", "Ready");
     assert_eq!(b["status"]["path"], a["status"]["path"]);
     assert_eq!(
@@ -535,7 +509,7 @@ fn images_with_the_same_content_share_one_file_and_file_sources_work() {
     });
     // A second file source with the same bytes: one file still.
     std::fs::copy(src.path().join("good.qcow2"), src.path().join("copy.qcow2")).expect("copy");
-    apply_ok(&d, vec![file_image("copy", &src.path().join("copy.qcow2"))]);
+    d.apply(vec![file_image("copy", &src.path().join("copy.qcow2"))]);
     let c = wait_image_phase(&d, "copy", "Ready");
     assert_eq!(c["status"]["path"], a["status"]["path"]);
     assert_eq!(store_files(&d).len(), 2);
@@ -556,37 +530,20 @@ fn a_snapshot_of_a_disk_keeps_its_image_file_after_the_image_is_deleted() {
     let src = roots();
     make_qcow2(&src.path().join("good.qcow2"));
     let mut d = Daemon::start_without_guest(&[src.path()], &[]);
-    apply_ok(
-        &d,
-        vec![
-            file_image("base", &src.path().join("good.qcow2")),
-            disk_from("data", "base", None),
-        ],
-    );
+    d.apply(vec![
+        file_image("base", &src.path().join("good.qcow2")),
+        disk_from("data", "base", None),
+    ]);
     let image = wait_image_phase(&d, "base", "Ready");
     let path = PathBuf::from(image["status"]["path"].as_str().expect("path"));
     d.wait_object("virtualdisks", "data", "Ready", IMPORT, |v| {
         v["status"]["phase"] == "Ready"
     });
-    apply_ok(
-        &d,
-        vec![json!({
-            "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-            "metadata": {"name": "data-1"},
-            "spec": {"virtualDiskName": "data"}
-        })],
-    );
+    d.apply(vec![DiskSnapshot::of("data-1", "data").json()]);
     let snap = common::snapshot_final(&d, "data-1", IMPORT);
     assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
     // A disk restored from the snapshot also stands on the image.
-    apply_ok(
-        &d,
-        vec![json!({
-            "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-            "metadata": {"name": "restored"},
-            "spec": {"source": {"snapshot": "data-1"}}
-        })],
-    );
+    d.apply(vec![Disk::from_snapshot("restored", "data-1").json()]);
     let restored = d.wait_object("virtualdisks", "restored", "Ready", IMPORT, |v| {
         v["status"]["phase"] == "Ready"
     });
@@ -630,7 +587,7 @@ fn a_restart_removes_leftover_temporaries_but_never_a_stored_image() {
     let src = roots();
     make_qcow2(&src.path().join("good.qcow2"));
     let mut d = Daemon::start_without_guest(&[src.path()], &[]);
-    apply_ok(&d, vec![file_image("base", &src.path().join("good.qcow2"))]);
+    d.apply(vec![file_image("base", &src.path().join("good.qcow2"))]);
     let image = wait_image_phase(&d, "base", "Ready");
     let path = PathBuf::from(image["status"]["path"].as_str().expect("path"));
     d.kill();
@@ -663,14 +620,11 @@ fn deleting_an_image_while_it_downloads_cancels_the_download_and_leaves_nothing(
     let server = Server::start();
     server.route("/stuck.qcow2", Behaviour::Hang(64 << 20));
     let d = Daemon::start_without_guest(&[src.path()], &["--image-read-timeout-seconds", "120"]);
-    apply_ok(
-        &d,
-        vec![http_image(
-            "stuck",
-            &server.url("/stuck.qcow2"),
-            &"1".repeat(64),
-        )],
-    );
+    d.apply(vec![http_image(
+        "stuck",
+        &server.url("/stuck.qcow2"),
+        &"1".repeat(64),
+    )]);
     // The response headers came: the status shows the length, nothing done.
     let v = d.wait_object("virtualimages", "stuck", "importing", IMPORT, |v| {
         v["status"]["phase"] == "Importing" && v["status"]["bytesTotal"] == (64u64 << 20)
@@ -707,10 +661,11 @@ fn a_slow_download_shows_its_progress_while_it_runs() {
         },
     );
     let d = Daemon::start_without_guest(&[src.path()], &[]);
-    apply_ok(
-        &d,
-        vec![http_image("slow", &server.url("/slow.qcow2"), &digest)],
-    );
+    d.apply(vec![http_image(
+        "slow",
+        &server.url("/slow.qcow2"),
+        &digest,
+    )]);
     let mut seen: Vec<(u64, String, u64)> = Vec::new();
     let deadline = Instant::now() + IMPORT;
     loop {
@@ -790,14 +745,11 @@ fn images_larger_than_the_limit_are_refused_whether_or_not_their_length_is_said(
     server.route("/big.qcow2", Behaviour::Serve(qcow2.clone()));
     server.route("/unsaid.qcow2", Behaviour::NoLength(qcow2.clone()));
     let d = Daemon::start_without_guest(&[src.path()], &["--image-max-bytes", "1Mi"]);
-    apply_ok(
-        &d,
-        vec![
-            http_image("said", &server.url("/big.qcow2"), &digest),
-            http_image("unsaid", &server.url("/unsaid.qcow2"), &digest),
-            file_image("local", &src.path().join("good.qcow2")),
-        ],
-    );
+    d.apply(vec![
+        http_image("said", &server.url("/big.qcow2"), &digest),
+        http_image("unsaid", &server.url("/unsaid.qcow2"), &digest),
+        file_image("local", &src.path().join("good.qcow2")),
+    ]);
     for name in ["said", "unsaid", "local"] {
         let v = wait_failed(&d, name, "TooLarge");
         let message = v["status"]["message"].as_str().unwrap_or_default();
@@ -805,10 +757,11 @@ fn images_larger_than_the_limit_are_refused_whether_or_not_their_length_is_said(
     }
     // Without a limit in the way, a body without a length is fine.
     let d2 = Daemon::start_without_guest(&[src.path()], &[]);
-    apply_ok(
-        &d2,
-        vec![http_image("unsaid", &server.url("/unsaid.qcow2"), &digest)],
-    );
+    d2.apply(vec![http_image(
+        "unsaid",
+        &server.url("/unsaid.qcow2"),
+        &digest,
+    )]);
     let v = wait_image_phase(&d2, "unsaid", "Ready");
     assert_eq!(v["status"]["digest"], format!("sha256:{digest}"));
 }
@@ -953,14 +906,11 @@ fn a_download_stops_at_the_free_space_reserve_leaves_nothing_and_waits_for_room(
 
     // A length that does not fit: refused before a byte is written, not
     // after the read timeout.
-    apply_ok(
-        &d,
-        vec![http_image(
-            "claims",
-            &server.url("/claims-a-gigabyte.img"),
-            &"0".repeat(64),
-        )],
-    );
+    d.apply(vec![http_image(
+        "claims",
+        &server.url("/claims-a-gigabyte.img"),
+        &"0".repeat(64),
+    )]);
     let v = wait_failed(&d, "claims", "NoSpace");
     let message = v["status"]["message"].as_str().unwrap_or_default();
     assert!(
@@ -973,14 +923,11 @@ fn a_download_stops_at_the_free_space_reserve_leaves_nothing_and_waits_for_room(
     // An endless body: written until the filesystem would keep less than
     // the reserve, then stopped.
     let low = LowWater::watch(&fs.at);
-    apply_ok(
-        &d,
-        vec![http_image(
-            "endless",
-            &server.url("/endless.img"),
-            &"0".repeat(64),
-        )],
-    );
+    d.apply(vec![http_image(
+        "endless",
+        &server.url("/endless.img"),
+        &"0".repeat(64),
+    )]);
     let v = wait_failed(&d, "endless", "NoSpace");
     let lowest = low.lowest();
     eprintln!("free space: {start} bytes at the start, {lowest} at the lowest, reserve {reserve}");
@@ -1019,14 +966,11 @@ fn a_download_stops_at_the_free_space_reserve_leaves_nothing_and_waits_for_room(
     // The daemon keeps serving, and other imports that fit still work.
     let (status, _) = d.request("GET", "/v1/health", None);
     assert_eq!(status, 200);
-    apply_ok(
-        &d,
-        vec![http_image(
-            "small",
-            &server.url("/small.qcow2"),
-            &sha256_of(&qcow2),
-        )],
-    );
+    d.apply(vec![http_image(
+        "small",
+        &server.url("/small.qcow2"),
+        &sha256_of(&qcow2),
+    )]);
     wait_image_phase(&d, "small", "Ready");
 
     // More room: the next attempt goes, and stops at the reserve again.
@@ -1065,20 +1009,13 @@ fn an_image_larger_than_the_largest_disk_makes_no_disk_from_it() {
         ],
     );
     let d = Daemon::start_without_guest(&[src.path()], &[]);
-    let over_base = json!({
-        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-        "metadata": {"name": "over-big"},
-        "spec": {"source": {"image": big}}
-    });
+    let over_base = Disk::from_image("over-big", &big).json();
     // Applied before the image is Ready: the disk waits, then fails.
-    apply_ok(
-        &d,
-        vec![
-            file_image("big", &big),
-            disk_from("from-big", "big", None),
-            over_base,
-        ],
-    );
+    d.apply(vec![
+        file_image("big", &big),
+        disk_from("from-big", "big", None),
+        over_base,
+    ]);
     let image = wait_image_phase(&d, "big", "Ready");
     assert_eq!(image["status"]["virtualSize"], 17u64 << 40, "{image:#}");
     for (disk, field) in [

@@ -75,11 +75,7 @@ fn unix_closed_within(s: &mut UnixStream, within: Duration) -> bool {
 /// A blank disk made while the flood runs: hearthd still opens files
 /// (the store, qemu-img's output, the layer).
 fn make_a_disk(d: &Daemon, name: &str) {
-    let (status, v) = d.apply_json(vec![serde_json::json!({
-        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-        "metadata": {"name": name},
-        "spec": {"size": "16Mi", "source": {"blank": {}}}
-    })]);
+    let (status, v) = d.apply_json(vec![Disk::blank(name, "16Mi").json()]);
     assert_eq!(status, 200, "{v}");
     let disk = d.wait_object("virtualdisks", name, "Ready", WAIT, |v| {
         v["status"]["phase"] == "Ready"
@@ -344,21 +340,19 @@ fn a_flood_of_port_forward_connections_is_bounded_and_hearthd_keeps_serving() {
 
 /// The metrics listener's address, from hearthd's log.
 fn metrics_addr(d: &Daemon) -> SocketAddr {
-    let deadline = Instant::now() + WAIT;
-    loop {
-        let log = d.log();
-        if let Some(addr) = log
+    let mut addr = None;
+    let found = eventually(WAIT, || {
+        addr = d
+            .log()
             .lines()
             .filter(|l| l.contains("serving metrics"))
             .find_map(|l| l.split("metrics_listen=").nth(1))
             .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|a| a.parse().ok())
-        {
-            return addr;
-        }
-        assert!(Instant::now() < deadline, "no metrics listener:\n{log}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+            .and_then(|a| a.parse().ok());
+        addr.is_some()
+    });
+    assert!(found, "no metrics listener:\n{}", d.log());
+    addr.expect("found")
 }
 
 /// `GET /metrics` over TCP; the status.

@@ -8,7 +8,7 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use prometheus_parse::{Scrape, Value as PromValue};
@@ -148,21 +148,19 @@ fn vm_rss(pid: u64) -> f64 {
 
 /// The address hearthd says its metrics listener is bound to.
 fn metrics_addr(d: &Daemon) -> SocketAddr {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let log = d.log();
-        if let Some(addr) = log
+    let mut addr = None;
+    let found = eventually(Duration::from_secs(30), || {
+        addr = d
+            .log()
             .lines()
             .filter(|l| l.contains("serving metrics"))
             .find_map(|l| l.split("metrics_listen=").nth(1))
             .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|a| a.parse().ok())
-        {
-            return addr;
-        }
-        assert!(Instant::now() < deadline, "no metrics listener:\n{log}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+            .and_then(|a| a.parse().ok());
+        addr.is_some()
+    });
+    assert!(found, "no metrics listener:\n{}", d.log());
+    addr.expect("found")
 }
 
 fn objects(yaml: &str) -> Vec<Value> {
@@ -173,16 +171,8 @@ fn objects(yaml: &str) -> Vec<Value> {
         .collect()
 }
 
-fn apply(d: &Daemon, items: Vec<Value>) -> Value {
-    let (status, v) = d.apply_json(items);
-    assert_eq!(status, 200, "apply: {v}");
-    v
-}
-
 fn disk_snapshot(name: &str, disk: &str) -> Value {
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-           "metadata": {"name": name},
-           "spec": {"virtualDiskName": disk, "requiredConsistency": true}})
+    DiskSnapshot::of(name, disk).json()
 }
 
 // ---------------------------------------------------------------- OpenAPI
@@ -233,12 +223,11 @@ fn the_served_openapi_document_describes_the_real_answers() {
     assert_eq!(status, 200);
     assert_matches(&doc, &answer_schema(&doc, "get", "/v1/health"), &health);
 
-    let disk = json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-                      "metadata": {"name": "blank"}, "spec": {"size": "16Mi", "source": {"blank": {}}}});
+    let disk = Disk::blank("blank", "16Mi").json();
     let net = json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualNetwork",
                      "metadata": {"name": "iso"}, "spec": {"mode": "Isolated", "dhcp": false}});
     assert_matches(&doc, "ApplyRequest", &json!({"items": [disk, net]}));
-    let results = apply(&d, vec![disk.clone()]);
+    let results = d.apply(vec![disk.clone()]);
     assert_matches(&doc, &answer_schema(&doc, "post", "/v1/apply"), &results);
 
     // The disk as the API shows it once Ready: with its status and the
@@ -334,7 +323,7 @@ fn metrics_scraped_as_prometheus_does_match_what_the_vm_did() {
     let disk = "metrics-data";
     let mut items = objects(&overlay_disk_yaml(disk));
     items.extend(objects(&vm_yaml(vm, "AlwaysOn", &[disk], "")));
-    apply(&d, items);
+    d.apply(items);
     let shown = d.wait_agent(vm);
     assert_matches(&doc, "Object", &shown);
     let pid = shown["status"]["pid"].as_u64().expect("pid");
@@ -421,7 +410,7 @@ fn metrics_scraped_as_prometheus_does_match_what_the_vm_did() {
     // Two snapshots, one after the other: two cuts, two freeze windows.
     let mut windows_ms = 0u64;
     for name in ["metrics-snap-1", "metrics-snap-2"] {
-        apply(&d, vec![disk_snapshot(name, disk)]);
+        d.apply(vec![disk_snapshot(name, disk)]);
         let snap = snapshot_final(&d, name, SNAP_TIMEOUT);
         assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
         assert_eq!(snap["status"]["consistent"], true, "{snap:#}");

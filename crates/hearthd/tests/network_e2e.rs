@@ -12,7 +12,7 @@
 mod common;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -45,20 +45,18 @@ fn console_leases(d: &Daemon, vm: &str, iface: &str) -> Vec<String> {
 
 /// Waits for the `n`-th lease line of `iface` on `vm`'s console; its address.
 fn wait_console_lease(d: &Daemon, vm: &str, iface: &str, n: usize) -> String {
-    let deadline = Instant::now() + BOOT_TIMEOUT;
-    loop {
-        let leases = console_leases(d, vm, iface);
-        if leases.len() >= n {
-            return leases[n - 1].clone();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{vm} {iface}: lease {n} not on the console within {BOOT_TIMEOUT:?}; console:\n{}\nhearthd:\n{}",
-            std::fs::read_to_string(serial_log(d, vm)).unwrap_or_default(),
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let mut leases = Vec::new();
+    let found = eventually(BOOT_TIMEOUT, || {
+        leases = console_leases(d, vm, iface);
+        leases.len() >= n
+    });
+    assert!(
+        found,
+        "{vm} {iface}: lease {n} not on the console within {BOOT_TIMEOUT:?}; console:\n{}\nhearthd:\n{}",
+        std::fs::read_to_string(serial_log(d, vm)).unwrap_or_default(),
+        d.log()
+    );
+    leases[n - 1].clone()
 }
 
 /// Pids of this daemon's dnsmasqs serving `bridge`, from /proc.

@@ -31,18 +31,15 @@ fn base_image(dir: &Path) -> PathBuf {
 }
 
 fn blank_disk(name: &str, size: &str) -> Value {
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-           "metadata": {"name": name}, "spec": {"size": size, "source": {"blank": {}}}})
+    Disk::blank(name, size).json()
 }
 
 fn image_disk(name: &str, base: &Path) -> Value {
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-           "metadata": {"name": name}, "spec": {"source": {"image": base}}})
+    Disk::from_image(name, base).json()
 }
 
 fn disk_snapshot(name: &str, disk: &str) -> Value {
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-           "metadata": {"name": name}, "spec": {"virtualDiskName": disk}})
+    DiskSnapshot::of(name, disk).json()
 }
 
 fn items(d: &Daemon, plural: &str) -> Vec<Value> {

@@ -34,9 +34,7 @@ impl Rng {
 }
 
 fn snapshot(name: &str, disk: &str) -> Value {
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-           "metadata": {"name": name},
-           "spec": {"virtualDiskName": disk, "requiredConsistency": true}})
+    DiskSnapshot::of(name, disk).json()
 }
 
 fn get_snapshot(d: &Daemon, name: &str) -> Option<Value> {
@@ -94,9 +92,7 @@ fn check_restored(d: &Daemon, snap: &str, scratch: &Path) -> usize {
     }
     let _ = std::fs::remove_file(&raw);
     d.cli_ok(&["delete", "disk", &disk]);
-    wait_until(&format!("{disk} gone"), Duration::from_secs(60), || {
-        d.get_disk(&disk).is_none()
-    });
+    d.wait_gone("virtualdisks", &disk, Duration::from_secs(60));
     lines.len()
 }
 

@@ -11,28 +11,19 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 const SNAP_TIMEOUT: Duration = Duration::from_secs(90);
 /// `hearth_engine::snapshot::expedite::HOLD_SECONDS`, and some margin.
 const RESET_WITHIN: Duration = Duration::from_secs(20);
 
 fn snapshot(d: &Daemon, name: &str, disk: &str) -> Value {
-    let (status, v) = d.apply_json(vec![json!({
-        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-        "metadata": {"name": name}, "spec": {"virtualDiskName": disk}})]);
+    let (status, v) = d.apply_json(vec![DiskSnapshot::of(name, disk).json()]);
     assert_eq!(status, 200, "apply: {v}");
-    let deadline = Instant::now() + SNAP_TIMEOUT;
-    loop {
-        let (_, v) = d.request("GET", &format!("/v1/virtualdisksnapshots/{name}"), None);
-        if v["status"]["phase"] == "Ready" || v["status"]["phase"] == "Failed" {
-            assert_eq!(v["status"]["phase"], "Ready", "{v:#}\n{}", d.log());
-            assert_eq!(v["status"]["consistent"], true, "{v:#}");
-            return v;
-        }
-        assert!(Instant::now() < deadline, "{name} not final: {v:#}");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let v = d.wait_final("virtualdisksnapshots", name, SNAP_TIMEOUT);
+    assert_eq!(v["status"]["phase"], "Ready", "{v:#}\n{}", d.log());
+    assert_eq!(v["status"]["consistent"], true, "{v:#}");
+    v
 }
 
 /// The `Freezing` event of the snapshot's cut.

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::*;
-use serde_json::{Value, json};
+use serde_json::Value;
 
 const SNAP_TIMEOUT: Duration = Duration::from_secs(90);
 
@@ -77,28 +77,6 @@ fn compare(a: &Path, b: &Path) -> (bool, String) {
             String::from_utf8_lossy(&out.stderr)
         ),
     )
-}
-
-/// qemu-img processes whose command line names `path`.
-fn converters_of(path: &Path) -> Vec<u32> {
-    let want = path.to_string_lossy().into_owned();
-    std::fs::read_dir("/proc")
-        .expect("/proc")
-        .flatten()
-        .filter_map(|p| p.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|raw| {
-                    let args: Vec<String> = raw
-                        .split(|b| *b == 0)
-                        .map(|a| String::from_utf8_lossy(a).into_owned())
-                        .collect();
-                    args.first().is_some_and(|a| a.ends_with("qemu-img"))
-                        && args.iter().any(|a| a.starts_with(&want))
-                })
-                .unwrap_or(false)
-        })
-        .collect()
 }
 
 /// The `HEX  FILE` line `hearth export` printed for `file`.
@@ -176,9 +154,7 @@ fn exported_snapshots_hold_the_cut_and_the_exported_vm_boots_elsewhere() {
         "the guest wrote what we sent"
     );
 
-    let (status, v) = a.apply_json(vec![json!({
-        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualMachineSnapshot",
-        "metadata": {"name": "pre"}, "spec": {"virtualMachineName": "src"}})]);
+    let (status, v) = a.apply_json(vec![VmSnapshot::of("pre", "src").json()]);
     assert_eq!(status, 200, "{v}");
     let pre = wait_snapshot(&a, "virtualmachinesnapshots", "pre");
     assert_eq!(pre["status"]["phase"], "Ready", "{pre:#}");
@@ -236,12 +212,9 @@ fn exported_snapshots_hold_the_cut_and_the_exported_vm_boots_elsewhere() {
     );
     // Failed: its disk does not exist. Pending: its disk waits for an image.
     let (status, v) = a.apply_json(vec![
-        json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-               "metadata": {"name": "broken"}, "spec": {"virtualDiskName": "no-such-disk"}}),
-        json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-               "metadata": {"name": "waiting"}, "spec": {"source": {"virtualImage": "no-such-image"}}}),
-        json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-               "metadata": {"name": "early"}, "spec": {"virtualDiskName": "waiting"}}),
+        DiskSnapshot::of("broken", "no-such-disk").json(),
+        Disk::from_virtual_image("waiting", "no-such-image").json(),
+        DiskSnapshot::of("early", "waiting").json(),
     ]);
     assert_eq!(status, 200, "{v}");
     let broken = wait_snapshot(&a, "virtualdisksnapshots", "broken");
@@ -442,9 +415,7 @@ fn exported_snapshots_hold_the_cut_and_the_exported_vm_boots_elsewhere() {
         "{}",
         String::from_utf8_lossy(&filled.stderr)
     );
-    let (status, v) = a.apply_json(vec![json!({
-        "apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-        "metadata": {"name": "big-snap"}, "spec": {"virtualDiskName": "big"}})]);
+    let (status, v) = a.apply_json(vec![DiskSnapshot::of("big-snap", "big").json()]);
     assert_eq!(status, 200, "{v}");
     let snap = wait_snapshot(&a, "virtualdisksnapshots", "big-snap");
     assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");

@@ -30,24 +30,6 @@ fn get(d: &Daemon, plural: &str, name: &str) -> Option<Value> {
     }
 }
 
-/// Waits until an object of a snapshot kind is Ready or Failed.
-fn wait_final(d: &Daemon, plural: &str, name: &str) -> Value {
-    let deadline = Instant::now() + FINAL;
-    loop {
-        if let Ok((200, v)) = d.try_request("GET", &format!("/v1/{plural}/{name}"), None)
-            && matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed"))
-        {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{plural}/{name} not final\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 fn message(v: &Value) -> String {
     v["status"]["message"]
         .as_str()
@@ -251,7 +233,7 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
         out.contains("vmsnapshotgroup/pair: Ready, consistent: true"),
         "{out}"
     );
-    let g = wait_final(&d, "virtualmachinesnapshotgroups", "pair");
+    let g = d.wait_final("virtualmachinesnapshotgroups", "pair", FINAL);
     assert_eq!(g["status"]["phase"], "Ready", "{g:#}");
     assert_eq!(g["status"]["consistent"], true, "{g:#}");
     assert_eq!(
@@ -424,12 +406,12 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
     let before = hook_counts(&d, "app");
     let (status, v) = d.apply_json(vec![group("blind-req", &["app", "blind"], true)]);
     assert_eq!(status, 200, "{v}");
-    let g = wait_final(&d, "virtualmachinesnapshotgroups", "blind-req");
+    let g = d.wait_final("virtualmachinesnapshotgroups", "blind-req", FINAL);
     assert_eq!(g["status"]["phase"], "Failed", "{g:#}");
     assert!(message(&g).contains("\"blind\""), "names the member: {g:#}");
     assert!(message(&g).contains("guestAgent"), "says why: {g:#}");
     for m in ["blind-req-app", "blind-req-blind"] {
-        let m = wait_final(&d, "virtualmachinesnapshots", m);
+        let m = d.wait_final("virtualmachinesnapshots", m, FINAL);
         assert_eq!(m["status"]["phase"], "Failed", "{m:#}");
     }
     assert_eq!(hook_counts(&d, "app"), before, "app was never frozen");
@@ -437,7 +419,7 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
     // not consistent, with the agent's member consistent.
     let (status, v) = d.apply_json(vec![group("blind-may", &["app", "blind"], false)]);
     assert_eq!(status, 200, "{v}");
-    let g = wait_final(&d, "virtualmachinesnapshotgroups", "blind-may");
+    let g = d.wait_final("virtualmachinesnapshotgroups", "blind-may", FINAL);
     assert_eq!(g["status"]["phase"], "Ready", "{g:#}");
     assert_eq!(g["status"]["consistent"], false, "{g:#}");
     let app = get(&d, "virtualmachinesnapshots", "blind-may-app").expect("app member");
@@ -471,11 +453,11 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
         (slow0.0 + 1, slow0.1),
         "slow is still in its freeze hook when app is thawed"
     );
-    let g = wait_final(&d, "virtualmachinesnapshotgroups", "late");
+    let g = d.wait_final("virtualmachinesnapshotgroups", "late", FINAL);
     assert_eq!(g["status"]["phase"], "Failed", "{g:#}");
     assert!(message(&g).contains("deadline"), "{g:#}");
     for m in ["late-app", "late-slow"] {
-        let m = wait_final(&d, "virtualmachinesnapshots", m);
+        let m = d.wait_final("virtualmachinesnapshots", m, FINAL);
         assert_eq!(m["status"]["phase"], "Failed", "{m:#}");
     }
     // slow's freeze happened after its hook; the thaw queued behind it
@@ -514,11 +496,11 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
         || agent_freeze_status(&slow_sock).as_deref() == Some("frozen"),
     );
     d.spawn();
-    let g = wait_final(&d, "virtualmachinesnapshotgroups", "killed");
+    let g = d.wait_final("virtualmachinesnapshotgroups", "killed", FINAL);
     assert_eq!(g["status"]["phase"], "Failed", "{g:#}");
     assert!(message(&g).contains("restarted"), "{g:#}");
     for m in ["killed-app", "killed-slow"] {
-        let m = wait_final(&d, "virtualmachinesnapshots", m);
+        let m = d.wait_final("virtualmachinesnapshots", m, FINAL);
         assert_eq!(
             m["status"]["phase"], "Failed",
             "no half group shown Ready: {m:#}"
@@ -557,7 +539,7 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
     // The VMs are still usable for a group afterwards.
     let (status, v) = d.apply_json(vec![group("after", &["app", "slow"], true)]);
     assert_eq!(status, 200, "{v}");
-    let g = wait_final(&d, "virtualmachinesnapshotgroups", "after");
+    let g = d.wait_final("virtualmachinesnapshotgroups", "after", FINAL);
     assert_eq!(g["status"]["phase"], "Ready", "{g:#}\n{}", d.log());
     assert_eq!(g["status"]["consistent"], true, "{g:#}");
 

@@ -169,9 +169,9 @@ fn vm_manifest(deadline_s: u32) -> String {
 }
 
 fn snapshot(name: &str, required: bool) -> Value {
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-           "metadata": {"name": name},
-           "spec": {"virtualDiskName": "late-data", "requiredConsistency": required}})
+    DiskSnapshot::of(name, "late-data")
+        .required_consistency(required)
+        .json()
 }
 
 /// What the guest's console shows of one cut (the `n`-th freeze and

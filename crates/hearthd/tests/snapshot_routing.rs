@@ -9,12 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use serde_json::{Value, json};
-
-fn apply(d: &Daemon, items: Vec<Value>) {
-    let (status, v) = d.request("POST", "/v1/apply", Some(&json!({"items": items})));
-    assert_eq!(status, 200, "apply: {v}");
-}
+use serde_json::json;
 
 /// When the process started, as a wall-clock time (from `/proc/PID/stat`
 /// and the boot time in `/proc/stat`).
@@ -38,20 +33,16 @@ fn a_disk_a_vm_starts_using_meanwhile_is_cut_under_a_freeze_never_offline() {
     let _serial = serial();
     let d = Daemon::start();
     apply_manifest(&d, "disk.yaml", &overlay_disk_yaml("late-data"));
-    wait_until("late-data Ready", Duration::from_secs(30), || {
-        d.get_disk("late-data")
-            .is_some_and(|v| v["status"]["phase"] == "Ready")
-    });
+    d.wait_object(
+        "virtualdisks",
+        "late-data",
+        "late-data Ready",
+        Duration::from_secs(30),
+        |v| v["status"]["phase"] == "Ready",
+    );
 
     // Requested while no VM uses the disk, then at once a VM that does.
-    apply(
-        &d,
-        vec![
-            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-            "metadata": {"name": "s-late"},
-            "spec": {"virtualDiskName": "late-data", "requiredConsistency": true}}),
-        ],
-    );
+    d.apply(vec![DiskSnapshot::of("s-late", "late-data").json()]);
     apply_manifest(
         &d,
         "late.yaml",
@@ -109,20 +100,20 @@ fn a_disk_list_edit_while_the_vm_runs_never_sends_a_cut_to_the_wrong_device() {
         "vm.yaml",
         &vm_yaml("swap", "AlwaysOn", &["sw-a", "sw-b"], ""),
     );
-    wait_until("QEMU runs", Duration::from_secs(60), || {
-        d.get_vm("swap")
-            .is_some_and(|v| v["status"]["phase"] == "Running")
-    });
+    d.wait_object(
+        "virtualmachines",
+        "swap",
+        "QEMU runs",
+        Duration::from_secs(60),
+        |v| v["status"]["phase"] == "Running",
+    );
     // While the guest still boots (the cut waits for its agent), a snapshot
     // of the second disk, then the disk list reversed in the spec.
-    apply(
-        &d,
-        vec![
-            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-            "metadata": {"name": "swap-b"},
-            "spec": {"virtualDiskName": "sw-b", "requiredConsistency": false}}),
-        ],
-    );
+    d.apply(vec![
+        DiskSnapshot::of("swap-b", "sw-b")
+            .required_consistency(false)
+            .json(),
+    ]);
     std::thread::sleep(Duration::from_millis(300));
     apply_manifest(
         &d,
@@ -167,10 +158,13 @@ fn a_disk_list_edit_while_the_vm_runs_never_sends_a_cut_to_the_wrong_device() {
         ),
     );
     assert_eq!(status, 200, "{v}");
-    wait_until("chk-swap-b Ready", Duration::from_secs(60), || {
-        d.get_disk("chk-swap-b")
-            .is_some_and(|v| v["status"]["phase"] == "Ready")
-    });
+    d.wait_object(
+        "virtualdisks",
+        "chk-swap-b",
+        "chk-swap-b Ready",
+        Duration::from_secs(60),
+        |v| v["status"]["phase"] == "Ready",
+    );
     let restored = string_chain(&path("chk-swap-b"));
     assert!(
         !restored.contains(&base),
@@ -200,14 +194,7 @@ fn a_disk_removed_from_a_running_vms_spec_cannot_be_deleted_until_qemu_lets_go_n
     let first_qemu = d.qemu_pids();
     assert_eq!(first_qemu.len(), 1);
 
-    apply(
-        &d,
-        vec![
-            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-            "metadata": {"name": "hold-b"},
-            "spec": {"virtualDiskName": "hb", "requiredConsistency": true}}),
-        ],
-    );
+    d.apply(vec![DiskSnapshot::of("hold-b", "hb").json()]);
     wait_until(
         "the guest's freeze hook runs",
         Duration::from_secs(60),
@@ -239,20 +226,15 @@ fn a_disk_removed_from_a_running_vms_spec_cannot_be_deleted_until_qemu_lets_go_n
     );
     d.wait_agent("hold");
     d.cli_ok(&["delete", "disk", "hb"]);
-    wait_until("hb gone", Duration::from_secs(60), || {
-        d.get_disk("hb").is_none()
-    });
-    apply(
-        &d,
-        vec![
-            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-            "metadata": {"name": "chk-hold-b"}, "spec": {"source": {"snapshot": "hold-b"}}}),
-        ],
+    d.wait_gone("virtualdisks", "hb", Duration::from_secs(60));
+    d.apply(vec![Disk::from_snapshot("chk-hold-b", "hold-b").json()]);
+    d.wait_object(
+        "virtualdisks",
+        "chk-hold-b",
+        "chk-hold-b Ready",
+        Duration::from_secs(60),
+        |v| v["status"]["phase"] == "Ready",
     );
-    wait_until("chk-hold-b Ready", Duration::from_secs(60), || {
-        d.get_disk("chk-hold-b")
-            .is_some_and(|v| v["status"]["phase"] == "Ready")
-    });
     let path = d.get_disk("chk-hold-b").expect("disk")["status"]["path"]
         .as_str()
         .expect("path")
@@ -283,10 +265,13 @@ fn a_stop_goes_before_a_cut_that_waits_for_a_booting_guests_agent() {
         ),
     );
     d.cli_ok(&["start", "booting"]);
-    wait_until("QEMU runs", Duration::from_secs(60), || {
-        d.get_vm("booting")
-            .is_some_and(|v| v["status"]["phase"] == "Running")
-    });
+    d.wait_object(
+        "virtualmachines",
+        "booting",
+        "QEMU runs",
+        Duration::from_secs(60),
+        |v| v["status"]["phase"] == "Running",
+    );
     assert_ne!(
         d.get_vm("booting").expect("vm")["status"]["agentConnected"],
         true,
@@ -294,14 +279,7 @@ fn a_stop_goes_before_a_cut_that_waits_for_a_booting_guests_agent() {
     );
     // The cut must wait for the agent; the stop asked meanwhile must not
     // wait for the cut.
-    apply(
-        &d,
-        vec![
-            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-            "metadata": {"name": "s-boot"},
-            "spec": {"virtualDiskName": "boot-data", "requiredConsistency": true}}),
-        ],
-    );
+    d.apply(vec![DiskSnapshot::of("s-boot", "boot-data").json()]);
     std::thread::sleep(Duration::from_millis(400));
     d.cli_ok(&["stop", "booting"]);
     d.wait_phase("booting", "Stopped", Duration::from_secs(120));

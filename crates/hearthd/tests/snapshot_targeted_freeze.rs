@@ -16,31 +16,10 @@ const SNAP_TIMEOUT: Duration = Duration::from_secs(90);
 /// How long each writer runs (long enough for one snapshot of a booted VM).
 const WRITE_SECONDS: u64 = 8;
 
-fn apply(d: &Daemon, items: Vec<Value>) {
-    let (status, v) = d.request("POST", "/v1/apply", Some(&json!({"items": items})));
-    assert_eq!(status, 200, "apply: {v}");
-}
-
 fn get(d: &Daemon, plural: &str, name: &str) -> Value {
     match d.request("GET", &format!("/v1/{plural}/{name}"), None) {
         (200, v) => v,
         (s, v) => panic!("GET {plural}/{name}: {s} {v}"),
-    }
-}
-
-fn wait_final(d: &Daemon, plural: &str, name: &str) -> Value {
-    let deadline = Instant::now() + SNAP_TIMEOUT;
-    loop {
-        let v = get(d, plural, name);
-        if v["status"]["phase"] == "Ready" || v["status"]["phase"] == "Failed" {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{plural}/{name} not final: {v:#}\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -214,15 +193,8 @@ fn a_disk_snapshot_freezes_only_its_disk_and_a_vm_snapshot_freezes_all() {
         let name = format!("only-b-{attempt}");
         let (freezes, thaws) = hook_counts(&d, "tf");
         start_writers(&d, "tf", &devs);
-        apply(
-            &d,
-            vec![
-                json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-                        "metadata": {"name": name},
-                        "spec": {"virtualDiskName": "data-b"}}),
-            ],
-        );
-        let s = wait_final(&d, "virtualdisksnapshots", &name);
+        d.apply(vec![DiskSnapshot::of(&name, "data-b").json()]);
+        let s = d.wait_final("virtualdisksnapshots", &name, SNAP_TIMEOUT);
         let gaps = collect_writers(&d, "tf", &devs);
         assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
         assert_eq!(s["status"]["consistent"], true, "{s:#}");
@@ -260,14 +232,8 @@ fn a_disk_snapshot_freezes_only_its_disk_and_a_vm_snapshot_freezes_all() {
     // 2. A VM snapshot freezes everything: both writers stall together.
     let (freezes, thaws) = hook_counts(&d, "tf");
     start_writers(&d, "tf", &devs);
-    apply(
-        &d,
-        vec![
-            json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualMachineSnapshot",
-                    "metadata": {"name": "all"}, "spec": {"virtualMachineName": "tf"}}),
-        ],
-    );
-    let v = wait_final(&d, "virtualmachinesnapshots", "all");
+    d.apply(vec![VmSnapshot::of("all", "tf").json()]);
+    let v = d.wait_final("virtualmachinesnapshots", "all", SNAP_TIMEOUT);
     let gaps = collect_writers(&d, "tf", &devs);
     assert_eq!(v["status"]["phase"], "Ready", "{v:#}");
     assert_eq!(hook_counts(&d, "tf"), (freezes + 1, thaws + 1));

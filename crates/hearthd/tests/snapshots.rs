@@ -13,25 +13,18 @@ use serde_json::{Value, json};
 
 const SNAP_TIMEOUT: Duration = Duration::from_secs(90);
 
-fn apply(d: &Daemon, items: Vec<Value>) {
-    let (status, v) = d.request("POST", "/v1/apply", Some(&json!({"items": items})));
-    assert_eq!(status, 200, "apply: {v}");
-}
-
 fn disk_snapshot(name: &str, disk: &str, required: bool) -> Value {
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDiskSnapshot",
-           "metadata": {"name": name},
-           "spec": {"virtualDiskName": disk, "requiredConsistency": required}})
+    DiskSnapshot::of(name, disk)
+        .required_consistency(required)
+        .json()
 }
 
 fn vm_snapshot(name: &str, vm: &str) -> Value {
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualMachineSnapshot",
-           "metadata": {"name": name}, "spec": {"virtualMachineName": vm}})
+    VmSnapshot::of(name, vm).json()
 }
 
 fn restored_disk(name: &str, snapshot: &str) -> Value {
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-           "metadata": {"name": name}, "spec": {"source": {"snapshot": snapshot}}})
+    Disk::from_snapshot(name, snapshot).json()
 }
 
 fn get(d: &Daemon, plural: &str, name: &str) -> Option<Value> {
@@ -40,26 +33,6 @@ fn get(d: &Daemon, plural: &str, name: &str) -> Option<Value> {
         (404, _) => None,
         (s, v) => panic!("GET {plural}/{name}: {s} {v}"),
     }
-}
-
-/// Waits until a snapshot is final and returns it.
-fn wait_final(d: &Daemon, plural: &str, name: &str) -> Value {
-    let mut last = Value::Null;
-    let deadline = std::time::Instant::now() + SNAP_TIMEOUT;
-    while std::time::Instant::now() < deadline {
-        if let Some(v) = get(d, plural, name) {
-            let phase = v["status"]["phase"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string();
-            if phase == "Ready" || phase == "Failed" {
-                return v;
-            }
-            last = v;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    panic!("{plural}/{name} not final: {last:#}\n{}", d.log());
 }
 
 fn exec(d: &Daemon, vm: &str, script: &str) -> String {
@@ -102,29 +75,26 @@ fn disk_path(d: &Daemon, disk: &str) -> std::path::PathBuf {
 }
 
 fn wait_disk_ready(d: &Daemon, disk: &str) {
-    wait_until(
+    d.wait_object(
+        "virtualdisks",
+        disk,
         &format!("disk {disk} Ready"),
         Duration::from_secs(30),
-        || {
-            d.get_disk(disk)
-                .is_some_and(|v| v["status"]["phase"] == "Ready")
-        },
+        |v| v["status"]["phase"] == "Ready",
     );
 }
 
 /// A snapshot's content, read through a disk restored from it.
 fn snapshot_checksum(d: &Daemon, snapshot: &str, scratch: &Path) -> String {
     let disk = format!("chk-{snapshot}");
-    apply(d, vec![restored_disk(&disk, snapshot)]);
+    d.apply(vec![restored_disk(&disk, snapshot)]);
     wait_disk_ready(d, &disk);
     let raw = scratch.join(format!("{disk}.raw"));
     to_raw(&disk_path(d, &disk), &raw);
     let sum = sha256(&raw);
     let _ = std::fs::remove_file(&raw);
     d.cli_ok(&["delete", "disk", &disk]);
-    wait_until("checksum disk gone", Duration::from_secs(30), || {
-        d.get_disk(&disk).is_none()
-    });
+    d.wait_gone("virtualdisks", &disk, Duration::from_secs(30));
     sum
 }
 
@@ -151,8 +121,8 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     // 1. A file written (not synced) in the guest is in a consistent snapshot.
     let token = format!("precious-{}", std::process::id());
     exec(&d, "app", &format!("echo {token} > /data/precious.txt"));
-    apply(&d, vec![disk_snapshot("s-a", "data-a", true)]);
-    let s = wait_final(&d, "virtualdisksnapshots", "s-a");
+    d.apply(vec![disk_snapshot("s-a", "data-a", true)]);
+    let s = d.wait_final("virtualdisksnapshots", "s-a", SNAP_TIMEOUT);
     assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
     assert_eq!(s["status"]["consistent"], true, "{s:#}");
     assert!(s["status"]["freezeWindowMs"].as_u64().is_some(), "{s:#}");
@@ -178,7 +148,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
         "{s:#}"
     );
 
-    apply(&d, vec![restored_disk("restored-a", "s-a")]);
+    d.apply(vec![restored_disk("restored-a", "s-a")]);
     wait_disk_ready(&d, "restored-a");
     let raw = scratch.join("restored-a.raw");
     to_raw(&disk_path(&d, "restored-a"), &raw);
@@ -202,7 +172,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     std::thread::scope(|scope| {
         for item in &items {
             let d = &d;
-            scope.spawn(move || apply(d, vec![item.clone()]));
+            scope.spawn(move || d.apply(vec![item.clone()]));
         }
     });
     let mut cuts = BTreeSet::new();
@@ -213,7 +183,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
         } else {
             "virtualdisksnapshots"
         };
-        let s = wait_final(&d, plural, name);
+        let s = d.wait_final(plural, name, SNAP_TIMEOUT);
         assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
         assert_eq!(s["status"]["consistent"], true, "{s:#}");
         cuts.insert(s["status"]["cutId"].as_u64().expect("cutId"));
@@ -264,9 +234,9 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     // changes no other snapshot and not the live disk.
     for i in 1..=3 {
         exec(&d, "app", &format!("echo chain-{i} > /data/chain.txt"));
-        apply(&d, vec![disk_snapshot(&format!("c{i}"), "data-a", true)]);
+        d.apply(vec![disk_snapshot(&format!("c{i}"), "data-a", true)]);
         assert_eq!(
-            wait_final(&d, "virtualdisksnapshots", &format!("c{i}"))["status"]["consistent"],
+            d.wait_final("virtualdisksnapshots", &format!("c{i}"), SNAP_TIMEOUT)["status"]["consistent"],
             true
         );
     }
@@ -282,8 +252,8 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
 
     // A snapshot of a stopped VM: consistent, without a freeze.
     let freezes_before = count_events(&d, "app", "Freezing");
-    apply(&d, vec![disk_snapshot("offline", "data-a", true)]);
-    let s = wait_final(&d, "virtualdisksnapshots", "offline");
+    d.apply(vec![disk_snapshot("offline", "data-a", true)]);
+    let s = d.wait_final("virtualdisksnapshots", "offline", SNAP_TIMEOUT);
     assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
     assert_eq!(s["status"]["consistent"], true);
     // No QEMU runs, so no freeze can have reached a guest; hearthd did not
@@ -291,9 +261,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     assert_eq!(count_events(&d, "app", "Freezing"), freezes_before);
 
     d.cli_ok(&["delete", "snapshot", "c2"]);
-    wait_until("c2 gone", Duration::from_secs(30), || {
-        get(&d, "virtualdisksnapshots", "c2").is_none()
-    });
+    d.wait_gone("virtualdisksnapshots", "c2", Duration::from_secs(30));
     assert_eq!(snapshot_checksum(&d, "c1", &scratch), before[0]);
     assert_eq!(snapshot_checksum(&d, "c3", &scratch), before[2]);
     to_raw(&disk_path(&d, "data-a"), &live_raw);
@@ -318,9 +286,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
 
     // 5. Everything deleted: every layer file is gone.
     d.cli_ok(&["delete", "vm", "app"]);
-    wait_until("vm gone", Duration::from_secs(60), || {
-        d.get_vm("app").is_none()
-    });
+    d.wait_gone("virtualmachines", "app", Duration::from_secs(60));
     for s in ["s-a", "c1", "c3", "offline"].iter().chain(
         items
             .iter()
@@ -357,14 +323,11 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     );
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
     d.wait_phase("blind", "Running", Duration::from_secs(60));
-    apply(
-        &d,
-        vec![
-            disk_snapshot("blind-must", "blind-data", true),
-            disk_snapshot("blind-may", "blind-data", false),
-        ],
-    );
-    let must = wait_final(&d, "virtualdisksnapshots", "blind-must");
+    d.apply(vec![
+        disk_snapshot("blind-must", "blind-data", true),
+        disk_snapshot("blind-may", "blind-data", false),
+    ]);
+    let must = d.wait_final("virtualdisksnapshots", "blind-must", SNAP_TIMEOUT);
     assert_eq!(must["status"]["phase"], "Failed", "{must:#}");
     assert!(
         must["status"]["message"]
@@ -373,7 +336,7 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
             .contains("guestAgent"),
         "{must:#}"
     );
-    let may = wait_final(&d, "virtualdisksnapshots", "blind-may");
+    let may = d.wait_final("virtualdisksnapshots", "blind-may", SNAP_TIMEOUT);
     assert_eq!(may["status"]["phase"], "Ready", "{may:#}");
     assert_eq!(may["status"]["consistent"], false, "{may:#}");
     assert!(
@@ -409,7 +372,7 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     // hearthd is killed while the freeze is under way; the guest freezes
     // with nobody left to thaw it. The restarted daemon thaws it and takes
     // the snapshot again; it is never claimed consistent on the old cut.
-    apply(&d, vec![disk_snapshot("crash", "hook-data", true)]);
+    d.apply(vec![disk_snapshot("crash", "hook-data", true)]);
     // Killed when the guest itself says the freeze has begun (its hook
     // runs, then sleeps 4 s, then qemu-ga freezes).
     wait_until(
@@ -442,7 +405,7 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     );
     assert_eq!(hook_counts(&d, "hook"), (1, 0), "frozen, not thawed yet");
     d.spawn();
-    let s = wait_final(&d, "virtualdisksnapshots", "crash");
+    let s = d.wait_final("virtualdisksnapshots", "crash", SNAP_TIMEOUT);
     let events = d.events("VirtualMachine", "hook");
     assert!(
         events.iter().any(|e| e["reason"] == "RecoveringCut"),
@@ -470,15 +433,16 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
 
     // Deleting a snapshot while its cut is in progress is safe: the cut
     // finishes, the snapshot goes, the guest is thawed.
-    apply(&d, vec![disk_snapshot("doomed", "hook-data", true)]);
-    wait_until("doomed in progress", Duration::from_secs(30), || {
-        get(&d, "virtualdisksnapshots", "doomed")
-            .is_some_and(|v| v["status"]["phase"] == "InProgress")
-    });
+    d.apply(vec![disk_snapshot("doomed", "hook-data", true)]);
+    d.wait_object(
+        "virtualdisksnapshots",
+        "doomed",
+        "doomed in progress",
+        Duration::from_secs(30),
+        |v| v["status"]["phase"] == "InProgress",
+    );
     d.cli_ok(&["delete", "snapshot", "doomed"]);
-    wait_until("doomed gone", Duration::from_secs(60), || {
-        get(&d, "virtualdisksnapshots", "doomed").is_none()
-    });
+    d.wait_gone("virtualdisksnapshots", "doomed", Duration::from_secs(60));
     assert_eq!(freeze_status(&d, "hook"), "thawed");
     assert_eq!(
         get(&d, "virtualdisksnapshots", "crash").expect("crash")["status"]["phase"],
@@ -492,8 +456,8 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
         let d = &d;
         let long = scope.spawn(move || exec(d, "hook", "sleep 12; echo slept"));
         std::thread::sleep(Duration::from_millis(500));
-        apply(d, vec![disk_snapshot("during-exec", "hook-data", true)]);
-        let s = wait_final(d, "virtualdisksnapshots", "during-exec");
+        d.apply(vec![disk_snapshot("during-exec", "hook-data", true)]);
+        let s = d.wait_final("virtualdisksnapshots", "during-exec", SNAP_TIMEOUT);
         let still_running = !long.is_finished();
         (s, still_running, long.join().expect("exec thread"))
     });
@@ -518,14 +482,11 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     );
     let out = d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
     assert!(out.contains("virtualmachine/hook configured"), "{out}");
-    apply(
-        &d,
-        vec![
-            disk_snapshot("late", "hook-data", true),
-            disk_snapshot("late-ok", "hook-data", false),
-        ],
-    );
-    let late = wait_final(&d, "virtualdisksnapshots", "late");
+    d.apply(vec![
+        disk_snapshot("late", "hook-data", true),
+        disk_snapshot("late-ok", "hook-data", false),
+    ]);
+    let late = d.wait_final("virtualdisksnapshots", "late", SNAP_TIMEOUT);
     assert_eq!(late["status"]["phase"], "Failed", "{late:#}");
     assert!(
         late["status"]["message"]
@@ -534,7 +495,7 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
             .contains("deadline"),
         "{late:#}"
     );
-    let late_ok = wait_final(&d, "virtualdisksnapshots", "late-ok");
+    let late_ok = d.wait_final("virtualdisksnapshots", "late-ok", SNAP_TIMEOUT);
     assert_eq!(late_ok["status"]["phase"], "Ready", "{late_ok:#}");
     assert_eq!(late_ok["status"]["consistent"], false, "{late_ok:#}");
     // The freeze happened after the deadline; its queued thaw undid it.
@@ -611,20 +572,17 @@ fn a_restore_pins_its_snapshot_and_a_snapshot_being_deleted_is_not_restored() {
     );
     wait_disk_ready(&d, "data");
     let cut = |name: &str, vm_level: bool| {
-        apply(
-            &d,
-            vec![if vm_level {
-                vm_snapshot(name, "app")
-            } else {
-                disk_snapshot(name, "data", true)
-            }],
-        );
+        d.apply(vec![if vm_level {
+            vm_snapshot(name, "app")
+        } else {
+            disk_snapshot(name, "data", true)
+        }]);
         let plural = if vm_level {
             "virtualmachinesnapshots"
         } else {
             "virtualdisksnapshots"
         };
-        let s = wait_final(&d, plural, name);
+        let s = d.wait_final(plural, name, SNAP_TIMEOUT);
         assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
     };
     // L0(s0) <- L1(vs1) <- L2(s2) <- head: once vs1 goes, nothing needs L1
@@ -642,7 +600,7 @@ fn a_restore_pins_its_snapshot_and_a_snapshot_being_deleted_is_not_restored() {
     // overlay over L1 is being made (qemu-img held in `create`) when the
     // delete comes.
     flag("sleep-next-create");
-    apply(&d, vec![restored_disk("r", "vs1-data")]);
+    d.apply(vec![restored_disk("r", "vs1-data")]);
     wait_until("qemu-img sleeps in create", Duration::from_secs(30), || {
         sleeping.exists()
     });
@@ -698,7 +656,7 @@ fn a_restore_pins_its_snapshot_and_a_snapshot_being_deleted_is_not_restored() {
     );
     let refused = d.cli_err(&["restore", "vm", "app", "--from", "vs2"]);
     assert!(refused.contains("being deleted"), "{refused}");
-    apply(&d, vec![restored_disk("r2", "vs2-data")]);
+    d.apply(vec![restored_disk("r2", "vs2-data")]);
     let r2 = d.wait_object(
         "virtualdisks",
         "r2",

@@ -127,9 +127,7 @@ fn demo_vm_boots_is_adopted_after_daemon_sigkill_and_is_deleted_cleanly() {
 
     // Delete while running: QEMU gone, runtime files cleaned.
     d.cli_ok(&["delete", "vm", "demo"]);
-    wait_until("VM object gone", Duration::from_secs(60), || {
-        d.get_vm("demo").is_none()
-    });
+    d.wait_gone("virtualmachines", "demo", Duration::from_secs(60));
     assert!(!is_alive(pid2), "QEMU still runs after delete");
     assert!(!d.run_dir().join("vms/demo").exists());
     assert!(!d.state_dir().join("vms/demo").exists());
@@ -146,9 +144,7 @@ fn demo_vm_boots_is_adopted_after_daemon_sigkill_and_is_deleted_cleanly() {
     );
     assert!(disk_file.exists());
     d.cli_ok(&["delete", "disk", "demo-data"]);
-    wait_until("disk gone", Duration::from_secs(30), || {
-        d.get_disk("demo-data").is_none()
-    });
+    d.wait_gone("virtualdisks", "demo-data", Duration::from_secs(30));
     assert!(!disk_file.exists());
 }
 
@@ -288,9 +284,7 @@ fn a_stop_the_guest_does_not_act_on_is_forced_counted_and_told() {
 
     // Deleted, the VM's series goes with it.
     d.cli_ok(&["delete", "vm", "deaf"]);
-    wait_until("deaf gone", Duration::from_secs(30), || {
-        d.get_vm("deaf").is_none()
-    });
+    d.wait_gone("virtualmachines", "deaf", Duration::from_secs(30));
     let (_, body) = raw_request(&d.socket(), "GET", "/metrics", None).expect("scrape");
     let text = String::from_utf8_lossy(&body);
     assert!(

@@ -182,17 +182,16 @@ fn daemon(root: &Path) -> Daemon {
 }
 
 fn disk_yaml(name: &str) -> String {
-    format!(
-        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {{name: {name}}}\nspec: {{size: 16Mi, source: {{blank: {{}}}}}}\n"
-    )
+    Disk::blank(name, "16Mi").yaml()
 }
 
 fn vm_yaml(root: &Path, name: &str, disk: &str, memory: &str) -> String {
-    format!(
-        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: {name}}}\nspec:\n  runPolicy: AlwaysOff\n  memory: {memory}\n  boot: {{kernel: {k}, initrd: {i}}}\n  disks: [{{virtualDiskName: {disk}}}]\n",
-        k = root.join("vmlinuz").display(),
-        i = root.join("initrd.img").display(),
-    )
+    Vm::new(name)
+        .always_off()
+        .memory(memory)
+        .boot(&root.join("vmlinuz"), Some(&root.join("initrd.img")), "")
+        .disk(disk)
+        .yaml()
 }
 
 /// Whether some line is a `type_` of `kind/name` (with `phase`, if given).

@@ -9,6 +9,15 @@ pub mod debian;
 pub mod http;
 pub mod netns;
 pub mod qemu_img_log;
+pub mod stream;
+
+#[allow(unused_imports)]
+pub use hearth_test_support::process::{is_alive, start_ticks};
+#[allow(unused_imports)]
+pub use hearth_test_support::{
+    Disk, DiskSnapshot, Image, Manifest, Network, ObjectBuilder, SnapshotGroup, Vm, VmSnapshot,
+    converters_of, eventually,
+};
 
 use std::ffi::OsStr;
 use std::io::{Read, Write};
@@ -359,8 +368,9 @@ impl Daemon {
         }
     }
 
-    /// Polls an object (`plural` as in the API path) until `pred` holds on
-    /// it, or panics with its last state, its events and the daemon's log.
+    /// Follows an object (`plural` as in the API path) on the change
+    /// stream until `pred` holds on it, or panics with its last state, its
+    /// events and the daemon's log.
     pub fn wait_object(
         &self,
         plural: &str,
@@ -369,30 +379,34 @@ impl Daemon {
         timeout: Duration,
         pred: impl Fn(&Value) -> bool,
     ) -> Value {
-        let deadline = Instant::now() + timeout;
-        let mut last = Value::Null;
-        while Instant::now() < deadline {
-            if let (200, v) = self.request("GET", &format!("/v1/{plural}/{name}"), None) {
-                if pred(&v) {
-                    return v;
-                }
-                last = v;
+        match stream::watch_object(&self.socket(), plural, name, timeout, false, pred) {
+            stream::Seen::Done(v) => v,
+            stream::Seen::Gone => unreachable!("not asked for"),
+            stream::Seen::Timeout(last) => {
+                let kind = last["kind"].as_str().unwrap_or_default().to_string();
+                panic!(
+                    "{plural}/{name}: {what} not reached in {timeout:?}; last: {last:#}\nevents: {:#?}\nlog:\n{}",
+                    self.events(&kind, name),
+                    self.log()
+                );
             }
-            std::thread::sleep(Duration::from_millis(100));
         }
-        let kind = last["kind"].as_str().unwrap_or_default().to_string();
-        panic!(
-            "{plural}/{name}: {what} not reached in {timeout:?}; last: {last:#}\nevents: {:#?}\nlog:\n{}",
-            self.events(&kind, name),
-            self.log()
-        );
     }
 
     /// Waits until an object is gone from the API.
     pub fn wait_gone(&self, plural: &str, name: &str, timeout: Duration) {
-        wait_until(&format!("{plural}/{name} is gone"), timeout, || {
-            self.request("GET", &format!("/v1/{plural}/{name}"), None).0 == 404
-        });
+        match stream::watch_object(&self.socket(), plural, name, timeout, true, |_| false) {
+            stream::Seen::Gone => {}
+            _ => panic!("{plural}/{name} is gone: not true after {timeout:?}"),
+        }
+    }
+
+    /// Waits on the change stream until a snapshot-like object
+    /// (`plural/name`) is final: its phase Ready or Failed. Returns it.
+    pub fn wait_final(&self, plural: &str, name: &str, timeout: Duration) -> Value {
+        self.wait_object(plural, name, "phase Ready or Failed", timeout, |v| {
+            matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed"))
+        })
     }
 
     /// Runs `/bin/sh -c SCRIPT` in a VM's guest through the agent
@@ -428,6 +442,13 @@ impl Daemon {
             "/v1/apply",
             Some(&serde_json::json!({"items": items})),
         )
+    }
+
+    /// Applies objects through the HTTP API and expects a 200; the answer.
+    pub fn apply(&self, items: Vec<Value>) -> Value {
+        let (status, v) = self.apply_json(items);
+        assert_eq!(status, 200, "apply: {v}");
+        v
     }
 
     pub fn events(&self, kind: &str, name: &str) -> Vec<Value> {
@@ -546,38 +567,14 @@ impl Drop for Daemon {
 /// A guest under TCG on a busy 2-core machine: generous.
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
-pub fn is_alive(pid: u32) -> bool {
-    Path::new(&format!("/proc/{pid}")).exists() && !is_zombie(pid)
-}
-
 fn is_zombie(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .map(|(_, rest)| rest.trim_start().starts_with('Z'))
-        })
-        .unwrap_or(true)
+    hearth_test_support::process::is_zombie(pid)
 }
 
-/// When a process started, in clock ticks since boot (`/proc/PID/stat`
-/// field 22): with the pid, it names one process, even if the pid is reused.
-pub fn start_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let (_, rest) = stat.rsplit_once(')')?;
-    // Fields after the name start at field 3 (state).
-    rest.split_whitespace().nth(22 - 3)?.parse().ok()
-}
-
+/// Polls a condition outside hearthd (a file, the process table) until it
+/// holds, or panics naming it.
 pub fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) {
-    let deadline = Instant::now() + timeout;
-    while Instant::now() < deadline {
-        if f() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    panic!("{what}: not true after {timeout:?}");
+    assert!(eventually(timeout, f), "{what}: not true after {timeout:?}");
 }
 
 /// A minimal HTTP/1.1 client over a unix socket (`Connection: close`).
@@ -648,7 +645,20 @@ pub fn manifest(d: &Daemon, file: &str, text: &str) -> PathBuf {
     p
 }
 
-/// A VM manifest booting the test guest, with absolute paths.
+/// A small VM booting the test guest's kernel and initrd (absolute
+/// paths), with `extra_cmdline` after the guest's usual command line.
+pub fn guest_vm(name: &str, extra_cmdline: &str) -> Vm {
+    let g = guest_dir();
+    Vm::small(name).boot(
+        &g.join("vmlinuz"),
+        Some(&g.join("initrd.img")),
+        &format!("console=ttyS0 quiet panic=-1 {extra_cmdline}"),
+    )
+}
+
+/// A VM manifest booting the test guest, with absolute paths. Kept as
+/// text: tests edit it with `str::replace` (a builder writes every default,
+/// so an added key would be a duplicate).
 pub fn vm_yaml(name: &str, run_policy: &str, disks: &[&str], extra_cmdline: &str) -> String {
     let g = guest_dir();
     let disks: String = disks
@@ -665,6 +675,11 @@ pub fn vm_yaml(name: &str, run_policy: &str, disks: &[&str], extra_cmdline: &str
         k = g.join("vmlinuz").display(),
         i = g.join("initrd.img").display(),
     )
+}
+
+/// An overlay disk over the test guest's data image.
+pub fn guest_disk(name: &str) -> Disk {
+    Disk::from_image(name, guest_dir().join("data.qcow2"))
 }
 
 pub fn overlay_disk_yaml(name: &str) -> String {
@@ -790,15 +805,14 @@ pub fn backing_chain(image: &Path) -> Vec<PathBuf> {
 /// stays; the caller deletes it when it must not.
 pub fn restored_raw(d: &Daemon, snapshot: &str, scratch: &Path) -> PathBuf {
     let disk = format!("chk-{snapshot}");
-    let (status, v) = d.apply_json(vec![serde_json::json!({
-        "apiVersion": "hearth.dev/v1alpha1",
-        "kind": "VirtualDisk", "metadata": {"name": disk},
-        "spec": {"source": {"snapshot": snapshot}}})]);
-    assert_eq!(status, 200, "{v}");
-    wait_until(&format!("{disk} Ready"), Duration::from_secs(60), || {
-        d.get_disk(&disk)
-            .is_some_and(|v| v["status"]["phase"] == "Ready")
-    });
+    d.apply(vec![Disk::from_snapshot(&disk, snapshot).json()]);
+    d.wait_object(
+        "virtualdisks",
+        &disk,
+        "Ready",
+        Duration::from_secs(60),
+        |v| v["status"]["phase"] == "Ready",
+    );
     let path = d.get_disk(&disk).expect("disk")["status"]["path"]
         .as_str()
         .expect("path")
@@ -815,19 +829,7 @@ pub fn restored_raw(d: &Daemon, snapshot: &str, scratch: &Path) -> PathBuf {
 
 /// Waits until a disk snapshot is Ready or Failed and returns it.
 pub fn snapshot_final(d: &Daemon, name: &str, timeout: Duration) -> Value {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let (_, v) = d.request("GET", &format!("/v1/virtualdisksnapshots/{name}"), None);
-        if matches!(v["status"]["phase"].as_str(), Some("Ready" | "Failed")) {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "snapshot {name} not final after {timeout:?}: {v:#}\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    d.wait_final("virtualdisksnapshots", name, timeout)
 }
 
 /// Writes a manifest file for this test and applies it with the real CLI
