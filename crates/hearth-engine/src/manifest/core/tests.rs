@@ -1,4 +1,3 @@
-
 use super::*;
 use hearth_api::parse_documents;
 

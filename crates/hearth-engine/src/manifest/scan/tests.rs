@@ -1,4 +1,3 @@
-
 use super::*;
 
 fn vm(name: &str, mem: u32) -> String {
