@@ -22,7 +22,6 @@ use hearth_api::{
 use hearth_qemu::img::QemuImg;
 
 use crate::context::{Action, Context, ReconcileError};
-use crate::snapshot::storage;
 use crate::store::{Store, StoreError};
 use import::{Failure, Fetched, TempFile};
 use progress::{format_bytes, retry_delay};
@@ -541,7 +540,7 @@ fn release_file_tx(tx: &rusqlite::Transaction<'_>, path: &Path) -> Result<bool, 
     else {
         return Ok(false);
     };
-    if storage::base_in_use_tx(tx, path)? {
+    if crate::store::layers::base_in_use_tx(tx, path)? {
         return Ok(false);
     }
     for o in Store::list_tx(tx, Kind::VirtualImage)? {

@@ -21,7 +21,7 @@ use hearth_api::{Kind, VirtualDiskStatus};
 use hearth_qemu::qmp::QmpError;
 use serde_json::{Value, json};
 
-use super::storage::{self, NewLayer};
+use crate::store::layers::{NewLayer, set_head_tx};
 use crate::store::journals::{self, Of};
 use crate::store::{Store, StoreError};
 use crate::vm::live::LiveVm;
@@ -87,21 +87,6 @@ pub fn of_disk<E: Entry>(store: &Store, disk: &str) -> Result<Vec<E>, StoreError
     journals::select(store, Of::Disk(disk))
 }
 
-/// Every recorded overlay path, ahead ones too (the start-up sweep keeps
-/// these files; their journals settle them).
-pub fn all_paths(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
-    let mut paths: Vec<PathBuf> = journals::select::<Overlay>(store, Of::All)?
-        .into_iter()
-        .map(|o| o.path)
-        .collect();
-    paths.extend(
-        journals::select::<Ahead>(store, Of::All)?
-            .into_iter()
-            .map(|a| a.path),
-    );
-    Ok(paths)
-}
-
 /// The QEMU node name of ahead overlay `id` on device `index`; never the
 /// name of a cut's own overlay (`h{cut}d{index}`).
 pub fn ahead_node(id: u64, index: usize) -> String {
@@ -158,7 +143,7 @@ pub fn adopt_tx(tx: &rusqlite::Transaction<'_>, o: &Overlay) -> Result<(), Store
         id: o.layer.clone(),
         path: o.path.clone(),
     };
-    storage::set_head_tx(tx, &o.disk, &new, Some(&o.base))?;
+    set_head_tx(tx, &o.disk, &new, Some(&o.base))?;
     let path = o.path.clone();
     Store::update_status_tx::<VirtualDiskStatus, _>(tx, Kind::VirtualDisk, &o.disk, |s| {
         s.path = Some(path);
@@ -680,7 +665,7 @@ mod tests {
         settle(&store, None, std::slice::from_ref(&o)).await;
         let a = ahead(&store, dir.path(), true);
         assert!(
-            all_paths(&store).unwrap().contains(&a.path),
+            journals::all_paths(&store).unwrap().contains(&a.path),
             "the sweep keeps it"
         );
         let before = head(&store, "d").unwrap().unwrap();

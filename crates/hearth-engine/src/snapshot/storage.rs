@@ -124,7 +124,7 @@ pub fn sweep_orphans(store: &Store, state_dir: &Path) -> Result<Vec<PathBuf>, St
     // A cut's overlay may hold the only copy of the guest's latest writes
     // (QEMU switched to it, then exited while no daemon ran): the journal
     // settles it, the sweep never touches it.
-    known.extend(super::overlays::all_paths(store)?);
+    known.extend(crate::store::journals::all_paths(store)?);
     let Ok(entries) = std::fs::read_dir(layers_dir(state_dir)) else {
         return Ok(Vec::new());
     };

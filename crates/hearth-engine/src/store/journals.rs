@@ -447,3 +447,19 @@ fn forget_compaction_tx(tx: &Transaction<'_>, id: i64) -> Result<(), StoreError>
     tx.execute("DELETE FROM compactions WHERE id = ?1", params![id])?;
     Ok(())
 }
+
+/// Every recorded overlay path, ahead ones too (the start-up sweep keeps
+/// these files; their journals settle them).
+pub fn all_paths(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
+    let mut paths: Vec<PathBuf> = select::<Overlay>(store, Of::All)?
+        .into_iter()
+        .map(|o| o.path)
+        .collect();
+    paths.extend(
+        select::<Ahead>(store, Of::All)?
+            .into_iter()
+            .map(|a| a.path),
+    );
+    Ok(paths)
+}
+
