@@ -21,8 +21,8 @@ use hearth_api::{Kind, VirtualDiskStatus};
 use hearth_qemu::qmp::QmpError;
 use serde_json::{Value, json};
 
-use crate::store::layers::{NewLayer, set_head_tx};
 use crate::store::journals::{self, Of};
+use crate::store::layers::{NewLayer, set_head_tx};
 use crate::store::{Store, StoreError};
 use crate::vm::live::LiveVm;
 

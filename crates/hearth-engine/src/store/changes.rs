@@ -9,10 +9,11 @@
 //! `history` rows (a trigger trims it on each insert); the sequence itself is
 //! AUTOINCREMENT, so a trimmed number is never handed out again.
 
-use hearth_api::{Event, Kind, WatchType};
+use chrono::{DateTime, Utc};
+use hearth_api::{Event, EventType, Kind, WatchType};
 use rusqlite::{Connection, OptionalExtension, TransactionBehavior, params};
 
-use super::events::event_from_row;
+use super::db::head_of;
 use super::{Store, StoreError, StoredObject};
 
 /// Changes kept in the log by default. Older ones are trimmed; a watcher
@@ -55,18 +56,6 @@ pub struct WatchSnapshot {
     /// The newest events, oldest first, with their sequence numbers (None
     /// for events recorded before the change log existed).
     pub events: Vec<(Option<u64>, Event)>,
-}
-
-/// The last sequence number handed out; 0 before the first change.
-pub(super) fn head_of(conn: &Connection) -> Result<u64, StoreError> {
-    let seq: Option<i64> = conn
-        .query_row(
-            "SELECT seq FROM sqlite_sequence WHERE name = 'changes'",
-            [],
-            |r| r.get(0),
-        )
-        .optional()?;
-    Ok(seq.unwrap_or(0).max(0) as u64)
 }
 
 /// The triggers that log object changes and trim the log, as SQLite keeps
@@ -255,7 +244,7 @@ impl Store {
                  WHERE (?1 IS NULL OR e.kind IN (SELECT value FROM json_each(?1)))
                    AND (?2 IS NULL OR (e.name = ?2 AND e.life IS {}))
                  ORDER BY e.id DESC LIMIT ?3",
-                super::events::CURRENT_LIFE
+                CURRENT_LIFE
             ))?;
             let rows = stmt.query_map(
                 params![kind_list, name, i64::try_from(events).unwrap_or(i64::MAX)],
@@ -285,6 +274,40 @@ impl Store {
             objects: found,
             events: recent,
         })
+    }
+}
+
+/// The life of the object `e.kind`/`e.name` now (SQL, for a row `e` of
+/// `events`): the object's creationTimestamp, or when it is gone the life
+/// of its newest event.
+pub(super) const CURRENT_LIFE: &str = "COALESCE(
+    (SELECT json_extract(o.body, '$.metadata.creationTimestamp') FROM objects o
+      WHERE o.kind = e.kind AND o.name = e.name),
+    (SELECT l.life FROM events l WHERE l.kind = e.kind AND l.name = e.name
+      ORDER BY l.id DESC LIMIT 1))";
+
+/// An `events` row as the API shows it.
+pub(super) fn event_from_row(
+    time: String,
+    kind: String,
+    name: String,
+    type_: &str,
+    reason: String,
+    message: String,
+) -> Event {
+    Event {
+        time: DateTime::parse_from_rfc3339(&time)
+            .map(|t| t.with_timezone(&Utc))
+            .unwrap_or_default(),
+        kind,
+        name,
+        type_: if type_ == "Warning" {
+            EventType::Warning
+        } else {
+            EventType::Normal
+        },
+        reason,
+        message,
     }
 }
 

@@ -4,19 +4,11 @@ use chrono::{DateTime, Utc};
 use hearth_api::{Event, EventType, Kind};
 use rusqlite::{Connection, params};
 
-use super::{Store, StoreError, changes};
+use super::changes::{self, CURRENT_LIFE, event_from_row};
+use super::{Store, StoreError};
 
 /// Events kept per object; older ones are dropped.
 pub(super) const EVENTS_PER_OBJECT: i64 = 200;
-
-/// The life of the object `e.kind`/`e.name` now (SQL, for a row `e` of
-/// `events`): the object's creationTimestamp, or when it is gone the life
-/// of its newest event.
-pub(super) const CURRENT_LIFE: &str = "COALESCE(
-    (SELECT json_extract(o.body, '$.metadata.creationTimestamp') FROM objects o
-      WHERE o.kind = e.kind AND o.name = e.name),
-    (SELECT l.life FROM events l WHERE l.kind = e.kind AND l.name = e.name
-      ORDER BY l.id DESC LIMIT 1))";
 
 /// Adds `events.life` to a database from before it: every event then
 /// belongs to the current object of its name, as all of them were shown.
@@ -124,30 +116,5 @@ impl Store {
         }
         out.reverse();
         Ok(out)
-    }
-}
-
-/// An `events` row as the API shows it.
-pub(super) fn event_from_row(
-    time: String,
-    kind: String,
-    name: String,
-    type_: &str,
-    reason: String,
-    message: String,
-) -> Event {
-    Event {
-        time: DateTime::parse_from_rfc3339(&time)
-            .map(|t| t.with_timezone(&Utc))
-            .unwrap_or_default(),
-        kind,
-        name,
-        type_: if type_ == "Warning" {
-            EventType::Warning
-        } else {
-            EventType::Normal
-        },
-        reason,
-        message,
     }
 }

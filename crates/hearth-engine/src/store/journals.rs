@@ -455,11 +455,6 @@ pub fn all_paths(store: &Store) -> Result<Vec<PathBuf>, StoreError> {
         .into_iter()
         .map(|o| o.path)
         .collect();
-    paths.extend(
-        select::<Ahead>(store, Of::All)?
-            .into_iter()
-            .map(|a| a.path),
-    );
+    paths.extend(select::<Ahead>(store, Of::All)?.into_iter().map(|a| a.path));
     Ok(paths)
 }
-
