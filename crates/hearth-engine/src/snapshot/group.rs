@@ -23,7 +23,7 @@
 
 use std::collections::BTreeMap;
 
-use super::coordinator::{Millis, TRANSACTION_BUDGET_MS};
+use super::coordinator::{IntentNotRecorded, Millis, TRANSACTION_BUDGET_MS};
 
 /// `metadata.managedBy` of a group's member VM snapshots, before the group's
 /// name.
@@ -57,7 +57,7 @@ pub enum GroupInput {
     },
     /// The group's intent was (or could not be) stored.
     IntentRecorded {
-        result: Result<(), String>,
+        result: Result<(), IntentNotRecorded>,
         now: Millis,
     },
     Tick {

@@ -13,7 +13,7 @@ use hearth_api::{
 use tokio::sync::mpsc;
 
 use super::clock_ms;
-use super::coordinator::{CutId, Input};
+use super::coordinator::{CutId, Input, IntentNotRecorded};
 use super::group::{Group, GroupCommand, GroupInput, GroupOutcome, MANAGED_BY_PREFIX, Report};
 use super::registry::MemberMsg;
 use crate::context::{Action, Context, ReconcileError};
@@ -272,7 +272,7 @@ async fn run(
                             )?;
                             Ok(())
                         })
-                        .map_err(|e| e.to_string());
+                        .map_err(|e| IntentNotRecorded(e.to_string()));
                         queue.extend(core.handle(GroupInput::IntentRecorded {
                             result,
                             now: clock_ms(),
