@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use hearth_api::{EventType, Kind, Object, SnapshotPhase, SnapshotStatus, VirtualDiskSnapshot};
-use hearth_qemu::agent::AgentError;
 use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
@@ -27,7 +26,8 @@ use crate::store::{Store, StoreError, journals};
 use crate::vm::live::LiveVm;
 use errors::{MountsError, NodeError, PrepareError};
 use hearth_qemu::fsmap::MountMap;
-use hearth_qemu::seam::{GuestAgent, Monitor};
+use hearth_qemu::seam::Monitor;
+use steps::with_agent;
 
 mod errors;
 mod steps;
@@ -37,12 +37,6 @@ mod tests;
 /// How long a cut waits for a just-started guest's agent before giving up.
 const AGENT_WAIT: Duration = Duration::from_secs(20);
 const QMP_TIMEOUT: Duration = Duration::from_secs(5);
-/// While a burst is under way (requests came during a cut), quiet time
-/// that ends the gathering of its stragglers for the next cut...
-const GATHER: Duration = Duration::from_millis(50);
-/// ...and the longest they wait for company. A request that finds the
-/// actor idle waits for nobody.
-const MAX_GATHER: Duration = Duration::from_millis(300);
 /// Pause before a disk whose merge failed is compacted again.
 const COMPACTION_RETRY: Duration = Duration::from_secs(60);
 /// Pause before writing a cut's results again after the store refused.
@@ -736,47 +730,6 @@ async fn access(
         );
     }
     (Access::Agent, Some(live))
-}
-
-fn fault(e: AgentError) -> AgentFault {
-    if e.is_disabled_while_frozen() {
-        return AgentFault::DisabledWhileFrozen;
-    }
-    match e {
-        AgentError::Timeout { .. } => AgentFault::Timeout,
-        AgentError::Disconnected | AgentError::Connect { .. } | AgentError::Io(_) => {
-            AgentFault::Disconnected
-        }
-        other => AgentFault::Error(other.to_string()),
-    }
-}
-
-/// Runs `f` on the VM's agent connection within `timeout`, waiting for the
-/// connection to come up if it is not there yet.
-async fn with_agent<A: GuestAgent, T>(
-    agent: &tokio::sync::Mutex<Option<A>>,
-    timeout: Duration,
-    f: impl AsyncFnOnce(&mut A, Duration) -> Result<T, AgentError>,
-) -> Result<T, AgentFault> {
-    let deadline = tokio::time::Instant::now() + timeout;
-    loop {
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        if left.is_zero() {
-            return Err(AgentFault::Timeout);
-        }
-        let mut guard = match tokio::time::timeout(left, agent.lock()).await {
-            Ok(g) => g,
-            Err(_) => return Err(AgentFault::Timeout),
-        };
-        if let Some(client) = guard.as_mut() {
-            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-            return f(client, left.max(Duration::from_millis(1)))
-                .await
-                .map_err(fault);
-        }
-        drop(guard);
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// The live VM of a target, if its process runs.

@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use tokio::sync::{Mutex, mpsc};
 use tokio::time::Instant;
 
+use super::steps::{GATHER, MAX_GATHER};
 use super::*;
 use crate::snapshot::coordinator::{Command, Coordinator, Input, Outcome, Request};
 
