@@ -9,10 +9,8 @@ use std::sync::Arc;
 use chrono::Utc;
 use hearth_api::{EventType, Kind, Object, SnapshotPhase, SnapshotStatus};
 
-use super::{
-    CutContext, Prepared, deadline_of, event_subject, frozen_on, live_of, request_of, target_of,
-    vm_event,
-};
+use super::cut::{CutContext, Prepared, frozen_on, live_of};
+use super::target::{deadline_of, event_subject, request_of, target_of, vm_event};
 use crate::context::Context;
 use crate::snapshot::coordinator::{
     Command, Coordinator, CutId, Durable, Millis, Outcome, Request,
