@@ -7,16 +7,23 @@ use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use hearth_qemu::agent::FreezeStatus;
+use hearth_qemu::agent::{AgentError, FreezeStatus};
 use hearth_qemu::qmp::QmpError;
 use hearth_qemu::seam::{GuestAgent, Monitor};
 use serde_json::Value;
 use tokio::sync::{Mutex, mpsc};
 use tokio::time::Instant;
 
-use super::{GATHER, MAX_GATHER, Msg, with_agent};
 use crate::snapshot::coordinator::{AgentFault, Coordinator, Input, TxResult};
 use crate::snapshot::overlays::Graph;
+use crate::snapshot::registry::Msg;
+
+/// While a burst is under way (requests came during a cut), quiet time
+/// that ends the gathering of its stragglers for the next cut...
+pub(super) const GATHER: Duration = Duration::from_millis(50);
+/// ...and the longest they wait for company. A request that finds the
+/// actor idle waits for nobody.
+pub(super) const MAX_GATHER: Duration = Duration::from_millis(300);
 
 /// Gathers the stragglers of a burst into the coming cut: every request
 /// that comes within [`GATHER`] of the one before, for at most
@@ -136,5 +143,46 @@ pub(super) async fn observe<M: Monitor>(
         (true, false) => Some(true),
         (false, true) => Some(false),
         _ => None,
+    }
+}
+
+fn fault(e: AgentError) -> AgentFault {
+    if e.is_disabled_while_frozen() {
+        return AgentFault::DisabledWhileFrozen;
+    }
+    match e {
+        AgentError::Timeout { .. } => AgentFault::Timeout,
+        AgentError::Disconnected | AgentError::Connect { .. } | AgentError::Io(_) => {
+            AgentFault::Disconnected
+        }
+        other => AgentFault::Error(other.to_string()),
+    }
+}
+
+/// Runs `f` on the VM's agent connection within `timeout`, waiting for the
+/// connection to come up if it is not there yet.
+pub(super) async fn with_agent<A: GuestAgent, T>(
+    agent: &tokio::sync::Mutex<Option<A>>,
+    timeout: Duration,
+    f: impl AsyncFnOnce(&mut A, Duration) -> Result<T, AgentError>,
+) -> Result<T, AgentFault> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            return Err(AgentFault::Timeout);
+        }
+        let mut guard = match tokio::time::timeout(left, agent.lock()).await {
+            Ok(g) => g,
+            Err(_) => return Err(AgentFault::Timeout),
+        };
+        if let Some(client) = guard.as_mut() {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            return f(client, left.max(Duration::from_millis(1)))
+                .await
+                .map_err(fault);
+        }
+        drop(guard);
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }

@@ -13,8 +13,10 @@ use serde_json::{Value, json};
 use tokio::sync::{Mutex, mpsc};
 use tokio::time::Instant;
 
+use super::cut::add_overlay_node;
+use super::steps::{GATHER, MAX_GATHER};
 use super::*;
-use crate::snapshot::coordinator::{Command, Coordinator, Input, Outcome, Request};
+use crate::snapshot::coordinator::{Access, Command, Coordinator, Input, Outcome, Request};
 
 /// Prints a test's wall time when it ends (run with `--nocapture`).
 struct Timed(&'static str, std::time::Instant);
