@@ -986,7 +986,14 @@ fn a_download_stops_at_the_free_space_reserve_leaves_nothing_and_waits_for_room(
         |v| v["status"]["phase"] == "Failed" && v["status"]["attempts"] == 2,
     );
     assert_eq!(v["status"]["reason"], "NoSpace", "{v:#}");
-    assert!(fs.available() >= reserve, "{}", fs.available());
+    // The next attempt may already be filling the room again (the backoff
+    // is 2 s): the floor is the reserve, less the database's few writes,
+    // as above.
+    assert!(
+        fs.available() >= reserve - 8 * MIB,
+        "the filesystem has {} bytes free, below the {reserve} reserve",
+        fs.available()
+    );
     let files = store_files(&d);
     assert_eq!(files.len(), 1, "only the small image: {files:?}");
     delete_and_wait(&d, "virtualimages", "endless");
