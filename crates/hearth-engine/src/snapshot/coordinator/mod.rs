@@ -25,10 +25,6 @@
 
 use std::collections::BTreeSet;
 
-pub type CutId = u64;
-/// Milliseconds on a monotonic clock.
-pub type Millis = u64;
-
 /// Budget for the QMP transaction; it is only started if it can finish
 /// before the deadline, so the guest is never frozen past the deadline.
 pub const TRANSACTION_BUDGET_MS: Millis = 2_000;

@@ -3,7 +3,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{CutId, Millis};
+pub type CutId = u64;
+/// Milliseconds on a monotonic clock.
+pub type Millis = u64;
 
 /// One disk snapshot to take.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
