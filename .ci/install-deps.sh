@@ -51,6 +51,9 @@ BASE_PKGS=(
     # and strip; scripts/check-package builds its root with mmdebstrap
     # (above) and enters it with chroot and mountpoint.
     dpkg-dev binutils util-linux tar
+    # OCI images (docs/images.md): the tests build image layouts with umoci
+    # and read them back with skopeo.
+    umoci skopeo
 )
 
 BPO_SOURCES=/etc/apt/sources.list.d/hearth-backports.sources

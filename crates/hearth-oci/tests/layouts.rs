@@ -1,0 +1,270 @@
+//! Image layouts written by real tools (umoci, skopeo), read by hearth:
+//! the image chosen, every blob verified into the store, the shape told
+//! from the content, and the disk of a containerDisk copied out whole.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use hearth_oci::blobs::BlobStore;
+use hearth_oci::layout::{Layout, REF_NAME};
+use hearth_oci::shape::{self, Shape};
+use hearth_oci::{Digest, OciError};
+
+fn run(program: &str, args: &[&str]) -> String {
+    let out = Command::new(program).args(args).output().unwrap_or_else(|e| {
+        panic!("{program}: {e}; install it with `apt-get install -y {program}` (.ci/install-deps.sh does)")
+    });
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
+
+/// An image `tag` in the layout at `layout` (made if needed) whose one
+/// layer holds what `fill` puts into the root.
+fn umoci_image(layout: &Path, tag: &str, fill: impl FnOnce(&Path)) {
+    if !layout.join("oci-layout").exists() {
+        run("umoci", &["init", "--layout", path(layout)]);
+    }
+    let image = format!("{}:{tag}", path(layout));
+    run("umoci", &["new", "--image", &image]);
+    let bundle = layout.with_extension(format!("bundle-{tag}"));
+    run("umoci", &["unpack", "--image", &image, path(&bundle)]);
+    fill(&bundle.join("rootfs"));
+    run("umoci", &["repack", "--image", &image, path(&bundle)]);
+    fs::remove_dir_all(&bundle).unwrap();
+}
+
+/// The manifest digest skopeo reads for `oci:LAYOUT:TAG`.
+fn skopeo_digest(layout: &Path, tag: &str) -> String {
+    let raw = run(
+        "skopeo",
+        &["inspect", "--raw", &format!("oci:{}:{tag}", path(layout))],
+    );
+    let out = Command::new("sha256sum")
+        .arg("-")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .and_then(|mut c| {
+            use std::io::Write;
+            c.stdin.take().unwrap().write_all(raw.as_bytes())?;
+            c.wait_with_output()
+        })
+        .expect("sha256sum");
+    let hex = String::from_utf8_lossy(&out.stdout);
+    format!("sha256:{}", hex.split_whitespace().next().unwrap())
+}
+
+fn sha256sum(file: &Path) -> String {
+    let out = run("sha256sum", &[path(file)]);
+    out.split_whitespace().next().unwrap().to_string()
+}
+
+fn rootfs(root: &Path) {
+    fs::create_dir_all(root.join("bin")).unwrap();
+    fs::write(root.join("bin/hello"), b"#!/bin/sh\necho hello\n").unwrap();
+    fs::create_dir_all(root.join("etc")).unwrap();
+    fs::write(root.join("etc/hostname"), b"box\n").unwrap();
+}
+
+fn disk_file(dir: &Path) -> PathBuf {
+    let f = dir.join("src.qcow2");
+    run(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", path(&f), "64M"],
+    );
+    f
+}
+
+#[test]
+fn a_umoci_rootfs_is_chosen_by_tag_verified_into_the_store_and_read_as_a_rootfs() {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("layout");
+    umoci_image(&layout, "base", rootfs);
+    umoci_image(&layout, "other", |r| fs::write(r.join("x"), b"x").unwrap());
+
+    let l = Layout::open(&layout).unwrap();
+    let mut tags = l.tags();
+    tags.sort();
+    assert_eq!(tags, ["base", "other"]);
+    let e = l.image(None).unwrap_err();
+    assert!(matches!(e, OciError::TagNeeded { count: 2, .. }), "{e}");
+    let e = l.image(Some("nope")).unwrap_err();
+    assert!(e.to_string().contains("no image tagged \"nope\""), "{e}");
+
+    let image = l.image(Some("base")).unwrap();
+    // skopeo, reading the same layout, names the same manifest.
+    assert_eq!(image.digest.to_string(), skopeo_digest(&layout, "base"));
+    assert_eq!(image.layers().len(), 1);
+
+    let store = BlobStore::open(dir.path().join("store")).unwrap();
+    let copied = l.copy_into(&image, &store, |_| {}).unwrap();
+    assert!(copied >= image.layer_bytes(), "{copied}");
+    // Every stored file hashes, by sha256sum, to its own name, and the
+    // manifest, config and layer are all there.
+    let mut names = Vec::new();
+    for entry in fs::read_dir(store.root().join("sha256")).unwrap() {
+        let p = entry.unwrap().path();
+        let name = p.file_name().unwrap().to_str().unwrap().to_string();
+        assert_eq!(sha256sum(&p), name);
+        names.push(name);
+    }
+    for d in [
+        image.digest.clone(),
+        image.manifest.config().digest().clone(),
+    ]
+    .iter()
+    .chain(image.layers().iter().map(|l| l.digest()))
+    {
+        assert!(
+            names.iter().any(|n| d.to_string() == format!("sha256:{n}")),
+            "{d}"
+        );
+    }
+    // Copied once: a second copy of the same image copies nothing.
+    assert_eq!(l.copy_into(&image, &store, |_| {}).unwrap(), 0);
+
+    let layers = image
+        .layers()
+        .iter()
+        .map(|d| (d.clone(), store.open_blob(d.digest()).unwrap()));
+    assert_eq!(shape::detect(layers, 1 << 30).unwrap(), Shape::Rootfs);
+}
+
+#[test]
+fn a_container_disk_is_told_by_its_content_and_its_disk_copied_out_byte_for_byte() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = disk_file(dir.path());
+    let layout = dir.path().join("layout");
+    umoci_image(&layout, "disk", |r| {
+        fs::create_dir_all(r.join("disk")).unwrap();
+        fs::copy(&src, r.join("disk/disk.qcow2")).unwrap();
+    });
+    let l = Layout::open(&layout).unwrap();
+    let image = l.image(Some("disk")).unwrap();
+    let store = BlobStore::open(dir.path().join("store")).unwrap();
+    l.copy_into(&image, &store, |_| {}).unwrap();
+    let layers = image
+        .layers()
+        .iter()
+        .map(|d| (d.clone(), store.open_blob(d.digest()).unwrap()));
+    let s = shape::detect(layers, 1 << 30).unwrap();
+    let Shape::ContainerDisk {
+        path: at,
+        size,
+        at: source,
+    } = s
+    else {
+        panic!("{s:?}");
+    };
+    assert_eq!(at, "disk/disk.qcow2");
+    assert_eq!(size, fs::metadata(&src).unwrap().len());
+    let layer = &image.layers()[source.layer];
+    let out = dir.path().join("out.qcow2");
+    let mut f = fs::File::create(&out).unwrap();
+    shape::copy_file(
+        layer,
+        store.open_blob(layer.digest()).unwrap(),
+        &source,
+        1 << 30,
+        &mut f,
+    )
+    .unwrap();
+    drop(f);
+    assert_eq!(sha256sum(&out), sha256sum(&src));
+    // qemu-img reads what came out as the image that went in.
+    let info = run("qemu-img", &["info", "--output=json", path(&out)]);
+    assert!(
+        info.contains("\"format\": \"qcow2\"") && info.contains("67108864"),
+        "{info}"
+    );
+}
+
+#[test]
+fn an_index_resolves_to_linux_amd64_and_a_tampered_blob_is_refused_by_digest() {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("layout");
+    umoci_image(&layout, "base", rootfs);
+    let l = Layout::open(&layout).unwrap();
+    let amd64 = l.image(Some("base")).unwrap();
+    let manifest_size = amd64
+        .documents
+        .iter()
+        .find(|(d, _)| *d.digest() == amd64.digest)
+        .unwrap()
+        .1
+        .len();
+
+    // An index (as a registry serves a multi-platform image) with an arm64
+    // image first, written into the layout under the tag "multi".
+    let index = serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [
+            {"mediaType": "application/vnd.oci.image.manifest.v1+json",
+             "digest": format!("sha256:{}", "a".repeat(64)), "size": 500,
+             "platform": {"os": "linux", "architecture": "arm64", "variant": "v8"}},
+            {"mediaType": "application/vnd.oci.image.manifest.v1+json",
+             "digest": amd64.digest.to_string(), "size": manifest_size,
+             "platform": {"os": "linux", "architecture": "amd64"}},
+        ],
+    });
+    let bytes = serde_json::to_vec(&index).unwrap();
+    let blob = dir.path().join("index-blob");
+    fs::write(&blob, &bytes).unwrap();
+    let hex = sha256sum(&blob);
+    fs::rename(&blob, layout.join("blobs/sha256").join(&hex)).unwrap();
+    let mut top: serde_json::Value =
+        serde_json::from_slice(&fs::read(layout.join("index.json")).unwrap()).unwrap();
+    top["manifests"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({
+            "mediaType": "application/vnd.oci.image.index.v1+json",
+            "digest": format!("sha256:{hex}"), "size": bytes.len(),
+            "annotations": {REF_NAME: "multi"},
+        }));
+    fs::write(layout.join("index.json"), serde_json::to_vec(&top).unwrap()).unwrap();
+
+    let l = Layout::open(&layout).unwrap();
+    let multi = l.image(Some("multi")).unwrap();
+    assert_eq!(multi.digest, amd64.digest);
+    assert_eq!(multi.documents.len(), 3, "index, manifest, config");
+
+    // One byte of the layer changed: refused by its digest, nothing stored.
+    let layer = multi.layers()[0].digest().clone();
+    let on_disk = layout.join("blobs/sha256").join(layer.digest());
+    let mut b = fs::read(&on_disk).unwrap();
+    let last = b.len() - 1;
+    b[last] ^= 0xff;
+    fs::write(&on_disk, &b).unwrap();
+    let store = BlobStore::open(dir.path().join("store")).unwrap();
+    let e = l.copy_into(&multi, &store, |_| {}).unwrap_err();
+    assert!(
+        matches!(&e, OciError::DigestMismatch { expected, .. } if *expected == layer.to_string()),
+        "{e}"
+    );
+    assert!(!store.contains(&layer));
+    assert_eq!(fs::read_dir(store.root().join("tmp")).unwrap().count(), 0);
+
+    // A blob that is a link (here: to a file outside the layout) is not read.
+    fs::remove_file(&on_disk).unwrap();
+    std::os::unix::fs::symlink("/etc/hostname", &on_disk).unwrap();
+    let e = l.copy_into(&multi, &store, |_| {}).unwrap_err();
+    assert!(matches!(e, OciError::NotAFile { .. }), "{e}");
+    let d: Digest = layer;
+    fs::remove_file(&on_disk).unwrap();
+    let e = l.copy_into(&multi, &store, |_| {}).unwrap_err();
+    assert!(
+        e.to_string().contains(&format!("blob {d} is missing")),
+        "{e}"
+    );
+}
