@@ -69,6 +69,9 @@ pub enum OciError {
     NestedTooDeep { digest: String },
     #[error("layer {digest}: {message}")]
     Layer { digest: String, message: String },
+    /// The root filesystem could not be finished (after every layer).
+    #[error("building the root filesystem: {0}")]
+    Build(String),
 }
 
 fn list(items: &[String]) -> String {

@@ -8,10 +8,12 @@
 
 pub mod blobs;
 mod error;
+pub mod ext4;
 pub mod layers;
 pub mod layout;
 pub mod select;
 pub mod shape;
+pub mod unpack;
 
 pub use error::OciError;
 pub use oci_spec::image::{Descriptor, Digest, ImageConfiguration, ImageIndex, ImageManifest};
