@@ -96,6 +96,51 @@ impl BlobStore {
         Ok(n)
     }
 
+    /// Copies `from`, of a digest not known before (a layer of a Docker
+    /// archive, named by its path), into the store under the digest its
+    /// bytes hash to. At most `limit` bytes. Returns the digest and size.
+    pub fn put_hashed(&self, from: &mut impl Read, limit: u64) -> Result<(Digest, u64), OciError> {
+        let (tmp, mut file) = tempfile_in(&self.root.join("tmp"))?;
+        let guard = Removes(tmp.clone());
+        let mut hasher = Sha256::new();
+        let mut buf = vec![0u8; 256 << 10];
+        let mut n = 0u64;
+        loop {
+            let got = match from.read(&mut buf) {
+                Ok(0) => break,
+                Ok(got) => got,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(OciError::io("reading a blob for", &tmp, e)),
+            };
+            n += got as u64;
+            if n > limit {
+                return Err(OciError::TooLarge {
+                    what: "blob",
+                    name: "(not yet hashed)".into(),
+                    size: n,
+                    limit,
+                });
+            }
+            hasher.update(&buf[..got]);
+            file.write_all(&buf[..got])
+                .map_err(|e| OciError::io("writing", &tmp, e))?;
+        }
+        let digest: Digest = format!("sha256:{:x}", hasher.finalize())
+            .parse()
+            .expect("a sha256 digest");
+        if !self.contains(&digest) {
+            file.sync_all()
+                .map_err(|e| OciError::io("flushing", &tmp, e))?;
+            let target = self.path(&digest)?;
+            fs::rename(&tmp, &target).map_err(|e| OciError::io("naming the blob", &target, e))?;
+            File::open(self.root.join("sha256"))
+                .and_then(|d| d.sync_all())
+                .map_err(|e| OciError::io("flushing", self.root.join("sha256"), e))?;
+        }
+        drop(guard);
+        Ok((digest, n))
+    }
+
     /// Opens a stored blob for reading.
     pub fn open_blob(&self, digest: &Digest) -> Result<File, OciError> {
         let path = self.path(digest)?;
@@ -110,14 +155,15 @@ impl BlobStore {
         limit: u64,
     ) -> Result<Vec<u8>, OciError> {
         let file = self.open_blob(digest)?;
-        read_bounded(what, digest, file, limit)
+        read_bounded(what, digest.as_ref(), file, limit)
     }
 }
 
 /// Reads `from` whole, refusing more than `limit` bytes.
+/// `name` says which (a digest, or where in an archive) in errors.
 pub(crate) fn read_bounded(
     what: &'static str,
-    digest: &Digest,
+    name: &str,
     from: impl Read,
     limit: u64,
 ) -> Result<Vec<u8>, OciError> {
@@ -125,13 +171,13 @@ pub(crate) fn read_bounded(
     from.take(limit + 1)
         .read_to_end(&mut buf)
         .map_err(|e| OciError::Layer {
-            digest: digest.to_string(),
+            digest: name.to_string(),
             message: format!("reading the {what}: {e}"),
         })?;
     if buf.len() as u64 > limit {
         return Err(OciError::TooLarge {
             what,
-            digest: digest.to_string(),
+            name: name.to_string(),
             size: buf.len() as u64,
             limit,
         });
@@ -232,6 +278,15 @@ impl Drop for BlobWriter {
         if self.file.is_some() {
             let _ = fs::remove_file(&self.tmp);
         }
+    }
+}
+
+/// Removes a temporary file when dropped (it is gone already once renamed).
+struct Removes(PathBuf);
+
+impl Drop for Removes {
+    fn drop(&mut self) {
+        let _ = fs::remove_file(&self.0);
     }
 }
 

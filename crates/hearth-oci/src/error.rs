@@ -22,10 +22,10 @@ pub enum OciError {
         expected: u64,
         actual: u64,
     },
-    #[error("{what} {digest} is {size} bytes, more than the limit of {limit}")]
+    #[error("{what} {name} is {size} bytes, more than the limit of {limit}")]
     TooLarge {
         what: &'static str,
-        digest: String,
+        name: String,
         size: u64,
         limit: u64,
     },

@@ -186,7 +186,7 @@ impl Layout {
         what: &'static str,
     ) -> Result<Vec<u8>, OciError> {
         let file = self.open_blob(d.digest())?;
-        let bytes = read_bounded(what, d.digest(), file, limit)?;
+        let bytes = read_bounded(what, d.digest().as_ref(), file, limit)?;
         verify(d, &bytes)?;
         Ok(bytes)
     }

@@ -6,6 +6,7 @@
 //! The registry protocol and the engine's import live elsewhere; this crate
 //! does blocking file I/O only, so the engine runs it on its blocking pool.
 
+pub mod archive;
 pub mod blobs;
 mod error;
 pub mod ext4;

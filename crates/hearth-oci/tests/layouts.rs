@@ -44,23 +44,7 @@ fn umoci_image(layout: &Path, tag: &str, fill: impl FnOnce(&Path)) {
 
 /// The manifest digest skopeo reads for `oci:LAYOUT:TAG`.
 fn skopeo_digest(layout: &Path, tag: &str) -> String {
-    let raw = run(
-        "skopeo",
-        &["inspect", "--raw", &format!("oci:{}:{tag}", path(layout))],
-    );
-    let out = Command::new("sha256sum")
-        .arg("-")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .and_then(|mut c| {
-            use std::io::Write;
-            c.stdin.take().unwrap().write_all(raw.as_bytes())?;
-            c.wait_with_output()
-        })
-        .expect("sha256sum");
-    let hex = String::from_utf8_lossy(&out.stdout);
-    format!("sha256:{}", hex.split_whitespace().next().unwrap())
+    skopeo_digest_of(&format!("oci:{}:{tag}", path(layout)))
 }
 
 fn sha256sum(file: &Path) -> String {
@@ -267,4 +251,88 @@ fn an_index_resolves_to_linux_amd64_and_a_tampered_blob_is_refused_by_digest() {
         e.to_string().contains(&format!("blob {d} is missing")),
         "{e}"
     );
+}
+
+#[test]
+fn archives_that_skopeo_writes_in_both_formats_give_the_image_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("layout");
+    umoci_image(&layout, "base", rootfs);
+    let original = Layout::open(&layout).unwrap().image(Some("base")).unwrap();
+    let oci_tar = dir.path().join("oci.tar");
+    let docker_tar = dir.path().join("docker.tar");
+    let from = format!("oci:{}:base", path(&layout));
+    run(
+        "skopeo",
+        &[
+            "copy",
+            "-q",
+            &from,
+            &format!("oci-archive:{}:base", path(&oci_tar)),
+        ],
+    );
+    run(
+        "skopeo",
+        &[
+            "copy",
+            "-q",
+            &from,
+            &format!("docker-archive:{}:hearth/box:1", path(&docker_tar)),
+        ],
+    );
+
+    let store = BlobStore::open(dir.path().join("store")).unwrap();
+    // An OCI archive: the same manifest, by skopeo's own reading of it.
+    let oci = hearth_oci::archive::import(&oci_tar, &store, Some("base"), 1 << 30).unwrap();
+    assert_eq!(
+        oci.digest.to_string(),
+        skopeo_digest_of(&format!("oci-archive:{}:base", path(&oci_tar)))
+    );
+    assert_eq!(oci.digest, original.digest);
+
+    // A Docker archive: no manifest in it; the layers hearth stored are the
+    // uncompressed layers the image's own config lists as its diff_ids.
+    let docker =
+        hearth_oci::archive::import(&docker_tar, &store, Some("hearth/box:1"), 1 << 30).unwrap();
+    let diff_ids: Vec<String> = docker
+        .config
+        .rootfs()
+        .diff_ids()
+        .iter()
+        .map(|d| d.to_string())
+        .collect();
+    let layers: Vec<String> = docker
+        .layers()
+        .iter()
+        .map(|l| l.digest().to_string())
+        .collect();
+    assert_eq!(layers, diff_ids);
+    for l in docker.layers() {
+        assert_eq!(
+            format!("sha256:{}", sha256sum(&store.path(l.digest()).unwrap())),
+            l.digest().to_string()
+        );
+    }
+    assert_eq!(
+        docker.manifest.config().digest(),
+        original.manifest.config().digest()
+    );
+    let blobs = docker
+        .layers()
+        .iter()
+        .map(|d| (d.clone(), store.open_blob(d.digest()).unwrap()));
+    assert_eq!(shape::detect(blobs, 1 << 30).unwrap(), Shape::Rootfs);
+    // By the tag alone too; a tag it does not have is named with those it has.
+    assert!(hearth_oci::archive::import(&docker_tar, &store, Some("1"), 1 << 30).is_ok());
+    let e = hearth_oci::archive::import(&docker_tar, &store, Some("2"), 1 << 30).unwrap_err();
+    assert!(e.to_string().contains("docker.io/hearth/box:1"), "{e}");
+    assert_eq!(fs::read_dir(store.root().join("tmp")).unwrap().count(), 0);
+}
+
+/// The digest of the manifest skopeo reads at `transport:ref`.
+fn skopeo_digest_of(reference: &str) -> String {
+    let raw = run("skopeo", &["inspect", "--raw", reference]);
+    let file = tempfile::NamedTempFile::new().unwrap();
+    fs::write(file.path(), raw.as_bytes()).unwrap();
+    format!("sha256:{}", sha256sum(file.path()))
 }
