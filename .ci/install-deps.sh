@@ -52,8 +52,10 @@ BASE_PKGS=(
     # (above) and enters it with chroot and mountpoint.
     dpkg-dev binutils util-linux tar
     # OCI images (docs/images.md): the tests build image layouts with umoci
-    # and read them back with skopeo.
-    umoci skopeo
+    # and read them back with skopeo; the registry tests run Debian's
+    # docker-registry with an htpasswd file from apache2-utils and a CA made
+    # by openssl.
+    umoci skopeo docker-registry apache2-utils openssl
 )
 
 BPO_SOURCES=/etc/apt/sources.list.d/hearth-backports.sources

@@ -69,6 +69,12 @@ pub enum OciError {
     NestedTooDeep { digest: String },
     #[error("layer {digest}: {message}")]
     Layer { digest: String, message: String },
+    /// The registry could not be reached, or answered wrongly.
+    #[error("{reference}: {message}")]
+    Registry { reference: String, message: String },
+    /// The registry refused the credentials (or their absence).
+    #[error("{reference}: the registry refused access: {message}")]
+    Denied { reference: String, message: String },
     /// The root filesystem could not be finished (after every layer).
     #[error("building the root filesystem: {0}")]
     Build(String),

@@ -9,15 +9,12 @@
 use std::fs::{self, File};
 use std::path::{Path, PathBuf};
 
-use oci_spec::image::{
-    Arch, Descriptor, Digest, ImageConfiguration, ImageIndex, ImageManifest, Os,
-};
+use oci_spec::image::{Descriptor, Digest, ImageConfiguration, ImageIndex, ImageManifest};
 use sha2::{Digest as _, Sha256};
 
 use crate::blobs::{BlobStore, read_bounded, sha256_hex};
-use crate::layers::Compression;
-use crate::select::{self, Points};
-use crate::{MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES, OciError};
+pub use crate::resolve::{Need, Resolver};
+use crate::{MAX_MANIFEST_BYTES, OciError};
 
 /// The annotation that names an image of a layout (its tag).
 pub const REF_NAME: &str = "org.opencontainers.image.ref.name";
@@ -186,9 +183,7 @@ impl Layout {
         what: &'static str,
     ) -> Result<Vec<u8>, OciError> {
         let file = self.open_blob(d.digest())?;
-        let bytes = read_bounded(what, d.digest().as_ref(), file, limit)?;
-        verify(d, &bytes)?;
-        Ok(bytes)
+        read_bounded(what, d.digest().as_ref(), file, limit)
     }
 }
 
@@ -211,68 +206,26 @@ pub fn verify(d: &Descriptor, bytes: &[u8]) -> Result<(), OciError> {
     Ok(())
 }
 
-/// Follows `top` (a manifest, or an index with at most one more index
-/// inside) to the linux/amd64 image, reading each document with `read`,
-/// which verifies it. Shared by every source: a layout, an archive, a
-/// registry.
+/// Follows `top` to the linux/amd64 image, reading each document with
+/// `read` (which bounds it by the limit given); [`Resolver`] verifies it.
+/// The blocking sources (a layout, an archive) use this; a registry drives
+/// the [`Resolver`] itself.
 pub fn resolve(
     top: Descriptor,
     mut read: impl FnMut(&Descriptor, u64, &'static str) -> Result<Vec<u8>, OciError>,
 ) -> Result<Image, OciError> {
-    let mut documents = Vec::new();
-    let mut at = top;
-    let mut depth = 0;
-    let manifest = loop {
-        match select::points_at(at.media_type()) {
-            Some(Points::Manifest) => {
-                let bytes = read(&at, MAX_MANIFEST_BYTES, "manifest")?;
-                let m = select::parse_manifest(at.digest(), &bytes)?;
-                documents.push((at.clone(), bytes));
-                break m;
+    let mut r = Resolver::new(top);
+    loop {
+        match r.need()? {
+            Need::Read {
+                descriptor,
+                limit,
+                what,
+            } => {
+                let bytes = read(&descriptor, limit, what)?;
+                r.feed(bytes)?;
             }
-            Some(Points::Index) if depth < 2 => {
-                let bytes = read(&at, MAX_MANIFEST_BYTES, "index")?;
-                let index = select::parse_index(at.digest(), &bytes)?;
-                let next = select::linux_amd64(at.digest(), &index)?.clone();
-                documents.push((at.clone(), bytes));
-                at = next;
-                depth += 1;
-            }
-            Some(Points::Index) => {
-                return Err(OciError::NestedTooDeep {
-                    digest: at.digest().to_string(),
-                });
-            }
-            None => {
-                return Err(OciError::MediaType {
-                    digest: at.digest().to_string(),
-                    media_type: at.media_type().to_string(),
-                    wanted: "an image manifest or index",
-                });
-            }
+            Need::Nothing(image) => return Ok(*image),
         }
-    };
-    for layer in manifest.layers() {
-        Compression::of(layer)?;
     }
-    let config_d = manifest.config().clone();
-    let bytes = read(&config_d, MAX_CONFIG_BYTES, "image configuration")?;
-    let config = ImageConfiguration::from_reader(bytes.as_slice()).map_err(|e| OciError::Json {
-        what: "image configuration",
-        digest: config_d.digest().to_string(),
-        message: e.to_string(),
-    })?;
-    if *config.os() != Os::Linux || *config.architecture() != Arch::Amd64 {
-        return Err(OciError::NoPlatform {
-            digest: at.digest().to_string(),
-            have: vec![format!("{}/{}", config.os(), config.architecture())],
-        });
-    }
-    documents.push((config_d, bytes));
-    Ok(Image {
-        digest: at.digest().clone(),
-        manifest,
-        config,
-        documents,
-    })
 }

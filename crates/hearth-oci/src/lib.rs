@@ -12,6 +12,8 @@ mod error;
 pub mod ext4;
 pub mod layers;
 pub mod layout;
+pub mod registry;
+pub mod resolve;
 pub mod select;
 pub mod shape;
 pub mod unpack;
