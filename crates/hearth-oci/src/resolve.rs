@@ -241,7 +241,7 @@ mod tests {
         let m = manifest(&c);
         // The config the manifest names is not there: the walk gets
         // nothing for it, which does not hash to its digest.
-        let (image, asked) = walk(descriptor(MANIFEST, &m), &[m.clone()]);
+        let (image, asked) = walk(descriptor(MANIFEST, &m), std::slice::from_ref(&m));
         assert_eq!(asked, ["manifest", "image configuration"]);
         assert!(
             matches!(image, Err(OciError::SizeMismatch { .. })),
