@@ -670,6 +670,70 @@ pub enum ImageSource {
     File(PathBuf),
     /// Downloaded, and verified against `sha256` before it is used.
     Http(HttpSource),
+    /// An OCI image: from a registry, an image layout or an archive.
+    Oci(OciSource),
+}
+
+/// Where an OCI image comes from (exactly one of `reference`, `layout`,
+/// `archive`) and how to read it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OciSource {
+    /// `HOST[:PORT]/REPO:TAG` or `HOST[:PORT]/REPO@sha256:HEX`, pulled from
+    /// that registry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
+    /// An OCI image layout directory on the host (what `skopeo copy oci:`
+    /// writes), under an image root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub layout: Option<PathBuf>,
+    /// The image of the layout or archive to take, by tag; may be left out
+    /// when it holds one image.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// An image archive on the host (`docker save`, `podman save`, `skopeo
+    /// copy docker-archive:` or `oci-archive:`), under an image root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub archive: Option<PathBuf>,
+    /// `rootfs` or `containerDisk`; told from the content when left out.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<OciShape>,
+    /// A PEM file of the CA certificates the registry's certificate
+    /// chains to (added to the system's roots).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub ca_file: Option<PathBuf>,
+    /// A JSON file `{"username": .., "password": ..}` hearthd reads for the
+    /// registry (basic auth, or the credentials a token realm takes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub credentials_file: Option<PathBuf>,
+    /// Plain http to the registry. Only when set.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub insecure: bool,
+}
+
+/// What an OCI image holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub enum OciShape {
+    /// A container filesystem, made into an ext4 disk image.
+    Rootfs,
+    /// One qcow2 or raw file under `/disk/` (KubeVirt's convention).
+    ContainerDisk,
+}
+
+impl fmt::Display for OciShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OciShape::Rootfs => "rootfs",
+            OciShape::ContainerDisk => "containerDisk",
+        })
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -723,9 +787,17 @@ pub struct VirtualImageStatus {
     /// The disk size the image describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub virtual_size: Option<u64>,
-    /// `sha256:<hex>` of the stored file; the store is addressed by it.
+    /// `sha256:<hex>` of the stored file, by which the store is addressed;
+    /// for an OCI image, the digest of the manifest pulled (so a tag such as
+    /// `:latest` says which image it was).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub digest: Option<String>,
+    /// An OCI image's shape: `rootfs` or `containerDisk`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shape: Option<String>,
+    /// An OCI image's layer count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
     pub path: Option<PathBuf>,

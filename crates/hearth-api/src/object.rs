@@ -10,8 +10,9 @@ use serde_json::Value;
 use crate::kinds::{
     CloudInit, DiskSource, ImageSource, Kind, MAX_CLOUD_INIT_TEXT, MAX_DISK_BYTES,
     MAX_FREEZE_DEADLINE_SECONDS, MAX_INTERFACES, MIN_DISK_BYTES, MIN_FREEZE_DEADLINE_SECONDS,
-    NetworkInterface, NetworkMode, VirtualDisk, VirtualDiskSnapshot, VirtualImage, VirtualMachine,
-    VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualNetwork, VirtualNetworkSpec,
+    NetworkInterface, NetworkMode, OciSource, VirtualDisk, VirtualDiskSnapshot, VirtualImage,
+    VirtualMachine, VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualNetwork,
+    VirtualNetworkSpec,
 };
 use crate::limits::{self, LimitError, MAX_APPLY_OBJECTS};
 use crate::meta::API_VERSION;
@@ -353,6 +354,7 @@ impl Object {
                         check_http_url(&h.url).map_err(|m| err("spec.source.http.url", m))?;
                         check_sha256(&h.sha256).map_err(|m| err("spec.source.http.sha256", m))?;
                     }
+                    ImageSource::Oci(o) => check_oci(o).map_err(|(f, m)| err(f, m))?,
                 }
             }
             Object::VirtualNetwork(n) => {
@@ -612,6 +614,95 @@ pub fn check_dns_label(name: &str) -> Result<(), String> {
         return Err(format!(
             "{name:?} is not a DNS label (lowercase letters, digits and '-', starting and ending with a letter or digit)"
         ));
+    }
+    Ok(())
+}
+
+fn check_oci(o: &OciSource) -> Result<(), (&'static str, String)> {
+    let given = [
+        o.reference.is_some(),
+        o.layout.is_some(),
+        o.archive.is_some(),
+    ];
+    if given.iter().filter(|g| **g).count() != 1 {
+        return Err((
+            "spec.source.oci",
+            "names exactly one of reference (a registry), layout (an OCI image layout directory) or archive (an image tar file)".into(),
+        ));
+    }
+    if let Some(r) = &o.reference {
+        check_oci_reference(r).map_err(|m| ("spec.source.oci.reference", m))?;
+        if o.tag.is_some() {
+            return Err((
+                "spec.source.oci.tag",
+                "is for a layout or an archive; a reference carries its own tag (HOST/REPO:TAG)"
+                    .into(),
+            ));
+        }
+    } else {
+        for (field, given) in [
+            ("spec.source.oci.caFile", o.ca_file.is_some()),
+            (
+                "spec.source.oci.credentialsFile",
+                o.credentials_file.is_some(),
+            ),
+            ("spec.source.oci.insecure", o.insecure),
+        ] {
+            if given {
+                return Err((
+                    field,
+                    "is for a registry (reference); a layout or archive is a local file".into(),
+                ));
+            }
+        }
+    }
+    if let Some(p) = &o.layout {
+        check_host_path(p).map_err(|m| ("spec.source.oci.layout", m))?;
+    }
+    if let Some(p) = &o.archive {
+        check_host_path(p).map_err(|m| ("spec.source.oci.archive", m))?;
+    }
+    if let Some(p) = &o.ca_file {
+        check_host_path(p).map_err(|m| ("spec.source.oci.caFile", m))?;
+    }
+    if let Some(p) = &o.credentials_file {
+        check_host_path(p).map_err(|m| ("spec.source.oci.credentialsFile", m))?;
+    }
+    if let Some(t) = &o.tag
+        && (t.is_empty() || t.len() > 128 || t.bytes().any(|b| b.is_ascii_control() || b == b' '))
+    {
+        return Err((
+            "spec.source.oci.tag",
+            format!("{t:?} is not a tag (1 to 128 printable characters)"),
+        ));
+    }
+    Ok(())
+}
+
+/// `HOST[:PORT]/REPO(:TAG|@sha256:HEX)`: the registry must be named (hearth
+/// has no default registry).
+fn check_oci_reference(r: &str) -> Result<(), String> {
+    if r.len() > 512 || r.bytes().any(|b| b.is_ascii_control() || b == b' ') {
+        return Err(format!("{r:?} is not an image reference"));
+    }
+    let Some((host, rest)) = r.split_once('/') else {
+        return Err(format!(
+            "{r:?} names no registry; write HOST[:PORT]/REPO:TAG, for example 127.0.0.1:5000/debian:12"
+        ));
+    };
+    if !(host.contains('.') || host.contains(':') || host == "localhost") {
+        return Err(format!(
+            "{r:?} names no registry ({host:?} is not a host); write HOST[:PORT]/REPO:TAG"
+        ));
+    }
+    if rest.is_empty() {
+        return Err(format!("{r:?} names no repository"));
+    }
+    if let Some((_, digest)) = rest.split_once('@') {
+        let hex = digest
+            .strip_prefix("sha256:")
+            .ok_or_else(|| format!("{r:?}: a pinned digest is sha256:<64 hex>"))?;
+        check_sha256(hex).map_err(|m| format!("{r:?}: the digest: {m}"))?;
     }
     Ok(())
 }

@@ -145,6 +145,15 @@ impl EngineConfig {
     /// Canonicalises a user-supplied host path and checks it lies inside an
     /// allowed root, so a manifest cannot hand QEMU an arbitrary host file.
     pub fn confine(&self, path: &Path) -> Result<PathBuf, ConfigError> {
+        self.confine_as(path, false)
+    }
+
+    /// As [`EngineConfig::confine`], for a directory (an OCI image layout).
+    pub fn confine_dir(&self, path: &Path) -> Result<PathBuf, ConfigError> {
+        self.confine_as(path, true)
+    }
+
+    fn confine_as(&self, path: &Path, dir: bool) -> Result<PathBuf, ConfigError> {
         let real = std::fs::canonicalize(path).map_err(|source| ConfigError::Unreadable {
             path: path.to_path_buf(),
             source,
@@ -153,7 +162,10 @@ impl EngineConfig {
             path: real.clone(),
             source,
         })?;
-        if !meta.is_file() {
+        if dir && !meta.is_dir() {
+            return Err(ConfigError::NotADirectory { path: real });
+        }
+        if !dir && !meta.is_file() {
             return Err(ConfigError::NotAFile { path: real });
         }
         for root in &self.image_roots {
@@ -186,6 +198,8 @@ pub enum ConfigError {
     },
     #[error("{} is not a regular file", path.display())]
     NotAFile { path: PathBuf },
+    #[error("{} is not a directory", path.display())]
+    NotADirectory { path: PathBuf },
     #[error(
         "{} is outside the allowed image roots ({roots}); start hearthd with --image-root DIR to allow another directory",
         path.display()

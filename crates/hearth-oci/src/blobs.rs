@@ -5,7 +5,7 @@
 //! the digest and size its descriptor names, flushed to disk, and only then
 //! renamed to its name (and the directory flushed). So a file under
 //! `sha256/` was whole and verified when it got its name; a crash leaves at
-//! most a file in `tmp/`, which [`BlobStore::open`] removes.
+//! most a file in `tmp/`, which [`BlobStore::sweep`] removes at start.
 
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
@@ -34,19 +34,28 @@ pub struct BlobStore {
 }
 
 impl BlobStore {
-    /// Opens (making it if needed) the store at `root`, and removes what
-    /// an interrupted write left in its `tmp/`.
+    /// Opens (making it if needed) the store at `root`. Several writers may
+    /// share it; each writes its own file in `tmp/`.
     pub fn open(root: impl Into<PathBuf>) -> Result<BlobStore, OciError> {
         let root = root.into();
         for dir in [root.join("sha256"), root.join("tmp")] {
             fs::create_dir_all(&dir).map_err(|e| OciError::io("making", &dir, e))?;
         }
-        let tmp = root.join("tmp");
-        let entries = fs::read_dir(&tmp).map_err(|e| OciError::io("reading", &tmp, e))?;
-        for entry in entries.flatten() {
-            let _ = fs::remove_file(entry.path());
-        }
         Ok(BlobStore { root })
+    }
+
+    /// Removes what interrupted writes left in `tmp/`: at start, before
+    /// any writer runs. Returns how many files went.
+    pub fn sweep(&self) -> Result<usize, OciError> {
+        let tmp = self.root.join("tmp");
+        let entries = fs::read_dir(&tmp).map_err(|e| OciError::io("reading", &tmp, e))?;
+        let mut n = 0;
+        for entry in entries.flatten() {
+            if fs::remove_file(entry.path()).is_ok() {
+                n += 1;
+            }
+        }
+        Ok(n)
     }
 
     pub fn root(&self) -> &Path {
@@ -392,14 +401,17 @@ mod tests {
     }
 
     #[test]
-    fn what_an_interrupted_write_left_is_removed_at_open() {
+    fn what_an_interrupted_write_left_is_removed_by_the_sweep_only() {
         let dir = tempfile::tempdir().unwrap();
         let store = BlobStore::open(dir.path()).unwrap();
         let w = store.writer(&digest_of(b"x"), 1).unwrap();
         // A crash: the writer never runs its drop.
         std::mem::forget(w);
         assert_eq!(tmp_files(&store), 1);
+        // Another writer opening the store leaves it be.
         BlobStore::open(dir.path()).unwrap();
+        assert_eq!(tmp_files(&store), 1);
+        assert_eq!(store.sweep().unwrap(), 1);
         assert_eq!(tmp_files(&store), 0);
     }
 }

@@ -89,7 +89,7 @@ fn list(items: &[String]) -> String {
 }
 
 impl OciError {
-    pub(crate) fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub fn io(what: &'static str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
         OciError::Io {
             what,
             path: path.into(),

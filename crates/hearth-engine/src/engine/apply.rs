@@ -336,14 +336,29 @@ impl Engine {
                         .map_err(|m| fail("spec.source.image", m))?;
                 }
             }
-            Object::VirtualImage(image) => {
-                if let hearth_api::ImageSource::File(p) = &image.spec.source {
+            Object::VirtualImage(image) => match &image.spec.source {
+                hearth_api::ImageSource::File(p) => {
                     self.ctx
                         .config
                         .confine(p)
                         .map_err(|m| fail("spec.source.file", m))?;
                 }
-            }
+                hearth_api::ImageSource::Oci(o) => {
+                    if let Some(p) = &o.layout {
+                        self.ctx
+                            .config
+                            .confine_dir(p)
+                            .map_err(|m| fail("spec.source.oci.layout", m))?;
+                    }
+                    if let Some(p) = &o.archive {
+                        self.ctx
+                            .config
+                            .confine(p)
+                            .map_err(|m| fail("spec.source.oci.archive", m))?;
+                    }
+                }
+                hearth_api::ImageSource::Http(_) => {}
+            },
             Object::VirtualDiskSnapshot(_)
             | Object::VirtualMachineSnapshot(_)
             | Object::VirtualMachineSnapshotGroup(_)

@@ -9,6 +9,7 @@
 
 pub mod import;
 pub mod names;
+pub mod oci;
 pub mod progress;
 pub mod registry;
 pub mod space;
@@ -130,6 +131,12 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
     let what = match &image.spec.source {
         ImageSource::Http(h) => format!("downloading {}", h.url),
         ImageSource::File(p) => format!("copying {}", p.display()),
+        ImageSource::Oci(o) => match (&o.reference, &o.layout, &o.archive) {
+            (Some(r), _, _) => format!("pulling {r}"),
+            (_, Some(p), _) => format!("reading the image layout {}", p.display()),
+            (_, _, Some(p)) => format!("reading the image archive {}", p.display()),
+            _ => "reading an OCI image".to_string(),
+        },
     };
     ctx.event(
         Kind::VirtualImage,
@@ -249,7 +256,14 @@ async fn run(
             s.bytes_per_second = Some(r.bytes_per_second);
         });
     };
+    let mut oci_done = None;
     let (mut tmp, fetched) = match &image.spec.source {
+        ImageSource::Oci(o) => {
+            let mut tmp = new_temp(ctx, &dir, name).await?;
+            let (fetched, done) = oci::fetch(ctx, o, &mut tmp, report).await?;
+            oci_done = Some(done);
+            (tmp, fetched)
+        }
         ImageSource::Http(h) => {
             let want = h.sha256.to_ascii_lowercase();
             if let Some((path, format)) = names::find_stored(&dir, &want)
@@ -288,7 +302,15 @@ async fn run(
     };
     tmp.finish().await?;
     let verified = import::verify(&tmp.path, fetched.bytes).await?;
-    commit(ctx, name, generation, &tmp, &fetched, &verified)
+    commit(
+        ctx,
+        name,
+        generation,
+        &tmp,
+        &fetched,
+        &verified,
+        oci_done.as_ref(),
+    )
 }
 
 async fn new_temp(ctx: &Context, dir: &Path, name: &str) -> Result<TempFile, Failure> {
@@ -364,6 +386,8 @@ fn ready(
     s.size = Some(size);
     s.virtual_size = Some(virtual_size);
     s.digest = Some(names::digest(hex));
+    s.shape = None;
+    s.layers = None;
     s.path = Some(path.to_path_buf());
     s.reason = None;
     s.message = None;
@@ -381,6 +405,7 @@ fn commit(
     tmp: &TempFile,
     fetched: &Fetched,
     verified: &import::Verified,
+    oci: Option<&oci::OciDone>,
 ) -> Result<Done, Failure> {
     let dir = ctx.config.images_dir();
     let path = names::stored_path(&dir, &fetched.hex, verified.format);
@@ -417,7 +442,13 @@ fn commit(
                     verified.virtual_size,
                     &path,
                     generation,
-                )
+                );
+                // An OCI image is named by the manifest it came from.
+                if let Some(o) = oci {
+                    s.digest = Some(o.digest.clone());
+                    s.shape = Some(o.shape.to_string());
+                    s.layers = Some(o.layers);
+                }
             })?;
             Ok(Ok(reused))
         })
@@ -548,7 +579,7 @@ fn release_file_tx(tx: &rusqlite::Transaction<'_>, path: &Path) -> Result<bool, 
         let spec_hex = match &o.object {
             Object::VirtualImage(i) => match &i.spec.source {
                 ImageSource::Http(h) => Some(h.sha256.to_ascii_lowercase()),
-                ImageSource::File(_) => None,
+                ImageSource::File(_) | ImageSource::Oci(_) => None,
             },
             _ => None,
         };
@@ -574,6 +605,7 @@ fn release_file_tx(tx: &rusqlite::Transaction<'_>, path: &Path) -> Result<bool, 
 /// (a crash between a deletion's transaction and its file removal). A file
 /// the store shows as an image, or that a layer is made from, is kept.
 pub fn sweep(store: &Store, dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
+    oci::sweep(dir);
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Ok(Vec::new());
     };

@@ -1,0 +1,374 @@
+//! OCI sources (`spec.source.oci`): a registry, an image layout or an
+//! archive, read with `hearth-oci` into the blob store
+//! (`IMAGES/.oci/blobs/`, shared by every OCI image, each blob once), then
+//! made into the image's file in the import's temporary: a containerDisk's
+//! disk file as it is, a rootfs as an ext4 image built from its layers in
+//! `IMAGES/.oci/build/`. The file then takes the checks and the commit every
+//! import takes (`import::verify`, `commit`).
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use hearth_api::{OciShape, OciSource};
+use hearth_oci::blobs::BlobStore;
+use hearth_oci::layout::{Image, Layout};
+use hearth_oci::registry::{Credentials, Options, Registry};
+use hearth_oci::shape::{self, Shape};
+use hearth_oci::unpack::Unpacker;
+use hearth_oci::{OciError, ext4};
+use sha2::{Digest as _, Sha256};
+
+use super::import::{Failure, Fetched, TempFile};
+use super::progress::{Progress, Report};
+use crate::context::Context;
+
+/// What an OCI import adds to the status.
+#[derive(Clone, Debug)]
+pub struct OciDone {
+    /// The manifest's digest.
+    pub digest: String,
+    pub shape: OciShape,
+    pub layers: u32,
+}
+
+/// The blob store's place in the image store.
+pub fn blob_dir(images: &Path) -> PathBuf {
+    images.join(".oci/blobs")
+}
+
+fn build_dir(images: &Path) -> PathBuf {
+    images.join(".oci/build")
+}
+
+/// At start, before any import: what interrupted imports left in the blob
+/// store's `tmp/` and in the build directory goes.
+pub fn sweep(images: &Path) {
+    if let Ok(store) = BlobStore::open(blob_dir(images)) {
+        let _ = store.sweep();
+    }
+    if let Ok(entries) = std::fs::read_dir(build_dir(images)) {
+        for e in entries.flatten() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// The field of `spec.source.oci` a source is given by.
+fn field(src: &OciSource) -> &'static str {
+    if src.reference.is_some() {
+        "spec.source.oci.reference"
+    } else if src.layout.is_some() {
+        "spec.source.oci.layout"
+    } else {
+        "spec.source.oci.archive"
+    }
+}
+
+/// A failure of `hearth-oci`, with its reason and the field it is about.
+fn failure(src: &OciSource, e: OciError) -> Failure {
+    let reason = match &e {
+        OciError::DigestMismatch { .. } => "DigestMismatch",
+        OciError::SizeMismatch { .. } => "SizeMismatch",
+        OciError::TooLarge { .. } => "TooLarge",
+        OciError::UnsupportedDigest { .. } => "UnsupportedDigest",
+        OciError::Json { .. } | OciError::NestedTooDeep { .. } => "BadManifest",
+        OciError::NotALayout { .. } | OciError::MissingBlob { .. } | OciError::NotAFile { .. } => {
+            "BadImage"
+        }
+        OciError::TagNotFound { .. } | OciError::TagNeeded { .. } => "TagNotFound",
+        OciError::NoPlatform { .. } => "NoPlatform",
+        OciError::MediaType { .. } => "UnsupportedMediaType",
+        OciError::Layer { .. } => "BadLayer",
+        OciError::Registry { .. } => "RegistryError",
+        OciError::Denied { .. } => "AuthFailed",
+        OciError::Io { .. } => "ReadFailed",
+        OciError::Build(_) => "BuildFailed",
+    };
+    Failure::new(reason, format!("{}: {e}", field(src)))
+}
+
+fn blocking_failed(e: tokio::task::JoinError) -> Failure {
+    Failure::new("StoreFailed", format!("the import's worker failed: {e}"))
+}
+
+/// Reads the image `src` names into the blob store and makes its file in
+/// `tmp`; returns what was read and the hash of the file.
+pub async fn fetch(
+    ctx: &Arc<Context>,
+    src: &OciSource,
+    tmp: &mut TempFile,
+    mut report: impl FnMut(Report),
+) -> Result<(Fetched, OciDone), Failure> {
+    let images = ctx.config.images_dir();
+    let cfg = ctx.config.images.clone();
+    let store = BlobStore::open(blob_dir(&images)).map_err(|e| failure(src, e))?;
+    let started = Instant::now();
+    let image = read_image(ctx, src, &store, &mut report).await?;
+    let layers = u32::try_from(image.layers().len()).unwrap_or(u32::MAX);
+    let limit = cfg.max_bytes;
+
+    // The shape, from the spec or from the content (a containerDisk's
+    // disk file is found the same way).
+    let found = if src.shape == Some(OciShape::Rootfs) {
+        None
+    } else {
+        let (store, image) = (store.clone(), image.clone());
+        let found = tokio::task::spawn_blocking(move || detect(&store, &image, limit))
+            .await
+            .map_err(blocking_failed)?
+            .map_err(|e| failure(src, e))?;
+        Some(found)
+    };
+    let shape = match (src.shape, &found) {
+        (Some(s), _) => s,
+        (None, Some(Shape::ContainerDisk { .. })) => OciShape::ContainerDisk,
+        (None, _) => OciShape::Rootfs,
+    };
+    let out = tmp.path.clone();
+    let (hex, bytes) = match shape {
+        OciShape::ContainerDisk => {
+            let Some(Shape::ContainerDisk { path, size, at }) = found else {
+                return Err(Failure::new(
+                    "NotAContainerDisk",
+                    format!(
+                        "{}: spec.source.oci.shape says containerDisk, but the image's only regular file is not one file under /disk/",
+                        field(src)
+                    ),
+                ));
+            };
+            if size > limit {
+                return Err(Failure::new(
+                    "TooLarge",
+                    format!(
+                        "{}: the disk file /{path} is {size} bytes, more than the {limit} allowed (hearthd --image-max-bytes)",
+                        field(src)
+                    ),
+                ));
+            }
+            tmp.ensure_room(size)?;
+            let layer = image.layers()[at.layer].clone();
+            tokio::task::spawn_blocking(move || -> Result<(String, u64), OciError> {
+                let blob = store.open_blob(layer.digest())?;
+                let file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&out)
+                    .map_err(|e| OciError::io("opening", &out, e))?;
+                let mut w = Hashing::new(file);
+                let n = shape::copy_file(&layer, blob, &at, limit, &mut w)?;
+                w.inner
+                    .sync_all()
+                    .map_err(|e| OciError::io("flushing", &out, e))?;
+                Ok((w.hex(), n))
+            })
+            .await
+            .map_err(blocking_failed)?
+            .map_err(|e| failure(src, e))?
+        }
+        OciShape::Rootfs => {
+            let n = ctx
+                .store
+                .next_counter("image-import")
+                .map_err(|e| Failure::new("StoreFailed", e.to_string()))?;
+            let build = Build::make(build_dir(&images).join(format!("{n:08}")))?;
+            let root = build.0.clone();
+            let (store2, image2) = (store.clone(), image.clone());
+            tokio::task::spawn_blocking(move || unpack(&store2, &image2, &root, limit))
+                .await
+                .map_err(blocking_failed)?
+                .map_err(|e| failure(src, e))?;
+            let root = build.0.clone();
+            let size = tokio::task::spawn_blocking(move || {
+                ext4::measure(&root).map(|m| ext4::size_for(m, 0))
+            })
+            .await
+            .map_err(blocking_failed)?
+            .map_err(|e| failure(src, e))?;
+            tmp.ensure_room(size)?;
+            let root = build.0.clone();
+            let done = tokio::task::spawn_blocking(move || -> Result<(String, u64), OciError> {
+                ext4::build(&root, &out, 0)?;
+                let mut f =
+                    std::fs::File::open(&out).map_err(|e| OciError::io("reading", &out, e))?;
+                let mut h = Sha256::new();
+                let mut buf = vec![0u8; 1 << 20];
+                let mut n = 0u64;
+                loop {
+                    let got = f
+                        .read(&mut buf)
+                        .map_err(|e| OciError::io("reading", &out, e))?;
+                    if got == 0 {
+                        break;
+                    }
+                    h.update(&buf[..got]);
+                    n += got as u64;
+                }
+                Ok((format!("{:x}", h.finalize()), n))
+            })
+            .await
+            .map_err(blocking_failed)?
+            .map_err(|e| failure(src, e))?;
+            drop(build);
+            done
+        }
+    };
+    let seconds = started.elapsed().as_secs_f64();
+    Ok((
+        Fetched {
+            hex,
+            bytes,
+            seconds,
+            bytes_per_second: (image.layer_bytes() as f64 / seconds.max(0.001)) as u64,
+        },
+        OciDone {
+            digest: image.digest.to_string(),
+            shape,
+            layers,
+        },
+    ))
+}
+
+/// Resolves the image and puts its blobs into the store.
+async fn read_image(
+    ctx: &Arc<Context>,
+    src: &OciSource,
+    store: &BlobStore,
+    report: &mut impl FnMut(Report),
+) -> Result<Image, Failure> {
+    let cfg = &ctx.config.images;
+    if let Some(reference) = &src.reference {
+        let credentials = match &src.credentials_file {
+            Some(p) => Some(read_credentials(p)?),
+            None => None,
+        };
+        let options = Options {
+            ca_file: src.ca_file.clone(),
+            credentials,
+            insecure: src.insecure,
+            timeout: Some(cfg.read_timeout),
+        };
+        let registry = Registry::new(reference, &options).map_err(|e| failure(src, e))?;
+        let image = registry.image().await.map_err(|e| failure(src, e))?;
+        let mut progress = Progress::new(Some(image.layer_bytes()), Instant::now());
+        report(progress.report());
+        let mut last = 0u64;
+        registry
+            .copy_into(&image, store, |n| {
+                if let Some(r) = progress.add(n.saturating_sub(last), Instant::now()) {
+                    report(r);
+                }
+                last = n;
+            })
+            .await
+            .map_err(|e| failure(src, e))?;
+        return Ok(image);
+    }
+    let (store, src2, tag, limit) = (store.clone(), src.clone(), src.tag.clone(), cfg.max_bytes);
+    let path = match (&src.layout, &src.archive) {
+        (Some(p), _) => ctx.config.confine_dir(p),
+        (_, Some(p)) => ctx.config.confine(p),
+        _ => unreachable!("validated: one source"),
+    }
+    .map_err(|m| Failure::new("SourceNotAllowed", format!("{}: {m}", field(src))))?;
+    report(Progress::new(None, Instant::now()).report());
+    tokio::task::spawn_blocking(move || -> Result<Image, OciError> {
+        if src2.layout.is_some() {
+            let layout = Layout::open(&path)?;
+            let image = layout.image(tag.as_deref())?;
+            layout.copy_into(&image, &store, |_| {})?;
+            Ok(image)
+        } else {
+            hearth_oci::archive::import(&path, &store, tag.as_deref(), limit)
+        }
+    })
+    .await
+    .map_err(blocking_failed)?
+    .map_err(|e| failure(src, e))
+}
+
+fn read_credentials(path: &Path) -> Result<Credentials, Failure> {
+    let fail = |m: String| {
+        Failure::new(
+            "CredentialsUnreadable",
+            format!("spec.source.oci.credentialsFile: {}: {m}", path.display()),
+        )
+    };
+    let text = std::fs::read(path).map_err(|e| fail(e.to_string()))?;
+    if text.len() > 64 << 10 {
+        return Err(fail("larger than 64 KiB".into()));
+    }
+    // The parser's message names a position, never the file's content.
+    serde_json::from_slice(&text).map_err(|e| {
+        fail(format!(
+            "not a JSON object {{\"username\": .., \"password\": ..}} (line {}, column {})",
+            e.line(),
+            e.column()
+        ))
+    })
+}
+
+fn detect(store: &BlobStore, image: &Image, limit: u64) -> Result<Shape, OciError> {
+    let mut blobs = Vec::new();
+    for d in image.layers() {
+        blobs.push((d.clone(), store.open_blob(d.digest())?));
+    }
+    shape::detect(blobs, limit)
+}
+
+fn unpack(store: &BlobStore, image: &Image, root: &Path, limit: u64) -> Result<(), OciError> {
+    let mut u = Unpacker::new(root)?;
+    for d in image.layers() {
+        u.layer(d, store.open_blob(d.digest())?, limit)?;
+    }
+    u.finish()?;
+    Ok(())
+}
+
+/// A build directory, removed with all in it when dropped.
+struct Build(PathBuf);
+
+impl Build {
+    fn make(path: PathBuf) -> Result<Build, Failure> {
+        std::fs::create_dir_all(&path)
+            .map_err(|e| Failure::new("StoreFailed", format!("{}: {e}", path.display())))?;
+        Ok(Build(path))
+    }
+}
+
+impl Drop for Build {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A writer that hashes what goes through it.
+struct Hashing<W> {
+    inner: W,
+    hasher: Sha256,
+}
+
+impl<W> Hashing<W> {
+    fn new(inner: W) -> Self {
+        Hashing {
+            inner,
+            hasher: Sha256::new(),
+        }
+    }
+
+    fn hex(&self) -> String {
+        format!("{:x}", self.hasher.clone().finalize())
+    }
+}
+
+impl<W: Write> Write for Hashing<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.hasher.update(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
