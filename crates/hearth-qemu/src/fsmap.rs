@@ -671,6 +671,85 @@ mod tests {
         assert!(parse_query_pci(&many).is_err());
     }
 
+    /// The texts reach users (a snapshot's status, as the agent's or QMP's
+    /// protocol error): each case reads as it always has.
+    #[test]
+    fn each_error_names_what_did_not_match() {
+        let long = "x".repeat(MAX_FIELD_LEN + 1);
+        let one = fsinfo_json("/m", "vda", &[(None, pci(0, 2))]);
+        let fsinfo_cases = [
+            (json!({"not": "a list"}), r#"not a list: {"not":"a list"}"#),
+            (
+                Value::Array(vec![one; MAX_FILESYSTEMS + 1]),
+                "257 filesystems (at most 256 accepted)",
+            ),
+            (json!([1]), "filesystem [0]: not an object: 1"),
+            (
+                json!([{"name": "vda", "type": "ext4"}]),
+                r#"filesystem [0]: no "mountpoint" string"#,
+            ),
+            (
+                json!([{"name": "vda", "type": "ext4", "mountpoint": 7}]),
+                r#"filesystem [0]: "mountpoint" is not a string: 7"#,
+            ),
+            (
+                json!([{"name": "vda", "type": "ext4", "mountpoint": long}]),
+                r#"filesystem [0]: "mountpoint" is 4097 bytes (at most 4096 accepted)"#,
+            ),
+            (
+                json!([{"name": "vda", "type": "ext4", "mountpoint": "/", "disk": {}}]),
+                r#"filesystem [0]: "disk" is not a list: {}"#,
+            ),
+            (
+                Value::Array(vec![fsinfo_json(
+                    "/lvm",
+                    "dm-0",
+                    &vec![(None, pci(0, 2)); MAX_DISKS_PER_FS + 1],
+                )]),
+                r#"filesystem [0]: "/lvm" lies on 65 disks (at most 64 accepted)"#,
+            ),
+            (
+                json!([{"name": "vda", "type": "ext4", "mountpoint": "/", "disk": ["x"]}]),
+                r#"filesystem [0]: "/" disk [0]: not an object: "x""#,
+            ),
+            (
+                json!([{"name": "vda", "type": "ext4", "mountpoint": "/",
+                        "disk": [{}, {"serial": 12}]}]),
+                r#"filesystem [0]: "/" disk [1]: "serial" is not a string: 12"#,
+            ),
+        ];
+        for (case, text) in fsinfo_cases {
+            let err = parse_fsinfo(&case).expect_err("malformed");
+            assert_eq!(err.to_string(), text);
+        }
+
+        let device = |slot: i64, id: &str| json!({"bus": 0, "slot": slot, "function": 0, "qdev_id": id});
+        let mut deep = json!([device(1, "vdisk0")]);
+        for _ in 0..=MAX_PCI_DEPTH + 1 {
+            deep = json!([{"bus": 0, "slot": 1, "function": 0, "pci_bridge": {"devices": deep}}]);
+        }
+        let pci_cases = [
+            (json!({}), "not a list: {}"),
+            (
+                json!([{"devices": [device(-1, "vdisk3")]}]),
+                r#"vdisk3 has no valid "slot""#,
+            ),
+            (
+                json!([{"devices": [device(2, "vdisk0"), device(3, "vdisk0")]}]),
+                "vdisk0 appears twice",
+            ),
+            (json!([{"devices": deep}]), "bridges nested deeper than 8"),
+            (
+                json!([{"devices": vec![device(1, "x"); MAX_PCI_DEVICES + 1]}]),
+                "more than 4096 devices",
+            ),
+        ];
+        for (case, text) in pci_cases {
+            let err = parse_query_pci(&case).expect_err("malformed");
+            assert_eq!(err.to_string(), text);
+        }
+    }
+
     #[test]
     fn only_ids_hearth_makes_count_as_disk_devices() {
         assert_eq!(disk_index_of("vdisk0"), Some(0));
