@@ -598,7 +598,6 @@ pub fn sweep(store: &Store, dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
 pub struct ReadyImage {
     pub path: PathBuf,
     pub format: String,
-    pub virtual_size: u64,
 }
 
 /// Why a disk cannot be made from its image now.
@@ -695,7 +694,6 @@ pub fn ready_for_disk(
             _ => Ok(ReadyImage {
                 path: path.clone(),
                 format: format.clone(),
-                virtual_size,
             }),
         },
         (ImagePhase::Failed, ..) => Err(NotReady::Waiting(format!(
