@@ -55,19 +55,21 @@ pub enum RequestError {
     OwnedByFile { object: String, file: String },
     #[error("VirtualMachine {vm:?} is not running")]
     NotRunning { vm: String },
+    // The subsystems' own refusals, boxed: their cases carry several names
+    // each, and every command returns this type.
     /// A delete, VM action or apply that other objects refuse.
     #[error(transparent)]
-    Apply(#[from] ApplyConflict),
+    Apply(Box<ApplyConflict>),
     /// An apply that asks for what another network or VM holds.
     #[error(transparent)]
-    Network(#[from] NetworkConflict),
+    Network(Box<NetworkConflict>),
     #[error(transparent)]
-    Restore(#[from] RestoreError),
+    Restore(Box<RestoreError>),
     #[error(transparent)]
-    Export(#[from] ExportError),
+    Export(Box<ExportError>),
     /// The guest agent cannot be reached, or a call through it failed.
     #[error(transparent)]
-    GuestAccess(#[from] GuestAccessError),
+    GuestAccess(Box<GuestAccessError>),
     #[error("store: {0}")]
     Store(#[from] StoreError),
 }
@@ -83,6 +85,25 @@ pub enum Refusal {
     Conflict,
     /// hearthd failed (500).
     Internal,
+}
+
+/// `#[from]` for the boxed cases.
+macro_rules! from_boxed {
+    ($($error:ty => $case:ident),* $(,)?) => {
+        $(impl From<$error> for RequestError {
+            fn from(e: $error) -> Self {
+                RequestError::$case(Box::new(e))
+            }
+        })*
+    };
+}
+
+from_boxed! {
+    ApplyConflict => Apply,
+    NetworkConflict => Network,
+    RestoreError => Restore,
+    ExportError => Export,
+    GuestAccessError => GuestAccess,
 }
 
 /// An apply's network refusal: a field against this host's objects, or
@@ -203,6 +224,9 @@ mod tests {
         let (name, vm, other, i) = ("d", "a", "b", 1usize);
         let list = |v: &[&str]| v.iter().map(|v| format!("{v:?}")).collect::<Vec<String>>();
         let names = |v: &[&str]| v.iter().map(|v| v.to_string()).collect::<Vec<_>>();
+        // What `Object::display_name` gives.
+        let disk_object = format!("{} {:?}", Kind::VirtualDisk, name);
+        let vm_object = format!("{} {:?}", Kind::VirtualMachine, vm);
         pin(vec![
             (
                 ApplyConflict::DiskInUse {
@@ -252,8 +276,7 @@ mod tests {
                 .into(),
                 format!(
                     "{}: spec.source.virtualImage: VirtualImage {:?} is being deleted",
-                    format!("{} {:?}", Kind::VirtualDisk, name),
-                    "img"
+                    disk_object, "img"
                 ),
             ),
             (
@@ -266,8 +289,7 @@ mod tests {
                 .into(),
                 format!(
                     "{}: spec.disks[{i}].virtualDiskName: VirtualDisk {:?} is already used by VirtualMachine {other:?}",
-                    format!("{} {:?}", Kind::VirtualMachine, vm),
-                    name
+                    vm_object, name
                 ),
             ),
         ]);
@@ -396,7 +418,7 @@ mod tests {
         ]);
         // The admission's own refusal goes to the same cases.
         let refused: RequestError =
-            crate::network::admission::Refusal::Conflict(NetworkConflict::Port {
+            crate::network::admission::Refusal::from(NetworkConflict::Port {
                 vm: b.into(),
                 reason: port,
             })
@@ -420,7 +442,7 @@ mod tests {
         let e = img();
         let overlay = crate::snapshot::overlays::OverlayError::NoQmp;
         let compaction = crate::snapshot::compaction::CompactionError::NoMergedLayer(3);
-        let failed = vec![format!("{}: {}", "a", "x"), format!("{}: {}", "b", "y")];
+        let failed = [format!("{}: {}", "a", "x"), format!("{}: {}", "b", "y")];
         pin(vec![
             (
                 RestoreError::GroupNotReady {

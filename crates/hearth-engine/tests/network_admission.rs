@@ -264,7 +264,9 @@ async fn a_network_in_use_cannot_be_deleted_and_goes_once_unused() {
     )
     .expect("apply");
     let e = match s.engine.delete(Kind::VirtualNetwork, "lan", "api") {
-        Err(e @ RequestError::Apply(ApplyConflict::NetworkInUse { .. })) => e.to_string(),
+        Err(RequestError::Apply(a)) if matches!(*a, ApplyConflict::NetworkInUse { .. }) => {
+            a.to_string()
+        }
         other => panic!("expected a conflict, got {other:?}"),
     };
     assert_eq!(

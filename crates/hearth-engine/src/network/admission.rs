@@ -110,7 +110,13 @@ pub enum Refusal {
     Invalid(FieldError),
     /// Held by another object (`RequestError::Network`).
     #[error("{0}")]
-    Conflict(#[from] NetworkConflict),
+    Conflict(Box<NetworkConflict>),
+}
+
+impl From<NetworkConflict> for Refusal {
+    fn from(c: NetworkConflict) -> Self {
+        Refusal::Conflict(Box::new(c))
+    }
 }
 
 /// What another network or VM holds that an apply asks for: each case names
