@@ -44,7 +44,9 @@ pub use engine::{
     ApplyAction, ApplyMode, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, StartError,
     VmAction,
 };
-pub use error::Refusal;
+pub use error::{
+    ApplyConflict, ExportError, GuestAccessError, NetworkConflict, Refusal, RestoreError,
+};
 pub use guest::exec::MAX_WAIT as EXEC_MAX_WAIT;
 pub use guest::{Download, ExecStarted, ExecStatus, Upload, UploadDone};
 pub use manifest::{ManifestConfig, ManifestSource};
