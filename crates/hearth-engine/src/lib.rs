@@ -8,25 +8,35 @@
 //! leaf module per subsystem) → `store` and `hearth_qemu`.
 //!
 //! Outside the crate the engine is `Engine`'s methods and the few types
-//! re-exported here; `context`, `guest`, `metrics`, `runner`, `runtime` and
-//! `error` are the crate's own. (`disk`, `image`, `manifest`, `snapshot` and
-//! `vm` stay public for now: closing them turns up code only tests use.)
+//! re-exported here; the reconcilers, the context, its registries and the
+//! rest are the crate's own. Four modules stay public, for what hearthd and
+//! the integration tests name in them:
+//! - `config`: hearthd fills `EngineConfig` and `ImageImportConfig` from its
+//!   flags and config file, with the OVMF defaults as its flags' defaults.
+//! - `watch`: `Filter` and `Options`, which hearthd's watch endpoint parses
+//!   from its query.
+//! - `store`: `StoredObject` and `StoreError`, which hearthd's API answers
+//!   with; tests open the database to read and seed rows (`Store`,
+//!   `StoredLease`).
+//! - `network`: hearthd's loopback forward limits (`host::loopback`); the
+//!   host-network tests drive `network::host` (links, dnsmasq, cleanup) and
+//!   the admission tests `plan_leases` and `names`.
 
 pub mod config;
 pub(crate) mod context;
-pub mod disk;
+pub(crate) mod disk;
 pub(crate) mod engine;
 pub(crate) mod error;
 pub(crate) mod guest;
-pub mod image;
-pub mod manifest;
+pub(crate) mod image;
+pub(crate) mod manifest;
 pub(crate) mod metrics;
 pub mod network;
 pub(crate) mod runner;
 pub(crate) mod runtime;
-pub mod snapshot;
+pub(crate) mod snapshot;
 pub mod store;
-pub mod vm;
+pub(crate) mod vm;
 pub mod watch;
 
 pub use config::EngineConfig;
@@ -34,7 +44,9 @@ pub use engine::{
     ApplyAction, ApplyMode, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, StartError,
     VmAction,
 };
-pub use error::Refusal;
+pub use error::{
+    ApplyConflict, ExportError, GuestAccessError, NetworkConflict, Refusal, RestoreError,
+};
 pub use guest::exec::MAX_WAIT as EXEC_MAX_WAIT;
 pub use guest::{Download, ExecStarted, ExecStatus, Upload, UploadDone};
 pub use manifest::{ManifestConfig, ManifestSource};

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hearth_api::{Kind, Object, parse_documents};
-use hearth_engine::{Engine, EngineConfig, RequestError};
+use hearth_engine::{ApplyConflict, Engine, EngineConfig, Refusal, RequestError};
 
 struct Setup {
     dir: tempfile::TempDir,
@@ -92,7 +92,7 @@ fn vm(name: &str, networks: &str) -> String {
 
 fn conflict(r: Result<(), RequestError>) -> String {
     match r {
-        Err(RequestError::Conflict(m)) => m,
+        Err(e) if e.refusal() == Refusal::Conflict => e.to_string(),
         other => panic!("expected a conflict, got {other:?}"),
     }
 }
@@ -264,7 +264,9 @@ async fn a_network_in_use_cannot_be_deleted_and_goes_once_unused() {
     )
     .expect("apply");
     let e = match s.engine.delete(Kind::VirtualNetwork, "lan", "api") {
-        Err(RequestError::Conflict(m)) => m,
+        Err(RequestError::Apply(a)) if matches!(*a, ApplyConflict::NetworkInUse { .. }) => {
+            a.to_string()
+        }
         other => panic!("expected a conflict, got {other:?}"),
     };
     assert_eq!(

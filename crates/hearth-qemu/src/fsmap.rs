@@ -70,28 +70,69 @@ pub struct FsInfo {
     pub disks: Vec<FsDisk>,
 }
 
+/// Why a `guest-get-fsinfo` reply was refused. The texts reach a
+/// snapshot's status (as the agent's protocol error).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum FsInfoError {
+    /// The reply (truncated) is not a list.
+    #[error("not a list: {0}")]
+    NotAList(String),
+    #[error("{0} filesystems (at most {MAX_FILESYSTEMS} accepted)")]
+    TooManyFilesystems(usize),
+    /// The `index`th filesystem of the list.
+    #[error("filesystem [{index}]: {error}")]
+    Filesystem { index: usize, error: EntryError },
+}
+
+/// What did not match in one filesystem of a `guest-get-fsinfo` reply, or
+/// in one disk under it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EntryError {
+    /// The entry (truncated) is not an object.
+    #[error("not an object: {0}")]
+    NotAnObject(String),
+    #[error("no {0:?} string")]
+    Missing(&'static str),
+    #[error("{key:?} is {len} bytes (at most {MAX_FIELD_LEN} accepted)")]
+    TooLong { key: &'static str, len: usize },
+    /// `key` holds this (truncated) instead of a string.
+    #[error("{key:?} is not a string: {found}")]
+    NotAString { key: &'static str, found: String },
+    #[error("{mountpoint:?} lies on {count} disks (at most {MAX_DISKS_PER_FS} accepted)")]
+    TooManyDisks { mountpoint: String, count: usize },
+    /// `"disk"` holds this (truncated) instead of a list.
+    #[error("\"disk\" is not a list: {0}")]
+    DisksNotAList(String),
+    /// The `index`th disk under the filesystem at `mountpoint`.
+    #[error("{mountpoint:?} disk [{index}]: {error}")]
+    Disk {
+        mountpoint: String,
+        index: usize,
+        error: Box<EntryError>,
+    },
+}
+
 /// Parses the `return` value of `guest-get-fsinfo`. Unknown fields are ignored;
 /// a reply that is not the documented shape, or exceeds the bounds above, is an
 /// error naming what was wrong.
-pub fn parse_fsinfo(value: &Value) -> Result<Vec<FsInfo>, String> {
+pub fn parse_fsinfo(value: &Value) -> Result<Vec<FsInfo>, FsInfoError> {
     let list = value
         .as_array()
-        .ok_or_else(|| format!("not a list: {}", truncate(&value.to_string())))?;
+        .ok_or_else(|| FsInfoError::NotAList(truncate(&value.to_string())))?;
     if list.len() > MAX_FILESYSTEMS {
-        return Err(format!(
-            "{} filesystems (at most {MAX_FILESYSTEMS} accepted)",
-            list.len()
-        ));
+        return Err(FsInfoError::TooManyFilesystems(list.len()));
     }
     list.iter()
         .enumerate()
-        .map(|(i, fs)| parse_filesystem(fs).map_err(|e| format!("filesystem [{i}]: {e}")))
+        .map(|(index, fs)| {
+            parse_filesystem(fs).map_err(|error| FsInfoError::Filesystem { index, error })
+        })
         .collect()
 }
 
-fn parse_filesystem(fs: &Value) -> Result<FsInfo, String> {
+fn parse_filesystem(fs: &Value) -> Result<FsInfo, EntryError> {
     if !fs.is_object() {
-        return Err(format!("not an object: {}", truncate(&fs.to_string())));
+        return Err(EntryError::NotAnObject(truncate(&fs.to_string())));
     }
     let mountpoint = required_str(fs, "mountpoint")?;
     let name = required_str(fs, "name")?;
@@ -100,23 +141,24 @@ fn parse_filesystem(fs: &Value) -> Result<FsInfo, String> {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(disks)) => {
             if disks.len() > MAX_DISKS_PER_FS {
-                return Err(format!(
-                    "{mountpoint:?} lies on {} disks (at most {MAX_DISKS_PER_FS} accepted)",
-                    disks.len()
-                ));
+                return Err(EntryError::TooManyDisks {
+                    mountpoint,
+                    count: disks.len(),
+                });
             }
             disks
                 .iter()
                 .enumerate()
-                .map(|(j, d)| parse_disk(d).map_err(|e| format!("{mountpoint:?} disk [{j}]: {e}")))
+                .map(|(index, d)| {
+                    parse_disk(d).map_err(|error| EntryError::Disk {
+                        mountpoint: mountpoint.clone(),
+                        index,
+                        error: Box::new(error),
+                    })
+                })
                 .collect::<Result<_, _>>()?
         }
-        Some(other) => {
-            return Err(format!(
-                "\"disk\" is not a list: {}",
-                truncate(&other.to_string())
-            ));
-        }
+        Some(other) => return Err(EntryError::DisksNotAList(truncate(&other.to_string()))),
     };
     Ok(FsInfo {
         name,
@@ -126,9 +168,9 @@ fn parse_filesystem(fs: &Value) -> Result<FsInfo, String> {
     })
 }
 
-fn parse_disk(disk: &Value) -> Result<FsDisk, String> {
+fn parse_disk(disk: &Value) -> Result<FsDisk, EntryError> {
     if !disk.is_object() {
-        return Err(format!("not an object: {}", truncate(&disk.to_string())));
+        return Err(EntryError::NotAnObject(truncate(&disk.to_string())));
     }
     Ok(FsDisk {
         serial: optional_str(disk, "serial")?.filter(|s| !s.is_empty()),
@@ -147,22 +189,19 @@ fn parse_disk(disk: &Value) -> Result<FsDisk, String> {
     })
 }
 
-fn required_str(obj: &Value, key: &str) -> Result<String, String> {
-    optional_str(obj, key)?.ok_or_else(|| format!("no {key:?} string"))
+fn required_str(obj: &Value, key: &'static str) -> Result<String, EntryError> {
+    optional_str(obj, key)?.ok_or(EntryError::Missing(key))
 }
 
-fn optional_str(obj: &Value, key: &str) -> Result<Option<String>, String> {
+fn optional_str(obj: &Value, key: &'static str) -> Result<Option<String>, EntryError> {
     match obj.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) if s.len() <= MAX_FIELD_LEN => Ok(Some(s.clone())),
-        Some(Value::String(s)) => Err(format!(
-            "{key:?} is {} bytes (at most {MAX_FIELD_LEN} accepted)",
-            s.len()
-        )),
-        Some(other) => Err(format!(
-            "{key:?} is not a string: {}",
-            truncate(&other.to_string())
-        )),
+        Some(Value::String(s)) => Err(EntryError::TooLong { key, len: s.len() }),
+        Some(other) => Err(EntryError::NotAString {
+            key,
+            found: truncate(&other.to_string()),
+        }),
     }
 }
 
@@ -177,12 +216,30 @@ pub async fn disk_pci_addresses<M: crate::seam::Monitor + ?Sized>(
     parse_query_pci(&reply).map_err(|e| QmpError::Protocol(format!("query-pci: {e}")))
 }
 
+/// Why a `query-pci` reply was refused (QMP's protocol error then).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum QueryPciError {
+    /// The reply (truncated) is not a list of buses.
+    #[error("not a list: {0}")]
+    NotAList(String),
+    #[error("bridges nested deeper than {MAX_PCI_DEPTH}")]
+    TooDeep,
+    #[error("more than {MAX_PCI_DEVICES} devices")]
+    TooManyDevices,
+    /// Disk device `index` has no `key` that fits a `u32`.
+    #[error("{} has no valid {key:?}", disk_device_id(*index))]
+    NoValidField { index: usize, key: &'static str },
+    /// Disk device `index` is listed twice.
+    #[error("{} appears twice", disk_device_id(*index))]
+    Twice { index: usize },
+}
+
 /// The pure half of [`disk_pci_addresses`]: finds every device whose `qdev_id`
 /// is `vdisk<i>`, following `pci_bridge.devices` into bridges.
-pub fn parse_query_pci(reply: &Value) -> Result<BTreeMap<usize, PciAddress>, String> {
+pub fn parse_query_pci(reply: &Value) -> Result<BTreeMap<usize, PciAddress>, QueryPciError> {
     let buses = reply
         .as_array()
-        .ok_or_else(|| format!("not a list: {}", truncate(&reply.to_string())))?;
+        .ok_or_else(|| QueryPciError::NotAList(truncate(&reply.to_string())))?;
     let mut found = BTreeMap::new();
     let mut budget = MAX_PCI_DEVICES;
     for bus in buses {
@@ -197,28 +254,26 @@ fn collect_disks(
     depth: usize,
     budget: &mut usize,
     found: &mut BTreeMap<usize, PciAddress>,
-) -> Result<(), String> {
+) -> Result<(), QueryPciError> {
     let Some(devices) = devices.as_array() else {
         return Ok(());
     };
     if depth > MAX_PCI_DEPTH {
-        return Err(format!("bridges nested deeper than {MAX_PCI_DEPTH}"));
+        return Err(QueryPciError::TooDeep);
     }
     for device in devices {
-        *budget = budget
-            .checked_sub(1)
-            .ok_or_else(|| format!("more than {MAX_PCI_DEVICES} devices"))?;
+        *budget = budget.checked_sub(1).ok_or(QueryPciError::TooManyDevices)?;
         if let Some(index) = device
             .get("qdev_id")
             .and_then(Value::as_str)
             .and_then(disk_index_of)
         {
-            let field = |key: &str| {
+            let field = |key: &'static str| {
                 device
                     .get(key)
                     .and_then(Value::as_u64)
                     .and_then(|v| u32::try_from(v).ok())
-                    .ok_or_else(|| format!("{} has no valid {key:?}", disk_device_id(index)))
+                    .ok_or(QueryPciError::NoValidField { index, key })
             };
             let address = PciAddress {
                 domain: 0,
@@ -227,7 +282,7 @@ fn collect_disks(
                 function: field("function")?,
             };
             if found.insert(index, address).is_some() {
-                return Err(format!("{} appears twice", disk_device_id(index)));
+                return Err(QueryPciError::Twice { index });
             }
         }
         if let Some(inner) = device.get("pci_bridge").and_then(|b| b.get("devices")) {
@@ -455,7 +510,9 @@ mod tests {
     fn counts_are_bounded() {
         let one = fsinfo_json("/m", "vda", &[(None, pci(0, 2))]);
         let many = Value::Array(vec![one.clone(); MAX_FILESYSTEMS + 1]);
-        let err = parse_fsinfo(&many).expect_err("too many filesystems");
+        let err = parse_fsinfo(&many)
+            .expect_err("too many filesystems")
+            .to_string();
         assert!(err.contains("257 filesystems"), "{err}");
         assert_eq!(
             parse_fsinfo(&Value::Array(vec![one; MAX_FILESYSTEMS]))
@@ -465,7 +522,7 @@ mod tests {
         );
         let disks = vec![(None, pci(0, 2)); MAX_DISKS_PER_FS + 1];
         let wide = Value::Array(vec![fsinfo_json("/lvm", "dm-0", &disks)]);
-        let err = parse_fsinfo(&wide).expect_err("too many disks");
+        let err = parse_fsinfo(&wide).expect_err("too many disks").to_string();
         assert!(err.contains("65 disks"), "{err}");
     }
 
@@ -669,6 +726,86 @@ mod tests {
         let one = serde_json::json!({"bus": 0, "slot": 1, "function": 0, "qdev_id": "x"});
         let many = serde_json::json!([{"devices": vec![one; MAX_PCI_DEVICES + 1]}]);
         assert!(parse_query_pci(&many).is_err());
+    }
+
+    /// The texts reach users (a snapshot's status, as the agent's or QMP's
+    /// protocol error): each case reads as it always has.
+    #[test]
+    fn each_error_names_what_did_not_match() {
+        let long = "x".repeat(MAX_FIELD_LEN + 1);
+        let one = fsinfo_json("/m", "vda", &[(None, pci(0, 2))]);
+        let fsinfo_cases = [
+            (json!({"not": "a list"}), r#"not a list: {"not":"a list"}"#),
+            (
+                Value::Array(vec![one; MAX_FILESYSTEMS + 1]),
+                "257 filesystems (at most 256 accepted)",
+            ),
+            (json!([1]), "filesystem [0]: not an object: 1"),
+            (
+                json!([{"name": "vda", "type": "ext4"}]),
+                r#"filesystem [0]: no "mountpoint" string"#,
+            ),
+            (
+                json!([{"name": "vda", "type": "ext4", "mountpoint": 7}]),
+                r#"filesystem [0]: "mountpoint" is not a string: 7"#,
+            ),
+            (
+                json!([{"name": "vda", "type": "ext4", "mountpoint": long}]),
+                r#"filesystem [0]: "mountpoint" is 4097 bytes (at most 4096 accepted)"#,
+            ),
+            (
+                json!([{"name": "vda", "type": "ext4", "mountpoint": "/", "disk": {}}]),
+                r#"filesystem [0]: "disk" is not a list: {}"#,
+            ),
+            (
+                Value::Array(vec![fsinfo_json(
+                    "/lvm",
+                    "dm-0",
+                    &vec![(None, pci(0, 2)); MAX_DISKS_PER_FS + 1],
+                )]),
+                r#"filesystem [0]: "/lvm" lies on 65 disks (at most 64 accepted)"#,
+            ),
+            (
+                json!([{"name": "vda", "type": "ext4", "mountpoint": "/", "disk": ["x"]}]),
+                r#"filesystem [0]: "/" disk [0]: not an object: "x""#,
+            ),
+            (
+                json!([{"name": "vda", "type": "ext4", "mountpoint": "/",
+                        "disk": [{}, {"serial": 12}]}]),
+                r#"filesystem [0]: "/" disk [1]: "serial" is not a string: 12"#,
+            ),
+        ];
+        for (case, text) in fsinfo_cases {
+            let err = parse_fsinfo(&case).expect_err("malformed");
+            assert_eq!(err.to_string(), text);
+        }
+
+        let device =
+            |slot: i64, id: &str| json!({"bus": 0, "slot": slot, "function": 0, "qdev_id": id});
+        let mut deep = json!([device(1, "vdisk0")]);
+        for _ in 0..=MAX_PCI_DEPTH + 1 {
+            deep = json!([{"bus": 0, "slot": 1, "function": 0, "pci_bridge": {"devices": deep}}]);
+        }
+        let pci_cases = [
+            (json!({}), "not a list: {}"),
+            (
+                json!([{"devices": [device(-1, "vdisk3")]}]),
+                r#"vdisk3 has no valid "slot""#,
+            ),
+            (
+                json!([{"devices": [device(2, "vdisk0"), device(3, "vdisk0")]}]),
+                "vdisk0 appears twice",
+            ),
+            (json!([{"devices": deep}]), "bridges nested deeper than 8"),
+            (
+                json!([{"devices": vec![device(1, "x"); MAX_PCI_DEVICES + 1]}]),
+                "more than 4096 devices",
+            ),
+        ];
+        for (case, text) in pci_cases {
+            let err = parse_query_pci(&case).expect_err("malformed");
+            assert_eq!(err.to_string(), text);
+        }
     }
 
     #[test]

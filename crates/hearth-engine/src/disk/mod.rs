@@ -35,8 +35,7 @@ use files::{Files, file_status};
 use plan::plan_soon;
 use registry::{AtRest, QuietPass};
 
-pub use error::{BaseHeaderError, BlankError, DiskError};
-pub use registry::{Disks, RECONCILES_AT_ONCE};
+pub use registry::Disks;
 pub use resync::resync;
 
 /// Disks whose allocated bytes one resync reads from their files (`stat`),

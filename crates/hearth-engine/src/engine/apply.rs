@@ -7,6 +7,7 @@ use std::sync::Arc;
 use chrono::Utc;
 use hearth_api::{DiskSource, EventType, FieldError, Kind, Object, RunPolicy};
 
+use super::errors::ApplyConflict;
 use super::{
     ApplyAction, ApplyMode, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, VmAction,
 };
@@ -199,28 +200,30 @@ impl Engine {
         if kind == Kind::VirtualDisk
             && let Some(vm) = self.ctx.vms_using_disk(name)?.first()
         {
-            return Err(RequestError::Conflict(format!(
-                "VirtualDisk {name:?} is in use by VirtualMachine {vm:?} (its spec.disks, or its running QEMU until it restarts); delete the VM or remove the disk from it first"
-            )));
+            return Err(ApplyConflict::DiskInUse {
+                disk: name.to_string(),
+                vm: vm.clone(),
+            }
+            .into());
         }
         if kind == Kind::VirtualNetwork {
             let vms = crate::network::desired::vms_using_network(&self.ctx.store, name)?;
             if !vms.is_empty() {
-                let list: Vec<String> = vms.iter().map(|v| format!("{v:?}")).collect();
-                return Err(RequestError::Conflict(format!(
-                    "VirtualNetwork {name:?} is in use by VirtualMachine {} (its spec.networks, or its running QEMU until it restarts); delete those VMs or remove the network from them first",
-                    list.join(", ")
-                )));
+                return Err(ApplyConflict::NetworkInUse {
+                    network: name.to_string(),
+                    vms,
+                }
+                .into());
             }
         }
         if kind == Kind::VirtualImage {
             let disks = crate::image::disks_blocking_delete(&self.ctx.store, name)?;
             if !disks.is_empty() {
-                let list: Vec<String> = disks.iter().map(|d| format!("{d:?}")).collect();
-                return Err(RequestError::Conflict(format!(
-                    "VirtualImage {name:?} is in use by VirtualDisk {} (made from it); delete those disks first",
-                    list.join(", ")
-                )));
+                return Err(ApplyConflict::ImageInUse {
+                    image: name.to_string(),
+                    disks,
+                }
+                .into());
             }
         }
         if !existing.deleting {
@@ -250,9 +253,10 @@ impl Engine {
             return Err(RequestError::deleting(Kind::VirtualMachine, name, ""));
         }
         if vm.spec.run_policy == RunPolicy::AlwaysOff && action != VmAction::Stop {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachine {name:?} has spec.runPolicy AlwaysOff; set it to AlwaysOn or Manual to start it"
-            )));
+            return Err(ApplyConflict::AlwaysOff {
+                vm: name.to_string(),
+            }
+            .into());
         }
         let message = match action {
             VmAction::Start => {
@@ -380,10 +384,11 @@ impl Engine {
             return Ok(());
         };
         if stored.deleting {
-            return Err(RequestError::Conflict(format!(
-                "{}: spec.source.virtualImage: VirtualImage {image:?} is being deleted",
-                obj.display_name()
-            )));
+            return Err(ApplyConflict::ImageDeleting {
+                disk: d.metadata.name.clone(),
+                image: image.clone(),
+            }
+            .into());
         }
         if self.ctx.store.get(Kind::VirtualDisk, obj.name())?.is_some() {
             // An existing disk's spec cannot change (checked below).
@@ -435,7 +440,7 @@ impl Engine {
         &self,
         batch: impl Iterator<Item = &'a Object>,
     ) -> Result<(), RequestError> {
-        use crate::network::admission::{self, NetworkView, Refusal, VmView};
+        use crate::network::admission::{self, NetworkView, VmView};
         let batch: Vec<&Object> = batch.collect();
         let touches_networks = batch.iter().any(|o| match o {
             Object::VirtualNetwork(_) => true,
@@ -484,10 +489,6 @@ impl Engine {
                 );
             }
         }
-        let refused = |r: Refusal| match r {
-            Refusal::Invalid(e) => RequestError::Invalid(e),
-            Refusal::Conflict(m) => RequestError::Conflict(m),
-        };
         for o in batch {
             match o {
                 Object::VirtualNetwork(n) => {
@@ -495,7 +496,8 @@ impl Engine {
                     let (status, deleting) = match networks.get(&name) {
                         Some(old) => {
                             let held = leases.iter().filter(|l| l.network == name).count();
-                            admission::check_network_update(old, n, held).map_err(refused)?;
+                            admission::check_network_update(old, n, held)
+                                .map_err(RequestError::from)?;
                             (old.status.clone(), old.deleting)
                         }
                         None => (Default::default(), false),
@@ -523,7 +525,7 @@ impl Engine {
                 _ => {}
             }
         }
-        admission::check(&networks, &vms, &leases).map_err(refused)
+        admission::check(&networks, &vms, &leases).map_err(RequestError::from)
     }
 
     /// A disk belongs to at most one VM.
@@ -552,11 +554,13 @@ impl Engine {
             if let Object::VirtualMachine(vm) = o {
                 for (i, d) in vm.spec.disks.iter().enumerate() {
                     if let Some(other) = owner.get(&d.virtual_disk_name) {
-                        return Err(RequestError::Conflict(format!(
-                            "{}: spec.disks[{i}].virtualDiskName: VirtualDisk {:?} is already used by VirtualMachine {other:?}",
-                            o.display_name(),
-                            d.virtual_disk_name
-                        )));
+                        return Err(ApplyConflict::DiskTaken {
+                            vm: vm.metadata.name.clone(),
+                            index: i,
+                            disk: d.virtual_disk_name.clone(),
+                            other: other.clone(),
+                        }
+                        .into());
                     }
                     owner.insert(d.virtual_disk_name.clone(), vm.metadata.name.clone());
                 }

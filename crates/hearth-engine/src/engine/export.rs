@@ -3,6 +3,7 @@
 
 use hearth_api::{Kind, Object, SnapshotPhase, SnapshotStatus};
 
+use super::errors::ExportError;
 use super::{Engine, RequestError};
 use crate::snapshot::export::{CONVERT_TIMEOUT, Export, ExportFormat, TempFile, exports_dir};
 use crate::snapshot::storage;
@@ -40,25 +41,24 @@ impl Engine {
         let status: SnapshotStatus =
             serde_json::from_value(stored.status.clone()).unwrap_or_default();
         if status.phase != SnapshotPhase::Ready {
-            let why = match (&status.reason, &status.message) {
-                (Some(r), Some(m)) => format!(" ({r}: {m})"),
-                (Some(r), None) => format!(" ({r})"),
-                (None, Some(m)) => format!(" ({m})"),
-                (None, None) => String::new(),
-            };
-            return Err(RequestError::Conflict(format!(
-                "VirtualDiskSnapshot {name:?} is {}{why}, not Ready: only a Ready snapshot can be exported",
-                status.phase
-            )));
+            return Err(ExportError::NotReady {
+                snapshot: name.to_string(),
+                phase: status.phase,
+                reason: status.reason,
+                message: status.message,
+            }
+            .into());
         }
         let layer = storage::snapshot_layer(&self.ctx.store, name)?.ok_or_else(|| {
-            RequestError::Conflict(format!(
-                "VirtualDiskSnapshot {name:?} is Ready but has no stored layer"
-            ))
+            ExportError::NoLayer {
+                snapshot: name.to_string(),
+            }
         })?;
         let dir = exports_dir(&self.ctx.config.state_dir);
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| RequestError::Conflict(format!("cannot create {}: {e}", dir.display())))?;
+        std::fs::create_dir_all(&dir).map_err(|error| ExportError::CreateDir {
+            dir: dir.clone(),
+            error,
+        })?;
         let _ = std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700));
         let n = self.ctx.store.next_counter("export")?;
         let temp = TempFile(dir.join(format!("{n:08}-{name}.{}", format.as_str())));
@@ -70,22 +70,23 @@ impl Engine {
             CONVERT_TIMEOUT,
         )
         .await
-        .map_err(|e| {
-            RequestError::Conflict(format!(
-                "VirtualDiskSnapshot {name:?}: the conversion to {} failed: {e}",
-                format.as_str()
-            ))
+        .map_err(|reason| ExportError::Convert {
+            snapshot: name.to_string(),
+            format,
+            reason,
         })?;
-        let info = hearth_qemu::img::info(&temp.0)
-            .await
-            .map_err(|e| RequestError::Conflict(format!("VirtualDiskSnapshot {name:?}: {e}")))?;
-        let file = std::fs::File::open(&temp.0).map_err(|e| {
-            RequestError::Conflict(format!("cannot open {}: {e}", temp.0.display()))
+        let info =
+            hearth_qemu::img::info(&temp.0)
+                .await
+                .map_err(|reason| ExportError::Inspect {
+                    snapshot: name.to_string(),
+                    reason,
+                })?;
+        let file = std::fs::File::open(&temp.0).map_err(|error| ExportError::Open {
+            path: temp.0.clone(),
+            error,
         })?;
-        let size = file
-            .metadata()
-            .map_err(|e| RequestError::Conflict(format!("cannot stat the export: {e}")))?
-            .len();
+        let size = file.metadata().map_err(ExportError::Stat)?.len();
         // Unlinked now (the guard's drop); the open file is the only way left to it.
         drop(temp);
         Ok(Export {

@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 use super::{Engine, RequestError};
+use crate::guest::error::GuestAccessError;
 use crate::guest::exec::{
     MAX_INPUT, MAX_RUNNING, MAX_WAIT, RESULT_TTL, call_error, poll_until_exit,
 };
@@ -35,9 +36,10 @@ impl Engine {
         if let Object::VirtualMachine(vm) = &stored.object
             && !vm.spec.guest_agent
         {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachine {name:?} has spec.guestAgent false"
-            )));
+            return Err(GuestAccessError::AgentOff {
+                vm: name.to_string(),
+            }
+            .into());
         }
         self.ctx
             .live_get(name)
@@ -58,13 +60,17 @@ impl Engine {
     ) -> Result<T, RequestError> {
         let live = self.agent_live(name)?;
         let mut guard = live.agent.lock().await;
-        let client = guard.as_mut().ok_or_else(|| {
-            RequestError::Conflict(format!(
-                "VirtualMachine {name:?}: the guest agent is not connected yet"
-            ))
-        })?;
-        f(client).await.map_err(|e| {
-            RequestError::Conflict(format!("VirtualMachine {name:?}: guest agent: {e}"))
+        let client = guard
+            .as_mut()
+            .ok_or_else(|| GuestAccessError::NotConnectedYet {
+                vm: name.to_string(),
+            })?;
+        f(client).await.map_err(|reason| {
+            GuestAccessError::Agent {
+                vm: name.to_string(),
+                reason,
+            }
+            .into()
         })
     }
 
@@ -98,15 +104,13 @@ impl Engine {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         live.exec(path, &args, timeout).await.map_err(|e| {
             use crate::vm::live::ExecError;
-            RequestError::Conflict(match e {
-                ExecError::NotConnected => {
-                    format!("VirtualMachine {name:?}: the guest agent is not connected yet")
-                }
-                ExecError::Stopped => {
-                    format!("VirtualMachine {name:?} stopped while the program ran")
-                }
-                ExecError::Agent(e) => format!("VirtualMachine {name:?}: guest agent: {e}"),
-            })
+            let vm = name.to_string();
+            match e {
+                ExecError::NotConnected => GuestAccessError::NotConnectedYet { vm },
+                ExecError::Stopped => GuestAccessError::StoppedWhileRunning { vm },
+                ExecError::Agent(reason) => GuestAccessError::Agent { vm, reason },
+            }
+            .into()
         })
     }
     /// Starts `path args...` in the guest of `vm` with its output captured
@@ -141,9 +145,11 @@ impl Engine {
             )));
         }
         if self.ctx.execs.running_for(vm) >= MAX_RUNNING {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachine {vm:?}: {MAX_RUNNING} programs started through hearthd are still running; wait for some to end"
-            )));
+            return Err(GuestAccessError::TooManyPrograms {
+                vm: vm.to_string(),
+                limit: MAX_RUNNING,
+            }
+            .into());
         }
         let (channel, process) = self.guest_channel(vm)?;
         let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -218,10 +224,13 @@ impl Engine {
             }
             State::Failed(message) => {
                 self.forget(id, &session);
-                Err(RequestError::Conflict(format!(
-                    "VirtualMachine {vm:?}: program {id} (pid {} in the guest): {message}",
-                    session.pid
-                )))
+                Err(GuestAccessError::ProgramLost {
+                    vm: vm.to_string(),
+                    id,
+                    pid: session.pid,
+                    why: message,
+                }
+                .into())
             }
         }
     }
@@ -244,18 +253,14 @@ impl Engine {
         if let Object::VirtualMachine(v) = &stored.object
             && !v.spec.guest_agent
         {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachine {vm:?} has no guest agent (spec.guestAgent is false)"
-            )));
+            return Err(GuestAccessError::NoAgent { vm: vm.to_string() }.into());
         }
         let live = self
             .ctx
             .live_get(vm)
             .ok_or_else(|| RequestError::NotRunning { vm: vm.to_string() })?;
         if live.record.agent_socket.is_none() {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachine {vm:?} was started without a guest agent channel; restart it to get one"
-            )));
+            return Err(GuestAccessError::NoChannel { vm: vm.to_string() }.into());
         }
         // Fail at once rather than after waiting for the agent: a request
         // in progress waits for a reconnect, a new one does not.
@@ -263,9 +268,7 @@ impl Engine {
             .agent_connected
             .load(std::sync::atomic::Ordering::SeqCst)
         {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachine {vm:?}: its guest agent is not connected (the guest may still be booting: hearth wait vm {vm} --for agent)"
-            )));
+            return Err(GuestAccessError::NotConnected { vm: vm.to_string() }.into());
         }
         let process = live.record.process.clone();
         let channel = Channel::new(
@@ -305,9 +308,11 @@ impl Engine {
             )
             .await
             .map_err(|e| match e {
-                CallError::Agent(AgentError::Command { .. }) => RequestError::Conflict(format!(
-                    "VirtualMachine {vm:?}: copying into the guest needs guest-exec of /bin/sh (to create the file privately and rename it into place when complete), which the guest agent refused: {e}"
-                )),
+                CallError::Agent(AgentError::Command { .. }) => GuestAccessError::NoShell {
+                    vm: vm.to_string(),
+                    reason: e,
+                }
+                .into(),
                 e => call_error(vm, &format!("cannot prepare {path} in the guest"), e),
             })?;
         match out.exit_code {

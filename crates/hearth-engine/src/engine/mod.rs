@@ -21,6 +21,7 @@ use crate::runner::Runner;
 use crate::store::{Store, StoreError, StoredObject};
 
 mod apply;
+pub(crate) mod errors;
 mod export;
 mod guest;
 mod restore;

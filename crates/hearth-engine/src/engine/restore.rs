@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use hearth_api::{EventType, Kind, Object, VirtualDiskStatus, VirtualMachine};
 
+use super::errors::RestoreError;
 use super::{Engine, RequestError};
 
 impl Engine {
@@ -25,15 +26,12 @@ impl Engine {
         let status: hearth_api::SnapshotStatus =
             serde_json::from_value(stored.status.clone()).unwrap_or_default();
         if status.phase != hearth_api::SnapshotPhase::Ready {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachineSnapshotGroup {name:?} is {}, not Ready{}",
-                status.phase,
-                status
-                    .message
-                    .as_ref()
-                    .map(|m| format!(" ({m})"))
-                    .unwrap_or_default()
-            )));
+            return Err(RestoreError::GroupNotReady {
+                group: name.to_string(),
+                phase: status.phase,
+                message: status.message,
+            }
+            .into());
         }
         let mut plan = Vec::new();
         for vm in &group.spec.virtual_machine_names {
@@ -43,10 +41,11 @@ impl Engine {
             let ms: hearth_api::SnapshotStatus =
                 serde_json::from_value(m.status.clone()).unwrap_or_default();
             if ms.phase != hearth_api::SnapshotPhase::Ready {
-                return Err(RequestError::Conflict(format!(
-                    "member VirtualMachineSnapshot {member:?} is {}, not Ready",
-                    ms.phase
-                )));
+                return Err(RestoreError::MemberNotReady {
+                    member,
+                    phase: ms.phase,
+                }
+                .into());
             }
             plan.push((vm.clone(), member));
         }
@@ -55,17 +54,17 @@ impl Engine {
             async move { (vm, engine.restore_vm(vm, member).await) }
         });
         let results = futures_util::future::join_all(each).await;
-        let failed: Vec<String> = results
+        let failed: Vec<(String, String)> = results
             .iter()
-            .filter_map(|(vm, r)| r.as_ref().err().map(|e| format!("{vm}: {e}")))
+            .filter_map(|(vm, r)| r.as_ref().err().map(|e| (vm.to_string(), e.to_string())))
             .collect();
         if !failed.is_empty() {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachineSnapshotGroup {name:?}: {} of {} member(s) not restored: {}",
-                failed.len(),
-                plan.len(),
-                failed.join("; ")
-            )));
+            return Err(RestoreError::MembersFailed {
+                group: name.to_string(),
+                members: plan.len(),
+                failed,
+            }
+            .into());
         }
         let message = format!(
             "VirtualMachineSnapshotGroup {name:?}: {} VM(s) restored ({})",
@@ -110,18 +109,21 @@ impl Engine {
             ));
         }
         if vmsnap.spec.virtual_machine_name != vm_name {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachineSnapshot {from:?} is of VirtualMachine {:?}, not {vm_name:?}",
-                vmsnap.spec.virtual_machine_name
-            )));
+            return Err(RestoreError::OtherVm {
+                snapshot: from.to_string(),
+                of: vmsnap.spec.virtual_machine_name.clone(),
+                vm: vm_name.to_string(),
+            }
+            .into());
         }
         let status: hearth_api::SnapshotStatus =
             serde_json::from_value(snap.status.clone()).unwrap_or_default();
         if status.phase != hearth_api::SnapshotPhase::Ready {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachineSnapshot {from:?} is {}, not Ready",
-                status.phase
-            )));
+            return Err(RestoreError::NotReady {
+                snapshot: from.to_string(),
+                phase: status.phase,
+            }
+            .into());
         }
         // Each disk snapshot's pin is held from reading its layer until the
         // restored heads are recorded (from then on the store keeps the
@@ -142,21 +144,27 @@ impl Engine {
         for child in &status.virtual_disk_snapshot_names {
             let c = self.get(Kind::VirtualDiskSnapshot, child)?;
             if c.deleting {
-                return Err(RequestError::Conflict(format!(
-                    "VirtualDiskSnapshot {child:?} of VirtualMachineSnapshot {from:?} is being deleted; nothing was restored"
-                )));
+                return Err(RestoreError::DiskSnapshotDeleting {
+                    disk_snapshot: child.clone(),
+                    snapshot: from.to_string(),
+                }
+                .into());
             }
             let Object::VirtualDiskSnapshot(ds) = &c.object else {
                 continue;
             };
             let disk = ds.spec.virtual_disk_name.clone();
             if !vm.spec.disks.iter().any(|d| d.virtual_disk_name == disk) {
-                return Err(RequestError::Conflict(format!(
-                    "VirtualDisk {disk:?} of the snapshot is no longer in VirtualMachine {vm_name:?} (spec.disks)"
-                )));
+                return Err(RestoreError::DiskGone {
+                    disk,
+                    vm: vm_name.to_string(),
+                }
+                .into());
             }
             let layer = storage::snapshot_layer(&self.ctx.store, child)?.ok_or_else(|| {
-                RequestError::Conflict(format!("VirtualDiskSnapshot {child:?} has no stored layer"))
+                RestoreError::NoLayer {
+                    disk_snapshot: child.clone(),
+                }
             })?;
             plan.push((disk, layer));
         }
@@ -220,32 +228,34 @@ impl Engine {
             let started = std::time::Instant::now();
             while self.ctx.store.runtime(vm_name)?.is_some() {
                 if started.elapsed() > limit {
-                    return Err(RequestError::Conflict(format!(
-                        "VirtualMachine {vm_name:?} did not stop within {} s; nothing was restored",
-                        limit.as_secs()
-                    )));
+                    return Err(RestoreError::DidNotStop {
+                        vm: vm_name.to_string(),
+                        seconds: limit.as_secs(),
+                    }
+                    .into());
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
         }
         let _ops = self.ctx.lock_vm_ops(vm).await;
         if self.ctx.store.runtime(vm_name)?.is_some() {
-            return Err(RequestError::Conflict(format!(
-                "VirtualMachine {vm_name:?} is running; stop it first (nothing was restored)"
-            )));
+            return Err(RestoreError::Running {
+                vm: vm_name.to_string(),
+            }
+            .into());
         }
         // The last QEMU is gone: a cut it left unsettled is settled first,
         // so the heads replaced below are the real ones.
         let disks: Vec<String> = plan.iter().map(|(d, _)| d.clone()).collect();
         crate::snapshot::overlays::settle_offline(&self.ctx.store, &disks)
             .await
-            .map_err(|e| RequestError::Conflict(format!("{e} (nothing was restored)")))?;
+            .map_err(RestoreError::SettleOverlays)?;
         crate::snapshot::compaction::settle_offline(&self.ctx, &disks)
             .await
-            .map_err(|e| RequestError::Conflict(format!("{e} (nothing was restored)")))?;
+            .map_err(RestoreError::SettleCompaction)?;
         let state_dir = self.ctx.config.state_dir.clone();
         std::fs::create_dir_all(storage::layers_dir(&state_dir))
-            .map_err(|e| RequestError::Conflict(e.to_string()))?;
+            .map_err(RestoreError::LayersDir)?;
         let mut made = Vec::new();
         for (disk, layer) in plan {
             let new = storage::allocate(&self.ctx.store, &state_dir, disk)?;
@@ -256,9 +266,11 @@ impl Engine {
                     let m: &storage::NewLayer = m;
                     let _ = std::fs::remove_file(&m.path);
                 }
-                return Err(RequestError::Conflict(format!(
-                    "VirtualDisk {disk:?}: {e} (nothing was restored)"
-                )));
+                return Err(RestoreError::Overlay {
+                    disk: disk.clone(),
+                    reason: e,
+                }
+                .into());
             }
             made.push((disk.clone(), new, layer.id.clone()));
         }

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use hearth_qemu::agent::{AgentError, EXEC_POLL_FIRST, ExecOutput, next_exec_poll};
 
+use super::error::GuestAccessError;
 use super::sessions::{Session, State};
 use super::{CallError, Channel};
 use crate::error::RequestError;
@@ -100,6 +101,126 @@ pub(crate) fn call_error(vm: &str, doing: &str, e: CallError) -> RequestError {
             vm: vm.to_string(),
             message: format!("{doing}: {e}"),
         },
-        _ => RequestError::Conflict(format!("VirtualMachine {vm:?}: {doing}: {e}")),
+        _ => GuestAccessError::Call {
+            vm: vm.to_string(),
+            doing: doing.to_string(),
+            reason: e,
+        }
+        .into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::Refusal;
+
+    /// As `error::tests::pin`: each case against the text of the `format!`
+    /// it replaced, and its class (all were conflicts, 409).
+    fn pin(cases: Vec<(RequestError, String)>) {
+        for (e, old) in cases {
+            assert_eq!(e.to_string(), old, "{e:?}");
+            assert_eq!(e.refusal(), Refusal::Conflict, "{e:?}");
+        }
+    }
+
+    fn call() -> CallError {
+        CallError::Agent(hearth_qemu::agent::AgentError::Command {
+            command: "guest-exec".into(),
+            class: "GenericError".into(),
+            desc: "No such file".into(),
+        })
+    }
+    #[test]
+    fn guest_access_refusals_read_as_before() {
+        let (name, vm, id, pid) = ("a", "a", 7u64, 42i64);
+        let agent = hearth_qemu::agent::AgentError::Disconnected;
+        let e = call();
+        let (doing, message) = (
+            "cannot open /etc/x in the guest",
+            "the VM stopped while the program ran",
+        );
+        pin(vec![
+            (
+                GuestAccessError::AgentOff { vm: name.into() }.into(),
+                format!("VirtualMachine {name:?} has spec.guestAgent false"),
+            ),
+            (
+                GuestAccessError::NotConnectedYet { vm: name.into() }.into(),
+                format!("VirtualMachine {name:?}: the guest agent is not connected yet"),
+            ),
+            (
+                GuestAccessError::Agent {
+                    vm: name.into(),
+                    reason: hearth_qemu::agent::AgentError::Disconnected,
+                }
+                .into(),
+                format!("VirtualMachine {name:?}: guest agent: {agent}"),
+            ),
+            (
+                GuestAccessError::StoppedWhileRunning { vm: name.into() }.into(),
+                format!("VirtualMachine {name:?} stopped while the program ran"),
+            ),
+            (
+                GuestAccessError::NoAgent { vm: vm.into() }.into(),
+                format!("VirtualMachine {vm:?} has no guest agent (spec.guestAgent is false)"),
+            ),
+            (
+                GuestAccessError::NoChannel { vm: vm.into() }.into(),
+                format!(
+                    "VirtualMachine {vm:?} was started without a guest agent channel; restart it to get one"
+                ),
+            ),
+            (
+                GuestAccessError::NotConnected { vm: vm.into() }.into(),
+                format!(
+                    "VirtualMachine {vm:?}: its guest agent is not connected (the guest may still be booting: hearth wait vm {vm} --for agent)"
+                ),
+            ),
+            (
+                GuestAccessError::TooManyPrograms {
+                    vm: vm.into(),
+                    limit: MAX_RUNNING,
+                }
+                .into(),
+                format!(
+                    "VirtualMachine {vm:?}: {MAX_RUNNING} programs started through hearthd are still running; wait for some to end"
+                ),
+            ),
+            (
+                GuestAccessError::ProgramLost {
+                    vm: vm.into(),
+                    id,
+                    pid,
+                    why: message.into(),
+                }
+                .into(),
+                format!(
+                    "VirtualMachine {vm:?}: program {id} (pid {} in the guest): {message}",
+                    pid
+                ),
+            ),
+            (
+                GuestAccessError::NoShell {
+                    vm: vm.into(),
+                    reason: call(),
+                }
+                .into(),
+                format!(
+                    "VirtualMachine {vm:?}: copying into the guest needs guest-exec of /bin/sh (to create the file privately and rename it into place when complete), which the guest agent refused: {e}"
+                ),
+            ),
+            (
+                call_error(vm, doing, CallError::Busy),
+                format!("VirtualMachine {vm:?}: {doing}: {}", CallError::Busy),
+            ),
+        ]);
+        // What the guest refuses stays a bad request.
+        let refused = call_error(vm, doing, call());
+        assert_eq!(refused.refusal(), Refusal::BadRequest);
+        assert_eq!(
+            refused.to_string(),
+            format!("VirtualMachine {vm:?}: {doing}: {e}")
+        );
     }
 }

@@ -13,6 +13,7 @@
 //! call, never for a whole copy or a whole program. Decisions and
 //! measurements: docs/cli.md ("exec", "cp").
 
+pub mod error;
 pub mod exec;
 pub mod files;
 pub mod sessions;

@@ -630,7 +630,6 @@ pub fn sweep(store: &Store, dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
 pub struct ReadyImage {
     pub path: PathBuf,
     pub format: String,
-    pub virtual_size: u64,
 }
 
 /// Why a disk cannot be made from its image now.
@@ -727,7 +726,6 @@ pub fn ready_for_disk(
             _ => Ok(ReadyImage {
                 path: path.clone(),
                 format: format.clone(),
-                virtual_size,
             }),
         },
         (ImagePhase::Failed, ..) => Err(NotReady::Waiting(format!(

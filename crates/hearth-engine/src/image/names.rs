@@ -37,6 +37,7 @@ pub fn parse_stored(name: &str) -> Option<(&str, &str)> {
 }
 
 /// Whether `path` is an image-store file (by its name alone).
+#[cfg(test)]
 pub fn is_stored(path: &Path) -> bool {
     path.file_name()
         .and_then(|n| n.to_str())

@@ -642,6 +642,7 @@ impl Core {
     }
 
     /// Whether anything is left to do without a change in the directory.
+    #[cfg(test)]
     pub fn is_quiet(&self) -> bool {
         self.next_wake().is_none()
     }

@@ -318,10 +318,6 @@ impl Scanner {
         }
     }
 
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     /// Lists the directory and reads what changed.
     pub fn scan(&mut self) -> (Listing, ScanStats) {
         let started = SystemTime::now();

@@ -105,12 +105,90 @@ fn states(vms: &BTreeMap<String, VmView>) -> Vec<Vec<Claimant<'_>>> {
 
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
-    /// Bad input against this host's objects (HTTP 422).
+    /// Bad input against this host's objects (`RequestError::Invalid`).
     #[error("{0}")]
     Invalid(FieldError),
-    /// Held by another object (HTTP 409).
+    /// Held by another object (`RequestError::Network`).
     #[error("{0}")]
-    Conflict(String),
+    Conflict(Box<NetworkConflict>),
+}
+
+impl From<NetworkConflict> for Refusal {
+    fn from(c: NetworkConflict) -> Self {
+        Refusal::Conflict(Box::new(c))
+    }
+}
+
+/// What another network or VM holds that an apply asks for: each case names
+/// the object and field it refuses and the other holder.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum NetworkConflict {
+    #[error(
+        "VirtualNetwork {network:?}: spec.subnet: cannot move from {from} to {to} while {leases} VM interface(s) hold addresses in it; remove them from the network first"
+    )]
+    SubnetHasLeases {
+        network: String,
+        from: Ipv4Cidr,
+        to: Ipv4Cidr,
+        leases: usize,
+    },
+    #[error("VirtualNetwork {network:?}: spec.subnet: {reason}")]
+    Subnet {
+        network: String,
+        reason: subnets::SubnetError,
+    },
+    #[error(
+        "VirtualNetwork {network:?}: metadata.name: its bridge name {bridge:?} is the one of VirtualNetwork {other:?}; choose another name"
+    )]
+    BridgeName {
+        network: String,
+        bridge: String,
+        other: String,
+    },
+    #[error(
+        "VirtualMachine {vm:?}: spec.networks[{index}].virtualNetworkName: VirtualNetwork {network:?} is being deleted"
+    )]
+    NetworkDeleting {
+        vm: String,
+        index: usize,
+        network: String,
+    },
+    /// An address taken by another holder, or none left.
+    #[error(
+        "VirtualMachine {vm:?}: spec.networks[{index}].ipAddress: {reason} (VirtualNetwork {network:?})"
+    )]
+    Address {
+        vm: String,
+        index: u32,
+        network: String,
+        reason: IpamError,
+    },
+    #[error("VirtualMachine {vm:?}: {reason}")]
+    Port {
+        vm: String,
+        reason: ports::PortConflict,
+    },
+    #[error(
+        "VirtualMachine {vm:?}: spec.networks[{index}]: its tap name {tap:?} is the one of VirtualMachine {other:?} spec.networks[{other_index}]; choose another VM name"
+    )]
+    TapName {
+        vm: String,
+        index: usize,
+        tap: String,
+        other: String,
+        other_index: usize,
+    },
+    #[error(
+        "VirtualMachine {vm:?}: spec.networks[{index}].macAddress: {mac} is also the MAC of VirtualMachine {other:?} spec.networks[{other_index}] on VirtualNetwork {network:?}"
+    )]
+    Mac {
+        vm: String,
+        index: usize,
+        mac: String,
+        other: String,
+        other_index: usize,
+        network: String,
+    },
 }
 
 fn invalid(object: String, field: String, message: String) -> Refusal {
@@ -151,9 +229,13 @@ pub fn check_network_update(
         && old_subnet != new_subnet
         && leases > 0
     {
-        return Err(Refusal::Conflict(format!(
-            "{who}: spec.subnet: cannot move from {old_subnet} to {new_subnet} while {leases} VM interface(s) hold addresses in it; remove them from the network first"
-        )));
+        return Err(NetworkConflict::SubnetHasLeases {
+            network: new.metadata.name.clone(),
+            from: old_subnet,
+            to: new_subnet,
+            leases,
+        }
+        .into());
     }
     Ok(())
 }
@@ -187,9 +269,11 @@ fn check_subnets(networks: &BTreeMap<String, NetworkView>) -> Result<(), Refusal
             .filter_map(|(o, v)| v.subnet().map(|s| (o.clone(), s)))
             .collect();
         if let Err(e) = subnets::check(subnet, &others, &[]) {
-            return Err(Refusal::Conflict(format!(
-                "VirtualNetwork {name:?}: spec.subnet: {e}"
-            )));
+            return Err(NetworkConflict::Subnet {
+                network: name.clone(),
+                reason: e,
+            }
+            .into());
         }
     }
     Ok(())
@@ -201,9 +285,12 @@ fn check_bridge_names(networks: &BTreeMap<String, NetworkView>) -> Result<(), Re
         .filter(|(_, n)| n.network.spec.mode != NetworkMode::Bridge)
         .map(|(name, _)| (name.clone(), names::bridge_name(name)));
     if let Some((a, b, bridge)) = names::collisions(own) {
-        return Err(Refusal::Conflict(format!(
-            "VirtualNetwork {b:?}: metadata.name: its bridge name {bridge:?} is the one of VirtualNetwork {a:?}; choose another name"
-        )));
+        return Err(NetworkConflict::BridgeName {
+            network: b,
+            bridge,
+            other: a,
+        }
+        .into());
     }
     Ok(())
 }
@@ -216,10 +303,12 @@ fn check_vm_networks(v: &VmView, networks: &BTreeMap<String, NetworkView>) -> Re
             continue;
         };
         if n.deleting {
-            return Err(Refusal::Conflict(format!(
-                "VirtualMachine {:?}: spec.networks[{i}].virtualNetworkName: VirtualNetwork {:?} is being deleted",
-                vm.metadata.name, nic.virtual_network_name
-            )));
+            return Err(NetworkConflict::NetworkDeleting {
+                vm: vm.metadata.name.clone(),
+                index: i,
+                network: nic.virtual_network_name.clone(),
+            }
+            .into());
         }
     }
     Ok(())
@@ -315,14 +404,19 @@ fn check_addresses(
                 .any(|c| c.in_batch && c.vm.metadata.name == h.vm)
         });
         if let Some((holder, e)) = batch_problem {
-            let object = format!("VirtualMachine {:?}", holder.vm);
-            let field = format!("spec.networks[{}].ipAddress", holder.interface);
-            let message = format!("{e} (VirtualNetwork {net_name:?})");
             return Err(match e {
-                IpamError::Taken { .. } | IpamError::Exhausted { .. } => {
-                    Refusal::Conflict(format!("{object}: {field}: {message}"))
+                IpamError::Taken { .. } | IpamError::Exhausted { .. } => NetworkConflict::Address {
+                    vm: holder.vm,
+                    index: holder.interface,
+                    network: net_name.clone(),
+                    reason: e,
                 }
-                _ => invalid(object, field, message),
+                .into(),
+                _ => invalid(
+                    format!("VirtualMachine {:?}", holder.vm),
+                    format!("spec.networks[{}].ipAddress", holder.interface),
+                    format!("{e} (VirtualNetwork {net_name:?})"),
+                ),
             });
         }
     }
@@ -346,10 +440,11 @@ fn check_ports(state: &[Claimant<'_>]) -> Result<(), Refusal> {
     for c in state.iter().filter(|c| c.in_batch) {
         let mine = ports::forwards_of(c.vm);
         if let Err(e) = ports::check(&mine, &all) {
-            return Err(Refusal::Conflict(format!(
-                "VirtualMachine {:?}: {e}",
-                c.vm.metadata.name
-            )));
+            return Err(NetworkConflict::Port {
+                vm: c.vm.metadata.name.clone(),
+                reason: e,
+            }
+            .into());
         }
     }
     Ok(())
@@ -368,9 +463,14 @@ fn check_interface_names(
         })
     });
     if let Some(((a, ai), (b, bi), tap)) = names::collisions(taps) {
-        return Err(Refusal::Conflict(format!(
-            "VirtualMachine {b:?}: spec.networks[{bi}]: its tap name {tap:?} is the one of VirtualMachine {a:?} spec.networks[{ai}]; choose another VM name"
-        )));
+        return Err(NetworkConflict::TapName {
+            vm: b,
+            index: bi,
+            tap,
+            other: a,
+            other_index: ai,
+        }
+        .into());
     }
     for net_name in networks.keys() {
         let macs = state.iter().flat_map(|c| {
@@ -385,9 +485,15 @@ fn check_interface_names(
                 .collect::<Vec<_>>()
         });
         if let Some(((a, ai), (b, bi), mac)) = names::collisions(macs) {
-            return Err(Refusal::Conflict(format!(
-                "VirtualMachine {b:?}: spec.networks[{bi}].macAddress: {mac} is also the MAC of VirtualMachine {a:?} spec.networks[{ai}] on VirtualNetwork {net_name:?}"
-            )));
+            return Err(NetworkConflict::Mac {
+                vm: b,
+                index: bi,
+                mac,
+                other: a,
+                other_index: ai,
+                network: net_name.clone(),
+            }
+            .into());
         }
     }
     Ok(())

@@ -34,6 +34,8 @@ pub const HOLD_SECONDS: u32 = 5;
 /// The guest's marker of a change hearthd made: the pid of the script that
 /// made it. A watcher resets `rcu_expedited` only while the marker is still
 /// its own, so a later cut's change is not undone by an earlier watcher.
+/// (`SCRIPT` spells it out; its test checks the two agree.)
+#[cfg(test)]
 pub const MARKER: &str = "/run/hearth-rcu-expedited";
 
 /// The shell script `guest-exec` runs (`/bin/sh -c SCRIPT`). Prints one

@@ -164,17 +164,13 @@ impl Group {
         }
     }
 
+    #[cfg(test)]
     pub fn phase(&self) -> &Phase {
         &self.phase
     }
 
     pub fn is_done(&self) -> bool {
         self.phase == Phase::Done
-    }
-
-    /// The group's deadline, once its intent is being recorded.
-    pub fn deadline(&self) -> Option<Millis> {
-        self.deadline
     }
 
     /// When the shell must send a [`GroupInput::Tick`].

@@ -14,10 +14,8 @@ mod reconcile;
 pub mod registry;
 pub mod storage;
 
-pub use actor::target_of;
 pub use group_run::{member_name as group_member_name, reconcile_group};
 pub use reconcile::{reconcile_disk_snapshot, reconcile_vm_snapshot};
-pub use registry::Actors;
 
 /// Milliseconds on one monotonic clock shared by every snapshot actor and
 /// group run of this daemon, so a group's deadline means the same instant

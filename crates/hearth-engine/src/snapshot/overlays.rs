@@ -69,13 +69,7 @@ impl From<OverlayError> for String {
     }
 }
 
-pub use crate::store::journals::{Ahead, Entry, Journal, Overlay, claim_tx, record_tx};
-
-/// Records `e` in its own store transaction. Called before the overlay's
-/// file is created.
-pub fn record<E: Entry>(store: &Store, e: &E) -> Result<(), StoreError> {
-    store.with_tx(|tx| record_tx(tx, e))
-}
+pub use crate::store::journals::{Ahead, Entry, Overlay, claim_tx, record_tx};
 
 /// The overlays of `E`'s journal that a target's actor made.
 pub fn of_target<E: Entry>(store: &Store, target: &str) -> Result<Vec<E>, StoreError> {
@@ -541,7 +535,7 @@ mod tests {
             node: live.then(|| "h7d0".to_string()),
             base: base.id,
         };
-        record(&store, &o).unwrap();
+        store.with_tx(|tx| record_tx(tx, &o)).unwrap();
         if create {
             // A real overlay, as QEMU formats it, over the head.
             let out = std::process::Command::new("qemu-img")

@@ -17,9 +17,9 @@ use std::path::{Path, PathBuf};
 use crate::store::{Store, StoreError, layers};
 
 pub use crate::store::layers::{
-    Layer, NewLayer, base_in_use_tx, drop_head, drop_snapshot_layer, drop_snapshot_layer_tx, head,
-    head_tx, layer_base_tx, layer_source_image_tx, layer_tx, set_head_tx, set_layer_base_tx,
-    set_layer_source_image_tx, set_snapshot_layer_tx, snapshot_layer,
+    Layer, NewLayer, drop_head, drop_snapshot_layer_tx, head, head_tx, layer_base_tx,
+    layer_source_image_tx, layer_tx, set_head_tx, set_layer_base_tx, set_layer_source_image_tx,
+    set_snapshot_layer_tx, snapshot_layer,
 };
 
 pub fn layers_dir(state_dir: &Path) -> PathBuf {
@@ -183,6 +183,7 @@ pub(crate) fn open_files_except(except: Option<u32>) -> BTreeSet<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::layers::drop_snapshot_layer;
 
     fn layer(store: &Store, dir: &Path, disk: &str) -> NewLayer {
         let l = allocate(store, dir, disk).unwrap();

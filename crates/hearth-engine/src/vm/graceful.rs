@@ -35,8 +35,10 @@ pub enum Request {
     PowerButton,
 }
 
-/// What came of one request.
+/// What came of one request. (`NoAnswer` is one: the stop's log lines
+/// print these names.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[allow(clippy::enum_variant_names)]
 pub enum Answer {
     /// The agent answered a resync and did not refuse `guest-shutdown`.
     Accepted,
@@ -52,6 +54,7 @@ pub enum Answer {
 
 impl Answer {
     /// The answers `request` can get.
+    #[cfg(test)]
     pub fn possible(request: Request) -> &'static [Answer] {
         match request {
             Request::Agent => &[Answer::Accepted, Answer::Refused, Answer::NoAnswer],

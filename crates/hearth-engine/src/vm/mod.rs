@@ -15,9 +15,7 @@ pub mod seed;
 mod start;
 mod stop;
 
-pub use chain::ChainError;
 pub use error::VmError;
-pub use firmware::FirmwareError;
 pub use reconcile::reconcile;
 
 use hearth_api::{VirtualMachineStatus, VmPhase};

@@ -408,3 +408,77 @@ async fn restore(
     })??;
     Ok(Json(json!({"message": message})))
 }
+
+#[cfg(test)]
+mod tests {
+    use hearth_engine::{
+        ApplyConflict, ExportError, GuestAccessError, NetworkConflict, RequestError, RestoreError,
+    };
+
+    use super::*;
+
+    /// Each subsystem's refusals keep the status and text they had.
+    #[test]
+    fn refusals_keep_their_status() {
+        let cases: Vec<(RequestError, StatusCode, &str)> = vec![
+            (
+                ApplyConflict::AlwaysOff { vm: "a".into() }.into(),
+                StatusCode::CONFLICT,
+                r#"VirtualMachine "a" has spec.runPolicy AlwaysOff; set it to AlwaysOn or Manual to start it"#,
+            ),
+            (
+                NetworkConflict::NetworkDeleting {
+                    vm: "a".into(),
+                    index: 0,
+                    network: "lan".into(),
+                }
+                .into(),
+                StatusCode::CONFLICT,
+                r#"VirtualMachine "a": spec.networks[0].virtualNetworkName: VirtualNetwork "lan" is being deleted"#,
+            ),
+            (
+                RestoreError::Running { vm: "a".into() }.into(),
+                StatusCode::CONFLICT,
+                r#"VirtualMachine "a" is running; stop it first (nothing was restored)"#,
+            ),
+            (
+                ExportError::NoLayer {
+                    snapshot: "s".into(),
+                }
+                .into(),
+                StatusCode::CONFLICT,
+                r#"VirtualDiskSnapshot "s" is Ready but has no stored layer"#,
+            ),
+            (
+                GuestAccessError::NoAgent { vm: "a".into() }.into(),
+                StatusCode::CONFLICT,
+                r#"VirtualMachine "a" has no guest agent (spec.guestAgent is false)"#,
+            ),
+            (
+                RequestError::NotRunning { vm: "a".into() },
+                StatusCode::CONFLICT,
+                r#"VirtualMachine "a" is not running"#,
+            ),
+            (
+                RequestError::Guest {
+                    vm: "a".into(),
+                    message: "no program to run (path is empty)".into(),
+                },
+                StatusCode::BAD_REQUEST,
+                r#"VirtualMachine "a": no program to run (path is empty)"#,
+            ),
+            (
+                RequestError::NotInGuest {
+                    vm: "a".into(),
+                    what: "no such file /x".into(),
+                },
+                StatusCode::NOT_FOUND,
+                r#"VirtualMachine "a": no such file /x"#,
+            ),
+        ];
+        for (e, status, text) in cases {
+            let ApiError(got, message) = ApiError::from(e);
+            assert_eq!((got, message.as_str()), (status, text));
+        }
+    }
+}

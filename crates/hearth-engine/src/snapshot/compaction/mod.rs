@@ -34,8 +34,8 @@ use crate::store::{Store, StoreError};
 mod run;
 mod settle;
 
-pub use run::{Report, Yield, compact_disk};
-pub use settle::{settle, settle_offline};
+pub use run::{Yield, compact_disk};
+pub use settle::settle_offline;
 
 const QMP_TIMEOUT: Duration = Duration::from_secs(5);
 

@@ -249,6 +249,7 @@ impl Coordinator {
                 || (self.needs_thaw && matches!(access, Access::Agent | Access::Offline)))
     }
 
+    #[cfg(test)]
     pub fn current_cut(&self) -> Option<(CutId, Step)> {
         self.cut.as_ref().map(|c| (c.id, c.step))
     }

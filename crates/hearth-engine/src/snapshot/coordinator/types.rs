@@ -253,7 +253,9 @@ pub enum Input {
 }
 
 /// Where a member of a group stands, reported to the group at its barriers.
+/// (Each is what it is ready for: the names say so.)
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[allow(clippy::enum_variant_names)]
 pub enum GroupReport {
     /// Prepared, and about to record its intent and freeze: held until
     /// [`Input::GroupGoFreeze`].
