@@ -4,52 +4,24 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use hearth_oci::blobs::BlobStore;
 use hearth_oci::layout::{Layout, REF_NAME};
 use hearth_oci::shape::{self, Shape};
 use hearth_oci::{Digest, OciError};
+use hearth_test_support::oci::{self, sha256sum, tool, umoci_image};
 
 fn run(program: &str, args: &[&str]) -> String {
-    let out = Command::new(program).args(args).output().unwrap_or_else(|e| {
-        panic!("{program}: {e}; install it with `apt-get install -y {program}` (.ci/install-deps.sh does)")
-    });
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    tool(program, args)
 }
 
 fn path(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
 
-/// An image `tag` in the layout at `layout` (made if needed) whose one
-/// layer holds what `fill` puts into the root.
-fn umoci_image(layout: &Path, tag: &str, fill: impl FnOnce(&Path)) {
-    if !layout.join("oci-layout").exists() {
-        run("umoci", &["init", "--layout", path(layout)]);
-    }
-    let image = format!("{}:{tag}", path(layout));
-    run("umoci", &["new", "--image", &image]);
-    let bundle = layout.with_extension(format!("bundle-{tag}"));
-    run("umoci", &["unpack", "--image", &image, path(&bundle)]);
-    fill(&bundle.join("rootfs"));
-    run("umoci", &["repack", "--image", &image, path(&bundle)]);
-    fs::remove_dir_all(&bundle).unwrap();
-}
-
 /// The manifest digest skopeo reads for `oci:LAYOUT:TAG`.
 fn skopeo_digest(layout: &Path, tag: &str) -> String {
-    skopeo_digest_of(&format!("oci:{}:{tag}", path(layout)))
-}
-
-fn sha256sum(file: &Path) -> String {
-    let out = run("sha256sum", &[path(file)]);
-    out.split_whitespace().next().unwrap().to_string()
+    oci::skopeo_digest(&format!("oci:{}:{tag}", path(layout)), &[])
 }
 
 fn rootfs(root: &Path) {
@@ -286,7 +258,7 @@ fn archives_that_skopeo_writes_in_both_formats_give_the_image_back() {
     let oci = hearth_oci::archive::import(&oci_tar, &store, Some("base"), 1 << 30).unwrap();
     assert_eq!(
         oci.digest.to_string(),
-        skopeo_digest_of(&format!("oci-archive:{}:base", path(&oci_tar)))
+        oci::skopeo_digest(&format!("oci-archive:{}:base", path(&oci_tar)), &[])
     );
     assert_eq!(oci.digest, original.digest);
 
@@ -327,12 +299,4 @@ fn archives_that_skopeo_writes_in_both_formats_give_the_image_back() {
     let e = hearth_oci::archive::import(&docker_tar, &store, Some("2"), 1 << 30).unwrap_err();
     assert!(e.to_string().contains("docker.io/hearth/box:1"), "{e}");
     assert_eq!(fs::read_dir(store.root().join("tmp")).unwrap().count(), 0);
-}
-
-/// The digest of the manifest skopeo reads at `transport:ref`.
-fn skopeo_digest_of(reference: &str) -> String {
-    let raw = run("skopeo", &["inspect", "--raw", reference]);
-    let file = tempfile::NamedTempFile::new().unwrap();
-    fs::write(file.path(), raw.as_bytes()).unwrap();
-    format!("sha256:{}", sha256sum(file.path()))
 }

@@ -8,24 +8,12 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 use hearth_oci::blobs::BlobStore;
 use hearth_oci::layout::Layout;
 use hearth_oci::unpack::Unpacker;
 use hearth_oci::{OciError, ext4};
-
-fn run(program: &str, args: &[&str]) -> String {
-    let out = Command::new(program).args(args).output().unwrap_or_else(|e| {
-        panic!("{program}: {e}; install it with `apt-get install -y {program}` (.ci/install-deps.sh does)")
-    });
-    assert!(
-        out.status.success(),
-        "{program} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
+use hearth_test_support::oci::{tool, umoci_layers};
 
 fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
@@ -104,19 +92,12 @@ fn layer(entries: &[(&str, E)]) -> Vec<u8> {
     b.into_inner().unwrap()
 }
 
-/// An image in a fresh layout made of `layers`, added by `umoci raw
-/// add-layer` over an empty `umoci new` image.
 fn image(dir: &Path, layers: &[Vec<u8>]) -> PathBuf {
-    let layout = dir.join("layout");
-    run("umoci", &["init", "--layout", s(&layout)]);
-    let img = format!("{}:t", s(&layout));
-    run("umoci", &["new", "--image", &img]);
-    for (n, bytes) in layers.iter().enumerate() {
-        let f = dir.join(format!("layer{n}.tar"));
-        fs::write(&f, bytes).unwrap();
-        run("umoci", &["raw", "add-layer", "--image", &img, s(&f)]);
-    }
-    layout
+    umoci_layers(dir, layers)
+}
+
+fn run(program: &str, args: &[&str]) -> String {
+    tool(program, args)
 }
 
 /// What the comparison looks at, for one path.

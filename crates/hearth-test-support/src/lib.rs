@@ -1,7 +1,8 @@
 //! What hearth's tests share: typed builders for the objects they apply
 //! (serialised from the `hearth_api` types, so a test's input is always a
 //! shape the API knows), a bounded wait for conditions outside the daemon,
-//! and readers of the process table.
+//! readers of the process table, and OCI fixtures (layouts, a registry)
+//! made with real tools.
 //!
 //! ```
 //! use hearth_test_support::{Disk, Manifest, Vm};
@@ -14,6 +15,7 @@
 //! ```
 
 mod objects;
+pub mod oci;
 pub mod process;
 mod wait;
 

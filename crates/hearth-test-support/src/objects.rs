@@ -9,7 +9,7 @@ use std::path::Path;
 
 use hearth_api::{
     API_VERSION, Boot, CloudInit, DiskRef, DiskSource, Empty, Firmware, HttpSource, ImageSource,
-    NetworkInterface, NetworkMode, ObjectMeta, Quantity, RunPolicy, VirtualDisk,
+    NetworkInterface, NetworkMode, ObjectMeta, OciSource, Quantity, RunPolicy, VirtualDisk,
     VirtualDiskSnapshot, VirtualDiskSnapshotSpec, VirtualDiskSpec, VirtualImage, VirtualImageSpec,
     VirtualMachine, VirtualMachineSnapshot, VirtualMachineSnapshotGroup,
     VirtualMachineSnapshotGroupSpec, VirtualMachineSnapshotSpec, VirtualMachineSpec,
@@ -266,6 +266,11 @@ impl Image {
                 sha256: sha256.to_string(),
             }),
         )
+    }
+
+    /// An OCI image (`spec.source.oci`) as `source` says.
+    pub fn oci(name: &str, source: OciSource) -> Image {
+        Image::with_source(name, ImageSource::Oci(source))
     }
 
     pub fn build(self) -> VirtualImage {

@@ -45,7 +45,10 @@ fn build_dir(images: &Path) -> PathBuf {
 /// At start, before any import: what interrupted imports left in the blob
 /// store's `tmp/` and in the build directory goes.
 pub fn sweep(images: &Path) {
-    if let Ok(store) = BlobStore::open(blob_dir(images)) {
+    // Made by the first OCI import, not before.
+    if blob_dir(images).is_dir()
+        && let Ok(store) = BlobStore::open(blob_dir(images))
+    {
         let _ = store.sweep();
     }
     if let Ok(entries) = std::fs::read_dir(build_dir(images)) {
