@@ -458,13 +458,17 @@ fn image_progress(image: &Value) -> String {
     }
 }
 
-/// The URL of an http source, the path of a file source.
+/// The URL of an http source, the path of a file source, the reference,
+/// layout or archive of an OCI source.
 fn image_source(image: &Value) -> String {
     str_at(image, &["spec", "source", "http", "url"])
         .or_else(|| str_at(image, &["spec", "source", "file"]))
+        .or_else(|| str_at(image, &["spec", "source", "oci", "reference"]))
+        .or_else(|| str_at(image, &["spec", "source", "oci", "layout"]))
+        .or_else(|| str_at(image, &["spec", "source", "oci", "archive"]))
         .map(str::to_string)
         .or_else(|| {
-            // A source kind this CLI does not know yet (oci, ...): its name.
+            // A source kind this CLI does not know yet: its name.
             at(image, &["spec", "source"])
                 .and_then(Value::as_object)
                 .and_then(|m| m.keys().next().cloned())
@@ -781,8 +785,21 @@ new         Importing   1.0Mi      -        -         -              -
         assert_eq!(short_digest("sha256:abc"), "sha256:abc");
         assert_eq!(short_digest("odd"), "odd");
         assert_eq!(
-            image_source(&json!({"spec": {"source": {"oci": {"reference": "x"}}}})),
-            "oci"
+            image_source(
+                &json!({"spec": {"source": {"oci": {"reference": "127.0.0.1:5000/d:12"}}}})
+            ),
+            "127.0.0.1:5000/d:12"
+        );
+        assert_eq!(
+            image_source(
+                &json!({"spec": {"source": {"oci": {"layout": "/srv/oci/d", "tag": "12"}}}})
+            ),
+            "/srv/oci/d"
+        );
+        // A source kind this CLI does not know: its name.
+        assert_eq!(
+            image_source(&json!({"spec": {"source": {"nbd": {"url": "x"}}}})),
+            "nbd"
         );
     }
 
