@@ -22,7 +22,7 @@ use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
 
 use crate::blobs::{BlobStore, read_bounded};
-use crate::layout::{self, Image, REF_NAME};
+use crate::layout::{self, Image};
 use crate::{MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES, OciError};
 
 /// One entry of Docker's `manifest.json`.
@@ -168,36 +168,7 @@ fn from_oci(
 ) -> Result<Image, OciError> {
     let index =
         ImageIndex::from_reader(index).map_err(|e| not(path, format!("index.json: {e}")))?;
-    let entries = index.manifests();
-    let tags: Vec<String> = entries
-        .iter()
-        .filter_map(|d| d.annotations().as_ref()?.get(REF_NAME).cloned())
-        .collect();
-    let top = match tag {
-        Some(t) => entries
-            .iter()
-            .find(|d| {
-                d.annotations()
-                    .as_ref()
-                    .and_then(|a| a.get(REF_NAME))
-                    .is_some_and(|n| n == t)
-            })
-            .ok_or_else(|| OciError::TagNotFound {
-                layout: path.to_path_buf(),
-                tag: t.to_string(),
-                tags: tags.clone(),
-            })?,
-        None => match entries.as_slice() {
-            [only] => only,
-            _ => {
-                return Err(OciError::TagNeeded {
-                    layout: path.to_path_buf(),
-                    count: entries.len(),
-                    tags,
-                });
-            }
-        },
-    };
+    let top = layout::tagged(path, &index, tag)?;
     layout::resolve(top.clone(), |d, limit, what| {
         read_stored(path, store, d, limit, what)
     })
@@ -235,32 +206,14 @@ fn from_docker(
         .iter()
         .flat_map(|e| e.repo_tags.clone().unwrap_or_default())
         .collect();
-    let entry = match tag {
-        Some(t) => entries
-            .iter()
-            .find(|e| {
-                e.repo_tags.iter().flatten().any(|r| {
-                    r == t
-                        || r.strip_prefix("docker.io/") == Some(t)
-                        || r.rsplit_once(':').map(|(_, x)| x) == Some(t)
-                })
-            })
-            .ok_or_else(|| OciError::TagNotFound {
-                layout: path.to_path_buf(),
-                tag: t.to_string(),
-                tags: tags.clone(),
-            })?,
-        None => match entries.as_slice() {
-            [only] => only,
-            _ => {
-                return Err(OciError::TagNeeded {
-                    layout: path.to_path_buf(),
-                    count: entries.len(),
-                    tags,
-                });
-            }
-        },
-    };
+    // A RepoTag matches whole, without `docker.io/`, or by its tag part.
+    let entry = layout::choose(path, &entries, tag, tags, |e, t| {
+        e.repo_tags.iter().flatten().any(|r| {
+            r == t
+                || r.strip_prefix("docker.io/") == Some(t)
+                || r.rsplit_once(':').map(|(_, x)| x) == Some(t)
+        })
+    })?;
     let file = |p: &str| -> Result<(Digest, u64), OciError> {
         let mut at = crate::shape::entry_path(p.as_bytes()).map_err(|m| not(path, m))?;
         // Follow the archive's own links (`ID/layer.tar -> ../HEX.tar`).

@@ -89,42 +89,13 @@ impl Layout {
 
     /// The tags of the layout's images, as `index.json` lists them.
     pub fn tags(&self) -> Vec<String> {
-        self.index
-            .manifests()
-            .iter()
-            .filter_map(|d| d.annotations().as_ref()?.get(REF_NAME).cloned())
-            .collect()
+        tags_of(&self.index)
     }
 
     /// The image tagged `tag`, or the layout's only image when `tag` is
     /// `None`, resolved to linux/amd64 and read whole except its layers.
     pub fn image(&self, tag: Option<&str>) -> Result<Image, OciError> {
-        let entries = self.index.manifests();
-        let top = match tag {
-            Some(tag) => entries
-                .iter()
-                .find(|d| {
-                    d.annotations()
-                        .as_ref()
-                        .and_then(|a| a.get(REF_NAME))
-                        .is_some_and(|t| t == tag)
-                })
-                .ok_or_else(|| OciError::TagNotFound {
-                    layout: self.dir.clone(),
-                    tag: tag.to_string(),
-                    tags: self.tags(),
-                })?,
-            None => match entries.as_slice() {
-                [only] => only,
-                _ => {
-                    return Err(OciError::TagNeeded {
-                        layout: self.dir.clone(),
-                        count: entries.len(),
-                        tags: self.tags(),
-                    });
-                }
-            },
-        };
+        let top = tagged(&self.dir, &self.index, tag)?;
         resolve(top.clone(), |d, limit, what| {
             self.read_document(d, limit, what)
         })
@@ -184,6 +155,59 @@ impl Layout {
     ) -> Result<Vec<u8>, OciError> {
         let file = self.open_blob(d.digest())?;
         read_bounded(what, d.digest().as_ref(), file, limit)
+    }
+}
+
+/// The tags an index lists (`org.opencontainers.image.ref.name`).
+pub(crate) fn tags_of(index: &ImageIndex) -> Vec<String> {
+    index
+        .manifests()
+        .iter()
+        .filter_map(|d| d.annotations().as_ref()?.get(REF_NAME).cloned())
+        .collect()
+}
+
+/// The entry of `index` (of the layout or archive at `place`) tagged
+/// `tag`, or its only entry when `tag` is `None`.
+pub(crate) fn tagged<'a>(
+    place: &Path,
+    index: &'a ImageIndex,
+    tag: Option<&str>,
+) -> Result<&'a Descriptor, OciError> {
+    choose(place, index.manifests(), tag, tags_of(index), |d, t| {
+        d.annotations()
+            .as_ref()
+            .and_then(|a| a.get(REF_NAME))
+            .is_some_and(|n| n == t)
+    })
+}
+
+/// The one of `entries` that `matches` `tag`, or the only one when `tag`
+/// is `None`; `tags` are named when none or several fit.
+pub(crate) fn choose<'a, T>(
+    place: &Path,
+    entries: &'a [T],
+    tag: Option<&str>,
+    tags: Vec<String>,
+    matches: impl Fn(&T, &str) -> bool,
+) -> Result<&'a T, OciError> {
+    match (tag, entries) {
+        (Some(t), _) => {
+            entries
+                .iter()
+                .find(|e| matches(e, t))
+                .ok_or_else(|| OciError::TagNotFound {
+                    layout: place.to_path_buf(),
+                    tag: t.to_string(),
+                    tags,
+                })
+        }
+        (None, [only]) => Ok(only),
+        (None, _) => Err(OciError::TagNeeded {
+            layout: place.to_path_buf(),
+            count: entries.len(),
+            tags,
+        }),
     }
 }
 
