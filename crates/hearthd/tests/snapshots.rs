@@ -409,6 +409,7 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     let runner = std::thread::scope(|scope| {
         let d = &d;
         let long = scope.spawn(move || d.agent_sh_ok("hook", "sleep 12; echo slept"));
+        // Deliberate: the program is running in the guest before the cut.
         std::thread::sleep(Duration::from_millis(500));
         d.apply(vec![DiskSnapshot::of("during-exec", "hook-data").json()]);
         let s = d.wait_final("virtualdisksnapshots", "during-exec", SNAP_TIMEOUT);
