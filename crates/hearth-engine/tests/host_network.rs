@@ -258,15 +258,14 @@ async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash(
     assert!(!log_before.contains("cannot read"), "{log_before}");
     let reads_before = log_before.matches(&read_line).count();
     assert!(reads_before >= 1, "{log_before}");
-    let mut reread = false;
-    for _ in 0..250 {
-        let log = std::fs::read_to_string(files.log()).unwrap_or_default();
-        if log.matches(&read_line).count() > reads_before {
-            reread = true;
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    let reread = hearth_test_support::eventually_every(
+        std::time::Duration::from_millis(20),
+        std::time::Duration::from_secs(5),
+        || {
+            let log = std::fs::read_to_string(files.log()).unwrap_or_default();
+            log.matches(&read_line).count() > reads_before
+        },
+    );
     assert!(reread, "dnsmasq did not reread its hosts file within 5 s");
     let log = std::fs::read_to_string(files.log()).unwrap_or_default();
     assert!(!log.contains("cannot read"), "{log}");

@@ -4,39 +4,20 @@
 //! (see `netns/`): the engine makes real bridges, taps, dnsmasqs and
 //! nftables rules there, never in the host's namespace.
 
+mod common;
 mod netns;
 
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hearth_api::{Kind, Object, parse_documents};
-use hearth_engine::{ApplyConflict, Engine, EngineConfig, Refusal, RequestError};
+use common::engine_config;
+use hearth_api::{Kind, NetworkMode, Object, parse_documents};
+use hearth_engine::{ApplyConflict, Engine, Refusal, RequestError};
+use hearth_test_support::{Network, ObjectBuilder};
 
 struct Setup {
     dir: tempfile::TempDir,
     engine: Arc<Engine>,
-}
-
-fn config(dir: &Path) -> EngineConfig {
-    EngineConfig {
-        state_dir: dir.join("state"),
-        run_dir: dir.join("run"),
-        image_roots: vec![dir.join("images")],
-        qemu_binary: "/usr/bin/qemu-system-x86_64".into(),
-        qemu_user: None,
-        accel: hearth_qemu::accel::AccelDecision {
-            accel: hearth_qemu::Accel::Tcg,
-            reason: "test".into(),
-        },
-        resync_interval: Duration::from_secs(3600),
-        images: Default::default(),
-        forwards: Default::default(),
-        ovmf_code: dir.join("OVMF_CODE.fd"),
-        ovmf_vars: dir.join("OVMF_VARS.fd"),
-        compaction_speed: 0,
-        dns_resolv_file: "/etc/resolv.conf".into(),
-    }
 }
 
 async fn setup() -> Setup {
@@ -50,7 +31,9 @@ async fn setup() -> Setup {
     .expect("chmod");
     std::fs::create_dir_all(dir.path().join("images")).expect("images dir");
     std::fs::write(dir.path().join("images/vmlinuz"), b"not booted").expect("kernel");
-    let engine = Engine::start(config(dir.path())).await.expect("engine");
+    let engine = Engine::start(engine_config(dir.path(), vec![dir.path().join("images")]))
+        .await
+        .expect("engine");
     Setup { dir, engine }
 }
 
@@ -314,9 +297,14 @@ async fn a_network_becomes_ready_once_its_bridge_and_dhcp_exist_and_leaves_nothi
         "no nftables table"
     );
     // The mode of an existing network cannot change.
-    let e = invalid(s.apply(
-        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: lan}\nspec: {mode: Isolated, subnet: 10.77.0.0/24}\n",
-    ));
+    let e = invalid(
+        s.apply(
+            &Network::new("lan")
+                .mode(NetworkMode::Isolated)
+                .subnet("10.77.0.0/24")
+                .yaml(),
+        ),
+    );
     assert!(
         e.contains("spec.mode") && e.contains("cannot change from NAT to Isolated"),
         "{e}"
@@ -352,10 +340,8 @@ async fn a_picked_subnet_avoids_the_hosts_addresses_and_routes_and_is_kept() {
     netns::run("ip", &["addr", "add", "10.77.0.5/24", "dev", "up0"]);
     netns::run("ip", &["route", "add", "10.77.1.0/24", "dev", "up0"]);
     let s = setup().await;
-    s.apply(
-        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: auto}\nspec: {mode: Isolated}\n",
-    )
-    .expect("apply");
+    s.apply(&Network::new("auto").mode(NetworkMode::Isolated).yaml())
+        .expect("apply");
     wait_until(|| status(&s, "auto")["phase"] == "Ready").await;
     assert_eq!(status(&s, "auto")["subnet"], "10.77.2.0/24");
     assert_eq!(netns::ipv4_of("hth-auto"), ["10.77.2.1/24"]);
@@ -379,7 +365,10 @@ async fn a_picked_subnet_avoids_the_hosts_addresses_and_routes_and_is_kept() {
     wait_until(|| s.names(Kind::VirtualNetwork) == ["auto"]).await;
     // A new generation is reconciled with the host's lower subnet free.
     s.apply(
-        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: auto}\nspec: {mode: Isolated, dhcp: false}\n",
+        &Network::new("auto")
+            .mode(NetworkMode::Isolated)
+            .dhcp(false)
+            .yaml(),
     )
     .expect("re-apply");
     wait_until(|| {

@@ -2,36 +2,17 @@
 //! real qemu-img (no VM: the disk is cut offline): the export is standalone,
 //! and a delete of the snapshot waits while an export holds its pin.
 
+mod common;
+
 use std::io::Read;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::engine_config;
 use hearth_api::{Kind, parse_documents};
 use hearth_engine::ExportFormat;
-use hearth_engine::{Engine, EngineConfig, RequestError};
-use hearth_test_support::converters_of;
-
-fn config(dir: &Path) -> EngineConfig {
-    EngineConfig {
-        state_dir: dir.join("state"),
-        run_dir: dir.join("run"),
-        image_roots: vec![],
-        qemu_binary: "/usr/bin/qemu-system-x86_64".into(),
-        accel: hearth_qemu::accel::AccelDecision {
-            accel: hearth_qemu::Accel::Tcg,
-            reason: "test".into(),
-        },
-        resync_interval: Duration::from_secs(3600),
-        images: Default::default(),
-        forwards: Default::default(),
-        ovmf_code: dir.join("OVMF_CODE.fd"),
-        ovmf_vars: dir.join("OVMF_VARS.fd"),
-        compaction_speed: 0,
-        dns_resolv_file: "/etc/resolv.conf".into(),
-        qemu_user: None,
-    }
-}
+use hearth_engine::{Engine, RequestError};
+use hearth_test_support::{Disk, DiskSnapshot, Manifest, ObjectBuilder, converters_of};
 
 async fn until(what: &str, f: impl Fn() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -51,10 +32,14 @@ fn phase(engine: &Engine, kind: Kind, name: &str) -> Option<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_delete_waits_for_the_export_that_reads_the_snapshot() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let engine: Arc<Engine> = Engine::start(config(dir.path())).await.expect("engine");
+    let engine: Arc<Engine> = Engine::start(engine_config(dir.path(), vec![]))
+        .await
+        .expect("engine");
     let objects = parse_documents(
-        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: d}\nspec: {size: 16Mi, source: {blank: {}}}\n---\n\
-         apiVersion: hearth.dev/v1alpha1\nkind: VirtualDiskSnapshot\nmetadata: {name: s}\nspec: {virtualDiskName: d}\n",
+        &Manifest::new()
+            .with(Disk::blank("d", "16Mi"))
+            .with(DiskSnapshot::of("s", "d"))
+            .yaml(),
         "t.yaml",
     )
     .expect("objects");
@@ -116,14 +101,12 @@ async fn a_delete_waits_for_the_export_that_reads_the_snapshot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_export_dropped_during_its_conversion_kills_qemu_img_and_leaves_no_file() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let engine: Arc<Engine> = Engine::start(config(dir.path())).await.expect("engine");
+    let engine: Arc<Engine> = Engine::start(engine_config(dir.path(), vec![]))
+        .await
+        .expect("engine");
     engine
         .apply(
-            parse_documents(
-                "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: big}\nspec: {size: 1Gi, source: {blank: {}}}\n",
-                "t.yaml",
-            )
-            .expect("disk"),
+            parse_documents(&Disk::blank("big", "1Gi").yaml(), "t.yaml").expect("disk"),
             "api",
         )
         .expect("apply");
@@ -148,11 +131,7 @@ async fn an_export_dropped_during_its_conversion_kills_qemu_img_and_leaves_no_fi
     );
     engine
         .apply(
-            parse_documents(
-                "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDiskSnapshot\nmetadata: {name: s}\nspec: {virtualDiskName: big}\n",
-                "t.yaml",
-            )
-            .expect("snapshot"),
+            parse_documents(&DiskSnapshot::of("s", "big").yaml(), "t.yaml").expect("snapshot"),
             "api",
         )
         .expect("apply");

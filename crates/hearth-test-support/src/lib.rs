@@ -23,4 +23,4 @@ pub use objects::{
     Disk, DiskSnapshot, Image, Manifest, Network, ObjectBuilder, SnapshotGroup, Vm, VmSnapshot,
 };
 pub use process::converters_of;
-pub use wait::eventually;
+pub use wait::{eventually, eventually_every};

@@ -10,7 +10,18 @@ const POLL: Duration = Duration::from_millis(100);
 /// Whether `f` holds within `timeout`, asked every 100 ms (and once more at
 /// the deadline, so a slow first call still gets its answer). The caller
 /// asserts on the result with its own message.
-pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+pub fn eventually(timeout: Duration, f: impl FnMut() -> bool) -> bool {
+    eventually_every(POLL, timeout, f)
+}
+
+/// [`eventually`], asking every `interval`: slower when each look costs the
+/// system under test (a program run in a guest), faster when what is looked
+/// for lasts only moments (a short-lived process).
+pub fn eventually_every(
+    interval: Duration,
+    timeout: Duration,
+    mut f: impl FnMut() -> bool,
+) -> bool {
     let deadline = Instant::now() + timeout;
     loop {
         if f() {
@@ -20,7 +31,7 @@ pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
         if now >= deadline {
             return false;
         }
-        std::thread::sleep(POLL.min(deadline - now));
+        std::thread::sleep(interval.min(deadline - now));
     }
 }
 
@@ -38,6 +49,24 @@ mod tests {
         }));
         assert_eq!(calls, 3);
         assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn eventually_every_asks_at_its_own_pace() {
+        let mut calls = 0;
+        let started = Instant::now();
+        assert!(!eventually_every(
+            Duration::from_millis(400),
+            Duration::from_millis(1000),
+            || {
+                calls += 1;
+                false
+            }
+        ));
+        // At 0, 400, 800 and the deadline (1000 ms); fewer on a slow machine,
+        // never the ten of the default pace.
+        assert!((2..=4).contains(&calls), "{calls}");
+        assert!(started.elapsed() >= Duration::from_millis(1000));
     }
 
     #[test]

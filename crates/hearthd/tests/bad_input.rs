@@ -162,11 +162,7 @@ fn disk_rules_and_objects_arriving_in_any_order() {
     assert!(d.get_vm("thief").is_none());
 
     // The disk arrives: the VM starts without being touched.
-    let m = manifest(
-        &d,
-        "disk.yaml",
-        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: later}\nspec: {size: 64Mi, source: {blank: {}}}\n",
-    );
+    let m = manifest(&d, "disk.yaml", &Disk::blank("later", "64Mi").yaml());
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
     d.wait_phase("waiter", "Running", Duration::from_secs(60));
     let disk = d.get_disk("later").expect("disk");
@@ -174,11 +170,7 @@ fn disk_rules_and_objects_arriving_in_any_order() {
 
     // A disk's source cannot change under a VM.
     let e = {
-        let m = manifest(
-            &d,
-            "disk2.yaml",
-            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: later}\nspec: {size: 128Mi, source: {blank: {}}}\n",
-        );
+        let m = manifest(&d, "disk2.yaml", &Disk::blank("later", "128Mi").yaml());
         d.cli_err(&["apply", "-f", m.to_str().expect("utf8")])
     };
     assert!(

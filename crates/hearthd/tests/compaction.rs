@@ -17,11 +17,7 @@ use std::time::Duration;
 use common::*;
 use serde_json::Value;
 
-fn snapshot(d: &Daemon, name: &str, disk: &str) {
-    d.apply(vec![DiskSnapshot::of(name, disk).json()]);
-    let s = snapshot_final(d, name, Duration::from_secs(90));
-    assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
-}
+const SNAP_TIMEOUT: Duration = Duration::from_secs(90);
 
 fn delete_snapshot(d: &Daemon, name: &str) {
     d.cli_ok(&["delete", "snapshot", name]);
@@ -50,16 +46,6 @@ fn header_backing(image: &Path) -> Option<PathBuf> {
     assert!(out.status.success(), "qemu-img info {}", image.display());
     let v: Value = serde_json::from_slice(&out.stdout).expect("json");
     v["backing-filename"].as_str().map(PathBuf::from)
-}
-
-/// The disk's recorded head (`status.path`, written with each cut's
-/// commit).
-fn head_of(d: &Daemon, disk: &str) -> PathBuf {
-    PathBuf::from(
-        d.get_disk(disk).expect("disk")["status"]["path"]
-            .as_str()
-            .expect("path"),
-    )
 }
 
 /// The layer files that lie over `head` (an overlay made ahead for the next
@@ -173,10 +159,10 @@ fn six_snapshots(d: &Daemon) -> Vec<PathBuf> {
     let mut layers = Vec::new();
     for i in 1..=6 {
         write_file(d, "app", &format!("f{i}"), 256);
-        let was = head_of(d, "data-a");
-        snapshot(d, &format!("k{i}"), "data-a");
+        let was = d.disk_path("data-a");
+        snapshot_ready(d, &format!("k{i}"), "data-a", SNAP_TIMEOUT);
         assert_eq!(
-            header_backing(&head_of(d, "data-a")).as_deref(),
+            header_backing(&d.disk_path("data-a")).as_deref(),
             Some(was.as_path())
         );
         layers.push(was);
@@ -221,7 +207,7 @@ fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
     );
     let qemu = d.qemu_pids_of("app");
     assert_eq!(qemu.len(), 1);
-    let live_head = head_of(&d, "data-a");
+    let live_head = d.disk_path("data-a");
 
     // 1. Online: k5 and k6 go while the guest runs. Their layers lie right
     // below the head: a block-stream job merges them into it, with k4's
@@ -236,7 +222,7 @@ fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
     );
     assert!(events.iter().any(|r| r == "Compacted"), "{events:?}");
     assert_eq!(
-        head_of(&d, "data-a"),
+        d.disk_path("data-a"),
         live_head,
         "the guest writes the same head"
     );
@@ -299,7 +285,7 @@ fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
     drop(reader);
     // The next chance: a snapshot taken and deleted again. Its layer (the
     // old head) goes into the new head, k2's into k3's, in one pass.
-    snapshot(&d, "k7", "data-a");
+    snapshot_ready(&d, "k7", "data-a", SNAP_TIMEOUT);
     delete_snapshot(&d, "k7");
     wait_chain_length(&d, "data-a", 4, Duration::from_secs(60));
     assert_eq!(
@@ -308,7 +294,7 @@ fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
         "k3's layer is backed by k1's now"
     );
     assert!(!layers[1].exists(), "k2's layer is removed");
-    let live_head = head_of(&d, "data-a");
+    let live_head = d.disk_path("data-a");
     assert_eq!(
         header_backing(&live_head).as_deref(),
         Some(layers[3].as_path()),
@@ -410,7 +396,7 @@ fn compaction_keeps_every_snapshot_and_the_live_disk_byte_identical() {
     d.wait_agent("app");
     assert_eq!(guest_sums(&d, "app"), sums);
     // Cuts go on on the compacted chain.
-    snapshot(&d, "k9", "data-a");
+    snapshot_ready(&d, "k9", "data-a", SNAP_TIMEOUT);
     wait_chain_length(&d, "data-a", 3, Duration::from_secs(30));
 }
 
@@ -466,13 +452,13 @@ fn a_compaction_survives_hearthd_being_killed_mid_job() {
     wait_chain_length(&d, "data-a", 1, Duration::from_secs(30));
     // L0(k1) <- L1(k2: 32 MiB of the guest's data) <- head
     write_file(&d, "app", "f1", 256);
-    let l0 = head_of(&d, "data-a");
-    snapshot(&d, "k1", "data-a");
+    let l0 = d.disk_path("data-a");
+    snapshot_ready(&d, "k1", "data-a", SNAP_TIMEOUT);
     write_file(&d, "app", "big", 32 * 1024);
-    let l1 = head_of(&d, "data-a");
-    snapshot(&d, "k2", "data-a");
+    let l1 = d.disk_path("data-a");
+    snapshot_ready(&d, "k2", "data-a", SNAP_TIMEOUT);
     write_file(&d, "app", "f2", 256);
-    let live_head = head_of(&d, "data-a");
+    let live_head = d.disk_path("data-a");
     let sums = guest_sums(&d, "app");
     let k1 = chain_sha(&l0, &scratch);
     let qemu = d.qemu_pids_of("app");
@@ -563,7 +549,7 @@ fn fifty_snapshots_of_a_running_guest_are_cut_and_compacted_back_to_two_layers()
         ),
     );
     d.wait_agent("app");
-    let bottom = head_of(&d, "data-a");
+    let bottom = d.disk_path("data-a");
     // Past ~45 layers QEMU's json: name of the chain is cut off at 4 KiB:
     // every cut must still find the head's file, and the merge its nodes.
     for i in 1..=50 {
@@ -571,12 +557,12 @@ fn fifty_snapshots_of_a_running_guest_are_cut_and_compacted_back_to_two_layers()
             "app",
             &format!("dd if=/dev/urandom of=/data/f{i} bs=4k count=1 2>/dev/null && sync"),
         );
-        snapshot(&d, &format!("s{i}"), "data-a");
+        snapshot_ready(&d, &format!("s{i}"), "data-a", SNAP_TIMEOUT);
     }
     wait_chain_length(&d, "data-a", 51, Duration::from_secs(30));
     let sums = guest_sums(&d, "app");
     assert_eq!(sums.lines().count(), 50, "{sums}");
-    let live_head = head_of(&d, "data-a");
+    let live_head = d.disk_path("data-a");
     let s1 = chain_sha(&bottom, &scratch);
     // All but the first go: everything between the head and s1's layer
     // is merged into the head.
@@ -584,7 +570,7 @@ fn fifty_snapshots_of_a_running_guest_are_cut_and_compacted_back_to_two_layers()
         d.cli_ok(&["delete", "snapshot", &format!("s{i}")]);
     }
     wait_chain_length(&d, "data-a", 2, Duration::from_secs(120));
-    assert_eq!(head_of(&d, "data-a"), live_head);
+    assert_eq!(d.disk_path("data-a"), live_head);
     assert_eq!(
         header_backing(&live_head).as_deref(),
         Some(bottom.as_path())
@@ -613,7 +599,7 @@ fn fifty_snapshots_of_a_running_guest_are_cut_and_compacted_back_to_two_layers()
     assert_eq!(guest_sums(&d, "app"), sums);
     assert_eq!(chain_sha(&bottom, &scratch), s1, "s1 changed");
     // And cuts go on on the compacted chain.
-    snapshot(&d, "after", "data-a");
+    snapshot_ready(&d, "after", "data-a", SNAP_TIMEOUT);
     wait_chain_length(&d, "data-a", 3, Duration::from_secs(30));
 }
 
@@ -655,7 +641,8 @@ fn raw_chain_of_a_stopped_vm(d: &Daemon, scratch: &Path) -> RawChain {
         d,
         "vm.yaml",
         &format!(
-            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: raw-a\nspec:\n  size: 512Mi\n  source:\n    blank: {{}}\n---\n{}",
+            "{}---\n{}",
+            Disk::blank("raw-a", "512Mi").yaml(),
             vm_yaml("app", "AlwaysOn", &["raw-a"], "")
         ),
     );
@@ -664,24 +651,24 @@ fn raw_chain_of_a_stopped_vm(d: &Daemon, scratch: &Path) -> RawChain {
         "app",
         "dd if=/dev/urandom of=/dev/vda bs=1M count=4 conv=fsync 2>/dev/null",
     );
-    let l0 = head_of(d, "raw-a");
-    snapshot(d, "k1", "raw-a");
+    let l0 = d.disk_path("raw-a");
+    snapshot_ready(d, "k1", "raw-a", SNAP_TIMEOUT);
     d.agent_sh_ok(
         "app",
         "dd if=/dev/urandom of=/tmp/r bs=1M count=4 2>/dev/null && i=0; \
          while [ $i -lt 96 ]; do cat /tmp/r; i=$((i+1)); done | dd of=/dev/vda bs=1M seek=8 conv=fsync 2>/dev/null; rm /tmp/r",
     );
-    let l1 = head_of(d, "raw-a");
-    snapshot(d, "k2", "raw-a");
+    let l1 = d.disk_path("raw-a");
+    snapshot_ready(d, "k2", "raw-a", SNAP_TIMEOUT);
     d.agent_sh_ok(
         "app",
         "dd if=/dev/urandom of=/dev/vda bs=1M seek=4 count=1 conv=fsync 2>/dev/null",
     );
-    let l2 = head_of(d, "raw-a");
-    snapshot(d, "k3", "raw-a");
+    let l2 = d.disk_path("raw-a");
+    snapshot_ready(d, "k3", "raw-a", SNAP_TIMEOUT);
     d.cli_ok(&["stop", "app"]);
     d.wait_phase("app", "Stopped", Duration::from_secs(60));
-    let live_head = head_of(d, "raw-a");
+    let live_head = d.disk_path("raw-a");
     RawChain {
         k1: chain_sha(&l0, scratch),
         k3: chain_sha(&l2, scratch),
@@ -696,18 +683,14 @@ fn raw_chain_of_a_stopped_vm(d: &Daemon, scratch: &Path) -> RawChain {
 /// Deletes k2 and returns the pid of the `qemu-img rebase` hearthd starts.
 fn delete_k2_and_find_the_rebase(d: &Daemon) -> u32 {
     d.cli_ok(&["delete", "snapshot", "k2"]);
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Some(pid) = rebase_pid(d) {
-            return pid;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no qemu-img rebase\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    let mut pid = None;
+    // Every 2 ms: the rebase may not run for long.
+    let found = eventually_every(Duration::from_millis(2), Duration::from_secs(60), || {
+        pid = rebase_pid(d);
+        pid.is_some()
+    });
+    assert!(found, "no qemu-img rebase\n{}", d.log());
+    pid.expect("found")
 }
 
 #[test]
@@ -842,13 +825,13 @@ fn a_stop_cancels_a_throttled_merge_which_is_then_done_offline() {
     );
     d.wait_agent("app");
     write_file(&d, "app", "f1", 256);
-    let l0 = head_of(&d, "data-a");
-    snapshot(&d, "k1", "data-a");
+    let l0 = d.disk_path("data-a");
+    snapshot_ready(&d, "k1", "data-a", SNAP_TIMEOUT);
     write_file(&d, "app", "big", 32 * 1024);
-    let l1 = head_of(&d, "data-a");
-    snapshot(&d, "k2", "data-a");
+    let l1 = d.disk_path("data-a");
+    snapshot_ready(&d, "k2", "data-a", SNAP_TIMEOUT);
     write_file(&d, "app", "f2", 256);
-    let live_head = head_of(&d, "data-a");
+    let live_head = d.disk_path("data-a");
     let sums = guest_sums(&d, "app");
     let k1 = chain_sha(&l0, &scratch);
 
@@ -989,12 +972,12 @@ fn a_guest_keeps_its_synced_file_when_qemu_is_killed_right_after_a_merge_into_th
     );
     d.wait_agent("app");
     write_file(&d, "app", "f1", 256);
-    let l0 = head_of(&d, "data-a");
-    snapshot(&d, "k1", "data-a");
+    let l0 = d.disk_path("data-a");
+    snapshot_ready(&d, "k1", "data-a", SNAP_TIMEOUT);
     // The second file lands in the layer that k2's cut closes.
     write_file(&d, "app", "f2", 2048);
-    let l1 = head_of(&d, "data-a");
-    snapshot(&d, "k2", "data-a");
+    let l1 = d.disk_path("data-a");
+    snapshot_ready(&d, "k2", "data-a", SNAP_TIMEOUT);
     let sums = guest_sums(&d, "app");
     assert!(sums.contains("f2"), "{sums}");
     let k1 = chain_sha(&l0, &scratch);
@@ -1054,14 +1037,14 @@ fn a_kept_layer_is_read_only_again_when_its_merge_ended_while_hearthd_was_down()
     // L0(k1) <- L1(k2: 32 MiB) <- L2(k3) <- head: k2 goes, L1 is merged
     // into k3's layer, which QEMU holds read-only but for the job.
     write_file(&d, "app", "f1", 256);
-    let l0 = head_of(&d, "data-a");
-    snapshot(&d, "k1", "data-a");
+    let l0 = d.disk_path("data-a");
+    snapshot_ready(&d, "k1", "data-a", SNAP_TIMEOUT);
     write_file(&d, "app", "big", 32 * 1024);
-    let l1 = head_of(&d, "data-a");
-    snapshot(&d, "k2", "data-a");
+    let l1 = d.disk_path("data-a");
+    snapshot_ready(&d, "k2", "data-a", SNAP_TIMEOUT);
     write_file(&d, "app", "f2", 256);
-    let l2 = head_of(&d, "data-a");
-    snapshot(&d, "k3", "data-a");
+    let l2 = d.disk_path("data-a");
+    snapshot_ready(&d, "k3", "data-a", SNAP_TIMEOUT);
     let sums = guest_sums(&d, "app");
     let k1 = chain_sha(&l0, &scratch);
     let k3 = chain_sha(&l2, &scratch);

@@ -7,7 +7,7 @@ mod common;
 use std::io::{Read, Write};
 use std::process::{Child, ChildStdin, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 
@@ -53,33 +53,33 @@ impl Attached {
 
     /// Waits until the attached stdout shows `needle`.
     fn wait_for(&self, needle: &str, timeout: Duration) {
-        let deadline = Instant::now() + timeout;
-        while !self.output().contains(needle) {
-            assert!(
-                Instant::now() < deadline,
-                "no {needle:?} on the console within {timeout:?}; got:\n{}",
-                self.output()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        assert!(
+            eventually_every(Duration::from_millis(50), timeout, || {
+                self.output().contains(needle)
+            }),
+            "no {needle:?} on the console within {timeout:?}; got:\n{}",
+            self.output()
+        );
     }
 
     /// Sends the detach key and waits for the CLI to exit; returns stderr.
     fn detach(mut self) -> String {
         self.send(&[0x1d]);
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if let Some(status) = self.child.try_wait().expect("wait") {
-                let mut err = String::new();
-                if let Some(mut e) = self.child.stderr.take() {
-                    e.read_to_string(&mut err).expect("stderr");
-                }
-                assert!(status.success(), "hearth console failed: {err}");
-                return err;
-            }
-            assert!(Instant::now() < deadline, "hearth console did not detach");
-            std::thread::sleep(Duration::from_millis(20));
+        let mut exited = None;
+        assert!(
+            eventually_every(Duration::from_millis(20), Duration::from_secs(20), || {
+                exited = self.child.try_wait().expect("wait");
+                exited.is_some()
+            }),
+            "hearth console did not detach"
+        );
+        let status = exited.expect("exited");
+        let mut err = String::new();
+        if let Some(mut e) = self.child.stderr.take() {
+            e.read_to_string(&mut err).expect("stderr");
         }
+        assert!(status.success(), "hearth console failed: {err}");
+        err
     }
 }
 

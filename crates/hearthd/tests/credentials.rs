@@ -9,7 +9,6 @@ mod common;
 use std::io::{BufRead, BufReader, Write};
 use std::net::TcpListener;
 use std::path::Path;
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -74,21 +73,6 @@ fn start_server(body: Vec<u8>) -> (u16, Arc<Mutex<Vec<String>>>) {
     (port, seen)
 }
 
-fn make_qcow2(path: &Path) -> Vec<u8> {
-    let out = Command::new("qemu-img")
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(path)
-        .arg("4M")
-        .output()
-        .expect("qemu-img (apt-get install qemu-utils)");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    std::fs::read(path).expect("read qcow2")
-}
-
 fn image(name: &str, url: &str, sha256: &str) -> Value {
     Image::http(name, url, sha256).json()
 }
@@ -137,13 +121,7 @@ fn credentials_in_an_image_url_download_and_are_shown_nowhere() {
     let ftp = format!("ftp://{USER}:{PASSWORD}@127.0.0.1:{port}/good.qcow2");
     let (status, v) = d.apply_json(vec![image("ftp", &ftp, &digest)]);
     assert_eq!(status, 400, "{v}");
-    let m = manifest(
-        &d,
-        "ftp.yaml",
-        &format!(
-            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualImage\nmetadata: {{name: ftp}}\nspec: {{source: {{http: {{url: \"{ftp}\", sha256: {digest}}}}}}}\n"
-        ),
-    );
+    let m = manifest(&d, "ftp.yaml", &Image::http("ftp", &ftp, &digest).yaml());
     let cli_refusal = d.cli_err(&["apply", "-f", m.to_str().expect("utf8")]);
 
     let mut shown: Vec<(String, String)> = vec![

@@ -11,10 +11,6 @@ use serde_json::Value;
 
 const WAIT: Duration = Duration::from_secs(30);
 
-fn disk(name: &str, size: &str) -> serde_json::Value {
-    Disk::blank(name, size).json()
-}
-
 #[test]
 fn a_new_object_of_a_deleted_ones_name_shows_none_of_its_events() {
     let _serial = serial();
@@ -22,7 +18,7 @@ fn a_new_object_of_a_deleted_ones_name_shows_none_of_its_events() {
     let d = Daemon::start_without_guest(&[images.path()], &[]);
 
     // The first life: created, Ready, deleted.
-    let (status, v) = d.apply_json(vec![disk("data", "64Mi")]);
+    let (status, v) = d.apply_json(vec![Disk::blank("data", "64Mi").json()]);
     assert_eq!(status, 200, "{v}");
     let first = d.wait_object("virtualdisks", "data", "Ready", WAIT, |v| {
         v["status"]["phase"] == "Ready"
@@ -35,7 +31,7 @@ fn a_new_object_of_a_deleted_ones_name_shows_none_of_its_events() {
     assert!(first_events.contains(&first_layer), "{first_events}");
 
     // The second life, of another size so its events tell it apart.
-    let (status, v) = d.apply_json(vec![disk("data", "32Mi")]);
+    let (status, v) = d.apply_json(vec![Disk::blank("data", "32Mi").json()]);
     assert_eq!(status, 200, "{v}");
     let second = d.wait_object("virtualdisks", "data", "Ready", WAIT, |v| {
         v["status"]["phase"] == "Ready"
@@ -85,7 +81,7 @@ fn a_deleted_networks_run_directory_goes_with_it() {
     let m = manifest(
         &d,
         "lan.yaml",
-        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {name: lan}\nspec: {subnet: 10.79.0.0/24}\n",
+        &Network::new("lan").subnet("10.79.0.0/24").yaml(),
     );
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
     d.wait_object("virtualnetworks", "lan", "Ready", WAIT, |v| {

@@ -51,10 +51,6 @@ fn guest_kernel_boot() -> Value {
            "cmdline": "console=ttyS0 quiet panic=-1"})
 }
 
-fn exec(d: &Daemon, vm: &str, script: &str) -> String {
-    d.agent_sh_ok(vm, script)
-}
-
 /// The argv of a running process, one element each.
 fn argv_of(pid: u32) -> Vec<String> {
     let raw = std::fs::read(format!("/proc/{pid}/cmdline")).expect("cmdline");
@@ -69,10 +65,6 @@ fn value_after(argv: &[String], flag: &str) -> Vec<String> {
         .filter(|w| w[0] == flag)
         .map(|w| w[1].clone())
         .collect()
-}
-
-fn pid_of(v: &Value) -> u32 {
-    v["status"]["pid"].as_u64().expect("pid") as u32
 }
 
 /// Every file of the seed image, by name, read with the `fatfs` crate, and
@@ -168,7 +160,7 @@ fn uefi_vm_with_cloud_init_keeps_its_vars_gets_a_seed_and_snapshots_only_its_dis
     );
     assert!(argv.iter().any(|a| a == "-kernel"), "{argv:?}");
     assert_eq!(
-        exec(&d, "ci", "test -d /sys/firmware/efi && echo uefi"),
+        d.agent_sh_ok("ci", "test -d /sys/firmware/efi && echo uefi"),
         "uefi\n"
     );
 
@@ -208,14 +200,17 @@ fn uefi_vm_with_cloud_init_keeps_its_vars_gets_a_seed_and_snapshots_only_its_dis
 
     // In the guest the VirtualDisk stays the first disk, and the seed comes
     // after it, read-only, with its label where FAT keeps it.
-    assert_eq!(exec(&d, "ci", "cat /sys/block/vda/serial"), "ci-root");
-    assert_eq!(exec(&d, "ci", "ls /sys/block | grep vd"), "vda\nvdb\n");
-    assert_eq!(exec(&d, "ci", "cat /sys/block/vdb/ro"), "1\n");
+    assert_eq!(d.agent_sh_ok("ci", "cat /sys/block/vda/serial"), "ci-root");
+    assert_eq!(d.agent_sh_ok("ci", "ls /sys/block | grep vd"), "vda\nvdb\n");
+    assert_eq!(d.agent_sh_ok("ci", "cat /sys/block/vdb/ro"), "1\n");
     assert_eq!(
-        exec(&d, "ci", "dd if=/dev/vdb bs=1 skip=43 count=11 2>/dev/null"),
+        d.agent_sh_ok("ci", "dd if=/dev/vdb bs=1 skip=43 count=11 2>/dev/null"),
         "CIDATA     "
     );
-    assert_eq!(exec(&d, "ci", "cat /data/hello.txt"), "hello from hearth\n");
+    assert_eq!(
+        d.agent_sh_ok("ci", "cat /data/hello.txt"),
+        "hello from hearth\n"
+    );
 
     // A VM snapshot covers the VirtualDisk and nothing else.
     d.apply(vec![VmSnapshot::of("ci-snap", "ci").json()]);
@@ -233,7 +228,8 @@ fn uefi_vm_with_cloud_init_keeps_its_vars_gets_a_seed_and_snapshots_only_its_dis
     // The guest's filesystems on its first disk are found on the VirtualDisk
     // with the seed attached too (the test guest has no udev, so this goes by
     // the disk's PCI address, which the seed after it does not move).
-    let mut on_vda: Vec<String> = exec(&d, "ci", "cat /proc/mounts")
+    let mut on_vda: Vec<String> = d
+        .agent_sh_ok("ci", "cat /proc/mounts")
         .lines()
         .filter_map(|l| {
             let mut f = l.split_whitespace();

@@ -55,15 +55,11 @@ fn guest_sha256(d: &Daemon, vm: &str, path: &str) -> String {
     out.split_whitespace().next().expect("digest").to_string()
 }
 
-fn snapshot(name: &str) -> serde_json::Value {
-    DiskSnapshot::of(name, "data").json()
-}
-
 /// Applies a snapshot of the data disk and waits (on the change stream)
 /// until it is Ready; returns it and the time from the request to Ready.
 fn timed_snapshot(d: &Daemon, name: &str) -> (serde_json::Value, Duration) {
     let started = Instant::now();
-    let (status, v) = d.apply_json(vec![snapshot(name)]);
+    let (status, v) = d.apply_json(vec![DiskSnapshot::of(name, "data").json()]);
     assert_eq!(status, 200, "apply snapshot {name}: {v}");
     let s = d.wait_final("virtualdisksnapshots", name, Duration::from_secs(60));
     if s["status"]["phase"] == "Failed" {

@@ -10,35 +10,14 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::http::{Behaviour, Server};
-use common::{Daemon, Disk, DiskSnapshot, Image, ObjectBuilder};
+use common::{
+    Daemon, Disk, DiskSnapshot, Image, Manifest, ObjectBuilder, eventually, make_qcow2, run_ok,
+};
 use serde_json::{Value, json};
 
 const IMPORT: Duration = Duration::from_secs(60);
 
 // ---------------------------------------------------------------- images
-
-fn run(cmd: &str, args: &[&str]) {
-    let out = Command::new(cmd)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("{cmd}: {e} (install it: apt-get install qemu-utils)"));
-    assert!(
-        out.status.success(),
-        "{cmd} {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
-/// A small real qcow2: 4 MiB virtual, its first MiB written with 0xab.
-fn make_qcow2(path: &Path) -> Vec<u8> {
-    let p = path.to_str().expect("utf8");
-    run("qemu-img", &["create", "-q", "-f", "qcow2", p, "4M"]);
-    run(
-        "qemu-io",
-        &["-f", "qcow2", "-c", "write -q -P 0xab 0 1M", p],
-    );
-    std::fs::read(path).expect("read qcow2")
-}
 
 /// A raw 2 MiB disk with a DOS partition table: one Linux partition.
 fn make_raw_mbr(path: &Path) -> Vec<u8> {
@@ -352,7 +331,7 @@ fn images_that_name_other_files_or_are_not_images_are_refused() {
     let p = |n: &str| src.path().join(n);
     let s = |n: &str| p(n).to_str().expect("utf8").to_owned();
     // A qcow2 whose backing file lies outside every root.
-    run(
+    run_ok(
         "qemu-img",
         &[
             "create",
@@ -368,11 +347,11 @@ fn images_that_name_other_files_or_are_not_images_are_refused() {
             "4M",
         ],
     );
-    run(
+    run_ok(
         "qemu-img",
         &["create", "-q", "-f", "raw", &s("data.raw"), "4M"],
     );
-    run(
+    run_ok(
         "qemu-img",
         &[
             "create",
@@ -667,12 +646,12 @@ fn a_slow_download_shows_its_progress_while_it_runs() {
         &digest,
     )]);
     let mut seen: Vec<(u64, String, u64)> = Vec::new();
-    let deadline = Instant::now() + IMPORT;
-    loop {
-        let v = d.get_image("slow").expect("image");
+    let mut v = Value::Null;
+    let ready = eventually(IMPORT, || {
+        v = d.get_image("slow").expect("image");
         let st = &v["status"];
         if st["phase"] == "Ready" {
-            break;
+            return true;
         }
         if st["phase"] == "Importing"
             && let Some(done) = st["bytesDone"].as_u64()
@@ -685,9 +664,9 @@ fn a_slow_download_shows_its_progress_while_it_runs() {
                 st["bytesPerSecond"].as_u64().unwrap_or(0),
             ));
         }
-        assert!(Instant::now() < deadline, "not Ready: {v:#}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+        false
+    });
+    assert!(ready, "not Ready: {v:#}");
     seen.dedup_by_key(|s| s.0);
     assert!(seen.len() >= 2, "at least two progress reports: {seen:?}");
     assert!(seen.windows(2).all(|w| w[0].0 < w[1].0), "{seen:?}");
@@ -716,10 +695,10 @@ fn removing_a_manifest_with_an_image_and_a_disk_from_it_removes_both_and_the_fil
     let file = manifests.join("web.yaml");
     std::fs::write(
         &file,
-        format!(
-            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualImage\nmetadata: {{name: base}}\nspec:\n  source: {{file: {}}}\n---\napiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {{name: root}}\nspec:\n  size: 16Mi\n  source: {{virtualImage: base}}\n",
-            src.path().join("good.qcow2").display()
-        ),
+        Manifest::new()
+            .with(Image::file("base", src.path().join("good.qcow2")))
+            .with(Disk::from_virtual_image("root", "base").size("16Mi"))
+            .yaml(),
     )
     .expect("write manifest");
     let image = wait_image_phase(&d, "base", "Ready");
@@ -1004,7 +983,7 @@ fn an_image_larger_than_the_largest_disk_makes_no_disk_from_it() {
     let src = roots();
     let big = src.path().join("big.qcow2");
     // One Ti more than spec.size may ask for; sparse, a few hundred KiB.
-    run(
+    run_ok(
         "qemu-img",
         &[
             "create",

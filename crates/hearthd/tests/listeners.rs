@@ -338,23 +338,6 @@ fn a_flood_of_port_forward_connections_is_bounded_and_hearthd_keeps_serving() {
     assert!(d.get_disk("during-the-flood").is_some());
 }
 
-/// The metrics listener's address, from hearthd's log.
-fn metrics_addr(d: &Daemon) -> SocketAddr {
-    let mut addr = None;
-    let found = eventually(WAIT, || {
-        addr = d
-            .log()
-            .lines()
-            .filter(|l| l.contains("serving metrics"))
-            .find_map(|l| l.split("metrics_listen=").nth(1))
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|a| a.parse().ok());
-        addr.is_some()
-    });
-    assert!(found, "no metrics listener:\n{}", d.log());
-    addr.expect("found")
-}
-
 /// `GET /metrics` over TCP; the status.
 fn scrape(addr: SocketAddr) -> u16 {
     let mut s = TcpStream::connect(addr).expect("connect");
@@ -394,7 +377,7 @@ fn slow_and_idle_http_clients_are_bounded_and_closed_after_the_timeout() {
             "32",
         ],
     );
-    let addr = metrics_addr(&d);
+    let addr = d.metrics_addr(WAIT);
     assert_eq!(scrape(addr), 200);
     let before = open_fds(&d);
 

@@ -25,12 +25,6 @@ fn run(dir: &std::path::Path, program: &str, args: &[&str]) {
     );
 }
 
-fn disk_text(name: &str) -> String {
-    format!(
-        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: {name}\nspec:\n  size: 64Mi\n  source:\n    blank: {{}}\n"
-    )
-}
-
 /// Issue #3, required behaviour 5, and the API/CLI refusing to change what a
 /// file owns.
 #[test]

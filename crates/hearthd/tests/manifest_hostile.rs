@@ -61,12 +61,11 @@ fn run_with_deadline(mut command: Command, deadline: Duration) -> (Option<Output
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawn");
-    while started.elapsed() < deadline {
-        if child.try_wait().expect("wait").is_some() {
-            let out = child.wait_with_output().expect("output");
-            return (Some(out), started.elapsed());
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    if eventually_every(Duration::from_millis(20), deadline, || {
+        child.try_wait().expect("wait").is_some()
+    }) {
+        let out = child.wait_with_output().expect("output");
+        return (Some(out), started.elapsed());
     }
     let _ = child.kill();
     let _ = child.wait();
@@ -103,6 +102,7 @@ fn deeply_nested_manifests_are_refused_at_once_and_block_nothing() {
     // The nested files are still there: the daemon keeps answering.
     for i in 0..5 {
         assert_answers(&env, &format!("with the nested files there ({i})"));
+        // Deliberate: the daemon answers over a second, not only once.
         std::thread::sleep(Duration::from_millis(200));
     }
 
@@ -178,23 +178,19 @@ fn large_manifests_parse_in_the_background_and_hold_up_nothing() {
         written.elapsed()
     );
     let mut saw_parsing = false;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
+    let mut files: Vec<Value> = Vec::new();
+    let all_parsed = eventually_every(Duration::from_millis(200), Duration::from_secs(120), || {
         assert_answers(&env, "while the large files parse");
-        let files: Vec<Value> = big.iter().filter_map(|n| env.source_file(n)).collect();
+        files = big.iter().filter_map(|n| env.source_file(n)).collect();
         saw_parsing |= files.iter().any(|f| f["parsing"] == true);
-        let done = files.len() == big.len()
+        files.len() == big.len()
             && files.iter().all(|f| {
                 f["error"]
                     .as_str()
                     .is_some_and(|e| e.contains("spec.padding: unknown field"))
-            });
-        if done {
-            break;
-        }
-        assert!(Instant::now() < deadline, "not all parsed: {files:#?}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+            })
+    });
+    assert!(all_parsed, "not all parsed: {files:#?}");
     eprintln!("all four parsed {:?} after the writes", written.elapsed());
     let sources = env.sources();
     assert!(saw_parsing, "no file was seen parsing: {sources:#}");
@@ -251,13 +247,11 @@ fn hearth_apply_of_a_deeply_nested_or_oversized_file_fails_at_once() {
         // The CLI may stop reading early: a broken pipe is fine.
         let _ = std::io::Write::write_all(&mut stdin, text.as_bytes());
     });
-    let started = Instant::now();
-    while child.try_wait().expect("wait").is_none() {
-        if started.elapsed() > Duration::from_secs(20) {
-            let _ = child.kill();
-            panic!("hearth apply -f - still running after 20 s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    if !eventually_every(Duration::from_millis(20), Duration::from_secs(20), || {
+        child.try_wait().expect("wait").is_some()
+    }) {
+        let _ = child.kill();
+        panic!("hearth apply -f - still running after 20 s");
     }
     let out = child.wait_with_output().expect("output");
     writer.join().expect("writer");
@@ -330,6 +324,7 @@ fn an_apply_body_with_deeply_nested_cloud_init_yaml_is_refused_at_once() {
             &env,
             &format!("while the nested bodies are validated ({i})"),
         );
+        // Deliberate: the daemon answers all along the validations.
         std::thread::sleep(Duration::from_millis(200));
     }
     for r in requests {
@@ -466,12 +461,6 @@ impl Replacement {
     fn file(self) -> String {
         format!("{}.yaml", self.name())
     }
-}
-
-fn disk_text(name: &str) -> String {
-    format!(
-        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: {name}\nspec:\n  size: 64Mi\n  source:\n    blank: {{}}\n"
-    )
 }
 
 fn qemu_io(image: &Path, command: &str, read_only: bool) -> String {

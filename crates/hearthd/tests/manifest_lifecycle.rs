@@ -10,10 +10,6 @@ use std::time::Duration;
 use common::*;
 use manifest_support::*;
 
-fn pid_of(v: &serde_json::Value) -> u32 {
-    v["status"]["pid"].as_u64().expect("pid") as u32
-}
-
 /// Issue #3, required behaviour 6. The delete grace period is shortened to
 /// 300 ms so the second delete lands while that guest is still booting.
 #[test]

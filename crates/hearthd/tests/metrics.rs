@@ -146,33 +146,12 @@ fn vm_rss(pid: u64) -> f64 {
     kib * 1024.0
 }
 
-/// The address hearthd says its metrics listener is bound to.
-fn metrics_addr(d: &Daemon) -> SocketAddr {
-    let mut addr = None;
-    let found = eventually(Duration::from_secs(30), || {
-        addr = d
-            .log()
-            .lines()
-            .filter(|l| l.contains("serving metrics"))
-            .find_map(|l| l.split("metrics_listen=").nth(1))
-            .and_then(|rest| rest.split_whitespace().next())
-            .and_then(|a| a.parse().ok());
-        addr.is_some()
-    });
-    assert!(found, "no metrics listener:\n{}", d.log());
-    addr.expect("found")
-}
-
 fn objects(yaml: &str) -> Vec<Value> {
     hearth_api::raw_documents(yaml, "test")
         .expect("test manifest")
         .into_iter()
         .map(|d| d.value)
         .collect()
-}
-
-fn disk_snapshot(name: &str, disk: &str) -> Value {
-    DiskSnapshot::of(name, disk).json()
 }
 
 // ---------------------------------------------------------------- OpenAPI
@@ -296,7 +275,7 @@ fn a_metrics_listener_on_a_non_loopback_address_is_refused() {
 fn metrics_scraped_as_prometheus_does_match_what_the_vm_did() {
     let _g = serial();
     let mut d = Daemon::start_with(&["--metrics-listen", "127.0.0.1:0"]);
-    let tcp = metrics_addr(&d);
+    let tcp = d.metrics_addr(Duration::from_secs(30));
     assert!(tcp.ip().is_loopback(), "{tcp}");
     let doc = openapi(&d);
 
@@ -410,7 +389,7 @@ fn metrics_scraped_as_prometheus_does_match_what_the_vm_did() {
     // Two snapshots, one after the other: two cuts, two freeze windows.
     let mut windows_ms = 0u64;
     for name in ["metrics-snap-1", "metrics-snap-2"] {
-        d.apply(vec![disk_snapshot(name, disk)]);
+        d.apply(vec![DiskSnapshot::of(name, disk).json()]);
         let snap = snapshot_final(&d, name, SNAP_TIMEOUT);
         assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
         assert_eq!(snap["status"]["consistent"], true, "{snap:#}");

@@ -79,16 +79,6 @@ fn dnsmasq_pids(d: &Daemon, bridge: &str) -> Vec<u32> {
     pids
 }
 
-fn is_zombie(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .map(|(_, r)| r.trim_start().starts_with('Z'))
-        })
-        .unwrap_or(true)
-}
-
 /// status.interfaces[i].ipAddress of `vm`, once every interface is confirmed
 /// by the guest agent.
 fn wait_confirmed(d: &Daemon, vm: &str, count: usize) -> Vec<String> {

@@ -102,14 +102,6 @@ fn assert_denied(path: &Path) {
     );
 }
 
-fn disk_head(d: &Daemon, disk: &str) -> PathBuf {
-    PathBuf::from(
-        d.get_disk(disk).expect("disk")["status"]["path"]
-            .as_str()
-            .expect("path"),
-    )
-}
-
 #[test]
 fn qemu_runs_as_its_user_holds_only_its_own_files_and_cannot_open_others() {
     let _serial = serial();
@@ -137,9 +129,7 @@ fn qemu_runs_as_its_user_holds_only_its_own_files_and_cannot_open_others() {
     let (status, v) = d.request(
         "POST",
         "/v1/apply",
-        Some(&json!({"items": [{"apiVersion": "hearth.dev/v1alpha1",
-            "kind": "VirtualDiskSnapshot", "metadata": {"name": "snap-a"},
-            "spec": {"virtualDiskName": "disk-a", "requiredConsistency": true}}]})),
+        Some(&json!({"items": [DiskSnapshot::of("snap-a", "disk-a").json()]})),
     );
     assert_eq!(status, 200, "{v}");
     let snap = d.wait_object(
@@ -189,8 +179,8 @@ fn qemu_runs_as_its_user_holds_only_its_own_files_and_cannot_open_others() {
     // Each QEMU holds every layer of its own disk's chain open (vm-a's:
     // the runtime overlay, the old head, the image below), and none of the
     // other VM's.
-    let layers_a = layers(&disk_head(&d, "disk-a"));
-    let layers_b = layers(&disk_head(&d, "disk-b"));
+    let layers_a = layers(&d.disk_path("disk-a"));
+    let layers_b = layers(&d.disk_path("disk-b"));
     assert_eq!(layers_a.len(), 3, "{layers_a:?}");
     assert_eq!(layers_b.len(), 2, "{layers_b:?}");
     let files_a = open_files(pids[0]);
@@ -210,9 +200,7 @@ fn qemu_runs_as_its_user_holds_only_its_own_files_and_cannot_open_others() {
     let (status, v) = d.request(
         "POST",
         "/v1/apply",
-        Some(&json!({"items": [{"apiVersion": "hearth.dev/v1alpha1",
-            "kind": "VirtualDiskSnapshot", "metadata": {"name": "snap-a2"},
-            "spec": {"virtualDiskName": "disk-a", "requiredConsistency": true}}]})),
+        Some(&json!({"items": [DiskSnapshot::of("snap-a2", "disk-a").json()]})),
     );
     assert_eq!(status, 200, "{v}");
     let snap = d.wait_object(
@@ -223,7 +211,7 @@ fn qemu_runs_as_its_user_holds_only_its_own_files_and_cannot_open_others() {
         |s| s["status"]["phase"] == "Ready" || s["status"]["phase"] == "Failed",
     );
     assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
-    let layers_a = layers(&disk_head(&d, "disk-a"));
+    let layers_a = layers(&d.disk_path("disk-a"));
     assert_eq!(layers_a.len(), 4, "{layers_a:?}");
     let files_a = open_files(pids[0]);
     for l in &layers_a {
@@ -312,12 +300,15 @@ fn a_kernel_the_qemu_user_cannot_read_fails_the_start_naming_the_user() {
     let (status, v) = d.request(
         "POST",
         "/v1/apply",
-        Some(&json!({"items": [{"apiVersion": "hearth.dev/v1alpha1",
-            "kind": "VirtualMachine", "metadata": {"name": "hidden"},
-            "spec": {"runPolicy": "AlwaysOn", "memory": "128Mi", "disks": [],
-                     "boot": {"kernel": root.path().join("vmlinuz"),
-                              "initrd": root.path().join("initrd.img"),
-                              "cmdline": "console=ttyS0"}}}]})),
+        Some(&json!({"items": [Vm::new("hidden")
+            .always_on()
+            .memory("128Mi")
+            .boot(
+                &root.path().join("vmlinuz"),
+                Some(&root.path().join("initrd.img")),
+                "console=ttyS0"
+            )
+            .json()]})),
     );
     assert_eq!(status, 200, "{v}");
     let v = d.wait_vm("hidden", "a start-up error", Duration::from_secs(60), |v| {
@@ -362,18 +353,6 @@ impl Drop for LoopDevice {
     }
 }
 
-fn qemu_img(args: &[&str]) {
-    let out = Command::new("qemu-img")
-        .args(args)
-        .output()
-        .expect("qemu-img (apt-get install qemu-utils)");
-    assert!(
-        out.status.success(),
-        "qemu-img {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn utf8(p: &Path) -> &str {
     p.to_str().expect("utf8")
 }
@@ -414,14 +393,17 @@ fn a_base_image_changed_after_its_disk_was_made_is_refused_at_start_and_qemu_get
     std::fs::write(out.join("device.img"), &marked).expect("device file");
     let device = LoopDevice::attach(&out.join("device.img"));
     let foreign = out.join("foreign.qcow2");
-    qemu_img(&[
-        "convert",
-        "-q",
-        "-O",
-        "qcow2",
-        utf8(&secret),
-        utf8(&foreign),
-    ]);
+    run_ok(
+        "qemu-img",
+        &[
+            "convert",
+            "-q",
+            "-O",
+            "qcow2",
+            utf8(&secret),
+            utf8(&foreign),
+        ],
+    );
     let elsewhere = out.join("elsewhere");
     std::fs::create_dir(&elsewhere).expect("mkdir");
     std::fs::copy(&foreign, elsewhere.join("base.qcow2")).expect("copy");
@@ -446,20 +428,26 @@ fn a_base_image_changed_after_its_disk_was_made_is_refused_at_start_and_qemu_get
                 (
                     target,
                     Box::new(move || {
-                        qemu_img(&[
-                            "rebase",
-                            "-u",
-                            "-f",
-                            "qcow2",
-                            "-b",
-                            utf8(&t),
-                            "-F",
-                            "raw",
-                            utf8(&b),
-                        ])
+                        run_ok(
+                            "qemu-img",
+                            &[
+                                "rebase",
+                                "-u",
+                                "-f",
+                                "qcow2",
+                                "-b",
+                                utf8(&t),
+                                "-F",
+                                "raw",
+                                utf8(&b),
+                            ],
+                        )
                     }),
                     Box::new(move || {
-                        qemu_img(&["rebase", "-u", "-f", "qcow2", "-b", "", utf8(&b2)])
+                        run_ok(
+                            "qemu-img",
+                            &["rebase", "-u", "-f", "qcow2", "-b", "", utf8(&b2)],
+                        )
                     }),
                 )
             }
@@ -545,27 +533,27 @@ fn a_base_image_changed_after_its_disk_was_made_is_refused_at_start_and_qemu_get
     };
     for (i, a) in attacks.iter().enumerate() {
         d.cli_ok(&["start", "guarded"]);
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        let err = loop {
+        let mut v = Value::Null;
+        let failed = eventually_every(Duration::from_millis(200), Duration::from_secs(60), || {
             if let Some(held) = holding_a_target(&d) {
                 panic!("{}: the changed base reached QEMU: {held}", a.disk);
             }
-            let v = d.get_vm("guarded").expect("vm");
-            let err = v["status"]["lastError"]
+            v = d.get_vm("guarded").expect("vm");
+            v["status"]["lastError"]
                 .as_str()
                 .unwrap_or_default()
-                .to_string();
-            if err.contains(&format!("spec.disks[{i}]")) {
-                assert_eq!(v["status"]["phase"], "Failed", "{v:#}");
-                break err;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{}: the VM did not fail naming the disk: {v:#}",
-                a.disk
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        };
+                .contains(&format!("spec.disks[{i}]"))
+        });
+        assert!(
+            failed,
+            "{}: the VM did not fail naming the disk: {v:#}",
+            a.disk
+        );
+        let err = v["status"]["lastError"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert_eq!(v["status"]["phase"], "Failed", "{v:#}");
         eprintln!("{}: {err}", a.disk);
         assert!(
             err.contains(&format!("VirtualDisk \"{}\"", a.disk)) && err.contains(utf8(&a.base)),

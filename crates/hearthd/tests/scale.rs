@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::qemu_img_log::{QemuImgLog, real_qemu_img};
 use common::*;
@@ -34,14 +34,6 @@ fn blank_disk(name: &str, size: &str) -> Value {
     Disk::blank(name, size).json()
 }
 
-fn image_disk(name: &str, base: &Path) -> Value {
-    Disk::from_image(name, base).json()
-}
-
-fn disk_snapshot(name: &str, disk: &str) -> Value {
-    DiskSnapshot::of(name, disk).json()
-}
-
 fn items(d: &Daemon, plural: &str) -> Vec<Value> {
     let (status, v) = d.request("GET", &format!("/v1/{plural}"), None);
     assert_eq!(status, 200, "{v}");
@@ -49,28 +41,28 @@ fn items(d: &Daemon, plural: &str) -> Vec<Value> {
 }
 
 fn wait_all_ready(d: &Daemon, plural: &str, count: usize, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    loop {
+    let mut ready = 0;
+    let all_ready = eventually_every(Duration::from_millis(200), timeout, || {
         let all = items(d, plural);
-        let ready = all
+        ready = all
             .iter()
             .filter(|o| o["status"]["phase"] == "Ready")
             .count();
         if all.len() == count && ready == count {
-            return;
+            return true;
         }
         let failed: Vec<&Value> = all
             .iter()
             .filter(|o| o["status"]["phase"] == "Failed")
             .collect();
         assert!(failed.is_empty(), "{plural} failed: {failed:?}");
-        assert!(
-            Instant::now() < deadline,
-            "{ready} of {count} {plural} Ready after {timeout:?}\n{}",
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+        false
+    });
+    assert!(
+        all_ready,
+        "{ready} of {count} {plural} Ready after {timeout:?}\n{}",
+        d.log()
+    );
 }
 
 /// `(len, mtime in ns)` of a file, or zeros when it does not exist.
@@ -93,19 +85,15 @@ fn a_resync_with_nothing_changed_runs_no_program_and_writes_nothing() {
     let mut objects: Vec<Value> = (0..40)
         .map(|i| blank_disk(&format!("b{i}"), "64Mi"))
         .collect();
-    objects.extend((0..4).map(|i| image_disk(&format!("o{i}"), &base)));
+    objects.extend((0..4).map(|i| Disk::from_image(&format!("o{i}"), &base).json()));
     // A stopped VM with a disk: its disk's status names it.
-    objects.push(
-        json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualMachine",
-        "metadata": {"name": "stopped"},
-        "spec": {"runPolicy": "AlwaysOff", "disks": [{"virtualDiskName": "b0"}]}}),
-    );
+    objects.push(Vm::new("stopped").always_off().disk("b0").json());
     let (status, v) = d.apply_json(objects);
     assert_eq!(status, 200, "{v}");
     wait_all_ready(&d, "virtualdisks", 44, Duration::from_secs(120));
     // Snapshots of disks no QEMU runs: offline cuts, a new layer each.
     let snaps = (1..=4)
-        .map(|i| disk_snapshot(&format!("s{i}"), &format!("b{i}")))
+        .map(|i| DiskSnapshot::of(&format!("s{i}"), &format!("b{i}")).json())
         .collect();
     let (status, v) = d.apply_json(snaps);
     assert_eq!(status, 200, "{v}");
@@ -255,7 +243,7 @@ fn external_programs_run_at_most_the_pool_size_at_once_and_are_always_reaped() {
     // Each disk over an image runs qemu-img twice (the base's info, the
     // overlay's create); blank disks of sizes not seen before once or twice.
     let mut objects: Vec<Value> = (0..30)
-        .map(|i| image_disk(&format!("o{i}"), &base))
+        .map(|i| Disk::from_image(&format!("o{i}"), &base).json())
         .collect();
     objects.extend((0..6).map(|i| blank_disk(&format!("b{i}"), &format!("{}Mi", 16 + i))));
     let (status, v) = d.apply_json(objects);

@@ -33,10 +33,6 @@ impl Rng {
     }
 }
 
-fn snapshot(name: &str, disk: &str) -> Value {
-    DiskSnapshot::of(name, disk).json()
-}
-
 fn get_snapshot(d: &Daemon, name: &str) -> Option<Value> {
     match d.try_request("GET", &format!("/v1/virtualdisksnapshots/{name}"), None) {
         Ok((200, v)) => Some(v),
@@ -152,7 +148,7 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
             .map(|j| {
                 let n = format!("crash-{round}-{j}");
                 names.push(n.clone());
-                snapshot(&n, "busy-data")
+                DiskSnapshot::of(&n, "busy-data").json()
             })
             .collect();
         let (before, _) = hook_counts(&d, "busy");
@@ -189,7 +185,7 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
             let (status, v) = d.request(
                 "POST",
                 "/v1/apply",
-                Some(&json!({"items": [snapshot(&n, "busy-data")]})),
+                Some(&json!({"items": [DiskSnapshot::of(&n, "busy-data").json()]})),
             );
             assert_eq!(status, 200, "{v}");
             wait_until(&format!("{n} final"), FINAL_TIMEOUT, || {
@@ -210,23 +206,11 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
     // Every snapshot ends Ready and consistent: none failed because of a crash.
     let deadline = Instant::now() + FINAL_TIMEOUT;
     for n in &names {
-        loop {
-            let v = get_snapshot(&d, n).expect("snapshot exists");
-            match v["status"]["phase"].as_str() {
-                Some("Ready") => {
-                    assert_eq!(v["status"]["consistent"], true, "{v:#}");
-                    break;
-                }
-                Some("Failed") => panic!("{n} failed:\n{v:#}\n{}", d.log()),
-                _ => {
-                    assert!(
-                        Instant::now() < deadline,
-                        "{n} not final: {v:#}\n{}",
-                        d.log()
-                    );
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-            }
+        let left = deadline.saturating_duration_since(Instant::now());
+        let v = d.wait_final("virtualdisksnapshots", n, left);
+        match v["status"]["phase"].as_str() {
+            Some("Ready") => assert_eq!(v["status"]["consistent"], true, "{v:#}"),
+            _ => panic!("{n} failed:\n{v:#}\n{}", d.log()),
         }
     }
 
@@ -306,20 +290,11 @@ fn sigkill_at_random_moments_never_fails_a_snapshot_loses_a_write_or_leaves_a_fr
     );
 }
 
-/// The disk's recorded head (`status.path`).
-fn head_of(d: &Daemon, disk: &str) -> PathBuf {
-    PathBuf::from(
-        d.get_disk(disk).expect("disk")["status"]["path"]
-            .as_str()
-            .expect("path"),
-    )
-}
-
 /// Layer files outside the head's backing chain, each with the file it
 /// names as its backing file (an overlay made ahead lies over the head).
 fn outside_chain(d: &Daemon, disk: &str) -> Vec<(PathBuf, Option<PathBuf>)> {
     let layers = d.state_dir().join("layers");
-    let chain: BTreeSet<PathBuf> = backing_chain(&head_of(d, disk)).into_iter().collect();
+    let chain: BTreeSet<PathBuf> = backing_chain(&d.disk_path(disk)).into_iter().collect();
     let mut out: Vec<(PathBuf, Option<PathBuf>)> = std::fs::read_dir(&layers)
         .expect("layers")
         .flatten()
@@ -341,7 +316,7 @@ fn wait_ahead(d: &Daemon, disk: &str, qemu: u32) -> PathBuf {
     let layers = d.state_dir().join("layers");
     let found = std::cell::RefCell::new(None);
     wait_until("an overlay made ahead", Duration::from_secs(30), || {
-        let head = head_of(d, disk);
+        let head = d.disk_path(disk);
         let out = outside_chain(d, disk);
         let one = match out.as_slice() {
             [(p, Some(below))] if *below == head && written_by(qemu, &layers).contains(p) => {
@@ -361,7 +336,7 @@ fn wait_ahead(d: &Daemon, disk: &str, qemu: u32) -> PathBuf {
 fn wait_no_ahead(d: &Daemon, disk: &str, qemu: Option<u32>, what: &str) {
     let layers = d.state_dir().join("layers");
     wait_until(what, Duration::from_secs(30), || {
-        let chain: BTreeSet<PathBuf> = backing_chain(&head_of(d, disk)).into_iter().collect();
+        let chain: BTreeSet<PathBuf> = backing_chain(&d.disk_path(disk)).into_iter().collect();
         outside_chain(d, disk).is_empty()
             && qemu.is_none_or(|q| written_by(q, &layers).is_subset(&chain))
     });
@@ -394,7 +369,7 @@ fn an_overlay_made_ahead_is_used_by_the_next_cut_and_never_outlives_a_crash_or_i
         let (status, v) = d.request(
             "POST",
             "/v1/apply",
-            Some(&json!({"items": [snapshot(n, "ah-data")]})),
+            Some(&json!({"items": [DiskSnapshot::of(n, "ah-data").json()]})),
         );
         assert_eq!(status, 200, "{v}");
         let v = snapshot_final(d, n, FINAL_TIMEOUT);
@@ -407,7 +382,7 @@ fn an_overlay_made_ahead_is_used_by_the_next_cut_and_never_outlives_a_crash_or_i
     let first = wait_ahead(&d, "ah-data", qemu);
     snap(&d, "ah-1");
     assert_eq!(
-        head_of(&d, "ah-data"),
+        d.disk_path("ah-data"),
         first,
         "the cut used the overlay made ahead"
     );
@@ -425,9 +400,9 @@ fn an_overlay_made_ahead_is_used_by_the_next_cut_and_never_outlives_a_crash_or_i
         "the ahead overlay removed after the restart",
     );
     assert!(!second.exists());
-    assert_eq!(head_of(&d, "ah-data"), first, "never adopted");
+    assert_eq!(d.disk_path("ah-data"), first, "never adopted");
     snap(&d, "ah-2");
-    let head2 = head_of(&d, "ah-data");
+    let head2 = d.disk_path("ah-data");
     assert_ne!(head2, second, "a fresh overlay, not the removed one");
     assert_eq!(backing_chain(&head2).get(1), Some(&first));
     let third = wait_ahead(&d, "ah-data", qemu);
@@ -447,7 +422,7 @@ fn an_overlay_made_ahead_is_used_by_the_next_cut_and_never_outlives_a_crash_or_i
         !third.exists(),
         "the ahead overlay of the killed QEMU is gone"
     );
-    assert_eq!(head_of(&d, "ah-data"), head2, "never adopted");
+    assert_eq!(d.disk_path("ah-data"), head2, "never adopted");
     // The new QEMU gets its own.
     let fourth = wait_ahead(&d, "ah-data", qemu2);
 

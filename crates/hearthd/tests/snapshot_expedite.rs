@@ -17,11 +17,8 @@ const SNAP_TIMEOUT: Duration = Duration::from_secs(90);
 /// `hearth_engine::snapshot::expedite::HOLD_SECONDS`, and some margin.
 const RESET_WITHIN: Duration = Duration::from_secs(20);
 
-fn snapshot(d: &Daemon, name: &str, disk: &str) -> Value {
-    let (status, v) = d.apply_json(vec![DiskSnapshot::of(name, disk).json()]);
-    assert_eq!(status, 200, "apply: {v}");
-    let v = d.wait_final("virtualdisksnapshots", name, SNAP_TIMEOUT);
-    assert_eq!(v["status"]["phase"], "Ready", "{v:#}\n{}", d.log());
+fn consistent_snapshot(d: &Daemon, name: &str, disk: &str) -> Value {
+    let v = snapshot_ready(d, name, disk, SNAP_TIMEOUT);
     assert_eq!(v["status"]["consistent"], true, "{v:#}");
     v
 }
@@ -79,7 +76,7 @@ fn a_freeze_runs_expedited_and_the_guest_resets_it_by_itself() {
 
     // 1. The freeze ran with rcu_expedited set (the guest's hook says so,
     // just before FIFREEZE); the event says the step ran.
-    let s = snapshot(&d, "ex-1", "ex-data");
+    let s = consistent_snapshot(&d, "ex-1", "ex-data");
     assert_eq!(hook_values(&d, "ex"), ["1"], "{}", d.log());
     let event = freezing_event(&d, "ex", &s);
     assert!(event.contains("RCU grace periods expedited"), "{event}");
@@ -98,8 +95,8 @@ fn a_freeze_runs_expedited_and_the_guest_resets_it_by_itself() {
 
     // 2. Two cuts in a row: the first one's watcher does not undo the
     // second one's change (it resets only while the marker is its own).
-    snapshot(&d, "ex-2", "ex-data");
-    snapshot(&d, "ex-3", "ex-data");
+    consistent_snapshot(&d, "ex-2", "ex-data");
+    consistent_snapshot(&d, "ex-3", "ex-data");
     assert_eq!(hook_values(&d, "ex"), ["1", "1", "1"]);
     wait_until("the guest reset rcu_expedited", RESET_WITHIN, || {
         rcu_expedited(&d, "ex") == "0\nno-marker\n"
@@ -108,7 +105,7 @@ fn a_freeze_runs_expedited_and_the_guest_resets_it_by_itself() {
     // 3. A guest that expedites by itself is left alone: nothing is reset
     // when the watcher's time would have passed.
     d.agent_sh_ok("ex", "echo 1 > /sys/kernel/rcu_expedited");
-    let s = snapshot(&d, "ex-4", "ex-data");
+    let s = consistent_snapshot(&d, "ex-4", "ex-data");
     let event = freezing_event(&d, "ex", &s);
     assert!(
         event.contains("the guest already expedites RCU grace periods"),
@@ -128,7 +125,7 @@ fn a_freeze_runs_expedited_and_the_guest_resets_it_by_itself() {
     std::fs::write(&m, format!("{}---\n{off}", overlay_disk_yaml("ex-data")))
         .expect("write manifest");
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
-    let s = snapshot(&d, "ex-5", "ex-data");
+    let s = consistent_snapshot(&d, "ex-5", "ex-data");
     let event = freezing_event(&d, "ex", &s);
     assert!(
         event.contains("freeze not expedited: spec.expediteFreeze is false"),
@@ -163,7 +160,7 @@ fn an_agent_without_guest_exec_still_takes_a_consistent_snapshot() {
     );
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
     d.wait_agent("nx");
-    let s = snapshot(&d, "nx-1", "nx-data");
+    let s = consistent_snapshot(&d, "nx-1", "nx-data");
     let event = freezing_event(&d, "nx", &s);
     assert!(
         event.contains("freeze not expedited: the guest agent refuses guest-exec"),
@@ -201,7 +198,7 @@ fn a_guest_script_that_hangs_neither_delays_nor_breaks_the_snapshot() {
     );
     for (i, n) in ["hg-1", "hg-2"].iter().enumerate() {
         let started = Instant::now();
-        let s = snapshot(&d, n, "hg-data");
+        let s = consistent_snapshot(&d, n, "hg-data");
         let took = started.elapsed();
         let event = freezing_event(&d, "hg", &s);
         assert!(

@@ -47,21 +47,6 @@ fn img_info(path: &Path) -> Value {
     serde_json::from_slice(&out.stdout).expect("json")
 }
 
-fn to_raw(image: &Path, raw: &Path) {
-    let out = Command::new("qemu-img")
-        .args(["convert", "-O", "raw"])
-        .arg(image)
-        .arg(raw)
-        .output()
-        .expect("qemu-img");
-    assert!(
-        out.status.success(),
-        "qemu-img convert {}: {}",
-        image.display(),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn compare(a: &Path, b: &Path) -> (bool, String) {
     let out = Command::new("qemu-img")
         .args(["compare", "-U"])
@@ -397,11 +382,7 @@ fn exported_snapshots_hold_the_cut_and_the_exported_vm_boots_elsewhere() {
     // ---- a client that goes away while hearthd converts: the same. A disk
     // no VM uses, with data written into its layer on the host so that the
     // conversion takes a while.
-    apply_manifest(
-        &a,
-        "big.yaml",
-        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {name: big}\nspec: {size: 1Gi, source: {blank: {}}}\n",
-    );
+    apply_manifest(&a, "big.yaml", &Disk::blank("big", "1Gi").yaml());
     let big = a.wait_object("virtualdisks", "big", "Ready", SNAP_TIMEOUT, |v| {
         v["status"]["phase"] == "Ready"
     });

@@ -17,17 +17,9 @@ use serde_json::{Value, json};
 const FINAL: Duration = Duration::from_secs(120);
 
 fn group(name: &str, vms: &[&str], required: bool) -> Value {
-    json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualMachineSnapshotGroup",
-           "metadata": {"name": name},
-           "spec": {"virtualMachineNames": vms, "requiredConsistency": required}})
-}
-
-fn get(d: &Daemon, plural: &str, name: &str) -> Option<Value> {
-    match d.try_request("GET", &format!("/v1/{plural}/{name}"), None) {
-        Ok((200, v)) => Some(v),
-        Ok((404, _)) => None,
-        other => panic!("GET {plural}/{name}: {other:?}"),
-    }
+    SnapshotGroup::of(name, vms)
+        .required_consistency(required)
+        .json()
 }
 
 fn message(v: &Value) -> String {
@@ -218,6 +210,8 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
             "setsid sh -c '/bin/stallwatch /data/sw 12 5000 > /data/sw.out 2>&1' </dev/null >/dev/null 2>&1 &",
         );
     }
+    // Deliberate: the writers run a while first, so the cut lands among
+    // their writes.
     std::thread::sleep(Duration::from_secs(3));
     let out = d.cli(&[
         "snapshot", "group", "pair", "--vm", "app", "--vm", "db", "--wait",
@@ -255,7 +249,9 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
     }
     println!("group frozen window (host, longest member): {window} ms");
     for vm in vms {
-        let m = get(&d, "virtualmachinesnapshots", &format!("pair-{vm}")).expect("member");
+        let m = d
+            .get("virtualmachinesnapshots", &format!("pair-{vm}"))
+            .expect("member");
         assert_eq!(m["status"]["phase"], "Ready", "{m:#}");
         assert_eq!(m["status"]["consistent"], true, "{m:#}");
         assert_eq!(
@@ -362,8 +358,14 @@ fn a_group_cuts_two_busy_guests_at_one_frozen_instant_and_restores_both() {
         Duration::from_secs(60),
     );
     for vm in vms {
-        assert!(get(&d, "virtualmachinesnapshots", &format!("pair-{vm}")).is_none());
-        assert!(get(&d, "virtualdisksnapshots", &format!("pair-{vm}-{vm}-data")).is_none());
+        assert!(
+            d.get("virtualmachinesnapshots", &format!("pair-{vm}"))
+                .is_none()
+        );
+        assert!(
+            d.get("virtualdisksnapshots", &format!("pair-{vm}-{vm}-data"))
+                .is_none()
+        );
     }
 }
 
@@ -422,9 +424,13 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
     let g = d.wait_final("virtualmachinesnapshotgroups", "blind-may", FINAL);
     assert_eq!(g["status"]["phase"], "Ready", "{g:#}");
     assert_eq!(g["status"]["consistent"], false, "{g:#}");
-    let app = get(&d, "virtualmachinesnapshots", "blind-may-app").expect("app member");
+    let app = d
+        .get("virtualmachinesnapshots", "blind-may-app")
+        .expect("app member");
     assert_eq!(app["status"]["consistent"], true, "{app:#}");
-    let blind = get(&d, "virtualmachinesnapshots", "blind-may-blind").expect("blind member");
+    let blind = d
+        .get("virtualmachinesnapshots", "blind-may-blind")
+        .expect("blind member");
     assert_eq!(blind["status"]["consistent"], false, "{blind:#}");
     let after = hook_counts(&d, "app");
     assert_eq!((after.0 - before.0, after.1 - before.1), (1, 1));
@@ -437,17 +443,16 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
     let slow0 = hook_counts(&d, "slow");
     let (status, v) = d.apply_json(vec![group("late", &["app", "slow"], true)]);
     assert_eq!(status, 200, "{v}");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while hook_counts(&d, "app") != (app0.0 + 1, app0.1 + 1) {
-        assert!(
-            Instant::now() < deadline,
-            "app not frozen and thawed: {:?} from {app0:?}; {:#}\n{}",
-            hook_counts(&d, "app"),
-            get(&d, "virtualmachinesnapshotgroups", "late").unwrap_or_default(),
-            d.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    assert!(
+        eventually_every(Duration::from_millis(20), Duration::from_secs(60), || {
+            hook_counts(&d, "app") == (app0.0 + 1, app0.1 + 1)
+        }),
+        "app not frozen and thawed: {:?} from {app0:?}; {:#}\n{}",
+        hook_counts(&d, "app"),
+        d.get("virtualmachinesnapshotgroups", "late")
+            .unwrap_or_default(),
+        d.log()
+    );
     assert_eq!(
         hook_counts(&d, "slow"),
         (slow0.0 + 1, slow0.1),
@@ -484,6 +489,8 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
         Duration::from_secs(60),
         || hook_counts(&d, "app").0 == app0.0 + 1 && hook_counts(&d, "slow").0 == slow0.0 + 1,
     );
+    // Deliberate: the hook prints before qemu-ga freezes; a moment more and
+    // app's freeze has taken effect when the daemon dies.
     std::thread::sleep(Duration::from_millis(300));
     d.kill();
     // With no daemon: app is frozen, and slow freezes once its hook ends.
@@ -553,7 +560,9 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
         hook_counts(&d, "app").0 == app0.0 + 1
     });
     d.cli_ok(&["delete", "vmsnapshotgroup", "doomed"]);
-    let g = get(&d, "virtualmachinesnapshotgroups", "doomed").expect("still there");
+    let g = d
+        .get("virtualmachinesnapshotgroups", "doomed")
+        .expect("still there");
     assert_eq!(g["status"]["phase"], "Terminating", "{g:#}");
     d.wait_gone(
         "virtualmachinesnapshotgroups",

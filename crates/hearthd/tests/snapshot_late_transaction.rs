@@ -168,12 +168,6 @@ fn vm_manifest(deadline_s: u32) -> String {
     )
 }
 
-fn snapshot(name: &str, required: bool) -> Value {
-    DiskSnapshot::of(name, "late-data")
-        .required_consistency(required)
-        .json()
-}
-
 /// What the guest's console shows of one cut (the `n`-th freeze and
 /// thaw of its fsfreeze hook, from 1): the last line number the guest had
 /// synced before the freeze, and the first it printed after the thaw.
@@ -272,7 +266,9 @@ fn late_cut(
     let (status, v) = d.request(
         "POST",
         "/v1/apply",
-        Some(&json!({"items": [snapshot(name, required)]})),
+        Some(&json!({"items": [DiskSnapshot::of(name, "late-data")
+            .required_consistency(required)
+            .json()]})),
     );
     assert_eq!(status, 200, "{v}");
     let s = snapshot_final(d, name, SNAP_TIMEOUT);

@@ -152,10 +152,7 @@ fn a_disk_list_edit_while_the_vm_runs_never_sends_a_cut_to_the_wrong_device() {
     let (status, v) = d.request(
         "POST",
         "/v1/apply",
-        Some(
-            &json!({"items": [{"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
-            "metadata": {"name": "chk-swap-b"}, "spec": {"source": {"snapshot": "swap-b"}}}]}),
-        ),
+        Some(&json!({"items": [Disk::from_snapshot("chk-swap-b", "swap-b").json()]})),
     );
     assert_eq!(status, 200, "{v}");
     d.wait_object(

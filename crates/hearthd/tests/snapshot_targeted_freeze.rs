@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::*;
 use serde_json::{Value, json};
@@ -15,13 +15,6 @@ use serde_json::{Value, json};
 const SNAP_TIMEOUT: Duration = Duration::from_secs(90);
 /// How long each writer runs (long enough for one snapshot of a booted VM).
 const WRITE_SECONDS: u64 = 8;
-
-fn get(d: &Daemon, plural: &str, name: &str) -> Value {
-    match d.request("GET", &format!("/v1/{plural}/{name}"), None) {
-        (200, v) => v,
-        (s, v) => panic!("GET {plural}/{name}: {s} {v}"),
-    }
-}
 
 /// One writer's report: the longest gaps between completed writes, as
 /// (start, length) in guest ms, longest first.
@@ -77,41 +70,37 @@ fn start_writers(d: &Daemon, vm: &str, devs: &[&str]) {
 }
 
 fn collect_writers(d: &Daemon, vm: &str, devs: &[&str]) -> Vec<Gaps> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let reports: Vec<String> = devs
+    // Every half second, not faster: each look runs programs in the guest.
+    let mut reports: Vec<String> = Vec::new();
+    let reported = eventually_every(Duration::from_millis(500), Duration::from_secs(60), || {
+        reports = devs
             .iter()
             .map(|dev| {
                 d.agent_sh(vm, &format!("cat /run/stall-{dev}.out 2>/dev/null"))
                     .1
             })
             .collect();
-        if reports.iter().all(|r| r.contains("top_gaps=")) {
-            return reports
-                .iter()
-                .map(|r| {
-                    let field = r
-                        .split_whitespace()
-                        .find_map(|kv| kv.strip_prefix("top_gaps="))
-                        .unwrap_or_default();
-                    Gaps(
-                        field
-                            .split(',')
-                            .filter_map(|g| {
-                                let (a, b) = g.split_once(':')?;
-                                Some((a.parse().ok()?, b.parse().ok()?))
-                            })
-                            .collect(),
-                    )
-                })
-                .collect();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "writers did not report: {reports:?}"
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+        reports.iter().all(|r| r.contains("top_gaps="))
+    });
+    assert!(reported, "writers did not report: {reports:?}");
+    reports
+        .iter()
+        .map(|r| {
+            let field = r
+                .split_whitespace()
+                .find_map(|kv| kv.strip_prefix("top_gaps="))
+                .unwrap_or_default();
+            Gaps(
+                field
+                    .split(',')
+                    .filter_map(|g| {
+                        let (a, b) = g.split_once(':')?;
+                        Some((a.parse().ok()?, b.parse().ok()?))
+                    })
+                    .collect(),
+            )
+        })
+        .collect()
 }
 
 /// The last freeze as the guest's fsfreeze hook timed it: (start, length)
@@ -243,7 +232,9 @@ fn a_disk_snapshot_freezes_only_its_disk_and_a_vm_snapshot_freezes_all() {
         .unwrap_or_default();
     assert_eq!(children.len(), 2, "{v:#}");
     for c in children {
-        let c = get(&d, "virtualdisksnapshots", c.as_str().expect("name"));
+        let c = d
+            .get("virtualdisksnapshots", c.as_str().expect("name"))
+            .expect("a child snapshot");
         assert_eq!(c["status"]["consistent"], true, "{c:#}");
         let expected = if c["spec"]["virtualDiskName"] == "data-a" {
             &on_vda

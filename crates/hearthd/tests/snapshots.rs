@@ -13,65 +13,11 @@ use serde_json::{Value, json};
 
 const SNAP_TIMEOUT: Duration = Duration::from_secs(90);
 
-fn disk_snapshot(name: &str, disk: &str, required: bool) -> Value {
-    DiskSnapshot::of(name, disk)
-        .required_consistency(required)
-        .json()
-}
-
-fn vm_snapshot(name: &str, vm: &str) -> Value {
-    VmSnapshot::of(name, vm).json()
-}
-
-fn restored_disk(name: &str, snapshot: &str) -> Value {
-    Disk::from_snapshot(name, snapshot).json()
-}
-
-fn get(d: &Daemon, plural: &str, name: &str) -> Option<Value> {
-    match d.request("GET", &format!("/v1/{plural}/{name}"), None) {
-        (200, v) => Some(v),
-        (404, _) => None,
-        (s, v) => panic!("GET {plural}/{name}: {s} {v}"),
-    }
-}
-
-fn exec(d: &Daemon, vm: &str, script: &str) -> String {
-    d.agent_sh_ok(vm, script)
-}
-
 fn count_events(d: &Daemon, vm: &str, reason: &str) -> usize {
     d.event_reasons("VirtualMachine", vm)
         .iter()
         .filter(|r| *r == reason)
         .count()
-}
-
-/// The disk's image as raw bytes on the host, through its whole chain.
-fn to_raw(image: &Path, out: &Path) {
-    let st = Command::new("qemu-img")
-        .args(["convert", "-U", "-O", "raw"])
-        .arg(image)
-        .arg(out)
-        .status()
-        .expect("qemu-img");
-    assert!(st.success(), "qemu-img convert {}", image.display());
-}
-
-fn sha256(path: &Path) -> String {
-    let out = Command::new("sha256sum")
-        .arg(path)
-        .output()
-        .expect("sha256sum");
-    String::from_utf8_lossy(&out.stdout)
-        .split_whitespace()
-        .next()
-        .unwrap_or_default()
-        .to_string()
-}
-
-fn disk_path(d: &Daemon, disk: &str) -> std::path::PathBuf {
-    let v = d.get_disk(disk).expect("disk");
-    std::path::PathBuf::from(v["status"]["path"].as_str().expect("disk path"))
 }
 
 fn wait_disk_ready(d: &Daemon, disk: &str) {
@@ -87,11 +33,11 @@ fn wait_disk_ready(d: &Daemon, disk: &str) {
 /// A snapshot's content, read through a disk restored from it.
 fn snapshot_checksum(d: &Daemon, snapshot: &str, scratch: &Path) -> String {
     let disk = format!("chk-{snapshot}");
-    d.apply(vec![restored_disk(&disk, snapshot)]);
+    d.apply(vec![Disk::from_snapshot(&disk, snapshot).json()]);
     wait_disk_ready(d, &disk);
     let raw = scratch.join(format!("{disk}.raw"));
-    to_raw(&disk_path(d, &disk), &raw);
-    let sum = sha256(&raw);
+    to_raw(&d.disk_path(&disk), &raw);
+    let sum = sha256_file(&raw);
     let _ = std::fs::remove_file(&raw);
     d.cli_ok(&["delete", "disk", &disk]);
     d.wait_gone("virtualdisks", &disk, Duration::from_secs(30));
@@ -111,7 +57,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
             "{}---\n{}---\n{}---\n{}",
             overlay_disk_yaml("data-a"),
             overlay_disk_yaml("data-b"),
-            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: data-c\nspec:\n  size: 16Mi\n  source:\n    blank: {}\n",
+            Disk::blank("data-c", "16Mi").yaml(),
             vm_yaml("app", "AlwaysOn", &["data-a", "data-b", "data-c"], "")
         ),
     );
@@ -120,8 +66,8 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
 
     // 1. A file written (not synced) in the guest is in a consistent snapshot.
     let token = format!("precious-{}", std::process::id());
-    exec(&d, "app", &format!("echo {token} > /data/precious.txt"));
-    d.apply(vec![disk_snapshot("s-a", "data-a", true)]);
+    d.agent_sh_ok("app", &format!("echo {token} > /data/precious.txt"));
+    d.apply(vec![DiskSnapshot::of("s-a", "data-a").json()]);
     let s = d.wait_final("virtualdisksnapshots", "s-a", SNAP_TIMEOUT);
     assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
     assert_eq!(s["status"]["consistent"], true, "{s:#}");
@@ -129,7 +75,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     assert_eq!(freeze_status(&d, "app"), "thawed");
     // Which of the guest's filesystems were frozen on the disk: exactly
     // those the guest itself has mounted from its first disk.
-    let mounts = exec(&d, "app", "cat /proc/mounts");
+    let mounts = d.agent_sh_ok("app", "cat /proc/mounts");
     let on = |dev: &str| -> Vec<Value> {
         let mut v: Vec<String> = mounts
             .lines()
@@ -148,10 +94,10 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
         "{s:#}"
     );
 
-    d.apply(vec![restored_disk("restored-a", "s-a")]);
+    d.apply(vec![Disk::from_snapshot("restored-a", "s-a").json()]);
     wait_disk_ready(&d, "restored-a");
     let raw = scratch.join("restored-a.raw");
-    to_raw(&disk_path(&d, "restored-a"), &raw);
+    to_raw(&d.disk_path("restored-a"), &raw);
     let header = assert_clean_ext4(&raw, "s-a restored");
     assert!(
         header.contains("Filesystem state:         clean"),
@@ -165,10 +111,10 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     let (freezes_before, _) = hook_counts(&d, "app");
     let mut items: Vec<Value> = Vec::new();
     for i in 0..5 {
-        items.push(disk_snapshot(&format!("b-a{i}"), "data-a", true));
-        items.push(disk_snapshot(&format!("b-b{i}"), "data-b", true));
+        items.push(DiskSnapshot::of(&format!("b-a{i}"), "data-a").json());
+        items.push(DiskSnapshot::of(&format!("b-b{i}"), "data-b").json());
     }
-    items.push(vm_snapshot("b-vm", "app"));
+    items.push(VmSnapshot::of("b-vm", "app").json());
     std::thread::scope(|scope| {
         for item in &items {
             let d = &d;
@@ -188,7 +134,9 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
         assert_eq!(s["status"]["consistent"], true, "{s:#}");
         cuts.insert(s["status"]["cutId"].as_u64().expect("cutId"));
     }
-    let vm_snap = get(&d, "virtualmachinesnapshots", "b-vm").expect("vm snapshot");
+    let vm_snap = d
+        .get("virtualmachinesnapshots", "b-vm")
+        .expect("vm snapshot");
     let children = vm_snap["status"]["virtualDiskSnapshotNames"]
         .as_array()
         .cloned()
@@ -196,7 +144,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     assert_eq!(children.len(), 3, "{vm_snap:#}");
     // The second disk's filesystems; the blank third disk has none, and its
     // snapshot says that the freeze did not cover it.
-    let b = get(&d, "virtualdisksnapshots", "b-b0").expect("b-b0");
+    let b = d.get("virtualdisksnapshots", "b-b0").expect("b-b0");
     assert_eq!(
         b["status"]["frozenMountPoints"],
         Value::Array(on("/dev/vdb")),
@@ -206,18 +154,23 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
         .iter()
         .filter_map(Value::as_str)
         .find(|c| {
-            get(&d, "virtualdisksnapshots", c)
+            d.get("virtualdisksnapshots", c)
                 .is_some_and(|v| v["spec"]["virtualDiskName"] == "data-c")
         })
         .expect("data-c's snapshot")
         .to_string();
-    let c = get(&d, "virtualdisksnapshots", &c_name).expect("c");
+    let c = d.get("virtualdisksnapshots", &c_name).expect("c");
     assert_eq!(c["status"]["consistent"], true, "{c:#}");
     assert_eq!(c["status"]["frozenMountPoints"], json!([]), "{c:#}");
     assert_eq!(c["status"]["reason"], "NoFilesystemFrozen", "{c:#}");
     let child_cuts: BTreeSet<u64> = children
         .iter()
-        .map(|c| get(&d, "virtualdisksnapshots", c.as_str().unwrap_or_default()).expect("child")["status"]["cutId"].as_u64().expect("cut"))
+        .map(|c| {
+            d.get("virtualdisksnapshots", c.as_str().unwrap_or_default())
+                .expect("child")["status"]["cutId"]
+                .as_u64()
+                .expect("cut")
+        })
         .collect();
     assert_eq!(
         child_cuts.len(),
@@ -233,8 +186,8 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     // 3. A chain: c1, c2, c3 with different content; deleting the middle one
     // changes no other snapshot and not the live disk.
     for i in 1..=3 {
-        exec(&d, "app", &format!("echo chain-{i} > /data/chain.txt"));
-        d.apply(vec![disk_snapshot(&format!("c{i}"), "data-a", true)]);
+        d.agent_sh_ok("app", &format!("echo chain-{i} > /data/chain.txt"));
+        d.apply(vec![DiskSnapshot::of(&format!("c{i}"), "data-a").json()]);
         assert_eq!(
             d.wait_final("virtualdisksnapshots", &format!("c{i}"), SNAP_TIMEOUT)["status"]["consistent"],
             true
@@ -247,12 +200,12 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
         .collect();
     assert_ne!(before[0], before[2]);
     let live_raw = scratch.join("live.raw");
-    to_raw(&disk_path(&d, "data-a"), &live_raw);
-    let live_before = sha256(&live_raw);
+    to_raw(&d.disk_path("data-a"), &live_raw);
+    let live_before = sha256_file(&live_raw);
 
     // A snapshot of a stopped VM: consistent, without a freeze.
     let freezes_before = count_events(&d, "app", "Freezing");
-    d.apply(vec![disk_snapshot("offline", "data-a", true)]);
+    d.apply(vec![DiskSnapshot::of("offline", "data-a").json()]);
     let s = d.wait_final("virtualdisksnapshots", "offline", SNAP_TIMEOUT);
     assert_eq!(s["status"]["phase"], "Ready", "{s:#}");
     assert_eq!(s["status"]["consistent"], true);
@@ -264,8 +217,8 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     d.wait_gone("virtualdisksnapshots", "c2", Duration::from_secs(30));
     assert_eq!(snapshot_checksum(&d, "c1", &scratch), before[0]);
     assert_eq!(snapshot_checksum(&d, "c3", &scratch), before[2]);
-    to_raw(&disk_path(&d, "data-a"), &live_raw);
-    assert_eq!(sha256(&live_raw), live_before, "the live disk changed");
+    to_raw(&d.disk_path("data-a"), &live_raw);
+    assert_eq!(sha256_file(&live_raw), live_before, "the live disk changed");
 
     // 4. Restore the VM from its snapshot: the disks are as they were then.
     d.cli_ok(&["start", "app"]);
@@ -277,8 +230,7 @@ fn consistent_snapshots_batches_restores_and_chain_deletes() {
     );
     assert_eq!(status, 200, "{v}");
     d.wait_agent("app");
-    let out = exec(
-        &d,
+    let out = d.agent_sh_ok(
         "app",
         "cat /data/chain.txt 2>/dev/null || echo none; cat /data/precious.txt",
     );
@@ -324,8 +276,10 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
     d.wait_phase("blind", "Running", Duration::from_secs(60));
     d.apply(vec![
-        disk_snapshot("blind-must", "blind-data", true),
-        disk_snapshot("blind-may", "blind-data", false),
+        DiskSnapshot::of("blind-must", "blind-data").json(),
+        DiskSnapshot::of("blind-may", "blind-data")
+            .required_consistency(false)
+            .json(),
     ]);
     let must = d.wait_final("virtualdisksnapshots", "blind-must", SNAP_TIMEOUT);
     assert_eq!(must["status"]["phase"], "Failed", "{must:#}");
@@ -349,7 +303,7 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     let (status, v) = d.request(
         "POST",
         "/v1/apply",
-        Some(&json!({"items": [disk_snapshot("blind-may", "other-disk", false)]})),
+        Some(&json!({"items": [DiskSnapshot::of("blind-may", "other-disk").required_consistency(false).json()]})),
     );
     assert_eq!(status, 400, "a snapshot's spec is immutable: {v}");
     d.cli_ok(&["delete", "vm", "blind"]);
@@ -372,7 +326,7 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     // hearthd is killed while the freeze is under way; the guest freezes
     // with nobody left to thaw it. The restarted daemon thaws it and takes
     // the snapshot again; it is never claimed consistent on the old cut.
-    d.apply(vec![disk_snapshot("crash", "hook-data", true)]);
+    d.apply(vec![DiskSnapshot::of("crash", "hook-data").json()]);
     // Killed when the guest itself says the freeze has begun (its hook
     // runs, then sleeps 4 s, then qemu-ga freezes).
     wait_until(
@@ -433,7 +387,7 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
 
     // Deleting a snapshot while its cut is in progress is safe: the cut
     // finishes, the snapshot goes, the guest is thawed.
-    d.apply(vec![disk_snapshot("doomed", "hook-data", true)]);
+    d.apply(vec![DiskSnapshot::of("doomed", "hook-data").json()]);
     d.wait_object(
         "virtualdisksnapshots",
         "doomed",
@@ -445,7 +399,7 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     d.wait_gone("virtualdisksnapshots", "doomed", Duration::from_secs(60));
     assert_eq!(freeze_status(&d, "hook"), "thawed");
     assert_eq!(
-        get(&d, "virtualdisksnapshots", "crash").expect("crash")["status"]["phase"],
+        d.get("virtualdisksnapshots", "crash").expect("crash")["status"]["phase"],
         "Ready"
     );
 
@@ -454,9 +408,10 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     // instead of waiting behind it and failing at the deadline.
     let runner = std::thread::scope(|scope| {
         let d = &d;
-        let long = scope.spawn(move || exec(d, "hook", "sleep 12; echo slept"));
+        let long = scope.spawn(move || d.agent_sh_ok("hook", "sleep 12; echo slept"));
+        // Deliberate: the program is running in the guest before the cut.
         std::thread::sleep(Duration::from_millis(500));
-        d.apply(vec![disk_snapshot("during-exec", "hook-data", true)]);
+        d.apply(vec![DiskSnapshot::of("during-exec", "hook-data").json()]);
         let s = d.wait_final("virtualdisksnapshots", "during-exec", SNAP_TIMEOUT);
         let still_running = !long.is_finished();
         (s, still_running, long.join().expect("exec thread"))
@@ -483,8 +438,10 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     let out = d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
     assert!(out.contains("virtualmachine/hook configured"), "{out}");
     d.apply(vec![
-        disk_snapshot("late", "hook-data", true),
-        disk_snapshot("late-ok", "hook-data", false),
+        DiskSnapshot::of("late", "hook-data").json(),
+        DiskSnapshot::of("late-ok", "hook-data")
+            .required_consistency(false)
+            .json(),
     ]);
     let late = d.wait_final("virtualdisksnapshots", "late", SNAP_TIMEOUT);
     assert_eq!(late["status"]["phase"], "Failed", "{late:#}");
@@ -502,7 +459,7 @@ fn no_agent_deadline_and_daemon_crash_while_frozen_are_settled_honestly() {
     wait_until("guest thawed", Duration::from_secs(20), || {
         freeze_status(&d, "hook") == "thawed"
     });
-    exec(&d, "hook", "echo still-writable > /data/after.txt && sync");
+    d.agent_sh_ok("hook", "echo still-writable > /data/after.txt && sync");
 }
 
 /// hearthd's PATH with a `qemu-img` in `dir` that runs the real one, but
@@ -545,7 +502,7 @@ fn chain_sum(image: &Path, scratch: &Path) -> String {
     let raw = scratch.join("chain.raw");
     let _ = std::fs::remove_file(&raw);
     to_raw(image, &raw);
-    let sum = sha256(&raw);
+    let sum = sha256_file(&raw);
     std::fs::remove_file(&raw).expect("remove raw");
     sum
 }
@@ -573,9 +530,9 @@ fn a_restore_pins_its_snapshot_and_a_snapshot_being_deleted_is_not_restored() {
     wait_disk_ready(&d, "data");
     let cut = |name: &str, vm_level: bool| {
         d.apply(vec![if vm_level {
-            vm_snapshot(name, "app")
+            VmSnapshot::of(name, "app").json()
         } else {
-            disk_snapshot(name, "data", true)
+            DiskSnapshot::of(name, "data").json()
         }]);
         let plural = if vm_level {
             "virtualmachinesnapshots"
@@ -587,12 +544,12 @@ fn a_restore_pins_its_snapshot_and_a_snapshot_being_deleted_is_not_restored() {
     };
     // L0(s0) <- L1(vs1) <- L2(s2) <- head: once vs1 goes, nothing needs L1
     // and it is merged into L2 (offline) and unlinked.
-    write_pattern(&disk_path(&d, "data"), 0x11, 0);
+    write_pattern(&d.disk_path("data"), 0x11, 0);
     cut("s0", false);
-    write_pattern(&disk_path(&d, "data"), 0x22, 1);
-    let l1 = disk_path(&d, "data");
+    write_pattern(&d.disk_path("data"), 0x22, 1);
+    let l1 = d.disk_path("data");
     cut("vs1", true);
-    write_pattern(&disk_path(&d, "data"), 0x33, 2);
+    write_pattern(&d.disk_path("data"), 0x33, 2);
     cut("s2", false);
     let vs1 = chain_sum(&l1, &scratch);
 
@@ -600,14 +557,14 @@ fn a_restore_pins_its_snapshot_and_a_snapshot_being_deleted_is_not_restored() {
     // overlay over L1 is being made (qemu-img held in `create`) when the
     // delete comes.
     flag("sleep-next-create");
-    d.apply(vec![restored_disk("r", "vs1-data")]);
+    d.apply(vec![Disk::from_snapshot("r", "vs1-data").json()]);
     wait_until("qemu-img sleeps in create", Duration::from_secs(30), || {
         sleeping.exists()
     });
     d.cli_ok(&["delete", "vmsnapshot", "vs1"]);
     d.wait_gone("virtualmachinesnapshots", "vs1", Duration::from_secs(60));
     wait_disk_ready(&d, "r");
-    let r = disk_path(&d, "r");
+    let r = d.disk_path("r");
     assert!(l1.exists(), "the layer a restored disk reads is kept");
     assert_eq!(
         backing_chain(&r).get(1).map(|p| p.as_path()),
@@ -624,7 +581,7 @@ fn a_restore_pins_its_snapshot_and_a_snapshot_being_deleted_is_not_restored() {
 
     // A snapshot whose delete has begun (it waits for an export reading
     // it) is not restored, neither into a new disk nor into the VM.
-    write_pattern(&disk_path(&d, "data"), 0x44, 3);
+    write_pattern(&d.disk_path("data"), 0x44, 3);
     cut("vs2", true);
     flag("sleep-next-convert");
     let out = scratch.join("vs2-data.qcow2");
@@ -656,7 +613,7 @@ fn a_restore_pins_its_snapshot_and_a_snapshot_being_deleted_is_not_restored() {
     );
     let refused = d.cli_err(&["restore", "vm", "app", "--from", "vs2"]);
     assert!(refused.contains("being deleted"), "{refused}");
-    d.apply(vec![restored_disk("r2", "vs2-data")]);
+    d.apply(vec![Disk::from_snapshot("r2", "vs2-data").json()]);
     let r2 = d.wait_object(
         "virtualdisks",
         "r2",

@@ -111,6 +111,7 @@ fn demo_vm_boots_is_adopted_after_daemon_sigkill_and_is_deleted_cleanly() {
         "the adopted pid is the QEMU that ran before the kill, not a new one"
     );
     assert_eq!(adopted, pid2, "{vm:#}");
+    // Deliberate: a few resyncs later, still that one QEMU and no other.
     std::thread::sleep(Duration::from_secs(3));
     assert_eq!(
         d.qemu_pids(),

@@ -181,17 +181,14 @@ fn daemon(root: &Path) -> Daemon {
     Daemon::start_without_guest(&[root], &[])
 }
 
-fn disk_yaml(name: &str) -> String {
-    Disk::blank(name, "16Mi").yaml()
-}
-
-fn vm_yaml(root: &Path, name: &str, disk: &str, memory: &str) -> String {
-    Vm::new(name)
+/// VM `box` on disk `data`, never started: it boots nothing, so the fake
+/// kernel under `root` will do.
+fn box_vm(root: &Path, memory: &str) -> Vm {
+    Vm::new("box")
         .always_off()
         .memory(memory)
         .boot(&root.join("vmlinuz"), Some(&root.join("initrd.img")), "")
-        .disk(disk)
-        .yaml()
+        .disk("data")
 }
 
 /// Whether some line is a `type_` of `kind/name` (with `phase`, if given).
@@ -217,11 +214,10 @@ fn a_watcher_started_before_an_apply_sees_added_then_status_then_deleted_in_orde
     apply_manifest(
         &d,
         "box.yaml",
-        &format!(
-            "{}---\n{}",
-            disk_yaml("data"),
-            vm_yaml(root.path(), "box", "data", "256Mi")
-        ),
+        &Manifest::new()
+            .with(Disk::blank("data", "16Mi"))
+            .with(box_vm(root.path(), "256Mi"))
+            .yaml(),
     );
     let mut lines = w.until("data Ready and box Stopped", |l| {
         saw(l, "MODIFIED", "VirtualDisk", "data", Some("Ready"))
@@ -271,7 +267,7 @@ fn a_client_that_reconnects_with_since_misses_nothing_and_gets_nothing_twice() {
     let _serial = serial();
     let root = boot_root();
     let d = daemon(root.path());
-    apply_manifest(&d, "a.yaml", &disk_yaml("a"));
+    apply_manifest(&d, "a.yaml", &Disk::blank("a", "16Mi").yaml());
     let mut w = Stream::open(&d, "/v1/virtualdisks?watch=true");
     let seen = w.until("a Ready", |l| {
         l.iter()
@@ -284,7 +280,10 @@ fn a_client_that_reconnects_with_since_misses_nothing_and_gets_nothing_twice() {
     apply_manifest(
         &d,
         "bc.yaml",
-        &format!("{}---\n{}", disk_yaml("b"), disk_yaml("c")),
+        &Manifest::new()
+            .with(Disk::blank("b", "16Mi"))
+            .with(Disk::blank("c", "16Mi"))
+            .yaml(),
     );
     for n in ["b", "c"] {
         d.wait_object("virtualdisks", n, "Ready", LINE, |v| {
@@ -326,7 +325,7 @@ fn the_seq_is_durable_across_a_sigkill_and_streams_resume_after_the_restart() {
     let _serial = serial();
     let root = boot_root();
     let mut d = daemon(root.path());
-    apply_manifest(&d, "a.yaml", &disk_yaml("a"));
+    apply_manifest(&d, "a.yaml", &Disk::blank("a", "16Mi").yaml());
     let mut w = Stream::open(&d, "/v1/virtualdisks?watch=true");
     let seen = w.until("a Ready", |l| {
         l.iter()
@@ -346,7 +345,7 @@ fn the_seq_is_durable_across_a_sigkill_and_streams_resume_after_the_restart() {
         "the stream of a killed hearthd ends"
     );
     d.spawn();
-    apply_manifest(&d, "b.yaml", &disk_yaml("b"));
+    apply_manifest(&d, "b.yaml", &Disk::blank("b", "16Mi").yaml());
 
     let mut w = Stream::open(&d, &format!("/v1/virtualdisks?watch=true&since={last}"));
     let after = w.until("b Ready", |l| {
@@ -384,11 +383,10 @@ fn get_vms_watch_prints_a_new_row_when_a_vm_changes() {
     apply_manifest(
         &d,
         "box.yaml",
-        &format!(
-            "{}---\n{}",
-            disk_yaml("data"),
-            vm_yaml(root.path(), "box", "data", "256Mi")
-        ),
+        &Manifest::new()
+            .with(Disk::blank("data", "16Mi"))
+            .with(box_vm(root.path(), "256Mi"))
+            .yaml(),
     );
     d.wait_phase("box", "Stopped", LINE);
 
@@ -401,11 +399,7 @@ fn get_vms_watch_prints_a_new_row_when_a_vm_changes() {
     cli.line_with("box's row", |l| l.starts_with("ADDED") && l.contains("box"));
 
     // A spec change is a new row.
-    apply_manifest(
-        &d,
-        "box.yaml",
-        &vm_yaml(root.path(), "box", "data", "320Mi"),
-    );
+    apply_manifest(&d, "box.yaml", &box_vm(root.path(), "320Mi").yaml());
     let row = cli.line_with("box modified", |l| l.starts_with("MODIFIED"));
     assert!(row.contains("box") && row.contains("Stopped"), "{row}");
     d.cli_ok(&["delete", "vm", "box"]);
@@ -420,7 +414,7 @@ fn events_print_as_json_lines_and_follow_with_watch() {
     let _serial = serial();
     let root = boot_root();
     let d = daemon(root.path());
-    apply_manifest(&d, "a.yaml", &disk_yaml("a"));
+    apply_manifest(&d, "a.yaml", &Disk::blank("a", "16Mi").yaml());
     d.wait_object("virtualdisks", "a", "Ready", LINE, |v| {
         v["status"]["phase"] == "Ready"
     });
@@ -451,7 +445,7 @@ fn events_print_as_json_lines_and_follow_with_watch() {
     );
 
     let mut cli = Cli::spawn(&d, &["events", "-w", "-o", "json", "--for", "disk/b"]);
-    apply_manifest(&d, "b.yaml", &disk_yaml("b"));
+    apply_manifest(&d, "b.yaml", &Disk::blank("b", "16Mi").yaml());
     let line = cli.line_with("an event about b", |_| true);
     let e: Value = serde_json::from_str(&line).expect("a JSON line");
     assert_eq!(
@@ -494,7 +488,7 @@ fn bad_watch_queries_name_the_parameter_and_a_foreign_seq_relists() {
     let (status, v) = d.request("GET", "/v1/virtualdisks", None);
     assert_eq!((status, v), (200, serde_json::json!({"items": []})));
 
-    apply_manifest(&d, "a.yaml", &disk_yaml("a"));
+    apply_manifest(&d, "a.yaml", &Disk::blank("a", "16Mi").yaml());
     // A seq this store never handed out (another database's): a re-list.
     let mut w = Stream::open(&d, "/v1/virtualdisks?watch=true&since=999999");
     let lines = w.until_bookmark();

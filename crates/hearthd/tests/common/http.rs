@@ -203,6 +203,7 @@ fn serve(
                 if conn.write_all(piece).and_then(|()| conn.flush()).is_err() {
                     return;
                 }
+                // Deliberate: a slow server is the behaviour asked for.
                 std::thread::sleep(pause);
             }
         }

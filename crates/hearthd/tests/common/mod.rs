@@ -12,11 +12,11 @@ pub mod qemu_img_log;
 pub mod stream;
 
 #[allow(unused_imports)]
-pub use hearth_test_support::process::{is_alive, start_ticks};
+pub use hearth_test_support::process::{is_alive, is_zombie, start_ticks};
 #[allow(unused_imports)]
 pub use hearth_test_support::{
     Disk, DiskSnapshot, Image, Manifest, Network, ObjectBuilder, SnapshotGroup, Vm, VmSnapshot,
-    converters_of, eventually,
+    converters_of, eventually, eventually_every,
 };
 
 use std::ffi::OsStr;
@@ -25,7 +25,7 @@ use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 
@@ -298,21 +298,16 @@ impl Daemon {
             .spawn()
             .expect("spawn hearthd");
         self.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
+        let up = eventually(Duration::from_secs(60), || {
             if let Ok((200, _)) = self.try_request("GET", "/v1/health", None) {
-                return;
+                return true;
             }
             if let Some(Ok(Some(status))) = self.child.as_mut().map(|c| c.try_wait()) {
                 panic!("hearthd exited with {status}:\n{}", self.log());
             }
-            assert!(
-                Instant::now() < deadline,
-                "hearthd did not answer:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+            false
+        });
+        assert!(up, "hearthd did not answer:\n{}", self.log());
     }
 
     /// SIGKILL, as a crash would: VMs must survive it.
@@ -366,6 +361,43 @@ impl Daemon {
             (404, _) => None,
             (s, v) => panic!("GET image {name}: {s} {v}"),
         }
+    }
+
+    /// Any object by its API path (`plural` as in `/v1/{plural}/{name}`);
+    /// `None` when there is none.
+    pub fn get(&self, plural: &str, name: &str) -> Option<Value> {
+        match self.request("GET", &format!("/v1/{plural}/{name}"), None) {
+            (200, v) => Some(v),
+            (404, _) => None,
+            (s, v) => panic!("GET {plural}/{name}: {s} {v}"),
+        }
+    }
+
+    /// A disk's head image on the host, as its status names it.
+    pub fn disk_path(&self, disk: &str) -> PathBuf {
+        PathBuf::from(
+            self.get_disk(disk).expect("disk")["status"]["path"]
+                .as_str()
+                .expect("disk path"),
+        )
+    }
+
+    /// The address the metrics listener serves on, read from hearthd's log
+    /// (`serving metrics ... metrics_listen=ADDR`) once it is there.
+    pub fn metrics_addr(&self, timeout: Duration) -> std::net::SocketAddr {
+        let mut addr = None;
+        let found = eventually(timeout, || {
+            addr = self
+                .log()
+                .lines()
+                .filter(|l| l.contains("serving metrics"))
+                .find_map(|l| l.split("metrics_listen=").nth(1))
+                .and_then(|rest| rest.split_whitespace().next())
+                .and_then(|a| a.parse().ok());
+            addr.is_some()
+        });
+        assert!(found, "no metrics listener:\n{}", self.log());
+        addr.expect("found")
     }
 
     /// Follows an object (`plural` as in the API path) on the change
@@ -567,10 +599,6 @@ impl Drop for Daemon {
 /// A guest under TCG on a busy 2-core machine: generous.
 pub const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 
-fn is_zombie(pid: u32) -> bool {
-    hearth_test_support::process::is_zombie(pid)
-}
-
 /// Polls a condition outside hearthd (a file, the process table) until it
 /// holds, or panics naming it.
 pub fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) {
@@ -709,20 +737,19 @@ pub fn hook_counts(d: &Daemon, vm: &str) -> (usize, usize) {
 impl Daemon {
     /// Waits for hearthd to exit by itself and returns how it ended.
     pub fn wait_exit(&mut self, timeout: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let child = self.child.as_mut().expect("hearthd was started");
-            if let Some(status) = child.try_wait().expect("try_wait") {
-                self.child = None;
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "hearthd did not exit within {timeout:?}:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        let mut exited = None;
+        let child = self.child.as_mut().expect("hearthd was started");
+        let ended = eventually(timeout, || {
+            exited = child.try_wait().expect("try_wait");
+            exited.is_some()
+        });
+        assert!(
+            ended,
+            "hearthd did not exit within {timeout:?}:\n{}",
+            self.log()
+        );
+        self.child = None;
+        exited.expect("exited")
     }
 
     /// Live QEMU processes of this daemon whose command line names VM `vm`
@@ -813,23 +840,69 @@ pub fn restored_raw(d: &Daemon, snapshot: &str, scratch: &Path) -> PathBuf {
         Duration::from_secs(60),
         |v| v["status"]["phase"] == "Ready",
     );
-    let path = d.get_disk(&disk).expect("disk")["status"]["path"]
-        .as_str()
-        .expect("path")
-        .to_string();
     let raw = scratch.join(format!("{disk}.raw"));
-    let st = Command::new("qemu-img")
-        .args(["convert", "-U", "-O", "raw", &path])
-        .arg(&raw)
-        .status()
-        .expect("qemu-img (apt install qemu-utils)");
-    assert!(st.success(), "qemu-img convert {path}");
+    to_raw(&d.disk_path(&disk), &raw);
     raw
+}
+
+/// An image as raw bytes on the host, through its whole backing chain
+/// (`-U`: QEMU may hold it).
+pub fn to_raw(image: &Path, out: &Path) {
+    let done = Command::new("qemu-img")
+        .args(["convert", "-U", "-O", "raw"])
+        .arg(image)
+        .arg(out)
+        .output()
+        .expect("qemu-img (apt install qemu-utils)");
+    assert!(
+        done.status.success(),
+        "qemu-img convert {}: {}",
+        image.display(),
+        String::from_utf8_lossy(&done.stderr)
+    );
+}
+
+/// Runs a program to its end and expects it to succeed.
+pub fn run_ok(program: &str, args: &[&str]) {
+    let out = Command::new(program)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("{program}: {e} (install it: apt-get install qemu-utils)"));
+    assert!(
+        out.status.success(),
+        "{program} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A 4 MiB qcow2 image whose first MiB is 0xab; its bytes.
+pub fn make_qcow2(path: &Path) -> Vec<u8> {
+    let p = path.to_str().expect("utf8");
+    run_ok("qemu-img", &["create", "-q", "-f", "qcow2", p, "4M"]);
+    run_ok(
+        "qemu-io",
+        &["-f", "qcow2", "-c", "write -q -P 0xab 0 1M", p],
+    );
+    std::fs::read(path).expect("read qcow2")
+}
+
+/// The QEMU pid a VM's status names.
+pub fn pid_of(vm: &Value) -> u32 {
+    vm["status"]["pid"].as_u64().expect("pid") as u32
 }
 
 /// Waits until a disk snapshot is Ready or Failed and returns it.
 pub fn snapshot_final(d: &Daemon, name: &str, timeout: Duration) -> Value {
     d.wait_final("virtualdisksnapshots", name, timeout)
+}
+
+/// Takes a disk snapshot through the API and waits until it is final: it
+/// must be Ready. Returns it.
+pub fn snapshot_ready(d: &Daemon, name: &str, disk: &str, timeout: Duration) -> Value {
+    d.apply(vec![DiskSnapshot::of(name, disk).json()]);
+    let s = snapshot_final(d, name, timeout);
+    assert_eq!(s["status"]["phase"], "Ready", "{s:#}\n{}", d.log());
+    s
 }
 
 /// Writes a manifest file for this test and applies it with the real CLI

@@ -10,7 +10,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 
@@ -132,12 +132,8 @@ impl Env {
 
     /// Polls `f` until true; on timeout shows the sources view and the log.
     pub fn until(&self, what: &str, timeout: Duration, f: impl Fn() -> bool) {
-        let deadline = Instant::now() + timeout;
-        while Instant::now() < deadline {
-            if f() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
+        if eventually(timeout, f) {
+            return;
         }
         panic!(
             "{what}: not true after {timeout:?}\nsources: {:#}\nlog (tail):\n{}",
@@ -268,6 +264,13 @@ pub fn vm_text(name: &str, policy: &str, memory: &str) -> String {
     vm_yaml(name, policy, &[], "").replace("memory: 256Mi", &format!("memory: {memory}"))
 }
 
+/// A blank 64 MiB disk, as a manifest file would hold it.
+pub fn disk_text(name: &str) -> String {
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: {name}\nspec:\n  size: 64Mi\n  source:\n    blank: {{}}\n"
+    )
+}
+
 /// Sessions started by this test process: each gets its own name.
 static SESSIONS: AtomicU64 = AtomicU64::new(0);
 
@@ -345,15 +348,13 @@ impl Tmux {
     }
 
     pub fn wait_screen(&self, what: &str, timeout: Duration, f: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let s = self.screen();
-            if f(&s) {
-                return s;
-            }
-            assert!(Instant::now() < deadline, "{what}: screen is:\n{s}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let mut s = String::new();
+        let shown = eventually_every(Duration::from_millis(50), timeout, || {
+            s = self.screen();
+            f(&s)
+        });
+        assert!(shown, "{what}: screen is:\n{s}");
+        s
     }
 
     /// The pid of the program in the pane.
@@ -432,30 +433,23 @@ impl Vim {
             .ok()
             .map(|m| (m.ino(), m.mtime_nsec(), m.mtime()));
         self.tmux.ex(":w");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
+        let written = eventually_every(Duration::from_millis(20), Duration::from_secs(10), || {
             let now = std::fs::metadata(&self.file)
                 .ok()
                 .map(|m| (m.ino(), m.mtime_nsec(), m.mtime()));
-            if now.is_some() && now != before && self.tmux.screen().contains("written") {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "vim did not write:\n{}",
-                self.tmux.screen()
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+            now.is_some() && now != before && self.tmux.screen().contains("written")
+        });
+        assert!(written, "vim did not write:\n{}", self.tmux.screen());
     }
 
     pub fn quit(&self) {
         self.tmux.ex(":q!");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.tmux.alive() {
-            assert!(Instant::now() < deadline, "vim did not quit");
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        assert!(
+            eventually_every(Duration::from_millis(50), Duration::from_secs(10), || {
+                !self.tmux.alive()
+            }),
+            "vim did not quit"
+        );
     }
 }
 
