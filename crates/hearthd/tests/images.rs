@@ -60,13 +60,7 @@ fn disk_from(name: &str, image: &str, size: Option<&str>) -> Value {
 }
 
 fn wait_image_phase(d: &Daemon, name: &str, phase: &str) -> Value {
-    d.wait_object(
-        "virtualimages",
-        name,
-        &format!("phase {phase}"),
-        IMPORT,
-        |v| v["status"]["phase"] == phase,
-    )
+    d.wait_image_phase(name, phase, IMPORT)
 }
 
 /// Waits for an event of a VirtualImage (it is recorded after the status

@@ -23,13 +23,7 @@ fn s(p: &Path) -> &str {
 }
 
 fn wait_phase(d: &Daemon, name: &str, phase: &str) -> Value {
-    d.wait_object(
-        "virtualimages",
-        name,
-        &format!("phase {phase}"),
-        IMPORT,
-        |v| v["status"]["phase"] == phase,
-    )
+    d.wait_image_phase(name, phase, IMPORT)
 }
 
 fn image(name: &str, source: OciSource) -> Value {

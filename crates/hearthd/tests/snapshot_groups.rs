@@ -560,9 +560,15 @@ fn no_agent_a_slow_freeze_hook_and_a_sigkill_fail_the_whole_group_and_thaw_every
         hook_counts(&d, "app").0 == app0.0 + 1
     });
     d.cli_ok(&["delete", "vmsnapshotgroup", "doomed"]);
-    let g = d
-        .get("virtualmachinesnapshotgroups", "doomed")
-        .expect("still there");
+    // The group's reconcile writes Terminating after the delete returns; it
+    // cannot go before `slow` leaves its hook, so it is seen on the way.
+    let g = d.wait_object(
+        "virtualmachinesnapshotgroups",
+        "doomed",
+        "Terminating",
+        Duration::from_secs(30),
+        |g| g["status"]["phase"] == "Terminating",
+    );
     assert_eq!(g["status"]["phase"], "Terminating", "{g:#}");
     d.wait_gone(
         "virtualmachinesnapshotgroups",

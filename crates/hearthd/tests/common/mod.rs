@@ -403,6 +403,17 @@ impl Daemon {
     /// Follows an object (`plural` as in the API path) on the change
     /// stream until `pred` holds on it, or panics with its last state, its
     /// events and the daemon's log.
+    /// Waits on the change stream for VirtualImage `name` to reach `phase`.
+    pub fn wait_image_phase(&self, name: &str, phase: &str, timeout: Duration) -> Value {
+        self.wait_object(
+            "virtualimages",
+            name,
+            &format!("phase {phase}"),
+            timeout,
+            |v| v["status"]["phase"] == phase,
+        )
+    }
+
     pub fn wait_object(
         &self,
         plural: &str,
