@@ -508,9 +508,17 @@ pub fn find_launched(pidfile: &Path, not_before: u64) -> Option<ProcessIdentity>
 /// of slack covers the rounding of `/proc/uptime`.
 pub fn spawn_floor_ticks() -> Option<u64> {
     let uptime = std::fs::read_to_string("/proc/uptime").ok()?;
-    let secs: f64 = uptime.split_whitespace().next()?.parse().ok()?;
     let hz = clock_ticks_per_second();
-    Some(((secs * hz as f64) as u64).saturating_sub(hz))
+    Some(uptime_ticks(uptime.split_whitespace().next()?, hz)?.saturating_sub(hz))
+}
+
+/// `/proc/uptime`'s `SECONDS.CENTISECONDS` in clock ticks, in whole numbers
+/// (a float would round 12345.67 s down a tick).
+fn uptime_ticks(text: &str, hz: u64) -> Option<u64> {
+    let (secs, frac) = text.split_once('.').unwrap_or((text, "0"));
+    let secs: u64 = secs.parse().ok()?;
+    let centis: u64 = format!("{frac:0<2}").get(..2)?.parse().ok()?;
+    Some(secs * hz + centis * hz / 100)
 }
 
 /// The kernel's boot id: start times and pids mean nothing across a reboot.
@@ -642,9 +650,18 @@ mod tests {
     fn the_spawn_floor_is_before_our_own_start_and_the_clock_rate_is_sane() {
         let hz = clock_ticks_per_second();
         assert!((10..=10_000).contains(&hz), "{hz}");
-        let floor = spawn_floor_ticks().expect("uptime");
         let me = identity_of(std::process::id()).expect("self");
-        assert!(me.start_ticks <= floor + hz, "we started before now");
+        // Read after our start time: the floor a second before now.
+        let floor = spawn_floor_ticks().expect("uptime");
+        assert!(
+            me.start_ticks <= floor + hz,
+            "we started before now: started at tick {}, now is tick {}",
+            me.start_ticks,
+            floor + hz
+        );
+        assert_eq!(uptime_ticks("12345.67", 100), Some(1_234_567));
+        assert_eq!(uptime_ticks("7.5", 100), Some(750));
+        assert_eq!(uptime_ticks("3.05", 1000), Some(3050));
         assert!(boot_id().is_some_and(|b| b.len() >= 32));
     }
 
