@@ -228,11 +228,23 @@ fn default_stop_timeout() -> u32 {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Boot {
-    #[cfg_attr(feature = "openapi", schema(value_type = String))]
-    pub kernel: PathBuf,
+    /// A kernel file on the host. At most one of `kernel` and `kernelImage`;
+    /// with neither, the VM boots the kernel its first disk's rootfs image
+    /// holds under `/boot`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub kernel: Option<PathBuf>,
+    /// A Ready VirtualImage of shape rootfs whose content holds
+    /// `/boot/vmlinux` or `/boot/vmlinuz` (and its initrd, if any), as
+    /// Ignite's kernel images do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel_image: Option<String>,
+    /// An initrd file on the host; only with `kernel`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
     pub initrd: Option<PathBuf>,
+    /// Added to the command line. With a kernel from an image, hearth gives
+    /// `root=` and the console itself.
     #[serde(default)]
     pub cmdline: String,
 }
@@ -561,6 +573,40 @@ pub struct VirtualDiskSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size: Option<Quantity>,
     pub source: DiskSource,
+    /// Files written into the disk's ext4 filesystem when the disk is made
+    /// (only for a disk from a VirtualImage of shape rootfs), as Ignite's
+    /// `copyFiles` and its ssh key do. At most [`MAX_DISK_FILES`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<DiskFile>,
+}
+
+/// The most entries of `VirtualDisk.spec.files`.
+pub const MAX_DISK_FILES: usize = 64;
+
+/// One file put into a rootfs disk: from a host file or from text.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DiskFile {
+    /// Where in the guest's filesystem: absolute, no `..`. Missing parent
+    /// directories are made (mode 0755, root's).
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
+    pub path: PathBuf,
+    /// A host file to copy (inside the daemon's image roots). Exactly one of
+    /// `source` and `content`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub source: Option<PathBuf>,
+    /// The file's content as text (at most 1 MiB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+    /// Octal permission bits as a string, `"0644"` by default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+    #[serde(default)]
+    pub uid: u32,
+    #[serde(default)]
+    pub gid: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -19,7 +19,8 @@ pub use kinds::*;
 pub use meta::*;
 pub use object::{
     ApplyRequestError, FieldError, Object, ParseError, RawDocument, apply_request, check_dns_label,
-    object_from_value, parse_documents, parse_documents_in, raw_documents, resolve_relative_paths,
+    object_from_value, parse_documents, parse_documents_in, parse_file_mode, raw_documents,
+    resolve_relative_paths,
 };
 pub use quantity::{Quantity, QuantityError};
 pub use watch::{WatchLine, WatchType};

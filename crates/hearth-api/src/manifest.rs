@@ -232,7 +232,7 @@ mod tests {
         };
         assert_eq!(
             v.spec.boot.as_ref().expect("boot").kernel,
-            Path::new("/srv/manifests/boot/vmlinuz")
+            Some(Path::new("/srv/manifests/boot/vmlinuz").to_path_buf())
         );
     }
 

@@ -2,17 +2,17 @@
 
 use std::collections::HashSet;
 use std::fmt;
-use std::path::Path;
+use std::path::{Component, Path};
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::kinds::{
-    CloudInit, DiskSource, ImageSource, Kind, MAX_CLOUD_INIT_TEXT, MAX_DISK_BYTES,
+    CloudInit, DiskSource, ImageSource, Kind, MAX_CLOUD_INIT_TEXT, MAX_DISK_BYTES, MAX_DISK_FILES,
     MAX_FREEZE_DEADLINE_SECONDS, MAX_INTERFACES, MIN_DISK_BYTES, MIN_FREEZE_DEADLINE_SECONDS,
-    NetworkInterface, NetworkMode, OciSource, VirtualDisk, VirtualDiskSnapshot, VirtualImage,
-    VirtualMachine, VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualNetwork,
-    VirtualNetworkSpec,
+    NetworkInterface, NetworkMode, OciSource, VirtualDisk, VirtualDiskSnapshot, VirtualDiskSpec,
+    VirtualImage, VirtualMachine, VirtualMachineSnapshot, VirtualMachineSnapshotGroup,
+    VirtualNetwork, VirtualNetworkSpec,
 };
 use crate::limits::{self, LimitError, MAX_APPLY_OBJECTS};
 use crate::meta::API_VERSION;
@@ -211,9 +211,33 @@ impl Object {
                 }
                 match &s.boot {
                     Some(boot) => {
-                        check_host_path(&boot.kernel).map_err(|m| err("spec.boot.kernel", m))?;
+                        if let Some(kernel) = &boot.kernel {
+                            check_host_path(kernel).map_err(|m| err("spec.boot.kernel", m))?;
+                        }
+                        if let Some(image) = &boot.kernel_image {
+                            if boot.kernel.is_some() {
+                                return Err(err(
+                                    "spec.boot.kernelImage",
+                                    "give spec.boot.kernel or spec.boot.kernelImage, not both"
+                                        .into(),
+                                ));
+                            }
+                            check_dns_label(image).map_err(|m| err("spec.boot.kernelImage", m))?;
+                        }
                         if let Some(initrd) = &boot.initrd {
+                            if boot.kernel.is_none() {
+                                return Err(err(
+                                    "spec.boot.initrd",
+                                    "only with spec.boot.kernel (a kernel from an image brings its own initrd)".into(),
+                                ));
+                            }
                             check_host_path(initrd).map_err(|m| err("spec.boot.initrd", m))?;
+                        }
+                        if boot.kernel.is_none() && s.disks.is_empty() {
+                            return Err(err(
+                                "spec.disks",
+                                "without spec.boot.kernel the VM boots a kernel from an image onto its first disk; list at least one disk".into(),
+                            ));
                         }
                         if boot.cmdline.len() > 4096 {
                             return Err(err("spec.boot.cmdline", "longer than 4096 bytes".into()));
@@ -288,6 +312,7 @@ impl Object {
                         check_dns_label(name).map_err(|m| err("spec.source.virtualImage", m))?
                     }
                 }
+                check_disk_files(&d.spec).map_err(|(f, m)| err(&f, m))?;
                 if let Some(size) = &d.spec.size {
                     if matches!(d.spec.source, DiskSource::Snapshot(_)) {
                         return Err(err(
@@ -707,6 +732,80 @@ fn check_oci_reference(r: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// `spec.files` of a VirtualDisk: only over a VirtualImage, each path
+/// absolute and plain, one source each, no path twice.
+fn check_disk_files(spec: &VirtualDiskSpec) -> Result<(), (String, String)> {
+    if spec.files.is_empty() {
+        return Ok(());
+    }
+    if !matches!(spec.source, DiskSource::VirtualImage(_)) {
+        return Err((
+            "spec.files".into(),
+            "files can be written only into a disk made from a VirtualImage (of shape rootfs)"
+                .into(),
+        ));
+    }
+    if spec.files.len() > MAX_DISK_FILES {
+        return Err((
+            "spec.files".into(),
+            format!("more than {MAX_DISK_FILES} files"),
+        ));
+    }
+    let mut seen = HashSet::new();
+    for (i, f) in spec.files.iter().enumerate() {
+        let field = |name: &str| format!("spec.files[{i}].{name}");
+        let text = f.path.to_str().unwrap_or_default();
+        if !f.path.is_absolute()
+            || text.contains('\0')
+            || text.split('/').any(|c| c == "." || c == "..")
+            || f.path
+                .components()
+                .any(|c| !matches!(c, Component::RootDir | Component::Normal(_)))
+            || f.path.components().count() < 2
+        {
+            return Err((
+                field("path"),
+                format!(
+                    "{:?} is not an absolute path to a file without `.` or `..`",
+                    f.path
+                ),
+            ));
+        }
+        if !seen.insert(f.path.clone()) {
+            return Err((field("path"), format!("{:?} is listed twice", f.path)));
+        }
+        match (&f.source, &f.content) {
+            (Some(src), None) => check_host_path(src).map_err(|m| (field("source"), m))?,
+            (None, Some(content)) => {
+                if content.len() > 1 << 20 {
+                    return Err((field("content"), "longer than 1 MiB".into()));
+                }
+            }
+            _ => {
+                return Err((
+                    field("source"),
+                    "give exactly one of source (a host file) and content (text)".into(),
+                ));
+            }
+        }
+        if let Some(mode) = &f.mode {
+            parse_file_mode(mode).map_err(|m| (field("mode"), m))?;
+        }
+    }
+    Ok(())
+}
+
+/// An octal mode such as `"0600"` or `"755"`, at most `07777`.
+pub fn parse_file_mode(text: &str) -> Result<u32, String> {
+    let digits = text.strip_prefix("0o").unwrap_or(text);
+    match u32::from_str_radix(digits, 8) {
+        Ok(m) if !digits.is_empty() && digits.len() <= 4 && m <= 0o7777 => Ok(m),
+        _ => Err(format!(
+            "{text:?} is not an octal mode such as \"0644\" (at most 07777)"
+        )),
+    }
+}
+
 fn check_host_path(p: &Path) -> Result<(), String> {
     let s = p.to_string_lossy();
     if s.is_empty() {
@@ -812,25 +911,41 @@ fn syntax_error(e: &serde_yaml_ng::Error, origin: &str) -> ParseError {
 /// Makes the host paths of one raw object absolute against `base` (the
 /// manifest's directory), so a manifest works from wherever it is applied:
 /// `spec.boot.kernel` and `spec.boot.initrd` of a VirtualMachine,
-/// `spec.source.image` of a VirtualDisk. On the raw value, before validation,
+/// `spec.source.image` and each `spec.files[].source` of a VirtualDisk, the
+/// OCI layout or archive of a VirtualImage. On the raw value, before validation,
 /// which insists on absolute paths; anything that is not a non-empty string
 /// is left for validation to report.
 pub fn resolve_relative_paths(value: &mut Value, base: &Path) {
     let fields: &[&[&str]] = match value.get("kind").and_then(Value::as_str) {
         Some("VirtualMachine") => &[&["spec", "boot", "kernel"], &["spec", "boot", "initrd"]],
         Some("VirtualDisk") => &[&["spec", "source", "image"]],
-        Some("VirtualImage") => &[&["spec", "source", "file"]],
+        Some("VirtualImage") => &[
+            &["spec", "source", "file"],
+            &["spec", "source", "oci", "layout"],
+            &["spec", "source", "oci", "archive"],
+        ],
         _ => &[],
+    };
+    let absolute = |slot: Option<&mut Value>| {
+        if let Some(Value::String(s)) = slot {
+            let p = Path::new(s.as_str());
+            if !s.is_empty() && p.is_relative() {
+                *s = base.join(p).to_string_lossy().into_owned();
+            }
+        }
     };
     for path in fields {
         let mut slot = Some(&mut *value);
         for key in *path {
             slot = slot.and_then(|v| v.get_mut(*key));
         }
-        if let Some(Value::String(s)) = slot {
-            let p = Path::new(s.as_str());
-            if !s.is_empty() && p.is_relative() {
-                *s = base.join(p).to_string_lossy().into_owned();
+        absolute(slot);
+    }
+    if value.get("kind").and_then(Value::as_str) == Some("VirtualDisk") {
+        let files = value.get_mut("spec").and_then(|s| s.get_mut("files"));
+        if let Some(Value::Array(files)) = files {
+            for f in files {
+                absolute(f.get_mut("source"));
             }
         }
     }

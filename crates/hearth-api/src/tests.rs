@@ -154,7 +154,7 @@ fn relative_paths_resolve_against_the_manifest_directory() {
     };
     assert_eq!(
         vm.spec.boot.as_ref().expect("boot").kernel,
-        std::path::PathBuf::from("/repo/examples/../guest/vmlinuz")
+        Some(std::path::PathBuf::from("/repo/examples/../guest/vmlinuz"))
     );
     // Absolute paths stay as they are.
     assert_eq!(
@@ -843,4 +843,121 @@ fn the_apply_request_body_is_items_of_valid_objects() {
     let deep = format!("{{\"items\": [{}]}}", "[".repeat(200));
     let e = apply_request(deep.as_bytes()).unwrap_err().to_string();
     assert!(e.contains("recursion limit exceeded"), "{e}");
+}
+
+fn boot_vm(boot: &str, disks: &[&str]) -> String {
+    let mut text = format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: demo}}\nspec:\n  boot: {boot}\n"
+    );
+    if !disks.is_empty() {
+        text.push_str("  disks:\n");
+        for d in disks {
+            text.push_str(&format!("  - virtualDiskName: {d}\n"));
+        }
+    }
+    text
+}
+
+#[test]
+fn a_kernel_comes_from_a_file_or_an_image_never_both() {
+    assert_accepted(&boot_vm("{kernelImage: ignite-kernel}", &["root"]));
+    assert_accepted(&boot_vm("{cmdline: quiet}", &["root"]));
+    assert_refused(
+        &boot_vm("{kernel: /k, kernelImage: ignite-kernel}", &["root"]),
+        "spec.boot.kernelImage",
+    );
+    assert_refused(
+        &boot_vm("{kernelImage: Not_A_Name}", &["root"]),
+        "spec.boot.kernelImage",
+    );
+    // An initrd goes with a kernel file; an image brings its own.
+    assert_refused(
+        &boot_vm("{kernelImage: k, initrd: /i}", &["root"]),
+        "spec.boot.initrd",
+    );
+    // Without a kernel file the kernel is found through the first disk.
+    assert_refused(&boot_vm("{kernelImage: k}", &[]), "spec.disks");
+    assert_accepted(&boot_vm("{kernel: /k}", &[]));
+}
+
+fn files_disk(source: &str, files: &str) -> String {
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata: {{name: d}}\nspec:\n  source: {source}\n  files:\n{files}"
+    )
+}
+
+#[test]
+fn files_go_only_into_an_image_disk_with_plain_paths_and_one_source() {
+    let image = "{virtualImage: root}";
+    assert_accepted(&files_disk(
+        image,
+        "  - {path: /root/.ssh/authorized_keys, content: \"ssh-ed25519 AAAA\", mode: \"0600\"}\n  - {path: /etc/app.conf, source: /srv/app.conf}\n",
+    ));
+    assert_refused(
+        &files_disk("{image: /srv/base.qcow2}", "  - {path: /a, content: x}\n"),
+        "spec.files",
+    );
+    for bad in ["relative", "/", "/etc/../shadow", "/a/./b"] {
+        assert_refused(
+            &files_disk(image, &format!("  - {{path: \"{bad}\", content: x}}\n")),
+            "spec.files[0].path",
+        );
+    }
+    assert_refused(
+        &files_disk(
+            image,
+            "  - {path: /a, content: x}\n  - {path: /a, content: y}\n",
+        ),
+        "spec.files[1].path",
+    );
+    assert_refused(
+        &files_disk(image, "  - {path: /a}\n"),
+        "spec.files[0].source",
+    );
+    assert_refused(
+        &files_disk(image, "  - {path: /a, content: x, source: /b}\n"),
+        "spec.files[0].source",
+    );
+    assert_refused(
+        &files_disk(image, "  - {path: /a, source: relative}\n"),
+        "spec.files[0].source",
+    );
+    for bad in ["\"999\"", "\"17777\"", "\"rw\"", "\"\""] {
+        assert_refused(
+            &files_disk(
+                image,
+                &format!("  - {{path: /a, content: x, mode: {bad}}}\n"),
+            ),
+            "spec.files[0].mode",
+        );
+    }
+    assert_eq!(crate::parse_file_mode("0600"), Ok(0o600));
+    assert_eq!(crate::parse_file_mode("4755"), Ok(0o4755));
+}
+
+#[test]
+fn relative_file_sources_and_oci_paths_resolve_against_the_manifest_directory() {
+    let text = format!(
+        "{}---\n{}",
+        files_disk(
+            "{virtualImage: root}",
+            "  - {path: /etc/motd, source: motd}\n"
+        ),
+        image_yaml("{oci: {layout: oci/debian, tag: \"12\"}}"),
+    );
+    let objs = parse_documents_in(&text, "t", Some(std::path::Path::new("/m"))).unwrap();
+    let Object::VirtualDisk(d) = &objs[0] else {
+        panic!()
+    };
+    assert_eq!(
+        d.spec.files[0].source,
+        Some(std::path::PathBuf::from("/m/motd"))
+    );
+    let Object::VirtualImage(i) = &objs[1] else {
+        panic!()
+    };
+    let ImageSource::Oci(oci) = &i.spec.source else {
+        panic!()
+    };
+    assert_eq!(oci.layout, Some(std::path::PathBuf::from("/m/oci/debian")));
 }

@@ -129,7 +129,8 @@ impl Vm {
     /// A direct kernel boot.
     pub fn boot(mut self, kernel: &Path, initrd: Option<&Path>, cmdline: &str) -> Vm {
         self.0.spec.boot = Some(Boot {
-            kernel: kernel.to_path_buf(),
+            kernel: Some(kernel.to_path_buf()),
+            kernel_image: None,
             initrd: initrd.map(Path::to_path_buf),
             cmdline: cmdline.to_string(),
         });
@@ -196,7 +197,11 @@ impl Disk {
             api_version: API_VERSION.to_string(),
             kind: "VirtualDisk".to_string(),
             metadata: meta(name),
-            spec: VirtualDiskSpec { size: None, source },
+            spec: VirtualDiskSpec {
+                size: None,
+                source,
+                files: Vec::new(),
+            },
             status: None,
         })
     }

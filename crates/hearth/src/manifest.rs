@@ -205,7 +205,7 @@ spec:
         let vm = vm_of(&objs[0]);
         assert_eq!(
             vm.spec.boot.as_ref().expect("boot").kernel,
-            PathBuf::from("/srv/manifests/boot/vmlinuz")
+            Some(PathBuf::from("/srv/manifests/boot/vmlinuz"))
         );
         assert_eq!(
             vm.spec.boot.as_ref().expect("boot").initrd,
@@ -219,7 +219,7 @@ spec:
         let objs = parse(&text, "vm.yaml", Path::new("/srv/manifests")).expect("parses");
         assert_eq!(
             vm_of(&objs[0]).spec.boot.as_ref().expect("boot").kernel,
-            PathBuf::from("/boot/vmlinuz-6.1")
+            Some(PathBuf::from("/boot/vmlinuz-6.1"))
         );
     }
 
@@ -248,7 +248,7 @@ spec: {source: {image: base.qcow2}}
         let objs = parse(VM_RELATIVE, "<stdin>", &base).expect("parses");
         assert_eq!(
             vm_of(&objs[0]).spec.boot.as_ref().expect("boot").kernel,
-            base.join("boot/vmlinuz")
+            Some(base.join("boot/vmlinuz"))
         );
     }
 
@@ -397,7 +397,7 @@ spec: {source: {image: base.qcow2}}
                 .as_ref()
                 .expect("boot")
                 .kernel,
-            abs_sub.join("boot/vmlinuz")
+            Some(abs_sub.join("boot/vmlinuz"))
         );
 
         std::fs::write(sub.join("vm-copy.yaml"), VM_RELATIVE).expect("write");

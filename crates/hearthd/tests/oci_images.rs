@@ -176,13 +176,25 @@ fn bad_oci_sources_fail_with_their_reason_and_leave_no_file() {
     umoci_image(&layout, "root", |root| {
         fs::write(root.join("file"), vec![1u8; 64 << 10]).unwrap();
     });
+    // Another rootfs for the containerDisk refusal: blobs are stored once by
+    // digest, so an image sharing the tampered layer's digest could store
+    // the good blob first, and the tampered copy would then never be read.
+    umoci_image(&layout, "other", |root| {
+        fs::write(root.join("other"), vec![2u8; 64 << 10]).unwrap();
+    });
     let registry = TestRegistry::start(true);
     let reference = registry.push(&layout, "root", "hearth/root:1");
     // A copy of the layout with one byte of its layer changed.
     let bad = src.path().join("tampered");
     tool("cp", &["-a", s(&layout), s(&bad)]);
     let index: Value = serde_json::from_slice(&fs::read(bad.join("index.json")).unwrap()).unwrap();
-    let manifest_hex = index["manifests"][0]["digest"]
+    let root = index["manifests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["annotations"]["org.opencontainers.image.ref.name"] == "root")
+        .expect("the root image in index.json");
+    let manifest_hex = root["digest"]
         .as_str()
         .unwrap()
         .trim_start_matches("sha256:")
@@ -238,7 +250,7 @@ fn bad_oci_sources_fail_with_their_reason_and_leave_no_file() {
             "not-a-disk",
             OciSource {
                 layout: Some(layout.clone()),
-                tag: Some("root".into()),
+                tag: Some("other".into()),
                 shape: Some(OciShape::ContainerDisk),
                 ..Default::default()
             },

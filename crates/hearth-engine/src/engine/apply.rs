@@ -320,10 +320,12 @@ impl Engine {
         match obj {
             Object::VirtualMachine(vm) => {
                 if let Some(boot) = &vm.spec.boot {
-                    self.ctx
-                        .config
-                        .confine(&boot.kernel)
-                        .map_err(|m| fail("spec.boot.kernel", m))?;
+                    if let Some(k) = &boot.kernel {
+                        self.ctx
+                            .config
+                            .confine(k)
+                            .map_err(|m| fail("spec.boot.kernel", m))?;
+                    }
                     if let Some(i) = &boot.initrd {
                         self.ctx
                             .config

@@ -23,6 +23,10 @@ pub enum VmError {
         #[source]
         source: ConfigError,
     },
+    /// A kernel from an image (`spec.boot.kernelImage`, or the rootfs's
+    /// own `/boot`).
+    #[error("spec.boot: booting a kernel from an image is not supported by this hearthd yet")]
+    KernelFromImage,
     /// A snapshot cut or a chain merge its last QEMU left could not be
     /// settled before the start.
     #[error("{0}")]

@@ -390,7 +390,8 @@ mod tests {
         // A kernel-booted guest brings its own network setup.
         let mut kernel = vm.clone();
         kernel.spec.boot = Some(hearth_api::Boot {
-            kernel: "/k".into(),
+            kernel: Some("/k".into()),
+            kernel_image: None,
             initrd: None,
             cmdline: String::new(),
         });

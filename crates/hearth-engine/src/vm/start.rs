@@ -111,7 +111,7 @@ async fn try_launch(
     let kernel = match &vm.spec.boot {
         Some(boot) => Some(KernelBoot {
             kernel: cfg
-                .confine(&boot.kernel)
+                .confine(boot.kernel.as_deref().ok_or(VmError::KernelFromImage)?)
                 .map_err(|source| VmError::BootFile {
                     field: "spec.boot.kernel",
                     source,
