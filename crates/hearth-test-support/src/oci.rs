@@ -213,6 +213,11 @@ impl TestRegistry {
         fs::read_to_string(self.dir.path().join("registry.log")).unwrap_or_default()
     }
 
+    /// `127.0.0.1:PORT`.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
     pub fn tls(&self) -> bool {
         self.tls
     }
@@ -273,5 +278,245 @@ impl Drop for TestRegistry {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// A TCP proxy on 127.0.0.1 in front of `upstream` (a plain-http
+/// registry) that can stop passing the upstream's bytes on: with
+/// [`StallingProxy::stall_after`] set, each connection's response bytes
+/// stop after that many and the connection stays open, sending nothing,
+/// as a registry hung mid-blob does. Both sockets close when the client
+/// closes its end or the proxy is dropped.
+pub struct StallingProxy {
+    addr: String,
+    shared: std::sync::Arc<ProxyShared>,
+}
+
+#[derive(Default)]
+struct ProxyShared {
+    /// Bytes of a connection's responses passed before it stalls;
+    /// `u64::MAX`: never.
+    stall_after: std::sync::atomic::AtomicU64,
+    stop: std::sync::atomic::AtomicBool,
+    /// Connections that are stalled now.
+    stalled: std::sync::atomic::AtomicUsize,
+    /// Connections accepted so far.
+    accepted: std::sync::atomic::AtomicUsize,
+}
+
+impl StallingProxy {
+    pub fn start(upstream: &str) -> StallingProxy {
+        use std::sync::atomic::Ordering::SeqCst;
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let shared = std::sync::Arc::new(ProxyShared::default());
+        shared.stall_after.store(u64::MAX, SeqCst);
+        let (sh, up) = (shared.clone(), upstream.to_string());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                if sh.stop.load(SeqCst) {
+                    return;
+                }
+                let Ok(client) = client else { continue };
+                sh.accepted.fetch_add(1, SeqCst);
+                let (sh, up) = (sh.clone(), up.clone());
+                std::thread::spawn(move || proxy_one(client, &up, &sh));
+            }
+        });
+        StallingProxy { addr, shared }
+    }
+
+    /// `127.0.0.1:PORT`.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// From now on, each new or running connection stops after `n`
+    /// response bytes (`None`: passes everything, and stalled connections
+    /// stay stalled).
+    pub fn stall_after(&self, n: Option<u64>) {
+        self.shared
+            .stall_after
+            .store(n.unwrap_or(u64::MAX), std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// How many connections are stalled now.
+    pub fn stalled(&self) -> usize {
+        self.shared
+            .stalled
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// How many connections were accepted so far.
+    pub fn accepted(&self) -> usize {
+        self.shared
+            .accepted
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for StallingProxy {
+    fn drop(&mut self) {
+        self.shared
+            .stop
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        // Wakes the accept loop so it sees the stop.
+        let _ = std::net::TcpStream::connect(&self.addr);
+    }
+}
+
+fn proxy_one(client: std::net::TcpStream, upstream: &str, sh: &ProxyShared) {
+    use std::io::{Read, Write};
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    let Ok(server) = std::net::TcpStream::connect(upstream) else {
+        return;
+    };
+    let closed = std::sync::Arc::new(AtomicBool::new(false));
+    let (mut c_in, mut s_out) = (
+        client.try_clone().expect("clone"),
+        server.try_clone().expect("clone"),
+    );
+    let c2 = closed.clone();
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut c_in, &mut s_out);
+        c2.store(true, SeqCst);
+        let _ = s_out.shutdown(std::net::Shutdown::Write);
+    });
+    let (mut s_in, mut c_out) = (server, client);
+    let _ = s_in.set_read_timeout(Some(Duration::from_millis(100)));
+    let mut sent = 0u64;
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        if sh.stop.load(SeqCst) || closed.load(SeqCst) {
+            break;
+        }
+        let limit = sh.stall_after.load(SeqCst);
+        if sent >= limit {
+            sh.stalled.fetch_add(1, SeqCst);
+            while !sh.stop.load(SeqCst) && !closed.load(SeqCst) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            sh.stalled.fetch_sub(1, SeqCst);
+            break;
+        }
+        let want = buf.len().min((limit - sent).min(buf.len() as u64) as usize);
+        match s_in.read(&mut buf[..want]) {
+            Ok(0) => break,
+            Ok(n) => {
+                if c_out.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+                sent += n as u64;
+            }
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut => {}
+            Err(_) => break,
+        }
+    }
+    let _ = c_out.shutdown(std::net::Shutdown::Both);
+    let _ = s_in.shutdown(std::net::Shutdown::Both);
+}
+
+/// A registry on 127.0.0.1 (plain http) whose every manifest is `size`
+/// bytes of JSON whitespace: with `content_length`, the response says so
+/// up front; without, the body is sent chunked and only its bytes tell.
+/// Answers `/v2/` with 200 and counts the manifest bytes it sent.
+pub struct HugeManifestRegistry {
+    addr: String,
+    sent: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl HugeManifestRegistry {
+    pub fn start(size: u64, content_length: bool) -> HugeManifestRegistry {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let counter = sent.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let counter = counter.clone();
+                std::thread::spawn(move || {
+                    let _ = serve_huge(conn, size, content_length, &counter);
+                });
+            }
+        });
+        HugeManifestRegistry { addr, sent }
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Manifest body bytes written to clients so far.
+    pub fn sent(&self) -> u64 {
+        self.sent.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+fn serve_huge(
+    mut conn: std::net::TcpStream,
+    size: u64,
+    content_length: bool,
+    sent: &std::sync::atomic::AtomicU64,
+) -> std::io::Result<()> {
+    use std::io::{BufRead, BufReader, Write};
+    let mut reader = BufReader::new(conn.try_clone()?);
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line)? == 0 {
+            return Ok(());
+        }
+        let path = line.split_whitespace().nth(1).unwrap_or("").to_string();
+        loop {
+            let mut h = String::new();
+            if reader.read_line(&mut h)? == 0 || h == "\r\n" || h == "\n" {
+                break;
+            }
+        }
+        if !path.contains("/manifests/") {
+            let body = if path == "/v2/" || path == "/v2" {
+                "{}"
+            } else {
+                ""
+            };
+            let status = if body.is_empty() {
+                "404 Not Found"
+            } else {
+                "200 OK"
+            };
+            write!(
+                conn,
+                "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )?;
+            continue;
+        }
+        let head = if content_length {
+            format!("Content-Length: {size}\r\n")
+        } else {
+            "Transfer-Encoding: chunked\r\n".to_string()
+        };
+        write!(
+            conn,
+            "HTTP/1.1 200 OK\r\nContent-Type: application/vnd.oci.image.manifest.v1+json\r\n{head}\r\n"
+        )?;
+        let piece = vec![b' '; 64 << 10];
+        let mut left = size;
+        while left > 0 {
+            let n = left.min(piece.len() as u64) as usize;
+            if content_length {
+                conn.write_all(&piece[..n])?;
+            } else {
+                write!(conn, "{n:x}\r\n")?;
+                conn.write_all(&piece[..n])?;
+                conn.write_all(b"\r\n")?;
+            }
+            sent.fetch_add(n as u64, std::sync::atomic::Ordering::SeqCst);
+            left -= n as u64;
+        }
+        if !content_length {
+            conn.write_all(b"0\r\n\r\n")?;
+        }
     }
 }
