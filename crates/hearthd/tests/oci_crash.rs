@@ -428,3 +428,170 @@ fn an_import_killed_between_its_verified_file_and_its_commit_commits_after_a_res
     assert_eq!(sha256sum(&target(&d)), disk_sum);
     assert_store_sound(&d);
 }
+
+/// A tar of `files` (path, content), made by `tar`.
+fn layer_tar(dir: &Path, name: &str, files: &[(&str, &[u8])]) -> PathBuf {
+    let root = dir.join(format!("{name}.d"));
+    for (p, bytes) in files {
+        let f = root.join(p);
+        fs::create_dir_all(f.parent().unwrap()).unwrap();
+        fs::write(f, bytes).unwrap();
+    }
+    let out = dir.join(format!("{name}.tar"));
+    tool("tar", &["-C", s(&root), "-cf", s(&out), "."]);
+    out
+}
+
+/// Adds image `tag` of `layers` (tar files, in order) to the layout.
+fn umoci_tag(layout: &Path, tag: &str, layers: &[&Path]) {
+    if !layout.join("oci-layout").exists() {
+        tool("umoci", &["init", "--layout", s(layout)]);
+    }
+    let image = format!("{}:{tag}", s(layout));
+    tool("umoci", &["new", "--image", &image]);
+    for l in layers {
+        tool("umoci", &["raw", "add-layer", "--image", &image, s(l)]);
+    }
+}
+
+/// The blobs of image `tag`: its manifest, config and layers (hex).
+fn blobs_of(layout: &Path, tag: &str) -> Vec<String> {
+    let at = format!("oci:{}:{tag}", s(layout));
+    let raw = tool("skopeo", &["inspect", "--raw", &at]);
+    let m: Value = serde_json::from_str(&raw).expect("manifest");
+    let mut v = vec![
+        skopeo_digest(&at, &[])
+            .trim_start_matches("sha256:")
+            .to_string(),
+        m["config"]["digest"]
+            .as_str()
+            .unwrap()
+            .trim_start_matches("sha256:")
+            .to_string(),
+    ];
+    v.extend(layer_digests(layout, tag));
+    v
+}
+
+/// Waits until the blob store holds exactly `want` (sorted), each blob
+/// hashing to its name.
+fn wait_blobs(d: &Daemon, want: &[String]) {
+    let _ = hearth_test_support::eventually(Duration::from_secs(10), || {
+        entries(&blobs(d).join("sha256")) == want
+    });
+    assert_eq!(assert_store_sound(d), want);
+}
+
+fn delete_image(d: &Daemon, name: &str) {
+    let (status, body) = d.request("DELETE", &format!("/v1/virtualimages/{name}"), None);
+    assert_eq!(status, 200, "{body}");
+    d.wait_gone("virtualimages", name, IMPORT);
+}
+
+#[test]
+fn blobs_go_with_the_last_image_using_them_and_never_from_under_an_import() {
+    let src = tempfile::Builder::new()
+        .prefix("hearth-oci-release-")
+        .tempdir()
+        .expect("tempdir");
+    let dir = src.path();
+    let shared = layer_tar(dir, "shared", &[("etc/os-release", b"ID=shared\n")]);
+    let only_a = layer_tar(dir, "a", &[("a", b"a\n")]);
+    let only_b = layer_tar(dir, "b", &[("b", b"b\n")]);
+    let big = random(16 << 20);
+    let only_c = layer_tar(dir, "c", &[("c.bin", &big)]);
+    let layout = dir.join("layout");
+    umoci_tag(&layout, "a", &[&shared, &only_a]);
+    umoci_tag(&layout, "b", &[&shared, &only_b]);
+    umoci_tag(&layout, "c", &[&shared, &only_c]);
+    let (a, b, c) = (
+        blobs_of(&layout, "a"),
+        blobs_of(&layout, "b"),
+        blobs_of(&layout, "c"),
+    );
+    let shared_hex = a[2].clone();
+    assert_eq!(b[2], shared_hex, "the images share their first layer");
+    assert_eq!(c[2], shared_hex, "the images share their first layer");
+    let registry = TestRegistry::start(false);
+    registry.push(&layout, "c", "hearth/c:1");
+    let proxy = StallingProxy::start(registry.addr());
+
+    let d = Daemon::start_without_guest(
+        &[dir],
+        &[
+            "--image-retry-max-seconds",
+            "2",
+            "--image-read-timeout-seconds",
+            "15",
+        ],
+    );
+    let from_layout = |name: &str| {
+        Image::oci(
+            name,
+            OciSource {
+                layout: Some(layout.clone()),
+                tag: Some(name.into()),
+                ..Default::default()
+            },
+        )
+        .json()
+    };
+    d.apply(vec![from_layout("a"), from_layout("b")]);
+    d.wait_image_phase("a", "Ready", IMPORT);
+    d.wait_image_phase("b", "Ready", IMPORT);
+    let mut both: Vec<String> = a.iter().chain(&b).cloned().collect();
+    both.sort();
+    both.dedup();
+    assert_eq!(assert_store_sound(&d), both);
+
+    // a goes: its own blobs go, the shared layer and b's stay.
+    delete_image(&d, "a");
+    let mut want = b.clone();
+    want.sort();
+    wait_blobs(&d, &want);
+
+    // c is pulled, stalled in its own layer, having found the shared one
+    // stored; b (the shared layer's last committed user) goes meanwhile.
+    proxy.stall_after(Some(2 << 20));
+    d.apply(vec![
+        Image::oci(
+            "c",
+            OciSource {
+                reference: Some(format!("{}/hearth/c:1", proxy.addr())),
+                insecure: true,
+                ..Default::default()
+            },
+        )
+        .json(),
+    ]);
+    wait_until("c's pull stalled", IMPORT, || proxy.stalled() > 0);
+    delete_image(&d, "b");
+    // The release runs right after the delete's transaction; a second is
+    // ample for it to have run, had it not been put off.
+    std::thread::sleep(Duration::from_secs(1));
+    let stored = entries(&blobs(&d).join("sha256"));
+    assert!(
+        stored.contains(&shared_hex),
+        "the shared layer went from under c's import: {stored:?}"
+    );
+    proxy.stall_after(None);
+    // The stalled connection stays stalled; the read timeout ends it and
+    // the retry passes.
+    let v = d.wait_image_phase("c", "Ready", IMPORT);
+    let (os, len) = with_mounted(&path_of(&v), |m| {
+        (
+            fs::read(m.join("etc/os-release")).unwrap(),
+            fs::metadata(m.join("c.bin")).unwrap().len(),
+        )
+    });
+    assert_eq!(os, b"ID=shared\n");
+    assert_eq!(len, big.len() as u64);
+    // Once c is committed the put-off release ran: only c's blobs are left.
+    let mut want = c.clone();
+    want.sort();
+    wait_blobs(&d, &want);
+
+    delete_image(&d, "c");
+    wait_blobs(&d, &[]);
+    assert_eq!(entries(&blobs(&d).join("sha256")), Vec::<String>::new());
+}
