@@ -595,3 +595,123 @@ fn blobs_go_with_the_last_image_using_them_and_never_from_under_an_import() {
     wait_blobs(&d, &[]);
     assert_eq!(entries(&blobs(&d).join("sha256")), Vec::<String>::new());
 }
+
+#[test]
+fn a_registry_that_hangs_mid_blob_times_out_and_a_huge_manifest_is_refused() {
+    let src = tempfile::Builder::new()
+        .prefix("hearth-oci-hostile-")
+        .tempdir()
+        .expect("tempdir");
+    let layout = src.path().join("layout");
+    let big = random(16 << 20);
+    umoci_image(&layout, "big", |root| {
+        fs::write(root.join("big.bin"), &big).unwrap();
+    });
+    umoci_image(&layout, "other", |root| {
+        fs::write(root.join("other"), b"other\n").unwrap();
+    });
+    let layer = layer_digests(&layout, "big").pop().expect("a layer");
+    let registry = TestRegistry::start(false);
+    registry.push(&layout, "big", "hearth/big:1");
+    let proxy = StallingProxy::start(registry.addr());
+    let with_length = HugeManifestRegistry::start(5 << 20, true);
+    let chunked = HugeManifestRegistry::start(5 << 20, false);
+
+    let d = Daemon::start_without_guest(
+        &[src.path()],
+        &[
+            "--image-retry-max-seconds",
+            "2",
+            "--image-read-timeout-seconds",
+            "3",
+        ],
+    );
+    // Another image, Ready before: untouched by what follows.
+    d.apply(vec![
+        Image::oci(
+            "other",
+            OciSource {
+                layout: Some(layout.clone()),
+                tag: Some("other".into()),
+                ..Default::default()
+            },
+        )
+        .json(),
+    ]);
+    let other = d.wait_image_phase("other", "Ready", IMPORT);
+    let other_sum = sha256sum(Path::new(&path_of(&other)));
+    let other_blobs = blobs_of(&layout, "other");
+
+    proxy.stall_after(Some(2 << 20));
+    let reference = format!("{}/hearth/big:1", proxy.addr());
+    let oci = |name: &str, reference: String| {
+        Image::oci(
+            name,
+            OciSource {
+                reference: Some(reference),
+                insecure: true,
+                ..Default::default()
+            },
+        )
+        .json()
+    };
+    d.apply(vec![
+        oci("hang", reference.clone()),
+        oci("huge", format!("{}/x/huge:1", with_length.addr())),
+        oci("huge-chunked", format!("{}/x/huge:1", chunked.addr())),
+    ]);
+    wait_until("the pull stalled", IMPORT, || proxy.stalled() > 0);
+    let stalled_at = Instant::now();
+    let v = d.wait_image_phase("hang", "Failed", IMPORT);
+    let waited = stalled_at.elapsed();
+    // Right when it failed (the retry is 2 s away): nothing partial left.
+    let tmp = entries(&blobs(&d).join("tmp"));
+    assert_eq!(tmp, Vec::<String>::new(), "partial blobs left");
+    assert!(!blobs(&d).join("sha256").join(&layer).exists());
+    assert_eq!(v["status"]["reason"], "Timeout", "{v:#}");
+    let message = v["status"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&reference) && message.contains(&layer),
+        "{message}"
+    );
+    assert!(
+        waited >= Duration::from_millis(2500),
+        "failed after {waited:?}"
+    );
+
+    // Retried: a new connection, and once the registry answers again the
+    // image is Ready with the right bytes.
+    let before = proxy.accepted();
+    wait_until("a retry", IMPORT, || proxy.accepted() > before);
+    proxy.stall_after(None);
+    let v = d.wait_image_phase("hang", "Ready", IMPORT);
+    assert!(v["status"]["attempts"].as_u64().unwrap_or(0) >= 2, "{v:#}");
+    let sum = with_mounted(&path_of(&v), |m| sha256sum(&m.join("big.bin")));
+    let f = src.path().join("big.bin");
+    fs::write(&f, &big).unwrap();
+    assert_eq!(sum, sha256sum(&f));
+
+    // A manifest over 4 MiB, told by its Content-Length or by its bytes.
+    for name in ["huge", "huge-chunked"] {
+        let v = d.wait_image_phase(name, "Failed", IMPORT);
+        assert_eq!(v["status"]["reason"], "TooLarge", "{v:#}");
+        let message = v["status"]["message"].as_str().unwrap_or_default();
+        assert!(
+            message.contains("manifest") && message.contains(&(4u64 << 20).to_string()),
+            "{message}"
+        );
+    }
+    for name in ["huge", "huge-chunked"] {
+        delete_image(&d, name);
+    }
+
+    // The other image is as it was.
+    let again = d.get_image("other").expect("other");
+    assert_eq!(again["status"]["phase"], "Ready", "{again:#}");
+    assert_eq!(again["status"]["path"], other["status"]["path"]);
+    assert_eq!(sha256sum(Path::new(&path_of(&again))), other_sum);
+    let names = assert_store_sound(&d);
+    for b in &other_blobs {
+        assert!(names.contains(b), "{names:?}");
+    }
+}

@@ -270,6 +270,7 @@ fn failure(src: &OciSource, e: OciError) -> Failure {
         OciError::MediaType { .. } => "UnsupportedMediaType",
         OciError::Layer { .. } => "BadLayer",
         OciError::Registry { .. } => "RegistryError",
+        OciError::Timeout { .. } => "Timeout",
         OciError::Denied { .. } => "AuthFailed",
         OciError::Io { .. } => "ReadFailed",
         OciError::Build(_) => "BuildFailed",
