@@ -178,9 +178,15 @@ fn bad_oci_sources_fail_with_their_reason_and_leave_no_file() {
     });
     let registry = TestRegistry::start(true);
     let reference = registry.push(&layout, "root", "hearth/root:1");
-    // A copy of the layout with one byte of its layer changed.
+    // A copy of a layout with one byte of its layer changed: a layer no
+    // other image here has, so no other import stores its right bytes (a
+    // retry would then find the digest stored and pass).
+    let own = src.path().join("own");
+    umoci_image(&own, "root", |root| {
+        fs::write(root.join("file"), vec![2u8; 64 << 10]).unwrap();
+    });
     let bad = src.path().join("tampered");
-    tool("cp", &["-a", s(&layout), s(&bad)]);
+    tool("cp", &["-a", s(&own), s(&bad)]);
     let index: Value = serde_json::from_slice(&fs::read(bad.join("index.json")).unwrap()).unwrap();
     let manifest_hex = index["manifests"][0]["digest"]
         .as_str()
@@ -262,6 +268,11 @@ fn bad_oci_sources_fail_with_their_reason_and_leave_no_file() {
     );
     let v = wait_phase(&d, "not-a-disk", "Failed");
     assert_eq!(v["status"]["reason"], "NotAContainerDisk", "{v:#}");
-    // No image file, no temporary, no build left behind.
+    // No image file, no temporary, no build left behind (between attempts:
+    // each failed image is retried every 2 s, and an attempt has its
+    // temporary while it runs).
+    let _ = hearth_test_support::eventually(Duration::from_secs(10), || {
+        store_files(&d) == (Vec::new(), Vec::new())
+    });
     assert_eq!(store_files(&d), (Vec::new(), Vec::new()));
 }
