@@ -88,6 +88,7 @@ pub struct TestRegistry {
     child: Child,
     addr: String,
     tls: bool,
+    token: Option<TokenServer>,
 }
 
 impl TestRegistry {
@@ -97,6 +98,17 @@ impl TestRegistry {
     /// With `tls`: https with a certificate for 127.0.0.1 from a CA made
     /// here, and htpasswd auth. Without: plain http, anonymous.
     pub fn start(tls: bool) -> TestRegistry {
+        Self::start_with(tls, false)
+    }
+
+    /// Plain http with bearer-token auth: the registry trusts tokens
+    /// signed by a key made here, which a token server on 127.0.0.1
+    /// ([`TokenServer`]) hands out for [`Self::USER`]'s password.
+    pub fn start_token() -> TestRegistry {
+        Self::start_with(false, true)
+    }
+
+    fn start_with(tls: bool, token: bool) -> TestRegistry {
         let dir = tempfile::tempdir().expect("tempdir");
         let d = dir.path();
         let port = TcpListener::bind("127.0.0.1:0")
@@ -180,6 +192,17 @@ impl TestRegistry {
                 p("htpasswd")
             );
         }
+        let token = token.then(|| {
+            let t = TokenServer::start(d);
+            auth = format!(
+                "auth:\n  token:\n    realm: http://{}/token\n    service: {}\n    issuer: {}\n    rootcertbundle: {}\n",
+                t.addr,
+                TokenServer::SERVICE,
+                TokenServer::ISSUER,
+                s(&d.join("token.pem"))
+            );
+            t
+        });
         let config = format!(
             "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\n{http}{auth}",
             s(&d.join("data"))
@@ -196,6 +219,7 @@ impl TestRegistry {
             child,
             addr,
             tls,
+            token,
         };
         let deadline = Instant::now() + Duration::from_secs(20);
         while std::net::TcpStream::connect(&r.addr).is_err() {
@@ -246,7 +270,12 @@ impl TestRegistry {
         } else {
             format!("--{side}-")
         };
-        if self.tls {
+        if self.token.is_some() {
+            vec![
+                format!("{prefix}tls-verify=false"),
+                format!("{prefix}creds={}:{}", Self::USER, Self::PASSWORD),
+            ]
+        } else if self.tls {
             vec![
                 format!("{prefix}cert-dir={}", s(&self.dir.path().join("certs"))),
                 format!("{prefix}creds={}:{}", Self::USER, Self::PASSWORD),
@@ -266,6 +295,11 @@ impl TestRegistry {
         let refs: Vec<&str> = args.iter().map(String::as_str).collect();
         tool("skopeo", &refs);
         format!("{}/{repo}", self.addr)
+    }
+
+    /// The token server, with bearer-token auth.
+    pub fn token_server(&self) -> Option<&TokenServer> {
+        self.token.as_ref()
     }
 
     /// The manifest digest skopeo reads for `reference` at this registry.
@@ -519,4 +553,217 @@ fn serve_huge(
             conn.write_all(b"0\r\n\r\n")?;
         }
     }
+}
+
+/// A token server for a registry's bearer-token auth (the distribution
+/// spec's token flow): `GET /token?service=..&scope=..` with
+/// [`TestRegistry::USER`]'s basic credentials answers a JWT (RS256, signed
+/// by `openssl dgst` with a key whose self-signed certificate is the
+/// registry's `rootcertbundle` and rides in the token's `x5c`) granting the
+/// actions the scope asks; anything else is 401.
+pub struct TokenServer {
+    addr: String,
+    issued: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    refused: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl TokenServer {
+    pub const SERVICE: &'static str = "hearth-test-registry";
+    pub const ISSUER: &'static str = "hearth-test-issuer";
+
+    fn start(dir: &Path) -> TokenServer {
+        let key = dir.join("token.key");
+        let pem = dir.join("token.pem");
+        tool(
+            "openssl",
+            &[
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=hearth token signer",
+                "-keyout",
+                s(&key),
+                "-out",
+                s(&pem),
+            ],
+        );
+        let der = dir.join("token.der");
+        tool(
+            "openssl",
+            &["x509", "-in", s(&pem), "-outform", "DER", "-out", s(&der)],
+        );
+        let cert = base64(&fs::read(&der).expect("read"), false);
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let issued = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let refused = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (i, r, work) = (issued.clone(), refused.clone(), dir.to_path_buf());
+        std::thread::spawn(move || {
+            for conn in listener.incoming().flatten() {
+                let _ = serve_token(conn, &work, &key, &cert, &i, &r);
+            }
+        });
+        TokenServer {
+            addr,
+            issued,
+            refused,
+        }
+    }
+
+    /// Tokens handed out so far.
+    pub fn issued(&self) -> usize {
+        self.issued.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Requests refused (no or wrong credentials) so far.
+    pub fn refused(&self) -> usize {
+        self.refused.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+fn serve_token(
+    mut conn: std::net::TcpStream,
+    dir: &Path,
+    key: &Path,
+    cert: &str,
+    issued: &std::sync::atomic::AtomicUsize,
+    refused: &std::sync::atomic::AtomicUsize,
+) -> std::io::Result<()> {
+    use std::io::{BufRead, BufReader, Write};
+    use std::sync::atomic::Ordering::SeqCst;
+    let mut reader = BufReader::new(conn.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let target = line.split_whitespace().nth(1).unwrap_or("").to_string();
+    let mut authorization = String::new();
+    loop {
+        let mut h = String::new();
+        if reader.read_line(&mut h)? == 0 || h == "\r\n" || h == "\n" {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':')
+            && k.eq_ignore_ascii_case("authorization")
+        {
+            authorization = v.trim().to_string();
+        }
+    }
+    let want = format!(
+        "Basic {}",
+        base64(
+            format!("{}:{}", TestRegistry::USER, TestRegistry::PASSWORD).as_bytes(),
+            false
+        )
+    );
+    if authorization != want || !target.starts_with("/token") {
+        refused.fetch_add(1, SeqCst);
+        let body = r#"{"errors":[{"code":"UNAUTHORIZED","message":"bad credentials"}]}"#;
+        return write!(
+            conn,
+            "HTTP/1.1 401 Unauthorized\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        );
+    }
+    let query = target.split_once('?').map(|(_, q)| q).unwrap_or("");
+    let mut access = Vec::new();
+    for pair in query.split('&') {
+        let Some(("scope", v)) = pair.split_once('=') else {
+            continue;
+        };
+        let v = unescape(v);
+        // repository:NAME:ACTIONS
+        let mut parts = v.splitn(3, ':');
+        if let (Some(kind), Some(name), Some(actions)) = (parts.next(), parts.next(), parts.next())
+        {
+            let actions: Vec<&str> = actions.split(',').collect();
+            access.push(serde_json::json!({"type": kind, "name": name, "actions": actions}));
+        }
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_secs();
+    let n = issued.fetch_add(1, SeqCst);
+    let header = serde_json::json!({"alg": "RS256", "typ": "JWT", "x5c": [cert]});
+    let claims = serde_json::json!({
+        "iss": TokenServer::ISSUER,
+        "sub": TestRegistry::USER,
+        "aud": TokenServer::SERVICE,
+        "exp": now + 600,
+        "nbf": now - 60,
+        "iat": now,
+        "jti": format!("hearth-{now}-{n}"),
+        "access": access,
+    });
+    let signing = format!(
+        "{}.{}",
+        base64(header.to_string().as_bytes(), true),
+        base64(claims.to_string().as_bytes(), true)
+    );
+    let input = dir.join(format!("jwt-{n}"));
+    fs::write(&input, &signing)?;
+    let sig = Command::new("openssl")
+        .args(["dgst", "-sha256", "-sign", s(key), s(&input)])
+        .output()?;
+    let _ = fs::remove_file(&input);
+    let token = format!("{signing}.{}", base64(&sig.stdout, true));
+    let body =
+        serde_json::json!({"token": token, "access_token": token, "expires_in": 600}).to_string();
+    write!(
+        conn,
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+fn unescape(v: &str) -> String {
+    let b = v.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'%' if i + 2 < b.len() => {
+                let hex = std::str::from_utf8(&b[i + 1..i + 3]).unwrap_or("00");
+                out.push(u8::from_str_radix(hex, 16).unwrap_or(b'?'));
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            c => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// Base64 (`url`: the URL-safe alphabet without padding, as JWTs use).
+fn base64(bytes: &[u8], url: bool) -> String {
+    let table: &[u8; 64] = if url {
+        b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+    } else {
+        b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+    };
+    let mut out = String::new();
+    for chunk in bytes.chunks(3) {
+        let n = (chunk[0] as u32) << 16
+            | (*chunk.get(1).unwrap_or(&0) as u32) << 8
+            | *chunk.get(2).unwrap_or(&0) as u32;
+        let chars = chunk.len() + 1;
+        for k in 0..4 {
+            if k < chars {
+                out.push(table[(n >> (18 - 6 * k) & 63) as usize] as char);
+            } else if !url {
+                out.push('=');
+            }
+        }
+    }
+    out
 }
