@@ -561,3 +561,42 @@ impl<W: Write> Write for Hashing<W> {
         self.inner.flush()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(c: char) -> String {
+        std::iter::repeat_n(c, 64).collect()
+    }
+
+    fn d(c: char) -> String {
+        format!("sha256:{}", hex(c))
+    }
+
+    #[test]
+    fn what_an_image_reaches_is_its_index_manifests_config_and_layers() {
+        let dir = tempfile::tempdir().unwrap();
+        let put = |c: char, v: serde_json::Value| {
+            std::fs::write(dir.path().join(hex(c)), v.to_string()).unwrap()
+        };
+        // An index naming two platforms' manifests, one of them stored.
+        put(
+            'a',
+            serde_json::json!({"manifests": [{"digest": d('b')}, {"digest": d('f')}]}),
+        );
+        put(
+            'b',
+            serde_json::json!({"config": {"digest": d('c')}, "layers": [{"digest": d('d')}]}),
+        );
+        let keep = reachable(dir.path(), vec![hex('a')]).unwrap();
+        let mut got: Vec<String> = keep.into_iter().collect();
+        got.sort();
+        assert_eq!(got, vec![hex('a'), hex('b'), hex('c'), hex('d'), hex('f')]);
+        // A root whose document is not stored keeps everything.
+        let e = reachable(dir.path(), vec![hex('a'), hex('e')]).unwrap_err();
+        assert!(e.contains(&hex('e')), "{e}");
+        // No image: nothing is kept.
+        assert!(reachable(dir.path(), vec![]).unwrap().is_empty());
+    }
+}
