@@ -72,6 +72,10 @@ pub enum OciError {
     /// The registry could not be reached, or answered wrongly.
     #[error("{reference}: {message}")]
     Registry { reference: String, message: String },
+    /// The registry sent nothing for longer than the read timeout (or
+    /// could not be connected to within it).
+    #[error("{reference}: {message}")]
+    Timeout { reference: String, message: String },
     /// The registry refused the credentials (or their absence).
     #[error("{reference}: the registry refused access: {message}")]
     Denied { reference: String, message: String },

@@ -84,7 +84,9 @@ pub fn build(dir: &Path, out: &Path, min: u64) -> Result<u64, OciError> {
     file.set_len(size)
         .map_err(|e| OciError::io("sizing", out, e))?;
     drop(file);
-    let result = Command::new("mkfs.ext4")
+    let mut command = Command::new("mkfs.ext4");
+    dies_with_parent(&mut command);
+    let result = command
         .args(["-q", "-F", "-t", "ext4", "-m", "1", "-L", "rootfs"])
         .arg("-N")
         .arg(inodes_for(m).to_string())
@@ -113,6 +115,27 @@ pub fn build(dir: &Path, out: &Path, min: u64) -> Result<u64, OciError> {
         )));
     }
     Ok(size)
+}
+
+/// mkfs.ext4 is killed when the thread that started it dies: a daemon
+/// killed mid-build must not leave it writing into a file the restart's
+/// sweep removes, from a build directory the sweep is removing.
+fn dies_with_parent(command: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    let parent = rustix::process::getpid();
+    // SAFETY: the closure runs in the child between fork and exec and only
+    // makes two system calls (prctl, getppid) and may exit: all
+    // async-signal-safe.
+    unsafe {
+        command.pre_exec(move || {
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))?;
+            // The parent died before the prctl: nothing would send it.
+            if rustix::process::getppid() != Some(parent) {
+                std::process::exit(1);
+            }
+            Ok(())
+        });
+    }
 }
 
 #[cfg(test)]

@@ -145,6 +145,20 @@ impl Registry {
         }
     }
 
+    /// A failure to reach or read from the registry (`what` says which
+    /// request): [`OciError::Timeout`] when the cause is a timeout.
+    fn transport(&self, what: &str, e: &(dyn std::error::Error + 'static)) -> OciError {
+        let message = format!("{what}: {}", chain(e));
+        if is_timeout(e) {
+            OciError::Timeout {
+                reference: self.text.clone(),
+                message: format!("{message} (nothing received within the read timeout)"),
+            }
+        } else {
+            self.fail(message)
+        }
+    }
+
     /// The `Authorization` header for pulls: a bearer token the registry's
     /// realm gave, or the basic credentials, or none.
     async fn authorization(&self) -> Result<Option<String>, OciError> {
@@ -172,7 +186,7 @@ impl Registry {
                 reference: self.text.clone(),
                 message: e.to_string(),
             },
-            _ => self.fail(chain(&e)),
+            _ => self.transport("the registry", &e),
         }
     }
 
@@ -248,7 +262,7 @@ impl Registry {
         let resp = req
             .send()
             .await
-            .map_err(|e| self.fail(format!("GET {url}: {}", chain(&e))))?;
+            .map_err(|e| self.transport(&format!("GET {url}"), &e))?;
         let status = resp.status();
         if status == reqwest::StatusCode::UNAUTHORIZED || status == reqwest::StatusCode::FORBIDDEN {
             return Err(OciError::Denied {
@@ -278,7 +292,7 @@ impl Registry {
         let mut body = Vec::new();
         let mut stream = resp.bytes_stream();
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| self.fail(format!("GET {url}: {}", chain(&e))))?;
+            let chunk = chunk.map_err(|e| self.transport(&format!("GET {url}"), &e))?;
             body.extend_from_slice(&chunk);
             if body.len() as u64 > MAX_MANIFEST_BYTES {
                 return Err(OciError::TooLarge {
@@ -313,7 +327,7 @@ impl Registry {
         let mut stream = self.blob_stream(d).await?;
         let mut out = Vec::new();
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| self.fail(format!("blob {}: {e}", d.digest())))?;
+            let chunk = chunk.map_err(|e| self.transport(&format!("blob {}", d.digest()), &e))?;
             out.extend_from_slice(&chunk);
             if out.len() as u64 > d.size() {
                 break;
@@ -360,7 +374,7 @@ impl Registry {
             let mut stream = self.blob_stream(layer).await?;
             while let Some(chunk) = stream.next().await {
                 let chunk =
-                    chunk.map_err(|e| self.fail(format!("blob {}: {e}", layer.digest())))?;
+                    chunk.map_err(|e| self.transport(&format!("blob {}", layer.digest()), &e))?;
                 w.take(&chunk)?;
                 fetched += chunk.len() as u64;
                 progress(fetched);
@@ -369,6 +383,31 @@ impl Registry {
         }
         Ok(fetched)
     }
+}
+
+/// Whether `e`, or an error it was caused by, is a timeout (reqwest's, or
+/// an I/O error of kind `TimedOut`, as oci-client's blob streams carry).
+fn is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut at = Some(e);
+    while let Some(e) = at {
+        if let Some(r) = e.downcast_ref::<reqwest::Error>()
+            && r.is_timeout()
+        {
+            return true;
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::TimedOut {
+                return true;
+            }
+            if let Some(inner) = io.get_ref()
+                && is_timeout(inner)
+            {
+                return true;
+            }
+        }
+        at = e.source();
+    }
+    false
 }
 
 /// An error with its causes, as one line.

@@ -9,6 +9,7 @@ mod common;
 
 use std::fs;
 use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
 use common::{Daemon, Image, ObjectBuilder};
@@ -184,9 +185,15 @@ fn bad_oci_sources_fail_with_their_reason_and_leave_no_file() {
     });
     let registry = TestRegistry::start(true);
     let reference = registry.push(&layout, "root", "hearth/root:1");
-    // A copy of the layout with one byte of its layer changed.
+    // A copy of a layout with one byte of its layer changed: a layer no
+    // other image here has, so no other import stores its right bytes (a
+    // retry would then find the digest stored and pass).
+    let own = src.path().join("own");
+    umoci_image(&own, "root", |root| {
+        fs::write(root.join("file"), vec![2u8; 64 << 10]).unwrap();
+    });
     let bad = src.path().join("tampered");
-    tool("cp", &["-a", s(&layout), s(&bad)]);
+    tool("cp", &["-a", s(&own), s(&bad)]);
     let index: Value = serde_json::from_slice(&fs::read(bad.join("index.json")).unwrap()).unwrap();
     let root = index["manifests"]
         .as_array()
@@ -274,6 +281,87 @@ fn bad_oci_sources_fail_with_their_reason_and_leave_no_file() {
     );
     let v = wait_phase(&d, "not-a-disk", "Failed");
     assert_eq!(v["status"]["reason"], "NotAContainerDisk", "{v:#}");
-    // No image file, no temporary, no build left behind.
+    // No image file, no temporary, no build left behind (between attempts:
+    // each failed image is retried every 2 s, and an attempt has its
+    // temporary while it runs).
+    let _ = hearth_test_support::eventually(Duration::from_secs(10), || {
+        store_files(&d) == (Vec::new(), Vec::new())
+    });
     assert_eq!(store_files(&d), (Vec::new(), Vec::new()));
+}
+
+#[test]
+fn a_registry_with_bearer_token_auth_is_pulled_with_a_token_its_realm_hands_out() {
+    let src = tempfile::Builder::new()
+        .prefix("hearth-oci-src-")
+        .tempdir()
+        .expect("tempdir");
+    let layout = src.path().join("layout");
+    umoci_image(&layout, "root", |root| {
+        fs::write(root.join("token-file"), b"behind a token\n").unwrap();
+    });
+    let registry = TestRegistry::start_token();
+    let tokens = registry.token_server().expect("a token server");
+    let reference = registry.push(&layout, "root", "hearth/token:1");
+    // Ground truth first: the registry refuses a pull without a token.
+    let anonymous = Command::new("skopeo")
+        .args(["inspect", "--raw", "--tls-verify=false"])
+        .arg(format!("docker://{reference}"))
+        .output()
+        .expect("skopeo");
+    assert!(
+        !anonymous.status.success(),
+        "the registry let an anonymous pull in"
+    );
+    let before = tokens.issued();
+
+    let d = Daemon::start_without_guest(&[src.path()], &["--image-retry-max-seconds", "2"]);
+    let with = |name: &str, password: &str| {
+        image(
+            name,
+            OciSource {
+                reference: Some(reference.clone()),
+                insecure: true,
+                credentials_file: Some(registry.credentials_file(password)),
+                ..Default::default()
+            },
+        )
+    };
+    d.apply(vec![with("token", TestRegistry::PASSWORD)]);
+    let v = wait_phase(&d, "token", "Ready");
+    assert_eq!(v["status"]["digest"], registry.digest(&reference), "{v:#}");
+    assert!(tokens.issued() > before, "no token was asked for");
+    let root_path = path_of(&v);
+    let mnt = tempfile::tempdir().unwrap();
+    tool("mount", &["-o", "loop,ro", &root_path, s(mnt.path())]);
+    let content = fs::read(mnt.path().join("token-file"));
+    tool("umount", &[s(mnt.path())]);
+    assert_eq!(content.expect("token-file"), b"behind a token\n");
+
+    // The token server refuses a wrong password: AuthFailed, nothing left.
+    let refused = tokens.refused();
+    d.apply(vec![with("wrong", "not-the-password")]);
+    let v = wait_phase(&d, "wrong", "Failed");
+    assert_eq!(v["status"]["reason"], "AuthFailed", "{v:#}");
+    assert!(tokens.refused() > refused);
+    let (status, body) = d.request("DELETE", "/v1/virtualimages/wrong", None);
+    assert_eq!(status, 200, "{body}");
+    d.wait_gone("virtualimages", "wrong", IMPORT);
+    assert_eq!(
+        store_files(&d).0,
+        vec![
+            Path::new(&root_path)
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .into_owned()
+        ]
+    );
+}
+
+fn path_of(v: &Value) -> String {
+    v["status"]["path"]
+        .as_str()
+        .expect("status.path")
+        .to_string()
 }

@@ -257,6 +257,9 @@ async fn run(
         });
     };
     let mut oci_done = None;
+    // Kept to the end of the commit: until then no release takes the
+    // blobs this import finds stored.
+    let _lease = matches!(image.spec.source, ImageSource::Oci(_)).then(|| oci::Lease::take(ctx));
     let (mut tmp, fetched) = match &image.spec.source {
         ImageSource::Oci(o) => {
             let mut tmp = new_temp(ctx, &dir, name).await?;
@@ -486,6 +489,10 @@ async fn delete(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
         .get(Kind::VirtualImage, name)?
         .and_then(|s| serde_json::from_value(s.status).ok())
         .unwrap_or_default();
+    let oci = ctx
+        .store
+        .get(Kind::VirtualImage, name)?
+        .is_some_and(|s| matches!(&s.object, Object::VirtualImage(i) if matches!(i.spec.source, ImageSource::Oci(_))));
     let removed = ctx.store.with_tx(|tx| {
         Store::remove_tx(tx, Kind::VirtualImage, name)?;
         match &status.path {
@@ -508,6 +515,10 @@ async fn delete(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
         "Deleted",
         &message,
     );
+    if oci {
+        // Its blobs go unless another image uses them.
+        oci::release_blobs(ctx);
+    }
     Ok(())
 }
 
@@ -606,6 +617,7 @@ fn release_file_tx(tx: &rusqlite::Transaction<'_>, path: &Path) -> Result<bool, 
 /// the store shows as an image, or that a layer is made from, is kept.
 pub fn sweep(store: &Store, dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
     oci::sweep(dir);
+    oci::release_at_start(store, dir);
     let Ok(entries) = std::fs::read_dir(dir) else {
         return Ok(Vec::new());
     };

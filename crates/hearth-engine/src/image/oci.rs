@@ -58,6 +58,191 @@ pub fn sweep(images: &Path) {
     }
 }
 
+/// OCI imports in flight, and whether a release of blobs waits for them.
+struct Leases {
+    running: usize,
+    due: bool,
+}
+
+static LEASES: std::sync::Mutex<Leases> = std::sync::Mutex::new(Leases {
+    running: 0,
+    due: false,
+});
+
+fn leases() -> std::sync::MutexGuard<'static, Leases> {
+    LEASES.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Held by an OCI import from before it first looks at the blob store
+/// until after its commit has written `status.digest` (which makes its
+/// blobs the image's): while any is held, a release of unused blobs waits,
+/// so it cannot remove a blob an import found stored and is about to read.
+pub struct Lease(Arc<Context>);
+
+impl Lease {
+    pub fn take(ctx: &Arc<Context>) -> Lease {
+        leases().running += 1;
+        Lease(ctx.clone())
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let mut l = leases();
+        l.running -= 1;
+        if l.running == 0 && l.due {
+            l.due = false;
+            // Under the lock: no import takes a lease until it is done.
+            collect(&self.0);
+        }
+    }
+}
+
+/// Releases the blobs no OCI image uses any more (after an image's
+/// delete): at once when no OCI import is in flight, else when the last
+/// one ends.
+pub fn release_blobs(ctx: &Arc<Context>) {
+    let mut l = leases();
+    if l.running > 0 {
+        l.due = true;
+        return;
+    }
+    collect(ctx);
+}
+
+/// Removes every blob not reachable from an OCI image's `status.digest`
+/// (its manifest or index, then what those name). Logged, never failing
+/// the caller: a blob kept too long only costs space. Returns how many
+/// went.
+fn collect(ctx: &Context) -> usize {
+    collect_in(&ctx.store, &ctx.config.images_dir())
+}
+
+/// At start, after [`sweep`] and before any import: a release a crash put
+/// off (its delete committed, its blobs not yet removed) is done now, but
+/// only when every OCI image is Ready: an import a crash cut short has
+/// blobs stored that nothing names yet, and its next attempt reuses them.
+pub fn release_at_start(store: &crate::store::Store, images: &Path) {
+    let all_ready = store.list(hearth_api::Kind::VirtualImage).is_ok_and(|v| {
+        v.into_iter().all(|o| {
+            let oci = matches!(&o.object, hearth_api::Object::VirtualImage(i)
+                if matches!(i.spec.source, hearth_api::ImageSource::Oci(_)));
+            let status: hearth_api::VirtualImageStatus =
+                serde_json::from_value(o.status).unwrap_or_default();
+            !oci || status.phase == hearth_api::ImagePhase::Ready
+        })
+    });
+    if all_ready {
+        collect_in(store, images);
+    }
+}
+
+fn collect_in(store: &crate::store::Store, images: &Path) -> usize {
+    match collect_inner(store, images) {
+        Ok(n) => {
+            if n > 0 {
+                tracing::info!(blobs = n, "released the blobs no image uses");
+            }
+            n
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "blobs not released");
+            0
+        }
+    }
+}
+
+fn collect_inner(store: &crate::store::Store, images: &Path) -> Result<usize, String> {
+    let dir = blob_dir(images).join("sha256");
+    if !dir.is_dir() {
+        return Ok(0);
+    }
+    let mut roots = Vec::new();
+    for o in store
+        .list(hearth_api::Kind::VirtualImage)
+        .map_err(|e| e.to_string())?
+    {
+        let hearth_api::Object::VirtualImage(i) = &o.object else {
+            continue;
+        };
+        if !matches!(i.spec.source, hearth_api::ImageSource::Oci(_)) {
+            continue;
+        }
+        let status: hearth_api::VirtualImageStatus =
+            serde_json::from_value(o.status).unwrap_or_default();
+        if let Some(hex) = status
+            .digest
+            .as_deref()
+            .and_then(|d| d.strip_prefix("sha256:"))
+        {
+            roots.push(hex.to_string());
+        }
+    }
+    let keep = reachable(&dir, roots)?;
+    let mut removed = 0;
+    for e in std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))? {
+        let Ok(e) = e else { continue };
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !keep.contains(&name) && std::fs::remove_file(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    if removed > 0
+        && let Ok(d) = std::fs::File::open(&dir)
+    {
+        let _ = d.sync_all();
+    }
+    Ok(removed)
+}
+
+/// The blobs reachable from `roots` (manifests or indexes named by their
+/// hex) in the store directory `dir`: each document's `manifests`,
+/// `config` and `layers`, an index's manifests followed. A root that is
+/// not stored, or does not parse, keeps everything (an error): its blobs
+/// are not known, so none may go.
+fn reachable(dir: &Path, roots: Vec<String>) -> Result<std::collections::HashSet<String>, String> {
+    let mut keep = std::collections::HashSet::new();
+    let mut todo: Vec<(String, bool)> = roots.into_iter().map(|r| (r, true)).collect();
+    while let Some((hex, root)) = todo.pop() {
+        if !keep.insert(hex.clone()) {
+            continue;
+        }
+        let path = dir.join(&hex);
+        let read = std::fs::File::open(&path).and_then(|f| {
+            let mut buf = Vec::new();
+            f.take(hearth_oci::MAX_MANIFEST_BYTES + 1)
+                .read_to_end(&mut buf)
+                .map(|_| buf)
+        });
+        let doc = match read.map_err(|e| e.to_string()).and_then(|b| {
+            serde_json::from_slice::<serde_json::Value>(&b).map_err(|e| e.to_string())
+        }) {
+            Ok(doc) => doc,
+            // An index names every platform's manifest; only one is stored.
+            Err(_) if !root => continue,
+            Err(e) => return Err(format!("the manifest {}: {e}", path.display())),
+        };
+        let digest = |v: &serde_json::Value| {
+            v["digest"]
+                .as_str()
+                .and_then(|d| d.strip_prefix("sha256:"))
+                .map(str::to_string)
+        };
+        for m in doc["manifests"].as_array().into_iter().flatten() {
+            if let Some(h) = digest(m) {
+                todo.push((h, false));
+            }
+        }
+        let leaves = doc["layers"].as_array().into_iter().flatten();
+        for d in std::iter::once(&doc["config"]).chain(leaves) {
+            if let Some(h) = digest(d) {
+                keep.insert(h);
+            }
+        }
+    }
+    Ok(keep)
+}
+
 /// The field of `spec.source.oci` a source is given by.
 fn field(src: &OciSource) -> &'static str {
     if src.reference.is_some() {
@@ -85,6 +270,7 @@ fn failure(src: &OciSource, e: OciError) -> Failure {
         OciError::MediaType { .. } => "UnsupportedMediaType",
         OciError::Layer { .. } => "BadLayer",
         OciError::Registry { .. } => "RegistryError",
+        OciError::Timeout { .. } => "Timeout",
         OciError::Denied { .. } => "AuthFailed",
         OciError::Io { .. } => "ReadFailed",
         OciError::Build(_) => "BuildFailed",
@@ -373,5 +559,44 @@ impl<W: Write> Write for Hashing<W> {
 
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(c: char) -> String {
+        std::iter::repeat_n(c, 64).collect()
+    }
+
+    fn d(c: char) -> String {
+        format!("sha256:{}", hex(c))
+    }
+
+    #[test]
+    fn what_an_image_reaches_is_its_index_manifests_config_and_layers() {
+        let dir = tempfile::tempdir().unwrap();
+        let put = |c: char, v: serde_json::Value| {
+            std::fs::write(dir.path().join(hex(c)), v.to_string()).unwrap()
+        };
+        // An index naming two platforms' manifests, one of them stored.
+        put(
+            'a',
+            serde_json::json!({"manifests": [{"digest": d('b')}, {"digest": d('f')}]}),
+        );
+        put(
+            'b',
+            serde_json::json!({"config": {"digest": d('c')}, "layers": [{"digest": d('d')}]}),
+        );
+        let keep = reachable(dir.path(), vec![hex('a')]).unwrap();
+        let mut got: Vec<String> = keep.into_iter().collect();
+        got.sort();
+        assert_eq!(got, vec![hex('a'), hex('b'), hex('c'), hex('d'), hex('f')]);
+        // A root whose document is not stored keeps everything.
+        let e = reachable(dir.path(), vec![hex('a'), hex('e')]).unwrap_err();
+        assert!(e.contains(&hex('e')), "{e}");
+        // No image: nothing is kept.
+        assert!(reachable(dir.path(), vec![]).unwrap().is_empty());
     }
 }
