@@ -158,6 +158,16 @@ impl FuseExport {
                 .open(mountpoint)
                 .map_err(io("making the mountpoint", mountpoint))?;
         }
+        // The kernel lists the mount by its real path.
+        let mountpoint = &std::fs::canonicalize(mountpoint)
+            .map_err(io("resolving the mountpoint", mountpoint))?;
+        if !plain_option_path(mountpoint) {
+            return Err(DaemonError::Io {
+                what: "refusing a path with `,` or a control character",
+                path: mountpoint.to_path_buf(),
+                source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
+            });
+        }
         let out = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -360,7 +370,9 @@ fn unescape(field: &[u8]) -> Vec<u8> {
     while i < field.len() {
         if field[i] == b'\\'
             && i + 3 < field.len()
-            && field[i + 1..i + 4].iter().all(|b| (b'0'..=b'7').contains(b))
+            && field[i + 1..i + 4]
+                .iter()
+                .all(|b| (b'0'..=b'7').contains(b))
         {
             let v = field[i + 1..i + 4]
                 .iter()
@@ -382,12 +394,11 @@ pub fn unmount(path: &Path) -> Result<(), DaemonError> {
     if !is_mounted(path) {
         return Ok(());
     }
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| {
-        DaemonError::Unmount {
+    let c =
+        std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| DaemonError::Unmount {
             path: path.to_path_buf(),
             source: std::io::Error::from(std::io::ErrorKind::InvalidInput),
-        }
-    })?;
+        })?;
     // SAFETY: a NUL-terminated path that lives across the call.
     if unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) } != 0 {
         let source = std::io::Error::last_os_error();
@@ -474,7 +485,8 @@ mod tests {
         let dir = Path::new("/state/disk-prepare");
         let ours = b"/usr/bin/qemu-storage-daemon\0--blockdev\0driver=file,node-name=f,filename=/state/layers/1.qcow2\0--export\0type=fuse,mountpoint=/state/disk-prepare/1/disk\0";
         assert!(names_daemon_under(ours, dir));
-        let other_dir = b"/usr/bin/qemu-storage-daemon\0--export\0mountpoint=/state/disk-prepare-x/1\0";
+        let other_dir =
+            b"/usr/bin/qemu-storage-daemon\0--export\0mountpoint=/state/disk-prepare-x/1\0";
         assert!(!names_daemon_under(other_dir, dir));
         let not_qsd = b"/usr/bin/sleep\0/state/disk-prepare/1/disk\0";
         assert!(!names_daemon_under(not_qsd, dir));
