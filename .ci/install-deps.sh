@@ -20,6 +20,10 @@ fi
 export DEBIAN_FRONTEND=noninteractive
 
 # Packages taken from bookworm-backports (NAME/bookworm-backports).
+# qemu-utils also brings qemu-storage-daemon (with libfuse3-3), which opens a
+# new rootfs disk's qcow2 for e2fsck, resize2fs and debugfs (e2fsprogs,
+# below) over a FUSE export; hearthd runs as root and mounts the export
+# itself, so fusermount3 (fuse3) is not needed (docs/images.md).
 BPO_PKGS=(qemu-system-x86 qemu-system-common qemu-system-data seabios qemu-utils)
 # Of those, the ones that must be at least this version (the QEMU 8+ line).
 BPO_MIN_VERSION="1:8.0"

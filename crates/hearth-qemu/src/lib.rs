@@ -19,6 +19,7 @@ pub mod programs;
 pub mod qmp;
 pub mod seam;
 pub mod stats;
+pub mod storage_daemon;
 pub mod tools;
 
 mod lines;

@@ -20,7 +20,8 @@ pub struct MissingTool {
 pub fn debian_package_for(name: &str) -> &str {
     match name {
         "qemu-system-x86_64" => "qemu-system-x86",
-        "qemu-img" | "qemu-nbd" | "qemu-io" => "qemu-utils",
+        "qemu-img" | "qemu-nbd" | "qemu-io" | "qemu-storage-daemon" => "qemu-utils",
+        "e2fsck" | "resize2fs" | "debugfs" | "mkfs.ext4" => "e2fsprogs",
         "qemu-ga" => "qemu-guest-agent",
         other => other,
     }

@@ -113,9 +113,28 @@ pub(super) async fn create(
                 .map_err(DiskError::ImageNotReady)?;
             // The image file is the overlay's backing file, opened read-only;
             // a larger size grows the disk.
+            let prepare =
+                super::prepare::needed(disk, &ready).map_err(|error| DiskError::Prepare {
+                    disk: name.to_string(),
+                    error,
+                })?;
             img::create_overlay(&new.path, &ready.path, &ready.format, size)
                 .await
                 .map_err(DiskError::Overlay)?;
+            if prepare {
+                // A rootfs grows with its disk, and gets its files, before
+                // the layer is recorded: a failure leaves no file, a crash
+                // an unrecorded one the start-up sweep removes.
+                if let Err(error) =
+                    super::prepare::prepare(ctx, disk, &new.id, &new.path, &ready).await
+                {
+                    let _ = std::fs::remove_file(&new.path);
+                    return Err(DiskError::Prepare {
+                        disk: name.to_string(),
+                        error,
+                    });
+                }
+            }
             base_image = Some(ready.path);
         }
     }

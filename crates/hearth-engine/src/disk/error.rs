@@ -49,6 +49,13 @@ pub enum DiskError {
     SnapshotLayer(#[source] img::ImgError),
     #[error("{}", .0.message())]
     ImageNotReady(crate::image::NotReady),
+    /// Growing a rootfs disk or writing its files failed.
+    #[error("VirtualDisk {disk:?}: {error}")]
+    Prepare {
+        disk: String,
+        #[source]
+        error: super::prepare::PrepareError,
+    },
     #[error("reading {}: {source}", path.display())]
     Reader {
         path: PathBuf,

@@ -16,6 +16,7 @@ mod create;
 mod error;
 mod files;
 mod plan;
+pub mod prepare;
 pub mod registry;
 mod resync;
 

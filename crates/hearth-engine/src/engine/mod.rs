@@ -183,6 +183,9 @@ impl Engine {
         for r in crate::vm::launches::settle_all(&engine.ctx).await {
             engine.ctx.ensure_live(&r).await;
         }
+        // Disk preparations a crash cut short: their storage daemons and
+        // FUSE mounts go first, so no layer file is held open for the sweep.
+        crate::disk::prepare::sweep(&engine.ctx.config.state_dir);
         match crate::snapshot::storage::sweep_orphans(
             &engine.ctx.store,
             &engine.ctx.config.state_dir,

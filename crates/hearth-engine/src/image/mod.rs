@@ -640,8 +640,12 @@ pub fn sweep(store: &Store, dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
 
 /// A Ready image, as a disk made from it needs it.
 pub struct ReadyImage {
+    pub name: String,
     pub path: PathBuf,
     pub format: String,
+    pub virtual_size: u64,
+    /// An OCI image's shape (`rootfs`, `containerDisk`), as its status says.
+    pub shape: Option<String>,
 }
 
 /// Why a disk cannot be made from its image now.
@@ -736,8 +740,11 @@ pub fn ready_for_disk(
                 virtual_size,
             }),
             _ => Ok(ReadyImage {
+                name: image.to_string(),
                 path: path.clone(),
                 format: format.clone(),
+                virtual_size,
+                shape: st.shape.clone(),
             }),
         },
         (ImagePhase::Failed, ..) => Err(NotReady::Waiting(format!(
