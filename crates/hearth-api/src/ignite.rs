@@ -121,10 +121,9 @@ pub fn normalize_reference(r: &str) -> String {
     };
     let mut name = match name.split_once('/') {
         Some((first, _)) if first.contains(['.', ':']) || first == "localhost" => {
-            let name = name.strip_prefix("index.docker.io/").map_or_else(
-                || name.to_string(),
-                |rest| format!("docker.io/{rest}"),
-            );
+            let name = name
+                .strip_prefix("index.docker.io/")
+                .map_or_else(|| name.to_string(), |rest| format!("docker.io/{rest}"));
             if let Some(rest) = name.strip_prefix("docker.io/")
                 && !rest.contains('/')
             {
@@ -288,7 +287,10 @@ pub fn translate(doc: &Value, label: &str) -> Result<Translation, FieldError> {
         Some(_) => return Err(err("spec.image.oci", "must be an image reference".into())),
     };
     for key in image.keys().filter(|k| *k != "oci") {
-        t.warn(&format!("spec.image.{key}"), "not a field of Ignite's image spec; ignored");
+        t.warn(
+            &format!("spec.image.{key}"),
+            "not a field of Ignite's image spec; ignored",
+        );
     }
     let image_name = format!("{name}-image");
     let mut objects = vec![image_object(
@@ -339,7 +341,10 @@ pub fn translate(doc: &Value, label: &str) -> Result<Translation, FieldError> {
         Some(_) => return Err(err("spec.kernel.cmdLine", "must be text".into())),
     }
     for key in kernel.keys().filter(|k| *k != "oci" && *k != "cmdLine") {
-        t.warn(&format!("spec.kernel.{key}"), "not a field of Ignite's kernel spec; ignored");
+        t.warn(
+            &format!("spec.kernel.{key}"),
+            "not a field of Ignite's kernel spec; ignored",
+        );
     }
     if spec.contains_key("sandbox") {
         t.warn(
@@ -359,34 +364,34 @@ pub fn translate(doc: &Value, label: &str) -> Result<Translation, FieldError> {
                 .as_u64()
                 .ok_or_else(|| err("spec.cpus", format!("{v} is not a whole number")))?;
             vm_fields.insert("spec.cpus", format!("spec.cpus {n}"));
-            if n == 0 {
-                DEFAULT_CPUS
-            } else {
-                n
-            }
+            if n == 0 { DEFAULT_CPUS } else { n }
         }
     };
-    let size_field = |field: &str, default: u64, notes: &mut BTreeMap<&str, String>, target: &'static str| {
-        match spec.get(field) {
-            None | Some(Value::Null) => {
-                notes.insert(target, format!("Ignite's default, {}", human(default)));
-                Ok(default)
+    let size_field =
+        |field: &str, default: u64, notes: &mut BTreeMap<&str, String>, target: &'static str| {
+            match spec.get(field) {
+                None | Some(Value::Null) => {
+                    notes.insert(target, format!("Ignite's default, {}", human(default)));
+                    Ok(default)
+                }
+                Some(Value::String(s)) => {
+                    let b = parse_size(s).map_err(|m| err(&format!("spec.{field}"), m))?;
+                    notes.insert(target, format!("spec.{field} {s:?}"));
+                    Ok(if b == 0 { default } else { b })
+                }
+                Some(v) => Err(err(
+                    &format!("spec.{field}"),
+                    format!("{v} is not a size; Ignite writes sizes as text, such as \"512MB\""),
+                )),
             }
-            Some(Value::String(s)) => {
-                let b = parse_size(s).map_err(|m| err(&format!("spec.{field}"), m))?;
-                notes.insert(target, format!("spec.{field} {s:?}"));
-                Ok(if b == 0 { default } else { b })
-            }
-            Some(v) => Err(err(
-                &format!("spec.{field}"),
-                format!("{v} is not a size; Ignite writes sizes as text, such as \"512MB\""),
-            )),
-        }
-    };
+        };
     let memory = size_field("memory", DEFAULT_MEMORY, &mut vm_fields, "spec.memory")?;
     let mut disk_fields = BTreeMap::new();
     let disk_size = size_field("diskSize", DEFAULT_DISK_SIZE, &mut disk_fields, "spec.size")?;
-    disk_fields.insert("spec.source.virtualImage", format!("spec.image.oci {image_ref:?}"));
+    disk_fields.insert(
+        "spec.source.virtualImage",
+        format!("spec.image.oci {image_ref:?}"),
+    );
 
     // copyFiles and ssh become files written into the root disk.
     let mut files = Vec::new();
@@ -448,7 +453,7 @@ pub fn translate(doc: &Value, label: &str) -> Result<Translation, FieldError> {
     if let Some(storage) = spec.get("storage").and_then(Value::as_object) {
         for key in ["volumes", "volumeMounts"] {
             if let Some(Value::Array(list)) = storage.get(key) {
-                for i in 0..list.len() {
+                for (i, _) in list.iter().enumerate() {
                     t.warn(
                         &format!("spec.storage.{key}[{i}]"),
                         "hearth attaches only its own VirtualDisks (qcow2 files it manages), not a host block device, and mounts nothing in the guest; not honoured",
@@ -456,8 +461,14 @@ pub fn translate(doc: &Value, label: &str) -> Result<Translation, FieldError> {
                 }
             }
         }
-        for key in storage.keys().filter(|k| *k != "volumes" && *k != "volumeMounts") {
-            t.warn(&format!("spec.storage.{key}"), "not a field of Ignite's storage spec; ignored");
+        for key in storage
+            .keys()
+            .filter(|k| *k != "volumes" && *k != "volumeMounts")
+        {
+            t.warn(
+                &format!("spec.storage.{key}"),
+                "not a field of Ignite's storage spec; ignored",
+            );
         }
     }
 
@@ -466,7 +477,10 @@ pub fn translate(doc: &Value, label: &str) -> Result<Translation, FieldError> {
     let mut ports = Vec::new();
     let network = field_map("spec.network", spec.get("network"))?;
     for key in network.keys().filter(|k| *k != "ports") {
-        t.warn(&format!("spec.network.{key}"), "not a field of Ignite's network spec; ignored");
+        t.warn(
+            &format!("spec.network.{key}"),
+            "not a field of Ignite's network spec; ignored",
+        );
     }
     match network.get("ports") {
         None | Some(Value::Null) => {}
@@ -483,10 +497,7 @@ pub fn translate(doc: &Value, label: &str) -> Result<Translation, FieldError> {
                     None | Some("tcp") => {}
                     Some("udp") => fwd["protocol"] = json!("UDP"),
                     Some(other) => {
-                        return Err(err(
-                            &f("protocol"),
-                            format!("{other:?} is not tcp or udp"),
-                        ));
+                        return Err(err(&f("protocol"), format!("{other:?} is not tcp or udp")));
                     }
                 }
                 match p.get("bindAddress").and_then(Value::as_str) {
@@ -541,14 +552,23 @@ pub fn translate(doc: &Value, label: &str) -> Result<Translation, FieldError> {
     objects.push(hearth_object(
         "VirtualNetwork",
         &net_name,
-        notes(name, &BTreeMap::from([("spec.mode", "spec.network (Ignite's CNI network is NAT)".to_string())])),
+        notes(
+            name,
+            &BTreeMap::from([(
+                "spec.mode",
+                "spec.network (Ignite's CNI network is NAT)".to_string(),
+            )]),
+        ),
         json!({"mode": "NAT"}),
     ));
 
     let mut vm_annotations = notes(name, &vm_fields);
     vm_annotations.extend(vm_notes);
     for w in &t.warnings {
-        vm_annotations.insert(format!("{ANNOTATION_WARNING}{}", w.field), w.message.clone());
+        vm_annotations.insert(
+            format!("{ANNOTATION_WARNING}{}", w.field),
+            w.message.clone(),
+        );
     }
     objects.push(hearth_object(
         "VirtualMachine",
@@ -621,7 +641,12 @@ fn image_object(name: &str, vm: &str, reference: &str, field: &str) -> Value {
     )
 }
 
-fn hearth_object(kind: &str, name: &str, annotations: BTreeMap<String, String>, spec: Value) -> Value {
+fn hearth_object(
+    kind: &str,
+    name: &str,
+    annotations: BTreeMap<String, String>,
+    spec: Value,
+) -> Value {
     json!({
         "apiVersion": API_VERSION,
         "kind": kind,

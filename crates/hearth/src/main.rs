@@ -18,8 +18,8 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
 use crate::commands::{
-    action, apply, completion, console, convert, cp, delete, describe, events, exec, export, get, logs,
-    manpages, restore, run, snapshot, ssh, wait,
+    action, apply, completion, console, convert, cp, delete, describe, events, exec, export, get,
+    logs, manpages, restore, run, snapshot, ssh, wait,
 };
 
 #[derive(Debug, Parser)]

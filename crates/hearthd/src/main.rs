@@ -139,15 +139,30 @@ struct Args {
     /// HOST[:PORT]=FILE: trust this PEM file of CA certificates for that
     /// registry, for images that name no caFile (an Ignite manifest names
     /// only its reference). Repeat for several registries.
-    #[arg(long = "registry-ca", env = "HEARTH_REGISTRY_CA", value_delimiter = ',', value_name = "HOST=FILE")]
+    #[arg(
+        long = "registry-ca",
+        env = "HEARTH_REGISTRY_CA",
+        value_delimiter = ',',
+        value_name = "HOST=FILE"
+    )]
     registry_ca: Vec<String>,
     /// HOST[:PORT]=FILE: the credentials file ({"username": .., "password":
     /// ..}) for that registry, for images that name no credentialsFile.
-    #[arg(long = "registry-credentials", env = "HEARTH_REGISTRY_CREDENTIALS", value_delimiter = ',', value_name = "HOST=FILE")]
+    #[arg(
+        long = "registry-credentials",
+        env = "HEARTH_REGISTRY_CREDENTIALS",
+        value_delimiter = ',',
+        value_name = "HOST=FILE"
+    )]
     registry_credentials: Vec<String>,
     /// HOST[:PORT]: reach that registry over plain http, as if every image
     /// from it said `insecure: true`. Repeat for several.
-    #[arg(long = "registry-insecure", env = "HEARTH_REGISTRY_INSECURE", value_delimiter = ',', value_name = "HOST")]
+    #[arg(
+        long = "registry-insecure",
+        env = "HEARTH_REGISTRY_INSECURE",
+        value_delimiter = ',',
+        value_name = "HOST"
+    )]
     registry_insecure: Vec<String>,
     // ---- metrics (see docs/metrics.md) ----
     /// Also serve Prometheus metrics (`GET /metrics`, nothing else) over TCP

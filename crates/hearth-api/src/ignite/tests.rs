@@ -63,7 +63,10 @@ fn my_vm_from_ignites_docs() {
     assert_eq!(img.shape, Some(crate::OciShape::Rootfs));
     let d = disk(&objs);
     assert_eq!(d.spec.size.as_ref().map(|q| q.bytes()), Some(3 << 30));
-    assert_eq!(d.spec.source, DiskSource::VirtualImage("my-vm-image".into()));
+    assert_eq!(
+        d.spec.source,
+        DiskSource::VirtualImage("my-vm-image".into())
+    );
     assert!(d.spec.files.is_empty());
     let v = vm(&objs);
     assert_eq!(v.spec.cpus, 2);
@@ -78,7 +81,10 @@ fn my_vm_from_ignites_docs() {
     let w = warnings_of(&v.metadata.annotations);
     assert_eq!(w.len(), 1, "{w:?}");
     assert_eq!(w[0].0, "spec.ssh");
-    assert_eq!(v.metadata.annotations["ignite.hearth.dev/uid"], "599615df99804ae8");
+    assert_eq!(
+        v.metadata.annotations["ignite.hearth.dev/uid"],
+        "599615df99804ae8"
+    );
     assert_eq!(v.metadata.annotations[ANNOTATION_VM], "my-vm");
     assert_eq!(
         v.metadata.annotations["ignite.hearth.dev/spec.memory"],
@@ -195,8 +201,9 @@ status:
 
 #[test]
 fn every_field() {
-    let objs = crate::parse_documents_in(EVERY_FIELD, "t.yaml", Some(std::path::Path::new("/srv/m")))
-        .unwrap_or_else(|e| panic!("{e}"));
+    let objs =
+        crate::parse_documents_in(EVERY_FIELD, "t.yaml", Some(std::path::Path::new("/srv/m")))
+            .unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(objs.len(), 5, "{:?}", names(&objs));
     assert_eq!(
         image(&objs, "full-image").reference.as_deref(),
@@ -223,7 +230,10 @@ fn every_field() {
     let d = disk(&objs);
     assert_eq!(d.spec.size.as_ref().unwrap().bytes(), 6 << 30);
     assert_eq!(d.spec.files.len(), 2);
-    assert_eq!(d.spec.files[0].path.to_str(), Some("/home/user/.kube/config"));
+    assert_eq!(
+        d.spec.files[0].path.to_str(),
+        Some("/home/user/.kube/config")
+    );
     assert_eq!(
         d.spec.files[0].source.as_deref().and_then(|p| p.to_str()),
         Some("/etc/kubernetes/admin.conf")
@@ -286,7 +296,15 @@ fn sizes_as_ignite_reads_them() {
     ] {
         assert_eq!(parse_size(text), Ok(bytes), "{text}");
     }
-    for bad in ["", "MB", "1.5GB", "1Mb", "1GiB", " 1GB", "99999999999999999999"] {
+    for bad in [
+        "",
+        "MB",
+        "1.5GB",
+        "1Mb",
+        "1GiB",
+        " 1GB",
+        "99999999999999999999",
+    ] {
         assert!(parse_size(bad).is_err(), "{bad}");
     }
     let e = parse_documents(
@@ -310,11 +328,20 @@ fn sizes_as_ignite_reads_them() {
 fn references_as_docker_reads_them() {
     for (given, want) in [
         ("ubuntu", "docker.io/library/ubuntu:latest"),
-        ("weaveworks/ignite-ubuntu", "docker.io/weaveworks/ignite-ubuntu:latest"),
-        ("weaveworks/ignite-kernel:5.10.51", "docker.io/weaveworks/ignite-kernel:5.10.51"),
+        (
+            "weaveworks/ignite-ubuntu",
+            "docker.io/weaveworks/ignite-ubuntu:latest",
+        ),
+        (
+            "weaveworks/ignite-kernel:5.10.51",
+            "docker.io/weaveworks/ignite-kernel:5.10.51",
+        ),
         ("docker.io/ubuntu:22.04", "docker.io/library/ubuntu:22.04"),
         ("index.docker.io/a/b", "docker.io/a/b:latest"),
-        ("127.0.0.1:5000/vm/rootfs", "127.0.0.1:5000/vm/rootfs:latest"),
+        (
+            "127.0.0.1:5000/vm/rootfs",
+            "127.0.0.1:5000/vm/rootfs:latest",
+        ),
         ("localhost/x:1", "localhost/x:1"),
         ("quay.io/a/b:c", "quay.io/a/b:c"),
         (
@@ -344,15 +371,15 @@ fn ignite_and_hearth_documents_mix_in_one_file() {
     assert_eq!(objects(&text).len(), 5);
     // Two Ignite VMs of one name declare the same objects twice.
     let twice = format!("{MY_VM}---\n{MY_VM}");
-    let e = crate::manifest::parse_manifest(twice.as_bytes(), std::path::Path::new("/m"))
-        .unwrap_err();
+    let e =
+        crate::manifest::parse_manifest(twice.as_bytes(), std::path::Path::new("/m")).unwrap_err();
     assert!(e.message.contains("declared twice"), "{e}");
 }
 
 #[test]
 fn the_manifest_directory_locates_an_ignite_error() {
     let text = "apiVersion: ignite.weave.works/v1alpha4\nkind: VM\nmetadata:\n  name: loc\nspec:\n  image:\n    oci: a/b\n  memory: lots\n";
-    let e = crate::manifest::parse_manifest(text.as_bytes(), std::path::Path::new("/m"))
-        .unwrap_err();
+    let e =
+        crate::manifest::parse_manifest(text.as_bytes(), std::path::Path::new("/m")).unwrap_err();
     assert_eq!(e.location.map(|l| l.0), Some(8), "{e}");
 }

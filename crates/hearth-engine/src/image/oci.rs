@@ -243,7 +243,11 @@ async fn read_image(
     if let Some(reference) = &src.reference {
         // The daemon's own trust for this host, where the image says nothing.
         let trust = cfg.registry_trust(reference);
-        let credentials = match src.credentials_file.as_ref().or(trust.credentials_file.as_ref()) {
+        let credentials = match src
+            .credentials_file
+            .as_ref()
+            .or(trust.credentials_file.as_ref())
+        {
             Some(p) => Some(read_credentials(p)?),
             None => None,
         };

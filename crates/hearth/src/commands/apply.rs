@@ -102,7 +102,10 @@ pub async fn run_with(
     // said here, as well as kept on the object (docs/ignite.md).
     for l in &loaded {
         for (vm, field, message) in super::convert::warnings(std::slice::from_ref(&l.object)) {
-            eprintln!("warning: {}: Ignite VM {vm:?}: {field}: {message}", l.origin);
+            eprintln!(
+                "warning: {}: Ignite VM {vm:?}: {field}: {message}",
+                l.origin
+            );
         }
     }
     let items = loaded

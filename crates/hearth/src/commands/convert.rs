@@ -52,7 +52,10 @@ pub fn run(args: &Args) -> anyhow::Result<()> {
     let objects = manifest::parse(&text, &origin, &base)?;
     let mut err = std::io::stderr();
     for (vm, field, message) in warnings(&objects) {
-        writeln!(err, "warning: {origin}: Ignite VM {vm:?}: {field}: {message}")?;
+        writeln!(
+            err,
+            "warning: {origin}: Ignite VM {vm:?}: {field}: {message}"
+        )?;
     }
     let mut out = std::io::stdout().lock();
     out.write_all(render(&objects, &origin)?.as_bytes())?;

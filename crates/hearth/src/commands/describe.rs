@@ -109,7 +109,10 @@ pub fn render(
     {
         out.push_str("Annotations:\n");
         for (k, v) in notes {
-            out.push_str(&format!("  {k}: {}\n", v.as_str().map_or_else(|| v.to_string(), str::to_string)));
+            out.push_str(&format!(
+                "  {k}: {}\n",
+                v.as_str().map_or_else(|| v.to_string(), str::to_string)
+            ));
         }
     }
     if kind == Kind::VirtualMachine {

@@ -167,9 +167,7 @@ pub fn plan(
     kernel_name: Option<&str>,
     public_key: Option<&str>,
 ) -> anyhow::Result<Vec<Value>> {
-    let obj = |kind: Kind, n: &str, spec: Value| {
-        json!({"apiVersion": API_VERSION, "kind": kind.as_str(), "metadata": {"name": n}, "spec": spec})
-    };
+    let obj = |kind: Kind, n: &str, spec: Value| json!({"apiVersion": API_VERSION, "kind": kind.as_str(), "metadata": {"name": n}, "spec": spec});
     let oci = |r: &str| json!({"source": {"oci": {"reference": normalize_reference(r), "shape": "rootfs"}}});
     let mut out = Vec::new();
     let image = match image_name {
@@ -231,7 +229,8 @@ pub fn plan(
     ));
     // Checked here as hearthd will, so a mistake is named before anything is sent.
     for o in &out {
-        hearth_api::object_from_value(o.clone(), "hearth run").map_err(|e| anyhow::anyhow!("{e}"))?;
+        hearth_api::object_from_value(o.clone(), "hearth run")
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
     }
     Ok(out)
 }
@@ -240,8 +239,9 @@ pub fn plan(
 pub fn key_path(name: &str) -> anyhow::Result<PathBuf> {
     let base = match std::env::var_os("XDG_DATA_HOME") {
         Some(d) if !d.is_empty() => PathBuf::from(d),
-        _ => PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?)
-            .join(".local/share"),
+        _ => {
+            PathBuf::from(std::env::var_os("HOME").context("HOME is not set")?).join(".local/share")
+        }
     };
     Ok(base.join("hearth/ssh").join(format!("id_{name}")))
 }
@@ -322,7 +322,14 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
         goal: Goal::Condition(WaitFor::Agent),
     });
     let mut reporter = progress::for_this_process();
-    watch(client, targets, args.timeout, Follow::Stream, reporter.as_mut()).await?;
+    watch(
+        client,
+        targets,
+        args.timeout,
+        Follow::Stream,
+        reporter.as_mut(),
+    )
+    .await?;
     println!("VirtualMachine {name:?} is running, its guest agent answers.");
     match key_file {
         Some(k) => println!("Log in:  hearth ssh {name} -l root -i {}", k.display()),
@@ -357,16 +364,39 @@ mod tests {
 
     #[test]
     fn ignites_own_command_line_parses() {
-        let a = parse(&["weaveworks/ignite-ubuntu", "--cpus", "2", "--memory", "1GB", "--ssh"])
-            .unwrap();
+        let a = parse(&[
+            "weaveworks/ignite-ubuntu",
+            "--cpus",
+            "2",
+            "--memory",
+            "1GB",
+            "--ssh",
+        ])
+        .unwrap();
         assert_eq!(a.cpus, 2);
         assert_eq!(a.memory, 1 << 30);
         assert_eq!(a.size, 4 << 30);
         assert_eq!(a.ssh.as_deref(), Some(""));
-        let a = parse(&["img", "--ssh=/k.pub", "-p", "8080:80", "-p", "127.0.0.1:53:53/udp",
-            "--copy-file", "a.conf:/etc/a.conf", "--size", "8Gi", "--name", "web"]).unwrap();
+        let a = parse(&[
+            "img",
+            "--ssh=/k.pub",
+            "-p",
+            "8080:80",
+            "-p",
+            "127.0.0.1:53:53/udp",
+            "--copy-file",
+            "a.conf:/etc/a.conf",
+            "--size",
+            "8Gi",
+            "--name",
+            "web",
+        ])
+        .unwrap();
         assert_eq!(a.ssh.as_deref(), Some("/k.pub"));
-        assert_eq!(a.ports[0], json!({"hostPort": 8080, "guestPort": 80, "protocol": "TCP"}));
+        assert_eq!(
+            a.ports[0],
+            json!({"hostPort": 8080, "guestPort": 80, "protocol": "TCP"})
+        );
         assert_eq!(a.ports[1]["hostAddress"], "127.0.0.1");
         assert_eq!(a.ports[1]["protocol"], "UDP");
         assert_eq!(a.copy_files[0].1, PathBuf::from("/etc/a.conf"));
@@ -380,21 +410,46 @@ mod tests {
 
     #[test]
     fn names_come_from_the_repository() {
-        assert_eq!(name_from_image("docker.io/weaveworks/ignite-ubuntu:latest"), "ignite-ubuntu");
+        assert_eq!(
+            name_from_image("docker.io/weaveworks/ignite-ubuntu:latest"),
+            "ignite-ubuntu"
+        );
         assert_eq!(name_from_image("127.0.0.1:5000/vm/Deb_ian:12"), "deb-ian");
         assert_eq!(name_from_image("a/b@sha256:00"), "b");
     }
 
     #[test]
     fn the_plan_is_ordinary_objects() {
-        let a = parse(&["weaveworks/ignite-ubuntu", "--kernel-image", "k/kern:1", "-p", "2222:22"]).unwrap();
+        let a = parse(&[
+            "weaveworks/ignite-ubuntu",
+            "--kernel-image",
+            "k/kern:1",
+            "-p",
+            "2222:22",
+        ])
+        .unwrap();
         let objs = plan(&a, "u", None, None, Some("ssh-ed25519 AAAA u")).unwrap();
         let kinds: Vec<&str> = objs.iter().map(|o| o["kind"].as_str().unwrap()).collect();
-        assert_eq!(kinds, ["VirtualImage", "VirtualImage", "VirtualDisk", "VirtualNetwork", "VirtualMachine"]);
-        assert_eq!(objs[0]["spec"]["source"]["oci"]["reference"], "docker.io/weaveworks/ignite-ubuntu:latest");
+        assert_eq!(
+            kinds,
+            [
+                "VirtualImage",
+                "VirtualImage",
+                "VirtualDisk",
+                "VirtualNetwork",
+                "VirtualMachine"
+            ]
+        );
+        assert_eq!(
+            objs[0]["spec"]["source"]["oci"]["reference"],
+            "docker.io/weaveworks/ignite-ubuntu:latest"
+        );
         assert_eq!(objs[2]["spec"]["files"][0]["path"], AUTHORIZED_KEYS);
         assert_eq!(objs[2]["spec"]["files"][0]["mode"], "0600");
-        assert_eq!(objs[2]["spec"]["files"][0]["content"], "ssh-ed25519 AAAA u\n");
+        assert_eq!(
+            objs[2]["spec"]["files"][0]["content"],
+            "ssh-ed25519 AAAA u\n"
+        );
         assert_eq!(objs[4]["spec"]["boot"]["kernelImage"], "u-kernel");
         assert_eq!(objs[4]["spec"]["memory"], "512Mi");
         // A Ready image of the same reference is reused, not pulled again.
