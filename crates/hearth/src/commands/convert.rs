@@ -11,6 +11,23 @@ use hearth_api::ignite::{ANNOTATION_VM, warnings_of};
 
 use crate::manifest;
 
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_yaml_reads_back_as_the_same_objects() {
+        let text = include_str!("../../../hearth-api/src/ignite/fixtures/my-vm.yaml");
+        let objs = hearth_api::parse_documents(text, "my-vm.yaml").unwrap();
+        let yaml = super::render(&objs, "my-vm.yaml").unwrap();
+        assert!(!yaml.contains('!'), "{yaml}");
+        let back = hearth_api::parse_documents(&yaml, "converted").unwrap();
+        assert_eq!(back, objs);
+        let w = super::warnings(&objs);
+        assert_eq!(w.len(), 1);
+        assert_eq!((w[0].0.as_str(), w[0].1.as_str()), ("my-vm", "spec.ssh"));
+        assert!(super::render(&[], "x").is_err());
+    }
+}
+
 #[derive(Debug, clap::Args)]
 #[command(
     about = "Print the hearth objects another tool's manifest becomes",
@@ -88,7 +105,9 @@ pub fn render(objects: &[Object], origin: &str) -> anyhow::Result<String> {
     let mut text = format!("# hearth objects from the Ignite manifest {origin}\n");
     for o in objects {
         text.push_str("---\n");
-        text.push_str(&serde_yaml_ng::to_string(o)?);
+        // Through JSON: hearth's YAML is plain mappings, never YAML tags
+        // (which serde_yaml gives enums written directly).
+        text.push_str(&serde_yaml_ng::to_string(&serde_json::to_value(o)?)?);
     }
     Ok(text)
 }
