@@ -611,7 +611,7 @@ fn text_of(v: &Value) -> String {
 
 /// `512MB` for 512 MiB: how Ignite prints a size.
 fn human(bytes: u64) -> String {
-    if bytes % (1 << 30) == 0 {
+    if bytes.is_multiple_of(1 << 30) {
         format!("{}GB", bytes >> 30)
     } else {
         format!("{}MB", bytes >> 20)
