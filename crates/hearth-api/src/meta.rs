@@ -1,5 +1,7 @@
 //! Metadata, conditions and events shared by every kind.
 
+use std::collections::BTreeMap;
+
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 
@@ -20,6 +22,11 @@ pub struct ObjectMeta {
     /// Set by hearthd; ignored on input.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub managed_by: Option<String>,
+    /// Free-form notes kept with the object and shown by `hearth describe`;
+    /// an object translated from another tool's manifest (docs/ignite.md)
+    /// records here which field made it and what could not be honoured.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
 }
 
 fn is_zero(v: &u64) -> bool {

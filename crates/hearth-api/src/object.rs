@@ -881,6 +881,23 @@ pub fn raw_documents(text: &str, origin: &str) -> Result<Vec<RawDocument>, Parse
                     });
                 }
             }
+            // An Ignite VM is several hearth objects (docs/ignite.md).
+            ref other if crate::ignite::is_ignite(other) => {
+                let label = format!("document {doc_index}");
+                let t = crate::ignite::translate(other, &label).map_err(|error| {
+                    ParseError::Invalid {
+                        origin: origin.to_string(),
+                        error,
+                    }
+                })?;
+                for value in t.objects {
+                    out.push(RawDocument {
+                        document: i,
+                        label: label.clone(),
+                        value,
+                    });
+                }
+            }
             other => out.push(RawDocument {
                 document: i,
                 label: format!("document {doc_index}"),

@@ -82,6 +82,31 @@ pub struct ImageImportConfig {
     pub retry_base: Duration,
     /// The longest delay between two attempts.
     pub retry_max: Duration,
+    /// Trust per registry host (`HOST[:PORT]`), for images whose manifest
+    /// says nothing of it: an Ignite manifest, used as it is, names only
+    /// the reference. The image's own `caFile`, `credentialsFile` and
+    /// `insecure` come first.
+    pub registries: std::collections::BTreeMap<String, RegistryTrust>,
+}
+
+/// What hearthd itself knows of one registry host (hearthd's
+/// `--registry-ca`, `--registry-credentials`, `--registry-insecure`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RegistryTrust {
+    /// A PEM file of CA certificates the registry's certificate chains to.
+    pub ca_file: Option<PathBuf>,
+    /// A JSON file `{"username": .., "password": ..}`.
+    pub credentials_file: Option<PathBuf>,
+    /// Plain http to this host.
+    pub insecure: bool,
+}
+
+impl ImageImportConfig {
+    /// The daemon's trust for the registry of `reference` (`HOST/REPO:TAG`).
+    pub fn registry_trust(&self, reference: &str) -> RegistryTrust {
+        let host = reference.split('/').next().unwrap_or_default();
+        self.registries.get(host).cloned().unwrap_or_default()
+    }
 }
 
 impl Default for ImageImportConfig {
@@ -93,6 +118,7 @@ impl Default for ImageImportConfig {
             free_space_reserve: DEFAULT_FREE_SPACE_RESERVE,
             retry_base: Duration::from_secs(2),
             retry_max: Duration::from_secs(300),
+            registries: Default::default(),
         }
     }
 }

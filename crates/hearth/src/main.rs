@@ -18,8 +18,8 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
 use crate::commands::{
-    action, apply, completion, console, cp, delete, describe, events, exec, export, get, logs,
-    manpages, restore, snapshot, ssh, wait,
+    action, apply, completion, console, convert, cp, delete, describe, events, exec, export, get,
+    logs, manpages, restore, run, snapshot, ssh, wait,
 };
 
 #[derive(Debug, Parser)]
@@ -79,6 +79,8 @@ enum Command {
     Exec(exec::Args),
     Cp(cp::Args),
     Export(export::Args),
+    Run(run::Args),
+    Convert(convert::Args),
     Completion(completion::Args),
 }
 
@@ -102,6 +104,8 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Exec(a) => exec::run(&client, a).await,
         Command::Cp(a) => cp::run(&client, a).await,
         Command::Export(a) => export::run(&client, a).await,
+        Command::Run(a) => run::run(&client, a).await,
+        Command::Convert(a) => convert::run(a),
         Command::Completion(a) => completion::run(a),
     }
 }

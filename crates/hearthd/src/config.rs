@@ -69,6 +69,12 @@ pub struct FileConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_retry_max_seconds: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub registry_ca: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub registry_credentials: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub registry_insecure: Option<Vec<String>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_listen: Option<SocketAddr>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_allow_remote: Option<bool>,
@@ -161,6 +167,9 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         image_max_bytes,
         image_free_space_reserve,
         image_retry_max_seconds,
+        registry_ca,
+        registry_credentials,
+        registry_insecure,
         metrics_listen,
         metrics_allow_remote,
         log_format,
@@ -186,7 +195,8 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         state_dir, run_dir, image_roots, qemu_user, accel, resync_seconds, max_external_programs, manifests,
         manifests_resync_seconds, manifests_delete_grace_ms, compaction_bytes_per_second,
         dns_resolv_file, ovmf_code, ovmf_vars, image_connect_timeout_seconds, image_read_timeout_seconds, image_max_bytes,
-        image_free_space_reserve, image_retry_max_seconds, metrics_allow_remote, log_format,
+        image_free_space_reserve, image_retry_max_seconds, registry_ca, registry_credentials,
+        registry_insecure, metrics_allow_remote, log_format,
         api_max_connections, metrics_max_connections, http_header_timeout_seconds,
         forward_max_connections, forward_max_connections_total, forward_connect_timeout_seconds,
         forward_idle_timeout_seconds;
@@ -219,6 +229,11 @@ pub fn to_file(args: &Args) -> FileConfig {
         image_max_bytes: Some(args.image_max_bytes.clone()),
         image_free_space_reserve: Some(args.image_free_space_reserve.clone()),
         image_retry_max_seconds: Some(args.image_retry_max_seconds),
+        registry_ca: (!args.registry_ca.is_empty()).then(|| args.registry_ca.clone()),
+        registry_credentials: (!args.registry_credentials.is_empty())
+            .then(|| args.registry_credentials.clone()),
+        registry_insecure: (!args.registry_insecure.is_empty())
+            .then(|| args.registry_insecure.clone()),
         metrics_listen: args.metrics_listen,
         metrics_allow_remote: Some(args.metrics_allow_remote),
         log_format: Some(args.log_format),
@@ -251,6 +266,13 @@ pub fn render(args: &Args) -> anyhow::Result<String> {
             "metrics-listen",
             "no TCP listener",
         ),
+        (file.registry_ca.is_none(), "registry-ca", "[]"),
+        (
+            file.registry_credentials.is_none(),
+            "registry-credentials",
+            "[]",
+        ),
+        (file.registry_insecure.is_none(), "registry-insecure", "[]"),
     ] {
         if unset {
             out.push_str(&format!("# {key}: unset ({default})\n"));

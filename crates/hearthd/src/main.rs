@@ -136,6 +136,34 @@ struct Args {
     /// this caps that delay, in seconds.
     #[arg(long, env = "HEARTH_IMAGE_RETRY_MAX_SECONDS", default_value_t = 300)]
     image_retry_max_seconds: u64,
+    /// HOST[:PORT]=FILE: trust this PEM file of CA certificates for that
+    /// registry, for images that name no caFile (an Ignite manifest names
+    /// only its reference). Repeat for several registries.
+    #[arg(
+        long = "registry-ca",
+        env = "HEARTH_REGISTRY_CA",
+        value_delimiter = ',',
+        value_name = "HOST=FILE"
+    )]
+    registry_ca: Vec<String>,
+    /// HOST[:PORT]=FILE: the credentials file ({"username": .., "password":
+    /// ..}) for that registry, for images that name no credentialsFile.
+    #[arg(
+        long = "registry-credentials",
+        env = "HEARTH_REGISTRY_CREDENTIALS",
+        value_delimiter = ',',
+        value_name = "HOST=FILE"
+    )]
+    registry_credentials: Vec<String>,
+    /// HOST[:PORT]: reach that registry over plain http, as if every image
+    /// from it said `insecure: true`. Repeat for several.
+    #[arg(
+        long = "registry-insecure",
+        env = "HEARTH_REGISTRY_INSECURE",
+        value_delimiter = ',',
+        value_name = "HOST"
+    )]
+    registry_insecure: Vec<String>,
     // ---- metrics (see docs/metrics.md) ----
     /// Also serve Prometheus metrics (`GET /metrics`, nothing else) over TCP
     /// on ADDR:PORT, e.g. 127.0.0.1:9464 (port 0: any free port, logged).
@@ -312,6 +340,7 @@ async fn main() -> anyhow::Result<()> {
                 .map_err(|e| anyhow::anyhow!("--image-free-space-reserve: {e}"))?
                 .bytes(),
             retry_max: Duration::from_secs(args.image_retry_max_seconds.max(1)),
+            registries: registry_trust(&args)?,
             ..Default::default()
         },
         forwards: hearth_engine::network::host::loopback::ForwardLimits {
@@ -512,4 +541,35 @@ async fn shutdown_signal() {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
     }
+}
+
+/// `--registry-ca`, `--registry-credentials`, `--registry-insecure` by host.
+fn registry_trust(
+    args: &Args,
+) -> anyhow::Result<std::collections::BTreeMap<String, hearth_engine::config::RegistryTrust>> {
+    let mut out: std::collections::BTreeMap<String, hearth_engine::config::RegistryTrust> =
+        Default::default();
+    let pair = |flag: &str, v: &str| -> anyhow::Result<(String, PathBuf)> {
+        match v.split_once('=') {
+            Some((host, file)) if !host.is_empty() && file.starts_with('/') => {
+                Ok((host.to_string(), PathBuf::from(file)))
+            }
+            _ => anyhow::bail!("--{flag}: {v:?} is not HOST[:PORT]=/absolute/file"),
+        }
+    };
+    for v in &args.registry_ca {
+        let (host, file) = pair("registry-ca", v)?;
+        out.entry(host).or_default().ca_file = Some(file);
+    }
+    for v in &args.registry_credentials {
+        let (host, file) = pair("registry-credentials", v)?;
+        out.entry(host).or_default().credentials_file = Some(file);
+    }
+    for host in &args.registry_insecure {
+        if host.is_empty() || host.contains('/') {
+            anyhow::bail!("--registry-insecure: {host:?} is not HOST[:PORT]");
+        }
+        out.entry(host.clone()).or_default().insecure = true;
+    }
+    Ok(out)
 }

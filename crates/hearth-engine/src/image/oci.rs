@@ -427,14 +427,20 @@ async fn read_image(
 ) -> Result<Image, Failure> {
     let cfg = &ctx.config.images;
     if let Some(reference) = &src.reference {
-        let credentials = match &src.credentials_file {
+        // The daemon's own trust for this host, where the image says nothing.
+        let trust = cfg.registry_trust(reference);
+        let credentials = match src
+            .credentials_file
+            .as_ref()
+            .or(trust.credentials_file.as_ref())
+        {
             Some(p) => Some(read_credentials(p)?),
             None => None,
         };
         let options = Options {
-            ca_file: src.ca_file.clone(),
+            ca_file: src.ca_file.clone().or(trust.ca_file),
             credentials,
-            insecure: src.insecure,
+            insecure: src.insecure || trust.insecure,
             timeout: Some(cfg.read_timeout),
         };
         let registry = Registry::new(reference, &options).map_err(|e| failure(src, e))?;

@@ -274,6 +274,9 @@ impl ManifestSource {
                     Ok(outcomes) => {
                         for o in outcomes {
                             tracing::info!(kind = o.kind.as_str(), name = o.name, action = ?o.action, file = %file.display(), "applied from the manifest directory");
+                            if o.action != crate::engine::ApplyAction::Unchanged {
+                                self.warn_not_honoured(file, decls, o.kind, &o.name);
+                            }
                         }
                         Outcome::Done
                     }
@@ -297,6 +300,26 @@ impl ManifestSource {
                 self.report(key, problem.as_ref());
                 Outcome::Done
             }
+        }
+    }
+
+    /// A field of another tool's manifest that hearth does not honour
+    /// (docs/ignite.md) is a warning event each time the object is written.
+    fn warn_not_honoured(&self, file: &Path, decls: &[super::core::Decl], kind: Kind, name: &str) {
+        let Some(d) = decls
+            .iter()
+            .find(|d| d.object.kind() == kind && d.object.name() == name)
+        else {
+            return;
+        };
+        for (field, message) in hearth_api::ignite::warnings_of(&d.object.metadata().annotations) {
+            self.engine.ctx().event(
+                kind,
+                name,
+                EventType::Warning,
+                "FieldNotHonoured",
+                &format!("{}: {field}: {message}", file.display()),
+            );
         }
     }
 

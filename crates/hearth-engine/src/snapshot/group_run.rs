@@ -137,6 +137,7 @@ pub async fn reconcile_group(ctx: &Arc<Context>, name: &str) -> Result<Action, R
                         creation_timestamp: Some(chrono::Utc::now()),
                         generation: 1,
                         managed_by: Some(format!("{MANAGED_BY_PREFIX}{name}")),
+                        ..ObjectMeta::default()
                     },
                     spec: VirtualMachineSnapshotSpec {
                         virtual_machine_name: vm_name.clone(),

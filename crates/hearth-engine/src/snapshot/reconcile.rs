@@ -211,6 +211,7 @@ pub async fn reconcile_vm_snapshot(
                         creation_timestamp: Some(chrono::Utc::now()),
                         generation: 1,
                         managed_by: Some(format!("VirtualMachineSnapshot/{name}")),
+                        ..ObjectMeta::default()
                     },
                     spec: VirtualDiskSnapshotSpec {
                         virtual_disk_name: d.virtual_disk_name.clone(),

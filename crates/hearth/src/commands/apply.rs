@@ -98,6 +98,16 @@ pub async fn run_with(
     if loaded.is_empty() {
         bail!("no objects to apply: the manifests hold no documents");
     }
+    // A field of another tool's manifest that hearth does not honour is
+    // said here, as well as kept on the object (docs/ignite.md).
+    for l in &loaded {
+        for (vm, field, message) in super::convert::warnings(std::slice::from_ref(&l.object)) {
+            eprintln!(
+                "warning: {}: Ignite VM {vm:?}: {field}: {message}",
+                l.origin
+            );
+        }
+    }
     let items = loaded
         .into_iter()
         .map(|mut l| {

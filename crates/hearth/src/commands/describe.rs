@@ -102,6 +102,19 @@ pub fn render(
         "Generation",
         cell(at(obj, &["metadata", "generation"])),
     );
+    // Notes such as which field of an Ignite manifest made which field
+    // here, and what it could not honour (docs/ignite.md).
+    if let Some(Value::Object(notes)) = at(obj, &["metadata", "annotations"])
+        && !notes.is_empty()
+    {
+        out.push_str("Annotations:\n");
+        for (k, v) in notes {
+            out.push_str(&format!(
+                "  {k}: {}\n",
+                v.as_str().map_or_else(|| v.to_string(), str::to_string)
+            ));
+        }
+    }
     if kind == Kind::VirtualMachine {
         line(&mut out, "Firmware", super::get::firmware_of(obj));
         line(&mut out, "Cloud-init", cloud_init_summary(obj));
