@@ -118,9 +118,11 @@ fn main() {
         for (n, slot) in disks.iter_mut().enumerate() {
             let name = format!("disk-{n}");
             let t = Instant::now();
-            d.apply(vec![json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
+            d.apply(vec![
+                json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualDisk",
                 "metadata": {"name": name},
-                "spec": {"source": {"virtualImage": "rootfs"}}})]);
+                "spec": {"source": {"virtualImage": "rootfs"}}}),
+            ]);
             d.wait_object("virtualdisks", &name, "phase Ready", READY, |v| {
                 v["status"]["phase"] == "Ready"
             });
@@ -253,12 +255,7 @@ fn debian_layer(qcow2: &Path, scratch: &Path, layout: &Path) -> u64 {
     std::fs::create_dir_all(&mnt).expect("mountpoint");
     tool(
         "mount",
-        &[
-            "-o",
-            &format!("loop,ro,offset={offset}"),
-            s(&raw),
-            s(&mnt),
-        ],
+        &["-o", &format!("loop,ro,offset={offset}"), s(&raw), s(&mnt)],
     );
     let tar = scratch.join("debian.tar");
     let made = Command::new("tar")

@@ -71,7 +71,10 @@ fn an_ignite_manifest_in_the_manifest_directory_makes_hearths_objects() {
         "{host}={}",
         s(&registry.credentials_file(TestRegistry::PASSWORD))
     );
-    let d = Daemon::start_without_guest(
+    // The translated VM has a NAT network: hearthd runs in a namespace of
+    // its own, and reaches the registry on the host's loopback through a
+    // relay at the same address inside it.
+    let d = Daemon::start_in_netns(
         &[src.path()],
         &[
             "--manifests",
@@ -84,6 +87,13 @@ fn an_ignite_manifest_in_the_manifest_directory_makes_hearths_objects() {
             "2",
         ],
     );
+
+    let port: u16 = host
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("the registry's port");
+    d.netns.as_ref().expect("a namespace").relay_loopback(port);
 
     let file = manifests.join("my-vm.yaml");
     fs::write(&file, ignite_manifest(&reference, Some(true))).expect("write");

@@ -88,6 +88,39 @@ impl Netns {
         .expect("the thread in the namespace panicked")
     }
 
+    /// Listens on 127.0.0.1:`port` inside the namespace and relays each
+    /// connection to 127.0.0.1:`port` of the host's namespace, where the
+    /// test runs a server (a registry): hearthd inside reaches it by the
+    /// same address, and no packet leaves loopback.
+    pub fn relay_loopback(&self, port: u16) {
+        let listener = self.run(move || {
+            std::net::TcpListener::bind(("127.0.0.1", port)).expect("listen in the namespace")
+        });
+        // Threads made from here are in the host's namespace: their
+        // connects reach the host's loopback.
+        std::thread::spawn(move || {
+            for inside in listener.incoming() {
+                let Ok(inside) = inside else { return };
+                std::thread::spawn(move || {
+                    let Ok(host) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+                        return;
+                    };
+                    let pipe = |mut from: std::net::TcpStream, mut to: std::net::TcpStream| {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Write);
+                    };
+                    let (a, b) = (
+                        inside.try_clone().expect("clone"),
+                        host.try_clone().expect("clone"),
+                    );
+                    let back = std::thread::spawn(move || pipe(b, a));
+                    pipe(inside, host);
+                    let _ = back.join();
+                });
+            }
+        });
+    }
+
     /// Names of the links whose name starts with hearth's prefixes.
     pub fn hearth_links(&self) -> Vec<String> {
         let v: serde_json::Value =
