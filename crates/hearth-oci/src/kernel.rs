@@ -78,9 +78,7 @@ pub fn find(root: &Path) -> Option<Found> {
         .map(String::from)
         .to_vec(),
     };
-    let initrd = candidates
-        .iter()
-        .find_map(|c| resolve(root, Path::new(c)));
+    let initrd = candidates.iter().find_map(|c| resolve(root, Path::new(c)));
     Some(Found {
         kernel,
         initrd,
@@ -228,7 +226,8 @@ pub fn store(src: &Path, dir: &Path, ext: &str, tmp: &Path) -> Result<Stored, Oc
         // Only read, by QEMU.
         to.set_permissions(fs::Permissions::from_mode(0o444))
             .map_err(|e| OciError::io("writing", tmp, e))?;
-        to.sync_all().map_err(|e| OciError::io("flushing", tmp, e))?;
+        to.sync_all()
+            .map_err(|e| OciError::io("flushing", tmp, e))?;
         Ok(format!("{:x}", h.finalize()))
     })();
     let hex = match result {
@@ -378,7 +377,10 @@ mod tests {
         // An absolute target is the tree's own, which lacks it.
         symlink(outside.path().join("vmlinuz-9.9"), r.join("vmlinuz")).unwrap();
         // A climb above the root.
-        let up = format!("../../../../../../../..{}/vmlinuz-9.9", outside.path().display());
+        let up = format!(
+            "../../../../../../../..{}/vmlinuz-9.9",
+            outside.path().display()
+        );
         symlink(&up, r.join("boot/vmlinuz")).unwrap();
         symlink(&up, r.join("boot/vmlinuz-9.9")).unwrap();
         assert_eq!(find(r), None);

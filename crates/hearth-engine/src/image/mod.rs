@@ -184,7 +184,11 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
             if let Ok(vms) = ctx.store.list(Kind::VirtualMachine) {
                 for o in vms {
                     if let Object::VirtualMachine(vm) = o.object
-                        && vm.spec.boot.as_ref().and_then(|b| b.kernel_image.as_deref())
+                        && vm
+                            .spec
+                            .boot
+                            .as_ref()
+                            .and_then(|b| b.kernel_image.as_deref())
                             == Some(name.as_str())
                     {
                         ctx.wake(Kind::VirtualMachine, &vm.metadata.name);

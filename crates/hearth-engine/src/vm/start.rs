@@ -111,7 +111,7 @@ async fn try_launch(
     let cfg = &ctx.config;
     // Without a kernel the firmware boots from the disks, in their order
     // (validation made sure there is at least one).
-    let kernel = kernel_boot(ctx, vm)?;
+    let (kernel, from_image) = kernel_boot(ctx, vm)?;
     // No QEMU of this VM runs: a snapshot cut its last QEMU left unsettled
     // is settled now, so the VM boots from each disk's real head.
     let disk_names: Vec<String> = vm
@@ -173,6 +173,12 @@ async fn try_launch(
             source,
         })?;
     }
+    // QEMU's user may not pass through the state directory: a kernel from
+    // the image store is given to it from the VM's run directory.
+    let kernel = match kernel {
+        Some(k) if from_image => Some(stage_boot_files(&run_dir, k)?),
+        k => k,
+    };
     // No QEMU of this VM runs (a leftover launch was settled first), so the
     // files it reads can be made or replaced now. Both live in the VM's
     // state directory and go with it when the VM is deleted.
@@ -343,26 +349,29 @@ pub const IMAGE_KERNEL_CMDLINE: &str = "root=/dev/vda rw console=ttyS0";
 /// of the image `spec.boot.kernelImage` names, or the one of the rootfs
 /// image its first disk is made from. `None`: the firmware boots the
 /// disks (no `spec.boot` and no kernel in the first disk's image).
-fn kernel_boot(ctx: &Context, vm: &VirtualMachine) -> Result<Option<KernelBoot>, VmError> {
+fn kernel_boot(ctx: &Context, vm: &VirtualMachine) -> Result<(Option<KernelBoot>, bool), VmError> {
     let cfg = &ctx.config;
     let boot = vm.spec.boot.as_ref();
     if let Some(b) = boot
         && let Some(k) = &b.kernel
     {
-        return Ok(Some(KernelBoot {
-            kernel: cfg.confine(k).map_err(|source| VmError::BootFile {
-                field: "spec.boot.kernel",
-                source,
-            })?,
-            initrd: match &b.initrd {
-                Some(p) => Some(cfg.confine(p).map_err(|source| VmError::BootFile {
-                    field: "spec.boot.initrd",
+        return Ok((
+            Some(KernelBoot {
+                kernel: cfg.confine(k).map_err(|source| VmError::BootFile {
+                    field: "spec.boot.kernel",
                     source,
-                })?),
-                None => None,
-            },
-            cmdline: b.cmdline.clone(),
-        }));
+                })?,
+                initrd: match &b.initrd {
+                    Some(p) => Some(cfg.confine(p).map_err(|source| VmError::BootFile {
+                        field: "spec.boot.initrd",
+                        source,
+                    })?),
+                    None => None,
+                },
+                cmdline: b.cmdline.clone(),
+            }),
+            false,
+        ));
     }
     let with_cmdline = |(kernel, initrd): (std::path::PathBuf, Option<std::path::PathBuf>)| {
         let extra = boot.map(|b| b.cmdline.trim()).unwrap_or("");
@@ -379,7 +388,7 @@ fn kernel_boot(ctx: &Context, vm: &VirtualMachine) -> Result<Option<KernelBoot>,
     };
     if let Some(image) = boot.and_then(|b| b.kernel_image.as_ref()) {
         return match image_kernel(ctx, image)? {
-            Ok(files) => Ok(with_cmdline(files)),
+            Ok(files) => Ok((with_cmdline(files), true)),
             Err(why) => Err(VmError::KernelImage {
                 image: image.clone(),
                 why,
@@ -388,15 +397,45 @@ fn kernel_boot(ctx: &Context, vm: &VirtualMachine) -> Result<Option<KernelBoot>,
     }
     let why = match first_disk_image(ctx, vm)? {
         Ok(image) => match image_kernel(ctx, &image)? {
-            Ok(files) => return Ok(with_cmdline(files)),
+            Ok(files) => return Ok((with_cmdline(files), true)),
             Err(why) => format!("the VirtualImage {image:?} of spec.disks[0] {why}"),
         },
         Err(why) => why,
     };
     match boot {
-        None => Ok(None),
+        None => Ok((None, false)),
         Some(_) => Err(VmError::NoKernel { why }),
     }
+}
+
+/// Puts the kernel and initrd of `k` into `run_dir` (hard links, copies
+/// across filesystems; read-only) and points `k` at them.
+fn stage_boot_files(run_dir: &std::path::Path, mut k: KernelBoot) -> Result<KernelBoot, VmError> {
+    let stage = |src: &std::path::Path, name: &str| -> Result<std::path::PathBuf, VmError> {
+        let to = run_dir.join(name);
+        let tmp = run_dir.join(format!(".{name}.tmp"));
+        let io = |source| VmError::Dir {
+            path: to.clone(),
+            source,
+        };
+        let _ = std::fs::remove_file(&tmp);
+        if std::fs::hard_link(src, &tmp).is_err() {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::copy(src, &tmp).map_err(io)?;
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o444)).map_err(io)?;
+        }
+        std::fs::rename(&tmp, &to).map_err(io)?;
+        Ok(to)
+    };
+    k.kernel = stage(&k.kernel, "boot-kernel")?;
+    k.initrd = match &k.initrd {
+        Some(i) => Some(stage(i, "boot-initrd")?),
+        None => {
+            let _ = std::fs::remove_file(run_dir.join("boot-initrd"));
+            None
+        }
+    };
+    Ok(k)
 }
 
 /// The VirtualImage the VM's first disk is made from, or why there is none.
@@ -405,15 +444,19 @@ fn first_disk_image(ctx: &Context, vm: &VirtualMachine) -> Result<Result<String,
         return Ok(Err("the VM has no disk".into()));
     };
     let name = &d.virtual_disk_name;
-    Ok(match ctx.store.get(Kind::VirtualDisk, name)?.map(|s| s.object) {
-        Some(Object::VirtualDisk(disk)) => match disk.spec.source {
-            DiskSource::VirtualImage(image) => Ok(image),
+    Ok(
+        match ctx.store.get(Kind::VirtualDisk, name)?.map(|s| s.object) {
+            Some(Object::VirtualDisk(disk)) => match disk.spec.source {
+                DiskSource::VirtualImage(image) => Ok(image),
+                _ => Err(format!(
+                    "spec.disks[0] (VirtualDisk {name:?}) is not made from a VirtualImage"
+                )),
+            },
             _ => Err(format!(
-                "spec.disks[0] (VirtualDisk {name:?}) is not made from a VirtualImage"
+                "spec.disks[0]: VirtualDisk {name:?} does not exist"
             )),
         },
-        _ => Err(format!("spec.disks[0]: VirtualDisk {name:?} does not exist")),
-    })
+    )
 }
 
 /// The kernel and initrd image `name` holds, or why it has none to give.
@@ -463,8 +506,15 @@ pub(super) fn kernel_image_waiting(
     Ok((st.phase != ImagePhase::Ready || stored.deleting).then(|| {
         format!(
             "spec.boot.kernelImage: waiting for VirtualImage {image:?} ({}{})",
-            if stored.deleting { "being deleted".to_string() } else { st.phase.to_string() },
-            st.progress.as_deref().map(|p| format!(", {p}")).unwrap_or_default()
+            if stored.deleting {
+                "being deleted".to_string()
+            } else {
+                st.phase.to_string()
+            },
+            st.progress
+                .as_deref()
+                .map(|p| format!(", {p}"))
+                .unwrap_or_default()
         )
     }))
 }
