@@ -173,10 +173,11 @@ async fn try_launch(
             source,
         })?;
     }
-    // QEMU's user may not pass through the state directory: a kernel from
-    // the image store is given to it from the VM's run directory.
+    // QEMU's user may not pass through the state directory (0700), nor
+    // `run/vms/` (0700): a kernel from the image store is given to it from
+    // `run/boot/` (0711, in the 0711 run directory).
     let kernel = match kernel {
-        Some(k) if from_image => Some(stage_boot_files(&run_dir, k)?),
+        Some(k) if from_image => Some(stage_boot_files(&cfg.run_dir.join("boot"), name, k)?),
         k => k,
     };
     // No QEMU of this VM runs (a leftover launch was settled first), so the
@@ -408,30 +409,41 @@ fn kernel_boot(ctx: &Context, vm: &VirtualMachine) -> Result<(Option<KernelBoot>
     }
 }
 
-/// Puts the kernel and initrd of `k` into `run_dir` (hard links, copies
-/// across filesystems; read-only) and points `k` at them.
-fn stage_boot_files(run_dir: &std::path::Path, mut k: KernelBoot) -> Result<KernelBoot, VmError> {
-    let stage = |src: &std::path::Path, name: &str| -> Result<std::path::PathBuf, VmError> {
-        let to = run_dir.join(name);
-        let tmp = run_dir.join(format!(".{name}.tmp"));
+/// Puts the kernel and initrd of `k` into `dir` as `VM.kernel` and
+/// `VM.initrd` (hard links, copies across filesystems; read-only) and
+/// points `k` at them.
+fn stage_boot_files(
+    dir: &std::path::Path,
+    vm: &str,
+    mut k: KernelBoot,
+) -> Result<KernelBoot, VmError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)))
+        .map_err(|source| VmError::Dir {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    let stage = |src: &std::path::Path, kind: &str| -> Result<std::path::PathBuf, VmError> {
+        let to = dir.join(format!("{vm}.{kind}"));
+        let tmp = dir.join(format!(".{vm}.{kind}.tmp"));
         let io = |source| VmError::Dir {
             path: to.clone(),
             source,
         };
         let _ = std::fs::remove_file(&tmp);
         if std::fs::hard_link(src, &tmp).is_err() {
-            use std::os::unix::fs::PermissionsExt;
             std::fs::copy(src, &tmp).map_err(io)?;
             std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o444)).map_err(io)?;
         }
         std::fs::rename(&tmp, &to).map_err(io)?;
         Ok(to)
     };
-    k.kernel = stage(&k.kernel, "boot-kernel")?;
+    k.kernel = stage(&k.kernel, "kernel")?;
     k.initrd = match &k.initrd {
-        Some(i) => Some(stage(i, "boot-initrd")?),
+        Some(i) => Some(stage(i, "initrd")?),
         None => {
-            let _ = std::fs::remove_file(run_dir.join("boot-initrd"));
+            let _ = std::fs::remove_file(dir.join(format!("{vm}.initrd")));
             None
         }
     };
