@@ -844,6 +844,18 @@ pub struct VirtualImageStatus {
     /// An OCI image's layer count.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<u32>,
+    /// The kernel a rootfs image holds under `/boot`, copied into the
+    /// image store (`sha256-<hex>.kernel`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub kernel: Option<PathBuf>,
+    /// Its initrd, likewise (`sha256-<hex>.initrd`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
+    pub initrd: Option<PathBuf>,
+    /// The kernel's version, as its file name says (`vmlinuz-<version>`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kernel_version: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(value_type = Option<String>))]
     pub path: Option<PathBuf>,

@@ -10,6 +10,7 @@ pub mod archive;
 pub mod blobs;
 mod error;
 pub mod ext4;
+pub mod kernel;
 pub mod layers;
 pub mod layout;
 pub mod registry;

@@ -180,6 +180,21 @@ async fn attempt(ctx: Arc<Context>, name: String, image: VirtualImage) {
                     ctx.wake(Kind::VirtualDisk, &d);
                 }
             }
+            // And VMs waiting for it as their spec.boot.kernelImage.
+            if let Ok(vms) = ctx.store.list(Kind::VirtualMachine) {
+                for o in vms {
+                    if let Object::VirtualMachine(vm) = o.object
+                        && vm
+                            .spec
+                            .boot
+                            .as_ref()
+                            .and_then(|b| b.kernel_image.as_deref())
+                            == Some(name.as_str())
+                    {
+                        ctx.wake(Kind::VirtualMachine, &vm.metadata.name);
+                    }
+                }
+            }
         }
         Err(f) => {
             let cfg = &ctx.config.images;
@@ -391,6 +406,9 @@ fn ready(
     s.digest = Some(names::digest(hex));
     s.shape = None;
     s.layers = None;
+    s.kernel = None;
+    s.initrd = None;
+    s.kernel_version = None;
     s.path = Some(path.to_path_buf());
     s.reason = None;
     s.message = None;
@@ -413,9 +431,20 @@ fn commit(
     let dir = ctx.config.images_dir();
     let path = names::stored_path(&dir, &fetched.hex, verified.format);
     let store_failed = |e: String| Failure::new("StoreFailed", e);
+    let boot = oci.and_then(|o| o.boot.as_ref());
+    let mut replaced = Vec::new();
     let reused = ctx
         .store
         .with_tx(|tx| {
+            // A boot file another image's deletion released since it was
+            // stored: this attempt fails, and the next stores it again.
+            if let Some(b) = boot {
+                for p in std::iter::once(&b.kernel.path).chain(b.initrd.as_ref().map(|i| &i.path)) {
+                    if !p.is_file() {
+                        return Ok(Err(format!("{} vanished before the commit", p.display())));
+                    }
+                }
+            }
             let reused = path.is_file();
             if reused {
                 // Gone before the image shows Ready: nothing but the
@@ -437,6 +466,10 @@ fn commit(
                 }
             }
             Store::update_status_tx::<VirtualImageStatus, _>(tx, Kind::VirtualImage, name, |s| {
+                replaced = [s.kernel.take(), s.initrd.take()]
+                    .into_iter()
+                    .flatten()
+                    .collect();
                 ready(
                     s,
                     &fetched.hex,
@@ -451,6 +484,11 @@ fn commit(
                     s.digest = Some(o.digest.clone());
                     s.shape = Some(o.shape.to_string());
                     s.layers = Some(o.layers);
+                    if let Some(b) = &o.boot {
+                        s.kernel = Some(b.kernel.path.clone());
+                        s.initrd = b.initrd.as_ref().map(|i| i.path.clone());
+                        s.kernel_version = b.version.clone();
+                    }
                 }
             })?;
             Ok(Ok(reused))
@@ -459,6 +497,11 @@ fn commit(
         .map_err(store_failed)?;
     if let Ok(d) = std::fs::File::open(&dir) {
         let _ = d.sync_all();
+    }
+    // The boot files of the content this image had before, if nothing
+    // else names them.
+    for p in replaced {
+        let _ = release_file(&ctx.store, &p);
     }
     Ok(Done {
         hex: fetched.hex.clone(),
@@ -495,6 +538,10 @@ async fn delete(ctx: &Arc<Context>, name: &str) -> Result<(), ReconcileError> {
         .is_some_and(|s| matches!(&s.object, Object::VirtualImage(i) if matches!(i.spec.source, ImageSource::Oci(_))));
     let removed = ctx.store.with_tx(|tx| {
         Store::remove_tx(tx, Kind::VirtualImage, name)?;
+        // Its kernel and initrd go with the last image that names them.
+        for p in status.kernel.iter().chain(status.initrd.iter()) {
+            release_file_tx(tx, p)?;
+        }
         match &status.path {
             Some(p) => release_file_tx(tx, p),
             None => Ok(false),
@@ -575,11 +622,18 @@ pub fn release_file(store: &Store, path: &Path) -> Result<bool, StoreError> {
 }
 
 fn release_file_tx(tx: &rusqlite::Transaction<'_>, path: &Path) -> Result<bool, StoreError> {
-    let Some((hex, _)) = path
-        .file_name()
-        .and_then(|n| n.to_str())
-        .and_then(names::parse_stored)
-    else {
+    let file = path.file_name().and_then(|n| n.to_str());
+    if file.and_then(names::parse_boot_file).is_some() {
+        // A kernel or initrd: kept while an image's status names it.
+        for o in Store::list_tx(tx, Kind::VirtualImage)? {
+            let status: VirtualImageStatus = serde_json::from_value(o.status).unwrap_or_default();
+            if status.kernel.as_deref() == Some(path) || status.initrd.as_deref() == Some(path) {
+                return Ok(false);
+            }
+        }
+        return remove_store_file(path);
+    }
+    let Some((hex, _)) = file.and_then(names::parse_stored) else {
         return Ok(false);
     };
     if crate::store::layers::base_in_use_tx(tx, path)? {
@@ -601,6 +655,10 @@ fn release_file_tx(tx: &rusqlite::Transaction<'_>, path: &Path) -> Result<bool, 
             return Ok(false);
         }
     }
+    remove_store_file(path)
+}
+
+fn remove_store_file(path: &Path) -> Result<bool, StoreError> {
     match std::fs::remove_file(path) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
@@ -631,7 +689,9 @@ pub fn sweep(store: &Store, dir: &Path) -> Result<Vec<PathBuf>, StoreError> {
             if std::fs::remove_file(&path).is_ok() {
                 removed.push(path);
             }
-        } else if names::parse_stored(file).is_some() && release_file(store, &path)? {
+        } else if (names::parse_stored(file).is_some() || names::parse_boot_file(file).is_some())
+            && release_file(store, &path)?
+        {
             removed.push(path);
         }
     }

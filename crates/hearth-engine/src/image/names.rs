@@ -36,6 +36,17 @@ pub fn parse_stored(name: &str) -> Option<(&str, &str)> {
     (is_hex64(hex) && FORMATS.contains(&format)).then_some((hex, format))
 }
 
+/// The kinds of boot files a rootfs image's `/boot` gives the store.
+pub const BOOT_FILES: [&str; 2] = ["kernel", "initrd"];
+
+/// The digest and kind of a boot file's name (`sha256-<hex>.kernel`,
+/// `.initrd`); `None` for any other file.
+pub fn parse_boot_file(name: &str) -> Option<(&str, &str)> {
+    let rest = name.strip_prefix("sha256-")?;
+    let (hex, kind) = rest.split_once('.')?;
+    (is_hex64(hex) && BOOT_FILES.contains(&kind)).then_some((hex, kind))
+}
+
 /// Whether `path` is an image-store file (by its name alone).
 #[cfg(test)]
 pub fn is_stored(path: &Path) -> bool {
@@ -96,6 +107,12 @@ mod tests {
         ] {
             assert_eq!(parse_stored(name), None, "{name}");
         }
+        // Boot files are store files of their own kind, never images.
+        let kernel = format!("sha256-{HEX}.kernel");
+        assert_eq!(parse_stored(&kernel), None);
+        assert_eq!(parse_boot_file(&kernel), Some((HEX, "kernel")));
+        assert_eq!(parse_boot_file(&format!("sha256-{HEX}.qcow2")), None);
+        assert_eq!(parse_boot_file("sha256-abc.initrd"), None);
         assert_eq!(hex_of("sha256:xyz"), None);
         assert_eq!(hex_of(HEX), None);
     }

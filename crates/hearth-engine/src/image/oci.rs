@@ -31,6 +31,8 @@ pub struct OciDone {
     pub digest: String,
     pub shape: OciShape,
     pub layers: u32,
+    /// A rootfs's own kernel and initrd, already in the image store.
+    pub boot: Option<hearth_oci::kernel::Boot>,
 }
 
 /// The blob store's place in the image store.
@@ -316,6 +318,7 @@ pub async fn fetch(
         (None, _) => OciShape::Rootfs,
     };
     let out = tmp.path.clone();
+    let mut boot = None;
     let (hex, bytes) = match shape {
         OciShape::ContainerDisk => {
             let Some(Shape::ContainerDisk { path, size, at }) = found else {
@@ -367,6 +370,7 @@ pub async fn fetch(
                 .await
                 .map_err(blocking_failed)?
                 .map_err(|e| failure(src, e))?;
+            boot = boot_files(&build.0, &images, &tmp.path).await?;
             let root = build.0.clone();
             let size = tokio::task::spawn_blocking(move || {
                 ext4::measure(&root).map(|m| ext4::size_for(m, 0))
@@ -414,8 +418,31 @@ pub async fn fetch(
             digest: image.digest.to_string(),
             shape,
             layers,
+            boot,
         },
     ))
+}
+
+/// The kernel and initrd under the tree's `/boot`, stored (durably) before
+/// the image that names them is committed; a crash in between leaves
+/// files the store's sweep removes at the next start.
+async fn boot_files(
+    root: &Path,
+    images: &Path,
+    tmp: &Path,
+) -> Result<Option<hearth_oci::kernel::Boot>, Failure> {
+    let (root, images) = (root.to_path_buf(), images.to_path_buf());
+    // `.import-<n>-<image>`: the sweep's temporaries.
+    let base = tmp
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_suffix(".tmp"))
+        .unwrap_or(".import-boot")
+        .to_string();
+    tokio::task::spawn_blocking(move || hearth_oci::kernel::extract(&root, &images, &base))
+        .await
+        .map_err(blocking_failed)?
+        .map_err(|e| Failure::new("StoreFailed", format!("the kernel under /boot: {e}")))
 }
 
 /// Resolves the image and puts its blobs into the store.

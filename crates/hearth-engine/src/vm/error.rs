@@ -23,10 +23,15 @@ pub enum VmError {
         #[source]
         source: ConfigError,
     },
-    /// A kernel from an image (`spec.boot.kernelImage`, or the rootfs's
-    /// own `/boot`).
-    #[error("spec.boot: booting a kernel from an image is not supported by this hearthd yet")]
-    KernelFromImage,
+    /// `spec.boot.kernelImage` names an image that has no kernel to give.
+    #[error("spec.boot.kernelImage: VirtualImage {image:?} {why}")]
+    KernelImage { image: String, why: String },
+    /// `spec.boot` without a kernel field, and the first disk's image has
+    /// no kernel either.
+    #[error(
+        "spec.boot: no kernel to boot: neither spec.boot.kernel nor spec.boot.kernelImage is given, and {why} (a containerDisk or qcow2 image boots through the firmware: leave spec.boot out)"
+    )]
+    NoKernel { why: String },
     /// A snapshot cut or a chain merge its last QEMU left could not be
     /// settled before the start.
     #[error("{0}")]

@@ -69,7 +69,13 @@ impl SeedFiles {
         let default = CloudInit::default();
         let ci = match &vm.spec.cloud_init {
             Some(ci) => ci,
-            None if vm.spec.boot.is_none() && !vm.spec.networks.is_empty() => &default,
+            // A kernel from an image boots the image's own system, which
+            // has cloud-init as a disk-booted one does.
+            None if vm.spec.boot.as_ref().is_none_or(|b| b.kernel.is_none())
+                && !vm.spec.networks.is_empty() =>
+            {
+                &default
+            }
             None => return None,
         };
         Some(Self::new(&vm.metadata.name, ci, network_config(vm, ci)))
@@ -396,6 +402,15 @@ mod tests {
             cmdline: String::new(),
         });
         assert!(SeedFiles::for_vm(&kernel).is_none());
+        // A kernel from an image (or the rootfs's own /boot) keeps it.
+        let mut from_image = vm.clone();
+        from_image.spec.boot = Some(hearth_api::Boot {
+            kernel: None,
+            kernel_image: Some("kernel".into()),
+            initrd: None,
+            cmdline: String::new(),
+        });
+        assert!(SeedFiles::for_vm(&from_image).is_some());
     }
 
     #[test]

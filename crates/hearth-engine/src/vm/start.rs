@@ -7,7 +7,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
-use hearth_api::{EventType, Kind, VirtualDiskStatus, VirtualMachine, VmPhase, remove_condition};
+use hearth_api::{
+    DiskSource, EventType, ImagePhase, Kind, Object, VirtualDiskStatus, VirtualImageStatus,
+    VirtualMachine, VmPhase, remove_condition,
+};
 use hearth_qemu::ProcessIdentity;
 use hearth_qemu::cmdline::{DiskAttachment, KernelBoot, LaunchSpec, disk_serial};
 use hearth_qemu::process;
@@ -106,27 +109,9 @@ async fn try_launch(
 ) -> Result<Launched, VmError> {
     let name = vm.metadata.name.as_str();
     let cfg = &ctx.config;
-    // Without spec.boot the firmware boots from the disks, in their order
+    // Without a kernel the firmware boots from the disks, in their order
     // (validation made sure there is at least one).
-    let kernel = match &vm.spec.boot {
-        Some(boot) => Some(KernelBoot {
-            kernel: cfg
-                .confine(boot.kernel.as_deref().ok_or(VmError::KernelFromImage)?)
-                .map_err(|source| VmError::BootFile {
-                    field: "spec.boot.kernel",
-                    source,
-                })?,
-            initrd: match &boot.initrd {
-                Some(p) => Some(cfg.confine(p).map_err(|source| VmError::BootFile {
-                    field: "spec.boot.initrd",
-                    source,
-                })?),
-                None => None,
-            },
-            cmdline: boot.cmdline.clone(),
-        }),
-        None => None,
-    };
+    let (kernel, from_image) = kernel_boot(ctx, vm)?;
     // No QEMU of this VM runs: a snapshot cut its last QEMU left unsettled
     // is settled now, so the VM boots from each disk's real head.
     let disk_names: Vec<String> = vm
@@ -188,6 +173,13 @@ async fn try_launch(
             source,
         })?;
     }
+    // QEMU's user may not pass through the state directory (0700), nor
+    // `run/vms/` (0700): a kernel from the image store is given to it from
+    // `run/boot/` (0711, in the 0711 run directory).
+    let kernel = match kernel {
+        Some(k) if from_image => Some(stage_boot_files(&cfg.run_dir.join("boot"), name, k)?),
+        k => k,
+    };
     // No QEMU of this VM runs (a leftover launch was settled first), so the
     // files it reads can be made or replaced now. Both live in the VM's
     // state directory and go with it when the VM is deleted.
@@ -347,6 +339,196 @@ async fn try_launch(
         cloud_init_instance_id: seed.map(|s| s.instance_id),
         nics,
     })
+}
+
+/// The command line a kernel from an image starts with: the first
+/// virtio-blk disk (`/dev/vda`, the disks come before the seed) is the
+/// root, the serial port the console.
+pub const IMAGE_KERNEL_CMDLINE: &str = "root=/dev/vda rw console=ttyS0";
+
+/// The kernel `vm` boots: the host files of `spec.boot.kernel`, the kernel
+/// of the image `spec.boot.kernelImage` names, or the one of the rootfs
+/// image its first disk is made from. `None`: the firmware boots the
+/// disks (no `spec.boot` and no kernel in the first disk's image).
+fn kernel_boot(ctx: &Context, vm: &VirtualMachine) -> Result<(Option<KernelBoot>, bool), VmError> {
+    let cfg = &ctx.config;
+    let boot = vm.spec.boot.as_ref();
+    if let Some(b) = boot
+        && let Some(k) = &b.kernel
+    {
+        return Ok((
+            Some(KernelBoot {
+                kernel: cfg.confine(k).map_err(|source| VmError::BootFile {
+                    field: "spec.boot.kernel",
+                    source,
+                })?,
+                initrd: match &b.initrd {
+                    Some(p) => Some(cfg.confine(p).map_err(|source| VmError::BootFile {
+                        field: "spec.boot.initrd",
+                        source,
+                    })?),
+                    None => None,
+                },
+                cmdline: b.cmdline.clone(),
+            }),
+            false,
+        ));
+    }
+    let with_cmdline = |(kernel, initrd): (std::path::PathBuf, Option<std::path::PathBuf>)| {
+        let extra = boot.map(|b| b.cmdline.trim()).unwrap_or("");
+        let cmdline = if extra.is_empty() {
+            IMAGE_KERNEL_CMDLINE.to_string()
+        } else {
+            format!("{IMAGE_KERNEL_CMDLINE} {extra}")
+        };
+        Some(KernelBoot {
+            kernel,
+            initrd,
+            cmdline,
+        })
+    };
+    if let Some(image) = boot.and_then(|b| b.kernel_image.as_ref()) {
+        return match image_kernel(ctx, image)? {
+            Ok(files) => Ok((with_cmdline(files), true)),
+            Err(why) => Err(VmError::KernelImage {
+                image: image.clone(),
+                why,
+            }),
+        };
+    }
+    let why = match first_disk_image(ctx, vm)? {
+        Ok(image) => match image_kernel(ctx, &image)? {
+            Ok(files) => return Ok((with_cmdline(files), true)),
+            Err(why) => format!("the VirtualImage {image:?} of spec.disks[0] {why}"),
+        },
+        Err(why) => why,
+    };
+    match boot {
+        None => Ok((None, false)),
+        Some(_) => Err(VmError::NoKernel { why }),
+    }
+}
+
+/// Puts the kernel and initrd of `k` into `dir` as `VM.kernel` and
+/// `VM.initrd` (hard links, copies across filesystems; read-only) and
+/// points `k` at them.
+fn stage_boot_files(
+    dir: &std::path::Path,
+    vm: &str,
+    mut k: KernelBoot,
+) -> Result<KernelBoot, VmError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)
+        .and_then(|()| std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)))
+        .map_err(|source| VmError::Dir {
+            path: dir.to_path_buf(),
+            source,
+        })?;
+    let stage = |src: &std::path::Path, kind: &str| -> Result<std::path::PathBuf, VmError> {
+        let to = dir.join(format!("{vm}.{kind}"));
+        let tmp = dir.join(format!(".{vm}.{kind}.tmp"));
+        let io = |source| VmError::Dir {
+            path: to.clone(),
+            source,
+        };
+        let _ = std::fs::remove_file(&tmp);
+        if std::fs::hard_link(src, &tmp).is_err() {
+            std::fs::copy(src, &tmp).map_err(io)?;
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o444)).map_err(io)?;
+        }
+        std::fs::rename(&tmp, &to).map_err(io)?;
+        Ok(to)
+    };
+    k.kernel = stage(&k.kernel, "kernel")?;
+    k.initrd = match &k.initrd {
+        Some(i) => Some(stage(i, "initrd")?),
+        None => {
+            let _ = std::fs::remove_file(dir.join(format!("{vm}.initrd")));
+            None
+        }
+    };
+    Ok(k)
+}
+
+/// The VirtualImage the VM's first disk is made from, or why there is none.
+fn first_disk_image(ctx: &Context, vm: &VirtualMachine) -> Result<Result<String, String>, VmError> {
+    let Some(d) = vm.spec.disks.first() else {
+        return Ok(Err("the VM has no disk".into()));
+    };
+    let name = &d.virtual_disk_name;
+    Ok(
+        match ctx.store.get(Kind::VirtualDisk, name)?.map(|s| s.object) {
+            Some(Object::VirtualDisk(disk)) => match disk.spec.source {
+                DiskSource::VirtualImage(image) => Ok(image),
+                _ => Err(format!(
+                    "spec.disks[0] (VirtualDisk {name:?}) is not made from a VirtualImage"
+                )),
+            },
+            _ => Err(format!(
+                "spec.disks[0]: VirtualDisk {name:?} does not exist"
+            )),
+        },
+    )
+}
+
+/// The kernel and initrd image `name` holds, or why it has none to give.
+fn image_kernel(
+    ctx: &Context,
+    name: &str,
+) -> Result<Result<(std::path::PathBuf, Option<std::path::PathBuf>), String>, VmError> {
+    let Some(stored) = ctx.store.get(Kind::VirtualImage, name)? else {
+        return Ok(Err("does not exist".into()));
+    };
+    if stored.deleting {
+        return Ok(Err("is being deleted".into()));
+    }
+    let st: VirtualImageStatus = serde_json::from_value(stored.status).unwrap_or_default();
+    if st.phase != ImagePhase::Ready {
+        return Ok(Err(format!("is not Ready ({})", st.phase)));
+    }
+    let Some(kernel) = st.kernel else {
+        return Ok(Err(format!(
+            "has no kernel: its content (shape {}) has no /boot/vmlinuz or /boot/vmlinux",
+            st.shape.as_deref().unwrap_or("not OCI")
+        )));
+    };
+    for p in std::iter::once(&kernel).chain(st.initrd.iter()) {
+        if !p.is_file() {
+            return Ok(Err(format!("names {}, which is gone", p.display())));
+        }
+    }
+    Ok(Ok((kernel, st.initrd)))
+}
+
+/// Why the VM must wait for `spec.boot.kernelImage` (missing or not yet
+/// Ready, as a disk waits for its image), if it must.
+pub(super) fn kernel_image_waiting(
+    ctx: &Context,
+    vm: &VirtualMachine,
+) -> Result<Option<String>, crate::store::StoreError> {
+    let Some(image) = vm.spec.boot.as_ref().and_then(|b| b.kernel_image.as_ref()) else {
+        return Ok(None);
+    };
+    let Some(stored) = ctx.store.get(Kind::VirtualImage, image)? else {
+        return Ok(Some(format!(
+            "spec.boot.kernelImage: waiting for VirtualImage {image:?}, which does not exist"
+        )));
+    };
+    let st: VirtualImageStatus = serde_json::from_value(stored.status).unwrap_or_default();
+    Ok((st.phase != ImagePhase::Ready || stored.deleting).then(|| {
+        format!(
+            "spec.boot.kernelImage: waiting for VirtualImage {image:?} ({}{})",
+            if stored.deleting {
+                "being deleted".to_string()
+            } else {
+                st.phase.to_string()
+            },
+            st.progress
+                .as_deref()
+                .map(|p| format!(", {p}"))
+                .unwrap_or_default()
+        )
+    }))
 }
 
 /// What to add to a start-up failure that was a denied open: QEMU runs as
