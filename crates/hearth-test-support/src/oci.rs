@@ -59,15 +59,31 @@ pub fn umoci_image(layout: &Path, tag: &str, fill: impl FnOnce(&Path)) {
 /// added verbatim by `umoci raw add-layer`.
 pub fn umoci_layers(dir: &Path, layers: &[Vec<u8>]) -> PathBuf {
     let layout = dir.join("layout");
-    tool("umoci", &["init", "--layout", s(&layout)]);
-    let image = format!("{}:t", s(&layout));
-    tool("umoci", &["new", "--image", &image]);
-    for (n, bytes) in layers.iter().enumerate() {
-        let f = dir.join(format!("layer{n}.tar"));
-        fs::write(&f, bytes).expect("write the layer");
-        tool("umoci", &["raw", "add-layer", "--image", &image, s(&f)]);
-    }
+    let files: Vec<PathBuf> = layers
+        .iter()
+        .enumerate()
+        .map(|(n, bytes)| {
+            let f = dir.join(format!("layer{n}.tar"));
+            fs::write(&f, bytes).expect("write the layer");
+            f
+        })
+        .collect();
+    let refs: Vec<&Path> = files.iter().map(PathBuf::as_path).collect();
+    umoci_tag(&layout, "t", &refs);
     layout
+}
+
+/// Adds image `tag` of `layers` (tar files, in order, added verbatim by
+/// `umoci raw add-layer`) to `layout`, made first if it is not there.
+pub fn umoci_tag(layout: &Path, tag: &str, layers: &[&Path]) {
+    if !layout.join("oci-layout").exists() {
+        tool("umoci", &["init", "--layout", s(layout)]);
+    }
+    let image = format!("{}:{tag}", s(layout));
+    tool("umoci", &["new", "--image", &image]);
+    for l in layers {
+        tool("umoci", &["raw", "add-layer", "--image", &image, s(l)]);
+    }
 }
 
 /// The digest of the manifest `skopeo inspect --raw` reads at `reference`

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use common::debian::*;
 use common::*;
 use hearth_api::OciSource;
-use hearth_test_support::oci::{TestRegistry, sha256sum, tool};
+use hearth_test_support::oci::{TestRegistry, sha256sum, tool, umoci_tag};
 use serde_json::{Value, json};
 
 const PULL: Duration = Duration::from_secs(600);
@@ -86,18 +86,6 @@ fn tar_dir(dir: &Path, out: &Path, exclude: &[&str]) {
     args.push(".".into());
     let refs: Vec<&str> = args.iter().map(String::as_str).collect();
     tool("tar", &refs);
-}
-
-/// Image `tag` in `layout` from these layer tars, in order.
-fn image_of(layout: &Path, tag: &str, layers: &[&Path]) {
-    if !layout.join("oci-layout").exists() {
-        tool("umoci", &["init", "--layout", s(layout)]);
-    }
-    let image = format!("{}:{tag}", s(layout));
-    tool("umoci", &["new", "--image", &image]);
-    for l in layers {
-        tool("umoci", &["raw", "add-layer", "--image", &image, s(l)]);
-    }
 }
 
 fn oci(name: &str, reference: &str) -> Value {
@@ -193,10 +181,10 @@ fn rootfs_kernel_image_and_container_disk_images_boot_to_the_agent() {
     let disk_tar = w.join("disk.tar");
     tar_dir(&cd, &disk_tar, &[]);
     let layout = w.join("layout");
-    image_of(&layout, "rootfs", &[&base, &fstab]);
-    image_of(&layout, "noboot", &[&noboot, &fstab]);
-    image_of(&layout, "kernel", &[&kernel_tar]);
-    image_of(&layout, "disk", &[&disk_tar]);
+    umoci_tag(&layout, "rootfs", &[&base, &fstab]);
+    umoci_tag(&layout, "noboot", &[&noboot, &fstab]);
+    umoci_tag(&layout, "kernel", &[&kernel_tar]);
+    umoci_tag(&layout, "disk", &[&disk_tar]);
     for f in [&base, &noboot, &disk_tar] {
         let _ = fs::remove_file(f);
     }

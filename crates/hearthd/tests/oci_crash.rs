@@ -25,6 +25,7 @@ use common::{Daemon, Image, ObjectBuilder, wait_until};
 use hearth_api::OciSource;
 use hearth_test_support::oci::{
     HugeManifestRegistry, StallingProxy, TestRegistry, sha256sum, skopeo_digest, tool, umoci_image,
+    umoci_tag,
 };
 use hearth_test_support::process::{command_lines, is_zombie};
 use serde_json::Value;
@@ -440,18 +441,6 @@ fn layer_tar(dir: &Path, name: &str, files: &[(&str, &[u8])]) -> PathBuf {
     let out = dir.join(format!("{name}.tar"));
     tool("tar", &["-C", s(&root), "-cf", s(&out), "."]);
     out
-}
-
-/// Adds image `tag` of `layers` (tar files, in order) to the layout.
-fn umoci_tag(layout: &Path, tag: &str, layers: &[&Path]) {
-    if !layout.join("oci-layout").exists() {
-        tool("umoci", &["init", "--layout", s(layout)]);
-    }
-    let image = format!("{}:{tag}", s(layout));
-    tool("umoci", &["new", "--image", &image]);
-    for l in layers {
-        tool("umoci", &["raw", "add-layer", "--image", &image, s(l)]);
-    }
 }
 
 /// The blobs of image `tag`: its manifest, config and layers (hex).
