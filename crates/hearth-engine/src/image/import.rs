@@ -121,6 +121,21 @@ impl TempFile {
         Ok(())
     }
 
+    /// On a failed attempt: waits for the write tokio still has in flight
+    /// and closes the file, so the space of the removed file is free once
+    /// the image reports its failure (an unlinked file that is still open
+    /// keeps its blocks).
+    pub async fn discard_on_error<T>(&mut self, r: Result<T, Failure>) -> Result<T, Failure> {
+        if r.is_err()
+            && let Some(mut f) = self.file.take()
+        {
+            let _ = f.flush().await;
+            drop(f);
+            let _ = std::fs::remove_file(&self.path);
+        }
+        r
+    }
+
     async fn write(&mut self, data: &[u8]) -> Result<(), Failure> {
         let n = data.len() as u64;
         let mut fresh = false;

@@ -278,7 +278,8 @@ async fn run(
     let (mut tmp, fetched) = match &image.spec.source {
         ImageSource::Oci(o) => {
             let mut tmp = new_temp(ctx, &dir, name).await?;
-            let (fetched, done) = oci::fetch(ctx, o, &mut tmp, report).await?;
+            let r = oci::fetch(ctx, o, &mut tmp, report).await;
+            let (fetched, done) = tmp.discard_on_error(r).await?;
             oci_done = Some(done);
             (tmp, fetched)
         }
@@ -290,7 +291,8 @@ async fn run(
                 return Ok(done);
             }
             let mut tmp = new_temp(ctx, &dir, name).await?;
-            let fetched = import::fetch_http(&cfg, &h.url, &mut tmp, report).await?;
+            let r = import::fetch_http(&cfg, &h.url, &mut tmp, report).await;
+            let fetched = tmp.discard_on_error(r).await?;
             if fetched.hex != want {
                 return Err(Failure::new(
                     "ChecksumMismatch",
@@ -314,7 +316,8 @@ async fn run(
                 .confine(p)
                 .map_err(|m| Failure::new("SourceNotAllowed", format!("spec.source.file: {m}")))?;
             let mut tmp = new_temp(ctx, &dir, name).await?;
-            let fetched = import::fetch_file(&cfg, &real, &mut tmp, report).await?;
+            let r = import::fetch_file(&cfg, &real, &mut tmp, report).await;
+            let fetched = tmp.discard_on_error(r).await?;
             (tmp, fetched)
         }
     };
