@@ -12,7 +12,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use common::{Daemon, Disk, Image, ObjectBuilder, assert_clean_ext4, sha256_file, to_raw};
+use common::{Daemon, Disk, Image, ObjectBuilder, Vm, assert_clean_ext4, sha256_file, to_raw};
 use hearth_api::{DiskFile, OciSource};
 use hearth_test_support::oci::{tool, umoci_image};
 use serde_json::Value;
@@ -247,6 +247,21 @@ fn a_rootfs_disk_is_grown_to_its_size_and_holds_its_files_and_a_path_through_a_s
     }
     // The image file below the disk is as it was.
     assert_eq!(sha256_file(&image), image_sum);
+
+    // A VM without spec.boot on this kernel-less root filesystem: refused
+    // at start, naming the disk field and what to give, and no QEMU runs
+    // (the firmware would find no boot loader on a bare ext4).
+    d.apply(vec![Vm::small("bare").disk("grown").no_boot().json()]);
+    let v = d.wait_phase("bare", "Failed", WAIT);
+    let err = v["status"]["lastError"].as_str().unwrap_or_default();
+    assert!(
+        err.starts_with("spec.disks[0]:") && err.contains("\"root\""),
+        "{err}"
+    );
+    assert!(err.contains("spec.boot.kernelImage"), "{err}");
+    assert_eq!(d.qemu_pids_of("bare"), Vec::<u32>::new());
+    d.request("DELETE", "/v1/virtualmachines/bare", None);
+    common::wait_until("VM gone", WAIT, || d.get_vm("bare").is_none());
 
     // A path through the image's /lib symlink: Failed, naming the disk and
     // the field, and no layer file, no daemon, no mount left.

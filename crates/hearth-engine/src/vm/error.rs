@@ -32,6 +32,12 @@ pub enum VmError {
         "spec.boot: no kernel to boot: neither spec.boot.kernel nor spec.boot.kernelImage is given, and {why} (a containerDisk or qcow2 image boots through the firmware: leave spec.boot out)"
     )]
     NoKernel { why: String },
+    /// No `spec.boot`, and the first disk is a root filesystem image with
+    /// no kernel of its own: no firmware boots a bare filesystem.
+    #[error(
+        "spec.disks[0]: {why}; a root filesystem has no boot loader for the firmware: give spec.boot.kernelImage (an image with /boot/vmlinuz) or spec.boot.kernel"
+    )]
+    RootfsWithoutKernel { why: String },
     /// A snapshot cut or a chain merge its last QEMU left could not be
     /// settled before the start.
     #[error("{0}")]

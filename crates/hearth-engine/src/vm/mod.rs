@@ -1,6 +1,7 @@
 //! VirtualMachine lifecycle: a pure decision core and the async shell that
 //! carries its steps out against QEMU.
 
+mod boot;
 mod chain;
 pub mod decide;
 mod error;

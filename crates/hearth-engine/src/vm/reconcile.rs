@@ -172,7 +172,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, Reconci
 }
 
 fn disks_ready(ctx: &Context, vm: &VirtualMachine) -> Result<Disks, ReconcileError> {
-    if let Some(why) = super::start::kernel_image_waiting(ctx, vm)? {
+    if let Some(why) = super::boot::kernel_image_waiting(ctx, vm)? {
         return Ok(Disks::Waiting(why));
     }
     for d in &vm.spec.disks {
