@@ -154,6 +154,12 @@ impl EngineConfig {
         self.run_dir.join("networks")
     }
 
+    /// Kernels and initrds from images, where the QEMU user can read them
+    /// (`VM.kernel`, `VM.initrd`; vm/boot.rs).
+    pub fn boot_files_dir(&self) -> PathBuf {
+        self.run_dir.join("boot")
+    }
+
     pub fn vm_run_dir(&self, vm: &str) -> PathBuf {
         self.run_dir.join("vms").join(vm)
     }

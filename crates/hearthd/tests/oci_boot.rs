@@ -16,77 +16,17 @@
 mod common;
 
 use std::fs;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::debian::*;
+use common::debian_oci::{DebianOci, debian_oci};
 use common::*;
 use hearth_api::OciSource;
-use hearth_test_support::oci::{TestRegistry, sha256sum, tool, umoci_tag};
+use hearth_test_support::oci::{TestRegistry, sha256sum};
 use serde_json::{Value, json};
 
 const PULL: Duration = Duration::from_secs(600);
-
-fn s(p: &Path) -> &str {
-    p.to_str().expect("utf-8 path")
-}
-
-/// The Debian image's root filesystem, mounted read-only; unmounted (and
-/// its raw copy removed) when dropped.
-struct Mounted {
-    dir: PathBuf,
-}
-
-impl Mounted {
-    fn new(qcow2: &Path, work: &Path) -> Mounted {
-        let raw = work.join("debian.raw");
-        tool(
-            "qemu-img",
-            &["convert", "-q", "-O", "raw", s(qcow2), s(&raw)],
-        );
-        let dir = work.join("mnt");
-        fs::create_dir_all(&dir).unwrap();
-        // Partition 1 (the root) starts at sector 262144 (guest/debian/build.sh).
-        tool(
-            "mount",
-            &[
-                "-o",
-                "ro,loop,offset=134217728",
-                "-t",
-                "ext4",
-                s(&raw),
-                s(&dir),
-            ],
-        );
-        Mounted { dir }
-    }
-}
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(&self.dir).status();
-    }
-}
-
-/// A tar of `dir`'s content (owners by number, xattrs), in `out`.
-fn tar_dir(dir: &Path, out: &Path, exclude: &[&str]) {
-    let mut args = vec![
-        "--numeric-owner".to_string(),
-        "--xattrs".into(),
-        "--xattrs-include=*".into(),
-        "-C".into(),
-        s(dir).into(),
-        "-cf".into(),
-        s(out).into(),
-    ];
-    for e in exclude {
-        args.insert(0, format!("--exclude={e}"));
-    }
-    args.push(".".into());
-    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-    tool("tar", &refs);
-}
 
 fn oci(name: &str, reference: &str) -> Value {
     Image::oci(
@@ -116,78 +56,18 @@ fn vm(name: &str, disk: &str, boot: Option<Value>) -> Value {
 #[test]
 fn rootfs_kernel_image_and_container_disk_images_boot_to_the_agent() {
     let _serial = serial();
-    let (qcow2, _) = debian_image();
-    let info = fs::read_to_string(debian_out_dir().join("debian-12.info")).unwrap();
-    let version = info
-        .lines()
-        .find_map(|l| l.strip_prefix("kernel="))
-        .expect("debian-12.info names the kernel")
-        .trim()
-        .to_string();
     let t0 = Instant::now();
     let mark = |what: &str| eprintln!("oci_boot: {:>6.1} s  {what}", t0.elapsed().as_secs_f64());
     let work = tempfile::Builder::new()
         .prefix("hearth-oci-boot-")
         .tempdir()
         .unwrap();
-    let w = work.path();
-
-    // --- the layers, from the Debian image's own tree ---------------------
-    let tree = Mounted::new(&qcow2, w);
-    let root = &tree.dir;
-    let kernel_file = root.join(format!("boot/vmlinuz-{version}"));
-    let initrd_file = root.join(format!("boot/initrd.img-{version}"));
-    assert!(kernel_file.is_file() && initrd_file.is_file(), "{version}");
-    let kernel_sha = sha256sum(&kernel_file);
-    let initrd_sha = sha256sum(&initrd_file);
-    let base = w.join("base.tar");
-    tar_dir(root, &base, &[]);
-    // Without /boot (and the links to it).
-    let noboot = w.join("noboot.tar");
-    tar_dir(
-        root,
-        &noboot,
-        &[
-            "./boot",
-            "./vmlinuz",
-            "./vmlinuz.old",
-            "./initrd.img",
-            "./initrd.img.old",
-        ],
-    );
-    // The partition's UUIDs mean nothing on hearth's disk.
-    let fix = w.join("fix");
-    fs::create_dir_all(fix.join("etc")).unwrap();
-    fs::write(
-        fix.join("etc/fstab"),
-        "/dev/vda / ext4 defaults,errors=remount-ro 0 0\n",
-    )
-    .unwrap();
-    let fstab = w.join("fstab.tar");
-    tar_dir(&fix, &fstab, &[]);
-    // A kernel image, as Ignite's are: the kernel and initrd, nothing else.
-    let k = w.join("k");
-    fs::create_dir_all(k.join("boot")).unwrap();
-    fs::copy(&kernel_file, k.join("boot/vmlinuz")).unwrap();
-    fs::copy(&initrd_file, k.join("boot/initrd.img")).unwrap();
-    let kernel_tar = w.join("kernel.tar");
-    tar_dir(&k, &kernel_tar, &[]);
-    drop(tree);
-    let _ = fs::remove_file(w.join("debian.raw"));
-    // A containerDisk: the qcow2 under /disk/.
-    let cd = w.join("cd");
-    fs::create_dir_all(cd.join("disk")).unwrap();
-    fs::copy(&qcow2, cd.join("disk/debian-12.qcow2")).unwrap();
-    let disk_tar = w.join("disk.tar");
-    tar_dir(&cd, &disk_tar, &[]);
-    let layout = w.join("layout");
-    umoci_tag(&layout, "rootfs", &[&base, &fstab]);
-    umoci_tag(&layout, "noboot", &[&noboot, &fstab]);
-    umoci_tag(&layout, "kernel", &[&kernel_tar]);
-    umoci_tag(&layout, "disk", &[&disk_tar]);
-    for f in [&base, &noboot, &disk_tar] {
-        let _ = fs::remove_file(f);
-    }
+    let DebianOci {
+        layout,
+        version,
+        kernel_sha,
+        initrd_sha,
+    } = debian_oci(work.path(), true);
     let registry = TestRegistry::start(false);
     let refs: Vec<String> = ["rootfs", "noboot", "kernel", "disk"]
         .iter()
@@ -294,4 +174,22 @@ fn rootfs_kernel_image_and_container_disk_images_boot_to_the_agent() {
         );
     }
     mark("checked in the guests");
+
+    // QEMU read each image kernel through a link in run/boot; a deleted VM
+    // leaves none (it would hold a released kernel's blocks).
+    let boot = d.run_dir().join("boot");
+    for name in ["oci-a", "oci-b"] {
+        let link = boot.join(format!("{name}.kernel"));
+        assert_eq!(sha256sum(&link), kernel_sha, "{}", link.display());
+        d.request("DELETE", &format!("/v1/virtualmachines/{name}"), None);
+    }
+    wait_until("the VMs are gone", Duration::from_secs(120), || {
+        d.get_vm("oci-a").is_none() && d.get_vm("oci-b").is_none()
+    });
+    let mut left: Vec<String> = fs::read_dir(&boot)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, Vec::<String>::new(), "run/boot after the deletes");
 }

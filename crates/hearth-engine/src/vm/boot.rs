@@ -188,6 +188,15 @@ pub(super) fn stage_boot_files(
     Ok(k)
 }
 
+/// Removes what [`stage_boot_files`] put into `dir` for `vm`: links that
+/// would keep a released kernel's blocks after the VM is gone.
+pub(super) fn remove_staged(dir: &std::path::Path, vm: &str) {
+    for kind in ["kernel", "initrd"] {
+        let _ = std::fs::remove_file(dir.join(format!("{vm}.{kind}")));
+        let _ = std::fs::remove_file(dir.join(format!(".{vm}.{kind}.tmp")));
+    }
+}
+
 /// The VirtualImage the VM's first disk is made from, or why there is none.
 fn first_disk_image(ctx: &Context, vm: &VirtualMachine) -> Result<Result<String, String>, VmError> {
     let Some(d) = vm.spec.disks.first() else {

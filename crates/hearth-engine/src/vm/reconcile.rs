@@ -294,6 +294,7 @@ fn remove(ctx: &Arc<Context>, vm: &VirtualMachine) -> Result<(), ReconcileError>
     ctx.drop_live(name);
     let _ = std::fs::remove_dir_all(ctx.config.vm_run_dir(name));
     let _ = std::fs::remove_dir_all(ctx.config.vm_state_dir(name));
+    super::boot::remove_staged(&ctx.config.boot_files_dir(), name);
     ctx.store.remove(Kind::VirtualMachine, name)?;
     ctx.metrics.forget_vm(name);
     ctx.event(

@@ -175,7 +175,7 @@ async fn try_launch(
     // `run/vms/` (0700): a kernel from the image store is given to it from
     // `run/boot/` (0711, in the 0711 run directory).
     let kernel = match kernel {
-        Some(k) if from_image => Some(stage_boot_files(&cfg.run_dir.join("boot"), name, k)?),
+        Some(k) if from_image => Some(stage_boot_files(&cfg.boot_files_dir(), name, k)?),
         k => k,
     };
     // No QEMU of this VM runs (a leftover launch was settled first), so the

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod debian;
+pub mod debian_oci;
 pub mod http;
 pub mod netns;
 pub mod qemu_img_log;
