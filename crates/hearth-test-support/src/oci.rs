@@ -220,7 +220,7 @@ impl TestRegistry {
             t
         });
         let config = format!(
-            "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: {}\n{http}{auth}",
+            "version: 0.1\nlog:\n  level: info\nstorage:\n  filesystem:\n    rootdirectory: {}\n{http}{auth}",
             s(&d.join("data"))
         );
         fs::write(d.join("config.yml"), config).expect("write");
