@@ -21,7 +21,7 @@ use oci_spec::image::{Descriptor, Digest, ImageIndex};
 use serde::Deserialize;
 use sha2::{Digest as _, Sha256};
 
-use crate::blobs::{BlobStore, read_bounded};
+use crate::blobs::{BlobStore, Counting, read_bounded};
 use crate::layout::{self, Image};
 use crate::{MAX_CONFIG_BYTES, MAX_MANIFEST_BYTES, OciError};
 
@@ -63,9 +63,22 @@ pub fn import(
     tag: Option<&str>,
     limit: u64,
 ) -> Result<Image, OciError> {
+    import_with_progress(path, store, tag, limit, |_| {})
+}
+
+/// [`import`], telling `progress` how many bytes of the archive file were
+/// read so far (every few MiB): the archive is read once, so its length is
+/// the whole of the work.
+pub fn import_with_progress(
+    path: &Path,
+    store: &BlobStore,
+    tag: Option<&str>,
+    limit: u64,
+    progress: impl FnMut(u64),
+) -> Result<Image, OciError> {
     let file =
         std::fs::File::open(path).map_err(|e| OciError::io("opening the archive", path, e))?;
-    let got = read_once(path, file, store, limit)?;
+    let got = read_once(path, Counting::new(file, progress), store, limit)?;
     if got.oci_layout
         && let Some(index) = &got.index
     {
@@ -82,7 +95,7 @@ pub fn import(
 
 fn read_once(
     path: &Path,
-    file: std::fs::File,
+    file: impl Read,
     store: &BlobStore,
     limit: u64,
 ) -> Result<Read1, OciError> {

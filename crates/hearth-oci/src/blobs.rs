@@ -168,6 +168,42 @@ impl BlobStore {
     }
 }
 
+/// How often a [`Counting`] reader reports: often enough for a progress
+/// line, rarely enough to cost nothing.
+pub(crate) const PROGRESS_STEP: u64 = 4 << 20;
+
+/// A reader that tells `progress` how many bytes were read through it so
+/// far: every [`PROGRESS_STEP`] bytes and when it reads the end.
+pub(crate) struct Counting<R, F: FnMut(u64)> {
+    inner: R,
+    read: u64,
+    told: u64,
+    progress: F,
+}
+
+impl<R, F: FnMut(u64)> Counting<R, F> {
+    pub(crate) fn new(inner: R, progress: F) -> Self {
+        Counting {
+            inner,
+            read: 0,
+            told: 0,
+            progress,
+        }
+    }
+}
+
+impl<R: Read, F: FnMut(u64)> Read for Counting<R, F> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.read += n as u64;
+        if (n == 0 && self.read > self.told) || self.read - self.told >= PROGRESS_STEP {
+            (self.progress)(self.read);
+            self.told = self.read;
+        }
+        Ok(n)
+    }
+}
+
 /// Reads `from` whole, refusing more than `limit` bytes.
 /// `name` says which (a digest, or where in an archive) in errors.
 pub(crate) fn read_bounded(

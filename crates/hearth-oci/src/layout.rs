@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use oci_spec::image::{Descriptor, Digest, ImageConfiguration, ImageIndex, ImageManifest};
 use sha2::{Digest as _, Sha256};
 
-use crate::blobs::{BlobStore, read_bounded, sha256_hex};
+use crate::blobs::{BlobStore, Counting, read_bounded, sha256_hex};
 pub use crate::resolve::{Need, Resolver};
 use crate::{MAX_MANIFEST_BYTES, OciError};
 
@@ -102,7 +102,8 @@ impl Layout {
     }
 
     /// Copies the image's documents and layers into `store`, each verified
-    /// as it streams. `progress` hears the bytes copied so far. Returns the
+    /// as it streams. `progress` hears the layer bytes copied so far (every few
+    /// MiB and after each layer). Returns the
     /// bytes copied (blobs already stored are not copied again).
     pub fn copy_into(
         &self,
@@ -114,13 +115,21 @@ impl Layout {
         for (d, bytes) in &image.documents {
             copied += store.put(d.digest(), d.size(), &mut bytes.as_slice())?;
         }
+        // Progress counts layer bytes, as `layer_bytes` does.
+        let mut layers_done = 0;
         for layer in image.layers() {
             if store.contains(layer.digest()) {
                 continue;
             }
-            let mut from = self.open_blob(layer.digest())?;
-            copied += store.put(layer.digest(), layer.size(), &mut from)?;
-            progress(copied);
+            let from = self.open_blob(layer.digest())?;
+            let base = layers_done;
+            let n = {
+                let mut from = Counting::new(from, |n| progress(base + n));
+                store.put(layer.digest(), layer.size(), &mut from)?
+            };
+            copied += n;
+            layers_done += n;
+            progress(layers_done);
         }
         Ok(copied)
     }

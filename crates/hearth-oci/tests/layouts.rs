@@ -300,3 +300,65 @@ fn archives_that_skopeo_writes_in_both_formats_give_the_image_back() {
     assert!(e.to_string().contains("docker.io/hearth/box:1"), "{e}");
     assert_eq!(fs::read_dir(store.root().join("tmp")).unwrap().count(), 0);
 }
+
+/// Bytes no compressor shrinks (xorshift), so the layer stays this large.
+fn noise(len: usize) -> Vec<u8> {
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut out = Vec::with_capacity(len + 8);
+    while out.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// What a progress callback heard: rising, ending at `end`, and more than
+/// once for a copy of several steps.
+fn assert_progress(seen: &[u64], end: u64) {
+    assert!(seen.len() >= 3, "{seen:?}");
+    assert!(seen.windows(2).all(|w| w[0] <= w[1]), "{seen:?}");
+    assert_eq!(seen.last().copied(), Some(end), "{seen:?}");
+}
+
+#[test]
+fn layout_and_archive_copies_report_their_progress_as_they_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("layout");
+    umoci_image(&layout, "big", |root| {
+        fs::write(root.join("noise"), noise(20 << 20)).unwrap();
+    });
+    let l = Layout::open(&layout).unwrap();
+    let image = l.image(Some("big")).unwrap();
+    assert!(image.layer_bytes() > 16 << 20, "{}", image.layer_bytes());
+    let store = BlobStore::open(dir.path().join("store")).unwrap();
+    let mut seen = Vec::new();
+    l.copy_into(&image, &store, |n| seen.push(n)).unwrap();
+    assert_progress(&seen, image.layer_bytes());
+
+    // An archive: bytes of the tar file read, up to its length.
+    let tar = dir.path().join("big.tar");
+    run(
+        "skopeo",
+        &[
+            "copy",
+            "-q",
+            &format!("oci:{}:big", path(&layout)),
+            &format!("oci-archive:{}:big", path(&tar)),
+        ],
+    );
+    let len = fs::metadata(&tar).unwrap().len();
+    let store = BlobStore::open(dir.path().join("store2")).unwrap();
+    let mut seen = Vec::new();
+    let got = hearth_oci::archive::import_with_progress(&tar, &store, Some("big"), 1 << 30, |n| {
+        seen.push(n)
+    })
+    .unwrap();
+    assert_eq!(got.digest, image.digest);
+    assert!(seen.len() >= 3, "{seen:?}");
+    assert!(seen.windows(2).all(|w| w[0] < w[1]), "{seen:?}");
+    let last = *seen.last().unwrap();
+    assert!(last <= len && last + (5 << 20) > len, "{last} of {len}");
+}

@@ -9,25 +9,12 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 use std::time::Duration;
 
 use common::debian::*;
 use common::*;
 use serde_json::json;
-
-/// `hearth ARGS` run inside the daemon's namespace, so that its ssh reaches
-/// the guest.
-fn hearth_in_netns(d: &Daemon, args: &[&str]) -> Output {
-    let ns = d.netns.as_ref().expect("netns");
-    Command::new("ip")
-        .args(["netns", "exec", &ns.name])
-        .arg(hearth_bin())
-        .args(args)
-        .env("HEARTH_SOCKET", d.socket())
-        .output()
-        .expect("hearth")
-}
 
 fn keypair(dir: &Path) -> (std::path::PathBuf, String) {
     let key = dir.join("id_ed25519");
@@ -40,18 +27,6 @@ fn keypair(dir: &Path) -> (std::path::PathBuf, String) {
     let public = std::fs::read_to_string(key.with_extension("pub")).expect("public key");
     (key, public.trim().to_string())
 }
-
-/// Options that keep ssh from asking anything or touching ~/.ssh.
-const SSH_OPTS: [&str; 8] = [
-    "-o",
-    "BatchMode=yes",
-    "-o",
-    "StrictHostKeyChecking=no",
-    "-o",
-    "UserKnownHostsFile=/dev/null",
-    "-o",
-    "ConnectTimeout=10",
-];
 
 /// `ssh -p 2222 HOST` inside the namespace: the guest's `$SSH_CONNECTION`
 /// (client address, client port, server address, server port).
@@ -127,13 +102,16 @@ fn hearth_ssh_reaches_a_debian_guest_configured_by_cloud_init() {
     // `hearth ssh` picks the interface's address (no userData names a user:
     // the image's default one is given with -l).
     let key_arg = key.display().to_string();
-    let printed = hearth_in_netns(&d, &["ssh", "deb", "--print", "-i", &key_arg, "--", "true"]);
+    let printed = d.hearth_in_netns(
+        &["ssh", "deb", "--print", "-i", &key_arg, "--", "true"],
+        None,
+    );
     let printed = String::from_utf8_lossy(&printed.stdout).into_owned();
     assert!(printed.contains(&format!("-- {ip} true")), "{printed}");
     let mut args = vec!["ssh", "deb", "-l", &user, "-i", &key_arg];
     args.extend(SSH_OPTS);
     args.extend(["--", "cat", "/etc/hostname"]);
-    let out = hearth_in_netns(&d, &args);
+    let out = d.hearth_in_netns(&args, None);
     assert!(
         out.status.success(),
         "hearth ssh: {}\n{}",

@@ -14,7 +14,7 @@ mod common;
 
 use std::fs;
 use std::path::Path;
-use std::process::{Command, Output, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::debian::*;
@@ -24,21 +24,6 @@ use hearth_test_support::oci::TestRegistry;
 
 fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
-}
-
-/// `hearth ARGS` inside the daemon's namespace (its ssh reaches the
-/// guest), with `home` as HOME.
-fn hearth_in_netns(d: &Daemon, home: &Path, args: &[&str]) -> Output {
-    let ns = d.netns.as_ref().expect("netns");
-    Command::new("ip")
-        .args(["netns", "exec", &ns.name])
-        .arg(hearth_bin())
-        .args(args)
-        .env("HEARTH_SOCKET", d.socket())
-        .env("HOME", home)
-        .env_remove("XDG_DATA_HOME")
-        .output()
-        .expect("hearth")
 }
 
 /// Manifest GETs of `repo` in the registry's own log (one line a request
@@ -200,25 +185,11 @@ fn hearth_run_and_an_ignite_manifest_boot_debian_from_a_registry() {
     );
     let key_arg = key.display().to_string();
     let ssh = |cmd: &[&str]| {
-        let mut args = vec![
-            "ssh",
-            "web",
-            "-l",
-            "root",
-            "-i",
-            &key_arg,
-            "-o",
-            "BatchMode=yes",
-            "-o",
-            "StrictHostKeyChecking=no",
-            "-o",
-            "UserKnownHostsFile=/dev/null",
-            "-o",
-            "ConnectTimeout=10",
-            "--",
-        ];
+        let mut args = vec!["ssh", "web", "-l", "root", "-i", &key_arg];
+        args.extend(SSH_OPTS);
+        args.push("--");
         args.extend(cmd);
-        let out = hearth_in_netns(&d, &home, &args);
+        let out = d.hearth_in_netns(&args, Some(&home));
         assert!(
             out.status.success(),
             "hearth ssh web {cmd:?}: {}\n{}",

@@ -494,19 +494,49 @@ async fn read_image(
     }
     .map_err(|m| Failure::new("SourceNotAllowed", format!("{}: {m}", field(src))))?;
     report(Progress::new(None, Instant::now()).report());
-    tokio::task::spawn_blocking(move || -> Result<Image, OciError> {
+    // The copy runs on a blocking thread; its progress (bytes done, and the
+    // total once known) comes back over a watch channel to be reported here.
+    let (tx, mut rx) = tokio::sync::watch::channel((0u64, None::<u64>));
+    let job = tokio::task::spawn_blocking(move || -> Result<Image, OciError> {
         if src2.layout.is_some() {
             let layout = Layout::open(&path)?;
             let image = layout.image(tag.as_deref())?;
-            layout.copy_into(&image, &store, |_| {})?;
+            let total = Some(image.layer_bytes());
+            let _ = tx.send((0, total));
+            layout.copy_into(&image, &store, |n| {
+                let _ = tx.send((n, total));
+            })?;
             Ok(image)
         } else {
-            hearth_oci::archive::import(&path, &store, tag.as_deref(), limit)
+            let total = std::fs::metadata(&path).ok().map(|m| m.len());
+            hearth_oci::archive::import_with_progress(&path, &store, tag.as_deref(), limit, |n| {
+                let _ = tx.send((n, total));
+            })
         }
-    })
-    .await
-    .map_err(blocking_failed)?
-    .map_err(|e| failure(src, e))
+    });
+    tokio::pin!(job);
+    // Made at the first message: each carries the same total.
+    let mut progress: Option<(Progress, u64)> = None;
+    let mut open = true;
+    let done = loop {
+        tokio::select! {
+            r = &mut job => break r,
+            changed = rx.changed(), if open => {
+                if changed.is_err() {
+                    open = false;
+                    continue;
+                }
+                let (n, total) = *rx.borrow_and_update();
+                let (p, last) =
+                    progress.get_or_insert_with(|| (Progress::new(total, Instant::now()), 0));
+                if let Some(r) = p.add(n.saturating_sub(*last), Instant::now()) {
+                    report(r);
+                }
+                *last = n;
+            }
+        }
+    };
+    done.map_err(blocking_failed)?.map_err(|e| failure(src, e))
 }
 
 fn read_credentials(path: &Path) -> Result<Credentials, Failure> {

@@ -37,6 +37,18 @@ pub fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Options that keep ssh from asking anything or touching ~/.ssh.
+pub const SSH_OPTS: [&str; 8] = [
+    "-o",
+    "BatchMode=yes",
+    "-o",
+    "StrictHostKeyChecking=no",
+    "-o",
+    "UserKnownHostsFile=/dev/null",
+    "-o",
+    "ConnectTimeout=10",
+];
+
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .ancestors()
@@ -188,6 +200,24 @@ impl Daemon {
         };
         d.spawn();
         d
+    }
+
+    /// The real CLI inside the daemon's namespace (so that its ssh reaches
+    /// the guests there), with `home` as HOME when given.
+    pub fn hearth_in_netns(&self, args: &[&str], home: Option<&Path>) -> Output {
+        let ns = self
+            .netns
+            .as_ref()
+            .expect("a daemon started in a namespace");
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &ns.name])
+            .arg(hearth_bin())
+            .args(args)
+            .env("HEARTH_SOCKET", self.socket());
+        if let Some(h) = home {
+            c.env("HOME", h).env_remove("XDG_DATA_HOME");
+        }
+        c.output().expect("hearth")
     }
 
     /// Runs a command inside the daemon's namespace (`ip netns exec`).
