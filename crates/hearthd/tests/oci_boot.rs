@@ -5,8 +5,10 @@
 //!
 //! - a rootfs image with its own `/boot`: hearth's kernel boot of that
 //!   kernel (no `spec.boot` at all);
-//! - a rootfs image without `/boot`, given a kernel image (only
-//!   `/boot/vmlinuz` and `/boot/initrd.img`) by `spec.boot.kernelImage`;
+//! - a rootfs image without `/boot` and without modules, given a kernel
+//!   image (only `/boot/vmlinuz`, `/boot/initrd.img` and
+//!   `/lib/modules/VERSION`) by `spec.boot.kernelImage`: the guest loads a
+//!   module hearth copied into its root disk;
 //! - a containerDisk image of the qcow2, booted through the firmware.
 //!
 //! Ground truth from the guest (`/proc/cmdline`, `uname -r`, `hostname`
@@ -67,6 +69,8 @@ fn rootfs_kernel_image_and_container_disk_images_boot_to_the_agent() {
         version,
         kernel_sha,
         initrd_sha,
+        module,
+        module_sha,
     } = debian_oci(work.path(), true);
     let registry = TestRegistry::start(false);
     let refs: Vec<String> = ["rootfs", "noboot", "kernel", "disk"]
@@ -159,6 +163,23 @@ fn rootfs_kernel_image_and_container_disk_images_boot_to_the_agent() {
     );
     assert_eq!(d.agent_sh_ok("oci-b", "uname -r").trim(), version);
     d.agent_sh_ok("oci-b", "test ! -e /boot/vmlinuz-$(uname -r)");
+    // The kernel image's modules are in its root disk (the rootfs image has
+    // none: its ext4 is read below), byte for byte, and load.
+    let got = d.agent_sh_ok(
+        "oci-b",
+        &format!("sha256sum /lib/modules/$(uname -r)/{module}"),
+    );
+    assert!(got.starts_with(&module_sha), "{got} vs {module_sha}");
+    d.agent_sh_ok("oci-b", "modprobe dummy && grep -q '^dummy ' /proc/modules");
+    let noboot_file = b["path"].as_str().expect("status.path of deb-noboot");
+    let stat = std::process::Command::new("debugfs")
+        .args(["-R", "stat /usr/lib/modules", noboot_file])
+        .output()
+        .expect("debugfs (e2fsprogs)");
+    assert!(
+        String::from_utf8_lossy(&stat.stderr).contains("File not found"),
+        "the noboot image has modules of its own: {stat:?}"
+    );
     // (c) GRUB's command line: the firmware booted the disk.
     let cmdline = d.agent_sh_ok("oci-c", "cat /proc/cmdline");
     assert!(cmdline.contains("root=UUID="), "{cmdline}");

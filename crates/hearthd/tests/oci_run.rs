@@ -259,6 +259,13 @@ fn hearth_run_and_an_ignite_manifest_boot_debian_from_a_registry() {
         d.agent_sh_ok("ig", "cat /etc/ignite-marker"),
         "copied from an Ignite manifest\n"
     );
+    // The kernel image's modules, copied into the root disk as Ignite does.
+    let got = d.agent_sh_ok(
+        "ig",
+        &format!("sha256sum /lib/modules/$(uname -r)/{}", images.module),
+    );
+    assert!(got.starts_with(&images.module_sha), "{got}");
+    d.agent_sh_ok("ig", "modprobe dummy && grep -q '^dummy ' /proc/modules");
 
     // status.running: false stops it (no QEMU of it is left), and removing
     // the file deletes everything it made.

@@ -13,6 +13,7 @@
 //! (docs/reconciler.md "Disks").
 
 mod create;
+pub(crate) mod e2fs;
 mod error;
 mod files;
 mod plan;

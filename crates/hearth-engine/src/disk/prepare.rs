@@ -25,15 +25,15 @@ use hearth_api::{DiskFile, OciShape, VirtualDisk};
 use hearth_qemu::programs;
 use hearth_qemu::storage_daemon::FuseExport;
 
+use super::e2fs::{
+    self, DEBUGFS_TIMEOUT, Found, RESIZE_TIMEOUT, complaints, e2fsck, parse_found, parse_inode,
+    quotable, quote, stat_request, text,
+};
 use crate::context::Context;
 use crate::image::ReadyImage;
 
 const START_TIMEOUT: Duration = Duration::from_secs(30);
-const CHECK_TIMEOUT: Duration = Duration::from_secs(600);
-const RESIZE_TIMEOUT: Duration = Duration::from_secs(1800);
-const DEBUGFS_TIMEOUT: Duration = Duration::from_secs(120);
 const STOP_TIMEOUT: Duration = Duration::from_secs(120);
-const MAX_OUTPUT: usize = 64 * 1024;
 /// The longest name ext4 holds.
 const MAX_NAME: usize = 255;
 
@@ -132,7 +132,7 @@ pub fn plan_file(i: usize, f: &DiskFile) -> Result<Planned, PrepareError> {
     let Some(text) = f.path.to_str() else {
         return Err(err(field, format!("{:?} is not UTF-8", f.path)));
     };
-    if let Some(c) = text.chars().find(|c| *c == '"' || c.is_control()) {
+    if let Err(c) = quotable(text) {
         return Err(err(
             field,
             format!("{text:?} holds {c:?}, which a debugfs command cannot express"),
@@ -184,16 +184,6 @@ pub fn plan_file(i: usize, f: &DiskFile) -> Result<Planned, PrepareError> {
     })
 }
 
-/// What a path in the image is, as `debugfs stat` says.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Found {
-    Missing,
-    Regular,
-    Directory,
-    Symlink,
-    Other(String),
-}
-
 /// The paths to look at before writing: every parent and every target,
 /// each once, in order.
 pub fn to_inspect(files: &[Planned]) -> Vec<String> {
@@ -207,17 +197,6 @@ pub fn to_inspect(files: &[Planned]) -> Vec<String> {
         }
     }
     out
-}
-
-/// A path inside debugfs's double quotes ([`plan_file`] made sure it
-/// holds no quote and no control character).
-fn quote(p: &str) -> String {
-    format!("\"{p}\"")
-}
-
-/// The debugfs command that stats `path`.
-pub fn stat_request(path: &str) -> String {
-    format!("stat {}", quote(path))
 }
 
 /// The debugfs script that writes `files` into a filesystem where the
@@ -307,59 +286,6 @@ pub fn script(files: &[Planned], found: &BTreeMap<String, Found>) -> Result<Stri
     Ok(out)
 }
 
-/// What `debugfs -R 'stat PATH'` printed, read: its type, or missing.
-pub fn parse_found(stdout: &str, stderr: &str) -> Result<Found, String> {
-    if let Some(line) = stdout.lines().find(|l| l.starts_with("Inode:")) {
-        let t = field_text(line, "Type:").ok_or_else(|| format!("no type in {line:?}"))?;
-        return Ok(match t.as_str() {
-            "regular" => Found::Regular,
-            "directory" => Found::Directory,
-            "symlink" => Found::Symlink,
-            other => Found::Other(other.to_string()),
-        });
-    }
-    if stderr.contains("File not found by ext2_lookup") {
-        return Ok(Found::Missing);
-    }
-    Err(stderr
-        .lines()
-        .filter(|l| !l.starts_with("debugfs "))
-        .collect::<Vec<_>>()
-        .join("; "))
-}
-
-/// What a written file is, read back from `debugfs stat`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Inode {
-    pub found: Found,
-    pub mode: u32,
-    pub uid: u32,
-    pub gid: u32,
-    pub size: u64,
-}
-
-pub fn parse_inode(stdout: &str) -> Option<Inode> {
-    let found = parse_found(stdout, "").ok()?;
-    let all = stdout.lines().take(4).collect::<Vec<_>>().join("  ");
-    let num = |key: &str| field_text(&all, key);
-    Some(Inode {
-        found,
-        mode: u32::from_str_radix(&num("Mode:")?, 8).ok()?,
-        uid: num("User:")?.parse().ok()?,
-        gid: num("Group:")?.parse().ok()?,
-        size: num("Size:")?.parse().ok()?,
-    })
-}
-
-/// The text after `key` in a debugfs line, up to the next run of two
-/// spaces (types such as `character special` hold one).
-fn field_text(line: &str, key: &str) -> Option<String> {
-    let at = line.find(key)? + key.len();
-    let rest = line[at..].trim_start();
-    let end = rest.find("  ").unwrap_or(rest.len());
-    Some(rest[..end].trim().to_string())
-}
-
 /// The work directory of one prepare, removed when dropped (after the
 /// export, declared after it, is gone).
 struct WorkDir(PathBuf);
@@ -417,13 +343,13 @@ pub async fn prepare(
 
     let fsck = e2fsck(&device, "-fn")
         .await
-        .map_err(|m| err("spec.source.virtualImage", m))?;
-    if !fsck.0 {
+        .map_err(|m| err("spec.source.virtualImage", m.to_string()))?;
+    if !fsck.passed {
         return Err(err(
             "spec.source.virtualImage",
             format!(
                 "the ext4 filesystem of VirtualImage {:?} is damaged (e2fsck -fn): {}",
-                image.name, fsck.1
+                image.name, fsck.said
             ),
         ));
     }
@@ -432,14 +358,14 @@ pub async fn prepare(
         // -p fixes nothing a clean -n found, it only records the check.
         let p = e2fsck(&device, "-fp")
             .await
-            .map_err(|m| err("spec.size", m))?;
-        if !p.0 {
+            .map_err(|m| err("spec.size", m.to_string()))?;
+        if !p.passed {
             return Err(err(
                 "spec.size",
-                format!("e2fsck -fp before growing: {}", p.1),
+                format!("e2fsck -fp before growing: {}", p.said),
             ));
         }
-        let out = tool(
+        let out = e2fs::tool(
             "resize2fs",
             &[device.as_os_str()],
             None,
@@ -447,7 +373,7 @@ pub async fn prepare(
             programs::Class::Copy,
         )
         .await
-        .map_err(|m| err("spec.size", m))?;
+        .map_err(|m| err("spec.size", m.to_string()))?;
         if !out.status.success() {
             return Err(err(
                 "spec.size",
@@ -464,13 +390,13 @@ pub async fn prepare(
         write_files(&files, &device, &work.0).await?;
         let after = e2fsck(&device, "-fn")
             .await
-            .map_err(|m| err("spec.files", m))?;
-        if !after.0 {
+            .map_err(|m| err("spec.files", m.to_string()))?;
+        if !after.passed {
             return Err(err(
                 "spec.files",
                 format!(
                     "the filesystem fails e2fsck -fn after the files were written: {}",
-                    after.1
+                    after.said
                 ),
             ));
         }
@@ -547,29 +473,32 @@ async fn stage(
 async fn write_files(files: &[Planned], device: &Path, dir: &Path) -> Result<(), PrepareError> {
     let mut found = BTreeMap::new();
     for p in to_inspect(files) {
-        let out = debugfs(device, dir, &["-R".into(), stat_request(&p)], None)
-            .await
-            .map_err(|m| err("spec.files", m))?;
+        let out = e2fs::debugfs(
+            device,
+            dir,
+            &["-R".into(), stat_request(&p)],
+            None,
+            DEBUGFS_TIMEOUT,
+        )
+        .await
+        .map_err(|m| err("spec.files", m.to_string()))?;
         let f = parse_found(&text(&out.stdout), &text(&out.stderr))
             .map_err(|m| err("spec.files", format!("debugfs stat {p:?}: {m}")))?;
         found.insert(p, f);
     }
     let script = script(files, &found)?;
-    let out = debugfs(
+    let out = e2fs::debugfs(
         device,
         dir,
         &["-w".into(), "-f".into(), "-".into()],
         Some(script.as_bytes()),
+        DEBUGFS_TIMEOUT,
     )
     .await
-    .map_err(|m| err("spec.files", m))?;
+    .map_err(|m| err("spec.files", m.to_string()))?;
     // debugfs exits 0 whatever its commands did: its complaints are on
     // stderr, after its version line.
-    let complaints: Vec<String> = text(&out.stderr)
-        .lines()
-        .filter(|l| !l.starts_with("debugfs ") && !l.trim().is_empty())
-        .map(str::to_string)
-        .collect();
+    let complaints = complaints(&text(&out.stderr));
     if !out.status.success() || !complaints.is_empty() {
         return Err(err(
             "spec.files",
@@ -584,9 +513,15 @@ async fn write_files(files: &[Planned], device: &Path, dir: &Path) -> Result<(),
         let want = std::fs::metadata(dir.join(&f.staged))
             .map(|m| m.len())
             .unwrap_or(0);
-        let out = debugfs(device, dir, &["-R".into(), stat_request(&f.path)], None)
-            .await
-            .map_err(|m| err(path_field(f.index), m))?;
+        let out = e2fs::debugfs(
+            device,
+            dir,
+            &["-R".into(), stat_request(&f.path)],
+            None,
+            DEBUGFS_TIMEOUT,
+        )
+        .await
+        .map_err(|m| err(path_field(f.index), m.to_string()))?;
         let got = parse_inode(&text(&out.stdout));
         let ok = got.as_ref().is_some_and(|i| {
             i.found == Found::Regular
@@ -608,97 +543,10 @@ async fn write_files(files: &[Planned], device: &Path, dir: &Path) -> Result<(),
     Ok(())
 }
 
-/// `e2fsck FLAGS DEVICE`: whether it passed (exit 0; 1 for `-p`, which
-/// fixed something harmless), and what it printed.
-async fn e2fsck(device: &Path, flags: &str) -> Result<(bool, String), String> {
-    let out = tool(
-        "e2fsck",
-        &[std::ffi::OsStr::new(flags), device.as_os_str()],
-        None,
-        CHECK_TIMEOUT,
-        programs::Class::Copy,
-    )
-    .await?;
-    let code = out.status.code();
-    let passed = code == Some(0) || (flags == "-fp" && code == Some(1));
-    let said = format!("{} {}", text(&out.stdout), text(&out.stderr));
-    Ok((
-        passed,
-        format!("exit {}: {}", out.status, tail(said.trim())),
-    ))
-}
-
-async fn debugfs(
-    device: &Path,
-    dir: &Path,
-    args: &[String],
-    input: Option<&[u8]>,
-) -> Result<programs::Finished, String> {
-    let mut all: Vec<&std::ffi::OsStr> = args.iter().map(std::ffi::OsStr::new).collect();
-    all.push(device.as_os_str());
-    let mut command = tokio::process::Command::new(
-        hearth_qemu::tools::find_binary("debugfs").map_err(|e| e.to_string())?,
-    );
-    command
-        .args(&all)
-        .current_dir(dir)
-        .env("DEBUGFS_PAGER", "__none__");
-    run(
-        command,
-        "debugfs",
-        input,
-        DEBUGFS_TIMEOUT,
-        programs::Class::Quick,
-    )
-    .await
-}
-
-async fn tool(
-    name: &str,
-    args: &[&std::ffi::OsStr],
-    input: Option<&[u8]>,
-    timeout: Duration,
-    class: programs::Class,
-) -> Result<programs::Finished, String> {
-    let mut command = tokio::process::Command::new(
-        hearth_qemu::tools::find_binary(name).map_err(|e| e.to_string())?,
-    );
-    command.args(args);
-    run(command, name, input, timeout, class).await
-}
-
-async fn run(
-    command: tokio::process::Command,
-    name: &str,
-    input: Option<&[u8]>,
-    timeout: Duration,
-    class: programs::Class,
-) -> Result<programs::Finished, String> {
-    let limits = programs::Limits {
-        timeout,
-        stdout: MAX_OUTPUT,
-        stderr: MAX_OUTPUT,
-    };
-    programs::run(command, class, input, limits)
-        .await
-        .map_err(|e| format!("{name}: {e}"))
-}
-
-fn text(b: &[u8]) -> String {
-    String::from_utf8_lossy(b).into_owned()
-}
-
-fn tail(s: &str) -> &str {
-    let mut start = s.len().saturating_sub(1024);
-    while !s.is_char_boundary(start) {
-        start += 1;
-    }
-    &s[start..]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::disk::e2fs::Inode;
 
     fn file(path: &str) -> DiskFile {
         DiskFile {

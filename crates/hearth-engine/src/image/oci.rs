@@ -154,16 +154,29 @@ fn collect_in(store: &crate::store::Store, images: &Path) -> usize {
     }
 }
 
-fn collect_inner(store: &crate::store::Store, images: &Path) -> Result<usize, String> {
+/// Why the blobs could not be released this time.
+#[derive(Debug, thiserror::Error)]
+enum CollectError {
+    #[error(transparent)]
+    Store(#[from] crate::store::StoreError),
+    #[error("{path}: {source}")]
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A root manifest that cannot be read or parsed.
+    #[error("the manifest {path}: {why}")]
+    Manifest { path: PathBuf, why: String },
+}
+
+fn collect_inner(store: &crate::store::Store, images: &Path) -> Result<usize, CollectError> {
     let dir = blob_dir(images).join("sha256");
     if !dir.is_dir() {
         return Ok(0);
     }
     let mut roots = Vec::new();
-    for o in store
-        .list(hearth_api::Kind::VirtualImage)
-        .map_err(|e| e.to_string())?
-    {
+    for o in store.list(hearth_api::Kind::VirtualImage)? {
         let hearth_api::Object::VirtualImage(i) = &o.object else {
             continue;
         };
@@ -182,7 +195,11 @@ fn collect_inner(store: &crate::store::Store, images: &Path) -> Result<usize, St
     }
     let keep = reachable(&dir, roots)?;
     let mut removed = 0;
-    for e in std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))? {
+    let entries = std::fs::read_dir(&dir).map_err(|source| CollectError::Dir {
+        path: dir.clone(),
+        source,
+    })?;
+    for e in entries {
         let Ok(e) = e else { continue };
         let name = e.file_name().to_string_lossy().into_owned();
         if !keep.contains(&name) && std::fs::remove_file(e.path()).is_ok() {
@@ -202,7 +219,10 @@ fn collect_inner(store: &crate::store::Store, images: &Path) -> Result<usize, St
 /// `config` and `layers`, an index's manifests followed. A root that is
 /// not stored, or does not parse, keeps everything (an error): its blobs
 /// are not known, so none may go.
-fn reachable(dir: &Path, roots: Vec<String>) -> Result<std::collections::HashSet<String>, String> {
+fn reachable(
+    dir: &Path,
+    roots: Vec<String>,
+) -> Result<std::collections::HashSet<String>, CollectError> {
     let mut keep = std::collections::HashSet::new();
     let mut todo: Vec<(String, bool)> = roots.into_iter().map(|r| (r, true)).collect();
     while let Some((hex, root)) = todo.pop() {
@@ -222,7 +242,7 @@ fn reachable(dir: &Path, roots: Vec<String>) -> Result<std::collections::HashSet
             Ok(doc) => doc,
             // An index names every platform's manifest; only one is stored.
             Err(_) if !root => continue,
-            Err(e) => return Err(format!("the manifest {}: {e}", path.display())),
+            Err(why) => return Err(CollectError::Manifest { path, why }),
         };
         let digest = |v: &serde_json::Value| {
             v["digest"]
@@ -657,7 +677,9 @@ mod tests {
         got.sort();
         assert_eq!(got, vec![hex('a'), hex('b'), hex('c'), hex('d'), hex('f')]);
         // A root whose document is not stored keeps everything.
-        let e = reachable(dir.path(), vec![hex('a'), hex('e')]).unwrap_err();
+        let e = reachable(dir.path(), vec![hex('a'), hex('e')])
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(&hex('e')), "{e}");
         // No image: nothing is kept.
         assert!(reachable(dir.path(), vec![]).unwrap().is_empty());

@@ -31,6 +31,13 @@ pub(super) enum ImageKernel {
     None { why: String, rootfs: bool },
 }
 
+/// The image a VM's first disk is made from, or why there is none.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) enum FirstDisk {
+    Image(String),
+    NoImage(String),
+}
+
 /// How a VM boots.
 #[derive(Clone, Debug, PartialEq)]
 pub(super) enum BootPlan {
@@ -57,7 +64,7 @@ pub(super) enum BootPlan {
 pub(super) fn choose(
     boot: Option<&Boot>,
     image: &mut dyn FnMut(&str) -> Result<ImageKernel, VmError>,
-    first_disk_image: &mut dyn FnMut() -> Result<Result<String, String>, VmError>,
+    first_disk_image: &mut dyn FnMut() -> Result<FirstDisk, VmError>,
 ) -> Result<BootPlan, VmError> {
     if boot.is_some_and(|b| b.kernel.is_some()) {
         return Ok(BootPlan::HostKernel);
@@ -85,14 +92,14 @@ pub(super) fn choose(
         };
     }
     let (why, rootfs) = match first_disk_image()? {
-        Ok(name) => match image(&name)? {
+        FirstDisk::Image(name) => match image(&name)? {
             ImageKernel::Files { kernel, initrd } => return Ok(from_image(kernel, initrd)),
             ImageKernel::None { why, rootfs } => (
                 format!("the VirtualImage {name:?} of spec.disks[0] {why}"),
                 rootfs,
             ),
         },
-        Err(why) => (why, false),
+        FirstDisk::NoImage(why) => (why, false),
     };
     match boot {
         Some(_) => Err(VmError::NoKernel { why }),
@@ -198,20 +205,20 @@ pub(super) fn remove_staged(dir: &std::path::Path, vm: &str) {
 }
 
 /// The VirtualImage the VM's first disk is made from, or why there is none.
-fn first_disk_image(ctx: &Context, vm: &VirtualMachine) -> Result<Result<String, String>, VmError> {
+fn first_disk_image(ctx: &Context, vm: &VirtualMachine) -> Result<FirstDisk, VmError> {
     let Some(d) = vm.spec.disks.first() else {
-        return Ok(Err("the VM has no disk".into()));
+        return Ok(FirstDisk::NoImage("the VM has no disk".into()));
     };
     let name = &d.virtual_disk_name;
     Ok(
         match ctx.store.get(Kind::VirtualDisk, name)?.map(|s| s.object) {
             Some(Object::VirtualDisk(disk)) => match disk.spec.source {
-                DiskSource::VirtualImage(image) => Ok(image),
-                _ => Err(format!(
+                DiskSource::VirtualImage(image) => FirstDisk::Image(image),
+                _ => FirstDisk::NoImage(format!(
                     "spec.disks[0] (VirtualDisk {name:?}) is not made from a VirtualImage"
                 )),
             },
-            _ => Err(format!(
+            _ => FirstDisk::NoImage(format!(
                 "spec.disks[0]: VirtualDisk {name:?} does not exist"
             )),
         },
@@ -308,7 +315,7 @@ mod tests {
         boot: Option<&Boot>,
         images: &BTreeMap<&str, ImageKernel>,
         first: Result<&str, &str>,
-    ) -> (Result<BootPlan, String>, Vec<String>) {
+    ) -> (Result<BootPlan, VmError>, Vec<String>) {
         let mut asked = Vec::new();
         let plan = choose(
             boot,
@@ -319,9 +326,14 @@ mod tests {
                     rootfs: false,
                 }))
             },
-            &mut || Ok(first.map(str::to_string).map_err(str::to_string)),
+            &mut || {
+                Ok(match first {
+                    Ok(name) => FirstDisk::Image(name.to_string()),
+                    Err(why) => FirstDisk::NoImage(why.to_string()),
+                })
+            },
         );
-        (plan.map_err(|e| e.to_string()), asked)
+        (plan, asked)
     }
 
     fn boot(kernel: Option<&str>, kernel_image: Option<&str>, cmdline: &str) -> Boot {
@@ -346,7 +358,7 @@ mod tests {
     fn a_host_kernel_wins_and_no_image_is_asked() {
         let b = boot(Some("/vmlinuz"), Some("kernel"), "quiet");
         let (plan, asked) = run(Some(&b), &images(), Ok("debian"));
-        assert_eq!(plan, Ok(BootPlan::HostKernel));
+        assert_eq!(plan.ok(), Some(BootPlan::HostKernel));
         assert!(asked.is_empty(), "{asked:?}");
     }
 
@@ -355,8 +367,8 @@ mod tests {
         let b = boot(None, Some("kernel"), "  quiet ");
         let (plan, asked) = run(Some(&b), &images(), Ok("bare-rootfs"));
         assert_eq!(
-            plan,
-            Ok(BootPlan::FromImage {
+            plan.ok(),
+            Some(BootPlan::FromImage {
                 kernel: "/k/vmlinux".into(),
                 initrd: None,
                 cmdline: format!("{IMAGE_KERNEL_CMDLINE} quiet"),
@@ -370,7 +382,7 @@ mod tests {
         for name in ["container-disk", "missing"] {
             let b = boot(None, Some(name), "");
             let (plan, _) = run(Some(&b), &images(), Ok("debian"));
-            let e = plan.expect_err("no kernel");
+            let e = plan.expect_err("no kernel").to_string();
             assert!(
                 e.starts_with("spec.boot.kernelImage:") && e.contains(name),
                 "{e}"
@@ -383,8 +395,8 @@ mod tests {
         for b in [None, Some(boot(None, None, ""))] {
             let (plan, asked) = run(b.as_ref(), &images(), Ok("debian"));
             assert_eq!(
-                plan,
-                Ok(BootPlan::FromImage {
+                plan.ok(),
+                Some(BootPlan::FromImage {
                     kernel: "/k/deb".into(),
                     initrd: Some("/k/deb.initrd".into()),
                     cmdline: IMAGE_KERNEL_CMDLINE.into(),
@@ -402,14 +414,14 @@ mod tests {
             Err("not from an image"),
         ] {
             let (plan, _) = run(None, &images(), first);
-            assert_eq!(plan, Ok(BootPlan::Firmware), "{first:?}");
+            assert_eq!(plan.ok(), Some(BootPlan::Firmware), "{first:?}");
         }
     }
 
     #[test]
     fn without_spec_boot_a_bare_rootfs_is_refused_not_handed_to_the_firmware() {
         let (plan, _) = run(None, &images(), Ok("bare-rootfs"));
-        let e = plan.expect_err("refused");
+        let e = plan.expect_err("refused").to_string();
         assert!(e.starts_with("spec.disks[0]:"), "{e}");
         assert!(e.contains("\"bare-rootfs\""), "{e}");
         assert!(e.contains("spec.boot.kernelImage"), "{e}");
@@ -424,7 +436,7 @@ mod tests {
             Err("the VM has no disk"),
         ] {
             let (plan, _) = run(Some(&b), &images(), first);
-            let e = plan.expect_err("no kernel");
+            let e = plan.expect_err("no kernel").to_string();
             assert!(e.starts_with("spec.boot: no kernel to boot"), "{e}");
             match first {
                 Ok(name) => assert!(e.contains(name), "{e}"),

@@ -42,6 +42,9 @@ pub enum VmError {
     /// settled before the start.
     #[error("{0}")]
     Unsettled(String),
+    /// The kernel image's modules could not be put into the root disk.
+    #[error("spec.boot.kernelImage: {0}")]
+    KernelModules(#[from] super::modules::ModulesError),
     #[error("spec.disks[{index}]: VirtualDisk {disk:?} is gone")]
     DiskGone { index: usize, disk: String },
     #[error("spec.disks[{index}]: VirtualDisk {disk:?} has no file yet")]

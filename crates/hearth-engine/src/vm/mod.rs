@@ -9,6 +9,7 @@ pub mod firmware;
 pub mod graceful;
 pub mod launches;
 pub mod live;
+mod modules;
 pub mod nics;
 mod reconcile;
 pub mod registry;

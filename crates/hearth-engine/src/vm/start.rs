@@ -126,6 +126,9 @@ async fn try_launch(
     crate::snapshot::compaction::settle_offline(ctx, &disk_names)
         .await
         .map_err(|e| VmError::Unsettled(e.to_string()))?;
+    // A kernel image's modules into the root disk it lacks them in: a new
+    // head over the settled one, recorded before the chain is read below.
+    super::modules::ensure(ctx, vm).await?;
     let mut disks = Vec::new();
     for (i, d) in vm.spec.disks.iter().enumerate() {
         let stored = ctx

@@ -80,12 +80,17 @@ pub struct DebianOci {
     pub version: String,
     pub kernel_sha: String,
     pub initrd_sha: String,
+    /// A module of the kernel, relative to `/lib/modules/VERSION`, and its
+    /// SHA-256: the kernel image has it, the `noboot` tree does not.
+    pub module: String,
+    pub module_sha: String,
 }
 
 /// Tags in `work/layout`: `rootfs` (the root tree, and an fstab naming
 /// /dev/vda: the partition's UUIDs mean nothing on hearth's disk),
-/// `noboot` (the same without /boot and the links to it), `kernel` (only
-/// /boot/vmlinuz and /boot/initrd.img, as Ignite's kernel images are) and,
+/// `noboot` (the same without /boot, the links to it and the kernel's
+/// modules), `kernel` (only /boot/vmlinuz, /boot/initrd.img and
+/// /lib/modules/VERSION, as Ignite's kernel images are) and,
 /// with `container_disk`, `disk` (the qcow2 under /disk/).
 pub fn debian_oci(work: &Path, container_disk: bool) -> DebianOci {
     let (qcow2, _) = debian_image();
@@ -116,6 +121,8 @@ pub fn debian_oci(work: &Path, container_disk: bool) -> DebianOci {
             "./vmlinuz.old",
             "./initrd.img",
             "./initrd.img.old",
+            "./usr/lib/modules",
+            "./lib/modules",
         ],
     );
     let fix = w.join("fix");
@@ -131,6 +138,13 @@ pub fn debian_oci(work: &Path, container_disk: bool) -> DebianOci {
     fs::create_dir_all(k.join("boot")).unwrap();
     fs::copy(&kernel_file, k.join("boot/vmlinuz")).unwrap();
     fs::copy(&initrd_file, k.join("boot/initrd.img")).unwrap();
+    // /lib is a link to usr/lib in the tree (merged /usr); the kernel image
+    // has a real /lib/modules, as Ignite's do.
+    let modules = root.join("usr/lib/modules").join(&version);
+    fs::create_dir_all(k.join("lib/modules")).unwrap();
+    tool("cp", &["-a", s(&modules), s(&k.join("lib/modules"))]);
+    let module = pick_module(&modules);
+    let module_sha = sha256sum(&modules.join(&module));
     let kernel_tar = w.join("kernel.tar");
     tar_dir(&k, &kernel_tar, &[]);
     drop(tree);
@@ -157,5 +171,19 @@ pub fn debian_oci(work: &Path, container_disk: bool) -> DebianOci {
         version,
         kernel_sha,
         initrd_sha,
+        module,
+        module_sha,
     }
+}
+
+/// A module the guest does not load by itself (the dummy network device),
+/// relative to the modules directory.
+fn pick_module(modules: &Path) -> String {
+    let dir = modules.join("kernel/drivers/net");
+    let name = fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .find(|n| n.starts_with("dummy.ko"))
+        .unwrap_or_else(|| panic!("no dummy.ko* in {}", dir.display()));
+    format!("kernel/drivers/net/{name}")
 }
