@@ -55,6 +55,41 @@ pub fn umoci_image(layout: &Path, tag: &str, fill: impl FnOnce(&Path)) {
     fs::remove_dir_all(&bundle).expect("remove the bundle");
 }
 
+/// A containerDisk image tagged `tag` in `layout`: a qcow2 of `size_mib`
+/// MiB whose first `data_mib` MiB hold `pattern` (qemu-io), under
+/// `/disk/disk.qcow2`. Returns the qcow2 made in `dir` (the bytes the
+/// image must become).
+pub fn container_disk_image(
+    layout: &Path,
+    tag: &str,
+    dir: &Path,
+    size_mib: u64,
+    pattern: u8,
+    data_mib: u64,
+) -> PathBuf {
+    let qcow2 = dir.join(format!("{tag}.qcow2"));
+    let path = qcow2.to_str().expect("utf-8 path");
+    tool(
+        "qemu-img",
+        &["create", "-q", "-f", "qcow2", path, &format!("{size_mib}M")],
+    );
+    tool(
+        "qemu-io",
+        &[
+            "-f",
+            "qcow2",
+            "-c",
+            &format!("write -q -P {pattern:#x} 0 {data_mib}M"),
+            path,
+        ],
+    );
+    umoci_image(layout, tag, |root| {
+        std::fs::create_dir_all(root.join("disk")).unwrap();
+        std::fs::copy(&qcow2, root.join("disk/disk.qcow2")).unwrap();
+    });
+    qcow2
+}
+
 /// A new layout `dir/layout` with image `t` made of `layers` (tar files),
 /// added verbatim by `umoci raw add-layer`.
 pub fn umoci_layers(dir: &Path, layers: &[Vec<u8>]) -> PathBuf {

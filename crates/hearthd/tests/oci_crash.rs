@@ -24,8 +24,8 @@ use std::time::{Duration, Instant};
 use common::{Daemon, Image, ObjectBuilder, wait_until};
 use hearth_api::OciSource;
 use hearth_test_support::oci::{
-    HugeManifestRegistry, StallingProxy, TestRegistry, sha256sum, skopeo_digest, tool, umoci_image,
-    umoci_tag,
+    HugeManifestRegistry, StallingProxy, TestRegistry, container_disk_image, sha256sum,
+    skopeo_digest, tool, umoci_image, umoci_tag,
 };
 use hearth_test_support::process::{command_lines, is_zombie};
 use serde_json::Value;
@@ -342,19 +342,7 @@ fn an_import_killed_between_its_verified_file_and_its_commit_commits_after_a_res
         .tempdir()
         .expect("tempdir");
     let layout = src.path().join("layout");
-    let qcow2 = src.path().join("disk.qcow2");
-    tool(
-        "qemu-img",
-        &["create", "-q", "-f", "qcow2", s(&qcow2), "64M"],
-    );
-    tool(
-        "qemu-io",
-        &["-f", "qcow2", "-c", "write -q -P 0x6b 0 4M", s(&qcow2)],
-    );
-    umoci_image(&layout, "disk", |root| {
-        fs::create_dir_all(root.join("disk")).unwrap();
-        fs::copy(&qcow2, root.join("disk/disk.qcow2")).unwrap();
-    });
+    let qcow2 = container_disk_image(&layout, "disk", src.path(), 64, 0x6b, 4);
     let disk_sum = sha256sum(&qcow2);
     let target = |d: &Daemon| images(d).join(format!("sha256-{disk_sum}.qcow2"));
     let mut d = Daemon::start_without_guest(&[src.path()], &["--image-retry-max-seconds", "2"]);

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use common::{Daemon, Image, ObjectBuilder};
 use hearth_api::{OciShape, OciSource};
-use hearth_test_support::oci::{TestRegistry, sha256sum, skopeo_digest, tool, umoci_image};
+use hearth_test_support::oci::{
+    TestRegistry, container_disk_image, sha256sum, skopeo_digest, tool, umoci_image,
+};
 use serde_json::Value;
 
 const IMPORT: Duration = Duration::from_secs(120);
@@ -58,19 +60,7 @@ fn oci_images_from_a_layout_an_archive_and_a_registry_become_checked_image_files
         .expect("tempdir");
     let layout = src.path().join("layout");
     // A containerDisk: a qcow2 with data in it, under /disk/.
-    let qcow2 = src.path().join("disk.qcow2");
-    tool(
-        "qemu-img",
-        &["create", "-q", "-f", "qcow2", s(&qcow2), "32M"],
-    );
-    tool(
-        "qemu-io",
-        &["-f", "qcow2", "-c", "write -q -P 0x5a 0 2M", s(&qcow2)],
-    );
-    umoci_image(&layout, "disk", |root| {
-        fs::create_dir_all(root.join("disk")).unwrap();
-        fs::copy(&qcow2, root.join("disk/disk.qcow2")).unwrap();
-    });
+    let qcow2 = container_disk_image(&layout, "disk", src.path(), 32, 0x5a, 2);
     // A rootfs.
     umoci_image(&layout, "root", |root| {
         fs::create_dir_all(root.join("etc")).unwrap();

@@ -190,6 +190,149 @@ pub async fn stat(
     Ok(parse_found(&text(&out.stdout), &text(&out.stderr)))
 }
 
+/// What a link in a filesystem points to: the `Fast link dest` debugfs
+/// `stat` shows for a short target, else (a target in a block of its own)
+/// the bytes `debugfs cat` prints.
+pub async fn link_target(
+    device: &Path,
+    dir: &Path,
+    path: &str,
+) -> Result<Result<String, DebugfsSaid>, ToolError> {
+    let out = debugfs(
+        device,
+        dir,
+        &["-R".into(), stat_request(path)],
+        None,
+        DEBUGFS_TIMEOUT,
+    )
+    .await?;
+    if let Some(t) = parse_fast_link(&text(&out.stdout)) {
+        return Ok(Ok(t));
+    }
+    let out = debugfs(
+        device,
+        dir,
+        &["-R".into(), format!("cat {}", quote(path))],
+        None,
+        DEBUGFS_TIMEOUT,
+    )
+    .await?;
+    let t = text(&out.stdout);
+    Ok(if t.is_empty() || t.len() > 4096 {
+        Err(DebugfsSaid(format!(
+            "the link {path:?} reads as {} bytes: {}",
+            t.len(),
+            complaints(&text(&out.stderr)).join("; ")
+        )))
+    } else {
+        Ok(t)
+    })
+}
+
+/// The target in a `Fast link dest: "TARGET"` line of `debugfs stat`.
+pub fn parse_fast_link(stdout: &str) -> Option<String> {
+    let line = stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("Fast link dest: "))?;
+    let t = line.trim_end().strip_prefix('"')?.strip_suffix('"')?;
+    Some(t.to_string())
+}
+
+/// A path resolved inside a filesystem one component at a time, links
+/// followed within it: an absolute target from the filesystem's root, a
+/// `..` never above it. The shell looks up each [`Resolve::next`] path
+/// and says whether it is a link ([`Resolve::link`]) or not
+/// ([`Resolve::other`]); a missing component is kept as it is named.
+#[derive(Debug, Clone)]
+pub struct Resolve {
+    done: Vec<String>,
+    todo: std::collections::VecDeque<String>,
+    pending: Option<String>,
+    links: u32,
+}
+
+/// Links followed in one resolution at most (Linux's own bound).
+pub const MAX_LINKS: u32 = 40;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ResolveError {
+    #[error("more than {MAX_LINKS} links on the way to {0:?}")]
+    TooManyLinks(String),
+    #[error("the link {0:?} is empty")]
+    EmptyLink(String),
+}
+
+fn parts(path: &str) -> impl Iterator<Item = String> + '_ {
+    path.split('/')
+        .filter(|p| !p.is_empty() && *p != ".")
+        .map(str::to_string)
+}
+
+impl Resolve {
+    pub fn new(path: &str) -> Resolve {
+        Resolve {
+            done: Vec::new(),
+            todo: parts(path).collect(),
+            pending: None,
+            links: 0,
+        }
+    }
+
+    fn joined(parts: &[String]) -> String {
+        format!("/{}", parts.join("/"))
+    }
+
+    /// The next path to look up, or None once the path is resolved.
+    pub fn next(&mut self) -> Option<String> {
+        while let Some(c) = self.todo.pop_front() {
+            if c == ".." {
+                self.done.pop();
+                continue;
+            }
+            let mut at = self.done.clone();
+            at.push(c.clone());
+            self.pending = Some(c);
+            return Some(Self::joined(&at));
+        }
+        None
+    }
+
+    /// The looked-up path is a link to `target`.
+    pub fn link(&mut self, target: &str) -> Result<(), ResolveError> {
+        let c = self.pending.take().expect("a lookup to answer");
+        let at = {
+            let mut a = self.done.clone();
+            a.push(c);
+            Self::joined(&a)
+        };
+        if target.is_empty() {
+            return Err(ResolveError::EmptyLink(at));
+        }
+        self.links += 1;
+        if self.links > MAX_LINKS {
+            return Err(ResolveError::TooManyLinks(at));
+        }
+        if target.starts_with('/') {
+            self.done.clear();
+        }
+        let mut front: std::collections::VecDeque<String> = parts(target).collect();
+        front.extend(self.todo.drain(..));
+        self.todo = front;
+        Ok(())
+    }
+
+    /// The looked-up path is not a link (a directory, a file, missing).
+    pub fn other(&mut self) {
+        let c = self.pending.take().expect("a lookup to answer");
+        self.done.push(c);
+    }
+
+    /// The resolved path (complete once [`Resolve::next`] gave None).
+    pub fn path(&self) -> String {
+        Self::joined(&self.done)
+    }
+}
+
 /// Any e2fsprogs program by name.
 pub async fn tool(
     name: &str,
@@ -234,4 +377,66 @@ pub fn tail(s: &str) -> &str {
         start += 1;
     }
     &s[start..]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// Resolves `path` over a filesystem given as its links.
+    fn resolve(
+        path: &str,
+        links: &BTreeMap<&str, &str>,
+    ) -> Result<(String, Vec<String>), ResolveError> {
+        let mut r = Resolve::new(path);
+        let mut asked = Vec::new();
+        while let Some(p) = r.next() {
+            asked.push(p.clone());
+            match links.get(p.as_str()) {
+                Some(t) => r.link(t)?,
+                None => r.other(),
+            }
+        }
+        Ok((r.path(), asked))
+    }
+
+    #[test]
+    fn links_are_followed_inside_the_filesystem_only() {
+        let links = BTreeMap::from([
+            ("/lib", "usr/lib"),
+            ("/abs", "/usr/lib"),
+            ("/up", "../../../usr"),
+            ("/a", "b"),
+            ("/b", "a"),
+            ("/empty", ""),
+        ]);
+        // Merged /usr: a relative link beside it.
+        let (p, asked) = resolve("/lib/modules", &links).unwrap();
+        assert_eq!(p, "/usr/lib/modules");
+        assert_eq!(asked, ["/lib", "/usr", "/usr/lib", "/usr/lib/modules"]);
+        assert_eq!(
+            resolve("/abs/modules", &links).unwrap().0,
+            "/usr/lib/modules"
+        );
+        // `..` stops at the root.
+        assert_eq!(resolve("/up/x", &links).unwrap().0, "/usr/x");
+        assert_eq!(resolve("/../../etc/./x/", &links).unwrap().0, "/etc/x");
+        assert!(matches!(
+            resolve("/a/x", &links),
+            Err(ResolveError::TooManyLinks(_))
+        ));
+        assert_eq!(
+            resolve("/empty/x", &links),
+            Err(ResolveError::EmptyLink("/empty".into()))
+        );
+        assert_eq!(resolve("/", &links).unwrap().0, "/");
+    }
+
+    #[test]
+    fn a_fast_link_line_is_read() {
+        let out = "Inode: 12   Type: symlink    Mode:  0777\nFast link dest: \"usr/lib\"\n";
+        assert_eq!(parse_fast_link(out).as_deref(), Some("usr/lib"));
+        assert_eq!(parse_fast_link("Inode: 12   Type: symlink\n"), None);
+    }
 }

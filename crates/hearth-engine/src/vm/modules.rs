@@ -84,6 +84,30 @@ pub enum TreeError {
     },
     #[error("{0}")]
     Tool(#[from] e2fs::ToolError),
+    #[error("{0}")]
+    Resolve(#[from] e2fs::ResolveError),
+    #[error("debugfs: {0}")]
+    Debugfs(#[from] e2fs::DebugfsSaid),
+}
+
+/// `path` in the filesystem of `device` with its links resolved
+/// ([`e2fs::Resolve`]): debugfs looks paths up through links, but makes
+/// directories only where a path names real ones.
+async fn resolve_in(device: &Path, dir: &Path, path: &str) -> Result<String, TreeError> {
+    let mut r = e2fs::Resolve::new(path);
+    while let Some(p) = r.next() {
+        // Names come from a filesystem someone else made: none reaches a
+        // debugfs command unless it fits inside its quotes.
+        must_quote(&p)?;
+        match e2fs::stat(device, dir, &p).await?? {
+            Found::Symlink => {
+                let target = e2fs::link_target(device, dir, &p).await??;
+                r.link(&target)?;
+            }
+            _ => r.other(),
+        }
+    }
+    Ok(r.path())
 }
 
 fn must_quote(path: &str) -> Result<(), TreeError> {
@@ -335,10 +359,13 @@ pub async fn ensure(ctx: &Arc<Context>, vm: &VirtualMachine) -> Result<(), Modul
     };
 
     let root = crate::disk::prepare::work_root(&ctx.config.state_dir);
+    let image_dir = resolve_in(&image_file, Path::new("/"), MODULES_DIR)
+        .await
+        .map_err(|e| image_err(e.to_string()))?;
     let listing = e2fs::debugfs(
         &image_file,
         Path::new("/"),
-        &["-R".into(), format!("ls -p {}", quote(MODULES_DIR))],
+        &["-R".into(), format!("ls -p {}", quote(&image_dir))],
         None,
         DEBUGFS_TIMEOUT,
     )
@@ -360,7 +387,7 @@ pub async fn ensure(ctx: &Arc<Context>, vm: &VirtualMachine) -> Result<(), Modul
         let _ = std::fs::remove_file(&new.path);
         return Err(disk_err(format!("making an overlay over its head: {e}")));
     }
-    let result = copy_into(&root, &new, &image_file, &have, vm).await;
+    let result = copy_into(&root, &new, (&image_file, &image_dir), &have, vm).await;
     match result {
         Ok(Some(written)) => {
             ctx.store.with_tx(|tx| {
@@ -427,7 +454,7 @@ enum Copy {
 async fn copy_into(
     root: &Path,
     new: &storage::NewLayer,
-    image_file: &Path,
+    (image_file, image_dir): (&Path, &str),
     have: &[String],
     vm: &VirtualMachine,
 ) -> Result<Option<Vec<String>>, Copy> {
@@ -440,9 +467,13 @@ async fn copy_into(
     let export = FuseExport::start(&new.path, &device, &work.0.join("qsd.log"), START_TIMEOUT)
         .await
         .map_err(|e| Copy::Disk(format!("opening the overlay: {e}")))?;
+    // Where the guest's /lib/modules leads in this filesystem.
+    let disk_dir = resolve_in(&device, &work.0, MODULES_DIR)
+        .await
+        .map_err(|e| Copy::Disk(e.to_string()))?;
     let mut missing = Vec::new();
     for v in have {
-        let at = format!("{MODULES_DIR}/{v}");
+        let at = format!("{disk_dir}/{v}");
         match e2fs::stat(&device, &work.0, &at).await {
             Ok(Ok(Found::Missing)) => missing.push(v.clone()),
             Ok(Ok(_)) => {}
@@ -467,9 +498,15 @@ async fn copy_into(
             return Err(Copy::Unclean(preen.said));
         }
     }
-    // Parents the filesystem lacks (a root without /lib/modules at all).
+    // Directories on the way the filesystem lacks (a root without
+    // /lib/modules at all).
     let mut script = String::new();
-    for p in ["/lib", MODULES_DIR] {
+    let mut at = String::new();
+    for part in disk_dir.split('/').filter(|p| !p.is_empty()) {
+        at.push('/');
+        at.push_str(part);
+        let p = at.as_str();
+        must_quote(p).map_err(|e| Copy::Disk(e.to_string()))?;
         match e2fs::stat(&device, &work.0, p).await {
             Ok(Ok(Found::Missing)) => {
                 script.push_str(&format!(
@@ -477,7 +514,7 @@ async fn copy_into(
                     q = quote(p)
                 ));
             }
-            Ok(Ok(Found::Directory | Found::Symlink)) => {}
+            Ok(Ok(Found::Directory)) => {}
             Ok(Ok(other)) => {
                 return Err(Copy::Disk(format!(
                     "{p} in the disk is a {other:?}, not a directory"
@@ -493,13 +530,12 @@ async fn copy_into(
     for v in &missing {
         let from = work.0.join("from");
         let image = |e: TreeError| Copy::Image(e.to_string());
-        rdump(image_file, &work.0, &format!("{MODULES_DIR}/{v}"), &from)
+        rdump(image_file, &work.0, &format!("{image_dir}/{v}"), &from)
             .await
             .map_err(image)?;
         let tree = read_tree_blocking(from.join(v)).await.map_err(image)?;
         script.push_str(
-            &tree_script(&tree, &format!("from/{v}"), &format!("{MODULES_DIR}/{v}"))
-                .map_err(image)?,
+            &tree_script(&tree, &format!("from/{v}"), &format!("{disk_dir}/{v}")).map_err(image)?,
         );
         trees.push((v.clone(), tree));
     }
@@ -530,7 +566,7 @@ async fn copy_into(
     std::fs::create_dir_all(&back).map_err(|e| Copy::Disk(e.to_string()))?;
     for (v, want) in &trees {
         let disk = |e: TreeError| Copy::Disk(e.to_string());
-        rdump(&device, &work.0, &format!("{MODULES_DIR}/{v}"), &back)
+        rdump(&device, &work.0, &format!("{disk_dir}/{v}"), &back)
             .await
             .map_err(disk)?;
         let got = read_tree_blocking(back.join(v)).await.map_err(disk)?;
