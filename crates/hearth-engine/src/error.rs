@@ -53,6 +53,9 @@ pub enum RequestError {
     },
     #[error("{object} is owned by the manifest file {file}; edit or remove that file instead")]
     OwnedByFile { object: String, file: String },
+    /// A git source's object (`owner` is `git:NAME:PATH`).
+    #[error("{object} is declared by the source {owner}; change it there instead")]
+    OwnedBySource { object: String, owner: String },
     #[error("VirtualMachine {vm:?} is not running")]
     NotRunning { vm: String },
     // The subsystems' own refusals, boxed: their cases carry several names
@@ -129,6 +132,7 @@ impl RequestError {
             RequestError::Exists { .. }
             | RequestError::Deleting { .. }
             | RequestError::OwnedByFile { .. }
+            | RequestError::OwnedBySource { .. }
             | RequestError::NotRunning { .. }
             | RequestError::Apply(_)
             | RequestError::Network(_)

@@ -49,7 +49,8 @@ pub use error::{
 };
 pub use guest::exec::MAX_WAIT as EXEC_MAX_WAIT;
 pub use guest::{Download, ExecStarted, ExecStatus, Upload, UploadDone};
-pub use manifest::{ManifestConfig, ManifestSource};
+pub use manifest::git::valid_name as valid_git_source_name;
+pub use manifest::{GitConfig, GitSource, GitSources, ManifestConfig, ManifestSource};
 pub use metrics::{ManifestMetrics, PREFIX as METRICS_PREFIX, Sample, encode as encode_metrics};
 pub use snapshot::expedite::SCRIPT as EXPEDITE_SCRIPT;
 pub use snapshot::export::{Export, ExportFormat};

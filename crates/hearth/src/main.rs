@@ -19,7 +19,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use crate::client::{ApiClient, DEFAULT_SOCKET};
 use crate::commands::{
     action, apply, completion, console, convert, cp, delete, describe, events, exec, export, get,
-    logs, manpages, restore, run, snapshot, ssh, wait,
+    logs, manpages, restore, run, snapshot, sources, ssh, wait,
 };
 
 #[derive(Debug, Parser)]
@@ -81,6 +81,7 @@ enum Command {
     Export(export::Args),
     Run(run::Args),
     Convert(convert::Args),
+    Sources(sources::Args),
     Completion(completion::Args),
 }
 
@@ -106,14 +107,35 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Export(a) => export::run(&client, a).await,
         Command::Run(a) => run::run(&client, a).await,
         Command::Convert(a) => convert::run(a),
+        Command::Sources(a) => sources::run(&client, a).await,
         Command::Completion(a) => completion::run(a),
     }
+}
+
+/// `hearth get sources` is `hearth sources`: sources are not an object
+/// kind, but `get` is where people look for them.
+fn sources_alias(args: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let mut all: Vec<std::ffi::OsString> = args.collect();
+    if let Some(i) = all.iter().position(|a| a == "get")
+        && all
+            .get(i + 1)
+            .is_some_and(|k| k == "sources" || k == "source")
+        && all[..i]
+            .iter()
+            .skip(1)
+            .all(|a| a.to_string_lossy().starts_with('-') || a.to_string_lossy().contains('/'))
+    {
+        all.splice(i..i + 2, [std::ffi::OsString::from("sources")]);
+    }
+    all
 }
 
 fn main() -> ExitCode {
     // `hearth manpages DIR` is not part of `Cli`: hidden from --help, and
     // absent from the completion scripts and the man pages it writes.
-    let matches = Cli::command().subcommand(manpages::command()).get_matches();
+    let matches = Cli::command()
+        .subcommand(manpages::command())
+        .get_matches_from(sources_alias(std::env::args_os()));
     if let Some((manpages::NAME, m)) = matches.subcommand() {
         return report(manpages::run(m));
     }

@@ -94,6 +94,38 @@ pub struct FileConfig {
     pub forward_connect_timeout_seconds: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub forward_idle_timeout_seconds: Option<u64>,
+    /// Git sources, each a `[[git]]` table (last: tables follow the keys).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub git: Option<Vec<GitSourceFile>>,
+}
+
+/// The file's `[[git]]` sources and `--git`'s, in that order.
+pub fn all_git_sources(args: &Args) -> Vec<GitSourceFile> {
+    let mut all = args.git_sources.clone();
+    if let Some(url) = &args.git {
+        all.push(GitSourceFile {
+            name: args.git_name.clone(),
+            url: url.clone(),
+            reference: Some(args.git_ref.clone()),
+            path: Some(args.git_path.clone()),
+            interval_seconds: Some(args.git_interval_seconds),
+        });
+    }
+    all
+}
+
+/// One `[[git]]` table: a repository whose manifests declare objects.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct GitSourceFile {
+    pub name: String,
+    pub url: String,
+    #[serde(rename = "ref", default, skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval_seconds: Option<u64>,
 }
 
 /// Parses a configuration file's text; errors name the file and the key.
@@ -180,7 +212,11 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         forward_max_connections_total,
         forward_connect_timeout_seconds,
         forward_idle_timeout_seconds,
+        git,
     } = file;
+    if let Some(g) = git {
+        args.git_sources = g;
+    }
     macro_rules! fill {
         ($($field:ident),* ; $($opt:ident),*) => {
             $(if let Some(v) = $field && !given(stringify!($field)) {
@@ -244,6 +280,7 @@ pub fn to_file(args: &Args) -> FileConfig {
         forward_max_connections_total: Some(args.forward_max_connections_total),
         forward_connect_timeout_seconds: Some(args.forward_connect_timeout_seconds),
         forward_idle_timeout_seconds: Some(args.forward_idle_timeout_seconds),
+        git: Some(all_git_sources(args)).filter(|g| !g.is_empty()),
     }
 }
 

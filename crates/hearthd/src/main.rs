@@ -218,6 +218,40 @@ struct Args {
         default_value_t = 600
     )]
     forward_idle_timeout_seconds: u64,
+    /// A git repository whose manifests declare objects, as the manifest
+    /// directory's do: fetched every --git-interval-seconds (and on `hearth
+    /// sources refresh`), read from git's objects, never written to. More
+    /// sources: `[[git]]` tables in the configuration file
+    /// (docs/sources.md).
+    #[arg(long, env = "HEARTH_GIT", value_name = "URL")]
+    git: Option<String>,
+    /// The branch, tag or commit of --git to follow (HEAD: the remote's
+    /// default branch).
+    #[arg(
+        long,
+        env = "HEARTH_GIT_REF",
+        default_value = "HEAD",
+        value_name = "REF"
+    )]
+    git_ref: String,
+    /// The folder of --git's repository whose manifests (in every folder
+    /// below it too) count; empty: the whole repository.
+    #[arg(
+        long,
+        env = "HEARTH_GIT_PATH",
+        default_value = "",
+        value_name = "FOLDER"
+    )]
+    git_path: String,
+    /// Seconds between two fetches of --git.
+    #[arg(long, default_value_t = 30)]
+    git_interval_seconds: u64,
+    /// The name of --git's source: its objects' owner is git:NAME:PATH.
+    #[arg(long, default_value = "git")]
+    git_name: String,
+    /// The `[[git]]` tables of the configuration file.
+    #[arg(skip)]
+    git_sources: Vec<config::GitSourceFile>,
 }
 
 #[derive(clap::ValueEnum, serde::Serialize, serde::Deserialize, Clone, Copy, Debug, PartialEq)]
@@ -350,6 +384,7 @@ async fn main() -> anyhow::Result<()> {
             idle_timeout: Duration::from_secs(args.forward_idle_timeout_seconds.max(1)),
         },
     };
+    let git_configs = git_sources(&args)?;
     let engine = Engine::start(config).await?;
     let manifests = std::path::absolute(&args.manifests)
         .with_context(|| format!("--manifests {}", args.manifests.display()))?;
@@ -388,7 +423,15 @@ async fn main() -> anyhow::Result<()> {
 
     let listener = bind_socket(&socket)?;
     tracing::info!(socket = %socket.display(), "serving the API");
-    let app = api::router(engine).layer(axum::Extension(source));
+    let git = std::sync::Arc::new(hearth_engine::GitSources {
+        sources: git_configs
+            .into_iter()
+            .map(|c| hearth_engine::GitSource::start(engine.clone(), c))
+            .collect(),
+    });
+    let app = api::router(engine)
+        .layer(axum::Extension(source))
+        .layer(axum::Extension(git));
     let limits = serve::Limits {
         max_connections: bounds.api,
         header_timeout,
@@ -400,6 +443,54 @@ async fn main() -> anyhow::Result<()> {
     }
     let _ = std::fs::remove_file(&socket);
     Ok(())
+}
+
+/// The git sources: the configuration file's `[[git]]` tables and
+/// `--git`, each checked (a valid, unique name; a URL), with its cache in
+/// the state directory.
+fn git_sources(args: &Args) -> anyhow::Result<Vec<hearth_engine::GitConfig>> {
+    let all = config::all_git_sources(args);
+    let mut out: Vec<hearth_engine::GitConfig> = Vec::new();
+    for g in all {
+        if !hearth_engine::valid_git_source_name(&g.name) {
+            anyhow::bail!(
+                "git source {:?}: a name is lowercase letters, digits and '-', at most 63 (--git-name or [[git]] name)",
+                g.name
+            );
+        }
+        if out.iter().any(|o| o.name == g.name) {
+            anyhow::bail!("git source {:?} is configured twice", g.name);
+        }
+        if g.url.trim().is_empty() || g.url.starts_with('-') {
+            anyhow::bail!(
+                "git source {:?}: url {:?} is not a repository URL",
+                g.name,
+                g.url
+            );
+        }
+        let cache = args.state_dir.join("git").join(format!("{}.git", g.name));
+        let mut c = hearth_engine::GitConfig::new(&g.name, &g.url, cache);
+        if let Some(r) = g.reference.filter(|r| !r.is_empty()) {
+            if r.starts_with('-') || r.contains("..") || r.contains(':') {
+                anyhow::bail!(
+                    "git source {:?}: ref {r:?} is not a branch, tag or commit",
+                    g.name
+                );
+            }
+            c.reference = r;
+        }
+        if let Some(p) = g.path {
+            if p.split('/').any(|c| c == "..") {
+                anyhow::bail!("git source {:?}: path {p:?} leaves the repository", g.name);
+            }
+            c.path = p;
+        }
+        if let Some(i) = g.interval_seconds {
+            c.interval = Duration::from_secs(i.max(1));
+        }
+        out.push(c);
+    }
+    Ok(out)
 }
 
 /// Raises the open-file limit and fits the listeners' connection bounds in

@@ -579,13 +579,23 @@ fn check_owner(existing: &StoredObject, managed_by: &str) -> Result<(), RequestE
         .managed_by
         .as_deref()
         .unwrap_or("api");
-    // The manifest directory may move an object between its files; nobody
-    // else may touch what a file owns.
-    if owner != managed_by && owner.starts_with("file:") && !managed_by.starts_with("file:") {
+    // A source (the manifest directory, a git repository) may move an
+    // object between its files; nobody else may touch what a source owns.
+    use crate::manifest::owner::{FILE_PREFIX, source_of};
+    let Some(source) = source_of(owner) else {
+        return Ok(());
+    };
+    if owner == managed_by || source_of(managed_by).as_deref() == Some(source.as_str()) {
+        return Ok(());
+    }
+    if let Some(file) = owner.strip_prefix(FILE_PREFIX) {
         return Err(RequestError::OwnedByFile {
             object: existing.object.display_name(),
-            file: owner.trim_start_matches("file:").to_string(),
+            file: file.to_string(),
         });
     }
-    Ok(())
+    Err(RequestError::OwnedBySource {
+        object: existing.object.display_name(),
+        owner: owner.to_string(),
+    })
 }

@@ -8,9 +8,12 @@
 //! - `scan`: one re-list of the directory, reading only what changed.
 //! - `watch`: the async shell: inotify, debounce, periodic re-list, engine calls.
 
+pub mod apply;
 pub mod core;
 pub mod counters;
+pub mod git;
 pub mod names;
+pub mod owner;
 pub mod parse;
 pub mod scan;
 pub mod watch;
@@ -18,15 +21,5 @@ pub mod watch;
 #[cfg(test)]
 mod tests;
 
-use std::path::Path;
-
+pub use git::{GitConfig, GitSource, GitSources};
 pub use watch::{ManifestConfig, ManifestSource};
-
-/// `metadata.managedBy` of an object from the directory is this prefix and
-/// the absolute path of its file.
-pub const OWNER_PREFIX: &str = "file:";
-
-/// The owner string of objects declared in `file`.
-pub fn owner_string(file: &Path) -> String {
-    format!("{OWNER_PREFIX}{}", file.display())
-}

@@ -22,7 +22,6 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use hearth_api::{Condition, ConditionStatus, EventType, Kind, set_condition};
 use inotify::{EventMask, Inotify, WatchDescriptor, WatchMask};
 use serde::Serialize;
 use serde_json::Value;
@@ -30,16 +29,13 @@ use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 use tokio::time::Instant;
 
-use super::core::{Command, Core, CoreConfig, FileId, Key, Outcome, Problem, Stored};
+use super::apply::{Applier, owned_objects};
+use super::core::{Command, Core, CoreConfig, FileId};
 pub use super::counters::{ManifestCounters, Reason};
 use super::names::wakes_relist;
+use super::owner::SourceOwner;
 use super::scan::{ScanStats, Scanner};
-use super::{OWNER_PREFIX, owner_string};
-use crate::engine::{Engine, RequestError};
-
-/// The condition an object from the manifest directory carries once its file
-/// had a problem: False while it has one, True once resolved.
-pub const CONDITION: &str = "ManifestValid";
+use crate::engine::Engine;
 
 #[derive(Clone, Debug)]
 pub struct ManifestConfig {
@@ -102,7 +98,7 @@ struct State {
 /// The manifest directory as a source of desired state.
 pub struct ManifestSource {
     config: ManifestConfig,
-    engine: Arc<Engine>,
+    applier: Applier,
     state: Mutex<State>,
     /// Held for a whole re-list: one at a time, numbered in order.
     scanner: Mutex<Scanner>,
@@ -122,7 +118,7 @@ impl ManifestSource {
             delete_grace: config.delete_grace,
             ..CoreConfig::default()
         };
-        let stored = owned_objects(&engine);
+        let stored = owned_objects(&engine, &SourceOwner::directory());
         let parsed = Arc::new(Notify::new());
         let wake = parsed.clone();
         let scanner = Scanner::new(
@@ -140,7 +136,10 @@ impl ManifestSource {
             relists_started: AtomicU64::new(0),
             parsed,
             config,
-            engine,
+            applier: Applier {
+                engine,
+                owner: SourceOwner::directory(),
+            },
             watching: AtomicBool::new(false),
             counters: Mutex::new(ManifestCounters::default()),
         });
@@ -217,7 +216,7 @@ impl ManifestSource {
             reason,
             Reason::Start | Reason::Periodic | Reason::Overflow | Reason::WatchLost
         )
-        .then(|| owned_objects(&self.engine));
+        .then(|| owned_objects(&self.applier.engine, &self.applier.owner));
         let (listing, scan) = scanner.scan();
         let mut st = self.lock();
         if let Some(stored) = stored {
@@ -234,11 +233,11 @@ impl ManifestSource {
                 Command::Delete { .. } => deletes += 1,
                 Command::Report { .. } => {}
             }
-            let outcome = self.execute(c);
+            let outcome = self.applier.execute(c);
             st.core.done(std::time::Instant::now(), c, &outcome);
         }
         for r in st.core.reports() {
-            self.execute(&r);
+            self.applier.execute(&r);
         }
         *st.relists.entry(reason).or_insert(0) += 1;
         {
@@ -263,171 +262,6 @@ impl ManifestSource {
 
     fn next_due(&self) -> Option<std::time::Instant> {
         self.lock().core.next_wake()
-    }
-
-    fn execute(&self, command: &Command) -> Outcome {
-        match command {
-            Command::Apply { file, decls } => {
-                let owner = owner_string(file);
-                let objects = decls.iter().map(|d| d.object.clone()).collect();
-                match self.engine.apply(objects, &owner) {
-                    Ok(outcomes) => {
-                        for o in outcomes {
-                            tracing::info!(kind = o.kind.as_str(), name = o.name, action = ?o.action, file = %file.display(), "applied from the manifest directory");
-                            if o.action != crate::engine::ApplyAction::Unchanged {
-                                self.warn_not_honoured(file, decls, o.kind, &o.name);
-                            }
-                        }
-                        Outcome::Done
-                    }
-                    Err(e) => {
-                        tracing::warn!(file = %file.display(), error = %e, "manifest refused");
-                        Outcome::Refused(e.to_string())
-                    }
-                }
-            }
-            Command::Delete { key, file } => {
-                match self.engine.delete(key.0, &key.1, &owner_string(file)) {
-                    Ok(()) => {
-                        tracing::info!(kind = key.0.as_str(), name = key.1, file = %file.display(), "manifest file gone: deleting");
-                        Outcome::Done
-                    }
-                    Err(RequestError::NotFound { .. }) => Outcome::NotFound,
-                    Err(e) => Outcome::Refused(e.to_string()),
-                }
-            }
-            Command::Report { key, problem } => {
-                self.report(key, problem.as_ref());
-                Outcome::Done
-            }
-        }
-    }
-
-    /// A field of another tool's manifest that hearth does not honour
-    /// (docs/ignite.md) is a warning event each time the object is written.
-    fn warn_not_honoured(&self, file: &Path, decls: &[super::core::Decl], kind: Kind, name: &str) {
-        let Some(d) = decls
-            .iter()
-            .find(|d| d.object.kind() == kind && d.object.name() == name)
-        else {
-            return;
-        };
-        for (field, message) in hearth_api::ignite::warnings_of(&d.object.metadata().annotations) {
-            self.engine.ctx().event(
-                kind,
-                name,
-                EventType::Warning,
-                "FieldNotHonoured",
-                &format!("{}: {field}: {message}", file.display()),
-            );
-        }
-    }
-
-    fn report(&self, key: &Key, problem: Option<&Problem>) {
-        let (kind, name) = (key.0, key.1.as_str());
-        match problem {
-            Some(p) => {
-                tracing::warn!(
-                    kind = kind.as_str(),
-                    name,
-                    reason = p.reason(),
-                    "{}",
-                    p.message()
-                );
-                self.engine
-                    .ctx()
-                    .event(kind, name, EventType::Warning, p.reason(), &p.message());
-                set_manifest_condition(
-                    &self.engine,
-                    key,
-                    ConditionStatus::False,
-                    p.reason(),
-                    &p.message(),
-                );
-            }
-            None => {
-                let message = "the manifest problem is resolved: the object follows its file again";
-                self.engine
-                    .ctx()
-                    .event(kind, name, EventType::Normal, "ManifestValid", message);
-                set_manifest_condition(
-                    &self.engine,
-                    key,
-                    ConditionStatus::True,
-                    "ManifestValid",
-                    message,
-                );
-            }
-        }
-    }
-}
-
-/// `file:`-owned objects in the store: everything the directory owns.
-fn owned_objects(engine: &Engine) -> Vec<Stored> {
-    let mut out = Vec::new();
-    for kind in Kind::ALL {
-        let Ok(objects) = engine.list(kind) else {
-            continue;
-        };
-        for s in objects {
-            if s.deleting {
-                continue;
-            }
-            if let Some(owner) = s
-                .object
-                .metadata()
-                .managed_by
-                .as_deref()
-                .and_then(|m| m.strip_prefix(OWNER_PREFIX))
-            {
-                out.push(Stored {
-                    owner: PathBuf::from(owner),
-                    object: s.object,
-                });
-            }
-        }
-    }
-    out
-}
-
-/// Sets the `ManifestValid` condition. Typed for the kinds whose status the
-/// engine writes typed (so a first status write keeps it); other kinds get it
-/// only once they have a status.
-fn set_manifest_condition(
-    engine: &Engine,
-    key: &Key,
-    status: ConditionStatus,
-    reason: &str,
-    message: &str,
-) {
-    let now = Utc::now();
-    let set = |c: &mut Vec<Condition>| set_condition(c, CONDITION, status, reason, message, now);
-    let (kind, name) = (key.0, key.1.as_str());
-    if kind == Kind::VirtualMachine {
-        engine.ctx().set_vm_status(name, |s| set(&mut s.conditions));
-    } else if kind == Kind::VirtualDisk {
-        engine
-            .ctx()
-            .set_disk_status(name, |s| set(&mut s.conditions));
-    } else {
-        let r = engine
-            .ctx()
-            .store
-            .update_status::<Value, _>(kind, name, |v| {
-                if let Value::Object(map) = v {
-                    let mut conditions: Vec<Condition> = map
-                        .get("conditions")
-                        .and_then(|c| serde_json::from_value(c.clone()).ok())
-                        .unwrap_or_default();
-                    set(&mut conditions);
-                    if let Ok(c) = serde_json::to_value(conditions) {
-                        map.insert("conditions".into(), c);
-                    }
-                }
-            });
-        if let Err(e) = r {
-            tracing::warn!(kind = kind.as_str(), name, error = %e, "cannot write status");
-        }
     }
 }
 

@@ -18,6 +18,7 @@ pub mod manpages;
 pub mod restore;
 pub mod run;
 pub mod snapshot;
+pub mod sources;
 pub mod ssh;
 pub mod wait;
 pub mod watch;

@@ -53,6 +53,7 @@ fn routes() -> Router<Arc<Engine>> {
         .route("/v1/apply", post(apply))
         .route("/v1/events", get(events))
         .route("/v1/sources", get(sources::list))
+        .route("/v1/sources/{name}/refresh", post(sources::refresh))
         .route("/v1/watch", get(watch::watch))
         .route("/v1/{plural}", get(watch::list_or_watch))
         .route("/v1/{plural}/{name}", get(get_one).delete(delete))

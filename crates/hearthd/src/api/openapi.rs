@@ -50,6 +50,7 @@ pub async fn serve() -> Response {
         apply,
         events,
         sources,
+        source_refresh,
         openapi_json,
         metrics,
         list,
@@ -329,11 +330,22 @@ fn apply() {}
 fn events() {}
 
 #[utoipa::path(get, path = "/v1/sources", tag = "daemon",
-    summary = "The manifest directory as hearthd sees it",
-    description = "Every file, what it declares and in what state, parse errors with line and column, conflicts, pending deletes, re-list counts and timings (docs/manifest-directory.md).",
-    responses((status = 200, description = "The directory's view", body = serde_json::Value)))]
+    summary = "The sources of desired state as hearthd sees them",
+    description = "The manifest directory's view at the top level: every file, what it declares and in what state, parse errors with line and column, conflicts, pending deletes, re-list counts and timings (docs/manifest-directory.md). `sources`: every source (the directory, each git repository) with its kind and state (Pending, Ready, Stale, Conflict); a git source also with its URL, ref, fetched and applied commit, why it is Stale, its files and recent events (docs/sources.md).",
+    responses((status = 200, description = "The sources' view", body = serde_json::Value)))]
 #[allow(dead_code)]
 fn sources() {}
+
+#[utoipa::path(post, path = "/v1/sources/{name}/refresh", tag = "daemon",
+    summary = "Fetch a git source now",
+    description = "Fetches the git source now (for a webhook relay or a CI job) and answers once that fetch and its apply are done (at most 120 s), with the source's view.",
+    params(("name" = String, Path, description = "The git source's name")),
+    responses(
+        (status = 200, description = "The source after the fetch", body = serde_json::Value),
+        (status = 404, description = "No git source of that name", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn source_refresh() {}
 
 #[utoipa::path(get, path = "/v1/openapi.json", tag = "daemon",
     summary = "This document",

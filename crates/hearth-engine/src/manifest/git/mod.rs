@@ -1,0 +1,549 @@
+//! A git repository as a source of desired state: a remote's branch (or
+//! tag, or commit) fetched every `interval` or when asked, each commit read
+//! whole from git's objects and handed to the same pure core as the
+//! manifest directory ([`crate::manifest::core`]), with `git:NAME:PATH` as
+//! the objects' owner.
+//!
+//! Never a delete because of the remote: a fetch that fails (unreachable,
+//! refused, timed out, the repository or the ref gone), a commit without
+//! the source's folder, or one with no manifest at all leaves the source
+//! `Stale` with the reason and the last good commit, and the core is not
+//! given anything new, so nothing changes until a good commit comes. A
+//! rewritten history (a force push) is followed: the new commit is the
+//! desired state, and the source says the history was rewritten.
+
+pub mod repo;
+pub mod tree;
+
+use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::Notify;
+
+use super::apply::{Applier, owned_objects};
+use super::core::{Command, Content, Core, CoreConfig, Listing};
+use super::owner::SourceOwner;
+use crate::engine::Engine;
+use repo::{APPLIED, CommitInfo, FETCHED, Repo};
+
+/// One git source, as configured.
+#[derive(Clone, Debug)]
+pub struct GitConfig {
+    /// Unique among the sources; in the objects' owner (`git:NAME:PATH`).
+    pub name: String,
+    pub url: String,
+    /// A branch, a tag, `HEAD` or a full commit id.
+    pub reference: String,
+    /// The folder in the repository whose manifests (in every folder
+    /// below it too) declare objects; "" for the whole repository.
+    pub path: String,
+    pub interval: Duration,
+    pub fetch_timeout: Duration,
+    /// The cache repository (a bare repository of hearthd's own).
+    pub cache: PathBuf,
+    pub max_file_size: u64,
+    pub max_files: usize,
+    pub delete_grace: Duration,
+}
+
+impl GitConfig {
+    pub fn new(name: &str, url: &str, cache: PathBuf) -> GitConfig {
+        GitConfig {
+            name: name.to_string(),
+            url: url.to_string(),
+            reference: "HEAD".to_string(),
+            path: String::new(),
+            interval: Duration::from_secs(30),
+            fetch_timeout: Duration::from_secs(120),
+            cache,
+            max_file_size: hearth_api::limits::MAX_MANIFEST_BYTES as u64,
+            max_files: 10_000,
+            // A commit is read whole: a file gone from it is gone, and the
+            // next poll confirms it.
+            delete_grace: Duration::ZERO,
+        }
+    }
+}
+
+/// Whether a source's name can be part of an owner string and a URL path.
+pub fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !name.starts_with('-')
+}
+
+/// A source's state, as `GET /v1/sources` shows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum SourceState {
+    /// Nothing fetched yet.
+    Pending,
+    /// The last fetch gave a good commit, and it is applied.
+    Ready,
+    /// The remote could not give a good commit: the last good one stands.
+    Stale,
+    /// The commit is applied but some of its objects are declared twice or
+    /// refused.
+    Conflict,
+}
+
+/// Why a sync ran.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Trigger {
+    Start,
+    Interval,
+    Refresh,
+    Retry,
+}
+
+/// Something the source wants people to know (a history rewrite, a
+/// commit that could not be used, a file not read).
+#[derive(Clone, Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceEvent {
+    pub at: DateTime<Utc>,
+    pub reason: String,
+    pub message: String,
+}
+
+const MAX_EVENTS: usize = 20;
+
+struct State {
+    core: Core,
+    state: SourceState,
+    reason: Option<String>,
+    fetched: Option<CommitInfo>,
+    applied: Option<CommitInfo>,
+    last_fetch_at: Option<DateTime<Utc>>,
+    last_applied_at: Option<DateTime<Utc>>,
+    /// The last good commit's listing, given to the core again for its
+    /// retries and delete confirmations while nothing new comes.
+    listing: Option<Listing>,
+    /// Parsed blobs of the last good commit, by blob id.
+    parsed: HashMap<String, Content>,
+    ignored: Vec<(String, String)>,
+    events: VecDeque<SourceEvent>,
+    syncs: u64,
+    failed_fetches: u64,
+}
+
+/// A running git source.
+pub struct GitSource {
+    config: GitConfig,
+    applier: Applier,
+    state: Mutex<State>,
+    /// One sync at a time.
+    sync_lock: tokio::sync::Mutex<()>,
+    refresh: Notify,
+    /// Syncs begun, each numbered as it begins.
+    started: std::sync::atomic::AtomicU64,
+    /// The number of the last sync finished.
+    done: tokio::sync::watch::Sender<u64>,
+}
+
+impl GitSource {
+    /// Starts the source; its first fetch runs at once.
+    pub fn start(engine: Arc<Engine>, config: GitConfig) -> Arc<GitSource> {
+        let owner = SourceOwner::git(&config.name);
+        let stored = owned_objects(&engine, &owner);
+        let core = Core::new(
+            CoreConfig {
+                delete_grace: config.delete_grace,
+                ..CoreConfig::default()
+            },
+            stored,
+        );
+        let source = Arc::new(GitSource {
+            applier: Applier { engine, owner },
+            state: Mutex::new(State {
+                core,
+                state: SourceState::Pending,
+                reason: None,
+                fetched: None,
+                applied: None,
+                last_fetch_at: None,
+                last_applied_at: None,
+                listing: None,
+                parsed: HashMap::new(),
+                ignored: Vec::new(),
+                events: VecDeque::new(),
+                syncs: 0,
+                failed_fetches: 0,
+            }),
+            sync_lock: tokio::sync::Mutex::new(()),
+            refresh: Notify::new(),
+            started: std::sync::atomic::AtomicU64::new(0),
+            done: tokio::sync::watch::channel(0).0,
+            config,
+        });
+        tracing::info!(source = %source.config.name, url = %repo::redact_userinfo(&source.config.url), reference = %source.config.reference, "following a git source");
+        let weak = Arc::downgrade(&source);
+        tokio::spawn(async move { run(weak).await });
+        source
+    }
+
+    pub fn name(&self) -> &str {
+        &self.config.name
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Fetches now, and returns once a sync that began after the call has
+    /// finished (or `wait` has passed).
+    pub async fn refresh(&self, wait: Duration) {
+        use std::sync::atomic::Ordering;
+        let mut rx = self.done.subscribe();
+        // A sync running now may have read the remote before the call; the
+        // one this notice starts has a higher number.
+        let target = self.started.load(Ordering::SeqCst) + 1;
+        self.refresh.notify_one();
+        let _ = tokio::time::timeout(wait, rx.wait_for(|n| *n >= target)).await;
+    }
+
+    /// What `GET /v1/sources` shows of this source.
+    pub fn view(&self) -> Value {
+        let st = self.lock();
+        let core = st.core.view(std::time::Instant::now());
+        serde_json::json!({
+            "name": self.config.name,
+            "kind": "git",
+            "url": repo::redact_userinfo(&self.config.url),
+            "ref": self.config.reference,
+            "path": self.config.path,
+            "intervalSeconds": self.config.interval.as_secs(),
+            "state": st.state,
+            "reason": st.reason,
+            "fetchedCommit": st.fetched,
+            "appliedCommit": st.applied,
+            "lastFetchAt": st.last_fetch_at,
+            "lastAppliedAt": st.last_applied_at,
+            "ignored": st.ignored.iter().map(|(p, w)| serde_json::json!({"path": p, "why": w})).collect::<Vec<_>>(),
+            "events": st.events,
+            "syncs": st.syncs,
+            "failedFetches": st.failed_fetches,
+            "files": core.files,
+            "problems": core.problems,
+            "pendingDeletes": core.pending_deletes,
+        })
+    }
+
+    fn event(st: &mut State, name: &str, reason: &str, message: String) {
+        tracing::warn!(source = name, reason, "{message}");
+        st.events.push_back(SourceEvent {
+            at: Utc::now(),
+            reason: reason.to_string(),
+            message,
+        });
+        while st.events.len() > MAX_EVENTS {
+            st.events.pop_front();
+        }
+    }
+
+    /// Marks the source Stale: nothing is given to the core.
+    fn stale(&self, reason: String) {
+        let mut st = self.lock();
+        if st.state != SourceState::Stale || st.reason.as_deref() != Some(reason.as_str()) {
+            let last = st
+                .applied
+                .as_ref()
+                .map(|c| format!("; the last good commit {} stands", short(&c.id)))
+                .unwrap_or_else(|| "; nothing was applied yet".into());
+            Self::event(
+                &mut st,
+                &self.config.name,
+                "Stale",
+                format!("{reason}{last}"),
+            );
+        }
+        st.state = SourceState::Stale;
+        st.reason = Some(reason);
+    }
+
+    /// One fetch, read and apply.
+    async fn sync(self: &Arc<Self>, trigger: Trigger) {
+        let _one = self.sync_lock.lock().await;
+        let number = self
+            .started
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+            + 1;
+        let got = self.fetch_commit(trigger).await;
+        match got {
+            Ok(Some(read)) => {
+                let me = self.clone();
+                let _ = tokio::task::spawn_blocking(move || me.apply(read)).await;
+            }
+            Ok(None) => {
+                // Nothing new: the core's retries and confirmations run on
+                // the last good listing.
+                let me = self.clone();
+                let _ = tokio::task::spawn_blocking(move || me.rescan()).await;
+            }
+            Err(reason) => self.stale(reason),
+        }
+        self.lock().syncs += 1;
+        self.done.send_replace(number);
+    }
+
+    /// Fetches and reads the commit, when it is not the one applied (or a
+    /// start, which reads it again). Err: why the source is Stale.
+    async fn fetch_commit(&self, trigger: Trigger) -> Result<Option<Read>, String> {
+        let c = &self.config;
+        let repo = Repo::open(&c.cache).await.map_err(|e| e.to_string())?;
+        let fetched = repo.fetch(&c.url, &c.reference, c.fetch_timeout).await;
+        {
+            let mut st = self.lock();
+            st.last_fetch_at = Some(Utc::now());
+            if fetched.is_err() {
+                st.failed_fetches += 1;
+            }
+        }
+        fetched.map_err(|e| {
+            format!(
+                "fetching {} of {}: {e}",
+                c.reference,
+                repo::redact_userinfo(&c.url)
+            )
+        })?;
+        let Some(commit) = repo.commit_of(FETCHED).await.map_err(|e| e.to_string())? else {
+            return Err(format!("the fetch of {} gave no commit", c.reference));
+        };
+        let info = repo.describe(&commit).await.map_err(|e| e.to_string())?;
+        let (applied, has_listing) = {
+            let mut st = self.lock();
+            st.fetched = Some(info.clone());
+            (
+                st.applied.as_ref().map(|a| a.id.clone()),
+                st.listing.is_some(),
+            )
+        };
+        if applied.as_deref() == Some(commit.as_str()) && has_listing && trigger != Trigger::Start {
+            let mut st = self.lock();
+            if st.state == SourceState::Stale {
+                st.state = SourceState::Ready;
+                st.reason = None;
+            }
+            return Ok(None);
+        }
+        // The last applied commit, from the cache: also after a restart.
+        let previous = match applied {
+            Some(a) => Some(a),
+            None => repo.commit_of(APPLIED).await.map_err(|e| e.to_string())?,
+        };
+        let rewritten = match &previous {
+            Some(p) if p != &commit => !repo.is_ancestor(p, &commit).await.unwrap_or(false),
+            _ => false,
+        };
+        let max_listing = c.max_files.saturating_mul(512).max(1 << 20);
+        let out = repo
+            .ls_tree(&commit, max_listing)
+            .await
+            .map_err(|e| e.to_string())?;
+        let entries = tree::parse_ls_tree(&out).map_err(|e| e.to_string())?;
+        let prefix = tree::folder_prefix(&c.path);
+        let selected = tree::select(&entries, &prefix, c.max_file_size, c.max_files);
+        if !selected.folder_exists {
+            return Err(format!(
+                "commit {} has no folder {:?}",
+                short(&commit),
+                c.path
+            ));
+        }
+        if selected.manifests.is_empty() {
+            return Err(format!(
+                "commit {} has no manifest under {:?} (a commit that empties the source is not taken as deleting everything: delete the objects through the files one by one)",
+                short(&commit),
+                if c.path.is_empty() {
+                    "/"
+                } else {
+                    c.path.as_str()
+                }
+            ));
+        }
+        // Only blobs not parsed before are read.
+        let known: HashMap<String, Content> = self.lock().parsed.clone();
+        let mut parsed = HashMap::new();
+        let mut wanted = Vec::new();
+        let mut bytes = 0u64;
+        for e in &selected.manifests {
+            match known.get(&e.oid) {
+                Some(content) => {
+                    parsed.insert(e.oid.clone(), content.clone());
+                }
+                None if !wanted.contains(&e.oid) => {
+                    bytes += e.size.unwrap_or(0) + 128;
+                    wanted.push(e.oid.clone());
+                }
+                None => {}
+            }
+        }
+        if !wanted.is_empty() {
+            let out = repo
+                .cat_blobs(&wanted, bytes as usize + 4096)
+                .await
+                .map_err(|e| e.to_string())?;
+            let blobs = tree::parse_batch(&out).map_err(|e| e.to_string())?;
+            for (oid, b) in blobs {
+                parsed.insert(oid, tree::content_of(&b));
+            }
+        }
+        let listing = tree::listing(&selected.manifests, &parsed);
+        Ok(Some(Read {
+            repo,
+            info,
+            listing,
+            parsed,
+            ignored: selected.ignored,
+            rewritten: rewritten.then(|| previous.unwrap_or_default()),
+        }))
+    }
+
+    /// Hands a new commit to the core and carries out what it says.
+    fn apply(&self, read: Read) {
+        let Read {
+            repo,
+            info,
+            listing,
+            parsed,
+            ignored,
+            rewritten,
+        } = read;
+        let stored = owned_objects(&self.applier.engine, &self.applier.owner);
+        let mut st = self.lock();
+        if let Some(old) = rewritten {
+            Self::event(
+                &mut st,
+                &self.config.name,
+                "HistoryRewritten",
+                format!(
+                    "the history was rewritten: {} is not a descendant of the last applied commit {}; following it",
+                    short(&info.id),
+                    short(&old)
+                ),
+            );
+        }
+        for (path, why) in &ignored {
+            if !st.ignored.iter().any(|(p, w)| p == path && w == why) {
+                Self::event(
+                    &mut st,
+                    &self.config.name,
+                    "FileIgnored",
+                    format!("{path}: {why}"),
+                );
+            }
+        }
+        st.core.resync_store(stored);
+        st.listing = Some(listing.clone());
+        st.parsed = parsed;
+        st.ignored = ignored;
+        self.run_core(&mut st, listing);
+        st.applied = Some(info.clone());
+        st.last_applied_at = Some(Utc::now());
+        st.reason = None;
+        st.state = if st.core.view(std::time::Instant::now()).problems.is_empty() {
+            SourceState::Ready
+        } else {
+            SourceState::Conflict
+        };
+        drop(st);
+        // Kept in the cache so a restart can tell a rewritten history.
+        let handle = tokio::runtime::Handle::current();
+        if let Err(e) = handle.block_on(repo.set_ref(APPLIED, &info.id)) {
+            tracing::warn!(source = %self.config.name, error = %e, "cannot record the applied commit in the cache");
+        }
+        tracing::info!(source = %self.config.name, commit = %info.id, "applied a commit");
+    }
+
+    /// The last good listing again, for the core's retries.
+    fn rescan(&self) {
+        let mut st = self.lock();
+        if let Some(listing) = st.listing.clone() {
+            self.run_core(&mut st, listing);
+            if st.state != SourceState::Stale {
+                st.state = if st.core.view(std::time::Instant::now()).problems.is_empty() {
+                    SourceState::Ready
+                } else {
+                    SourceState::Conflict
+                };
+            }
+        }
+    }
+
+    fn run_core(&self, st: &mut State, listing: Listing) {
+        let commands = st.core.scan(std::time::Instant::now(), listing);
+        for c in &commands {
+            let outcome = self.applier.execute(c);
+            st.core.done(std::time::Instant::now(), c, &outcome);
+            if let Command::Delete { key, .. } = c {
+                tracing::info!(source = %self.config.name, kind = key.0.as_str(), name = key.1, "deleted: its file is gone from the commit");
+            }
+        }
+        for r in st.core.reports() {
+            self.applier.execute(&r);
+        }
+    }
+
+    fn next_due(&self) -> Option<std::time::Instant> {
+        self.lock().core.next_wake()
+    }
+}
+
+/// A commit read, not yet applied.
+struct Read {
+    repo: Repo,
+    info: CommitInfo,
+    listing: Listing,
+    parsed: HashMap<String, Content>,
+    ignored: Vec<(String, String)>,
+    /// The last applied commit, when the new one does not descend from it.
+    rewritten: Option<String>,
+}
+
+fn short(id: &str) -> &str {
+    &id[..id.len().min(12)]
+}
+
+async fn run(source: std::sync::Weak<GitSource>) {
+    let mut trigger = Trigger::Start;
+    loop {
+        let Some(s) = source.upgrade() else { return };
+        s.sync(trigger).await;
+        let interval = s.config.interval;
+        let due = s.next_due();
+        let wake = tokio::time::Instant::now() + interval;
+        let retry = due.map(tokio::time::Instant::from_std);
+        let refresh = s.clone();
+        drop(s);
+        trigger = tokio::select! {
+            _ = refresh.refresh.notified() => Trigger::Refresh,
+            _ = tokio::time::sleep_until(wake) => Trigger::Interval,
+            _ = async {
+                match retry {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            } => Trigger::Retry,
+        };
+        drop(refresh);
+    }
+}
+
+/// The git sources of a daemon, by name.
+#[derive(Default)]
+pub struct GitSources {
+    pub sources: Vec<Arc<GitSource>>,
+}
+
+impl GitSources {
+    pub fn find(&self, name: &str) -> Option<&Arc<GitSource>> {
+        self.sources.iter().find(|s| s.name() == name)
+    }
+}

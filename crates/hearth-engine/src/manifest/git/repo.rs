@@ -1,0 +1,378 @@
+//! The `git` program on a source's cache: a bare repository of hearthd's
+//! own (`STATE/git/NAME.git`), never a checkout. Fetches go into it; files
+//! are read from its objects (`ls-tree`, `cat-file`), so no path in the
+//! repository ever names a file on the host and no link is ever followed.
+//! hearthd never commits, pushes or writes into the remote.
+//!
+//! Why the `git` program: it speaks every transport (https, ssh,
+//! `file://`, `git://`) with the user's usual helpers, checks what it
+//! fetches (`transfer.fsckObjects`), and runs outside the daemon's
+//! address space, in the bounded program pool, with a timeout and killed
+//! when dropped (docs/sources.md).
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hearth_qemu::programs;
+
+/// Where fetched commits land in the cache.
+pub const FETCHED: &str = "refs/hearth/fetched";
+/// The last applied commit: kept so a rewritten history can be told, and
+/// its objects are never pruned.
+pub const APPLIED: &str = "refs/hearth/applied";
+
+const QUICK: Duration = Duration::from_secs(60);
+const MAX_SMALL_OUTPUT: usize = 1024 * 1024;
+
+/// A `git` run that did not do what was asked.
+#[derive(Debug, thiserror::Error)]
+pub enum GitError {
+    #[error("{0}")]
+    Missing(#[from] hearth_qemu::tools::MissingTool),
+    #[error("git {what}: {source}")]
+    Run {
+        what: String,
+        #[source]
+        source: programs::RunError,
+    },
+    #[error("git {what} failed ({status}): {said}")]
+    Failed {
+        what: String,
+        status: std::process::ExitStatus,
+        said: String,
+    },
+    #[error("making the cache {path}: {source}")]
+    Cache {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A source's cache repository.
+#[derive(Clone, Debug)]
+pub struct Repo {
+    pub dir: PathBuf,
+}
+
+/// What `git` is told on every run: no terminal prompt, no user or system
+/// configuration, objects checked as they arrive.
+fn base_command(dir: &Path) -> Result<tokio::process::Command, GitError> {
+    let mut c = tokio::process::Command::new(hearth_qemu::tools::find_binary("git")?);
+    c.env_clear()
+        .env(
+            "PATH",
+            std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()),
+        )
+        .env("HOME", dir)
+        .env("GIT_TERMINAL_PROMPT", "0")
+        .env("GIT_ASKPASS", "/bin/false")
+        .env("SSH_ASKPASS", "/bin/false")
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("LC_ALL", "C")
+        .arg("--git-dir")
+        .arg(dir)
+        .args(["-c", "transfer.fsckObjects=true"])
+        .args(["-c", "fetch.fsckObjects=true"])
+        .args(["-c", "core.hooksPath=/dev/null"])
+        .args(["-c", "gc.auto=0"])
+        .args(["-c", "protocol.file.allow=always"])
+        .args(["-c", "http.lowSpeedLimit=1", "-c", "http.lowSpeedTime=30"]);
+    Ok(c)
+}
+
+impl Repo {
+    /// Opens (creating it the first time) the cache at `dir`.
+    pub async fn open(dir: &Path) -> Result<Repo, GitError> {
+        let repo = Repo {
+            dir: dir.to_path_buf(),
+        };
+        if !dir.join("HEAD").is_file() {
+            // A half-made cache (a crash during init) is made again.
+            let _ = std::fs::remove_dir_all(dir);
+            std::fs::create_dir_all(dir).map_err(|source| GitError::Cache {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+            repo.run(
+                "init",
+                &["init", "--bare", "--quiet"],
+                None,
+                QUICK,
+                MAX_SMALL_OUTPUT,
+            )
+            .await?;
+        }
+        Ok(repo)
+    }
+
+    async fn run(
+        &self,
+        what: &str,
+        args: &[&str],
+        input: Option<&[u8]>,
+        timeout: Duration,
+        max_output: usize,
+    ) -> Result<programs::Finished, GitError> {
+        let mut c = base_command(&self.dir)?;
+        c.args(args);
+        let limits = programs::Limits {
+            timeout,
+            stdout: max_output,
+            stderr: 64 * 1024,
+        };
+        programs::run(c, programs::Class::Copy, input, limits)
+            .await
+            .map_err(|source| GitError::Run {
+                what: what.to_string(),
+                source,
+            })
+    }
+
+    async fn ok(
+        &self,
+        what: &str,
+        args: &[&str],
+        input: Option<&[u8]>,
+        timeout: Duration,
+        max_output: usize,
+    ) -> Result<Vec<u8>, GitError> {
+        let out = self.run(what, args, input, timeout, max_output).await?;
+        if !out.status.success() {
+            return Err(GitError::Failed {
+                what: what.to_string(),
+                status: out.status,
+                said: said(&out.stderr),
+            });
+        }
+        Ok(out.stdout)
+    }
+
+    /// Fetches `reference` (a branch, a tag, or `HEAD`) of `url` into
+    /// [`FETCHED`], following a rewritten history (`+`). A commit id is
+    /// fetched by asking for every branch and tag and then looking for it.
+    pub async fn fetch(
+        &self,
+        url: &str,
+        reference: &str,
+        timeout: Duration,
+    ) -> Result<(), GitError> {
+        let refspec = if is_commit_id(reference) {
+            "+refs/heads/*:refs/hearth/heads/*".to_string()
+        } else if reference == "HEAD" || reference.starts_with("refs/") {
+            format!("+{reference}:{FETCHED}")
+        } else {
+            // A short name: a branch first, as git itself resolves it.
+            format!("+{reference}:{FETCHED}")
+        };
+        self.ok(
+            "fetch",
+            &[
+                "fetch",
+                "--quiet",
+                "--no-tags",
+                "--no-write-fetch-head",
+                "--no-recurse-submodules",
+                "--",
+                url,
+                &refspec,
+            ],
+            None,
+            timeout,
+            MAX_SMALL_OUTPUT,
+        )
+        .await?;
+        if is_commit_id(reference) {
+            let _ = self
+                .ok(
+                    "fetch",
+                    &[
+                        "fetch",
+                        "--quiet",
+                        "--no-write-fetch-head",
+                        "--",
+                        url,
+                        "+refs/tags/*:refs/hearth/tags/*",
+                    ],
+                    None,
+                    timeout,
+                    MAX_SMALL_OUTPUT,
+                )
+                .await;
+            self.ok(
+                "update-ref",
+                &["update-ref", FETCHED, &format!("{reference}^{{commit}}")],
+                None,
+                QUICK,
+                MAX_SMALL_OUTPUT,
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// The commit `reference` (a ref of the cache) names, if it does.
+    pub async fn commit_of(&self, reference: &str) -> Result<Option<String>, GitError> {
+        let out = self
+            .run(
+                "rev-parse",
+                &[
+                    "rev-parse",
+                    "--verify",
+                    "--quiet",
+                    &format!("{reference}^{{commit}}"),
+                ],
+                None,
+                QUICK,
+                MAX_SMALL_OUTPUT,
+            )
+            .await?;
+        let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        Ok((out.status.success() && is_commit_id(&id)).then_some(id))
+    }
+
+    /// Whether `older` is an ancestor of `newer` (a fast-forward), or the
+    /// history was rewritten.
+    pub async fn is_ancestor(&self, older: &str, newer: &str) -> Result<bool, GitError> {
+        let out = self
+            .run(
+                "merge-base",
+                &["merge-base", "--is-ancestor", older, newer],
+                None,
+                QUICK,
+                MAX_SMALL_OUTPUT,
+            )
+            .await?;
+        match out.status.code() {
+            Some(0) => Ok(true),
+            Some(1) => Ok(false),
+            _ => Err(GitError::Failed {
+                what: "merge-base".into(),
+                status: out.status,
+                said: said(&out.stderr),
+            }),
+        }
+    }
+
+    /// `git ls-tree -r -l -z COMMIT`.
+    pub async fn ls_tree(&self, commit: &str, max_output: usize) -> Result<Vec<u8>, GitError> {
+        self.ok(
+            "ls-tree",
+            &["ls-tree", "-r", "-l", "-z", "--full-tree", commit],
+            None,
+            QUICK,
+            max_output,
+        )
+        .await
+    }
+
+    /// The blobs `oids`, through `git cat-file --batch`.
+    pub async fn cat_blobs(&self, oids: &[String], max_output: usize) -> Result<Vec<u8>, GitError> {
+        let mut input = oids.join("\n");
+        input.push('\n');
+        self.ok(
+            "cat-file",
+            &["cat-file", "--batch"],
+            Some(input.as_bytes()),
+            QUICK,
+            max_output,
+        )
+        .await
+    }
+
+    /// The author, date and subject of `commit`, for the API.
+    pub async fn describe(&self, commit: &str) -> Result<CommitInfo, GitError> {
+        let out = self
+            .ok(
+                "log",
+                &["log", "-1", "--format=%an%x00%cI%x00%s", commit],
+                None,
+                QUICK,
+                MAX_SMALL_OUTPUT,
+            )
+            .await?;
+        let text = String::from_utf8_lossy(&out);
+        let mut f = text.trim_end_matches('\n').splitn(3, '\0');
+        Ok(CommitInfo {
+            id: commit.to_string(),
+            author: f.next().unwrap_or("").to_string(),
+            date: f.next().unwrap_or("").to_string(),
+            subject: f.next().unwrap_or("").chars().take(200).collect(),
+        })
+    }
+
+    /// Points `name` at `commit`.
+    pub async fn set_ref(&self, name: &str, commit: &str) -> Result<(), GitError> {
+        self.ok(
+            "update-ref",
+            &["update-ref", name, commit],
+            None,
+            QUICK,
+            MAX_SMALL_OUTPUT,
+        )
+        .await
+        .map(|_| ())
+    }
+}
+
+/// A commit as the API shows it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CommitInfo {
+    pub id: String,
+    pub author: String,
+    pub date: String,
+    pub subject: String,
+}
+
+/// A full hexadecimal commit id (SHA-1 or SHA-256).
+pub fn is_commit_id(s: &str) -> bool {
+    (s.len() == 40 || s.len() == 64) && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// What git said, its last lines, without credentials a URL may carry.
+fn said(stderr: &[u8]) -> String {
+    let text = String::from_utf8_lossy(stderr);
+    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    let tail = lines[lines.len().saturating_sub(3)..].join("; ");
+    redact_userinfo(&tail)
+}
+
+/// `scheme://user:secret@host` with the userinfo taken out.
+pub fn redact_userinfo(text: &str) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("://") {
+        let (head, tail) = rest.split_at(at + 3);
+        out.push_str(head);
+        let end = tail
+            .find(|c: char| c == '/' || c.is_whitespace())
+            .unwrap_or(tail.len());
+        match tail[..end].rfind('@') {
+            Some(i) => {
+                out.push_str("***@");
+                rest = &tail[i + 1..];
+            }
+            None => rest = tail,
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn commit_ids_and_redaction() {
+        assert!(is_commit_id(&"a".repeat(40)));
+        assert!(!is_commit_id("main"));
+        assert!(!is_commit_id(&"g".repeat(40)));
+        assert_eq!(
+            redact_userinfo("fatal: https://bob:tok@h:1/r.git not found; http://h/x"),
+            "fatal: https://***@h:1/r.git not found; http://h/x"
+        );
+    }
+}

@@ -1,0 +1,402 @@
+//! A git repository as a source of desired state, against real remotes on
+//! this machine: `git daemon` on 127.0.0.1 (the git:// transport) with a
+//! booted VM, and a `file://` repository with disks only. Every state is
+//! read from hearthd's objects and from the process table (the VM's QEMU
+//! pid), every commit made and pushed with the `git` program.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+const SETTLE: Duration = Duration::from_secs(60);
+
+/// Runs git in `dir` with a fixed identity and no user configuration.
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = Command::new("git")
+        .args(args)
+        .current_dir(dir)
+        .env("GIT_CONFIG_GLOBAL", "/dev/null")
+        .env("GIT_CONFIG_NOSYSTEM", "1")
+        .env("GIT_AUTHOR_NAME", "hearth test")
+        .env("GIT_AUTHOR_EMAIL", "test@hearth.invalid")
+        .env("GIT_COMMITTER_NAME", "hearth test")
+        .env("GIT_COMMITTER_EMAIL", "test@hearth.invalid")
+        .output()
+        .expect("git (apt-get install git)");
+    assert!(
+        out.status.success(),
+        "git {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// A bare repository (the remote) and a clone to commit in.
+struct Remote {
+    _dir: tempfile::TempDir,
+    root: PathBuf,
+    bare: PathBuf,
+    work: PathBuf,
+}
+
+impl Remote {
+    fn new() -> Remote {
+        let dir = tempfile::Builder::new()
+            .prefix("hearth-git-")
+            .tempdir()
+            .unwrap();
+        let root = dir.path().to_path_buf();
+        let bare = root.join("remote.git");
+        let work = root.join("work");
+        std::fs::create_dir_all(&work).unwrap();
+        git(
+            &root,
+            &["init", "--quiet", "--bare", "-b", "main", "remote.git"],
+        );
+        git(&work, &["init", "--quiet", "-b", "main"]);
+        git(&work, &["remote", "add", "origin", bare.to_str().unwrap()]);
+        Remote {
+            _dir: dir,
+            root,
+            bare,
+            work,
+        }
+    }
+
+    /// Writes (Some) or removes (None) files, commits, pushes; the commit.
+    fn commit(&self, files: &[(&str, Option<&str>)], message: &str) -> String {
+        for (path, text) in files {
+            let p = self.work.join(path);
+            match text {
+                Some(t) => {
+                    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+                    std::fs::write(&p, t).unwrap();
+                }
+                None => {
+                    let _ = std::fs::remove_file(&p);
+                }
+            }
+        }
+        git(&self.work, &["add", "-A"]);
+        git(
+            &self.work,
+            &["commit", "--quiet", "--allow-empty", "-m", message],
+        );
+        git(
+            &self.work,
+            &["push", "--quiet", "--force", "origin", "HEAD:main"],
+        );
+        git(&self.work, &["rev-parse", "HEAD"])
+    }
+
+    /// Moves the branch to `commit`, as a force push does.
+    fn force_push(&self, commit: &str) {
+        git(&self.work, &["reset", "--quiet", "--hard", commit]);
+        git(
+            &self.work,
+            &["push", "--quiet", "--force", "origin", "HEAD:main"],
+        );
+    }
+
+    fn url(&self) -> String {
+        format!("file://{}", self.bare.display())
+    }
+}
+
+/// `git daemon` serving `root` on 127.0.0.1; killed when dropped.
+struct GitDaemon {
+    child: Child,
+    port: u16,
+}
+
+impl GitDaemon {
+    fn start(root: &Path) -> GitDaemon {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new("git")
+            .args([
+                "daemon",
+                "--reuseaddr",
+                "--listen=127.0.0.1",
+                &format!("--port={port}"),
+                &format!("--base-path={}", root.display()),
+                "--export-all",
+                root.to_str().unwrap(),
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("git daemon (apt-get install git)");
+        wait_until("git daemon listens", Duration::from_secs(20), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        GitDaemon { child, port }
+    }
+}
+
+impl Drop for GitDaemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn source(d: &Daemon, name: &str) -> Value {
+    let (status, v) = d.request("GET", "/v1/sources", None);
+    assert_eq!(status, 200, "{v:#}");
+    v["sources"]
+        .as_array()
+        .and_then(|a| a.iter().find(|s| s["name"] == name).cloned())
+        .unwrap_or_else(|| panic!("no source {name} in {v:#}"))
+}
+
+fn wait_source(d: &Daemon, name: &str, what: &str, f: impl Fn(&Value) -> bool) -> Value {
+    let mut last = Value::Null;
+    let ok = hearth_test_support::eventually(SETTLE, || {
+        last = source(d, name);
+        f(&last)
+    });
+    assert!(ok, "source {name}: {what}: {last:#}");
+    last
+}
+
+fn vm_text(name: &str, cpus: u32) -> String {
+    vm_yaml(name, "AlwaysOn", &[], "").replace(
+        "  memory: 256Mi\n",
+        &format!("  cpus: {cpus}\n  memory: 256Mi\n"),
+    )
+}
+
+/// The VM's spec.cpus and its QEMU pid once it runs that spec.
+fn running_with(d: &Daemon, vm: &str, cpus: u64) -> u32 {
+    d.wait_vm(vm, &format!("Running with {cpus} cpus"), SETTLE, |v| {
+        v["spec"]["cpus"] == cpus && v["status"]["phase"] == "Running"
+    });
+    let pids = d.qemu_pids_of(vm);
+    assert_eq!(pids.len(), 1, "one QEMU of {vm}: {pids:?}");
+    pids[0]
+}
+
+/// Holds for `for_` that the VM exists, runs the same QEMU, with `cpus`.
+fn unchanged_for(d: &Daemon, vm: &str, pid: u32, cpus: u64, for_: Duration) {
+    let end = std::time::Instant::now() + for_;
+    while std::time::Instant::now() < end {
+        let v = d.get_vm(vm).unwrap_or_else(|| panic!("{vm} was deleted"));
+        assert_eq!(v["spec"]["cpus"], cpus, "{v:#}");
+        assert_eq!(d.qemu_pids_of(vm), vec![pid], "{vm}'s QEMU changed");
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+#[test]
+fn a_vm_follows_its_branch_over_git_daemon_and_a_broken_remote_deletes_nothing() {
+    let _serial = serial();
+    let remote = Remote::new();
+    let first = remote.commit(&[("vms/ga.yaml", Some(&vm_text("ga", 1)))], "ga with 1 cpu");
+    let server = GitDaemon::start(&remote.root);
+    let url = format!("git://127.0.0.1:{}/remote.git", server.port);
+    let d = Daemon::start_with(&[
+        "--git",
+        &url,
+        "--git-ref",
+        "main",
+        "--git-path",
+        "vms",
+        "--git-interval-seconds",
+        "2",
+        "--git-name",
+        "lab",
+    ]);
+
+    // Applied by the first commit; its owner names the source and the file.
+    let pid = running_with(&d, "ga", 1);
+    let vm = d.get_vm("ga").unwrap();
+    assert_eq!(vm["metadata"]["managedBy"], "git:lab:vms/ga.yaml", "{vm:#}");
+    let s = wait_source(&d, "lab", "Ready at the first commit", |s| {
+        s["state"] == "Ready" && s["appliedCommit"]["id"] == first.as_str()
+    });
+    assert_eq!(s["kind"], "git");
+    assert_eq!(s["url"], url.as_str());
+    // The API and the CLI refuse to change what the source declares.
+    let err = d.cli_err(&["delete", "vm", "ga"]);
+    assert!(err.contains("git:lab:vms/ga.yaml"), "{err}");
+
+    // A spec edit is applied (the VM restarts with 2 CPUs); a refresh
+    // fetches at once and answers after the apply.
+    let second = remote.commit(
+        &[("vms/ga.yaml", Some(&vm_text("ga", 2)))],
+        "ga with 2 cpus",
+    );
+    let out = d.cli_ok(&["sources", "refresh", "lab"]);
+    assert!(
+        out.contains("Ready") && out.contains(&second[..12]),
+        "{out}"
+    );
+    assert_eq!(d.get_vm("ga").unwrap()["spec"]["cpus"], 2);
+    let pid = {
+        let p = running_with(&d, "ga", 2);
+        assert_ne!(p, pid, "a spec change restarts the VM");
+        p
+    };
+    let listed = d.cli_ok(&["get", "sources"]);
+    assert!(
+        listed.contains("lab") && listed.contains("git") && listed.contains(&second[..12]),
+        "{listed}"
+    );
+
+    // The remote goes away: Stale, the last good commit stands, the VM
+    // runs on with the same QEMU.
+    std::fs::rename(&remote.bare, remote.root.join("gone.git")).unwrap();
+    let s = wait_source(&d, "lab", "Stale while the repository is gone", |s| {
+        s["state"] == "Stale"
+    });
+    assert!(
+        s["reason"].as_str().unwrap().contains("fetching main"),
+        "{s:#}"
+    );
+    assert_eq!(s["appliedCommit"]["id"], second.as_str());
+    unchanged_for(&d, "ga", pid, 2, Duration::from_secs(5));
+    std::fs::rename(remote.root.join("gone.git"), &remote.bare).unwrap();
+    wait_source(&d, "lab", "Ready again", |s| s["state"] == "Ready");
+
+    // A commit without the folder, then one with no manifest in it: Stale,
+    // nothing deleted.
+    std::fs::rename(remote.work.join("vms"), remote.root.join("vms.away")).unwrap();
+    let no_folder = remote.commit(&[("README.md", Some("no vms here\n"))], "no vms folder");
+    let s = wait_source(&d, "lab", "Stale without the folder", |s| {
+        s["state"] == "Stale" && s["fetchedCommit"]["id"] == no_folder.as_str()
+    });
+    assert!(
+        s["reason"].as_str().unwrap().contains("has no folder"),
+        "{s:#}"
+    );
+    remote.commit(
+        &[("vms/notes.txt", Some("not a manifest\n"))],
+        "no manifest",
+    );
+    let s = wait_source(&d, "lab", "Stale without a manifest", |s| {
+        s["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("has no manifest"))
+    });
+    assert_eq!(s["appliedCommit"]["id"], second.as_str(), "{s:#}");
+    unchanged_for(&d, "ga", pid, 2, Duration::from_secs(3));
+
+    // A force push back to the first commit: followed, and said.
+    remote.force_push(&first);
+    let s = wait_source(&d, "lab", "the first commit again", |s| {
+        s["appliedCommit"]["id"] == first.as_str() && s["state"] == "Ready"
+    });
+    let events = s["events"].to_string();
+    assert!(events.contains("HistoryRewritten"), "{s:#}");
+    let pid = running_with(&d, "ga", 1);
+
+    // A file moved to another folder: the same object, not restarted.
+    std::fs::create_dir_all(remote.work.join("vms/team")).unwrap();
+    git(&remote.work, &["mv", "vms/ga.yaml", "vms/team/ga.yaml"]);
+    let moved = remote.commit(&[], "move ga");
+    wait_source(&d, "lab", "the move applied", |s| {
+        s["appliedCommit"]["id"] == moved.as_str()
+    });
+    d.wait_vm("ga", "owned by its new path", SETTLE, |v| {
+        v["metadata"]["managedBy"] == "git:lab:vms/team/ga.yaml"
+    });
+    unchanged_for(&d, "ga", pid, 1, Duration::from_secs(2));
+
+    // A commit that removes the file deletes the VM and stops its QEMU.
+    remote.commit(
+        &[
+            ("vms/team/ga.yaml", None),
+            ("vms/keep.yaml", Some(&disk_text("git-keep"))),
+        ],
+        "ga removed",
+    );
+    wait_until("ga is deleted", SETTLE, || d.get_vm("ga").is_none());
+    wait_until("ga's QEMU is gone", SETTLE, || {
+        d.qemu_pids_of("ga").is_empty()
+    });
+    drop(server);
+}
+
+/// A blank disk manifest.
+fn disk_text(name: &str) -> String {
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualDisk\nmetadata:\n  name: {name}\nspec:\n  source:\n    blank: {{}}\n  size: 16Mi\n"
+    )
+}
+
+#[test]
+fn a_burst_of_commits_over_file_settles_to_the_last_and_leaves_no_git_process() {
+    let _serial = serial();
+    let remote = Remote::new();
+    remote.commit(&[("d0.yaml", Some(&disk_text("burst-0")))], "start");
+    let d = Daemon::start_without_guest(
+        &[],
+        &[
+            "--git",
+            &remote.url(),
+            "--git-ref",
+            "main",
+            "--git-interval-seconds",
+            "1",
+        ],
+    );
+    wait_until("burst-0 exists", SETTLE, || {
+        d.request("GET", "/v1/virtualdisks/burst-0", None).0 == 200
+    });
+    // 50 commits, each adding a disk and removing the one before.
+    let mut last = String::new();
+    for i in 1..=50 {
+        last = remote.commit(
+            &[
+                (
+                    &format!("d{i}.yaml"),
+                    Some(&disk_text(&format!("burst-{i}"))),
+                ),
+                (&format!("d{}.yaml", i - 1), None),
+            ],
+            &format!("burst {i}"),
+        );
+    }
+    wait_source(&d, "git", "the last commit applied", |s| {
+        s["appliedCommit"]["id"] == last.as_str()
+    });
+    wait_until("only burst-50 is left", SETTLE, || {
+        let (_, v) = d.request("GET", "/v1/virtualdisks", None);
+        let names: Vec<String> = v["items"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter(|o| o["status"]["phase"] != "Terminating")
+            .map(|o| o["metadata"]["name"].as_str().unwrap_or("").to_string())
+            .collect();
+        names == ["burst-50"]
+    });
+    // An unknown source: the refresh says which exist.
+    let (status, v) = d.request("POST", "/v1/sources/nope/refresh", None);
+    assert_eq!(status, 404, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("git"), "{v}");
+    // No git process of this daemon outlives its run.
+    let state = d.dir.path().display().to_string();
+    drop(d);
+    let left: Vec<String> = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| {
+            let cmd = std::fs::read(e.ok()?.path().join("cmdline")).ok()?;
+            let text = String::from_utf8_lossy(&cmd).replace('\0', " ");
+            (text.starts_with("git ") || text.contains("/git "))
+                .then_some(text)
+                .filter(|t| t.contains(&state))
+        })
+        .collect();
+    assert!(left.is_empty(), "git processes left: {left:?}");
+}
