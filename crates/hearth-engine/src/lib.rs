@@ -49,6 +49,7 @@ pub use error::{
 };
 pub use guest::exec::MAX_WAIT as EXEC_MAX_WAIT;
 pub use guest::{Download, ExecStarted, ExecStatus, Upload, UploadDone};
+pub use manifest::git::repo::Auth as GitAuth;
 pub use manifest::git::valid_name as valid_git_source_name;
 pub use manifest::{GitConfig, GitSource, GitSources, ManifestConfig, ManifestSource};
 pub use metrics::{ManifestMetrics, PREFIX as METRICS_PREFIX, Sample, encode as encode_metrics};

@@ -109,6 +109,11 @@ pub fn all_git_sources(args: &Args) -> Vec<GitSourceFile> {
             reference: Some(args.git_ref.clone()),
             path: Some(args.git_path.clone()),
             interval_seconds: Some(args.git_interval_seconds),
+            username: args.git_username.clone(),
+            token_file: args.git_token_file.clone(),
+            ssh_key_file: args.git_ssh_key_file.clone(),
+            known_hosts_file: args.git_known_hosts_file.clone(),
+            allowed_signers_file: args.git_allowed_signers.clone(),
         });
     }
     all
@@ -126,6 +131,20 @@ pub struct GitSourceFile {
     pub path: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub interval_seconds: Option<u64>,
+    /// https: the user, and a file holding the token (read at each fetch).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub username: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<PathBuf>,
+    /// ssh: the private key, and the known_hosts file the host must be in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ssh_key_file: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub known_hosts_file: Option<PathBuf>,
+    /// Only commits signed by a key of this file (ssh's allowed_signers
+    /// format) are applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allowed_signers_file: Option<PathBuf>,
 }
 
 /// Parses a configuration file's text; errors name the file and the key.

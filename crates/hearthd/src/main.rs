@@ -249,6 +249,25 @@ struct Args {
     /// The name of --git's source: its objects' owner is git:NAME:PATH.
     #[arg(long, default_value = "git")]
     git_name: String,
+    /// https: the user --git-token-file's token goes with.
+    #[arg(long, value_name = "USER")]
+    git_username: Option<String>,
+    /// https: a file holding the token (or password) for --git, read at
+    /// each fetch.
+    #[arg(long, value_name = "FILE")]
+    git_token_file: Option<PathBuf>,
+    /// ssh: the private key for --git.
+    #[arg(long, value_name = "FILE")]
+    git_ssh_key_file: Option<PathBuf>,
+    /// ssh: the known_hosts file --git's host must be in (no host is
+    /// trusted on first use).
+    #[arg(long, value_name = "FILE")]
+    git_known_hosts_file: Option<PathBuf>,
+    /// Apply only commits signed by a key of this file (ssh's
+    /// allowed_signers format: `EMAIL ssh-ed25519 KEY`); others leave the
+    /// source Unverified at its last verified commit.
+    #[arg(long, value_name = "FILE")]
+    git_allowed_signers: Option<PathBuf>,
     /// The `[[git]]` tables of the configuration file.
     #[arg(skip)]
     git_sources: Vec<config::GitSourceFile>,
@@ -488,6 +507,20 @@ fn git_sources(args: &Args) -> anyhow::Result<Vec<hearth_engine::GitConfig>> {
         if let Some(i) = g.interval_seconds {
             c.interval = Duration::from_secs(i.max(1));
         }
+        let absolute = |p: Option<PathBuf>, key: &str| -> anyhow::Result<Option<PathBuf>> {
+            p.map(|p| {
+                std::path::absolute(&p)
+                    .with_context(|| format!("git source {:?}: {key} {}", g.name, p.display()))
+            })
+            .transpose()
+        };
+        c.auth = hearth_engine::GitAuth {
+            username: g.username,
+            token_file: absolute(g.token_file, "token-file")?,
+            ssh_key: absolute(g.ssh_key_file, "ssh-key-file")?,
+            known_hosts: absolute(g.known_hosts_file, "known-hosts-file")?,
+        };
+        c.allowed_signers = absolute(g.allowed_signers_file, "allowed-signers-file")?;
         out.push(c);
     }
     Ok(out)

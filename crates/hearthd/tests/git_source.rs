@@ -71,6 +71,16 @@ impl Remote {
 
     /// Writes (Some) or removes (None) files, commits, pushes; the commit.
     fn commit(&self, files: &[(&str, Option<&str>)], message: &str) -> String {
+        self.commit_signed(files, message, None)
+    }
+
+    /// [`Remote::commit`], signed with the ssh key `key` when given.
+    fn commit_signed(
+        &self,
+        files: &[(&str, Option<&str>)],
+        message: &str,
+        key: Option<&Path>,
+    ) -> String {
         for (path, text) in files {
             let p = self.work.join(path);
             match text {
@@ -84,10 +94,13 @@ impl Remote {
             }
         }
         git(&self.work, &["add", "-A"]);
-        git(
-            &self.work,
-            &["commit", "--quiet", "--allow-empty", "-m", message],
-        );
+        let signing = key.map(|k| format!("user.signingkey={}", k.display()));
+        let mut args = vec!["commit", "--quiet", "--allow-empty", "-m", message];
+        if let Some(s) = &signing {
+            args.splice(0..0, ["-c", "gpg.format=ssh", "-c", s.as_str()]);
+            args.push("-S");
+        }
+        git(&self.work, &args);
         git(
             &self.work,
             &["push", "--quiet", "--force", "origin", "HEAD:main"],
@@ -399,4 +412,92 @@ fn a_burst_of_commits_over_file_settles_to_the_last_and_leaves_no_git_process() 
         })
         .collect();
     assert!(left.is_empty(), "git processes left: {left:?}");
+}
+
+/// An ed25519 key made by ssh-keygen in `dir`: its private key's path and
+/// its public key's line.
+fn ssh_key(dir: &Path, name: &str) -> (PathBuf, String) {
+    let key = dir.join(name);
+    let out = Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-C", name, "-f"])
+        .arg(&key)
+        .output()
+        .expect("ssh-keygen (apt-get install openssh-client)");
+    assert!(out.status.success(), "{out:?}");
+    let public = std::fs::read_to_string(key.with_extension("pub")).unwrap();
+    (key, public.trim().to_string())
+}
+
+#[test]
+fn only_commits_signed_by_an_allowed_key_are_applied() {
+    let _serial = serial();
+    let remote = Remote::new();
+    let keys = remote.root.join("keys");
+    std::fs::create_dir_all(&keys).unwrap();
+    let (good, good_pub) = ssh_key(&keys, "good");
+    let (other, _) = ssh_key(&keys, "other");
+    let signers = keys.join("allowed_signers");
+    std::fs::write(&signers, format!("test@hearth.invalid {good_pub}\n")).unwrap();
+    let first = remote.commit_signed(
+        &[("a.yaml", Some(&disk_text("signed-a")))],
+        "signed a",
+        Some(&good),
+    );
+    let d = Daemon::start_without_guest(
+        &[],
+        &[
+            "--git",
+            &remote.url(),
+            "--git-ref",
+            "main",
+            "--git-interval-seconds",
+            "1",
+            "--git-allowed-signers",
+            signers.to_str().unwrap(),
+        ],
+    );
+    wait_source(&d, "git", "the signed commit applied", |s| {
+        s["state"] == "Ready" && s["appliedCommit"]["id"] == first.as_str()
+    });
+    let exists = |name: &str| {
+        d.request("GET", &format!("/v1/virtualdisks/{name}"), None)
+            .0
+            == 200
+    };
+    assert!(exists("signed-a"));
+
+    // Unsigned, then signed by a key not allowed: neither is applied.
+    let unsigned = remote.commit(&[("b.yaml", Some(&disk_text("unsigned-b")))], "unsigned b");
+    let s = wait_source(&d, "git", "Unverified (unsigned)", |s| {
+        s["state"] == "Unverified" && s["fetchedCommit"]["id"] == unsigned.as_str()
+    });
+    assert_eq!(s["appliedCommit"]["id"], first.as_str(), "{s:#}");
+    let stranger = remote.commit_signed(
+        &[("c.yaml", Some(&disk_text("stranger-c")))],
+        "other key",
+        Some(&other),
+    );
+    let s = wait_source(&d, "git", "Unverified (unknown signer)", |s| {
+        s["state"] == "Unverified" && s["fetchedCommit"]["id"] == stranger.as_str()
+    });
+    assert!(
+        s["reason"]
+            .as_str()
+            .unwrap()
+            .contains("not signed by a key of"),
+        "{s:#}"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!exists("unsigned-b") && !exists("stranger-c"));
+
+    // A good signature again: that commit (with everything before it) applies.
+    let last = remote.commit_signed(
+        &[("d.yaml", Some(&disk_text("signed-d")))],
+        "signed d",
+        Some(&good),
+    );
+    wait_source(&d, "git", "the signed tip applied", |s| {
+        s["state"] == "Ready" && s["appliedCommit"]["id"] == last.as_str()
+    });
+    assert!(exists("signed-d") && exists("unsigned-b") && exists("stranger-c"));
 }

@@ -49,6 +49,10 @@ pub struct GitConfig {
     pub max_file_size: u64,
     pub max_files: usize,
     pub delete_grace: Duration,
+    /// Only commits signed by a key in this file (ssh's allowed signers
+    /// format) are applied.
+    pub allowed_signers: Option<PathBuf>,
+    pub auth: repo::Auth,
 }
 
 impl GitConfig {
@@ -66,6 +70,8 @@ impl GitConfig {
             // A commit is read whole: a file gone from it is gone, and the
             // next poll confirms it.
             delete_grace: Duration::ZERO,
+            allowed_signers: None,
+            auth: repo::Auth::default(),
         }
     }
 }
@@ -92,6 +98,9 @@ pub enum SourceState {
     /// The commit is applied but some of its objects are declared twice or
     /// refused.
     Conflict,
+    /// The fetched commit is not signed by an allowed signer: the last
+    /// verified one stands.
+    Unverified,
 }
 
 /// Why a sync ran.
@@ -248,23 +257,20 @@ impl GitSource {
         }
     }
 
-    /// Marks the source Stale: nothing is given to the core.
-    fn stale(&self, reason: String) {
+    /// Holds the source at its last good commit (Stale or Unverified):
+    /// nothing is given to the core.
+    fn hold(&self, state: SourceState, reason: String) {
         let mut st = self.lock();
-        if st.state != SourceState::Stale || st.reason.as_deref() != Some(reason.as_str()) {
+        if st.state != state || st.reason.as_deref() != Some(reason.as_str()) {
             let last = st
                 .applied
                 .as_ref()
                 .map(|c| format!("; the last good commit {} stands", short(&c.id)))
                 .unwrap_or_else(|| "; nothing was applied yet".into());
-            Self::event(
-                &mut st,
-                &self.config.name,
-                "Stale",
-                format!("{reason}{last}"),
-            );
+            let tag = format!("{state:?}");
+            Self::event(&mut st, &self.config.name, &tag, format!("{reason}{last}"));
         }
-        st.state = SourceState::Stale;
+        st.state = state;
         st.reason = Some(reason);
     }
 
@@ -287,7 +293,7 @@ impl GitSource {
                 let me = self.clone();
                 let _ = tokio::task::spawn_blocking(move || me.rescan()).await;
             }
-            Err(reason) => self.stale(reason),
+            Err(Held(state, reason)) => self.hold(state, reason),
         }
         self.lock().syncs += 1;
         self.done.send_replace(number);
@@ -295,10 +301,12 @@ impl GitSource {
 
     /// Fetches and reads the commit, when it is not the one applied (or a
     /// start, which reads it again). Err: why the source is Stale.
-    async fn fetch_commit(&self, trigger: Trigger) -> Result<Option<Read>, String> {
+    async fn fetch_commit(&self, trigger: Trigger) -> Result<Option<Read>, Held> {
         let c = &self.config;
-        let repo = Repo::open(&c.cache).await.map_err(|e| e.to_string())?;
-        let fetched = repo.fetch(&c.url, &c.reference, c.fetch_timeout).await;
+        let repo = Repo::open(&c.cache).await.map_err(stale)?;
+        let fetched = repo
+            .fetch(&c.url, &c.reference, &c.auth, c.fetch_timeout)
+            .await;
         {
             let mut st = self.lock();
             st.last_fetch_at = Some(Utc::now());
@@ -307,16 +315,35 @@ impl GitSource {
             }
         }
         fetched.map_err(|e| {
-            format!(
+            stale(format!(
                 "fetching {} of {}: {e}",
                 c.reference,
                 repo::redact_userinfo(&c.url)
-            )
+            ))
         })?;
-        let Some(commit) = repo.commit_of(FETCHED).await.map_err(|e| e.to_string())? else {
-            return Err(format!("the fetch of {} gave no commit", c.reference));
+        let Some(commit) = repo.commit_of(FETCHED).await.map_err(stale)? else {
+            return Err(stale(format!(
+                "the fetch of {} gave no commit",
+                c.reference
+            )));
         };
-        let info = repo.describe(&commit).await.map_err(|e| e.to_string())?;
+        let info = repo.describe(&commit).await.map_err(stale)?;
+        if let Some(signers) = &c.allowed_signers {
+            match repo.verify(&commit, signers).await.map_err(stale)? {
+                Ok(_) => {}
+                Err(why) => {
+                    self.lock().fetched = Some(info);
+                    return Err(Held(
+                        SourceState::Unverified,
+                        format!(
+                            "commit {} is not signed by a key of {}: {why}",
+                            short(&commit),
+                            signers.display()
+                        ),
+                    ));
+                }
+            }
+        }
         let (applied, has_listing) = {
             let mut st = self.lock();
             st.fetched = Some(info.clone());
@@ -327,7 +354,7 @@ impl GitSource {
         };
         if applied.as_deref() == Some(commit.as_str()) && has_listing && trigger != Trigger::Start {
             let mut st = self.lock();
-            if st.state == SourceState::Stale {
+            if matches!(st.state, SourceState::Stale | SourceState::Unverified) {
                 st.state = SourceState::Ready;
                 st.reason = None;
             }
@@ -336,29 +363,26 @@ impl GitSource {
         // The last applied commit, from the cache: also after a restart.
         let previous = match applied {
             Some(a) => Some(a),
-            None => repo.commit_of(APPLIED).await.map_err(|e| e.to_string())?,
+            None => repo.commit_of(APPLIED).await.map_err(stale)?,
         };
         let rewritten = match &previous {
             Some(p) if p != &commit => !repo.is_ancestor(p, &commit).await.unwrap_or(false),
             _ => false,
         };
         let max_listing = c.max_files.saturating_mul(512).max(1 << 20);
-        let out = repo
-            .ls_tree(&commit, max_listing)
-            .await
-            .map_err(|e| e.to_string())?;
-        let entries = tree::parse_ls_tree(&out).map_err(|e| e.to_string())?;
+        let out = repo.ls_tree(&commit, max_listing).await.map_err(stale)?;
+        let entries = tree::parse_ls_tree(&out).map_err(stale)?;
         let prefix = tree::folder_prefix(&c.path);
         let selected = tree::select(&entries, &prefix, c.max_file_size, c.max_files);
         if !selected.folder_exists {
-            return Err(format!(
+            return Err(stale(format!(
                 "commit {} has no folder {:?}",
                 short(&commit),
                 c.path
-            ));
+            )));
         }
         if selected.manifests.is_empty() {
-            return Err(format!(
+            return Err(stale(format!(
                 "commit {} has no manifest under {:?} (a commit that empties the source is not taken as deleting everything: delete the objects through the files one by one)",
                 short(&commit),
                 if c.path.is_empty() {
@@ -366,7 +390,7 @@ impl GitSource {
                 } else {
                     c.path.as_str()
                 }
-            ));
+            )));
         }
         // Only blobs not parsed before are read.
         let known: HashMap<String, Content> = self.lock().parsed.clone();
@@ -389,8 +413,8 @@ impl GitSource {
             let out = repo
                 .cat_blobs(&wanted, bytes as usize + 4096)
                 .await
-                .map_err(|e| e.to_string())?;
-            let blobs = tree::parse_batch(&out).map_err(|e| e.to_string())?;
+                .map_err(stale)?;
+            let blobs = tree::parse_batch(&out).map_err(stale)?;
             for (oid, b) in blobs {
                 parsed.insert(oid, tree::content_of(&b));
             }
@@ -467,7 +491,7 @@ impl GitSource {
         let mut st = self.lock();
         if let Some(listing) = st.listing.clone() {
             self.run_core(&mut st, listing);
-            if st.state != SourceState::Stale {
+            if !matches!(st.state, SourceState::Stale | SourceState::Unverified) {
                 st.state = if st.core.view(std::time::Instant::now()).problems.is_empty() {
                     SourceState::Ready
                 } else {
@@ -494,6 +518,14 @@ impl GitSource {
     fn next_due(&self) -> Option<std::time::Instant> {
         self.lock().core.next_wake()
     }
+}
+
+/// Why a sync gives the core nothing new: the state the source is held in
+/// and the reason.
+struct Held(SourceState, String);
+
+fn stale(e: impl std::fmt::Display) -> Held {
+    Held(SourceState::Stale, e.to_string())
 }
 
 /// A commit read, not yet applied.

@@ -55,6 +55,51 @@ pub struct Repo {
     pub dir: PathBuf,
 }
 
+/// How a fetch proves who it is: https with a user and a token read from
+/// a file at each fetch (rotated tokens need no restart), ssh with a key
+/// and a known_hosts file (a host not in it is refused).
+#[derive(Clone, Debug, Default)]
+pub struct Auth {
+    pub username: Option<String>,
+    pub token_file: Option<PathBuf>,
+    pub ssh_key: Option<PathBuf>,
+    pub known_hosts: Option<PathBuf>,
+}
+
+impl Auth {
+    /// The environment of a fetch: credentials go by environment (only
+    /// root reads another root process's), never on a command line.
+    fn env(&self) -> Result<Vec<(String, String)>, GitError> {
+        use base64::Engine as _;
+        let mut env = Vec::new();
+        if let Some(file) = &self.token_file {
+            let token = std::fs::read_to_string(file).map_err(|source| GitError::Cache {
+                path: file.clone(),
+                source,
+            })?;
+            let user = self.username.as_deref().unwrap_or("git");
+            let basic = base64::engine::general_purpose::STANDARD
+                .encode(format!("{user}:{}", token.trim()));
+            env.push(("GIT_CONFIG_COUNT".into(), "1".into()));
+            env.push(("GIT_CONFIG_KEY_0".into(), "http.extraHeader".into()));
+            env.push((
+                "GIT_CONFIG_VALUE_0".into(),
+                format!("Authorization: Basic {basic}"),
+            ));
+        }
+        let quote = |p: &Path| format!("'{}'", p.display().to_string().replace('\'', "'\\''"));
+        let mut ssh = String::from("ssh -o BatchMode=yes -o StrictHostKeyChecking=yes");
+        if let Some(k) = &self.ssh_key {
+            ssh.push_str(&format!(" -o IdentitiesOnly=yes -i {}", quote(k)));
+        }
+        if let Some(h) = &self.known_hosts {
+            ssh.push_str(&format!(" -o UserKnownHostsFile={}", quote(h)));
+        }
+        env.push(("GIT_SSH_COMMAND".into(), ssh));
+        Ok(env)
+    }
+}
+
 /// What `git` is told on every run: no terminal prompt, no user or system
 /// configuration, objects checked as they arrive.
 fn base_command(dir: &Path) -> Result<tokio::process::Command, GitError> {
@@ -115,7 +160,21 @@ impl Repo {
         timeout: Duration,
         max_output: usize,
     ) -> Result<programs::Finished, GitError> {
+        self.run_env(what, args, &[], input, timeout, max_output)
+            .await
+    }
+
+    async fn run_env(
+        &self,
+        what: &str,
+        args: &[&str],
+        env: &[(String, String)],
+        input: Option<&[u8]>,
+        timeout: Duration,
+        max_output: usize,
+    ) -> Result<programs::Finished, GitError> {
         let mut c = base_command(&self.dir)?;
+        c.envs(env.iter().map(|(k, v)| (k, v)));
         c.args(args);
         let limits = programs::Limits {
             timeout,
@@ -138,7 +197,22 @@ impl Repo {
         timeout: Duration,
         max_output: usize,
     ) -> Result<Vec<u8>, GitError> {
-        let out = self.run(what, args, input, timeout, max_output).await?;
+        self.ok_env(what, args, &[], input, timeout, max_output)
+            .await
+    }
+
+    async fn ok_env(
+        &self,
+        what: &str,
+        args: &[&str],
+        env: &[(String, String)],
+        input: Option<&[u8]>,
+        timeout: Duration,
+        max_output: usize,
+    ) -> Result<Vec<u8>, GitError> {
+        let out = self
+            .run_env(what, args, env, input, timeout, max_output)
+            .await?;
         if !out.status.success() {
             return Err(GitError::Failed {
                 what: what.to_string(),
@@ -156,8 +230,10 @@ impl Repo {
         &self,
         url: &str,
         reference: &str,
+        auth: &Auth,
         timeout: Duration,
     ) -> Result<(), GitError> {
+        let env = auth.env()?;
         let refspec = if is_commit_id(reference) {
             "+refs/heads/*:refs/hearth/heads/*".to_string()
         } else if reference == "HEAD" || reference.starts_with("refs/") {
@@ -166,7 +242,7 @@ impl Repo {
             // A short name: a branch first, as git itself resolves it.
             format!("+{reference}:{FETCHED}")
         };
-        self.ok(
+        self.ok_env(
             "fetch",
             &[
                 "fetch",
@@ -178,6 +254,7 @@ impl Repo {
                 url,
                 &refspec,
             ],
+            &env,
             None,
             timeout,
             MAX_SMALL_OUTPUT,
@@ -185,7 +262,7 @@ impl Repo {
         .await?;
         if is_commit_id(reference) {
             let _ = self
-                .ok(
+                .ok_env(
                     "fetch",
                     &[
                         "fetch",
@@ -195,6 +272,7 @@ impl Repo {
                         url,
                         "+refs/tags/*:refs/hearth/tags/*",
                     ],
+                    &env,
                     None,
                     timeout,
                     MAX_SMALL_OUTPUT,
@@ -299,6 +377,37 @@ impl Repo {
             author: f.next().unwrap_or("").to_string(),
             date: f.next().unwrap_or("").to_string(),
             subject: f.next().unwrap_or("").chars().take(200).collect(),
+        })
+    }
+
+    /// Whether `commit` carries an ssh signature by a key of
+    /// `allowed_signers` (the `ssh-keygen` format git reads from
+    /// `gpg.ssh.allowedSignersFile`): Ok(Err(why)) when it does not.
+    pub async fn verify(
+        &self,
+        commit: &str,
+        allowed_signers: &Path,
+    ) -> Result<Result<String, String>, GitError> {
+        let file = format!("gpg.ssh.allowedSignersFile={}", allowed_signers.display());
+        let out = self
+            .run(
+                "verify-commit",
+                &["-c", &file, "verify-commit", "--raw", commit],
+                None,
+                QUICK,
+                MAX_SMALL_OUTPUT,
+            )
+            .await?;
+        let text = said(&out.stderr);
+        Ok(if out.status.success() {
+            Ok(text)
+        } else if text.is_empty() {
+            Err(format!(
+                "it is not signed (git verify-commit: {})",
+                out.status
+            ))
+        } else {
+            Err(text)
         })
     }
 
