@@ -501,3 +501,224 @@ fn only_commits_signed_by_an_allowed_key_are_applied() {
     });
     assert!(exists("signed-d") && exists("unsigned-b") && exists("stranger-c"));
 }
+
+/// `git http-backend` behind a plain HTTP server on 127.0.0.1 that wants
+/// Basic auth with one user and token; each request is served by a thread
+/// of its own and answered with `Connection: close`. Records whether each
+/// request carried the right credentials.
+struct HttpGit {
+    port: u16,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<(String, bool)>>>,
+}
+
+fn base64_of(text: &str) -> String {
+    let mut child = Command::new("base64")
+        .args(["-w", "0"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("base64 (coreutils)");
+    use std::io::Write;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+impl HttpGit {
+    fn start(root: &Path, user: &str, token: &str) -> HttpGit {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let want = format!("Basic {}", base64_of(&format!("{user}:{token}")));
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (root, log) = (root.to_path_buf(), seen.clone());
+        std::thread::spawn(move || {
+            for stream in listener.incoming().flatten() {
+                let (root, want, log) = (root.clone(), want.clone(), log.clone());
+                std::thread::spawn(move || {
+                    let _ = serve_cgi(stream, &root, &want, &log);
+                });
+            }
+        });
+        HttpGit { port, seen }
+    }
+}
+
+fn serve_cgi(
+    mut stream: std::net::TcpStream,
+    root: &Path,
+    want_auth: &str,
+    log: &std::sync::Mutex<Vec<(String, bool)>>,
+) -> std::io::Result<()> {
+    use std::io::{BufRead, BufReader, Read, Write};
+    stream.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let mut reader = BufReader::new(stream.try_clone()?);
+    let mut line = String::new();
+    reader.read_line(&mut line)?;
+    let mut parts = line.split_whitespace();
+    let method = parts.next().unwrap_or("").to_string();
+    let target = parts.next().unwrap_or("").to_string();
+    let mut headers = Vec::new();
+    loop {
+        let mut h = String::new();
+        reader.read_line(&mut h)?;
+        let h = h.trim_end().to_string();
+        if h.is_empty() {
+            break;
+        }
+        if let Some((k, v)) = h.split_once(':') {
+            headers.push((k.trim().to_ascii_lowercase(), v.trim().to_string()));
+        }
+    }
+    let header = |k: &str| headers.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    let mut body = Vec::new();
+    if let Some(n) = header("content-length").and_then(|n| n.parse::<usize>().ok()) {
+        body.resize(n, 0);
+        reader.read_exact(&mut body)?;
+    } else if header("transfer-encoding").is_some_and(|t| t.contains("chunked")) {
+        loop {
+            let mut size = String::new();
+            reader.read_line(&mut size)?;
+            let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+            let mut chunk = vec![0; n + 2];
+            reader.read_exact(&mut chunk)?;
+            if n == 0 {
+                break;
+            }
+            body.extend_from_slice(&chunk[..n]);
+        }
+    }
+    let authorized = header("authorization").as_deref() == Some(want_auth);
+    log.lock().unwrap().push((target.clone(), authorized));
+    if !authorized {
+        stream.write_all(
+            b"HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Basic realm=\"git\"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+        )?;
+        return Ok(());
+    }
+    let (path, query) = target.split_once('?').unwrap_or((&target, ""));
+    let mut cgi = Command::new("git");
+    cgi.arg("http-backend")
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("GIT_PROJECT_ROOT", root)
+        .env("GIT_HTTP_EXPORT_ALL", "1")
+        .env("REQUEST_METHOD", &method)
+        .env("PATH_INFO", path)
+        .env("QUERY_STRING", query)
+        .env("REMOTE_USER", "deploy")
+        .env("REMOTE_ADDR", "127.0.0.1")
+        .env("CONTENT_LENGTH", body.len().to_string())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    if let Some(t) = header("content-type") {
+        cgi.env("CONTENT_TYPE", t);
+    }
+    if let Some(p) = header("git-protocol") {
+        cgi.env("GIT_PROTOCOL", p);
+    }
+    if let Some(e) = header("content-encoding") {
+        cgi.env("HTTP_CONTENT_ENCODING", e);
+    }
+    let mut child = cgi.spawn()?;
+    let mut stdin = child.stdin.take().unwrap();
+    let writer = std::thread::spawn(move || stdin.write_all(&body));
+    let out = child.wait_with_output()?;
+    let _ = writer.join();
+    let split = out
+        .stdout
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map(|i| (i, 4))
+        .or_else(|| {
+            out.stdout
+                .windows(2)
+                .position(|w| w == b"\n\n")
+                .map(|i| (i, 2))
+        })
+        .unwrap_or((0, 0));
+    let cgi_headers = String::from_utf8_lossy(&out.stdout[..split.0]).to_string();
+    let cgi_body = &out.stdout[split.0 + split.1..];
+    let mut status = "200 OK".to_string();
+    let mut response = String::new();
+    for h in cgi_headers.lines().filter(|l| !l.trim().is_empty()) {
+        match h.split_once(':') {
+            Some((k, v)) if k.eq_ignore_ascii_case("status") => status = v.trim().to_string(),
+            _ => response.push_str(&format!("{}\r\n", h.trim_end())),
+        }
+    }
+    stream.write_all(
+        format!(
+            "HTTP/1.1 {status}\r\n{response}Content-Length: {}\r\nConnection: close\r\n\r\n",
+            cgi_body.len()
+        )
+        .as_bytes(),
+    )?;
+    stream.write_all(cgi_body)?;
+    Ok(())
+}
+
+#[test]
+fn a_token_over_http_is_sent_and_a_wrong_one_leaves_the_source_stale() {
+    let _serial = serial();
+    let remote = Remote::new();
+    let first = remote.commit(&[("a.yaml", Some(&disk_text("http-a")))], "a");
+    let server = HttpGit::start(&remote.root, "deploy", "s3cret-token");
+    let token = remote.root.join("token");
+    std::fs::write(&token, "s3cret-token\n").unwrap();
+    let url = format!("http://127.0.0.1:{}/remote.git", server.port);
+    let d = Daemon::start_without_guest(
+        &[],
+        &[
+            "--git",
+            &url,
+            "--git-ref",
+            "main",
+            "--git-interval-seconds",
+            "1",
+            "--git-username",
+            "deploy",
+            "--git-token-file",
+            token.to_str().unwrap(),
+        ],
+    );
+    wait_source(&d, "git", "applied over http with the token", |s| {
+        s["state"] == "Ready" && s["appliedCommit"]["id"] == first.as_str()
+    });
+    let exists = |name: &str| {
+        d.request("GET", &format!("/v1/virtualdisks/{name}"), None)
+            .0
+            == 200
+    };
+    assert!(exists("http-a"));
+    {
+        let seen = server.seen.lock().unwrap();
+        assert!(
+            !seen.is_empty() && seen.iter().all(|(_, ok)| *ok),
+            "{seen:?}"
+        );
+    }
+    // A rotated token, wrong: Stale, nothing changes; read again at each
+    // fetch, so the right one brings the source back without a restart.
+    std::fs::write(&token, "wrong\n").unwrap();
+    let second = remote.commit(&[("b.yaml", Some(&disk_text("http-b")))], "b");
+    let s = wait_source(&d, "git", "Stale with a wrong token", |s| {
+        s["state"] == "Stale"
+    });
+    let reason = s["reason"].as_str().unwrap();
+    assert!(
+        !reason.contains("wrong") && !reason.contains("s3cret"),
+        "{reason}"
+    );
+    assert!(exists("http-a") && !exists("http-b"));
+    std::fs::write(&token, "s3cret-token").unwrap();
+    wait_source(&d, "git", "the second commit applied", |s| {
+        s["state"] == "Ready" && s["appliedCommit"]["id"] == second.as_str()
+    });
+    assert!(exists("http-a") && exists("http-b"));
+}
