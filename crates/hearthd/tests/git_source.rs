@@ -722,3 +722,92 @@ fn a_token_over_http_is_sent_and_a_wrong_one_leaves_the_source_stale() {
     });
     assert!(exists("http-a") && exists("http-b"));
 }
+
+#[test]
+fn a_daemon_killed_between_fetch_and_apply_applies_that_commit_once_after_a_restart() {
+    use std::os::unix::fs::PermissionsExt;
+    let _serial = serial();
+    let remote = Remote::new();
+    let first = remote.commit(&[("a.yaml", Some(&disk_text("crash-a")))], "a");
+    // A `git` ahead in hearthd's PATH: the real one, then, once the trigger
+    // file exists, a SIGKILL to hearthd right after a fetch has landed.
+    let bin = remote.root.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let trigger = remote.root.join("kill-after-fetch");
+    let real = String::from_utf8(
+        Command::new("sh")
+            .args(["-c", "command -v git"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap()
+    .trim()
+    .to_string();
+    std::fs::write(
+        bin.join("git"),
+        format!(
+            "#!/bin/sh\n{real} \"$@\"\nrc=$?\ncase \" $* \" in *\" fetch \"*)\n  if [ -e {t} ]; then rm -f {t}; kill -9 $PPID; fi;;\nesac\nexit $rc\n",
+            t = trigger.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(bin.join("git"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let env = [("PATH", path.as_str())];
+    let mut d = Daemon::start_without_guest_env(
+        &[],
+        &[
+            "--git",
+            &remote.url(),
+            "--git-ref",
+            "main",
+            "--git-interval-seconds",
+            "1",
+        ],
+        &env,
+    );
+    wait_source(&d, "git", "the first commit applied", |s| {
+        s["appliedCommit"]["id"] == first.as_str()
+    });
+
+    std::fs::write(&trigger, "").unwrap();
+    let second = remote.commit(&[("b.yaml", Some(&disk_text("crash-b")))], "b");
+    let died = hearth_test_support::eventually(SETTLE, || {
+        d.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_some())
+    });
+    assert!(died, "hearthd was not killed after a fetch:\n{}", d.log());
+    assert!(!trigger.exists(), "the kill came from the wrapper");
+    d.kill();
+    // What the fetch left in the cache: the second commit, not applied.
+    let cache = d.dir.path().join("state/git/git.git");
+    let fetched = git(
+        &cache,
+        &["--git-dir", ".", "rev-parse", "refs/hearth/fetched"],
+    );
+    assert_eq!(fetched, second);
+    let applied = git(
+        &cache,
+        &["--git-dir", ".", "rev-parse", "refs/hearth/applied"],
+    );
+    assert_eq!(applied, first);
+
+    d.spawn_env(&env);
+    wait_source(
+        &d,
+        "git",
+        "the second commit applied after the restart",
+        |s| s["state"] == "Ready" && s["appliedCommit"]["id"] == second.as_str(),
+    );
+    let (status, b) = d.request("GET", "/v1/virtualdisks/crash-b", None);
+    assert_eq!(status, 200, "{b}");
+    assert_eq!(b["metadata"]["generation"], 1, "applied once: {b:#}");
+    let (_, a) = d.request("GET", "/v1/virtualdisks/crash-a", None);
+    assert_eq!(a["metadata"]["generation"], 1, "not applied again: {a:#}");
+}
