@@ -811,3 +811,59 @@ fn a_daemon_killed_between_fetch_and_apply_applies_that_commit_once_after_a_rest
     let (_, a) = d.request("GET", "/v1/virtualdisks/crash-a", None);
     assert_eq!(a["metadata"]["generation"], 1, "not applied again: {a:#}");
 }
+
+#[test]
+fn the_same_object_in_the_directory_and_a_repository_is_a_conflict_that_changes_nothing() {
+    let _serial = serial();
+    let remote = Remote::new();
+    let disk = |size: &str| disk_text("shared").replace("16Mi", size);
+    remote.commit(&[("own.yaml", Some(&disk_text("git-own")))], "own");
+    let dir = tempfile::Builder::new()
+        .prefix("hearth-e2e-")
+        .tempdir()
+        .unwrap();
+    let manifests = dir.path().join("manifests");
+    std::fs::create_dir_all(&manifests).unwrap();
+    std::fs::write(manifests.join("shared.yaml"), disk("16Mi")).unwrap();
+    let d = Daemon::start_without_guest_in(
+        dir,
+        &[],
+        &[
+            "--git",
+            &remote.url(),
+            "--git-ref",
+            "main",
+            "--git-interval-seconds",
+            "1",
+        ],
+    );
+    wait_until(
+        "the directory's disk and the repository's exist",
+        SETTLE,
+        || {
+            d.request("GET", "/v1/virtualdisks/shared", None).0 == 200
+                && d.request("GET", "/v1/virtualdisks/git-own", None).0 == 200
+        },
+    );
+    // The repository declares the directory's object too.
+    let both = remote.commit(&[("shared.yaml", Some(&disk("32Mi")))], "shared too");
+    let s = wait_source(&d, "git", "a conflict reported", |s| {
+        s["state"] == "Conflict" && s["appliedCommit"]["id"] == both.as_str()
+    });
+    let problems = s["problems"].to_string();
+    assert!(
+        problems.contains("shared") && problems.contains("owned by the manifest file"),
+        "{s:#}"
+    );
+    // The directory's declaration stands.
+    std::thread::sleep(Duration::from_secs(2));
+    let (_, shared) = d.request("GET", "/v1/virtualdisks/shared", None);
+    assert_eq!(shared["spec"]["size"], "16Mi", "{shared:#}");
+    assert!(
+        shared["metadata"]["managedBy"]
+            .as_str()
+            .unwrap()
+            .starts_with("file:"),
+        "{shared:#}"
+    );
+}
