@@ -867,3 +867,74 @@ fn the_same_object_in_the_directory_and_a_repository_is_a_conflict_that_changes_
         "{shared:#}"
     );
 }
+
+#[test]
+fn a_fetch_that_hangs_dies_with_a_killed_daemon() {
+    use std::os::unix::fs::PermissionsExt;
+    let _serial = serial();
+    let remote = Remote::new();
+    remote.commit(&[("a.yaml", Some(&disk_text("hang-a")))], "a");
+    // A `git` whose fetch hangs (it becomes a sleep of an odd length, to be
+    // found in the process table) once the trigger file exists.
+    let bin = remote.root.join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let trigger = remote.root.join("hang");
+    let real = String::from_utf8(
+        Command::new("sh")
+            .args(["-c", "command -v git"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap()
+    .trim()
+    .to_string();
+    std::fs::write(
+        bin.join("git"),
+        format!(
+            "#!/bin/sh\ncase \" $* \" in *\" fetch \"*)\n  if [ -e {t} ]; then exec sleep 313.37; fi;;\nesac\nexec {real} \"$@\"\n",
+            t = trigger.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(bin.join("git"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut d = Daemon::start_without_guest_env(
+        &[],
+        &[
+            "--git",
+            &remote.url(),
+            "--git-ref",
+            "main",
+            "--git-interval-seconds",
+            "1",
+        ],
+        &[("PATH", path.as_str())],
+    );
+    wait_until("hang-a exists", SETTLE, || {
+        d.request("GET", "/v1/virtualdisks/hang-a", None).0 == 200
+    });
+    std::fs::write(&trigger, "").unwrap();
+    let sleeping = || -> Vec<u32> {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| {
+                let e = e.ok()?;
+                let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+                let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+                (cmd == b"sleep\0313.37\0").then_some(pid)
+            })
+            .collect()
+    };
+    wait_until("a fetch hangs", SETTLE, || !sleeping().is_empty());
+    d.kill();
+    wait_until(
+        "the hanging fetch died with hearthd",
+        Duration::from_secs(10),
+        || sleeping().is_empty(),
+    );
+}

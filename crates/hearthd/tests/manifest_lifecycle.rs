@@ -24,7 +24,13 @@ fn rm_of_a_running_and_of_a_starting_vm_stops_and_removes_it() {
     wait_until("its QEMU is gone", Duration::from_secs(10), || {
         !is_alive(pid)
     });
-    let reasons = env.d.event_reasons("VirtualMachine", "run");
+    // The "Deleted" event is written just after the object goes: read
+    // the events once it is there.
+    let mut reasons = Vec::new();
+    hearth_test_support::eventually(Duration::from_secs(10), || {
+        reasons = env.d.event_reasons("VirtualMachine", "run");
+        reasons.iter().any(|r| r == "Deleted")
+    });
     for r in ["Deleting", "Stopping", "Stopped", "Deleted"] {
         assert!(reasons.contains(&r.to_string()), "{r} missing: {reasons:?}");
     }

@@ -124,6 +124,17 @@ fn base_command(dir: &Path) -> Result<tokio::process::Command, GitError> {
         .args(["-c", "gc.auto=0"])
         .args(["-c", "protocol.file.allow=always"])
         .args(["-c", "http.lowSpeedLimit=1", "-c", "http.lowSpeedTime=30"]);
+    // A git run outlives no hearthd: killed when the daemon dies, even by
+    // SIGKILL (a fetch from a stalled remote would otherwise run on).
+    // SAFETY: prctl is async-signal-safe and touches only the child.
+    unsafe {
+        c.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
     Ok(c)
 }
 
