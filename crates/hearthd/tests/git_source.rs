@@ -926,7 +926,7 @@ fn a_fetch_that_hangs_dies_with_a_killed_daemon() {
                 let e = e.ok()?;
                 let pid: u32 = e.file_name().to_str()?.parse().ok()?;
                 let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
-                (cmd == b"sleep\0313.37\0").then_some(pid)
+                (cmd == b"sleep\x00313.37\x00").then_some(pid)
             })
             .collect()
     };
