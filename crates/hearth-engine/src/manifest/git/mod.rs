@@ -141,6 +141,28 @@ struct State {
     events: VecDeque<SourceEvent>,
     syncs: u64,
     failed_fetches: u64,
+    last_sync: Option<SyncStats>,
+}
+
+/// How the last sync went, for `GET /v1/sources` (and the benchmark).
+#[derive(Clone, Debug, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SyncStats {
+    pub at: Option<DateTime<Utc>>,
+    pub trigger: Option<Trigger>,
+    /// `git fetch` (and the commit's lookup).
+    pub fetch_us: u64,
+    /// The tree listed, new blobs read and parsed.
+    pub read_us: u64,
+    /// The core's decision and the engine calls.
+    pub apply_us: u64,
+    pub total_us: u64,
+    /// Manifest files in the commit, and blobs read (the ones not seen
+    /// before).
+    pub files: usize,
+    pub blobs_read: usize,
+    /// A new commit was applied.
+    pub applied: bool,
 }
 
 /// A running git source.
@@ -185,6 +207,7 @@ impl GitSource {
                 events: VecDeque::new(),
                 syncs: 0,
                 failed_fetches: 0,
+                last_sync: None,
             }),
             sync_lock: tokio::sync::Mutex::new(()),
             refresh: Notify::new(),
@@ -238,6 +261,7 @@ impl GitSource {
             "ignored": st.ignored.iter().map(|(p, w)| serde_json::json!({"path": p, "why": w})).collect::<Vec<_>>(),
             "events": st.events,
             "syncs": st.syncs,
+            "lastSync": st.last_sync,
             "failedFetches": st.failed_fetches,
             "files": core.files,
             "problems": core.problems,
@@ -281,9 +305,21 @@ impl GitSource {
             .started
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
             + 1;
-        let got = self.fetch_commit(trigger).await;
+        let started = std::time::Instant::now();
+        let mut stats = SyncStats {
+            at: Some(Utc::now()),
+            trigger: Some(trigger),
+            ..SyncStats::default()
+        };
+        let got = self.fetch_commit(trigger, &mut stats).await;
+        if stats.fetch_us == 0 {
+            // Nothing new, or held: the fetch was all of it.
+            stats.fetch_us = started.elapsed().as_micros() as u64;
+        }
+        let applying = std::time::Instant::now();
         match got {
             Ok(Some(read)) => {
+                stats.applied = true;
                 let me = self.clone();
                 let _ = tokio::task::spawn_blocking(move || me.apply(read)).await;
             }
@@ -295,13 +331,23 @@ impl GitSource {
             }
             Err(Held(state, reason)) => self.hold(state, reason),
         }
-        self.lock().syncs += 1;
+        stats.apply_us = applying.elapsed().as_micros() as u64;
+        stats.total_us = started.elapsed().as_micros() as u64;
+        let mut st = self.lock();
+        st.syncs += 1;
+        st.last_sync = Some(stats);
+        drop(st);
         self.done.send_replace(number);
     }
 
     /// Fetches and reads the commit, when it is not the one applied (or a
     /// start, which reads it again). Err: why the source is Stale.
-    async fn fetch_commit(&self, trigger: Trigger) -> Result<Option<Read>, Held> {
+    async fn fetch_commit(
+        &self,
+        trigger: Trigger,
+        stats: &mut SyncStats,
+    ) -> Result<Option<Read>, Held> {
+        let fetch_started = std::time::Instant::now();
         let c = &self.config;
         let repo = Repo::open(&c.cache).await.map_err(stale)?;
         let fetched = repo
@@ -369,6 +415,8 @@ impl GitSource {
             Some(p) if p != &commit => !repo.is_ancestor(p, &commit).await.unwrap_or(false),
             _ => false,
         };
+        stats.fetch_us = fetch_started.elapsed().as_micros() as u64;
+        let read_started = std::time::Instant::now();
         let max_listing = c.max_files.saturating_mul(512).max(1 << 20);
         let out = repo.ls_tree(&commit, max_listing).await.map_err(stale)?;
         let entries = tree::parse_ls_tree(&out).map_err(stale)?;
@@ -420,6 +468,9 @@ impl GitSource {
             }
         }
         let listing = tree::listing(&selected.manifests, &parsed);
+        stats.files = selected.manifests.len();
+        stats.blobs_read = wanted.len();
+        stats.read_us = read_started.elapsed().as_micros() as u64;
         Ok(Some(Read {
             repo,
             info,
