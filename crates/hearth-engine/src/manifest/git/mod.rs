@@ -142,7 +142,14 @@ struct State {
     syncs: u64,
     failed_fetches: u64,
     last_sync: Option<SyncStats>,
+    /// When the store's objects of this source were last read whole (at
+    /// start: the core began from them).
+    store_read_at: Option<std::time::Instant>,
 }
+
+/// How often a new commit's apply first reads the source's objects from
+/// the store again, as the directory's periodic re-list does.
+const STORE_RESYNC: Duration = Duration::from_secs(30);
 
 /// How the last sync went, for `GET /v1/sources` (and the benchmark).
 #[derive(Clone, Debug, Default, Serialize)]
@@ -208,6 +215,7 @@ impl GitSource {
                 syncs: 0,
                 failed_fetches: 0,
                 last_sync: None,
+                store_read_at: Some(std::time::Instant::now()),
             }),
             sync_lock: tokio::sync::Mutex::new(()),
             refresh: Notify::new(),
@@ -491,7 +499,13 @@ impl GitSource {
             ignored,
             rewritten,
         } = read;
-        let stored = owned_objects(&self.applier.engine, &self.applier.owner);
+        // The store is read whole only now and then (the core keeps what it
+        // applied): a commit costs what it changed, not what the source holds.
+        let resync_due = self
+            .lock()
+            .store_read_at
+            .is_none_or(|at| at.elapsed() >= STORE_RESYNC);
+        let stored = resync_due.then(|| owned_objects(&self.applier.engine, &self.applier.owner));
         let mut st = self.lock();
         if let Some(old) = rewritten {
             Self::event(
@@ -515,7 +529,10 @@ impl GitSource {
                 );
             }
         }
-        st.core.resync_store(stored);
+        if let Some(stored) = stored {
+            st.core.resync_store(stored);
+            st.store_read_at = Some(std::time::Instant::now());
+        }
         st.listing = Some(listing.clone());
         st.parsed = parsed;
         st.ignored = ignored;
