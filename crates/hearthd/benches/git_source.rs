@@ -21,29 +21,12 @@ mod common;
 #[path = "../tests/manifest_support/mod.rs"]
 mod manifest_support;
 
-use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::Daemon;
+use common::git::git;
 use manifest_support::vm_text;
 use serde_json::Value;
-
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .args(args)
-        .current_dir(dir)
-        .env("GIT_CONFIG_GLOBAL", "/dev/null")
-        .env("GIT_CONFIG_NOSYSTEM", "1")
-        .env("GIT_AUTHOR_NAME", "bench")
-        .env("GIT_AUTHOR_EMAIL", "bench@hearth.invalid")
-        .env("GIT_COMMITTER_NAME", "bench")
-        .env("GIT_COMMITTER_EMAIL", "bench@hearth.invalid")
-        .output()
-        .expect("git");
-    assert!(out.status.success(), "git {args:?}: {out:?}");
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
 
 fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64, f64) {
     v.sort_by(f64::total_cmp);

@@ -10,117 +10,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use common::git::{Remote, git, git_wrapper};
 use common::*;
 use serde_json::Value;
 
 const SETTLE: Duration = Duration::from_secs(60);
-
-/// Runs git in `dir` with a fixed identity and no user configuration.
-fn git(dir: &Path, args: &[&str]) -> String {
-    let out = Command::new("git")
-        .args(args)
-        .current_dir(dir)
-        .env("GIT_CONFIG_GLOBAL", "/dev/null")
-        .env("GIT_CONFIG_NOSYSTEM", "1")
-        .env("GIT_AUTHOR_NAME", "hearth test")
-        .env("GIT_AUTHOR_EMAIL", "test@hearth.invalid")
-        .env("GIT_COMMITTER_NAME", "hearth test")
-        .env("GIT_COMMITTER_EMAIL", "test@hearth.invalid")
-        .output()
-        .expect("git (apt-get install git)");
-    assert!(
-        out.status.success(),
-        "git {args:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).trim().to_string()
-}
-
-/// A bare repository (the remote) and a clone to commit in.
-struct Remote {
-    _dir: tempfile::TempDir,
-    root: PathBuf,
-    bare: PathBuf,
-    work: PathBuf,
-}
-
-impl Remote {
-    fn new() -> Remote {
-        let dir = tempfile::Builder::new()
-            .prefix("hearth-git-")
-            .tempdir()
-            .unwrap();
-        let root = dir.path().to_path_buf();
-        let bare = root.join("remote.git");
-        let work = root.join("work");
-        std::fs::create_dir_all(&work).unwrap();
-        git(
-            &root,
-            &["init", "--quiet", "--bare", "-b", "main", "remote.git"],
-        );
-        git(&work, &["init", "--quiet", "-b", "main"]);
-        git(&work, &["remote", "add", "origin", bare.to_str().unwrap()]);
-        Remote {
-            _dir: dir,
-            root,
-            bare,
-            work,
-        }
-    }
-
-    /// Writes (Some) or removes (None) files, commits, pushes; the commit.
-    fn commit(&self, files: &[(&str, Option<&str>)], message: &str) -> String {
-        self.commit_signed(files, message, None)
-    }
-
-    /// [`Remote::commit`], signed with the ssh key `key` when given.
-    fn commit_signed(
-        &self,
-        files: &[(&str, Option<&str>)],
-        message: &str,
-        key: Option<&Path>,
-    ) -> String {
-        for (path, text) in files {
-            let p = self.work.join(path);
-            match text {
-                Some(t) => {
-                    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
-                    std::fs::write(&p, t).unwrap();
-                }
-                None => {
-                    let _ = std::fs::remove_file(&p);
-                }
-            }
-        }
-        git(&self.work, &["add", "-A"]);
-        let signing = key.map(|k| format!("user.signingkey={}", k.display()));
-        let mut args = vec!["commit", "--quiet", "--allow-empty", "-m", message];
-        if let Some(s) = &signing {
-            args.splice(0..0, ["-c", "gpg.format=ssh", "-c", s.as_str()]);
-            args.push("-S");
-        }
-        git(&self.work, &args);
-        git(
-            &self.work,
-            &["push", "--quiet", "--force", "origin", "HEAD:main"],
-        );
-        git(&self.work, &["rev-parse", "HEAD"])
-    }
-
-    /// Moves the branch to `commit`, as a force push does.
-    fn force_push(&self, commit: &str) {
-        git(&self.work, &["reset", "--quiet", "--hard", commit]);
-        git(
-            &self.work,
-            &["push", "--quiet", "--force", "origin", "HEAD:main"],
-        );
-    }
-
-    fn url(&self) -> String {
-        format!("file://{}", self.bare.display())
-    }
-}
 
 /// `git daemon` serving `root` on 127.0.0.1; killed when dropped.
 struct GitDaemon {
@@ -340,6 +234,27 @@ fn a_vm_follows_its_branch_over_git_daemon_and_a_broken_remote_deletes_nothing()
     drop(server);
 }
 
+/// A daemon without guests following `url`'s main every second, with
+/// `extra` flags.
+fn following(url: &str, extra: &[&str]) -> Daemon {
+    let mut args = vec![
+        "--git",
+        url,
+        "--git-ref",
+        "main",
+        "--git-interval-seconds",
+        "1",
+    ];
+    args.extend_from_slice(extra);
+    Daemon::start_without_guest(&[], &args)
+}
+
+fn disk_exists(d: &Daemon, name: &str) -> bool {
+    d.request("GET", &format!("/v1/virtualdisks/{name}"), None)
+        .0
+        == 200
+}
+
 /// A blank disk manifest.
 fn disk_text(name: &str) -> String {
     format!(
@@ -352,17 +267,7 @@ fn a_burst_of_commits_over_file_settles_to_the_last_and_leaves_no_git_process() 
     let _serial = serial();
     let remote = Remote::new();
     remote.commit(&[("d0.yaml", Some(&disk_text("burst-0")))], "start");
-    let d = Daemon::start_without_guest(
-        &[],
-        &[
-            "--git",
-            &remote.url(),
-            "--git-ref",
-            "main",
-            "--git-interval-seconds",
-            "1",
-        ],
-    );
+    let d = following(&remote.url(), &[]);
     wait_until("burst-0 exists", SETTLE, || {
         d.request("GET", "/v1/virtualdisks/burst-0", None).0 == 200
     });
@@ -443,27 +348,14 @@ fn only_commits_signed_by_an_allowed_key_are_applied() {
         "signed a",
         Some(&good),
     );
-    let d = Daemon::start_without_guest(
-        &[],
-        &[
-            "--git",
-            &remote.url(),
-            "--git-ref",
-            "main",
-            "--git-interval-seconds",
-            "1",
-            "--git-allowed-signers",
-            signers.to_str().unwrap(),
-        ],
+    let d = following(
+        &remote.url(),
+        &["--git-allowed-signers", signers.to_str().unwrap()],
     );
     wait_source(&d, "git", "the signed commit applied", |s| {
         s["state"] == "Ready" && s["appliedCommit"]["id"] == first.as_str()
     });
-    let exists = |name: &str| {
-        d.request("GET", &format!("/v1/virtualdisks/{name}"), None)
-            .0
-            == 200
-    };
+    let exists = |name: &str| disk_exists(&d, name);
     assert!(exists("signed-a"));
 
     // Unsigned, then signed by a key not allowed: neither is applied.
@@ -672,15 +564,9 @@ fn a_token_over_http_is_sent_and_a_wrong_one_leaves_the_source_stale() {
     let token = remote.root.join("token");
     std::fs::write(&token, "s3cret-token\n").unwrap();
     let url = format!("http://127.0.0.1:{}/remote.git", server.port);
-    let d = Daemon::start_without_guest(
-        &[],
+    let d = following(
+        &url,
         &[
-            "--git",
-            &url,
-            "--git-ref",
-            "main",
-            "--git-interval-seconds",
-            "1",
             "--git-username",
             "deploy",
             "--git-token-file",
@@ -690,11 +576,7 @@ fn a_token_over_http_is_sent_and_a_wrong_one_leaves_the_source_stale() {
     wait_source(&d, "git", "applied over http with the token", |s| {
         s["state"] == "Ready" && s["appliedCommit"]["id"] == first.as_str()
     });
-    let exists = |name: &str| {
-        d.request("GET", &format!("/v1/virtualdisks/{name}"), None)
-            .0
-            == 200
-    };
+    let exists = |name: &str| disk_exists(&d, name);
     assert!(exists("http-a"));
     {
         let seen = server.seen.lock().unwrap();
@@ -725,38 +607,18 @@ fn a_token_over_http_is_sent_and_a_wrong_one_leaves_the_source_stale() {
 
 #[test]
 fn a_daemon_killed_between_fetch_and_apply_applies_that_commit_once_after_a_restart() {
-    use std::os::unix::fs::PermissionsExt;
     let _serial = serial();
     let remote = Remote::new();
     let first = remote.commit(&[("a.yaml", Some(&disk_text("crash-a")))], "a");
     // A `git` ahead in hearthd's PATH: the real one, then, once the trigger
     // file exists, a SIGKILL to hearthd right after a fetch has landed.
-    let bin = remote.root.join("bin");
-    std::fs::create_dir_all(&bin).unwrap();
     let trigger = remote.root.join("kill-after-fetch");
-    let real = String::from_utf8(
-        Command::new("sh")
-            .args(["-c", "command -v git"])
-            .output()
-            .unwrap()
-            .stdout,
-    )
-    .unwrap()
-    .trim()
-    .to_string();
-    std::fs::write(
-        bin.join("git"),
-        format!(
-            "#!/bin/sh\n{real} \"$@\"\nrc=$?\ncase \" $* \" in *\" fetch \"*)\n  if [ -e {t} ]; then rm -f {t}; kill -9 $PPID; fi;;\nesac\nexit $rc\n",
+    let path = git_wrapper(
+        &remote.root,
+        &format!(
+            "$REAL \"$@\"\nrc=$?\ncase \" $* \" in *\" fetch \"*)\n  if [ -e {t} ]; then rm -f {t}; kill -9 $PPID; fi;;\nesac\nexit $rc\n",
             t = trigger.display()
         ),
-    )
-    .unwrap();
-    std::fs::set_permissions(bin.join("git"), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let path = format!(
-        "{}:{}",
-        bin.display(),
-        std::env::var("PATH").unwrap_or_default()
     );
     let env = [("PATH", path.as_str())];
     let mut d = Daemon::start_without_guest_env(
@@ -870,38 +732,18 @@ fn the_same_object_in_the_directory_and_a_repository_is_a_conflict_that_changes_
 
 #[test]
 fn a_fetch_that_hangs_dies_with_a_killed_daemon() {
-    use std::os::unix::fs::PermissionsExt;
     let _serial = serial();
     let remote = Remote::new();
     remote.commit(&[("a.yaml", Some(&disk_text("hang-a")))], "a");
     // A `git` whose fetch hangs (it becomes a sleep of an odd length, to be
     // found in the process table) once the trigger file exists.
-    let bin = remote.root.join("bin");
-    std::fs::create_dir_all(&bin).unwrap();
     let trigger = remote.root.join("hang");
-    let real = String::from_utf8(
-        Command::new("sh")
-            .args(["-c", "command -v git"])
-            .output()
-            .unwrap()
-            .stdout,
-    )
-    .unwrap()
-    .trim()
-    .to_string();
-    std::fs::write(
-        bin.join("git"),
-        format!(
-            "#!/bin/sh\ncase \" $* \" in *\" fetch \"*)\n  if [ -e {t} ]; then exec sleep 313.37; fi;;\nesac\nexec {real} \"$@\"\n",
+    let path = git_wrapper(
+        &remote.root,
+        &format!(
+            "case \" $* \" in *\" fetch \"*)\n  if [ -e {t} ]; then exec sleep 313.37; fi;;\nesac\nexec $REAL \"$@\"\n",
             t = trigger.display()
         ),
-    )
-    .unwrap();
-    std::fs::set_permissions(bin.join("git"), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let path = format!(
-        "{}:{}",
-        bin.display(),
-        std::env::var("PATH").unwrap_or_default()
     );
     let mut d = Daemon::start_without_guest_env(
         &[],

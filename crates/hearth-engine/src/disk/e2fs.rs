@@ -173,20 +173,19 @@ pub async fn debugfs(
     run(command, "debugfs", input, timeout, programs::Class::Quick).await
 }
 
+/// `debugfs -R 'stat PATH'` on `device` (read-only), as printed.
+async fn stat_raw(device: &Path, dir: &Path, path: &str) -> Result<programs::Finished, ToolError> {
+    let request = ["-R".to_string(), stat_request(path)];
+    debugfs(device, dir, &request, None, DEBUGFS_TIMEOUT).await
+}
+
 /// Stats `path` in `device` (read-only).
 pub async fn stat(
     device: &Path,
     dir: &Path,
     path: &str,
 ) -> Result<Result<Found, DebugfsSaid>, ToolError> {
-    let out = debugfs(
-        device,
-        dir,
-        &["-R".into(), stat_request(path)],
-        None,
-        DEBUGFS_TIMEOUT,
-    )
-    .await?;
+    let out = stat_raw(device, dir, path).await?;
     Ok(parse_found(&text(&out.stdout), &text(&out.stderr)))
 }
 
@@ -198,14 +197,7 @@ pub async fn link_target(
     dir: &Path,
     path: &str,
 ) -> Result<Result<String, DebugfsSaid>, ToolError> {
-    let out = debugfs(
-        device,
-        dir,
-        &["-R".into(), stat_request(path)],
-        None,
-        DEBUGFS_TIMEOUT,
-    )
-    .await?;
+    let out = stat_raw(device, dir, path).await?;
     if let Some(t) = parse_fast_link(&text(&out.stdout)) {
         return Ok(Ok(t));
     }

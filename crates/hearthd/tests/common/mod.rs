@@ -7,6 +7,7 @@
 
 pub mod debian;
 pub mod debian_oci;
+pub mod git;
 pub mod http;
 pub mod netns;
 pub mod qemu_img_log;
