@@ -426,9 +426,13 @@ impl GitSource {
         stats.fetch_us = fetch_started.elapsed().as_micros() as u64;
         let read_started = std::time::Instant::now();
         let max_listing = c.max_files.saturating_mul(512).max(1 << 20);
-        let out = repo.ls_tree(&commit, max_listing).await.map_err(stale)?;
-        let entries = tree::parse_ls_tree(&out).map_err(stale)?;
         let prefix = tree::folder_prefix(&c.path);
+        let folder = prefix.trim_end_matches('/');
+        let out = repo
+            .ls_tree(&commit, folder, max_listing)
+            .await
+            .map_err(stale)?;
+        let entries = tree::parse_ls_tree(&out).map_err(stale)?;
         let selected = tree::select(&entries, &prefix, c.max_file_size, c.max_files);
         if !selected.folder_exists {
             return Err(stale(format!(

@@ -345,15 +345,19 @@ impl Repo {
     }
 
     /// `git ls-tree -r -l -z COMMIT`.
-    pub async fn ls_tree(&self, commit: &str, max_output: usize) -> Result<Vec<u8>, GitError> {
-        self.ok(
-            "ls-tree",
-            &["ls-tree", "-r", "-l", "-z", "--full-tree", commit],
-            None,
-            QUICK,
-            max_output,
-        )
-        .await
+    /// `git ls-tree -r -l -z COMMIT -- FOLDER`: only what lies under the
+    /// source's folder ("" for the whole tree), paths from the root.
+    pub async fn ls_tree(
+        &self,
+        commit: &str,
+        folder: &str,
+        max_output: usize,
+    ) -> Result<Vec<u8>, GitError> {
+        let mut args = vec!["ls-tree", "-r", "-l", "-z", "--full-tree", commit];
+        if !folder.is_empty() {
+            args.extend(["--", folder]);
+        }
+        self.ok("ls-tree", &args, None, QUICK, max_output).await
     }
 
     /// The blobs `oids`, through `git cat-file --batch`.
