@@ -431,6 +431,19 @@ pub async fn ensure(ctx: &Arc<Context>, vm: &VirtualMachine) -> Result<(), Modul
             );
             Ok(())
         }
+        Err(Copy::NotExt) => {
+            let _ = std::fs::remove_file(&new.path);
+            ctx.event(
+                Kind::VirtualMachine,
+                &vm.metadata.name,
+                EventType::Warning,
+                "KernelModulesNotCopied",
+                &format!(
+                    "VirtualDisk {disk:?} holds no ext2/3/4 filesystem at its start; {MODULES_DIR} of VirtualImage {image:?} not copied"
+                ),
+            );
+            Ok(())
+        }
         Err(Copy::Image(m)) => {
             let _ = std::fs::remove_file(&new.path);
             Err(image_err(m))
@@ -445,6 +458,8 @@ pub async fn ensure(ctx: &Arc<Context>, vm: &VirtualMachine) -> Result<(), Modul
 enum Copy {
     /// The disk's filesystem is damaged beyond a preen.
     Unclean(String),
+    /// The disk holds no ext2/3/4 filesystem (its superblock's magic).
+    NotExt,
     Image(String),
     Disk(String),
 }
@@ -467,6 +482,12 @@ async fn copy_into(
     let export = FuseExport::start(&new.path, &device, &work.0.join("qsd.log"), START_TIMEOUT)
         .await
         .map_err(|e| Copy::Disk(format!("opening the overlay: {e}")))?;
+    // Only an ext filesystem is written (a root filesystem from an image
+    // is one); anything else is the guest's own business.
+    if !is_ext(&device) {
+        let _ = export.stop(STOP_TIMEOUT).await;
+        return Err(Copy::NotExt);
+    }
     // Where the guest's /lib/modules leads in this filesystem.
     let disk_dir = resolve_in(&device, &work.0, MODULES_DIR)
         .await
@@ -592,6 +613,20 @@ async fn copy_into(
         .map_err(|e| Copy::Disk(format!("syncing {}: {e}", new.path.display())))?;
     drop(work);
     Ok(Some(missing))
+}
+
+/// Whether `device` starts with an ext2/3/4 superblock: the magic 0xEF53
+/// at byte 1080.
+fn is_ext(device: &Path) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut magic = [0u8; 2];
+    std::fs::File::open(device)
+        .and_then(|mut f| {
+            f.seek(SeekFrom::Start(1080))?;
+            f.read_exact(&mut magic)
+        })
+        .is_ok()
+        && magic == [0x53, 0xEF]
 }
 
 /// `debugfs -R 'rdump PATH DEST'`: the tree at `path` in `device` as
@@ -745,6 +780,20 @@ mod tests {
             ),
         );
         assert!(tree_script(&t, "s", "/d").is_err());
+    }
+
+    #[test]
+    fn only_an_ext_superblock_is_taken_for_a_filesystem() {
+        let dir = tempfile::tempdir().unwrap();
+        let blank = dir.path().join("blank");
+        std::fs::write(&blank, vec![0u8; 4096]).unwrap();
+        assert!(!is_ext(&blank));
+        let mut ext = vec![0u8; 4096];
+        ext[1080] = 0x53;
+        ext[1081] = 0xEF;
+        std::fs::write(dir.path().join("ext"), ext).unwrap();
+        assert!(is_ext(&dir.path().join("ext")));
+        assert!(!is_ext(&dir.path().join("missing")));
     }
 
     #[test]
