@@ -40,6 +40,7 @@ pub enum Format {
 #[derive(Debug, Subcommand)]
 pub enum SourcesCommand {
     /// The sources and their state (the default)
+    #[command(after_help = "Example:\n  hearth sources list")]
     List,
     /// Fetch a git source now and wait for its apply
     #[command(after_help = "Example:\n  hearth sources refresh prod")]
