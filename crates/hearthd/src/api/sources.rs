@@ -28,11 +28,17 @@ pub async fn list(
     // The view waits for a running re-list: keep it off the async workers.
     tokio::task::spawn_blocking(move || {
         let mut view = source.view();
+        // A missing directory is unknown, not empty: held, nothing deleted.
+        let missing = view["directoryPresent"] == Value::Bool(false);
         let mut all = vec![json!({
             "name": "directory",
             "kind": "directory",
             "path": source.dir().display().to_string(),
-            "state": if view["directoryPresent"] == Value::Bool(false) { "Stale" } else { "Ready" },
+            "state": if missing { "Stale" } else { "Ready" },
+            "reason": missing.then(|| {
+                let why = view["missingReason"].as_str().unwrap_or("it is missing");
+                format!("{why}; waiting for it, nothing is deleted")
+            }),
         })];
         all.extend(git.sources.iter().map(|g| g.view()));
         if let Value::Object(map) = &mut view {
