@@ -29,9 +29,11 @@ impl GitDaemon {
             .local_addr()
             .unwrap()
             .port();
-        let child = Command::new("git")
+        // The daemon itself, not `git daemon`: that one runs git-daemon as a
+        // child of its own, which a kill of the parent would leave behind.
+        let exec_path = git(root, &["--exec-path"]);
+        let child = Command::new(Path::new(&exec_path).join("git-daemon"))
             .args([
-                "daemon",
                 "--reuseaddr",
                 "--listen=127.0.0.1",
                 &format!("--port={port}"),
