@@ -20,6 +20,7 @@
 mod common;
 #[path = "../tests/manifest_support/mod.rs"]
 mod manifest_support;
+mod support;
 
 use std::time::{Duration, Instant};
 
@@ -35,18 +36,10 @@ fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64, f64) {
 }
 
 fn main() {
-    if !std::env::args().any(|a| a == "--bench") {
-        eprintln!(
-            "git_source: a benchmark; run it with `cargo bench -p hearthd --bench git_source`"
-        );
+    if !support::asked_to_run("git_source") {
         return;
     }
-    let env_num = |k: &str, d: usize| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
+    use support::env_num;
     let files = env_num("HEARTH_BENCH_FILES", 1000);
     let interval = env_num("HEARTH_BENCH_INTERVAL", 2);
     let rounds = env_num("HEARTH_BENCH_ROUNDS", 30);

@@ -20,6 +20,7 @@
 mod common;
 #[path = "../tests/manifest_support/mod.rs"]
 mod manifest_support;
+mod support;
 
 use std::time::{Duration, Instant};
 
@@ -27,18 +28,10 @@ use manifest_support::*;
 use serde_json::Value;
 
 fn main() {
-    if !std::env::args().any(|a| a == "--bench") {
-        eprintln!(
-            "manifest_relist: a benchmark; run it with `cargo bench -p hearthd --bench manifest_relist`"
-        );
+    if !support::asked_to_run("manifest_relist") {
         return;
     }
-    let env_num = |k: &str, d: usize| {
-        std::env::var(k)
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(d)
-    };
+    use support::env_num;
     let files = env_num("HEARTH_BENCH_FILES", 1000);
     let edits = env_num("HEARTH_BENCH_EDITS", 50);
 

@@ -388,6 +388,18 @@ pub async fn ensure(ctx: &Arc<Context>, vm: &VirtualMachine) -> Result<(), Modul
         return Err(disk_err(format!("making an overlay over its head: {e}")));
     }
     let result = copy_into(&root, &new, (&image_file, &image_dir), &have, vm).await;
+    if !matches!(result, Ok(Some(_))) {
+        let _ = std::fs::remove_file(&new.path);
+    }
+    let not_copied = |why: String| {
+        ctx.event(
+            Kind::VirtualMachine,
+            &vm.metadata.name,
+            EventType::Warning,
+            "KernelModulesNotCopied",
+            &format!("{why}; {MODULES_DIR} of VirtualImage {image:?} not copied this start"),
+        )
+    };
     match result {
         Ok(Some(written)) => {
             ctx.store.with_tx(|tx| {
@@ -414,44 +426,21 @@ pub async fn ensure(ctx: &Arc<Context>, vm: &VirtualMachine) -> Result<(), Modul
             );
             Ok(())
         }
-        Ok(None) => {
-            let _ = std::fs::remove_file(&new.path);
-            Ok(())
-        }
+        Ok(None) => Ok(()),
         Err(Copy::Unclean(said)) => {
-            let _ = std::fs::remove_file(&new.path);
-            ctx.event(
-                Kind::VirtualMachine,
-                &vm.metadata.name,
-                EventType::Warning,
-                "KernelModulesNotCopied",
-                &format!(
-                    "the filesystem of VirtualDisk {disk:?} needs a check the guest must make (e2fsck -fp: {said}); {MODULES_DIR} of VirtualImage {image:?} not copied this start"
-                ),
-            );
+            not_copied(format!(
+                "the filesystem of VirtualDisk {disk:?} needs a check the guest must make (e2fsck -fp: {said})"
+            ));
             Ok(())
         }
         Err(Copy::NotExt) => {
-            let _ = std::fs::remove_file(&new.path);
-            ctx.event(
-                Kind::VirtualMachine,
-                &vm.metadata.name,
-                EventType::Warning,
-                "KernelModulesNotCopied",
-                &format!(
-                    "VirtualDisk {disk:?} holds no ext2/3/4 filesystem at its start; {MODULES_DIR} of VirtualImage {image:?} not copied"
-                ),
-            );
+            not_copied(format!(
+                "VirtualDisk {disk:?} holds no ext2/3/4 filesystem at its start"
+            ));
             Ok(())
         }
-        Err(Copy::Image(m)) => {
-            let _ = std::fs::remove_file(&new.path);
-            Err(image_err(m))
-        }
-        Err(Copy::Disk(m)) => {
-            let _ = std::fs::remove_file(&new.path);
-            Err(disk_err(m))
-        }
+        Err(Copy::Image(m)) => Err(image_err(m)),
+        Err(Copy::Disk(m)) => Err(disk_err(m)),
     }
 }
 

@@ -2,6 +2,24 @@
 
 #![allow(dead_code)]
 
+/// Whether `cargo bench` runs this benchmark (it passes `--bench`); when
+/// not (`cargo test --benches`), says how to run it.
+pub fn asked_to_run(name: &str) -> bool {
+    let asked = std::env::args().any(|a| a == "--bench");
+    if !asked {
+        eprintln!("{name}: a benchmark; run it with `cargo bench -p hearthd --bench {name}`");
+    }
+    asked
+}
+
+/// A count from the environment variable `key`, else `default`.
+pub fn env_num(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
 /// Median (mean of the middle two for an even count), min, max.
 pub fn stats(xs: &[f64]) -> (f64, f64, f64) {
     let mut v = xs.to_vec();

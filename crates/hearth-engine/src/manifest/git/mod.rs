@@ -453,20 +453,25 @@ impl GitSource {
             )));
         }
         // Only blobs not parsed before are read.
-        let known: HashMap<String, Content> = self.lock().parsed.clone();
         let mut parsed = HashMap::new();
         let mut wanted = Vec::new();
+        let mut asked = std::collections::HashSet::new();
         let mut bytes = 0u64;
-        for e in &selected.manifests {
-            match known.get(&e.oid) {
-                Some(content) => {
-                    parsed.insert(e.oid.clone(), content.clone());
+        {
+            let st = self.lock();
+            for e in &selected.manifests {
+                if parsed.contains_key(&e.oid) || !asked.insert(e.oid.as_str()) {
+                    continue;
                 }
-                None if !wanted.contains(&e.oid) => {
-                    bytes += e.size.unwrap_or(0) + 128;
-                    wanted.push(e.oid.clone());
+                match st.parsed.get(&e.oid) {
+                    Some(content) => {
+                        parsed.insert(e.oid.clone(), content.clone());
+                    }
+                    None => {
+                        bytes += e.size.unwrap_or(0) + 128;
+                        wanted.push(e.oid.clone());
+                    }
                 }
-                None => {}
             }
         }
         if !wanted.is_empty() {

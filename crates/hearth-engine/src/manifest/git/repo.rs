@@ -53,6 +53,8 @@ pub enum GitError {
 #[derive(Clone, Debug)]
 pub struct Repo {
     pub dir: PathBuf,
+    /// Given to every git run: a fetch's credentials ([`Auth`]).
+    env: Vec<(String, String)>,
 }
 
 /// How a fetch proves who it is: https with a user and a token read from
@@ -143,6 +145,7 @@ impl Repo {
     pub async fn open(dir: &Path) -> Result<Repo, GitError> {
         let repo = Repo {
             dir: dir.to_path_buf(),
+            env: Vec::new(),
         };
         if !dir.join("HEAD").is_file() {
             // A half-made cache (a crash during init) is made again.
@@ -171,21 +174,8 @@ impl Repo {
         timeout: Duration,
         max_output: usize,
     ) -> Result<programs::Finished, GitError> {
-        self.run_env(what, args, &[], input, timeout, max_output)
-            .await
-    }
-
-    async fn run_env(
-        &self,
-        what: &str,
-        args: &[&str],
-        env: &[(String, String)],
-        input: Option<&[u8]>,
-        timeout: Duration,
-        max_output: usize,
-    ) -> Result<programs::Finished, GitError> {
         let mut c = base_command(&self.dir)?;
-        c.envs(env.iter().map(|(k, v)| (k, v)));
+        c.envs(self.env.iter().map(|(k, v)| (k, v)));
         c.args(args);
         let limits = programs::Limits {
             timeout,
@@ -208,22 +198,7 @@ impl Repo {
         timeout: Duration,
         max_output: usize,
     ) -> Result<Vec<u8>, GitError> {
-        self.ok_env(what, args, &[], input, timeout, max_output)
-            .await
-    }
-
-    async fn ok_env(
-        &self,
-        what: &str,
-        args: &[&str],
-        env: &[(String, String)],
-        input: Option<&[u8]>,
-        timeout: Duration,
-        max_output: usize,
-    ) -> Result<Vec<u8>, GitError> {
-        let out = self
-            .run_env(what, args, env, input, timeout, max_output)
-            .await?;
+        let out = self.run(what, args, input, timeout, max_output).await?;
         if !out.status.success() {
             return Err(GitError::Failed {
                 what: what.to_string(),
@@ -244,36 +219,38 @@ impl Repo {
         auth: &Auth,
         timeout: Duration,
     ) -> Result<(), GitError> {
-        let env = auth.env()?;
+        let with_auth = Repo {
+            dir: self.dir.clone(),
+            env: auth.env()?,
+        };
+        // A branch, a tag, HEAD or a full ref name, as git itself resolves
+        // it (a branch before a tag of the same name).
         let refspec = if is_commit_id(reference) {
             "+refs/heads/*:refs/hearth/heads/*".to_string()
-        } else if reference == "HEAD" || reference.starts_with("refs/") {
-            format!("+{reference}:{FETCHED}")
         } else {
-            // A short name: a branch first, as git itself resolves it.
             format!("+{reference}:{FETCHED}")
         };
-        self.ok_env(
-            "fetch",
-            &[
+        with_auth
+            .ok(
                 "fetch",
-                "--quiet",
-                "--no-tags",
-                "--no-write-fetch-head",
-                "--no-recurse-submodules",
-                "--",
-                url,
-                &refspec,
-            ],
-            &env,
-            None,
-            timeout,
-            MAX_SMALL_OUTPUT,
-        )
-        .await?;
+                &[
+                    "fetch",
+                    "--quiet",
+                    "--no-tags",
+                    "--no-write-fetch-head",
+                    "--no-recurse-submodules",
+                    "--",
+                    url,
+                    &refspec,
+                ],
+                None,
+                timeout,
+                MAX_SMALL_OUTPUT,
+            )
+            .await?;
         if is_commit_id(reference) {
-            let _ = self
-                .ok_env(
+            let _ = with_auth
+                .ok(
                     "fetch",
                     &[
                         "fetch",
@@ -283,7 +260,6 @@ impl Repo {
                         url,
                         "+refs/tags/*:refs/hearth/tags/*",
                     ],
-                    &env,
                     None,
                     timeout,
                     MAX_SMALL_OUTPUT,
