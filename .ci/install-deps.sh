@@ -49,6 +49,9 @@ BASE_PKGS=(
     # guest/debian/build.sh (the Debian 12 test image): the tree, the ESP, the
     # partition table; guest/debian/check.sh makes an SSH key for its seed.
     mmdebstrap dosfstools mtools fdisk openssh-client
+    # git sources (docs/sources.md): sshd serves a repository over ssh in a
+    # network namespace; gpg verifies OpenPGP-signed commits.
+    openssh-server gnupg
     # the image-import benchmark compares hearth with curl + qemu-img convert.
     curl
     # host networking (docs/networking.md): DHCP per network, the

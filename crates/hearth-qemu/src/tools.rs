@@ -23,6 +23,7 @@ pub fn debian_package_for(name: &str) -> &str {
         "qemu-img" | "qemu-nbd" | "qemu-io" | "qemu-storage-daemon" => "qemu-utils",
         "e2fsck" | "resize2fs" | "debugfs" | "mkfs.ext4" => "e2fsprogs",
         "qemu-ga" => "qemu-guest-agent",
+        "gpg" => "gnupg",
         other => other,
     }
 }

@@ -114,6 +114,7 @@ pub fn all_git_sources(args: &Args) -> Vec<GitSourceFile> {
             ssh_key_file: args.git_ssh_key_file.clone(),
             known_hosts_file: args.git_known_hosts_file.clone(),
             allowed_signers_file: args.git_allowed_signers.clone(),
+            allowed_keys_file: args.git_allowed_keys.clone(),
         });
     }
     all
@@ -145,6 +146,10 @@ pub struct GitSourceFile {
     /// format) are applied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub allowed_signers_file: Option<PathBuf>,
+    /// Only commits with an OpenPGP signature by a key of this file
+    /// (public keys, armored or binary) are applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub allowed_keys_file: Option<PathBuf>,
 }
 
 /// Parses a configuration file's text; errors name the file and the key.

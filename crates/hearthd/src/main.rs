@@ -268,6 +268,11 @@ struct Args {
     /// source Unverified at its last verified commit.
     #[arg(long, value_name = "FILE")]
     git_allowed_signers: Option<PathBuf>,
+    /// Apply only commits with an OpenPGP signature by a key of this file
+    /// (public keys, armored or binary: `gpg --export --armor KEYID`);
+    /// with --git-allowed-signers too, either kind of signature will do.
+    #[arg(long, value_name = "FILE")]
+    git_allowed_keys: Option<PathBuf>,
     /// The `[[git]]` tables of the configuration file.
     #[arg(skip)]
     git_sources: Vec<config::GitSourceFile>,
@@ -520,7 +525,10 @@ fn git_sources(args: &Args) -> anyhow::Result<Vec<hearth_engine::GitConfig>> {
             ssh_key: absolute(g.ssh_key_file, "ssh-key-file")?,
             known_hosts: absolute(g.known_hosts_file, "known-hosts-file")?,
         };
-        c.allowed_signers = absolute(g.allowed_signers_file, "allowed-signers-file")?;
+        c.signers = hearth_engine::GitSigners {
+            allowed_signers: absolute(g.allowed_signers_file, "allowed-signers-file")?,
+            allowed_keys: absolute(g.allowed_keys_file, "allowed-keys-file")?,
+        };
         out.push(c);
     }
     Ok(out)

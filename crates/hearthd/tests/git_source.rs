@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use common::git::{Remote, git, git_wrapper};
+use common::git::{PgpKey, Remote, git, git_wrapper};
 use common::*;
 use serde_json::Value;
 
@@ -394,6 +394,80 @@ fn only_commits_signed_by_an_allowed_key_are_applied() {
         s["state"] == "Ready" && s["appliedCommit"]["id"] == last.as_str()
     });
     assert!(exists("signed-d") && exists("unsigned-b") && exists("stranger-c"));
+}
+
+#[test]
+fn openpgp_signatures_by_an_allowed_key_apply_and_a_new_key_file_needs_no_restart() {
+    let _serial = serial();
+    let remote = Remote::new();
+    let keys = remote.root.join("keys");
+    std::fs::create_dir_all(&keys).unwrap();
+    let good = PgpKey::new(&keys, "good");
+    let other = PgpKey::new(&keys, "other");
+    let (ssh, _) = ssh_key(&keys, "ssh");
+    let allowed = keys.join("allowed.asc");
+    std::fs::write(&allowed, &good.public).unwrap();
+    let first = remote.commit_as(
+        &[("a.yaml", Some(&disk_text("pgp-a")))],
+        "signed a",
+        Some(good.signing()),
+    );
+    let d = following(
+        &remote.url(),
+        &["--git-allowed-keys", allowed.to_str().unwrap()],
+    );
+    wait_source(&d, "git", "the signed commit applied", |s| {
+        s["state"] == "Ready" && s["appliedCommit"]["id"] == first.as_str()
+    });
+    assert!(disk_exists(&d, "pgp-a"));
+
+    // A key not in the file, then an ssh signature (no ssh key is allowed).
+    let stranger = remote.commit_as(
+        &[("b.yaml", Some(&disk_text("pgp-b")))],
+        "other key",
+        Some(other.signing()),
+    );
+    let s = wait_source(&d, "git", "Unverified (unknown key)", |s| {
+        s["state"] == "Unverified" && s["fetchedCommit"]["id"] == stranger.as_str()
+    });
+    assert_eq!(s["appliedCommit"]["id"], first.as_str(), "{s:#}");
+    assert!(
+        s["reason"].as_str().unwrap().contains("allowed.asc"),
+        "{s:#}"
+    );
+    let by_ssh = remote.commit_signed(
+        &[("c.yaml", Some(&disk_text("pgp-c")))],
+        "ssh signed",
+        Some(&ssh),
+    );
+    let s = wait_source(&d, "git", "Unverified (ssh signature)", |s| {
+        s["state"] == "Unverified" && s["fetchedCommit"]["id"] == by_ssh.as_str()
+    });
+    assert_eq!(s["appliedCommit"]["id"], first.as_str(), "{s:#}");
+    assert!(!disk_exists(&d, "pgp-b") && !disk_exists(&d, "pgp-c"));
+
+    // The other key allowed too, in the same file: read again at the next
+    // fetch, no restart; its commit applies with everything before it.
+    std::fs::write(&allowed, format!("{}{}", good.public, other.public)).unwrap();
+    let last = remote.commit_as(
+        &[("d.yaml", Some(&disk_text("pgp-d")))],
+        "other key, now allowed",
+        Some(other.signing()),
+    );
+    wait_source(&d, "git", "the newly allowed key's commit applied", |s| {
+        s["state"] == "Ready" && s["appliedCommit"]["id"] == last.as_str()
+    });
+    for name in ["pgp-b", "pgp-c", "pgp-d"] {
+        assert!(disk_exists(&d, name), "{name}");
+    }
+    // hearthd's gpg runs start no agent: nothing runs with its keyring.
+    let keyring = d.state_dir().join("git").display().to_string();
+    let agents: Vec<String> = hearth_test_support::process::command_lines()
+        .into_iter()
+        .map(|(_, argv)| argv.join(" "))
+        .filter(|l| l.contains(&keyring))
+        .collect();
+    assert!(agents.is_empty(), "{agents:?}");
 }
 
 /// `git http-backend` behind a plain HTTP server on 127.0.0.1 that wants

@@ -7,8 +7,14 @@ use std::process::Command;
 
 /// Runs git in `dir` with a fixed identity and no user configuration.
 pub fn git(dir: &Path, args: &[&str]) -> String {
+    git_env(dir, args, &[])
+}
+
+/// [`git`] with extra environment variables.
+pub fn git_env(dir: &Path, args: &[&str], env: &[(&str, &Path)]) -> String {
     let out = Command::new("git")
         .args(args)
+        .envs(env.iter().copied())
         .current_dir(dir)
         .env("GIT_CONFIG_GLOBAL", "/dev/null")
         .env("GIT_CONFIG_NOSYSTEM", "1")
@@ -25,6 +31,90 @@ pub fn git(dir: &Path, args: &[&str]) -> String {
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).trim().to_string()
+}
+
+/// How a test commit is signed.
+#[derive(Clone, Copy)]
+pub enum Signing<'a> {
+    /// With this ssh private key.
+    Ssh(&'a Path),
+    /// With the OpenPGP key `key` (a fingerprint) of the gpg home `home`.
+    OpenPgp { home: &'a Path, key: &'a str },
+}
+
+/// An OpenPGP signing key without a passphrase, in a gpg home of its own.
+/// Signing starts a gpg-agent for that home: dropped, the agent is stopped.
+pub struct PgpKey {
+    pub home: PathBuf,
+    pub fingerprint: String,
+    /// The armored public key.
+    pub public: String,
+}
+
+impl PgpKey {
+    /// A new key named `name` under `dir`.
+    pub fn new(dir: &Path, name: &str) -> PgpKey {
+        use std::os::unix::fs::PermissionsExt;
+        let home = dir.join(format!("{name}.gnupg"));
+        std::fs::create_dir_all(&home).unwrap();
+        std::fs::set_permissions(&home, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let mut key = PgpKey {
+            home,
+            fingerprint: String::new(),
+            public: String::new(),
+        };
+        let uid = format!("{name} <{name}@hearth.invalid>");
+        key.gpg(&[
+            "--passphrase",
+            "",
+            "--quick-gen-key",
+            &uid,
+            "ed25519",
+            "sign",
+            "never",
+        ]);
+        key.fingerprint = key
+            .gpg(&["--with-colons", "--list-keys", &uid])
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix("fpr:")
+                    .map(|r| r.trim_matches(':').to_string())
+            })
+            .expect("a fingerprint");
+        key.public = key.gpg(&["--export", "--armor", &key.fingerprint.clone()]);
+        key
+    }
+
+    fn gpg(&self, args: &[&str]) -> String {
+        let out = Command::new("gpg")
+            .env("GNUPGHOME", &self.home)
+            .args(["--batch", "--quiet"])
+            .args(args)
+            .output()
+            .expect("gpg (apt-get install gnupg)");
+        assert!(
+            out.status.success(),
+            "gpg {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    pub fn signing(&self) -> Signing<'_> {
+        Signing::OpenPgp {
+            home: &self.home,
+            key: &self.fingerprint,
+        }
+    }
+}
+
+impl Drop for PgpKey {
+    fn drop(&mut self) {
+        let _ = Command::new("gpgconf")
+            .env("GNUPGHOME", &self.home)
+            .args(["--kill", "all"])
+            .output();
+    }
 }
 
 /// A bare repository (the remote) and a clone to commit in.
@@ -71,6 +161,16 @@ impl Remote {
         message: &str,
         key: Option<&Path>,
     ) -> String {
+        self.commit_as(files, message, key.map(Signing::Ssh))
+    }
+
+    /// [`Remote::commit`], signed as `signing` says when given.
+    pub fn commit_as(
+        &self,
+        files: &[(&str, Option<&str>)],
+        message: &str,
+        signing: Option<Signing<'_>>,
+    ) -> String {
         for (path, text) in files {
             let p = self.work.join(path);
             match text {
@@ -84,13 +184,24 @@ impl Remote {
             }
         }
         git(&self.work, &["add", "-A"]);
-        let signing = key.map(|k| format!("user.signingkey={}", k.display()));
         let mut args = vec!["commit", "--quiet", "--allow-empty", "-m", message];
-        if let Some(s) = &signing {
-            args.splice(0..0, ["-c", "gpg.format=ssh", "-c", s.as_str()]);
-            args.push("-S");
+        let mut env = Vec::new();
+        let key;
+        match signing {
+            None => {}
+            Some(Signing::Ssh(k)) => {
+                key = format!("user.signingkey={}", k.display());
+                args.splice(0..0, ["-c", "gpg.format=ssh", "-c", key.as_str()]);
+                args.push("-S");
+            }
+            Some(Signing::OpenPgp { home, key: id }) => {
+                key = format!("user.signingkey={id}");
+                args.splice(0..0, ["-c", "gpg.format=openpgp", "-c", key.as_str()]);
+                args.push("-S");
+                env.push(("GNUPGHOME", home));
+            }
         }
-        git(&self.work, &args);
+        git_env(&self.work, &args, &env);
         git(
             &self.work,
             &["push", "--quiet", "--force", "origin", "HEAD:main"],

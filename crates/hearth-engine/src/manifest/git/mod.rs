@@ -49,9 +49,8 @@ pub struct GitConfig {
     pub max_file_size: u64,
     pub max_files: usize,
     pub delete_grace: Duration,
-    /// Only commits signed by a key in this file (ssh's allowed signers
-    /// format) are applied.
-    pub allowed_signers: Option<PathBuf>,
+    /// When set, only commits signed by one of these keys are applied.
+    pub signers: repo::Signers,
     pub auth: repo::Auth,
 }
 
@@ -70,7 +69,7 @@ impl GitConfig {
             // A commit is read whole: a file gone from it is gone, and the
             // next poll confirms it.
             delete_grace: Duration::ZERO,
-            allowed_signers: None,
+            signers: repo::Signers::default(),
             auth: repo::Auth::default(),
         }
     }
@@ -382,8 +381,8 @@ impl GitSource {
             )));
         };
         let info = repo.describe(&commit).await.map_err(stale)?;
-        if let Some(signers) = &c.allowed_signers {
-            match repo.verify(&commit, signers).await.map_err(stale)? {
+        if c.signers.is_set() {
+            match repo.verify(&commit, &c.signers).await.map_err(stale)? {
                 Ok(_) => {}
                 Err(why) => {
                     self.lock().fetched = Some(info);
@@ -392,7 +391,7 @@ impl GitSource {
                         format!(
                             "commit {} is not signed by a key of {}: {why}",
                             short(&commit),
-                            signers.display()
+                            c.signers.files()
                         ),
                     ));
                 }

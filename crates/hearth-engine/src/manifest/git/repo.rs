@@ -49,6 +49,31 @@ pub enum GitError {
     },
 }
 
+/// Whose signatures make a commit verified.
+#[derive(Clone, Debug, Default)]
+pub struct Signers {
+    /// ssh keys, in ssh's `allowed_signers` format.
+    pub allowed_signers: Option<PathBuf>,
+    /// OpenPGP public keys (armored or binary).
+    pub allowed_keys: Option<PathBuf>,
+}
+
+impl Signers {
+    pub fn is_set(&self) -> bool {
+        self.allowed_signers.is_some() || self.allowed_keys.is_some()
+    }
+
+    /// The files named in a reason.
+    pub fn files(&self) -> String {
+        [&self.allowed_signers, &self.allowed_keys]
+            .into_iter()
+            .flatten()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(" or ")
+    }
+}
+
 /// A source's cache repository.
 #[derive(Clone, Debug)]
 pub struct Repo {
@@ -371,23 +396,38 @@ impl Repo {
         })
     }
 
-    /// Whether `commit` carries an ssh signature by a key of
-    /// `allowed_signers` (the `ssh-keygen` format git reads from
-    /// `gpg.ssh.allowedSignersFile`): Ok(Err(why)) when it does not.
+    /// Whether `commit` carries a signature by an allowed key: an ssh
+    /// signature by a key of `policy.allowed_signers` (the `ssh-keygen`
+    /// format git reads from `gpg.ssh.allowedSignersFile`), or an OpenPGP
+    /// one by a key of `policy.allowed_keys`. Ok(Err(why)) when it does not.
     pub async fn verify(
         &self,
         commit: &str,
-        allowed_signers: &Path,
+        policy: &Signers,
     ) -> Result<Result<String, String>, GitError> {
-        let file = format!("gpg.ssh.allowedSignersFile={}", allowed_signers.display());
-        let out = self
-            .run(
-                "verify-commit",
-                &["-c", &file, "verify-commit", "--raw", commit],
-                None,
-                QUICK,
-                MAX_SMALL_OUTPUT,
-            )
+        let mut args: Vec<String> = Vec::new();
+        let mut env: Vec<(String, String)> = Vec::new();
+        match &policy.allowed_signers {
+            Some(f) => args.push(format!("gpg.ssh.allowedSignersFile={}", f.display())),
+            // No ssh key is allowed: an empty list, never the user's.
+            None => args.push("gpg.ssh.allowedSignersFile=/dev/null".into()),
+        }
+        // gpg reads only a keyring of hearthd's own holding exactly the
+        // allowed keys, so a good signature is an allowed one; without
+        // `allowed_keys` that keyring is empty.
+        let home = self.keyring(policy.allowed_keys.as_deref()).await?;
+        env.push(("GNUPGHOME".into(), home.display().to_string()));
+        let mut full: Vec<&str> = Vec::new();
+        for a in &args {
+            full.extend(["-c", a.as_str()]);
+        }
+        full.extend(["verify-commit", "--raw", commit]);
+        let with_keys = Repo {
+            dir: self.dir.clone(),
+            env,
+        };
+        let out = with_keys
+            .run("verify-commit", &full, None, QUICK, MAX_SMALL_OUTPUT)
             .await?;
         let text = said(&out.stderr);
         Ok(if out.status.success() {
@@ -400,6 +440,70 @@ impl Repo {
         } else {
             Err(text)
         })
+    }
+
+    /// The gpg home holding the keys of `keys` (armored or binary), made
+    /// again whenever the file's bytes change; an empty one for `None`.
+    /// It lives beside the cache (`NAME.gnupg`), a directory of hearthd's
+    /// own: made under a temporary name and renamed, so a crash leaves
+    /// either the old keyring or the new one, and a leftover temporary is
+    /// removed at the next build.
+    async fn keyring(&self, keys: Option<&Path>) -> Result<PathBuf, GitError> {
+        use sha2::Digest as _;
+        let home = self.dir.with_extension("gnupg");
+        let bytes = match keys {
+            Some(k) => std::fs::read(k).map_err(|source| GitError::Cache {
+                path: k.to_path_buf(),
+                source,
+            })?,
+            None => Vec::new(),
+        };
+        let stamp = format!("{:x}", sha2::Sha256::digest(&bytes));
+        let stamp_file = home.join("hearth-keys.sha256");
+        if std::fs::read_to_string(&stamp_file).ok().as_deref() == Some(stamp.as_str()) {
+            return Ok(home);
+        }
+        let cache_err = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| GitError::Cache { path, source }
+        };
+        let tmp = self.dir.with_extension("gnupg.new");
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).map_err(cache_err(&tmp))?;
+        std::fs::set_permissions(&tmp, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .map_err(cache_err(&tmp))?;
+        if !bytes.is_empty() {
+            let mut c = tokio::process::Command::new(hearth_qemu::tools::find_binary("gpg")?);
+            c.env_clear()
+                .env("LC_ALL", "C")
+                .env("GNUPGHOME", &tmp)
+                .args(["--batch", "--no-autostart", "--quiet", "--import"]);
+            let limits = programs::Limits {
+                timeout: QUICK,
+                stdout: MAX_SMALL_OUTPUT,
+                stderr: 64 * 1024,
+            };
+            let out = programs::run(c, programs::Class::Copy, Some(&bytes), limits)
+                .await
+                .map_err(|source| GitError::Run {
+                    what: "gpg --import".into(),
+                    source,
+                })?;
+            if !out.status.success() {
+                return Err(GitError::Failed {
+                    what: format!(
+                        "gpg --import of {}",
+                        keys.unwrap_or(Path::new("")).display()
+                    ),
+                    status: out.status,
+                    said: said(&out.stderr),
+                });
+            }
+        }
+        std::fs::write(tmp.join("hearth-keys.sha256"), &stamp).map_err(cache_err(&tmp))?;
+        let _ = std::fs::remove_dir_all(&home);
+        std::fs::rename(&tmp, &home).map_err(cache_err(&home))?;
+        Ok(home)
     }
 
     /// Points `name` at `commit`.
