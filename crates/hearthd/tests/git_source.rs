@@ -470,6 +470,166 @@ fn openpgp_signatures_by_an_allowed_key_apply_and_a_new_key_file_needs_no_restar
     assert!(agents.is_empty(), "{agents:?}");
 }
 
+/// sshd inside a network namespace, on 127.0.0.1:2222 there, letting in
+/// root with the keys of `authorized_keys` only; killed when dropped (and
+/// whatever it left dies with the namespace).
+struct Sshd {
+    child: Child,
+    dir: PathBuf,
+    /// The host's public key line, for a known_hosts file.
+    host_public: String,
+}
+
+const SSHD_PORT: u16 = 2222;
+
+impl Sshd {
+    fn start(ns: &str, dir: &Path) -> Sshd {
+        const INSTALL: &str = "apt-get install openssh-server";
+        assert!(
+            Path::new("/usr/sbin/sshd").exists(),
+            "/usr/sbin/sshd is missing: {INSTALL}"
+        );
+        // sshd's privilege-separation directory (the package's service
+        // makes it at boot; here nothing did).
+        std::fs::create_dir_all("/run/sshd").unwrap();
+        let (host_key, host_public) = ssh_key(dir, "host");
+        let config = dir.join("sshd_config");
+        std::fs::write(
+            &config,
+            format!(
+                "Port {SSHD_PORT}\nListenAddress 127.0.0.1\nHostKey {}\nPidFile {}\n\
+                 AuthorizedKeysFile {}\nStrictModes no\nUsePAM no\n\
+                 PasswordAuthentication no\nKbdInteractiveAuthentication no\n\
+                 PermitRootLogin prohibit-password\nAllowUsers root\n",
+                host_key.display(),
+                dir.join("sshd.pid").display(),
+                dir.join("authorized_keys").display(),
+            ),
+        )
+        .unwrap();
+        std::fs::write(dir.join("authorized_keys"), "").unwrap();
+        let child = Command::new("ip")
+            .args(["netns", "exec", ns, "/usr/sbin/sshd", "-D", "-e", "-f"])
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(dir.join("sshd.log")).unwrap())
+            .spawn()
+            .unwrap_or_else(|e| panic!("sshd: {e} ({INSTALL})"));
+        let sshd = Sshd {
+            child,
+            dir: dir.to_path_buf(),
+            host_public,
+        };
+        wait_until("sshd listens", Duration::from_secs(10), || {
+            std::fs::read_to_string(dir.join("sshd.log"))
+                .is_ok_and(|l| l.contains("Server listening"))
+        });
+        sshd
+    }
+
+    /// Lets in exactly the holder of `public`.
+    fn authorize(&self, public: &str) {
+        std::fs::write(self.dir.join("authorized_keys"), format!("{public}\n")).unwrap();
+    }
+}
+
+impl Drop for Sshd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[test]
+fn a_repository_over_ssh_with_a_key_and_known_hosts_and_a_refused_host_or_key_deletes_nothing() {
+    let _serial = serial();
+    let remote = Remote::new();
+    let keys = remote.root.join("ssh");
+    std::fs::create_dir_all(&keys).unwrap();
+    let (client, client_public) = ssh_key(&keys, "client");
+    let (_, stranger_public) = ssh_key(&keys, "stranger");
+    let (_, other_host_public) = ssh_key(&keys, "other-host");
+    let known_hosts = keys.join("known_hosts");
+    let first = remote.commit(&[("a.yaml", Some(&disk_text("ssh-a")))], "a");
+
+    let d = Daemon::start_in_netns(
+        &[],
+        &[
+            "--accel",
+            "tcg",
+            "--git",
+            &format!("ssh://root@127.0.0.1:{SSHD_PORT}{}", remote.bare.display()),
+            "--git-ref",
+            "main",
+            "--git-interval-seconds",
+            "1",
+            "--git-ssh-key-file",
+            client.to_str().unwrap(),
+            "--git-known-hosts-file",
+            known_hosts.to_str().unwrap(),
+        ],
+    );
+    let ns = d.netns.as_ref().unwrap().name.clone();
+    let sshd = Sshd::start(&ns, &keys);
+    let host_line = |public: &str| {
+        // known_hosts names a host on another port as [HOST]:PORT; the
+        // key line without its comment.
+        let key: Vec<&str> = public.split_whitespace().take(2).collect();
+        format!("[127.0.0.1]:{SSHD_PORT} {}\n", key.join(" "))
+    };
+    sshd.authorize(&client_public);
+    std::fs::write(&known_hosts, host_line(&sshd.host_public)).unwrap();
+    wait_source(&d, "git", "the first commit applied over ssh", |s| {
+        s["state"] == "Ready" && s["appliedCommit"]["id"] == first.as_str()
+    });
+    assert!(disk_exists(&d, "ssh-a"));
+    let log = std::fs::read_to_string(keys.join("sshd.log")).unwrap();
+    assert!(log.contains("Accepted publickey for root"), "{log}");
+
+    // The host presents a key known_hosts does not hold: refused (no host
+    // is trusted on first use), the source Stale, nothing deleted.
+    std::fs::write(&known_hosts, host_line(&other_host_public)).unwrap();
+    let second = remote.commit(
+        &[("a.yaml", None), ("b.yaml", Some(&disk_text("ssh-b")))],
+        "a out, b in",
+    );
+    let s = wait_source(&d, "git", "Stale (unknown host key)", |s| {
+        s["state"] == "Stale"
+    });
+    assert!(
+        s["reason"]
+            .as_str()
+            .unwrap()
+            .contains("Host key verification failed"),
+        "{s:#}"
+    );
+    assert_eq!(s["appliedCommit"]["id"], first.as_str(), "{s:#}");
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(disk_exists(&d, "ssh-a") && !disk_exists(&d, "ssh-b"));
+
+    // The right host, but sshd no longer lets our key in.
+    std::fs::write(&known_hosts, host_line(&sshd.host_public)).unwrap();
+    sshd.authorize(&stranger_public);
+    let s = wait_source(&d, "git", "Stale (key refused)", |s| {
+        s["state"] == "Stale"
+            && s["reason"]
+                .as_str()
+                .is_some_and(|r| r.contains("Permission denied"))
+    });
+    assert_eq!(s["appliedCommit"]["id"], first.as_str(), "{s:#}");
+    assert!(disk_exists(&d, "ssh-a") && !disk_exists(&d, "ssh-b"));
+
+    // Let in again: the commit waiting since then applies.
+    sshd.authorize(&client_public);
+    wait_source(&d, "git", "the second commit applied", |s| {
+        s["state"] == "Ready" && s["appliedCommit"]["id"] == second.as_str()
+    });
+    wait_until("b in, a out", SETTLE, || {
+        disk_exists(&d, "ssh-b") && !disk_exists(&d, "ssh-a")
+    });
+    drop(sshd);
+}
+
 /// `git http-backend` behind a plain HTTP server on 127.0.0.1 that wants
 /// Basic auth with one user and token; each request is served by a thread
 /// of its own and answered with `Connection: close`. Records whether each

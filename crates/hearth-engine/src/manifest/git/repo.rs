@@ -538,7 +538,16 @@ pub fn is_commit_id(s: &str) -> bool {
 /// What git said, its last lines, without credentials a URL may carry.
 fn said(stderr: &[u8]) -> String {
     let text = String::from_utf8_lossy(stderr);
-    let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+    // git's advice after any failed transport says nothing; the line
+    // before it (ssh's "Host key verification failed.") does.
+    let advice = [
+        "Please make sure you have the correct access rights",
+        "and the repository exists.",
+    ];
+    let lines: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty() && !advice.contains(&l.trim()))
+        .collect();
     let tail = lines[lines.len().saturating_sub(3)..].join("; ");
     redact_userinfo(&tail)
 }
