@@ -18,6 +18,7 @@ pub enum Kind {
     VirtualDiskSnapshot,
     VirtualMachineSnapshot,
     VirtualMachineSnapshotGroup,
+    VirtualMachineSnapshotSchedule,
     VirtualImage,
     VirtualNetwork,
 }
@@ -25,7 +26,7 @@ pub enum Kind {
 impl Kind {
     /// In reconcile order at start-up: images before the disks made from
     /// them, networks before the VMs attached to them.
-    pub const ALL: [Kind; 7] = [
+    pub const ALL: [Kind; 8] = [
         Kind::VirtualImage,
         Kind::VirtualNetwork,
         Kind::VirtualMachine,
@@ -33,6 +34,7 @@ impl Kind {
         Kind::VirtualDiskSnapshot,
         Kind::VirtualMachineSnapshot,
         Kind::VirtualMachineSnapshotGroup,
+        Kind::VirtualMachineSnapshotSchedule,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -42,6 +44,7 @@ impl Kind {
             Kind::VirtualDiskSnapshot => "VirtualDiskSnapshot",
             Kind::VirtualMachineSnapshot => "VirtualMachineSnapshot",
             Kind::VirtualMachineSnapshotGroup => "VirtualMachineSnapshotGroup",
+            Kind::VirtualMachineSnapshotSchedule => "VirtualMachineSnapshotSchedule",
             Kind::VirtualImage => "VirtualImage",
             Kind::VirtualNetwork => "VirtualNetwork",
         }
@@ -55,6 +58,7 @@ impl Kind {
             Kind::VirtualDiskSnapshot => "virtualdisksnapshots",
             Kind::VirtualMachineSnapshot => "virtualmachinesnapshots",
             Kind::VirtualMachineSnapshotGroup => "virtualmachinesnapshotgroups",
+            Kind::VirtualMachineSnapshotSchedule => "virtualmachinesnapshotschedules",
             Kind::VirtualImage => "virtualimages",
             Kind::VirtualNetwork => "virtualnetworks",
         }
@@ -65,7 +69,9 @@ impl Kind {
         match self {
             // A network's mode, subnet and bridge are checked one by one
             // on update (a network with leases cannot move); dhcp can change.
-            Kind::VirtualMachine | Kind::VirtualNetwork => None,
+            Kind::VirtualMachine | Kind::VirtualNetwork | Kind::VirtualMachineSnapshotSchedule => {
+                None
+            }
             Kind::VirtualDisk => Some(
                 "a disk's size and source cannot change after it is created; delete it and create it again",
             ),
@@ -105,6 +111,14 @@ impl Kind {
             | "snapshotgroups"
             | "virtualmachinesnapshotgroup"
             | "virtualmachinesnapshotgroups" => Some(Kind::VirtualMachineSnapshotGroup),
+            "schedule"
+            | "schedules"
+            | "vmsnapshotschedule"
+            | "vmsnapshotschedules"
+            | "snapshotschedule"
+            | "snapshotschedules"
+            | "virtualmachinesnapshotschedule"
+            | "virtualmachinesnapshotschedules" => Some(Kind::VirtualMachineSnapshotSchedule),
             "image" | "images" | "vi" | "virtualimage" | "virtualimages" => {
                 Some(Kind::VirtualImage)
             }
@@ -970,6 +984,194 @@ pub struct VirtualMachineSnapshotGroupSpec {
     /// is frozen at the common moment.
     #[serde(default = "default_true")]
     pub required_consistency: bool,
+}
+
+// ------------------------------------------------ VirtualMachineSnapshotSchedule
+
+/// Snapshots taken on a calendar, with retention: at each slot of
+/// `schedule` (in `timeZone`) a VirtualMachineSnapshot of every covered VM
+/// (or one VirtualMachineSnapshotGroup of them all), labelled
+/// `hearth.dev/schedule: NAME`; retention deletes only such snapshots,
+/// never a pinned one (`hearth.dev/keep: "true"`) or one still in use.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachineSnapshotSchedule {
+    pub api_version: String,
+    pub kind: String,
+    pub metadata: ObjectMeta,
+    pub spec: VirtualMachineSnapshotScheduleSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<ScheduleStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachineSnapshotScheduleSpec {
+    /// Five cron fields (minute hour day-of-month month day-of-week) or
+    /// `@hourly`, `@daily`, `@weekly`, `@monthly`, `@yearly`.
+    pub schedule: String,
+    /// The IANA zone the schedule's wall times are in; UTC when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time_zone: Option<String>,
+    /// The VMs covered, by name; or `selector`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub virtual_machine_names: Vec<String>,
+    /// The VMs covered, by their labels (every label given must match).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<LabelSelector>,
+    /// When set, the covered VMs are cut together, as one group, at each slot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_machine_snapshot_group_template: Option<SnapshotGroupTemplate>,
+    #[serde(default = "default_true")]
+    pub required_consistency: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retention: Option<Retention>,
+    /// Incremental backups on the same calendar (not supported yet: refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backup: Option<ScheduleBackup>,
+    /// A slot that could not start within this many seconds of its time
+    /// (hearthd was down, the previous run still going) is skipped and
+    /// said; unset: it runs once, however late.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub starting_deadline_seconds: Option<u64>,
+    /// No new runs while set; retention still applies.
+    #[serde(default)]
+    pub suspend: bool,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LabelSelector {
+    #[serde(default)]
+    pub match_labels: std::collections::BTreeMap<String, String>,
+}
+
+impl LabelSelector {
+    pub fn matches(&self, labels: &std::collections::BTreeMap<String, String>) -> bool {
+        self.match_labels
+            .iter()
+            .all(|(k, v)| labels.get(k) == Some(v))
+    }
+}
+
+/// `{}`: the group's fields come from the schedule.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(deny_unknown_fields)]
+pub struct SnapshotGroupTemplate {}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Retention {
+    /// Keep the newest N snapshots of each VM (of each group run, for a
+    /// group schedule).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep: Option<u32>,
+    /// Delete snapshots older than this (`90m`, `12h`, `7d`, `2w`); the
+    /// newest good one of each VM is kept however old.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_age: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ScheduleBackup {
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
+    pub to: PathBuf,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub full_every: Option<u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub enum RunResult {
+    Running,
+    Succeeded,
+    Failed,
+    /// The slot passed without a run (past its starting deadline, or no VM
+    /// matched); `message` says why.
+    Skipped,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct ScheduleStatus {
+    /// The slot of the last run started or skipped: a slot at or before it
+    /// never runs again (whatever the clock does).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_schedule_time: Option<DateTime<Utc>>,
+    /// When the last run started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_run_time: Option<DateTime<Utc>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_run_time: Option<DateTime<Utc>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_result: Option<RunResult>,
+    /// Ready snapshots (or groups) this schedule holds, pinned ones included.
+    #[serde(default)]
+    pub snapshots: u32,
+    /// The snapshots (or group) of the run in progress.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub active: Vec<String>,
+    /// The generation of the spec this status was made from.
+    #[serde(default)]
+    pub observed_generation: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// Labels hearth itself reads.
+pub mod labels {
+    /// On a snapshot (or group) a schedule made: the schedule's name.
+    pub const SCHEDULE: &str = "hearth.dev/schedule";
+    /// `"true"` on a snapshot: no retention ever deletes it.
+    pub const KEEP: &str = "hearth.dev/keep";
+}
+
+/// Annotations hearth itself writes.
+pub mod annotations {
+    /// On a snapshot (or group) a schedule made: the slot it was made for
+    /// (RFC 3339, UTC).
+    pub const SCHEDULE_SLOT: &str = "hearth.dev/schedule-slot";
+}
+
+/// `90s`, `90m`, `12h`, `7d`, `2w`: a whole number and one unit.
+pub fn parse_age(text: &str) -> Result<std::time::Duration, String> {
+    let t = text.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (n, unit) = t.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{text:?} is not a duration like 90m, 12h, 7d or 2w"))?;
+    let secs = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        "w" => 7 * 86_400,
+        _ => {
+            return Err(format!(
+                "{text:?}: the unit must be one of s, m, h, d, w (as in 90m, 12h, 7d)"
+            ));
+        }
+    };
+    if n == 0 {
+        return Err(format!("{text:?} is zero"));
+    }
+    n.checked_mul(secs)
+        .filter(|s| *s <= 100 * 365 * 86_400)
+        .map(std::time::Duration::from_secs)
+        .ok_or_else(|| format!("{text:?} is more than 100 years"))
 }
 
 /// Status of the snapshot kinds.

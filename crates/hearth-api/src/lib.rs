@@ -3,6 +3,7 @@
 //! No I/O here: the daemon, the CLI and (later) a Kubernetes controller all
 //! share these types, so they must stay free of any host assumption.
 
+pub mod cron;
 pub mod ignite;
 mod kinds;
 pub mod limits;

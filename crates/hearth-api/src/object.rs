@@ -12,7 +12,7 @@ use crate::kinds::{
     MAX_FREEZE_DEADLINE_SECONDS, MAX_INTERFACES, MIN_DISK_BYTES, MIN_FREEZE_DEADLINE_SECONDS,
     NetworkInterface, NetworkMode, OciSource, VirtualDisk, VirtualDiskSnapshot, VirtualDiskSpec,
     VirtualImage, VirtualMachine, VirtualMachineSnapshot, VirtualMachineSnapshotGroup,
-    VirtualNetwork, VirtualNetworkSpec,
+    VirtualMachineSnapshotSchedule, VirtualNetwork, VirtualNetworkSpec,
 };
 use crate::limits::{self, LimitError, MAX_APPLY_OBJECTS};
 use crate::meta::API_VERSION;
@@ -28,6 +28,7 @@ pub enum Object {
     VirtualDiskSnapshot(VirtualDiskSnapshot),
     VirtualMachineSnapshot(VirtualMachineSnapshot),
     VirtualMachineSnapshotGroup(VirtualMachineSnapshotGroup),
+    VirtualMachineSnapshotSchedule(VirtualMachineSnapshotSchedule),
     VirtualImage(VirtualImage),
     VirtualNetwork(VirtualNetwork),
 }
@@ -52,6 +53,9 @@ impl<'de> Deserialize<'de> for Object {
             }
             Kind::VirtualMachineSnapshotGroup => {
                 serde_json::from_value(value).map(Object::VirtualMachineSnapshotGroup)
+            }
+            Kind::VirtualMachineSnapshotSchedule => {
+                serde_json::from_value(value).map(Object::VirtualMachineSnapshotSchedule)
             }
             Kind::VirtualImage => serde_json::from_value(value).map(Object::VirtualImage),
             Kind::VirtualNetwork => serde_json::from_value(value).map(Object::VirtualNetwork),
@@ -105,6 +109,7 @@ impl Object {
             Object::VirtualDiskSnapshot(_) => Kind::VirtualDiskSnapshot,
             Object::VirtualMachineSnapshot(_) => Kind::VirtualMachineSnapshot,
             Object::VirtualMachineSnapshotGroup(_) => Kind::VirtualMachineSnapshotGroup,
+            Object::VirtualMachineSnapshotSchedule(_) => Kind::VirtualMachineSnapshotSchedule,
             Object::VirtualImage(_) => Kind::VirtualImage,
             Object::VirtualNetwork(_) => Kind::VirtualNetwork,
         }
@@ -121,6 +126,7 @@ impl Object {
             Object::VirtualDiskSnapshot(o) => &o.metadata,
             Object::VirtualMachineSnapshot(o) => &o.metadata,
             Object::VirtualMachineSnapshotGroup(o) => &o.metadata,
+            Object::VirtualMachineSnapshotSchedule(o) => &o.metadata,
             Object::VirtualImage(o) => &o.metadata,
             Object::VirtualNetwork(o) => &o.metadata,
         }
@@ -133,6 +139,7 @@ impl Object {
             Object::VirtualDiskSnapshot(o) => &mut o.metadata,
             Object::VirtualMachineSnapshot(o) => &mut o.metadata,
             Object::VirtualMachineSnapshotGroup(o) => &mut o.metadata,
+            Object::VirtualMachineSnapshotSchedule(o) => &mut o.metadata,
             Object::VirtualImage(o) => &mut o.metadata,
             Object::VirtualNetwork(o) => &mut o.metadata,
         }
@@ -151,6 +158,7 @@ impl Object {
             Object::VirtualDiskSnapshot(o) => serde_json::to_value(&o.spec),
             Object::VirtualMachineSnapshot(o) => serde_json::to_value(&o.spec),
             Object::VirtualMachineSnapshotGroup(o) => serde_json::to_value(&o.spec),
+            Object::VirtualMachineSnapshotSchedule(o) => serde_json::to_value(&o.spec),
             Object::VirtualImage(o) => serde_json::to_value(&o.spec),
             Object::VirtualNetwork(o) => serde_json::to_value(&o.spec),
         }
@@ -165,6 +173,7 @@ impl Object {
             Object::VirtualDiskSnapshot(o) => o.status = None,
             Object::VirtualMachineSnapshot(o) => o.status = None,
             Object::VirtualMachineSnapshotGroup(o) => o.status = None,
+            Object::VirtualMachineSnapshotSchedule(o) => o.status = None,
             Object::VirtualImage(o) => o.status = None,
             Object::VirtualNetwork(o) => o.status = None,
         }
@@ -184,6 +193,21 @@ impl Object {
         let meta = self.metadata();
         if let Err(why) = check_dns_label(&meta.name) {
             return Err(err("metadata.name", why));
+        }
+        if meta.labels.len() > crate::meta::MAX_LABELS {
+            return Err(err(
+                "metadata.labels",
+                format!(
+                    "{} labels; at most {}",
+                    meta.labels.len(),
+                    crate::meta::MAX_LABELS
+                ),
+            ));
+        }
+        for (k, v) in &meta.labels {
+            crate::meta::check_label_key(k).map_err(|m| err("metadata.labels", m))?;
+            crate::meta::check_label_value(v)
+                .map_err(|m| err(&format!("metadata.labels.{k}"), m))?;
         }
         match self {
             Object::VirtualMachine(vm) => {
@@ -368,6 +392,15 @@ impl Object {
                     }
                 }
             }
+            Object::VirtualMachineSnapshotSchedule(sch) => {
+                check_header(
+                    &sch.api_version,
+                    &sch.kind,
+                    Kind::VirtualMachineSnapshotSchedule,
+                )
+                .map_err(|(f, m)| err(f, m))?;
+                check_schedule_spec(&sch.spec).map_err(|(f, m)| err(&f, m))?;
+            }
             Object::VirtualImage(image) => {
                 check_header(&image.api_version, &image.kind, Kind::VirtualImage)
                     .map_err(|(f, m)| err(f, m))?;
@@ -390,6 +423,77 @@ impl Object {
         }
         Ok(())
     }
+}
+
+fn check_schedule_spec(
+    spec: &crate::kinds::VirtualMachineSnapshotScheduleSpec,
+) -> Result<(), (String, String)> {
+    let f = |field: &str, m: String| (field.to_string(), m);
+    crate::cron::Schedule::parse(&spec.schedule).map_err(|e| f("spec.schedule", e.to_string()))?;
+    if let Some(tz) = &spec.time_zone {
+        crate::cron::parse_time_zone(tz).map_err(|e| f("spec.timeZone", e.to_string()))?;
+    }
+    match (&spec.selector, spec.virtual_machine_names.is_empty()) {
+        (Some(_), false) => {
+            return Err(f(
+                "spec.selector",
+                "give either virtualMachineNames or selector, not both".into(),
+            ));
+        }
+        (None, true) => {
+            return Err(f(
+                "spec.virtualMachineNames",
+                "must name at least one VirtualMachine (or give a selector)".into(),
+            ));
+        }
+        _ => {}
+    }
+    let mut seen = HashSet::new();
+    for (i, vm) in spec.virtual_machine_names.iter().enumerate() {
+        let field = format!("spec.virtualMachineNames[{i}]");
+        check_dns_label(vm).map_err(|m| (field.clone(), m))?;
+        if !seen.insert(vm.as_str()) {
+            return Err((field, format!("{vm:?} is named twice")));
+        }
+    }
+    if let Some(sel) = &spec.selector {
+        if sel.match_labels.is_empty() {
+            return Err(f(
+                "spec.selector.matchLabels",
+                "must hold at least one label (a schedule of every VM names them)".into(),
+            ));
+        }
+        for (k, v) in &sel.match_labels {
+            crate::meta::check_label_key(k).map_err(|m| f("spec.selector.matchLabels", m))?;
+            crate::meta::check_label_value(v)
+                .map_err(|m| (format!("spec.selector.matchLabels.{k}"), m))?;
+        }
+    }
+    if let Some(r) = &spec.retention {
+        if r.keep == Some(0) {
+            return Err(f(
+                "spec.retention.keep",
+                "0 would delete every snapshot as it is taken; at least 1".into(),
+            ));
+        }
+        if let Some(age) = &r.max_age {
+            crate::kinds::parse_age(age).map_err(|m| f("spec.retention.maxAge", m))?;
+        }
+    }
+    if spec.backup.is_some() {
+        return Err(f(
+            "spec.backup",
+            "backups from a schedule are not supported yet; remove `backup` (snapshots and their retention work)".into(),
+        ));
+    }
+    if spec.starting_deadline_seconds == Some(0) {
+        return Err(f(
+            "spec.startingDeadlineSeconds",
+            "0 would skip every run; at least 1, or leave it unset (a late run still runs once)"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 fn check_network_spec(spec: &VirtualNetworkSpec) -> Result<(), (&'static str, String)> {
@@ -1054,7 +1158,7 @@ pub fn object_from_value(mut value: Value, label: &str) -> Result<Object, FieldE
             return Err(fe(
                 label.into(),
                 "kind",
-                "is missing (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot, VirtualMachineSnapshotGroup)".into(),
+                "is missing (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualMachineSnapshotSchedule)".into(),
             ));
         }
     };
@@ -1066,7 +1170,7 @@ pub fn object_from_value(mut value: Value, label: &str) -> Result<Object, FieldE
                 label.into(),
                 "kind",
                 format!(
-                    "unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot, VirtualMachineSnapshotGroup)"
+                    "unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualMachineSnapshotSchedule)"
                 ),
             )
         })?;
@@ -1108,6 +1212,10 @@ pub fn object_from_value(mut value: Value, label: &str) -> Result<Object, FieldE
         Kind::VirtualMachineSnapshotGroup => typed(
             serde_path_to_error::deserialize::<_, VirtualMachineSnapshotGroup>(value)
                 .map(Object::VirtualMachineSnapshotGroup),
+        )?,
+        Kind::VirtualMachineSnapshotSchedule => typed(
+            serde_path_to_error::deserialize::<_, VirtualMachineSnapshotSchedule>(value)
+                .map(Object::VirtualMachineSnapshotSchedule),
         )?,
         Kind::VirtualImage => typed(
             serde_path_to_error::deserialize::<_, VirtualImage>(value).map(Object::VirtualImage),

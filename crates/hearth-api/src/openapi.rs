@@ -16,7 +16,7 @@ use utoipa::{PartialSchema, ToSchema};
 
 use crate::kinds::{
     Kind, VirtualDisk, VirtualDiskSnapshot, VirtualImage, VirtualMachine, VirtualMachineSnapshot,
-    VirtualMachineSnapshotGroup, VirtualNetwork,
+    VirtualMachineSnapshotGroup, VirtualMachineSnapshotSchedule, VirtualNetwork,
 };
 use crate::meta::API_VERSION;
 use crate::object::Object;
@@ -79,6 +79,7 @@ impl ToSchema for Object {
         add::<VirtualDiskSnapshot>(Kind::VirtualDiskSnapshot, schemas);
         add::<VirtualMachineSnapshot>(Kind::VirtualMachineSnapshot, schemas);
         add::<VirtualMachineSnapshotGroup>(Kind::VirtualMachineSnapshotGroup, schemas);
+        add::<VirtualMachineSnapshotSchedule>(Kind::VirtualMachineSnapshotSchedule, schemas);
         add::<VirtualImage>(Kind::VirtualImage, schemas);
         add::<VirtualNetwork>(Kind::VirtualNetwork, schemas);
         for (name, schema) in schemas.iter_mut() {

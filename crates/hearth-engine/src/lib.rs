@@ -3,7 +3,7 @@
 //!
 //! Layers, each calling only the ones below it: `engine` (commands, work
 //! queue) → `runner` (which reconciler runs a kind, backoff, requeues) → the
-//! reconcilers (`vm`, `disk`, `image`, `network`, `snapshot`), which see
+//! reconcilers (`vm`, `disk`, `image`, `network`, `snapshot`, `schedule`), which see
 //! only a `context::Context` → the context and the registries it holds (one
 //! leaf module per subsystem) → `store` and `hearth_qemu`.
 //!
@@ -34,6 +34,7 @@ pub(crate) mod metrics;
 pub mod network;
 pub(crate) mod runner;
 pub(crate) mod runtime;
+pub(crate) mod schedule;
 pub(crate) mod snapshot;
 pub mod store;
 pub(crate) mod vm;
@@ -49,7 +50,7 @@ pub use error::{
 };
 pub use guest::exec::MAX_WAIT as EXEC_MAX_WAIT;
 pub use guest::{Download, ExecStarted, ExecStatus, Upload, UploadDone};
-pub use manifest::git::repo::Auth as GitAuth;
+pub use manifest::git::repo::{Auth as GitAuth, Signers as GitSigners};
 pub use manifest::git::valid_name as valid_git_source_name;
 pub use manifest::{GitConfig, GitSource, GitSources, ManifestConfig, ManifestSource};
 pub use metrics::{ManifestMetrics, PREFIX as METRICS_PREFIX, Sample, encode as encode_metrics};

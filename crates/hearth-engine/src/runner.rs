@@ -43,6 +43,7 @@ boxed!(disk, crate::disk::reconcile);
 boxed!(disk_snapshot, crate::snapshot::reconcile_disk_snapshot);
 boxed!(vm_snapshot, crate::snapshot::reconcile_vm_snapshot);
 boxed!(group, crate::snapshot::reconcile_group);
+boxed!(schedule, crate::schedule::reconcile);
 boxed!(image, crate::image::reconcile);
 boxed!(network, crate::network::reconcile);
 
@@ -54,6 +55,7 @@ fn reconciler(kind: Kind) -> Reconciler {
         Kind::VirtualDiskSnapshot => (disk_snapshot, false),
         Kind::VirtualMachineSnapshot => (vm_snapshot, false),
         Kind::VirtualMachineSnapshotGroup => (group, false),
+        Kind::VirtualMachineSnapshotSchedule => (schedule, false),
         Kind::VirtualImage => (image, false),
         Kind::VirtualNetwork => (network, false),
     };

@@ -80,6 +80,11 @@ impl ApiClient {
         self.json(Method::POST, path, body, limit).await
     }
 
+    pub async fn patch(&self, path: &str, body: &Value) -> Result<Value, ApiError> {
+        self.json(Method::PATCH, path, Some(body), REQUEST_TIMEOUT)
+            .await
+    }
+
     pub async fn delete(&self, path: &str) -> Result<Value, ApiError> {
         self.json(Method::DELETE, path, None, REQUEST_TIMEOUT).await
     }

@@ -19,7 +19,7 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use crate::client::{ApiClient, DEFAULT_SOCKET};
 use crate::commands::{
     action, apply, completion, console, convert, cp, delete, describe, events, exec, export, get,
-    logs, manpages, restore, run, snapshot, sources, ssh, wait,
+    label, logs, manpages, restore, run, snapshot, sources, ssh, wait,
 };
 
 #[derive(Debug, Parser)]
@@ -69,6 +69,7 @@ enum Command {
     #[command(after_help = "Example:\n  hearth restart demo")]
     Restart(action::Args),
     Delete(delete::Args),
+    Label(label::Args),
     Logs(logs::Args),
     Console(console::Args),
     Events(events::Args),
@@ -95,6 +96,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Stop(a) => action::run(&client, action::Action::Stop, a).await,
         Command::Restart(a) => action::run(&client, action::Action::Restart, a).await,
         Command::Delete(a) => delete::run(&client, a).await,
+        Command::Label(a) => label::run(&client, a).await,
         Command::Logs(a) => logs::run(&client, a).await,
         Command::Console(a) => console::run(&client, a).await,
         Command::Events(a) => events::run(&client, a).await,

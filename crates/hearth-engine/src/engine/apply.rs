@@ -83,6 +83,12 @@ impl Engine {
             } else {
                 ApplyAction::Created
             };
+            // Labels and annotations alone: written, no new generation.
+            let relabeled = existing.as_ref().is_some_and(|e| {
+                let old = e.object.metadata();
+                let new = obj.metadata();
+                old.labels != new.labels || old.annotations != new.annotations
+            });
             let meta = obj.metadata_mut();
             match &existing {
                 Some(e) => {
@@ -109,19 +115,29 @@ impl Engine {
                         .map(|n| n.virtual_network_name.clone()),
                 );
             }
-            prepared.push((obj, action, old_owner));
+            prepared.push((obj, action, old_owner, relabeled));
         }
-        self.check_disk_exclusivity(prepared.iter().map(|(o, _, _)| o))?;
+        self.check_disk_exclusivity(prepared.iter().map(|(o, _, _, _)| o))?;
         let addresses = self.ctx.addresses.lock().unwrap_or_else(|p| p.into_inner());
-        self.check_networks(prepared.iter().map(|(o, _, _)| o))?;
+        self.check_networks(prepared.iter().map(|(o, _, _, _)| o))?;
 
         let to_write: Vec<Object> = prepared
             .iter()
-            .filter(|(_, a, old_owner)| *a != ApplyAction::Unchanged || old_owner.is_some())
-            .map(|(o, _, _)| o.clone())
+            .filter(|(_, a, old_owner, relabeled)| {
+                *a != ApplyAction::Unchanged || old_owner.is_some() || *relabeled
+            })
+            .map(|(o, _, _, _)| o.clone())
             .collect();
         let mut events: Vec<(Kind, &str, &'static str, String)> = Vec::new();
-        for (obj, action, old_owner) in &prepared {
+        for (obj, action, old_owner, relabeled) in &prepared {
+            if *action == ApplyAction::Unchanged && *relabeled {
+                events.push((
+                    obj.kind(),
+                    obj.name(),
+                    "Labeled",
+                    format!("labels or annotations set from {managed_by}; spec unchanged"),
+                ));
+            }
             if *action == ApplyAction::Unchanged
                 && let Some(old) = old_owner
             {
@@ -164,7 +180,7 @@ impl Engine {
         }
 
         let mut outcomes = Vec::new();
-        for (obj, action, _) in prepared {
+        for (obj, action, _, _) in prepared {
             self.wake(obj.kind(), obj.name());
             if let Object::VirtualMachine(vm) = &obj {
                 for d in &vm.spec.disks {
@@ -185,6 +201,52 @@ impl Engine {
             self.wake(Kind::VirtualNetwork, &n);
         }
         Ok(outcomes)
+    }
+
+    /// Sets (`Some`) or removes (`None`) labels of an object, keeping its
+    /// spec, generation and owner: how a user pins a snapshot a schedule
+    /// made (`hearth.dev/keep: "true"`). A source's objects take their
+    /// labels from the source.
+    pub fn relabel(
+        self: &Arc<Self>,
+        kind: Kind,
+        name: &str,
+        changes: &BTreeMap<String, Option<String>>,
+        by: &str,
+    ) -> Result<StoredObject, RequestError> {
+        let _w = self.writes.lock().unwrap_or_else(|p| p.into_inner());
+        let mut existing = self.get(kind, name)?;
+        check_owner(&existing, by)?;
+        let meta = existing.object.metadata_mut();
+        for (k, v) in changes {
+            match v {
+                Some(v) => meta.labels.insert(k.clone(), v.clone()),
+                None => meta.labels.remove(k),
+            };
+        }
+        existing.object.validate()?;
+        let text: Vec<String> = changes
+            .iter()
+            .map(|(k, v)| match v {
+                Some(v) => format!("{k}={v}"),
+                None => format!("{k}-"),
+            })
+            .collect();
+        let message = format!("labels {} by {by}", text.join(" "));
+        self.ctx.store.with_tx(|tx| {
+            Store::put_objects_tx(tx, std::slice::from_ref(&existing.object))?;
+            Store::record_event_tx(
+                tx,
+                Utc::now(),
+                kind,
+                name,
+                EventType::Normal,
+                "Labeled",
+                &message,
+            )
+        })?;
+        self.wake(kind, name);
+        Ok(existing)
     }
 
     /// Marks an object for deletion; its reconcile tears it down.
@@ -368,6 +430,7 @@ impl Engine {
             Object::VirtualDiskSnapshot(_)
             | Object::VirtualMachineSnapshot(_)
             | Object::VirtualMachineSnapshotGroup(_)
+            | Object::VirtualMachineSnapshotSchedule(_)
             | Object::VirtualNetwork(_) => {}
         }
         Ok(())

@@ -97,6 +97,16 @@ impl Actors {
 pub struct Pins(Mutex<HashMap<String, Arc<tokio::sync::RwLock<()>>>>);
 
 impl Pins {
+    /// Whether an export or a restore holds `snapshot`'s pin now (without
+    /// making an entry for it).
+    pub fn busy(&self, snapshot: &str) -> bool {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(snapshot)
+            .is_some_and(|pin| pin.try_write().is_err())
+    }
+
     pub fn of(&self, snapshot: &str) -> Arc<tokio::sync::RwLock<()>> {
         self.0
             .lock()

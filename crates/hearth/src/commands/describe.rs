@@ -128,6 +128,7 @@ pub fn render(
             Kind::VirtualDiskSnapshot
             | Kind::VirtualMachineSnapshot
             | Kind::VirtualMachineSnapshotGroup => SNAPSHOT_FIELD_ORDER,
+            Kind::VirtualMachineSnapshotSchedule => SCHEDULE_FIELD_ORDER,
         },
         now,
     };
@@ -421,6 +422,25 @@ const NETWORK_FIELD_ORDER: &[&str] = &[
 
 /// The same for both snapshot kinds: what was asked, then what happened,
 /// then why.
+const SCHEDULE_FIELD_ORDER: &[&str] = &[
+    "schedule",
+    "timeZone",
+    "virtualMachineNames",
+    "selector",
+    "virtualMachineSnapshotGroupTemplate",
+    "requiredConsistency",
+    "retention",
+    "startingDeadlineSeconds",
+    "suspend",
+    "lastRunTime",
+    "lastResult",
+    "nextRunTime",
+    "lastScheduleTime",
+    "snapshots",
+    "active",
+    "message",
+];
+
 const SNAPSHOT_FIELD_ORDER: &[&str] = &[
     "virtualDiskName",
     "virtualMachineName",

@@ -251,7 +251,70 @@ pub fn table_for(kind: Kind, items: &[Value], now: DateTime<Utc>, wide: bool) ->
         Kind::VirtualDiskSnapshot
         | Kind::VirtualMachineSnapshot
         | Kind::VirtualMachineSnapshotGroup => snapshot_table(kind, items, now, wide),
+        Kind::VirtualMachineSnapshotSchedule => schedule_table(items, now, wide),
     }
+}
+
+/// `NAME SCHEDULE VMS LAST-RUN RESULT NEXT-RUN SNAPSHOTS AGE`; wide adds
+/// KEEP MAX-AGE SUSPEND MESSAGE.
+pub fn schedule_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
+    let mut header = vec![
+        "NAME",
+        "SCHEDULE",
+        "VMS",
+        "LAST-RUN",
+        "RESULT",
+        "NEXT-RUN",
+        "SNAPSHOTS",
+    ];
+    if wide {
+        header.extend(["KEEP", "MAX-AGE", "SUSPEND", "MESSAGE"]);
+    }
+    header.push("AGE");
+    let mut table = Table::new(&header);
+    for s in items {
+        let mut schedule = cell(at(s, &["spec", "schedule"]));
+        if let Some(tz) = at(s, &["spec", "timeZone"]).and_then(Value::as_str) {
+            schedule = format!("{schedule} ({tz})");
+        }
+        let vms = match at(s, &["spec", "selector", "matchLabels"]).and_then(Value::as_object) {
+            Some(m) => m
+                .iter()
+                .map(|(k, v)| format!("{k}={}", v.as_str().unwrap_or("")))
+                .collect::<Vec<_>>()
+                .join(","),
+            None => at(s, &["spec", "virtualMachineNames"])
+                .and_then(Value::as_array)
+                .map(|a| {
+                    a.iter()
+                        .filter_map(Value::as_str)
+                        .collect::<Vec<_>>()
+                        .join(",")
+                })
+                .unwrap_or_else(|| "-".into()),
+        };
+        let group = at(s, &["spec", "virtualMachineSnapshotGroupTemplate"]).is_some();
+        let mut row = vec![
+            cell(at(s, &["metadata", "name"])),
+            schedule,
+            if group { format!("{vms} (group)") } else { vms },
+            cell(at(s, &["status", "lastRunTime"])),
+            cell(at(s, &["status", "lastResult"])),
+            cell(at(s, &["status", "nextRunTime"])),
+            cell(at(s, &["status", "snapshots"])),
+        ];
+        if wide {
+            row.extend([
+                cell(at(s, &["spec", "retention", "keep"])),
+                cell(at(s, &["spec", "retention", "maxAge"])),
+                cell(at(s, &["spec", "suspend"])),
+                cell(at(s, &["status", "message"])),
+            ]);
+        }
+        row.push(age_of(s, now));
+        table.push(row);
+    }
+    table
 }
 
 /// `NAME PHASE IP ACCEL AGENT PID AGE`; wide adds CPUS MEMORY POLICY FIRMWARE
@@ -883,6 +946,23 @@ new                    data      -        -            -                      - 
             "\
 NAME   VMS      PHASE   CONSISTENT   CUT-TIME               FREEZE-MS   SIZE    AGE
 pair   app,db   Ready   true         2025-01-01T08:00:02Z   268         2.1Mi   4h
+"
+        );
+    }
+
+    #[test]
+    fn schedule_table_shows_the_calendar_the_vms_and_the_last_run() {
+        let items = [json!({
+            "metadata": {"name": "nightly", "creationTimestamp": "2025-01-01T08:00:00Z"},
+            "spec": {"schedule": "30 2 * * *", "timeZone": "Europe/Berlin",
+                     "virtualMachineNames": ["app", "db"], "retention": {"keep": 7}},
+            "status": {"lastRunTime": "2025-01-01T01:30:00Z", "lastResult": "Succeeded",
+                       "nextRunTime": "2025-01-02T01:30:00Z", "snapshots": 2}})];
+        assert_eq!(
+            table_for(Kind::VirtualMachineSnapshotSchedule, &items, now(), false).render(),
+            "\
+NAME      SCHEDULE                     VMS      LAST-RUN               RESULT      NEXT-RUN               SNAPSHOTS   AGE
+nightly   30 2 * * * (Europe/Berlin)   app,db   2025-01-01T01:30:00Z   Succeeded   2025-01-02T01:30:00Z   2           4h
 "
         );
     }

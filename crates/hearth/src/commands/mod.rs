@@ -13,6 +13,7 @@ pub mod events;
 pub mod exec;
 pub mod export;
 pub mod get;
+pub mod label;
 pub mod logs;
 pub mod manpages;
 pub mod restore;
@@ -30,10 +31,10 @@ use hearth_api::{Kind, check_dns_label};
 pub fn parse_kind(s: &str) -> Result<Kind, String> {
     Kind::from_user(s).ok_or_else(|| {
         format!(
-            "unknown kind {s:?} (use vm, disk, image, network, snapshot, vmsnapshot or \
-             vmsnapshotgroup; VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, \
-             VirtualDiskSnapshot, VirtualMachineSnapshot and VirtualMachineSnapshotGroup \
-             work too)"
+            "unknown kind {s:?} (use vm, disk, image, network, snapshot, vmsnapshot, \
+             vmsnapshotgroup or schedule; VirtualMachine, VirtualDisk, VirtualImage, \
+             VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot, \
+             VirtualMachineSnapshotGroup and VirtualMachineSnapshotSchedule work too)"
         )
     })
 }
@@ -57,6 +58,7 @@ pub fn short_ref(kind: Kind, name: &str) -> String {
         Kind::VirtualDiskSnapshot => "snapshot",
         Kind::VirtualMachineSnapshot => "vmsnapshot",
         Kind::VirtualMachineSnapshotGroup => "vmsnapshotgroup",
+        Kind::VirtualMachineSnapshotSchedule => "schedule",
         Kind::VirtualImage => "image",
         Kind::VirtualNetwork => "network",
     };

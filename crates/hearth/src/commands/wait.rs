@@ -109,7 +109,13 @@ pub fn check_condition(kind: Kind, cond: WaitFor) -> Result<WaitFor, String> {
         Kind::VirtualDiskSnapshot
         | Kind::VirtualMachineSnapshot
         | Kind::VirtualMachineSnapshotGroup => &SNAPSHOT_PHASES,
+        Kind::VirtualMachineSnapshotSchedule => &[],
     };
+    if phases.is_empty() && matches!(cond, WaitFor::Phase(_)) {
+        return Err(format!(
+            "{kind} has no phase to wait for (its status says the last run and the next); --for delete works"
+        ));
+    }
     match cond {
         WaitFor::Phase(p) => phases
             .iter()

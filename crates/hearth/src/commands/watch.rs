@@ -238,6 +238,15 @@ pub fn judge_settled(kind: Kind, configured: bool, obs: &Observation) -> Verdict
             Some("Terminating") => Verdict::Failed("it is being deleted".to_string()),
             _ => Verdict::Waiting,
         },
+        // Settled once hearthd has read it (its runs come on the calendar).
+        Kind::VirtualMachineSnapshotSchedule => {
+            let generation = u64_at(obj, &["metadata", "generation"]);
+            let observed = u64_at(obj, &["status", "observedGeneration"]);
+            match (generation, observed) {
+                (Some(g), Some(o)) if o >= g => Verdict::Met,
+                _ => Verdict::Waiting,
+            }
+        }
         Kind::VirtualMachine => {
             // hearthd records the generation it acted on when the VM runs or
             // stays stopped; before that, the phase may be the old spec's.

@@ -56,7 +56,10 @@ fn routes() -> Router<Arc<Engine>> {
         .route("/v1/sources/{name}/refresh", post(sources::refresh))
         .route("/v1/watch", get(watch::watch))
         .route("/v1/{plural}", get(watch::list_or_watch))
-        .route("/v1/{plural}/{name}", get(get_one).delete(delete))
+        .route(
+            "/v1/{plural}/{name}",
+            get(get_one).delete(delete).patch(patch_labels),
+        )
         .route(
             "/v1/virtualdisksnapshots/{name}/export",
             get(export::export),
@@ -198,6 +201,30 @@ async fn get_one(
 ) -> Result<Json<Value>, ApiError> {
     let kind = kind_of(&plural)?;
     Ok(Json(shown(&engine.get(kind, &name)?)))
+}
+
+/// `PATCH /v1/{plural}/{name}`'s body: a merge patch of the labels only
+/// (`null` removes a label).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LabelPatch {
+    metadata: LabelPatchMeta,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LabelPatchMeta {
+    labels: std::collections::BTreeMap<String, Option<String>>,
+}
+
+async fn patch_labels(
+    State(engine): State<Arc<Engine>>,
+    ApiPath((plural, name)): ApiPath<(String, String)>,
+    JsonBody(patch): JsonBody<LabelPatch>,
+) -> Result<Json<Value>, ApiError> {
+    let kind = kind_of(&plural)?;
+    let stored = engine.relabel(kind, &name, &patch.metadata.labels, API_OWNER)?;
+    Ok(Json(shown(&stored)))
 }
 
 /// `POST /v1/apply`'s body: nothing but the objects.

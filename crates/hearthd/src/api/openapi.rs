@@ -55,6 +55,7 @@ pub async fn serve() -> Response {
         metrics,
         list,
         get_one,
+        patch_labels,
         delete,
         console,
         console_attach,
@@ -81,6 +82,8 @@ pub async fn serve() -> Response {
         Health,
         ObjectList,
         ApplyRequest,
+        LabelPatch,
+        LabelPatchMeta,
         ApplyResults,
         ApplyResult,
         ApplyAction,
@@ -168,6 +171,20 @@ mod envelopes {
     pub enum Accelerator {
         Kvm,
         Tcg,
+    }
+
+    /// A merge patch of an object's labels, and nothing else.
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct LabelPatch {
+        pub metadata: LabelPatchMeta,
+    }
+
+    #[derive(Serialize, ToSchema)]
+    #[serde(deny_unknown_fields)]
+    pub struct LabelPatchMeta {
+        /// A value sets the label; `null` removes it.
+        pub labels: std::collections::BTreeMap<String, Option<String>>,
     }
 
     /// A list of objects of one kind, with their status.
@@ -386,6 +403,20 @@ fn list() {}
     ))]
 #[allow(dead_code)]
 fn get_one() {}
+
+#[utoipa::path(patch, path = "/v1/{plural}/{name}", tag = "objects",
+    summary = "Set or remove labels",
+    description = "Changes only `metadata.labels` (a value sets a label, `null` removes it); the spec, generation and owner stay. How a snapshot a schedule made is pinned: `{\"metadata\": {\"labels\": {\"hearth.dev/keep\": \"true\"}}}`. Refused for an object a manifest file or a git source owns.",
+    params(("plural" = Plural, Path), ("name" = String, Path)),
+    request_body = LabelPatch,
+    responses(
+        (status = 200, description = "The object, relabeled", body = AnyObject),
+        (status = 400, description = "A label key or value that is not valid", body = ErrorAnswer),
+        (status = 404, description = "No such object", body = ErrorAnswer),
+        (status = 409, description = "Owned by a source", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn patch_labels() {}
 
 #[utoipa::path(delete, path = "/v1/{plural}/{name}", tag = "objects",
     summary = "Delete an object",
