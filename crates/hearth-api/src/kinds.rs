@@ -19,6 +19,7 @@ pub enum Kind {
     VirtualMachineSnapshot,
     VirtualMachineSnapshotGroup,
     VirtualMachineSnapshotSchedule,
+    VirtualMachineBackup,
     VirtualImage,
     VirtualNetwork,
 }
@@ -26,7 +27,7 @@ pub enum Kind {
 impl Kind {
     /// In reconcile order at start-up: images before the disks made from
     /// them, networks before the VMs attached to them.
-    pub const ALL: [Kind; 8] = [
+    pub const ALL: [Kind; 9] = [
         Kind::VirtualImage,
         Kind::VirtualNetwork,
         Kind::VirtualMachine,
@@ -35,6 +36,7 @@ impl Kind {
         Kind::VirtualMachineSnapshot,
         Kind::VirtualMachineSnapshotGroup,
         Kind::VirtualMachineSnapshotSchedule,
+        Kind::VirtualMachineBackup,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -45,6 +47,7 @@ impl Kind {
             Kind::VirtualMachineSnapshot => "VirtualMachineSnapshot",
             Kind::VirtualMachineSnapshotGroup => "VirtualMachineSnapshotGroup",
             Kind::VirtualMachineSnapshotSchedule => "VirtualMachineSnapshotSchedule",
+            Kind::VirtualMachineBackup => "VirtualMachineBackup",
             Kind::VirtualImage => "VirtualImage",
             Kind::VirtualNetwork => "VirtualNetwork",
         }
@@ -59,6 +62,7 @@ impl Kind {
             Kind::VirtualMachineSnapshot => "virtualmachinesnapshots",
             Kind::VirtualMachineSnapshotGroup => "virtualmachinesnapshotgroups",
             Kind::VirtualMachineSnapshotSchedule => "virtualmachinesnapshotschedules",
+            Kind::VirtualMachineBackup => "virtualmachinebackups",
             Kind::VirtualImage => "virtualimages",
             Kind::VirtualNetwork => "virtualnetworks",
         }
@@ -80,6 +84,9 @@ impl Kind {
             | Kind::VirtualMachineSnapshotGroup => Some(
                 "a snapshot's spec cannot change after it is created; take a new snapshot instead",
             ),
+            Kind::VirtualMachineBackup => {
+                Some("a backup's spec cannot change after it is created; make a new backup instead")
+            }
             Kind::VirtualImage => Some(
                 "an image's source cannot change after it is created; create a new VirtualImage (disks made from this one keep using it)",
             ),
@@ -119,6 +126,12 @@ impl Kind {
             | "snapshotschedules"
             | "virtualmachinesnapshotschedule"
             | "virtualmachinesnapshotschedules" => Some(Kind::VirtualMachineSnapshotSchedule),
+            "backup"
+            | "backups"
+            | "vmbackup"
+            | "vmbackups"
+            | "virtualmachinebackup"
+            | "virtualmachinebackups" => Some(Kind::VirtualMachineBackup),
             "image" | "images" | "vi" | "virtualimage" | "virtualimages" => {
                 Some(Kind::VirtualImage)
             }
@@ -1130,12 +1143,126 @@ pub struct ScheduleStatus {
     pub conditions: Vec<Condition>,
 }
 
+// ---------------------------------------------------------- VirtualMachineBackup
+
+/// A backup of every disk of a VM into a directory: a consistent cut, read
+/// from the cut's own layers, written as qcow2 files (the first full, the
+/// next ones holding only what changed since the previous backup's cut,
+/// each backed by the one before) and a manifest (docs/backup.md).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachineBackup {
+    pub api_version: String,
+    pub kind: String,
+    pub metadata: ObjectMeta,
+    pub spec: VirtualMachineBackupSpec,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<BackupStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct VirtualMachineBackupSpec {
+    pub virtual_machine_name: String,
+    /// The target directory (absolute; made when missing). One VM per
+    /// directory: its manifest names the VM.
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
+    pub to: PathBuf,
+    #[serde(default)]
+    pub mode: BackupMode,
+    #[serde(default = "default_true")]
+    pub required_consistency: bool,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub enum BackupMode {
+    /// Incremental when the previous backup's cut can be trusted, else full
+    /// (`status.reasonFull` says why).
+    #[default]
+    Auto,
+    Full,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub enum BackupPhase {
+    #[default]
+    Pending,
+    InProgress,
+    Ready,
+    Failed,
+    Terminating,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub enum BackupKind {
+    Full,
+    Incremental,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct BackupStatus {
+    pub phase: BackupPhase,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<BackupKind>,
+    /// Its place in the target's chain (1 for the first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub point: Option<u32>,
+    /// The backup an incremental one is over.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
+    /// Why this backup is full although an incremental was possible to ask.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason_full: Option<String>,
+    /// The VM snapshot of its cut (kept until the next backup is done: the
+    /// next incremental starts from it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut_time: Option<DateTime<Utc>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_read: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_written: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub files: Vec<BackupFile>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+/// One disk's file of a backup point.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct BackupFile {
+    pub disk: String,
+    /// Relative to the target directory.
+    pub file: String,
+    pub sha256: String,
+    /// The file's length.
+    pub size: u64,
+    /// The disk's size as the guest sees it.
+    pub virtual_size: u64,
+}
+
 /// Labels hearth itself reads.
 pub mod labels {
     /// On a snapshot (or group) a schedule made: the schedule's name.
     pub const SCHEDULE: &str = "hearth.dev/schedule";
     /// `"true"` on a snapshot: no retention ever deletes it.
     pub const KEEP: &str = "hearth.dev/keep";
+    /// On a backup's checkpoint snapshot: the backup's name.
+    pub const BACKUP: &str = "hearth.dev/backup";
 }
 
 /// Annotations hearth itself writes.

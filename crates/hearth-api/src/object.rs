@@ -11,8 +11,9 @@ use crate::kinds::{
     CloudInit, DiskSource, ImageSource, Kind, MAX_CLOUD_INIT_TEXT, MAX_DISK_BYTES, MAX_DISK_FILES,
     MAX_FREEZE_DEADLINE_SECONDS, MAX_INTERFACES, MIN_DISK_BYTES, MIN_FREEZE_DEADLINE_SECONDS,
     NetworkInterface, NetworkMode, OciSource, VirtualDisk, VirtualDiskSnapshot, VirtualDiskSpec,
-    VirtualImage, VirtualMachine, VirtualMachineSnapshot, VirtualMachineSnapshotGroup,
-    VirtualMachineSnapshotSchedule, VirtualNetwork, VirtualNetworkSpec,
+    VirtualImage, VirtualMachine, VirtualMachineBackup, VirtualMachineSnapshot,
+    VirtualMachineSnapshotGroup, VirtualMachineSnapshotSchedule, VirtualNetwork,
+    VirtualNetworkSpec,
 };
 use crate::limits::{self, LimitError, MAX_APPLY_OBJECTS};
 use crate::meta::API_VERSION;
@@ -29,6 +30,7 @@ pub enum Object {
     VirtualMachineSnapshot(VirtualMachineSnapshot),
     VirtualMachineSnapshotGroup(VirtualMachineSnapshotGroup),
     VirtualMachineSnapshotSchedule(VirtualMachineSnapshotSchedule),
+    VirtualMachineBackup(VirtualMachineBackup),
     VirtualImage(VirtualImage),
     VirtualNetwork(VirtualNetwork),
 }
@@ -56,6 +58,9 @@ impl<'de> Deserialize<'de> for Object {
             }
             Kind::VirtualMachineSnapshotSchedule => {
                 serde_json::from_value(value).map(Object::VirtualMachineSnapshotSchedule)
+            }
+            Kind::VirtualMachineBackup => {
+                serde_json::from_value(value).map(Object::VirtualMachineBackup)
             }
             Kind::VirtualImage => serde_json::from_value(value).map(Object::VirtualImage),
             Kind::VirtualNetwork => serde_json::from_value(value).map(Object::VirtualNetwork),
@@ -110,6 +115,7 @@ impl Object {
             Object::VirtualMachineSnapshot(_) => Kind::VirtualMachineSnapshot,
             Object::VirtualMachineSnapshotGroup(_) => Kind::VirtualMachineSnapshotGroup,
             Object::VirtualMachineSnapshotSchedule(_) => Kind::VirtualMachineSnapshotSchedule,
+            Object::VirtualMachineBackup(_) => Kind::VirtualMachineBackup,
             Object::VirtualImage(_) => Kind::VirtualImage,
             Object::VirtualNetwork(_) => Kind::VirtualNetwork,
         }
@@ -127,6 +133,7 @@ impl Object {
             Object::VirtualMachineSnapshot(o) => &o.metadata,
             Object::VirtualMachineSnapshotGroup(o) => &o.metadata,
             Object::VirtualMachineSnapshotSchedule(o) => &o.metadata,
+            Object::VirtualMachineBackup(o) => &o.metadata,
             Object::VirtualImage(o) => &o.metadata,
             Object::VirtualNetwork(o) => &o.metadata,
         }
@@ -140,6 +147,7 @@ impl Object {
             Object::VirtualMachineSnapshot(o) => &mut o.metadata,
             Object::VirtualMachineSnapshotGroup(o) => &mut o.metadata,
             Object::VirtualMachineSnapshotSchedule(o) => &mut o.metadata,
+            Object::VirtualMachineBackup(o) => &mut o.metadata,
             Object::VirtualImage(o) => &mut o.metadata,
             Object::VirtualNetwork(o) => &mut o.metadata,
         }
@@ -159,6 +167,7 @@ impl Object {
             Object::VirtualMachineSnapshot(o) => serde_json::to_value(&o.spec),
             Object::VirtualMachineSnapshotGroup(o) => serde_json::to_value(&o.spec),
             Object::VirtualMachineSnapshotSchedule(o) => serde_json::to_value(&o.spec),
+            Object::VirtualMachineBackup(o) => serde_json::to_value(&o.spec),
             Object::VirtualImage(o) => serde_json::to_value(&o.spec),
             Object::VirtualNetwork(o) => serde_json::to_value(&o.spec),
         }
@@ -174,6 +183,7 @@ impl Object {
             Object::VirtualMachineSnapshot(o) => o.status = None,
             Object::VirtualMachineSnapshotGroup(o) => o.status = None,
             Object::VirtualMachineSnapshotSchedule(o) => o.status = None,
+            Object::VirtualMachineBackup(o) => o.status = None,
             Object::VirtualImage(o) => o.status = None,
             Object::VirtualNetwork(o) => o.status = None,
         }
@@ -400,6 +410,13 @@ impl Object {
                 )
                 .map_err(|(f, m)| err(f, m))?;
                 check_schedule_spec(&sch.spec).map_err(|(f, m)| err(&f, m))?;
+            }
+            Object::VirtualMachineBackup(b) => {
+                check_header(&b.api_version, &b.kind, Kind::VirtualMachineBackup)
+                    .map_err(|(f, m)| err(f, m))?;
+                check_dns_label(&b.spec.virtual_machine_name)
+                    .map_err(|m| err("spec.virtualMachineName", m))?;
+                check_host_path(&b.spec.to).map_err(|m| err("spec.to", m))?;
             }
             Object::VirtualImage(image) => {
                 check_header(&image.api_version, &image.kind, Kind::VirtualImage)
@@ -1158,7 +1175,7 @@ pub fn object_from_value(mut value: Value, label: &str) -> Result<Object, FieldE
             return Err(fe(
                 label.into(),
                 "kind",
-                "is missing (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualMachineSnapshotSchedule)".into(),
+                "is missing (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualMachineSnapshotSchedule, VirtualMachineBackup)".into(),
             ));
         }
     };
@@ -1170,7 +1187,7 @@ pub fn object_from_value(mut value: Value, label: &str) -> Result<Object, FieldE
                 label.into(),
                 "kind",
                 format!(
-                    "unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualMachineSnapshotSchedule)"
+                    "unknown kind {kind_text:?} (one of: VirtualMachine, VirtualDisk, VirtualImage, VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualMachineSnapshotSchedule, VirtualMachineBackup)"
                 ),
             )
         })?;
@@ -1216,6 +1233,10 @@ pub fn object_from_value(mut value: Value, label: &str) -> Result<Object, FieldE
         Kind::VirtualMachineSnapshotSchedule => typed(
             serde_path_to_error::deserialize::<_, VirtualMachineSnapshotSchedule>(value)
                 .map(Object::VirtualMachineSnapshotSchedule),
+        )?,
+        Kind::VirtualMachineBackup => typed(
+            serde_path_to_error::deserialize::<_, VirtualMachineBackup>(value)
+                .map(Object::VirtualMachineBackup),
         )?,
         Kind::VirtualImage => typed(
             serde_path_to_error::deserialize::<_, VirtualImage>(value).map(Object::VirtualImage),

@@ -15,8 +15,9 @@ use utoipa::openapi::schema::{
 use utoipa::{PartialSchema, ToSchema};
 
 use crate::kinds::{
-    Kind, VirtualDisk, VirtualDiskSnapshot, VirtualImage, VirtualMachine, VirtualMachineSnapshot,
-    VirtualMachineSnapshotGroup, VirtualMachineSnapshotSchedule, VirtualNetwork,
+    Kind, VirtualDisk, VirtualDiskSnapshot, VirtualImage, VirtualMachine, VirtualMachineBackup,
+    VirtualMachineSnapshot, VirtualMachineSnapshotGroup, VirtualMachineSnapshotSchedule,
+    VirtualNetwork,
 };
 use crate::meta::API_VERSION;
 use crate::object::Object;
@@ -80,6 +81,7 @@ impl ToSchema for Object {
         add::<VirtualMachineSnapshot>(Kind::VirtualMachineSnapshot, schemas);
         add::<VirtualMachineSnapshotGroup>(Kind::VirtualMachineSnapshotGroup, schemas);
         add::<VirtualMachineSnapshotSchedule>(Kind::VirtualMachineSnapshotSchedule, schemas);
+        add::<VirtualMachineBackup>(Kind::VirtualMachineBackup, schemas);
         add::<VirtualImage>(Kind::VirtualImage, schemas);
         add::<VirtualNetwork>(Kind::VirtualNetwork, schemas);
         for (name, schema) in schemas.iter_mut() {

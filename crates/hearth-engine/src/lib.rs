@@ -22,6 +22,7 @@
 //!   host-network tests drive `network::host` (links, dnsmasq, cleanup) and
 //!   the admission tests `plan_leases` and `names`.
 
+pub(crate) mod backup;
 pub mod config;
 pub(crate) mod context;
 pub(crate) mod disk;

@@ -44,6 +44,7 @@ boxed!(disk_snapshot, crate::snapshot::reconcile_disk_snapshot);
 boxed!(vm_snapshot, crate::snapshot::reconcile_vm_snapshot);
 boxed!(group, crate::snapshot::reconcile_group);
 boxed!(schedule, crate::schedule::reconcile);
+boxed!(backup, crate::backup::reconcile);
 boxed!(image, crate::image::reconcile);
 boxed!(network, crate::network::reconcile);
 
@@ -56,6 +57,7 @@ fn reconciler(kind: Kind) -> Reconciler {
         Kind::VirtualMachineSnapshot => (vm_snapshot, false),
         Kind::VirtualMachineSnapshotGroup => (group, false),
         Kind::VirtualMachineSnapshotSchedule => (schedule, false),
+        Kind::VirtualMachineBackup => (backup, false),
         Kind::VirtualImage => (image, false),
         Kind::VirtualNetwork => (network, false),
     };

@@ -584,6 +584,71 @@ pub async fn set_backing(
         .await
 }
 
+/// One extent of `qemu-img map`: where the guest's bytes
+/// `start..start+length` come from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Extent {
+    pub start: u64,
+    pub length: u64,
+    /// The layer the bytes are in: 0 the image itself, 1 its backing file,
+    /// and so on; for bytes no layer holds, the depth the search ended at.
+    pub depth: u32,
+    /// Some layer holds these bytes (data or zeroes).
+    pub present: bool,
+    pub zero: bool,
+    pub data: bool,
+}
+
+/// `qemu-img map --output=json` of `path` and its backing chain (opened
+/// shared: the chain may be a running VM's).
+pub async fn map(path: &Path, timeout: std::time::Duration) -> Result<Vec<Extent>, ImgError> {
+    let img = QemuImg::locate()?.with_timeout(timeout);
+    check_absolute(path)?;
+    let args: Vec<OsString> = vec![
+        "map".into(),
+        "--output=json".into(),
+        "-U".into(),
+        path.into(),
+    ];
+    let out = img.run("map", path, args).await?;
+    parse_map(path, &out)
+}
+
+fn parse_map(path: &Path, out: &[u8]) -> Result<Vec<Extent>, ImgError> {
+    let bad = |reason: String| ImgError::BadOutput {
+        path: path.to_owned(),
+        reason,
+    };
+    let value: Value = serde_json::from_slice(out).map_err(|e| bad(e.to_string()))?;
+    let items = value
+        .as_array()
+        .ok_or_else(|| bad("map output is not an array".into()))?;
+    items
+        .iter()
+        .map(|v| {
+            let n = |k: &str| {
+                v.get(k)
+                    .and_then(Value::as_u64)
+                    .ok_or_else(|| bad(format!("map entry without {k}: {v}")))
+            };
+            let b = |k: &str| v.get(k).and_then(Value::as_bool).unwrap_or(false);
+            Ok(Extent {
+                start: n("start")?,
+                length: n("length")?,
+                depth: n("depth")? as u32,
+                // Before QEMU 8.2 there is no "present": data or zero from
+                // some layer is present.
+                present: v
+                    .get("present")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(b("data") || b("zero")),
+                zero: b("zero"),
+                data: b("data"),
+            })
+        })
+        .collect()
+}
+
 /// [`QemuImg::repair_leaks`] with `qemu-img` from `PATH`.
 pub async fn repair_leaks(path: &Path) -> Result<(), ImgError> {
     QemuImg::locate()?.repair_leaks(path).await

@@ -101,15 +101,34 @@ impl std::fmt::Debug for FuseExport {
 /// drivers, exported writable at `mountpoint`. Paths go in as they are:
 /// the caller's, absolute, without `,` (QEMU's option separator).
 pub fn args(image: &Path, mountpoint: &Path) -> Vec<OsString> {
-    let mut file = OsString::from("driver=file,node-name=f,filename=");
+    args_with(image, mountpoint, Access::ReadWrite)
+}
+
+/// Whether the export may be written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Access {
+    ReadWrite,
+    /// The image (and its backing chain) opened read-only: a layer below a
+    /// running VM's head can be read while QEMU holds it.
+    ReadOnly,
+}
+
+fn args_with(image: &Path, mountpoint: &Path, access: Access) -> Vec<OsString> {
+    let (ro, writable) = match access {
+        Access::ReadWrite => ("off", "on"),
+        Access::ReadOnly => ("on", "off"),
+    };
+    let mut file = OsString::from(format!("driver=file,node-name=f,read-only={ro},filename="));
     file.push(image);
-    let mut export = OsString::from("type=fuse,id=e,node-name=q,writable=on,mountpoint=");
+    let mut export = OsString::from(format!(
+        "type=fuse,id=e,node-name=q,writable={writable},mountpoint="
+    ));
     export.push(mountpoint);
     vec![
         "--blockdev".into(),
         file,
         "--blockdev".into(),
-        "driver=qcow2,node-name=q,file=f".into(),
+        format!("driver=qcow2,node-name=q,file=f,read-only={ro}").into(),
         "--export".into(),
         export,
     ]
@@ -134,6 +153,17 @@ impl FuseExport {
         mountpoint: &Path,
         log: &Path,
         timeout: Duration,
+    ) -> Result<FuseExport, DaemonError> {
+        Self::start_with(image, mountpoint, log, timeout, Access::ReadWrite).await
+    }
+
+    /// [`FuseExport::start`] with the access asked for.
+    pub async fn start_with(
+        image: &Path,
+        mountpoint: &Path,
+        log: &Path,
+        timeout: Duration,
+        access: Access,
     ) -> Result<FuseExport, DaemonError> {
         for p in [image, mountpoint] {
             if !plain_option_path(p) {
@@ -176,7 +206,7 @@ impl FuseExport {
         let err = out.try_clone().map_err(io("opening", log))?;
         let mut command = std::process::Command::new(&binary);
         command
-            .args(args(image, mountpoint))
+            .args(args_with(image, mountpoint, access))
             .stdin(Stdio::null())
             .stdout(Stdio::from(out))
             .stderr(Stdio::from(err));
@@ -500,12 +530,30 @@ mod tests {
             a,
             [
                 "--blockdev",
-                "driver=file,node-name=f,filename=/l/1.qcow2",
+                "driver=file,node-name=f,read-only=off,filename=/l/1.qcow2",
                 "--blockdev",
-                "driver=qcow2,node-name=q,file=f",
+                "driver=qcow2,node-name=q,file=f,read-only=off",
                 "--export",
                 "type=fuse,id=e,node-name=q,writable=on,mountpoint=/p/disk",
             ]
+        );
+        let ro = args_with(
+            Path::new("/l/1.qcow2"),
+            Path::new("/p/disk"),
+            Access::ReadOnly,
+        );
+        let ro: Vec<String> = ro
+            .iter()
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(
+            ro[1],
+            "driver=file,node-name=f,read-only=on,filename=/l/1.qcow2"
+        );
+        assert_eq!(ro[3], "driver=qcow2,node-name=q,file=f,read-only=on");
+        assert_eq!(
+            ro[5],
+            "type=fuse,id=e,node-name=q,writable=off,mountpoint=/p/disk"
         );
         assert!(!plain_option_path(Path::new("/a,b")));
         assert!(!plain_option_path(Path::new("rel")));

@@ -18,8 +18,8 @@ use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 
 use crate::client::{ApiClient, DEFAULT_SOCKET};
 use crate::commands::{
-    action, apply, completion, console, convert, cp, delete, describe, events, exec, export, get,
-    label, logs, manpages, restore, run, snapshot, sources, ssh, wait,
+    action, apply, backup, completion, console, convert, cp, delete, describe, events, exec,
+    export, get, label, logs, manpages, restore, run, snapshot, sources, ssh, wait,
 };
 
 #[derive(Debug, Parser)]
@@ -75,6 +75,7 @@ enum Command {
     Events(events::Args),
     Wait(wait::Args),
     Snapshot(snapshot::Args),
+    Backup(backup::Args),
     Restore(restore::Args),
     Ssh(ssh::Args),
     Exec(exec::Args),
@@ -102,6 +103,7 @@ async fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Events(a) => events::run(&client, a).await,
         Command::Wait(a) => wait::run(&client, a).await,
         Command::Snapshot(a) => snapshot::run(&client, a).await,
+        Command::Backup(a) => backup::run(&client, a).await,
         Command::Restore(a) => restore::run(&client, a).await,
         Command::Ssh(a) => ssh::run(&client, a).await,
         Command::Exec(a) => exec::run(&client, a).await,

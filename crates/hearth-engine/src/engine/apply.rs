@@ -432,6 +432,36 @@ impl Engine {
             | Object::VirtualMachineSnapshotGroup(_)
             | Object::VirtualMachineSnapshotSchedule(_)
             | Object::VirtualNetwork(_) => {}
+            Object::VirtualMachineBackup(b) => {
+                let fail = |field: &str, message: String| {
+                    RequestError::Invalid(FieldError {
+                        object: obj.display_name(),
+                        field: field.into(),
+                        message,
+                    })
+                };
+                // Never into hearthd's own state, and only where a parent
+                // exists (a typo does not make a tree of directories).
+                let state = &self.ctx.config.state_dir;
+                if b.spec.to.starts_with(state) || state.starts_with(&b.spec.to) {
+                    return Err(fail(
+                        "spec.to",
+                        format!(
+                            "{} is hearthd's state directory or holds it; back up elsewhere",
+                            b.spec.to.display()
+                        ),
+                    ));
+                }
+                if !b.spec.to.parent().is_some_and(|p| p.is_dir()) {
+                    return Err(fail(
+                        "spec.to",
+                        format!(
+                            "the parent directory of {} does not exist",
+                            b.spec.to.display()
+                        ),
+                    ));
+                }
+            }
         }
         Ok(())
     }

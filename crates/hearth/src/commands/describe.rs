@@ -129,6 +129,7 @@ pub fn render(
             | Kind::VirtualMachineSnapshot
             | Kind::VirtualMachineSnapshotGroup => SNAPSHOT_FIELD_ORDER,
             Kind::VirtualMachineSnapshotSchedule => SCHEDULE_FIELD_ORDER,
+            Kind::VirtualMachineBackup => BACKUP_FIELD_ORDER,
         },
         now,
     };
@@ -438,6 +439,26 @@ const SCHEDULE_FIELD_ORDER: &[&str] = &[
     "lastScheduleTime",
     "snapshots",
     "active",
+    "message",
+];
+
+const BACKUP_FIELD_ORDER: &[&str] = &[
+    "virtualMachineName",
+    "to",
+    "mode",
+    "requiredConsistency",
+    "phase",
+    "kind",
+    "point",
+    "base",
+    "reasonFull",
+    "checkpoint",
+    "cutTime",
+    "bytesRead",
+    "bytesWritten",
+    "durationMs",
+    "files",
+    "reason",
     "message",
 ];
 

@@ -252,7 +252,50 @@ pub fn table_for(kind: Kind, items: &[Value], now: DateTime<Utc>, wide: bool) ->
         | Kind::VirtualMachineSnapshot
         | Kind::VirtualMachineSnapshotGroup => snapshot_table(kind, items, now, wide),
         Kind::VirtualMachineSnapshotSchedule => schedule_table(items, now, wide),
+        Kind::VirtualMachineBackup => backup_table(items, now, wide),
     }
+}
+
+/// `NAME VM PHASE KIND POINT WRITTEN DURATION TO AGE`; wide adds BASE
+/// CHECKPOINT REASON-FULL MESSAGE.
+pub fn backup_table(items: &[Value], now: DateTime<Utc>, wide: bool) -> Table {
+    let mut header = vec![
+        "NAME", "VM", "PHASE", "KIND", "POINT", "WRITTEN", "DURATION", "TO",
+    ];
+    if wide {
+        header.extend(["BASE", "CHECKPOINT", "REASON-FULL", "MESSAGE"]);
+    }
+    header.push("AGE");
+    let mut table = Table::new(&header);
+    for b in items {
+        let written = u64_at(b, &["status", "bytesWritten"])
+            .map(human_bytes)
+            .unwrap_or_else(|| "-".to_string());
+        let took = u64_at(b, &["status", "durationMs"])
+            .map(|ms| format!("{:.1}s", ms as f64 / 1000.0))
+            .unwrap_or_else(|| "-".to_string());
+        let mut row = vec![
+            cell(at(b, &["metadata", "name"])),
+            cell(at(b, &["spec", "virtualMachineName"])),
+            cell(at(b, &["status", "phase"])),
+            cell(at(b, &["status", "kind"])),
+            cell(at(b, &["status", "point"])),
+            written,
+            took,
+            cell(at(b, &["spec", "to"])),
+        ];
+        if wide {
+            row.extend([
+                cell(at(b, &["status", "base"])),
+                cell(at(b, &["status", "checkpoint"])),
+                cell(at(b, &["status", "reasonFull"])),
+                cell(at(b, &["status", "message"])),
+            ]);
+        }
+        row.push(age_of(b, now));
+        table.push(row);
+    }
+    table
 }
 
 /// `NAME SCHEDULE VMS LAST-RUN RESULT NEXT-RUN SNAPSHOTS AGE`; wide adds

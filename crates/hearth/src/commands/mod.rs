@@ -3,6 +3,7 @@
 
 pub mod action;
 pub mod apply;
+pub mod backup;
 pub mod completion;
 pub mod console;
 pub mod convert;
@@ -32,9 +33,10 @@ pub fn parse_kind(s: &str) -> Result<Kind, String> {
     Kind::from_user(s).ok_or_else(|| {
         format!(
             "unknown kind {s:?} (use vm, disk, image, network, snapshot, vmsnapshot, \
-             vmsnapshotgroup or schedule; VirtualMachine, VirtualDisk, VirtualImage, \
+             vmsnapshotgroup, schedule or backup; VirtualMachine, VirtualDisk, VirtualImage, \
              VirtualNetwork, VirtualDiskSnapshot, VirtualMachineSnapshot, \
-             VirtualMachineSnapshotGroup and VirtualMachineSnapshotSchedule work too)"
+             VirtualMachineSnapshotGroup, VirtualMachineSnapshotSchedule and \
+             VirtualMachineBackup work too)"
         )
     })
 }
@@ -59,6 +61,7 @@ pub fn short_ref(kind: Kind, name: &str) -> String {
         Kind::VirtualMachineSnapshot => "vmsnapshot",
         Kind::VirtualMachineSnapshotGroup => "vmsnapshotgroup",
         Kind::VirtualMachineSnapshotSchedule => "schedule",
+        Kind::VirtualMachineBackup => "backup",
         Kind::VirtualImage => "image",
         Kind::VirtualNetwork => "network",
     };

@@ -110,6 +110,7 @@ pub fn check_condition(kind: Kind, cond: WaitFor) -> Result<WaitFor, String> {
         | Kind::VirtualMachineSnapshot
         | Kind::VirtualMachineSnapshotGroup => &SNAPSHOT_PHASES,
         Kind::VirtualMachineSnapshotSchedule => &[],
+        Kind::VirtualMachineBackup => &["Pending", "InProgress", "Ready", "Failed"],
     };
     if phases.is_empty() && matches!(cond, WaitFor::Phase(_)) {
         return Err(format!(

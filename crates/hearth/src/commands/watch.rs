@@ -238,6 +238,11 @@ pub fn judge_settled(kind: Kind, configured: bool, obs: &Observation) -> Verdict
             Some("Terminating") => Verdict::Failed("it is being deleted".to_string()),
             _ => Verdict::Waiting,
         },
+        Kind::VirtualMachineBackup => match phase {
+            Some("Ready") => Verdict::Met,
+            Some("Failed") => failed_because(obj),
+            _ => Verdict::Waiting,
+        },
         // Settled once hearthd has read it (its runs come on the calendar).
         Kind::VirtualMachineSnapshotSchedule => {
             let generation = u64_at(obj, &["metadata", "generation"]);

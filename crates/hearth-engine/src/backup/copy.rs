@@ -1,0 +1,233 @@
+//! Writing one disk of a backup point into the target, from the cut's own
+//! layers (never the live disk): a full point is the whole chain converted
+//! to one qcow2; an incremental point is a qcow2 backed by the previous
+//! point's file holding the extents the layers above the previous
+//! checkpoint hold, read through a read-only export of the new cut's
+//! chain. The file is written under `.partial`, flushed (the export's
+//! daemon stopped), fsynced, checked and hashed; renaming it is the
+//! caller's, after every disk is done.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use hearth_qemu::img::{self, Extent};
+use hearth_qemu::storage_daemon::{Access, FuseExport};
+
+const TIMEOUT: Duration = Duration::from_secs(6 * 3600);
+const START: Duration = Duration::from_secs(30);
+const CHUNK: u64 = 4 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum CopyError {
+    #[error(transparent)]
+    Img(#[from] img::ImgError),
+    #[error(transparent)]
+    Export(#[from] hearth_qemu::storage_daemon::DaemonError),
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("qemu-img create {}: {said}", path.display())]
+    Create { path: PathBuf, said: String },
+    #[error("{} is not sound after writing: {report}", path.display())]
+    Check { path: PathBuf, report: String },
+    #[error("the copy task failed: {0}")]
+    Join(String),
+}
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CopyError {
+    let path = path.to_path_buf();
+    move |source| CopyError::Io { what, path, source }
+}
+
+/// What writing one file took.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Written {
+    pub bytes_read: u64,
+    pub sha256: String,
+    pub size: u64,
+}
+
+/// The extents an incremental point holds: those some layer above the
+/// previous checkpoint's (at `depth` in the chain) holds.
+pub fn changed(extents: &[Extent], depth: u32) -> Vec<Extent> {
+    extents
+        .iter()
+        .filter(|e| e.present && e.depth < depth)
+        .cloned()
+        .collect()
+}
+
+/// The whole chain under `layer` into a new qcow2 at `out`.
+pub async fn full(layer: &Path, out: &Path) -> Result<Written, CopyError> {
+    let extents = img::map(layer, TIMEOUT).await?;
+    let bytes_read = extents
+        .iter()
+        .filter(|e| e.present && e.data)
+        .map(|e| e.length)
+        .sum();
+    img::convert_standalone(layer, "qcow2", out, "qcow2", TIMEOUT).await?;
+    finish(out, bytes_read).await
+}
+
+/// The extents of `layer`'s chain above `depth` into a new qcow2 at `out`
+/// backed by `backing` (a file name in `out`'s directory).
+pub async fn incremental(
+    layer: &Path,
+    depth: u32,
+    out: &Path,
+    backing: &str,
+    virtual_size: u64,
+    work: &Path,
+) -> Result<Written, CopyError> {
+    let extents = changed(&img::map(layer, TIMEOUT).await?, depth);
+    create_over(out, backing, virtual_size).await?;
+    std::fs::create_dir_all(work).map_err(io("making", work))?;
+    let src_mount = work.join("source");
+    let dst_mount = work.join("target");
+    for m in [&src_mount, &dst_mount] {
+        let _ = hearth_qemu::storage_daemon::unmount(m);
+        let _ = std::fs::remove_file(m);
+    }
+    let source = FuseExport::start_with(
+        layer,
+        &src_mount,
+        &work.join("source.log"),
+        START,
+        Access::ReadOnly,
+    )
+    .await?;
+    let target = FuseExport::start(out, &dst_mount, &work.join("target.log"), START).await?;
+    let (src_dev, dst_dev) = (source.device().to_path_buf(), target.device().to_path_buf());
+    let copied = tokio::task::spawn_blocking(move || copy_extents(&src_dev, &dst_dev, &extents))
+        .await
+        .map_err(|e| CopyError::Join(e.to_string()))?;
+    // Both stopped whatever happened: the target's daemon flushes the
+    // qcow2 on its way out.
+    let stopped_target = target.stop(Duration::from_secs(120)).await;
+    let stopped_source = source.stop(Duration::from_secs(30)).await;
+    for m in [&src_mount, &dst_mount] {
+        let _ = std::fs::remove_file(m);
+    }
+    let bytes_read = copied?;
+    stopped_target?;
+    stopped_source?;
+    finish(out, bytes_read).await
+}
+
+async fn create_over(out: &Path, backing: &str, size: u64) -> Result<(), CopyError> {
+    let qemu_img = hearth_qemu::tools::find_binary("qemu-img")
+        .map_err(|e| CopyError::Img(img::ImgError::MissingTool(e)))?;
+    let dir = out.parent().unwrap_or(Path::new("/"));
+    let result = tokio::process::Command::new(qemu_img)
+        .current_dir(dir)
+        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", backing])
+        .arg(out)
+        .arg(size.to_string())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .map_err(io("running qemu-img create for", out))?;
+    if !result.status.success() {
+        return Err(CopyError::Create {
+            path: out.to_path_buf(),
+            said: String::from_utf8_lossy(&result.stderr).trim().to_string(),
+        });
+    }
+    Ok(())
+}
+
+/// Copies each extent from the source export to the target export (zero
+/// extents as zeroes, since the target's backing may hold data there).
+fn copy_extents(src: &Path, dst: &Path, extents: &[Extent]) -> Result<u64, CopyError> {
+    let s = std::fs::File::open(src).map_err(io("opening", src))?;
+    let d = std::fs::OpenOptions::new()
+        .write(true)
+        .open(dst)
+        .map_err(io("opening", dst))?;
+    let mut buf = vec![0u8; CHUNK as usize];
+    let mut read = 0u64;
+    for e in extents {
+        let mut off = e.start;
+        let end = e.start + e.length;
+        while off < end {
+            let n = (end - off).min(CHUNK) as usize;
+            if e.data {
+                s.read_exact_at(&mut buf[..n], off)
+                    .map_err(io("reading", src))?;
+                read += n as u64;
+            } else {
+                buf[..n].fill(0);
+            }
+            d.write_all_at(&buf[..n], off).map_err(io("writing", dst))?;
+            off += n as u64;
+        }
+    }
+    d.sync_all().map_err(io("syncing", dst))?;
+    Ok(read)
+}
+
+/// fsync, `qemu-img check`, SHA-256 of the file.
+async fn finish(out: &Path, bytes_read: u64) -> Result<Written, CopyError> {
+    let path = out.to_path_buf();
+    let (sha256, size) =
+        tokio::task::spawn_blocking(move || -> Result<(String, u64), CopyError> {
+            use sha2::Digest as _;
+            let mut f = std::fs::File::open(&path).map_err(io("opening", &path))?;
+            f.sync_all().map_err(io("syncing", &path))?;
+            let mut h = sha2::Sha256::new();
+            let size = std::io::copy(&mut f, &mut h).map_err(io("reading", &path))?;
+            Ok((format!("{:x}", h.finalize()), size))
+        })
+        .await
+        .map_err(|e| CopyError::Join(e.to_string()))??;
+    let report = img::QemuImg::locate()
+        .map_err(img::ImgError::from)?
+        .check(out)
+        .await?;
+    if report.corruptions > 0 || !report.is_clean() {
+        return Err(CopyError::Check {
+            path: out.to_path_buf(),
+            report: format!("{report:?}"),
+        });
+    }
+    Ok(Written {
+        bytes_read,
+        sha256,
+        size,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn e(start: u64, length: u64, depth: u32, present: bool, data: bool) -> Extent {
+        Extent {
+            start,
+            length,
+            depth,
+            present,
+            zero: !data,
+            data,
+        }
+    }
+
+    #[test]
+    fn only_what_layers_above_the_checkpoint_hold_is_taken() {
+        let map = [
+            e(0, 10, 2, true, true),    // the checkpoint's own layer
+            e(10, 5, 0, true, true),    // the new cut's layer
+            e(15, 5, 1, true, false),   // zeroes written after the checkpoint
+            e(20, 5, 3, true, true),    // below the checkpoint
+            e(25, 50, 4, false, false), // nowhere
+        ];
+        let c = changed(&map, 2);
+        assert_eq!(c, [map[1].clone(), map[2].clone()]);
+        assert!(changed(&map, 0).is_empty());
+    }
+}

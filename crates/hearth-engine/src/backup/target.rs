@@ -1,0 +1,219 @@
+//! The target directory of a VM's backups: `DISK/NNNN.qcow2` files (each
+//! incremental one backed by the one before, by a relative name, so the
+//! directory can move) and `hearth-backup.json`, the manifest. The manifest
+//! is the commit point: a file it does not list is not a backup, and the
+//! next backup removes it (a crash mid-copy leaves one).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use chrono::{DateTime, Utc};
+use hearth_api::{BackupFile, BackupKind, VirtualMachineSpec};
+use serde::{Deserialize, Serialize};
+
+pub const MANIFEST: &str = "hearth-backup.json";
+const VERSION: u32 = 1;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Manifest {
+    pub version: u32,
+    pub virtual_machine_name: String,
+    pub points: Vec<Point>,
+}
+
+/// One backup: every disk's file at one cut.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Point {
+    pub point: u32,
+    pub backup: String,
+    pub kind: BackupKind,
+    pub cut_time: Option<DateTime<Utc>>,
+    /// The VM snapshot of the cut, while it exists the start of the next
+    /// incremental.
+    pub checkpoint: String,
+    pub files: Vec<BackupFile>,
+    /// The VM as it was, for a restore to make it again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_machine_spec: Option<Box<VirtualMachineSpec>>,
+}
+
+impl Point {
+    pub fn file_of(&self, disk: &str) -> Option<&BackupFile> {
+        self.files.iter().find(|f| f.disk == disk)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TargetError {
+    #[error("{what} {}: {source}", path.display())]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: not a backup manifest hearth can read: {reason}", path.display())]
+    BadManifest { path: PathBuf, reason: String },
+    #[error("{} holds the backups of VirtualMachine {other:?}; one VM per directory", dir.display())]
+    OtherVm { dir: PathBuf, other: String },
+}
+
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TargetError {
+    let path = path.to_path_buf();
+    move |source| TargetError::Io { what, path, source }
+}
+
+/// The manifest of `dir`, or an empty one for `vm` when there is none yet.
+pub fn read(dir: &Path, vm: &str) -> Result<Manifest, TargetError> {
+    let path = dir.join(MANIFEST);
+    let text = match std::fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(Manifest {
+                version: VERSION,
+                virtual_machine_name: vm.to_string(),
+                points: Vec::new(),
+            });
+        }
+        Err(e) => return Err(io("reading", &path)(e)),
+    };
+    let m: Manifest = serde_json::from_slice(&text).map_err(|e| TargetError::BadManifest {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    if m.version != VERSION {
+        return Err(TargetError::BadManifest {
+            path,
+            reason: format!("version {} (this hearth reads {VERSION})", m.version),
+        });
+    }
+    if m.virtual_machine_name != vm {
+        return Err(TargetError::OtherVm {
+            dir: dir.to_path_buf(),
+            other: m.virtual_machine_name,
+        });
+    }
+    Ok(m)
+}
+
+/// Writes the manifest durably: a temporary file, fsynced, renamed over
+/// the old one, the directory fsynced. A crash leaves the old manifest or
+/// the new one, never a mix.
+pub fn commit(dir: &Path, m: &Manifest) -> Result<(), TargetError> {
+    let path = dir.join(MANIFEST);
+    let tmp = dir.join(format!("{MANIFEST}.tmp"));
+    let text = serde_json::to_vec_pretty(m).map_err(|e| TargetError::BadManifest {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    {
+        let mut f = std::fs::File::create(&tmp).map_err(io("creating", &tmp))?;
+        f.write_all(&text).map_err(io("writing", &tmp))?;
+        f.sync_all().map_err(io("syncing", &tmp))?;
+    }
+    std::fs::rename(&tmp, &path).map_err(io("renaming", &tmp))?;
+    sync_dir(dir)
+}
+
+pub fn sync_dir(dir: &Path) -> Result<(), TargetError> {
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io("syncing", dir))
+}
+
+/// `DISK/NNNN.qcow2`, relative to the target.
+pub fn file_name(disk: &str, point: u32) -> String {
+    format!("{disk}/{point:04}.qcow2")
+}
+
+/// Removes what no point of `m` lists under the disks' folders: the
+/// `.partial` files of a copy a crash stopped, and finished files of a
+/// point whose manifest write never happened. Returns what it removed.
+pub fn sweep(dir: &Path, m: &Manifest) -> Result<Vec<PathBuf>, TargetError> {
+    let listed: std::collections::BTreeSet<PathBuf> = m
+        .points
+        .iter()
+        .flat_map(|p| p.files.iter().map(|f| dir.join(&f.file)))
+        .collect();
+    let mut removed = Vec::new();
+    let _ = std::fs::remove_file(dir.join(format!("{MANIFEST}.tmp")));
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Ok(removed);
+    };
+    for sub in entries.flatten() {
+        if !sub.file_type().is_ok_and(|t| t.is_dir()) {
+            continue;
+        }
+        let Ok(files) = std::fs::read_dir(sub.path()) else {
+            continue;
+        };
+        for f in files.flatten() {
+            let p = f.path();
+            let name = f.file_name().to_string_lossy().into_owned();
+            let ours = name.ends_with(".qcow2") || name.ends_with(".qcow2.partial");
+            if ours && !listed.contains(&p) {
+                std::fs::remove_file(&p).map_err(io("removing", &p))?;
+                removed.push(p);
+            }
+        }
+    }
+    Ok(removed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn point(n: u32, disk: &str) -> Point {
+        Point {
+            point: n,
+            backup: format!("b{n}"),
+            kind: if n == 1 {
+                BackupKind::Full
+            } else {
+                BackupKind::Incremental
+            },
+            cut_time: None,
+            checkpoint: format!("b{n}-cp"),
+            files: vec![BackupFile {
+                disk: disk.into(),
+                file: file_name(disk, n),
+                sha256: "00".into(),
+                size: 1,
+                virtual_size: 1,
+            }],
+            virtual_machine_spec: None,
+        }
+    }
+
+    #[test]
+    fn a_committed_manifest_reads_back_and_unlisted_files_are_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        let empty = read(dir.path(), "app").unwrap();
+        assert!(empty.points.is_empty());
+        let mut m = empty;
+        m.points.push(point(1, "root"));
+        commit(dir.path(), &m).unwrap();
+        assert_eq!(read(dir.path(), "app").unwrap(), m);
+        assert!(matches!(
+            read(dir.path(), "db"),
+            Err(TargetError::OtherVm { .. })
+        ));
+        std::fs::create_dir_all(dir.path().join("root")).unwrap();
+        for f in [
+            "0001.qcow2",
+            "0002.qcow2",
+            "0002.qcow2.partial",
+            "notes.txt",
+        ] {
+            std::fs::write(dir.path().join("root").join(f), b"x").unwrap();
+        }
+        let removed = sweep(dir.path(), &m).unwrap();
+        assert_eq!(removed.len(), 2, "{removed:?}");
+        assert!(dir.path().join("root/0001.qcow2").exists());
+        assert!(dir.path().join("root/notes.txt").exists());
+        assert!(!dir.path().join("root/0002.qcow2").exists());
+    }
+}

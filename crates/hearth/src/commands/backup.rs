@@ -1,0 +1,189 @@
+//! `hearth backup vm VM --to DIR`: a VirtualMachineBackup (docs/backup.md).
+
+use std::io::Write;
+use std::time::Duration;
+
+use anyhow::bail;
+use chrono::Utc;
+use hearth_api::{API_VERSION, Kind, object_from_value};
+use serde_json::{Value, json};
+
+use super::wait::parse_duration;
+use super::{object_path, short_ref};
+use crate::client::ApiClient;
+use crate::output::{human_bytes, str_at, u64_at};
+
+#[derive(Debug, clap::Args)]
+#[command(
+    about = "Back up every disk of a VM into a directory: full the first time, then only what changed",
+    after_help = "\
+Each backup is a consistent cut of the VM (the guest's filesystems frozen
+once, as for `hearth snapshot vm`), read from the cut's own layers and
+written into DIR as DISK/NNNN.qcow2 (each incremental one backed by the one
+before, by a relative name, so DIR can be moved) with hearth-backup.json
+listing every point, its files' SHA-256 and the VM's spec. A backup is
+incremental when the previous one's cut can be trusted; otherwise it is full
+and `hearth describe backup NAME` says why (reasonFull).
+
+Examples:
+  hearth backup vm app --to /srv/backup/app --wait
+  hearth backup vm app --to /srv/backup/app --full --wait
+  hearth get backups"
+)]
+pub struct Args {
+    #[command(subcommand)]
+    pub target: Target,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum Target {
+    /// Back up a VirtualMachine's disks.
+    #[command(
+        after_help = "Examples:\n  hearth backup vm app --to /srv/backup/app --wait\n  hearth backup vm app --to /srv/backup/app --full --name app-weekly"
+    )]
+    Vm(VmArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct VmArgs {
+    #[arg(value_name = "VM", value_parser = super::parse_name)]
+    pub vm: String,
+    /// The target directory (absolute, or relative to here); one VM per
+    /// directory.
+    #[arg(long, value_name = "DIR")]
+    pub to: std::path::PathBuf,
+    /// A full backup even when an incremental one could be made.
+    #[arg(long)]
+    pub full: bool,
+    /// The backup's name (default: VM-YYYYMMDD-HHMMSS, UTC).
+    #[arg(long, value_name = "NAME", value_parser = super::parse_name)]
+    pub name: Option<String>,
+    /// Back up even when the guest cannot be frozen (the cut is then not
+    /// application-consistent).
+    #[arg(long)]
+    pub no_require_consistency: bool,
+    /// Wait until the backup is Ready (exit 0) or Failed (exit 1), printing
+    /// each phase it goes through.
+    #[arg(long)]
+    pub wait: bool,
+    /// With --wait: give up waiting after this long (the backup goes on).
+    #[arg(long, value_name = "DURATION", default_value = "30m", value_parser = parse_duration, requires = "wait")]
+    pub timeout: Duration,
+}
+
+pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
+    let Target::Vm(a) = &args.target;
+    let mut out = std::io::stdout().lock();
+    let to = std::path::absolute(&a.to)?;
+    let name = a
+        .name
+        .clone()
+        .unwrap_or_else(|| super::snapshot::default_name(&a.vm, Utc::now()));
+    let object = json!({
+        "apiVersion": API_VERSION,
+        "kind": "VirtualMachineBackup",
+        "metadata": {"name": name},
+        "spec": {
+            "virtualMachineName": a.vm,
+            "to": to,
+            "mode": if a.full { "Full" } else { "Auto" },
+            "requiredConsistency": !a.no_require_consistency,
+        },
+    });
+    object_from_value(object.clone(), "the backup").map_err(anyhow::Error::msg)?;
+    let answer = client
+        .post("/v1/apply?create=true", Some(&json!({ "items": [object] })))
+        .await?;
+    out.write_all(super::apply::render_results(&answer)?.as_bytes())?;
+    if a.wait {
+        let last = follow(client, &name, a.timeout, &mut out).await?;
+        writeln!(out, "{}", summary(&name, &last))?;
+        if str_at(&last, &["status", "phase"]) == Some("Failed") {
+            bail!("{}", summary(&name, &last));
+        }
+    }
+    Ok(())
+}
+
+async fn follow(
+    client: &ApiClient,
+    name: &str,
+    timeout: Duration,
+    out: &mut impl Write,
+) -> anyhow::Result<Value> {
+    let who = short_ref(Kind::VirtualMachineBackup, name);
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut shown: Option<String> = None;
+    loop {
+        let obj = client
+            .get(&object_path(Kind::VirtualMachineBackup, name))
+            .await?;
+        let phase = str_at(&obj, &["status", "phase"]).map(str::to_string);
+        if phase.is_some() && phase != shown {
+            writeln!(out, "{who}: {}", phase.as_deref().unwrap_or(""))?;
+            shown = phase.clone();
+        }
+        if matches!(phase.as_deref(), Some("Ready" | "Failed")) {
+            return Ok(obj);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            bail!(
+                "{who} is still {} after {timeout:?}; it goes on (see `hearth get backups`)",
+                phase.as_deref().unwrap_or("Pending")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// `backup/NAME: Ready, Incremental point 3, 1.1Mi written in 2.3s`
+pub fn summary(name: &str, obj: &Value) -> String {
+    let who = short_ref(Kind::VirtualMachineBackup, name);
+    match str_at(obj, &["status", "phase"]) {
+        Some("Failed") => format!(
+            "{who} failed: {}: {}",
+            str_at(obj, &["status", "reason"]).unwrap_or("?"),
+            str_at(obj, &["status", "message"]).unwrap_or("")
+        ),
+        phase => {
+            let mut s = format!(
+                "{who}: {}, {} point {}",
+                phase.unwrap_or("?"),
+                str_at(obj, &["status", "kind"]).unwrap_or("?"),
+                u64_at(obj, &["status", "point"]).unwrap_or(0)
+            );
+            if let Some(b) = u64_at(obj, &["status", "bytesWritten"]) {
+                s.push_str(&format!(", {} written", human_bytes(b)));
+            }
+            if let Some(ms) = u64_at(obj, &["status", "durationMs"]) {
+                s.push_str(&format!(" in {:.1}s", ms as f64 / 1000.0));
+            }
+            if let Some(r) = str_at(obj, &["status", "reasonFull"]) {
+                s.push_str(&format!(" (full: {r})"));
+            }
+            s
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_summary_says_kind_point_size_time_and_why_full() {
+        let obj = json!({"status": {"phase": "Ready", "kind": "Full", "point": 2,
+            "bytesWritten": 2202009, "durationMs": 2300,
+            "reasonFull": "disk \"root\" was resized since backup \"a\""}});
+        assert_eq!(
+            summary("b", &obj),
+            "backup/b: Ready, Full point 2, 2.1Mi written in 2.3s (full: disk \"root\" was resized since backup \"a\")"
+        );
+        let failed =
+            json!({"status": {"phase": "Failed", "reason": "CopyFailed", "message": "no space"}});
+        assert_eq!(
+            summary("b", &failed),
+            "backup/b failed: CopyFailed: no space"
+        );
+    }
+}

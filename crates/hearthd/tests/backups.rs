@@ -1,0 +1,309 @@
+//! Backups end to end: a running test guest with a 4 GiB data disk,
+//! backed up into a directory again and again while the guest writes known
+//! data. Every point of the chain is compared byte for byte (by
+//! `qemu-img compare` and by the SHA-256 of the raw disk) with the
+//! checkpoint snapshot it was cut from, read through a disk restored from
+//! that snapshot; the sizes of the files say what an incremental holds.
+//! The cases that must not give a wrong incremental: QEMU SIGKILLed between
+//! backups, the checkpoint snapshot deleted, hearthd SIGKILLed in the
+//! middle of a copy.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use common::*;
+use serde_json::Value;
+
+const BACKUP_TIMEOUT: Duration = Duration::from_secs(180);
+
+fn backup(d: &Daemon, name: &str, to: &Path) -> Value {
+    d.cli_ok(&[
+        "backup",
+        "vm",
+        "app",
+        "--to",
+        to.to_str().unwrap(),
+        "--name",
+        name,
+        "--wait",
+    ]);
+    let b = d.wait_final("virtualmachinebackups", name, BACKUP_TIMEOUT);
+    assert_eq!(b["status"]["phase"], "Ready", "{b:#}");
+    b
+}
+
+fn backup_manifest(to: &Path) -> Value {
+    serde_json::from_slice(&std::fs::read(to.join("hearth-backup.json")).unwrap()).unwrap()
+}
+
+/// The file of `disk` at `point`, from the manifest, checked against the
+/// SHA-256 the manifest gives.
+fn point_file(to: &Path, point: u64, disk: &str) -> PathBuf {
+    let m = backup_manifest(to);
+    let p = m["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["point"] == point)
+        .unwrap_or_else(|| panic!("no point {point}: {m:#}"));
+    let f = p["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["disk"] == disk)
+        .unwrap();
+    let path = to.join(f["file"].as_str().unwrap());
+    assert_eq!(
+        sha256_file(&path),
+        f["sha256"].as_str().unwrap(),
+        "{}",
+        path.display()
+    );
+    path
+}
+
+/// Whether two images hold the same bytes (qemu-img compare: 0 same, 1 not).
+fn same_bytes(a: &Path, b: &Path) -> bool {
+    let out = Command::new("qemu-img")
+        .args(["compare", "-U", "-f", "qcow2", "-F", "qcow2"])
+        .arg(a)
+        .arg(b)
+        .output()
+        .expect("qemu-img");
+    assert!(
+        out.status.code() == Some(0) || out.status.code() == Some(1),
+        "qemu-img compare: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out.status.success()
+}
+
+/// A disk restored from the checkpoint of backup `b` (its data disk's
+/// snapshot): the ground truth a point is compared with.
+fn checkpoint_disk(d: &Daemon, b: &Value) -> PathBuf {
+    let cp = b["status"]["checkpoint"].as_str().unwrap();
+    let disk = format!("truth-{cp}");
+    d.apply(vec![
+        Disk::from_snapshot(&disk, &format!("{cp}-app-data")).json(),
+    ]);
+    d.wait_object(
+        "virtualdisks",
+        &disk,
+        "Ready",
+        Duration::from_secs(30),
+        |v| v["status"]["phase"] == "Ready",
+    );
+    d.disk_path(&disk)
+}
+
+fn write_mib(d: &Daemon, file: &str, mib: u32) {
+    d.agent_sh_ok(
+        "app",
+        &format!(
+            "dd if=/dev/urandom of=/data/{file} bs=1M count={mib} conv=fsync 2>/dev/null; sync"
+        ),
+    );
+}
+
+#[test]
+fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() {
+    let _serial = serial();
+    // A qemu-img ahead in hearthd's PATH: the real one, then, once the
+    // trigger file exists, a SIGKILL to hearthd right after it checked a
+    // finished copy (the file whole, the manifest not yet written).
+    let tools = tempfile::Builder::new()
+        .prefix("hearth-backup-")
+        .tempdir()
+        .unwrap();
+    let bin = tools.path().join("bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    let trigger = tools.path().join("kill-after-check");
+    let real = String::from_utf8(
+        Command::new("sh")
+            .args(["-c", "command -v qemu-img"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    std::fs::write(
+        bin.join("qemu-img"),
+        format!(
+            "#!/bin/sh\n{} \"$@\"\nrc=$?\ncase \" $* \" in *\" check \"*.partial*)\n  if [ -e {t} ]; then rm -f {t}; kill -9 $PPID; fi;;\nesac\nexit $rc\n",
+            real.trim(),
+            t = trigger.display()
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(bin.join("qemu-img"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let env = [("PATH", path.as_str())];
+    let mut d = Daemon::start_env(&env);
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let to = d.dir.path().join("backups").join("app");
+    std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+    let m = manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            Disk::from_image("app-data", guest_dir().join("data.qcow2"))
+                .size("4Gi")
+                .yaml(),
+            vm_yaml("app", "AlwaysOn", &["app-data"], "")
+        ),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().unwrap()]);
+    d.wait_agent("app");
+
+    // 1. Full.
+    write_mib(&d, "one", 2);
+    let b1 = backup(&d, "b1", &to);
+    assert_eq!(b1["status"]["kind"], "Full", "{b1:#}");
+    assert_eq!(b1["status"]["point"], 1);
+    let truth1 = checkpoint_disk(&d, &b1);
+    let p1 = point_file(&to, 1, "app-data");
+    assert!(
+        same_bytes(&p1, &truth1),
+        "point 1 differs from its checkpoint"
+    );
+
+    // 2. Incremental after 1 MiB written: about 1 MiB, not the disk.
+    write_mib(&d, "two", 1);
+    let b2 = backup(&d, "b2", &to);
+    assert_eq!(b2["status"]["kind"], "Incremental", "{b2:#}");
+    assert_eq!(b2["status"]["base"], "b1", "{b2:#}");
+    let p2 = point_file(&to, 2, "app-data");
+    let size2 = std::fs::metadata(&p2).unwrap().len();
+    assert!(
+        (1 << 20..6 << 20).contains(&size2),
+        "an incremental after 1 MiB of writes is {size2} bytes"
+    );
+    let truth2 = checkpoint_disk(&d, &b2);
+    assert!(
+        same_bytes(&p2, &truth2),
+        "point 2 differs from its checkpoint"
+    );
+    assert!(same_bytes(&p1, &truth1), "point 1 changed");
+    // The chain names its base by a relative name: the directory can move.
+    let info = Command::new("qemu-img")
+        .args(["info", "--output=json", "-U"])
+        .arg(&p2)
+        .output()
+        .unwrap();
+    let info: Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert_eq!(info["backing-filename"], "0001.qcow2", "{info:#}");
+    // b1's checkpoint is gone now; b2's stays for the next incremental.
+    d.wait_gone("virtualmachinesnapshots", "b1-cp", Duration::from_secs(60));
+    assert!(d.get("virtualmachinesnapshots", "b2-cp").is_some());
+
+    // 3. QEMU SIGKILLed after a synced write: the VM comes back, the next
+    // backup is still exact (the change is read off the layers, which the
+    // crash cannot make lie).
+    write_mib(&d, "three", 1);
+    let pid = d.get_vm("app").unwrap()["status"]["pid"].as_u64().unwrap();
+    assert!(
+        Command::new("kill")
+            .args(["-9", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    d.wait_vm("app", "running again", Duration::from_secs(120), |v| {
+        v["status"]["pid"].as_u64().is_some_and(|p| p != pid)
+            && v["status"]["agentConnected"] == true
+    });
+    let b3 = backup(&d, "b3", &to);
+    let p3 = point_file(&to, 3, "app-data");
+    let truth3 = checkpoint_disk(&d, &b3);
+    assert!(
+        same_bytes(&p3, &truth3),
+        "point 3 (after a QEMU crash) differs"
+    );
+
+    // 4. The checkpoint deleted by hand: the next one is full, and says why.
+    d.cli_ok(&["delete", "vmsnapshot", "b3-cp"]);
+    d.wait_gone("virtualmachinesnapshots", "b3-cp", Duration::from_secs(60));
+    write_mib(&d, "four", 1);
+    let b4 = backup(&d, "b4", &to);
+    assert_eq!(b4["status"]["kind"], "Full", "{b4:#}");
+    assert!(
+        b4["status"]["reasonFull"]
+            .as_str()
+            .is_some_and(|r| r.contains("b3-cp")),
+        "{b4:#}"
+    );
+    let p4 = point_file(&to, 4, "app-data");
+    let truth4 = checkpoint_disk(&d, &b4);
+    assert!(same_bytes(&p4, &truth4), "point 4 differs");
+
+    // 5. hearthd SIGKILLed once a copy is whole and checked, before the
+    // manifest names it: the point is not counted; after the restart the
+    // backup is made again, and the leftover file is gone.
+    write_mib(&d, "five", 3);
+    std::fs::write(&trigger, "").unwrap();
+    d.cli_ok(&[
+        "backup",
+        "vm",
+        "app",
+        "--to",
+        to.to_str().unwrap(),
+        "--name",
+        "b5",
+    ]);
+    let partial = to.join("app-data").join("0005.qcow2.partial");
+    let died = hearth_test_support::eventually(BACKUP_TIMEOUT, || {
+        d.child
+            .as_mut()
+            .is_some_and(|c| c.try_wait().ok().flatten().is_some())
+    });
+    assert!(died, "hearthd was not killed after the check:\n{}", d.log());
+    d.kill();
+    assert!(partial.exists(), "the finished copy is not there");
+    let points: Vec<u64> = backup_manifest(&to)["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["point"].as_u64().unwrap())
+        .collect();
+    assert_eq!(points, [1, 2, 3, 4], "a point was committed half-written");
+    d.spawn_env(&env);
+    let b5 = d.wait_final("virtualmachinebackups", "b5", BACKUP_TIMEOUT);
+    assert_eq!(b5["status"]["phase"], "Ready", "{b5:#}");
+    assert_eq!(b5["status"]["kind"], "Incremental", "{b5:#}");
+    assert!(!partial.exists());
+    let p5 = point_file(&to, 5, "app-data");
+    let truth5 = checkpoint_disk(&d, &b5);
+    assert!(same_bytes(&p5, &truth5), "point 5 differs");
+
+    // The newest point, whole, as a raw disk: the same SHA-256 as its
+    // checkpoint's, and a clean ext4 that holds the guest's last file.
+    let raw_point = scratch.join("p5.raw");
+    let raw_truth = scratch.join("t5.raw");
+    to_raw(&p5, &raw_point);
+    to_raw(&truth5, &raw_truth);
+    assert_eq!(sha256_file(&raw_point), sha256_file(&raw_truth));
+    assert_clean_ext4(&raw_point, "point 5");
+    let five = d.agent_sh_ok("app", "sha256sum /data/five | cut -d' ' -f1");
+    let restored = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "debugfs -R 'cat /five' {} 2>/dev/null | sha256sum | cut -d' ' -f1",
+            raw_point.display()
+        ))
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&restored.stdout).trim(),
+        five.trim()
+    );
+}
