@@ -649,6 +649,24 @@ pub enum DiskSource {
     Snapshot(String),
     /// A copy-on-write overlay over a Ready VirtualImage.
     VirtualImage(String),
+    /// One disk of a backup point (docs/backup.md), copied whole into the
+    /// disk's first layer after every file it reads is checked against the
+    /// manifest's SHA-256.
+    Backup(BackupDiskSource),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct BackupDiskSource {
+    /// The backup directory (its `hearth-backup.json`).
+    #[cfg_attr(feature = "openapi", schema(value_type = String))]
+    pub from: PathBuf,
+    /// The disk's name in the backup.
+    pub disk: String,
+    /// The point (1 for the first); the newest when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub point: Option<u32>,
 }
 
 /// `{}` in a manifest.

@@ -345,6 +345,16 @@ impl Object {
                     DiskSource::VirtualImage(name) => {
                         check_dns_label(name).map_err(|m| err("spec.source.virtualImage", m))?
                     }
+                    DiskSource::Backup(b) => {
+                        check_host_path(&b.from).map_err(|m| err("spec.source.backup.from", m))?;
+                        check_dns_label(&b.disk).map_err(|m| err("spec.source.backup.disk", m))?;
+                        if b.point == Some(0) {
+                            return Err(err(
+                                "spec.source.backup.point",
+                                "points count from 1".into(),
+                            ));
+                        }
+                    }
                 }
                 check_disk_files(&d.spec).map_err(|(f, m)| err(&f, m))?;
                 if let Some(size) = &d.spec.size {
@@ -352,6 +362,13 @@ impl Object {
                         return Err(err(
                             "spec.size",
                             "a disk restored from a snapshot has the snapshot's size; leave size out".into(),
+                        ));
+                    }
+                    if matches!(d.spec.source, DiskSource::Backup(_)) {
+                        return Err(err(
+                            "spec.size",
+                            "a disk restored from a backup has the backup's size; leave size out"
+                                .into(),
                         ));
                     }
                     let b = size.bytes();

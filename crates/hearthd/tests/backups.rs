@@ -179,6 +179,7 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
 
     // 2. Incremental after 1 MiB written: about 1 MiB, not the disk.
     write_mib(&d, "two", 1);
+    let two = d.agent_sh_ok("app", "sha256sum /data/two | cut -d' ' -f1");
     let b2 = backup(&d, "b2", &to);
     assert_eq!(b2["status"]["kind"], "Incremental", "{b2:#}");
     assert_eq!(b2["status"]["base"], "b1", "{b2:#}");
@@ -306,4 +307,57 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
         String::from_utf8_lossy(&restored.stdout).trim(),
         five.trim()
     );
+
+    // A restore from a copy of the directory elsewhere (the chain names
+    // its files relatively): point 2 as a new VM, whose guest reads the
+    // file written before point 2 and not the one written after it.
+    let moved = d.dir.path().join("moved");
+    let cp = Command::new("cp")
+        .arg("-a")
+        .arg(&to)
+        .arg(&moved)
+        .status()
+        .unwrap();
+    assert!(cp.success());
+    let out = d.cli_ok(&[
+        "restore",
+        "backup",
+        moved.to_str().unwrap(),
+        "--at",
+        "2",
+        "--as",
+        "again",
+    ]);
+    assert!(out.contains("virtualmachine/again created"), "{out}");
+    d.wait_agent("again");
+    let read = d.agent_sh_ok("again", "sha256sum /data/two | cut -d' ' -f1");
+    assert_eq!(read.trim(), two.trim());
+    let three = d.agent_sh_ok("again", "test -e /data/three && echo yes || echo no");
+    assert_eq!(three.trim(), "no");
+
+    // A file of the chain changed on disk: the restore refuses it, naming
+    // the checksum, and makes no disk content.
+    let victim = moved.join("app-data").join("0001.qcow2");
+    let mut bytes = std::fs::read(&victim).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0xff;
+    std::fs::write(&victim, &bytes).unwrap();
+    d.cli_ok(&[
+        "restore",
+        "backup",
+        moved.to_str().unwrap(),
+        "--at",
+        "2",
+        "--as",
+        "bad",
+        "--no-vm",
+    ]);
+    let bad = d.wait_object(
+        "virtualdisks",
+        "bad-app-data",
+        "Failed",
+        Duration::from_secs(60),
+        |v| v["status"]["phase"] == "Failed",
+    );
+    assert!(bad.to_string().contains("SHA-256"), "{bad:#}");
 }

@@ -123,6 +123,80 @@ pub fn sync_dir(dir: &Path) -> Result<(), TargetError> {
         .map_err(io("syncing", dir))
 }
 
+/// The file of `disk` at `point` (the newest when `None`) of the backup in
+/// `dir`, once every file it reads is checked: each one's SHA-256 against
+/// the manifest, and the chain qemu-img follows from it exactly those
+/// files, down to the full point below it. Its virtual size too.
+pub async fn verified_point(
+    dir: &Path,
+    disk: &str,
+    point: Option<u32>,
+) -> Result<(PathBuf, u64), String> {
+    let text = std::fs::read(dir.join(MANIFEST))
+        .map_err(|e| format!("{}: {e}", dir.join(MANIFEST).display()))?;
+    let m: Manifest = serde_json::from_slice(&text)
+        .map_err(|e| format!("{}: {e}", dir.join(MANIFEST).display()))?;
+    let n = match point {
+        Some(n) => n,
+        None => m
+            .points
+            .last()
+            .map(|p| p.point)
+            .ok_or("the backup has no point")?,
+    };
+    let index = m
+        .points
+        .iter()
+        .position(|p| p.point == n)
+        .ok_or_else(|| format!("the backup has no point {n}"))?;
+    // The files this point reads: its own, then each point below it down
+    // to a full one.
+    let mut expected = Vec::new();
+    for p in m.points[..=index].iter().rev() {
+        let f = p
+            .file_of(disk)
+            .ok_or_else(|| format!("point {} has no disk {disk:?}", p.point))?;
+        expected.push((dir.join(&f.file), f.sha256.clone(), f.virtual_size));
+        if p.kind == BackupKind::Full {
+            break;
+        }
+    }
+    for (path, sha, _) in &expected {
+        let path2 = path.clone();
+        let got = tokio::task::spawn_blocking(move || -> std::io::Result<String> {
+            use sha2::Digest as _;
+            let mut f = std::fs::File::open(&path2)?;
+            let mut h = sha2::Sha256::new();
+            std::io::copy(&mut f, &mut h)?;
+            Ok(format!("{:x}", h.finalize()))
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+        if &got != sha {
+            return Err(format!(
+                "{} has SHA-256 {got}, the manifest says {sha}",
+                path.display()
+            ));
+        }
+    }
+    let chain = hearth_qemu::img::backing_chain(&expected[0].0)
+        .await
+        .map_err(|e| e.to_string())?;
+    let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
+    let got: Vec<PathBuf> = chain
+        .iter()
+        .map(|i| canon(Path::new(&i.filename)))
+        .collect();
+    let want: Vec<PathBuf> = expected.iter().map(|(p, _, _)| canon(p)).collect();
+    if got != want {
+        return Err(format!(
+            "the files of point {n} chain to {got:?}, not to the backup's own {want:?}"
+        ));
+    }
+    Ok((expected[0].0.clone(), expected[0].2))
+}
+
 /// `DISK/NNNN.qcow2`, relative to the target.
 pub fn file_name(disk: &str, point: u32) -> String {
     format!("{disk}/{point:04}.qcow2")

@@ -108,6 +108,22 @@ pub(super) async fn create(
                 .map_err(DiskError::Overlay)?;
             backing_layer = Some(layer.id);
         }
+        DiskSource::Backup(b) => {
+            let (file, _) = crate::backup::target::verified_point(&b.from, &b.disk, b.point)
+                .await
+                .map_err(|e| DiskError::Backup(e.to_string()))?;
+            // The whole chain into one standalone file: the disk never
+            // reads the backup directory again.
+            img::QemuImg::locate()
+                .map_err(|e| DiskError::Backup(e.to_string()))?
+                .with_timeout(crate::snapshot::export::CONVERT_TIMEOUT)
+                .convert_standalone(&file, "qcow2", &new.path, "qcow2")
+                .await
+                .map_err(|e| {
+                    let _ = std::fs::remove_file(&new.path);
+                    DiskError::Backup(e.to_string())
+                })?;
+        }
         DiskSource::VirtualImage(image) => {
             let ready = crate::image::ready_for_disk(&ctx.store, image, size)?
                 .map_err(DiskError::ImageNotReady)?;

@@ -43,6 +43,8 @@ pub enum DiskError {
     /// The snapshot to restore is not (or no longer) Ready.
     #[error("{0}")]
     SnapshotNotReady(String),
+    #[error("the backup cannot be restored: {0}")]
+    Backup(String),
     #[error("spec.source.snapshot: VirtualDiskSnapshot {snapshot:?} has no layer")]
     SnapshotWithoutLayer { snapshot: String },
     #[error("{0}")]

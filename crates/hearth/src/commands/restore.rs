@@ -34,7 +34,8 @@ snapshot's) with `hearth apply -f`. See `hearth restore vm --help`.
 
 Examples:
   hearth restore vm demo --from before-upgrade
-  hearth restore vmsnapshotgroup app-and-db"
+  hearth restore vmsnapshotgroup app-and-db
+  hearth restore backup /srv/backup/app --at 3 --as app-restored"
 )]
 pub struct Args {
     #[command(subcommand)]
@@ -84,6 +85,38 @@ Example:
   hearth restore vmsnapshotgroup app-and-db"
     )]
     Vmsnapshotgroup(GroupArgs),
+    /// Make a VM (and its disks) again from a point of a backup directory
+    #[command(after_help = "\
+Reads DIR/hearth-backup.json (DIR is a path on hearthd's host) and creates,
+in one apply that only creates, a disk NAME-DISK for every disk of the point,
+each from its backup file (`spec.source.backup`: hearthd checks every file of
+the chain against the manifest's SHA-256, then copies the chain into the
+disk's own first layer), and a VM NAME with the spec the backed-up VM had at
+that point, on those disks. --no-vm makes the disks only. The VM's networks
+and port forwards are the original's: when the original still runs, a
+forwarded port is refused (make the disks only, or change the VM).
+
+Examples:
+  hearth restore backup /srv/backup/app --as app-restored
+  hearth restore backup /srv/backup/app --at 2 --as app-monday --no-vm")]
+    Backup(BackupArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct BackupArgs {
+    /// The backup directory.
+    #[arg(value_name = "DIR")]
+    pub dir: std::path::PathBuf,
+    /// The point to restore (1 for the first; `hearth get backups` shows
+    /// each backup's point); the newest when left out.
+    #[arg(long, value_name = "N")]
+    pub at: Option<u32>,
+    /// The new VM's name; its disks are NAME-DISK.
+    #[arg(long = "as", value_name = "NAME", value_parser = super::parse_name)]
+    pub name: String,
+    /// Make the disks only.
+    #[arg(long)]
+    pub no_vm: bool,
 }
 
 #[derive(Debug, clap::Args)]
@@ -124,7 +157,91 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
     match &args.target {
         Target::Vm(vm) => restore_vm(client, vm, &mut out).await,
         Target::Vmsnapshotgroup(g) => restore_group(client, g, &mut out).await,
+        Target::Backup(b) => restore_backup(client, b, &mut out).await,
     }
+}
+
+/// The objects a restore of a backup point makes: one disk per file, and
+/// the VM on them unless `no_vm`.
+pub fn backup_objects(
+    manifest: &serde_json::Value,
+    dir: &std::path::Path,
+    at: Option<u32>,
+    name: &str,
+    no_vm: bool,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    use anyhow::{Context as _, bail};
+    let points = manifest["points"]
+        .as_array()
+        .context("the manifest lists no points")?;
+    let point = match at {
+        Some(n) => points
+            .iter()
+            .find(|p| p["point"] == n)
+            .with_context(|| format!("the backup has no point {n}"))?,
+        None => points.last().context("the backup has no point yet")?,
+    };
+    let n = point["point"]
+        .as_u64()
+        .context("a point without a number")?;
+    let mut objects = Vec::new();
+    let mut renamed = std::collections::BTreeMap::new();
+    for f in point["files"].as_array().into_iter().flatten() {
+        let disk = f["disk"].as_str().context("a file without a disk")?;
+        let new = format!("{name}-{disk}");
+        if let Err(why) = hearth_api::check_dns_label(&new) {
+            bail!("the disk name {why}; use a shorter --as");
+        }
+        objects.push(json!({
+            "apiVersion": hearth_api::API_VERSION,
+            "kind": "VirtualDisk",
+            "metadata": {"name": new},
+            "spec": {"source": {"backup": {"from": dir, "disk": disk, "point": n}}},
+        }));
+        renamed.insert(disk.to_string(), new);
+    }
+    if !no_vm {
+        let mut spec = point["virtualMachineSpec"].clone();
+        if !spec.is_object() {
+            bail!("point {n} does not hold the VM's spec; restore the disks with --no-vm");
+        }
+        for d in spec["disks"].as_array_mut().into_iter().flatten() {
+            let old = d["virtualDiskName"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            let new = renamed
+                .get(&old)
+                .with_context(|| format!("the VM's disk {old:?} is not in point {n}"))?;
+            d["virtualDiskName"] = json!(new);
+        }
+        objects.push(json!({
+            "apiVersion": hearth_api::API_VERSION,
+            "kind": "VirtualMachine",
+            "metadata": {"name": name},
+            "spec": spec,
+        }));
+    }
+    Ok(objects)
+}
+
+pub async fn restore_backup(
+    client: &ApiClient,
+    args: &BackupArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let dir = std::path::absolute(&args.dir)?;
+    let path = dir.join("hearth-backup.json");
+    let text = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&text).with_context(|| format!("{}", path.display()))?;
+    let objects = backup_objects(&manifest, &dir, args.at, &args.name, args.no_vm)?;
+    let answer = client
+        .post("/v1/apply?create=true", Some(&json!({ "items": objects })))
+        .await?;
+    out.write_all(super::apply::render_results(&answer)?.as_bytes())?;
+    Ok(())
 }
 
 pub async fn restore_group(
@@ -207,6 +324,36 @@ pub async fn restore_vm(
         .unwrap_or_else(|| format!("vm/{} restored from vmsnapshot/{}", args.vm, args.from));
     writeln!(out, "{message}")?;
     Ok(())
+}
+
+#[cfg(test)]
+mod backup_tests {
+    use super::*;
+
+    #[test]
+    fn a_point_becomes_disks_from_the_backup_and_the_vm_on_them() {
+        let m = json!({"points": [
+            {"point": 1, "files": [{"disk": "app-data"}], "virtualMachineSpec": {"disks": [{"virtualDiskName": "app-data"}], "cpus": 2}},
+            {"point": 2, "files": [{"disk": "app-data"}], "virtualMachineSpec": {"disks": [{"virtualDiskName": "app-data"}], "cpus": 1}}
+        ]});
+        let dir = std::path::Path::new("/srv/b");
+        let o = backup_objects(&m, dir, Some(1), "again", false).unwrap();
+        assert_eq!(o.len(), 2);
+        assert_eq!(o[0]["metadata"]["name"], "again-app-data");
+        assert_eq!(
+            o[0]["spec"]["source"]["backup"],
+            json!({"from": "/srv/b", "disk": "app-data", "point": 1})
+        );
+        assert_eq!(
+            o[1]["spec"]["disks"][0]["virtualDiskName"],
+            "again-app-data"
+        );
+        assert_eq!(o[1]["spec"]["cpus"], 2);
+        let newest = backup_objects(&m, dir, None, "again", true).unwrap();
+        assert_eq!(newest.len(), 1);
+        assert_eq!(newest[0]["spec"]["source"]["backup"]["point"], 2);
+        assert!(backup_objects(&m, dir, Some(3), "again", true).is_err());
+    }
 }
 
 #[cfg(test)]
