@@ -361,3 +361,124 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     );
     assert!(bad.to_string().contains("SHA-256"), "{bad:#}");
 }
+
+/// A small filesystem of its own, loop-mounted; unmounted when dropped.
+struct SmallFs {
+    mountpoint: PathBuf,
+}
+
+impl SmallFs {
+    fn new(dir: &Path, mib: u32) -> SmallFs {
+        let image = dir.join("small.img");
+        let mountpoint = dir.join("small");
+        std::fs::create_dir_all(&mountpoint).unwrap();
+        let f = std::fs::File::create(&image).unwrap();
+        f.set_len(u64::from(mib) << 20).unwrap();
+        let run = |cmd: &str, args: &[&str]| {
+            let out = Command::new(cmd)
+                .args(args)
+                .output()
+                .unwrap_or_else(|e| panic!("{cmd}: {e} (apt-get install e2fsprogs mount)"));
+            assert!(
+                out.status.success(),
+                "{cmd} {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        run("mkfs.ext4", &["-q", "-F", image.to_str().unwrap()]);
+        run(
+            "mount",
+            &[
+                "-o",
+                "loop",
+                image.to_str().unwrap(),
+                mountpoint.to_str().unwrap(),
+            ],
+        );
+        SmallFs { mountpoint }
+    }
+}
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.mountpoint).status();
+    }
+}
+
+#[test]
+fn a_target_that_fills_up_fails_the_backup_cleanly_and_keeps_the_earlier_points() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let small = SmallFs::new(d.dir.path(), 100);
+    // Ballast the test takes away later, to give the target room again.
+    let ballast = small.mountpoint.join("ballast");
+    let fill = Command::new("dd")
+        .args(["if=/dev/zero", "bs=1M", "count=64", "conv=fsync"])
+        .arg(format!("of={}", ballast.display()))
+        .output()
+        .unwrap();
+    assert!(fill.status.success(), "{fill:?}");
+    let to = small.mountpoint.join("app");
+    let m = manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            Disk::from_image("app-data", guest_dir().join("data.qcow2"))
+                .size("1Gi")
+                .yaml(),
+            vm_yaml("app", "AlwaysOn", &["app-data"], "")
+        ),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().unwrap()]);
+    d.wait_agent("app");
+    let b1 = backup(&d, "b1", &to);
+    assert_eq!(b1["status"]["kind"], "Full");
+    let p1 = point_file(&to, 1, "app-data");
+    let before = backup_manifest(&to);
+
+    // More than the target holds.
+    write_mib(&d, "big", 48);
+    let out = d.cli(&[
+        "backup",
+        "vm",
+        "app",
+        "--to",
+        to.to_str().unwrap(),
+        "--name",
+        "b2",
+        "--wait",
+    ]);
+    assert!(!out.status.success());
+    let b2 = d.wait_final("virtualmachinebackups", "b2", BACKUP_TIMEOUT);
+    assert_eq!(b2["status"]["phase"], "Failed", "{b2:#}");
+    assert!(
+        b2["status"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("No space left")),
+        "{b2:#}"
+    );
+    // The target as it was: the same manifest, point 1 whole, nothing half
+    // written beside it; the failed backup's checkpoint gone.
+    assert_eq!(backup_manifest(&to), before);
+    point_file(&to, 1, "app-data");
+    let left: Vec<String> = std::fs::read_dir(to.join("app-data"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left, ["0001.qcow2"]);
+    d.wait_gone("virtualmachinesnapshots", "b2-cp", Duration::from_secs(60));
+    assert!(same_bytes(&p1, &checkpoint_disk(&d, &b1)));
+
+    // Room again (the ballast gone): the next backup is an incremental over
+    // point 1, holding what b2 could not.
+    std::fs::remove_file(&ballast).unwrap();
+    write_mib(&d, "small", 1);
+    let b3 = backup(&d, "b3", &to);
+    assert_eq!(b3["status"]["kind"], "Incremental", "{b3:#}");
+    assert_eq!(b3["status"]["point"], 2, "{b3:#}");
+    let p2 = point_file(&to, 2, "app-data");
+    assert!(same_bytes(&p2, &checkpoint_disk(&d, &b3)));
+    drop(d);
+    drop(small);
+}

@@ -252,7 +252,11 @@ async fn copy_when_cut(
     match write_point(ctx, backup, &cp, &cp_status, manifest).await {
         Ok(()) => Ok(Action::Done),
         Err(why) => {
+            // Nothing of it is in the target; its checkpoint starts nothing.
             fail(ctx, name, "CopyFailed", &why);
+            if ctx.store.mark_deleting(Kind::VirtualMachineSnapshot, &cp)? {
+                ctx.wake(Kind::VirtualMachineSnapshot, &cp);
+            }
             Ok(Action::Done)
         }
     }
