@@ -1192,6 +1192,15 @@ pub struct VirtualMachineBackupSpec {
     pub mode: BackupMode,
     #[serde(default = "default_true")]
     pub required_consistency: bool,
+    /// After this backup, keep the newest N points of the target: older
+    /// ones are merged into the oldest kept point, in the target, without
+    /// reading the VM.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep: Option<u32>,
+    /// Make a full point when the previous N-1 points since the last full
+    /// one are incremental, so restores read chains of at most N files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub full_every: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -434,6 +434,15 @@ impl Object {
                 check_dns_label(&b.spec.virtual_machine_name)
                     .map_err(|m| err("spec.virtualMachineName", m))?;
                 check_host_path(&b.spec.to).map_err(|m| err("spec.to", m))?;
+                if b.spec.keep == Some(0) {
+                    return Err(err("spec.keep", "at least 1 point is kept".into()));
+                }
+                if b.spec.full_every == Some(0) {
+                    return Err(err(
+                        "spec.fullEvery",
+                        "1 makes every point full; 0 means nothing".into(),
+                    ));
+                }
             }
             Object::VirtualImage(image) => {
                 check_header(&image.api_version, &image.kind, Kind::VirtualImage)

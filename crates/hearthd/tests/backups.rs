@@ -482,3 +482,117 @@ fn a_target_that_fills_up_fails_the_backup_cleanly_and_keeps_the_earlier_points(
     drop(d);
     drop(small);
 }
+
+/// The SHA-256 of a point's disk as raw bytes (its whole chain flattened).
+fn raw_sha(file: &Path, scratch: &Path) -> String {
+    let raw = scratch.join("point.raw");
+    let _ = std::fs::remove_file(&raw);
+    to_raw(file, &raw);
+    let sum = sha256_file(&raw);
+    std::fs::remove_file(&raw).unwrap();
+    sum
+}
+
+#[test]
+fn keeping_n_points_merges_the_oldest_into_a_full_one_and_every_kept_point_reads_the_same() {
+    let _serial = serial();
+    let d = Daemon::start();
+    let scratch = d.dir.path().join("scratch");
+    std::fs::create_dir_all(&scratch).unwrap();
+    let to = d.dir.path().join("kept");
+    let m = manifest(
+        &d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            Disk::from_image("app-data", guest_dir().join("data.qcow2"))
+                .size("1Gi")
+                .yaml(),
+            vm_yaml("app", "AlwaysOn", &["app-data"], "")
+        ),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().unwrap()]);
+    d.wait_agent("app");
+    let run = |name: &str, extra: &[&str]| {
+        let mut args = vec![
+            "backup",
+            "vm",
+            "app",
+            "--to",
+            to.to_str().unwrap(),
+            "--name",
+            name,
+            "--keep",
+            "2",
+            "--wait",
+        ];
+        args.extend_from_slice(extra);
+        d.cli_ok(&args);
+        let b = d.wait_final("virtualmachinebackups", name, BACKUP_TIMEOUT);
+        assert_eq!(b["status"]["phase"], "Ready", "{b:#}");
+        b
+    };
+    let points = || -> Vec<(u64, String)> {
+        backup_manifest(&to)["points"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|p| {
+                (
+                    p["point"].as_u64().unwrap(),
+                    p["kind"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    // Each point's bytes, read right after it was made.
+    let mut sums = std::collections::BTreeMap::new();
+    for (i, name) in ["k1", "k2", "k3", "k4"].iter().enumerate() {
+        write_mib(&d, name, 1);
+        let b = run(name, &[]);
+        let n = i as u64 + 1;
+        assert_eq!(b["status"]["point"], n, "{b:#}");
+        sums.insert(n, raw_sha(&point_file(&to, n, "app-data"), &scratch));
+        // Every point kept still reads what it read when it was made.
+        for (p, _) in points() {
+            assert_eq!(
+                raw_sha(&point_file(&to, p, "app-data"), &scratch),
+                sums[&p],
+                "point {p} after {name}"
+            );
+        }
+    }
+    assert_eq!(
+        points(),
+        [(3, "Full".to_string()), (4, "Incremental".to_string())]
+    );
+    let files: Vec<String> = std::fs::read_dir(to.join("app-data"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    assert_eq!(files, ["0003.qcow2", "0004.qcow2"]);
+    // Point 3 holds its whole disk now, point 4 still only its change.
+    let info = Command::new("qemu-img")
+        .args(["info", "--output=json", "-U"])
+        .arg(to.join("app-data/0003.qcow2"))
+        .output()
+        .unwrap();
+    let info: Value = serde_json::from_slice(&info.stdout).unwrap();
+    assert!(info.get("backing-filename").is_none(), "{info:#}");
+
+    // fullEvery 2: point 4 is the one incremental after point 3, so the
+    // next point is full, and says why.
+    write_mib(&d, "k5", 1);
+    let b5 = run("k5", &["--full-every", "2"]);
+    assert_eq!(b5["status"]["kind"], "Full", "{b5:#}");
+    assert!(
+        b5["status"]["reasonFull"]
+            .as_str()
+            .is_some_and(|r| r.contains("fullEvery 2")),
+        "{b5:#}"
+    );
+    assert_eq!(points(), [(4, "Full".to_string()), (5, "Full".to_string())]);
+    assert_eq!(raw_sha(&point_file(&to, 4, "app-data"), &scratch), sums[&4]);
+}

@@ -31,6 +31,9 @@ pub struct Previous {
     pub checkpoint_exists: bool,
     /// Disk name → its virtual size then.
     pub disks: BTreeMap<String, u64>,
+    /// How many incremental points follow the newest full one (0 when the
+    /// previous point is full).
+    pub incrementals_since_full: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -42,7 +45,12 @@ pub enum Choice {
     Incremental { depth: BTreeMap<String, u32> },
 }
 
-pub fn choose(mode: BackupMode, previous: Option<&Previous>, now: &[DiskNow]) -> Choice {
+pub fn choose(
+    mode: BackupMode,
+    full_every: Option<u32>,
+    previous: Option<&Previous>,
+    now: &[DiskNow],
+) -> Choice {
     let full = |why: String| Choice::Full { reason: Some(why) };
     if mode == BackupMode::Full {
         return Choice::Full { reason: None };
@@ -50,6 +58,14 @@ pub fn choose(mode: BackupMode, previous: Option<&Previous>, now: &[DiskNow]) ->
     let Some(p) = previous else {
         return Choice::Full { reason: None };
     };
+    if let Some(n) = full_every
+        && p.incrementals_since_full + 1 >= n
+    {
+        return full(format!(
+            "fullEvery {n}: {} incremental point(s) follow the last full one",
+            p.incrementals_since_full
+        ));
+    }
     if !p.checkpoint_exists {
         return full(format!(
             "the checkpoint snapshot {:?} of backup {:?} is gone, so what changed since is unknown",
@@ -124,7 +140,29 @@ mod tests {
             checkpoint: "b1-cp".into(),
             checkpoint_exists: true,
             disks: disks.iter().map(|(n, s)| (n.to_string(), *s)).collect(),
+            incrementals_since_full: 0,
         }
+    }
+
+    #[test]
+    fn full_every_n_makes_every_nth_point_full() {
+        let ok = [disk("root", 10, &["/l/5", "/l/2"], Some("/l/2"))];
+        let mut p = prev(&[("root", 10)]);
+        p.incrementals_since_full = 5;
+        assert!(matches!(
+            choose(BackupMode::Auto, Some(7), Some(&p), &ok),
+            Choice::Incremental { .. }
+        ));
+        p.incrementals_since_full = 6;
+        match choose(BackupMode::Auto, Some(7), Some(&p), &ok) {
+            Choice::Full { reason: Some(r) } => assert!(r.contains("fullEvery 7"), "{r}"),
+            other => panic!("{other:?}"),
+        }
+        p.incrementals_since_full = 0;
+        assert!(matches!(
+            choose(BackupMode::Auto, Some(1), Some(&p), &ok),
+            Choice::Full { .. }
+        ));
     }
 
     #[test]
@@ -136,7 +174,7 @@ mod tests {
             Some("/l/2"),
         )];
         assert_eq!(
-            choose(BackupMode::Auto, Some(&prev(&[("root", 10)])), &now),
+            choose(BackupMode::Auto, None, Some(&prev(&[("root", 10)])), &now),
             Choice::Incremental {
                 depth: BTreeMap::from([("root".to_string(), 2)])
             }
@@ -147,11 +185,11 @@ mod tests {
     fn every_case_that_makes_it_full_says_why() {
         let ok = [disk("root", 10, &["/l/5", "/l/2"], Some("/l/2"))];
         assert_eq!(
-            choose(BackupMode::Full, Some(&prev(&[("root", 10)])), &ok),
+            choose(BackupMode::Full, None, Some(&prev(&[("root", 10)])), &ok),
             Choice::Full { reason: None }
         );
         assert_eq!(
-            choose(BackupMode::Auto, None, &ok),
+            choose(BackupMode::Auto, None, None, &ok),
             Choice::Full { reason: None }
         );
         let reason = |c: Choice| match c {
@@ -160,13 +198,20 @@ mod tests {
         };
         let mut gone = prev(&[("root", 10)]);
         gone.checkpoint_exists = false;
-        assert!(reason(choose(BackupMode::Auto, Some(&gone), &ok)).contains("is gone"));
+        assert!(reason(choose(BackupMode::Auto, None, Some(&gone), &ok)).contains("is gone"));
         assert!(
-            reason(choose(BackupMode::Auto, Some(&prev(&[("root", 8)])), &ok)).contains("resized")
+            reason(choose(
+                BackupMode::Auto,
+                None,
+                Some(&prev(&[("root", 8)])),
+                &ok
+            ))
+            .contains("resized")
         );
         assert!(
             reason(choose(
                 BackupMode::Auto,
+                None,
                 Some(&prev(&[("root", 10), ("data", 5)])),
                 &ok
             ))
@@ -176,6 +221,7 @@ mod tests {
         assert!(
             reason(choose(
                 BackupMode::Auto,
+                None,
                 Some(&prev(&[("root", 10)])),
                 &restored
             ))
@@ -185,6 +231,7 @@ mod tests {
         assert!(
             reason(choose(
                 BackupMode::Auto,
+                None,
                 Some(&prev(&[("root", 10)])),
                 &no_layer
             ))

@@ -269,6 +269,9 @@ fn prepare_target(dir: &Path, vm: &str) -> Result<Manifest, target::TargetError>
         source,
     })?;
     let m = target::read(dir, vm)?;
+    for p in target::recover(dir, &m)? {
+        tracing::info!(file = %p.display(), "finished a merge a crash stopped");
+    }
     for p in target::sweep(dir, &m)? {
         tracing::info!(file = %p.display(), "removed a file no backup point lists");
     }
@@ -353,7 +356,14 @@ async fn write_point(
         });
         layers.insert(disk.clone(), layer.path.clone());
     }
+    let incrementals_since_full = manifest
+        .points
+        .iter()
+        .rev()
+        .take_while(|p| p.kind == BackupKind::Incremental)
+        .count() as u32;
     let prev = previous.as_ref().map(|p| Previous {
+        incrementals_since_full,
         backup: p.backup.clone(),
         checkpoint: p.checkpoint.clone(),
         checkpoint_exists: prev_disks.is_some(),
@@ -363,7 +373,12 @@ async fn write_point(
             .map(|f| (f.disk.clone(), f.virtual_size))
             .collect(),
     });
-    let choice = choose::choose(backup.spec.mode, prev.as_ref(), &now);
+    let choice = choose::choose(
+        backup.spec.mode,
+        backup.spec.full_every,
+        prev.as_ref(),
+        &now,
+    );
     let point = previous.as_ref().map(|p| p.point + 1).unwrap_or(1);
     let work = ctx.config.state_dir.join("backups").join(name);
     let mut files = Vec::new();
@@ -462,6 +477,32 @@ async fn write_point(
         reason_full,
         Some((bytes_read, bytes_written, took.as_millis() as u64)),
     );
+    // Retention in the target: older points merged into the oldest kept.
+    if let Some(keep) = backup.spec.keep {
+        let before = manifest.points.len();
+        match target::keep_newest(dir, manifest, keep).await {
+            Ok(kept) if kept.points.len() < before => ctx.event(
+                Kind::VirtualMachineBackup,
+                name,
+                EventType::Normal,
+                "Pruned",
+                &format!(
+                    "kept the newest {} point(s) of {}; point {} is now full",
+                    kept.points.len(),
+                    dir.display(),
+                    kept.points.first().map(|p| p.point).unwrap_or(0)
+                ),
+            ),
+            Ok(_) => {}
+            Err(why) => ctx.event(
+                Kind::VirtualMachineBackup,
+                name,
+                EventType::Warning,
+                "PruneFailed",
+                &format!("the older points stay: {why}"),
+            ),
+        }
+    }
     // The previous checkpoint is no longer a start for anything.
     if let Some(prev) = previous
         && prev.checkpoint != cp

@@ -136,6 +136,8 @@ pub async fn verified_point(
         .map_err(|e| format!("{}: {e}", dir.join(MANIFEST).display()))?;
     let m: Manifest = serde_json::from_slice(&text)
         .map_err(|e| format!("{}: {e}", dir.join(MANIFEST).display()))?;
+    // A merge a crash stopped is finished (or forgotten) first.
+    recover(dir, &m).map_err(|e| e.to_string())?;
     let n = match point {
         Some(n) => n,
         None => m
@@ -197,6 +199,124 @@ pub async fn verified_point(
     Ok((expected[0].0.clone(), expected[0].2))
 }
 
+fn sha256_of(path: &Path) -> std::io::Result<String> {
+    use sha2::Digest as _;
+    let mut f = std::fs::File::open(path)?;
+    let mut h = sha2::Sha256::new();
+    std::io::copy(&mut f, &mut h)?;
+    Ok(format!("{:x}", h.finalize()))
+}
+
+const MERGED: &str = ".merged";
+
+/// Finishes or forgets a merge a crash stopped, deciding from the bytes: a
+/// `FILE.merged` whose SHA-256 is the one the manifest gives for `FILE` was
+/// committed (it takes `FILE`'s place); any other is not (it goes). Runs
+/// before the sweep, which would otherwise take the file below an
+/// unfinished merge. Returns the files renamed.
+pub fn recover(dir: &Path, m: &Manifest) -> Result<Vec<PathBuf>, TargetError> {
+    let mut renamed = Vec::new();
+    for f in m.points.iter().flat_map(|p| p.files.iter()) {
+        let path = dir.join(&f.file);
+        let merged = dir.join(format!("{}{MERGED}", f.file));
+        if !merged.exists() {
+            continue;
+        }
+        let sha = sha256_of(&merged).map_err(io("reading", &merged))?;
+        if sha == f.sha256 {
+            std::fs::rename(&merged, &path).map_err(io("renaming", &merged))?;
+            sync_dir(path.parent().unwrap_or(dir))?;
+            renamed.push(path);
+        } else {
+            std::fs::remove_file(&merged).map_err(io("removing", &merged))?;
+        }
+    }
+    Ok(renamed)
+}
+
+/// Keeps the newest `keep` points: the oldest kept one becomes full (when
+/// it is not) by flattening its chain into a new file, and the points below
+/// it go. Write order, per merge: the flattened file written beside the
+/// point's file (`FILE.merged`), synced and checked; the manifest without
+/// the older points, naming the new file's SHA-256 (the commit); the
+/// flattened file renamed over the point's own name (so the points above,
+/// which name it as their backing file, read the same bytes through it);
+/// then the older files removed. [`recover`] finishes a crash in between.
+pub async fn keep_newest(dir: &Path, mut m: Manifest, keep: u32) -> Result<Manifest, String> {
+    let keep = keep.max(1) as usize;
+    if m.points.len() <= keep {
+        return Ok(m);
+    }
+    let first_kept = m.points.len() - keep;
+    let mut kept = m.points.split_off(first_kept);
+    let dropped = std::mem::take(&mut m.points);
+    let oldest = &mut kept[0];
+    let mut renames = Vec::new();
+    if oldest.kind == BackupKind::Incremental {
+        for f in oldest.files.iter_mut() {
+            let path = dir.join(&f.file);
+            let merged = dir.join(format!("{}{MERGED}", f.file));
+            let partial = dir.join(format!("{}{MERGED}.partial", f.file));
+            let _ = std::fs::remove_file(&partial);
+            let written = async {
+                hearth_qemu::img::QemuImg::locate()
+                    .map_err(|e| e.to_string())?
+                    .with_timeout(crate::snapshot::export::CONVERT_TIMEOUT)
+                    .convert_standalone(&path, "qcow2", &partial, "qcow2")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let part = partial.clone();
+                let (sha, size) =
+                    tokio::task::spawn_blocking(move || -> std::io::Result<(String, u64)> {
+                        std::fs::File::open(&part)?.sync_all()?;
+                        Ok((sha256_of(&part)?, std::fs::metadata(&part)?.len()))
+                    })
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .map_err(|e| format!("{}: {e}", partial.display()))?;
+                let report = hearth_qemu::img::QemuImg::locate()
+                    .map_err(|e| e.to_string())?
+                    .check(&partial)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if !report.is_clean() {
+                    return Err(format!("{} is not sound: {report:?}", partial.display()));
+                }
+                std::fs::rename(&partial, &merged).map_err(|e| e.to_string())?;
+                sync_dir(merged.parent().unwrap_or(dir)).map_err(|e| e.to_string())?;
+                Ok::<_, String>((sha, size))
+            }
+            .await;
+            let (sha, size) = match written {
+                Ok(w) => w,
+                Err(e) => {
+                    let _ = std::fs::remove_file(&partial);
+                    for (_, m) in &renames {
+                        let _ = std::fs::remove_file(m);
+                    }
+                    return Err(e);
+                }
+            };
+            f.sha256 = sha;
+            f.size = size;
+            renames.push((path, merged));
+        }
+        oldest.kind = BackupKind::Full;
+    }
+    m.points = kept;
+    commit(dir, &m).map_err(|e| e.to_string())?;
+    for (path, merged) in &renames {
+        std::fs::rename(merged, path).map_err(|e| e.to_string())?;
+        sync_dir(path.parent().unwrap_or(dir)).map_err(|e| e.to_string())?;
+    }
+    for p in &dropped {
+        for f in &p.files {
+            let _ = std::fs::remove_file(dir.join(&f.file));
+        }
+    }
+    Ok(m)
+}
+
 /// `DISK/NNNN.qcow2`, relative to the target.
 pub fn file_name(disk: &str, point: u32) -> String {
     format!("{disk}/{point:04}.qcow2")
@@ -226,7 +346,10 @@ pub fn sweep(dir: &Path, m: &Manifest) -> Result<Vec<PathBuf>, TargetError> {
         for f in files.flatten() {
             let p = f.path();
             let name = f.file_name().to_string_lossy().into_owned();
-            let ours = name.ends_with(".qcow2") || name.ends_with(".qcow2.partial");
+            let ours = name.ends_with(".qcow2")
+                || name.ends_with(".qcow2.partial")
+                || name.ends_with(".qcow2.merged")
+                || name.ends_with(".qcow2.merged.partial");
             if ours && !listed.contains(&p) {
                 std::fs::remove_file(&p).map_err(io("removing", &p))?;
                 removed.push(p);
@@ -260,6 +383,29 @@ mod tests {
             }],
             virtual_machine_spec: None,
         }
+    }
+
+    #[test]
+    fn recovery_decides_a_merge_from_the_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("root")).unwrap();
+        let mut m = read(dir.path(), "app").unwrap();
+        m.points.push(point(2, "root"));
+        let file = dir.path().join("root/0002.qcow2");
+        let merged = dir.path().join("root/0002.qcow2.merged");
+        // Committed: the manifest names the merged bytes.
+        std::fs::write(&file, b"old").unwrap();
+        std::fs::write(&merged, b"new").unwrap();
+        m.points[0].files[0].sha256 = sha256_of(&merged).unwrap();
+        assert_eq!(recover(dir.path(), &m).unwrap(), [file.clone()]);
+        assert_eq!(std::fs::read(&file).unwrap(), b"new");
+        assert!(!merged.exists());
+        // Not committed: the manifest still names the old bytes.
+        std::fs::write(&merged, b"newer").unwrap();
+        m.points[0].files[0].sha256 = sha256_of(&file).unwrap();
+        assert!(recover(dir.path(), &m).unwrap().is_empty());
+        assert_eq!(std::fs::read(&file).unwrap(), b"new");
+        assert!(!merged.exists());
     }
 
     #[test]

@@ -55,6 +55,14 @@ pub struct VmArgs {
     /// A full backup even when an incremental one could be made.
     #[arg(long)]
     pub full: bool,
+    /// After the backup, keep the newest N points in DIR: the older ones
+    /// are merged into the oldest kept point (which becomes full), without
+    /// reading the VM.
+    #[arg(long, value_name = "N")]
+    pub keep: Option<u32>,
+    /// Make every Nth point full (a restore then reads at most N files).
+    #[arg(long, value_name = "N")]
+    pub full_every: Option<u32>,
     /// The backup's name (default: VM-YYYYMMDD-HHMMSS, UTC).
     #[arg(long, value_name = "NAME", value_parser = super::parse_name)]
     pub name: Option<String>,
@@ -90,6 +98,13 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
             "requiredConsistency": !a.no_require_consistency,
         },
     });
+    let mut object = object;
+    if let Some(k) = a.keep {
+        object["spec"]["keep"] = json!(k);
+    }
+    if let Some(n) = a.full_every {
+        object["spec"]["fullEvery"] = json!(n);
+    }
     object_from_value(object.clone(), "the backup").map_err(anyhow::Error::msg)?;
     let answer = client
         .post("/v1/apply?create=true", Some(&json!({ "items": [object] })))
