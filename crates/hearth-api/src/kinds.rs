@@ -1059,7 +1059,9 @@ pub struct VirtualMachineSnapshotScheduleSpec {
     pub required_consistency: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub retention: Option<Retention>,
-    /// Incremental backups on the same calendar (not supported yet: refused).
+    /// Backups instead of plain snapshots: at each slot a
+    /// VirtualMachineBackup of every covered VM into `to/VM`, keeping
+    /// `keep` points there, every `fullEvery`th one full.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backup: Option<ScheduleBackup>,
     /// A slot that could not start within this many seconds of its time

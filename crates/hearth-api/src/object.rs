@@ -523,11 +523,23 @@ fn check_schedule_spec(
             crate::kinds::parse_age(age).map_err(|m| f("spec.retention.maxAge", m))?;
         }
     }
-    if spec.backup.is_some() {
-        return Err(f(
-            "spec.backup",
-            "backups from a schedule are not supported yet; remove `backup` (snapshots and their retention work)".into(),
-        ));
+    if let Some(b) = &spec.backup {
+        check_host_path(&b.to).map_err(|m| f("spec.backup.to", m))?;
+        if b.keep == Some(0) {
+            return Err(f("spec.backup.keep", "at least 1 point is kept".into()));
+        }
+        if b.full_every == Some(0) {
+            return Err(f(
+                "spec.backup.fullEvery",
+                "1 makes every point full; 0 means nothing".into(),
+            ));
+        }
+        if spec.virtual_machine_snapshot_group_template.is_some() {
+            return Err(f(
+                "spec.backup",
+                "backups are per VM: a schedule with a group template takes snapshots only".into(),
+            ));
+        }
     }
     if spec.starting_deadline_seconds == Some(0) {
         return Err(f(

@@ -67,6 +67,16 @@ pub fn snapshot_settled(
 pub struct Sample {
     vms: Vec<VmSample>,
     snapshots: BTreeMap<(Kind, PhaseName), u64>,
+    /// Per VM, its newest Ready backup.
+    backups: BTreeMap<String, BackupSample>,
+}
+
+#[derive(Debug, Default)]
+struct BackupSample {
+    cut_unix: f64,
+    bytes_read: u64,
+    bytes_written: u64,
+    duration_seconds: f64,
 }
 
 type PhaseName = &'static str;
@@ -155,6 +165,37 @@ pub async fn sample(ctx: &Context) -> Sample {
             }
             Err(e) => tracing::warn!(error = %e, "metrics: cannot list {kind}s"),
         }
+    }
+    match ctx.store.list(Kind::VirtualMachineBackup) {
+        Ok(objects) => {
+            for o in objects {
+                let Object::VirtualMachineBackup(b) = &o.object else {
+                    continue;
+                };
+                let st: hearth_api::BackupStatus =
+                    serde_json::from_value(o.status.clone()).unwrap_or_default();
+                let Some(cut) = st
+                    .cut_time
+                    .filter(|_| st.phase == hearth_api::BackupPhase::Ready)
+                else {
+                    continue;
+                };
+                let cut_unix = cut.timestamp_millis() as f64 / 1000.0;
+                let entry = out
+                    .backups
+                    .entry(b.spec.virtual_machine_name.clone())
+                    .or_default();
+                if cut_unix >= entry.cut_unix {
+                    *entry = BackupSample {
+                        cut_unix,
+                        bytes_read: st.bytes_read.unwrap_or(0),
+                        bytes_written: st.bytes_written.unwrap_or(0),
+                        duration_seconds: st.duration_ms.unwrap_or(0) as f64 / 1000.0,
+                    };
+                }
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "metrics: cannot list backups"),
     }
     let vms = match ctx.store.list(Kind::VirtualMachine) {
         Ok(v) => v,
@@ -370,6 +411,40 @@ impl Collector for Sample {
                 }),
             )?;
         }
+        type PickBackup = fn(&BackupSample) -> f64;
+        let backup_gauges: [(&str, &str, PickBackup); 4] = [
+            (
+                "backup_last_success_timestamp_seconds",
+                "Cut time of the VM's newest Ready VirtualMachineBackup (Unix seconds)",
+                |b| b.cut_unix,
+            ),
+            (
+                "backup_last_bytes_read",
+                "Bytes the VM's newest Ready backup read from its checkpoint's layers",
+                |b| b.bytes_read as f64,
+            ),
+            (
+                "backup_last_bytes_written",
+                "Bytes of the files the VM's newest Ready backup wrote into its target",
+                |b| b.bytes_written as f64,
+            ),
+            (
+                "backup_last_duration_seconds",
+                "How long the VM's newest Ready backup took from its cut to its commit",
+                |b| b.duration_seconds,
+            ),
+        ];
+        for (name, help, pick) in backup_gauges {
+            family(
+                e,
+                name,
+                help,
+                MetricType::Gauge,
+                self.backups
+                    .iter()
+                    .map(move |(vm, b)| ([("vm", vm.clone())], ConstGauge::new(pick(b)))),
+            )?;
+        }
         family(
             e,
             "snapshots",
@@ -478,6 +553,17 @@ mod tests {
             snapshots: [((Kind::VirtualDiskSnapshot, "Ready"), 2)]
                 .into_iter()
                 .collect(),
+            backups: [(
+                "web".to_string(),
+                BackupSample {
+                    cut_unix: 1_800_000_000.5,
+                    bytes_read: 1 << 20,
+                    bytes_written: 3 << 20,
+                    duration_seconds: 1.25,
+                },
+            )]
+            .into_iter()
+            .collect(),
         };
         let engine = EngineMetrics::default();
         engine.reconcile_done(Kind::VirtualMachine, Duration::from_millis(30), false);
@@ -512,6 +598,15 @@ mod tests {
             v(r#"hearth_snapshots{kind="VirtualDiskSnapshot",phase="Ready"}"#),
             2.0
         );
+        assert_eq!(
+            v(r#"hearth_backup_last_success_timestamp_seconds{vm="web"}"#),
+            1_800_000_000.5
+        );
+        assert_eq!(
+            v(r#"hearth_backup_last_bytes_written{vm="web"}"#),
+            (3 << 20) as f64
+        );
+        assert_eq!(v(r#"hearth_backup_last_duration_seconds{vm="web"}"#), 1.25);
         assert_eq!(
             v(r#"hearth_reconcile_errors_total{kind="VirtualMachine"}"#),
             1.0

@@ -473,6 +473,22 @@ pub fn sweep(dir: &Path) -> (usize, usize) {
     (killed, unmounted)
 }
 
+/// At start-up, for a work directory whose exports no run uses any more:
+/// [`sweep`] (twice, when it found anything: a killed daemon closes its
+/// files as it dies), then the directory removed. Says what it took away.
+pub fn clear_work_dir(dir: &Path, what: &str) {
+    if !dir.exists() {
+        return;
+    }
+    let (killed, unmounted) = sweep(dir);
+    if killed + unmounted > 0 {
+        tracing::info!(killed, unmounted, "took away {what} a crash left behind");
+        std::thread::sleep(Duration::from_millis(200));
+        let _ = sweep(dir);
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
 /// Whether a `/proc/PID/cmdline` is a `qemu-storage-daemon` with an
 /// argument naming a path under `dir`.
 pub fn names_daemon_under(cmdline: &[u8], dir: &Path) -> bool {

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
+use common::kill_wrapper::KillWrapper;
 use common::*;
 use serde_json::Value;
 
@@ -99,6 +100,24 @@ fn checkpoint_disk(d: &Daemon, b: &Value) -> PathBuf {
     d.disk_path(&disk)
 }
 
+/// The VM `app` running on one data disk `app-data` of `size` (the test
+/// image's ext4, mounted at /data in the guest).
+fn start_app(d: &Daemon, size: &str) {
+    let m = manifest(
+        d,
+        "vm.yaml",
+        &format!(
+            "{}---\n{}",
+            Disk::from_image("app-data", guest_dir().join("data.qcow2"))
+                .size(size)
+                .yaml(),
+            vm_yaml("app", "AlwaysOn", &["app-data"], "")
+        ),
+    );
+    d.cli_ok(&["apply", "-f", m.to_str().unwrap()]);
+    d.wait_agent("app");
+}
+
 fn write_mib(d: &Daemon, file: &str, mib: u32) {
     d.agent_sh_ok(
         "app",
@@ -111,59 +130,17 @@ fn write_mib(d: &Daemon, file: &str, mib: u32) {
 #[test]
 fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() {
     let _serial = serial();
-    // A qemu-img ahead in hearthd's PATH: the real one, then, once the
-    // trigger file exists, a SIGKILL to hearthd right after it checked a
-    // finished copy (the file whole, the manifest not yet written).
-    let tools = tempfile::Builder::new()
-        .prefix("hearth-backup-")
-        .tempdir()
-        .unwrap();
-    let bin = tools.path().join("bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    let trigger = tools.path().join("kill-after-check");
-    let real = String::from_utf8(
-        Command::new("sh")
-            .args(["-c", "command -v qemu-img"])
-            .output()
-            .unwrap()
-            .stdout,
-    )
-    .unwrap();
-    std::fs::write(
-        bin.join("qemu-img"),
-        format!(
-            "#!/bin/sh\n{} \"$@\"\nrc=$?\ncase \" $* \" in *\" check \"*.partial*)\n  if [ -e {t} ]; then rm -f {t}; kill -9 $PPID; fi;;\nesac\nexit $rc\n",
-            real.trim(),
-            t = trigger.display()
-        ),
-    )
-    .unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(bin.join("qemu-img"), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let path = format!(
-        "{}:{}",
-        bin.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    let env = [("PATH", path.as_str())];
+    // A qemu-img ahead in hearthd's PATH: the real one, then, once armed,
+    // a SIGKILL to hearthd right after it checked a finished copy (the file
+    // whole, the manifest not yet written).
+    let wrapper = KillWrapper::new("qemu-img", "*\" check \"*.partial*");
+    let env = [("PATH", wrapper.path.as_str())];
     let mut d = Daemon::start_env(&env);
     let scratch = d.dir.path().join("scratch");
     std::fs::create_dir_all(&scratch).unwrap();
     let to = d.dir.path().join("backups").join("app");
     std::fs::create_dir_all(to.parent().unwrap()).unwrap();
-    let m = manifest(
-        &d,
-        "vm.yaml",
-        &format!(
-            "{}---\n{}",
-            Disk::from_image("app-data", guest_dir().join("data.qcow2"))
-                .size("4Gi")
-                .yaml(),
-            vm_yaml("app", "AlwaysOn", &["app-data"], "")
-        ),
-    );
-    d.cli_ok(&["apply", "-f", m.to_str().unwrap()]);
-    d.wait_agent("app");
+    start_app(&d, "4Gi");
 
     // 1. Full.
     write_mib(&d, "one", 2);
@@ -251,7 +228,7 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     // manifest names it: the point is not counted; after the restart the
     // backup is made again, and the leftover file is gone.
     write_mib(&d, "five", 3);
-    std::fs::write(&trigger, "").unwrap();
+    wrapper.arm();
     d.cli_ok(&[
         "backup",
         "vm",
@@ -419,19 +396,7 @@ fn a_target_that_fills_up_fails_the_backup_cleanly_and_keeps_the_earlier_points(
         .unwrap();
     assert!(fill.status.success(), "{fill:?}");
     let to = small.mountpoint.join("app");
-    let m = manifest(
-        &d,
-        "vm.yaml",
-        &format!(
-            "{}---\n{}",
-            Disk::from_image("app-data", guest_dir().join("data.qcow2"))
-                .size("1Gi")
-                .yaml(),
-            vm_yaml("app", "AlwaysOn", &["app-data"], "")
-        ),
-    );
-    d.cli_ok(&["apply", "-f", m.to_str().unwrap()]);
-    d.wait_agent("app");
+    start_app(&d, "1Gi");
     let b1 = backup(&d, "b1", &to);
     assert_eq!(b1["status"]["kind"], "Full");
     let p1 = point_file(&to, 1, "app-data");
@@ -500,19 +465,7 @@ fn keeping_n_points_merges_the_oldest_into_a_full_one_and_every_kept_point_reads
     let scratch = d.dir.path().join("scratch");
     std::fs::create_dir_all(&scratch).unwrap();
     let to = d.dir.path().join("kept");
-    let m = manifest(
-        &d,
-        "vm.yaml",
-        &format!(
-            "{}---\n{}",
-            Disk::from_image("app-data", guest_dir().join("data.qcow2"))
-                .size("1Gi")
-                .yaml(),
-            vm_yaml("app", "AlwaysOn", &["app-data"], "")
-        ),
-    );
-    d.cli_ok(&["apply", "-f", m.to_str().unwrap()]);
-    d.wait_agent("app");
+    start_app(&d, "1Gi");
     let run = |name: &str, extra: &[&str]| {
         let mut args = vec![
             "backup",

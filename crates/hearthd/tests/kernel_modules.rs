@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use common::debian::*;
 use common::debian_oci::debian_oci;
+use common::kill_wrapper::KillWrapper;
 use common::*;
 use hearth_api::OciSource;
 use hearth_test_support::oci::{TestRegistry, sha256sum};
@@ -47,29 +48,10 @@ fn a_copy_killed_after_its_write_is_swept_and_made_again() {
     let noboot = registry.push(&images.layout, "noboot", "debian/noboot:12");
     let kernel = registry.push(&images.layout, "kernel", "debian/kernel:12");
 
-    // A debugfs ahead in hearthd's PATH: the real one, then, once the
-    // trigger file exists, a SIGKILL to hearthd right after a write.
-    let bin = work.path().join("bin");
-    std::fs::create_dir_all(&bin).unwrap();
-    let trigger = work.path().join("kill-after-write");
-    let real = tool("sh", &["-c", "command -v debugfs"]);
-    std::fs::write(
-        bin.join("debugfs"),
-        format!(
-            "#!/bin/sh\n{} \"$@\"\nrc=$?\ncase \" $* \" in *\" -w \"*)\n  if [ -e {t} ]; then rm -f {t}; kill -9 $PPID; fi;;\nesac\nexit $rc\n",
-            real.trim(),
-            t = trigger.display()
-        ),
-    )
-    .unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(bin.join("debugfs"), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let path = format!(
-        "{}:{}",
-        bin.display(),
-        std::env::var("PATH").unwrap_or_default()
-    );
-    let env = [("PATH", path.as_str())];
+    // A debugfs ahead in hearthd's PATH: the real one, then, once armed,
+    // a SIGKILL to hearthd right after a write.
+    let wrapper = KillWrapper::new("debugfs", "*\" -w \"*");
+    let env = [("PATH", wrapper.path.as_str())];
     let mut d = Daemon::start_env(&env);
     let oci = |name: &str, reference: &str| {
         Image::oci(
@@ -111,7 +93,7 @@ fn a_copy_killed_after_its_write_is_swept_and_made_again() {
     let first_head = PathBuf::from(disk_ready(&d)["status"]["path"].as_str().unwrap());
     let before = layer_files(&d);
 
-    std::fs::write(&trigger, "").unwrap();
+    wrapper.arm();
     let vm = json!({"apiVersion": "hearth.dev/v1alpha1", "kind": "VirtualMachine",
         "metadata": {"name": "km"},
         "spec": {"runPolicy": "AlwaysOn", "cpus": 1, "memory": "768Mi", "stopTimeoutSeconds": 5,

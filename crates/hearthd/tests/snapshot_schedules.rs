@@ -17,7 +17,24 @@ use serde_json::Value;
 
 const SLOT: &str = "hearth.dev/schedule-slot";
 
-fn schedule_yaml() -> String {
+fn schedule_yaml(backups: &std::path::Path) -> String {
+    format!(
+        "{}---
+apiVersion: hearth.dev/v1alpha1
+kind: VirtualMachineSnapshotSchedule
+metadata: {{name: saved}}
+spec:
+  schedule: \"* * * * *\"
+  virtualMachineNames: [db]
+  backup: {{to: {}, keep: 2}}
+  retention: {{keep: 1}}
+",
+        snapshot_schedules(),
+        backups.display()
+    )
+}
+
+fn snapshot_schedules() -> String {
     "apiVersion: hearth.dev/v1alpha1
 kind: VirtualMachineSnapshotSchedule
 metadata: {name: minutely}
@@ -135,7 +152,8 @@ fn schedules_run_on_the_minute_once_after_downtime_and_keep_the_newest_and_the_p
     while !(5..40).contains(&Utc::now().second()) {
         std::thread::sleep(Duration::from_millis(500));
     }
-    let s = manifest(&d, "schedules.yaml", &schedule_yaml());
+    let backups = d.dir.path().join("backups");
+    let s = manifest(&d, "schedules.yaml", &schedule_yaml(&backups));
     d.cli_ok(&["apply", "-f", s.to_str().unwrap()]);
     let first = d.wait_object(
         "virtualmachinesnapshotschedules",
@@ -244,4 +262,37 @@ fn schedules_run_on_the_minute_once_after_downtime_and_keep_the_newest_and_the_p
         "{reasons:?}"
     );
     assert!(reasons.iter().any(|r| r == "Pruned"), "{reasons:?}");
+
+    // The backup schedule: one backup per slot (B full, C and D
+    // incremental), `keep: 2` points in the target (B merged into C, which
+    // is full now), `retention: keep 1` backup object.
+    let saved = wait_runs(
+        &d,
+        "virtualmachinebackups",
+        "saved",
+        "only D's backup left",
+        |r| slots(r) == [slot_d] && all_ready(r),
+    );
+    assert_eq!(
+        saved[0].2["spec"]["to"],
+        backups.join("db").to_str().unwrap()
+    );
+    let m: Value =
+        serde_json::from_slice(&std::fs::read(backups.join("db/hearth-backup.json")).unwrap())
+            .unwrap();
+    let kinds: Vec<(u64, &str)> = m["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p["point"].as_u64().unwrap(), p["kind"].as_str().unwrap()))
+        .collect();
+    assert_eq!(kinds, [(2, "Full"), (3, "Incremental")], "{m:#}");
+    for p in m["points"].as_array().unwrap() {
+        for f in p["files"].as_array().unwrap() {
+            let file = backups.join("db").join(f["file"].as_str().unwrap());
+            assert_eq!(sha256_file(&file), f["sha256"].as_str().unwrap());
+        }
+    }
+    let cp = saved[0].2["status"]["checkpoint"].as_str().unwrap();
+    assert!(d.get("virtualmachinesnapshots", cp).is_some(), "{cp}");
 }

@@ -44,6 +44,17 @@ fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CopyErr
     move |source| CopyError::Io { what, path, source }
 }
 
+/// Where the copies' exports are mounted: `STATE/backups/BACKUP/DISK`.
+pub fn work_root(state_dir: &Path) -> PathBuf {
+    state_dir.join("backups")
+}
+
+/// At start-up: kills storage daemons a killed hearthd left (normally gone
+/// with it), unmounts their exports, removes the directories.
+pub fn sweep(state_dir: &Path) {
+    hearth_qemu::storage_daemon::clear_work_dir(&work_root(state_dir), "backup copies");
+}
+
 /// What writing one file took.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Written {

@@ -380,7 +380,7 @@ async fn write_point(
         &now,
     );
     let point = previous.as_ref().map(|p| p.point + 1).unwrap_or(1);
-    let work = ctx.config.state_dir.join("backups").join(name);
+    let work = copy::work_root(&ctx.config.state_dir).join(name);
     let mut files = Vec::new();
     let mut partials = Vec::new();
     let mut bytes_read = 0;

@@ -68,22 +68,7 @@ pub fn work_root(state_dir: &Path) -> PathBuf {
 /// hearthd left (normally gone with it), unmounts their exports, removes
 /// the directories.
 pub fn sweep(state_dir: &Path) {
-    let root = work_root(state_dir);
-    if !root.exists() {
-        return;
-    }
-    let (killed, unmounted) = hearth_qemu::storage_daemon::sweep(&root);
-    if killed + unmounted > 0 {
-        tracing::info!(
-            killed,
-            unmounted,
-            "took away disk preparations a crash left behind"
-        );
-        // A killed daemon closes its files as it dies; give it the moment.
-        std::thread::sleep(Duration::from_millis(200));
-        let _ = hearth_qemu::storage_daemon::sweep(&root);
-    }
-    let _ = std::fs::remove_dir_all(&root);
+    hearth_qemu::storage_daemon::clear_work_dir(&work_root(state_dir), "disk preparations");
 }
 
 /// What to do to a new disk from `image`: nothing, or grow and/or write.

@@ -186,6 +186,7 @@ impl Engine {
         // Disk preparations a crash cut short: their storage daemons and
         // FUSE mounts go first, so no layer file is held open for the sweep.
         crate::disk::prepare::sweep(&engine.ctx.config.state_dir);
+        crate::backup::copy::sweep(&engine.ctx.config.state_dir);
         match crate::snapshot::storage::sweep_orphans(
             &engine.ctx.store,
             &engine.ctx.config.state_dir,

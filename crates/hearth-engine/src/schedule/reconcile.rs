@@ -100,7 +100,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, Reconci
     }
 
     let group_mode = sch.spec.virtual_machine_snapshot_group_template.is_some();
-    let runs = runs_of(ctx, name, group_mode)?;
+    let runs = runs_of(ctx, name, run_kind(sch))?;
     let retention = sch.spec.retention.clone().unwrap_or_default();
     let inputs = Inputs {
         now,
@@ -122,11 +122,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, Reconci
     let p = plan::plan(&inputs);
 
     for victim in &p.delete {
-        let kind = if group_mode {
-            Kind::VirtualMachineSnapshotGroup
-        } else {
-            Kind::VirtualMachineSnapshot
-        };
+        let kind = run_kind(sch);
         if ctx.store.mark_deleting(kind, victim)? {
             ctx.event(
                 kind,
@@ -178,29 +174,18 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, Reconci
         }
     });
 
+    let after = After {
+        next: p.next,
+        ready,
+        active: active.clone(),
+        generation,
+    };
     match p.slot {
         Some(Slot::Run(slot)) => {
-            start_run(ctx, sch, slot, now, group_mode, p.next, ready, generation)?;
+            start_run(ctx, sch, slot, now, group_mode, &after)?;
         }
         Some(Slot::Skip(slot, why)) => {
-            if !sch.spec.suspend {
-                ctx.event(
-                    Kind::VirtualMachineSnapshotSchedule,
-                    name,
-                    EventType::Warning,
-                    "RunSkipped",
-                    &format!("the run of {} is skipped: {why}", slot.to_rfc3339()),
-                );
-            }
-            set_status(ctx, name, |s| {
-                s.last_schedule_time = Some(slot);
-                s.last_result = Some(RunResult::Skipped);
-                s.message = Some(why.clone());
-                s.next_run_time = p.next;
-                s.snapshots = ready;
-                s.active = active.clone();
-                s.observed_generation = generation;
-            });
+            record_skip(ctx, name, slot, why, !sch.spec.suspend, &after);
         }
         Some(Slot::Wait(_)) | None => {
             set_status(ctx, name, |s| {
@@ -221,6 +206,18 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, Reconci
         }
     }
     Ok(Action::RequeueAfter(p.wake_in))
+}
+
+/// The kind of a run's objects: a group, a VM snapshot per VM, or a
+/// backup per VM.
+fn run_kind(sch: &VirtualMachineSnapshotSchedule) -> Kind {
+    if sch.spec.virtual_machine_snapshot_group_template.is_some() {
+        Kind::VirtualMachineSnapshotGroup
+    } else if sch.spec.backup.is_some() {
+        Kind::VirtualMachineBackup
+    } else {
+        Kind::VirtualMachineSnapshot
+    }
 }
 
 fn calendar_of(sch: &VirtualMachineSnapshotSchedule) -> Result<Zoned, String> {
@@ -244,7 +241,7 @@ fn set_status(ctx: &Context, name: &str, f: impl FnOnce(&mut ScheduleStatus)) {
 
 /// The schedule's runs (those being deleted left out), with whether each
 /// is still used by a disk made from it or by an export or a restore.
-fn runs_of(ctx: &Context, schedule: &str, group_mode: bool) -> Result<Vec<Run>, ReconcileError> {
+fn runs_of(ctx: &Context, schedule: &str, kind: Kind) -> Result<Vec<Run>, ReconcileError> {
     let mine = |o: &StoredObject| {
         !o.deleting
             && o.object
@@ -306,7 +303,51 @@ fn runs_of(ctx: &Context, schedule: &str, group_mode: bool) -> Result<Vec<Run>, 
         })
     };
     let mut runs = Vec::new();
-    if group_mode {
+    if kind == Kind::VirtualMachineBackup {
+        for o in ctx.store.list(Kind::VirtualMachineBackup)? {
+            let Object::VirtualMachineBackup(b) = &o.object else {
+                continue;
+            };
+            if o.deleting
+                || b.metadata.labels.get(labels::SCHEDULE).map(String::as_str) != Some(schedule)
+            {
+                continue;
+            }
+            let Some(slot) = b
+                .metadata
+                .annotations
+                .get(annotations::SCHEDULE_SLOT)
+                .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+                .map(|t| t.with_timezone(&Utc))
+            else {
+                continue;
+            };
+            let st: hearth_api::BackupStatus =
+                serde_json::from_value(o.status.clone()).unwrap_or_default();
+            let state = match st.phase {
+                hearth_api::BackupPhase::Ready => RunState::Ready {
+                    cut: st
+                        .cut_time
+                        .or(b.metadata.creation_timestamp)
+                        .unwrap_or(slot),
+                },
+                hearth_api::BackupPhase::Failed => RunState::Failed,
+                _ => RunState::Active,
+            };
+            runs.push(Run {
+                name: b.metadata.name.clone(),
+                bucket: b.spec.virtual_machine_name.clone(),
+                slot,
+                state,
+                pinned: b.metadata.labels.get(labels::KEEP).map(String::as_str) == Some("true"),
+                // Deleting a backup object keeps its files and the
+                // checkpoint the next incremental needs.
+                in_use: false,
+            });
+        }
+        return Ok(runs);
+    }
+    if kind == Kind::VirtualMachineSnapshotGroup {
         for g in ctx.store.list(Kind::VirtualMachineSnapshotGroup)? {
             if !mine(&g) {
                 continue;
@@ -364,20 +405,25 @@ fn run_meta(sch: &str, name: String, slot: DateTime<Utc>, now: DateTime<Utc>) ->
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn start_run(
-    ctx: &Arc<Context>,
-    sch: &VirtualMachineSnapshotSchedule,
-    slot: DateTime<Utc>,
-    now: DateTime<Utc>,
-    group_mode: bool,
+/// What the status says after this pass, whatever the slot did.
+struct After {
     next: Option<DateTime<Utc>>,
     ready: u32,
+    active: Vec<String>,
     generation: u64,
-) -> Result<(), ReconcileError> {
-    let name = sch.metadata.name.as_str();
-    let vms = covered(ctx, sch)?;
-    let skip = |why: String| {
+}
+
+/// A slot passed without a run: its time is handled, and why is said
+/// (as a warning, unless the schedule is suspended).
+fn record_skip(
+    ctx: &Context,
+    name: &str,
+    slot: DateTime<Utc>,
+    why: String,
+    warn: bool,
+    after: &After,
+) {
+    if warn {
         ctx.event(
             Kind::VirtualMachineSnapshotSchedule,
             name,
@@ -385,20 +431,53 @@ fn start_run(
             "RunSkipped",
             &format!("the run of {} is skipped: {why}", slot.to_rfc3339()),
         );
-        set_status(ctx, name, |s| {
-            s.last_schedule_time = Some(slot);
-            s.last_result = Some(RunResult::Skipped);
-            s.message = Some(why);
-            s.next_run_time = next;
-            s.snapshots = ready;
-            s.observed_generation = generation;
-        });
-    };
+    }
+    set_status(ctx, name, |s| {
+        s.last_schedule_time = Some(slot);
+        s.last_result = Some(RunResult::Skipped);
+        s.message = Some(why);
+        s.next_run_time = after.next;
+        s.snapshots = after.ready;
+        s.active = after.active.clone();
+        s.observed_generation = after.generation;
+    });
+}
+
+fn start_run(
+    ctx: &Arc<Context>,
+    sch: &VirtualMachineSnapshotSchedule,
+    slot: DateTime<Utc>,
+    now: DateTime<Utc>,
+    group_mode: bool,
+    after: &After,
+) -> Result<(), ReconcileError> {
+    let name = sch.metadata.name.as_str();
+    let vms = covered(ctx, sch)?;
+    let skip = |why: String| record_skip(ctx, name, slot, why, true, after);
     if vms.is_empty() {
         skip("no VirtualMachine matches the selector".into());
         return Ok(());
     }
-    let objects: Vec<Object> = if group_mode {
+    let objects: Vec<Object> = if let Some(bk) = &sch.spec.backup {
+        vms.iter()
+            .map(|vm| {
+                Object::VirtualMachineBackup(hearth_api::VirtualMachineBackup {
+                    api_version: hearth_api::API_VERSION.into(),
+                    kind: Kind::VirtualMachineBackup.as_str().into(),
+                    metadata: run_meta(name, format!("{name}-{vm}-{}", stamp(slot)), slot, now),
+                    spec: hearth_api::VirtualMachineBackupSpec {
+                        virtual_machine_name: vm.clone(),
+                        to: bk.to.join(vm),
+                        mode: hearth_api::BackupMode::Auto,
+                        required_consistency: sch.spec.required_consistency,
+                        keep: bk.keep,
+                        full_every: bk.full_every,
+                    },
+                    status: None,
+                })
+            })
+            .collect()
+    } else if group_mode {
         vec![Object::VirtualMachineSnapshotGroup(
             VirtualMachineSnapshotGroup {
                 api_version: hearth_api::API_VERSION.into(),
@@ -445,7 +524,8 @@ fn start_run(
     // done even if only the objects were read back.
     ctx.store.with_tx(|tx| {
         for o in &objects {
-            Store::create_with_status_tx(tx, o, &SnapshotStatus::default())?;
+            // Every run kind's first status: Pending.
+            Store::create_with_status_tx(tx, o, &serde_json::json!({"phase": "Pending"}))?;
         }
         Store::update_status_tx::<ScheduleStatus, _>(
             tx,
@@ -456,10 +536,10 @@ fn start_run(
                 s.last_run_time = Some(now);
                 s.last_result = Some(RunResult::Running);
                 s.message = None;
-                s.next_run_time = next;
+                s.next_run_time = after.next;
                 s.active = names.clone();
-                s.snapshots = ready;
-                s.observed_generation = generation;
+                s.snapshots = after.ready;
+                s.observed_generation = after.generation;
             },
         )?;
         Ok(())

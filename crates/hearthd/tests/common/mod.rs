@@ -9,6 +9,7 @@ pub mod debian;
 pub mod debian_oci;
 pub mod git;
 pub mod http;
+pub mod kill_wrapper;
 pub mod netns;
 pub mod qemu_img_log;
 pub mod stream;
