@@ -1263,10 +1263,21 @@ pub struct BackupStatus {
     pub duration_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub files: Vec<BackupFile>,
+    /// While the copy runs: bytes copied of the bytes to copy, every disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub progress: Option<BackupProgress>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(rename_all = "camelCase")]
+pub struct BackupProgress {
+    pub bytes_done: u64,
+    pub bytes_total: u64,
 }
 
 /// One disk's file of a backup point.

@@ -142,6 +142,9 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     std::fs::create_dir_all(to.parent().unwrap()).unwrap();
     start_app(&d, "4Gi");
 
+    // A snapshot from before any backup, to roll the VM back to later.
+    d.cli_ok(&["snapshot", "vm", "app", "--name", "early", "--wait"]);
+
     // 1. Full.
     write_mib(&d, "one", 2);
     let b1 = backup(&d, "b1", &to);
@@ -284,6 +287,22 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
         String::from_utf8_lossy(&restored.stdout).trim(),
         five.trim()
     );
+
+    // 6. The VM rolled back to a snapshot from before every checkpoint: its
+    // disk no longer reads through b5's checkpoint, so the next point is
+    // full, says so, and is exact.
+    d.cli_ok(&["restore", "vm", "app", "--from", "early"]);
+    d.wait_agent("app");
+    let b6 = backup(&d, "b6", &to);
+    assert_eq!(b6["status"]["kind"], "Full", "{b6:#}");
+    assert!(
+        b6["status"]["reasonFull"]
+            .as_str()
+            .is_some_and(|r| r.contains("restored")),
+        "{b6:#}"
+    );
+    let p6 = point_file(&to, 6, "app-data");
+    assert!(same_bytes(&p6, &checkpoint_disk(&d, &b6)), "point 6 differs");
 
     // A restore from a copy of the directory elsewhere (the chain names
     // its files relatively): point 2 as a new VM, whose guest reads the

@@ -1,9 +1,8 @@
 //! Writing one disk of a backup point into the target, from the cut's own
-//! layers (never the live disk): a full point is the whole chain converted
-//! to one qcow2; an incremental point is a qcow2 backed by the previous
-//! point's file holding the extents the layers above the previous
-//! checkpoint hold, read through a read-only export of the new cut's
-//! chain. The file is written under `.partial`, flushed (the export's
+//! layers (never the live disk), read through a read-only export of the
+//! cut's chain: a full point is a new qcow2 holding every extent with data;
+//! an incremental point is a qcow2 backed by the previous point's file
+//! holding the extents the layers above the previous checkpoint hold. The file is written under `.partial`, flushed (the export's
 //! daemon stopped), fsynced, checked and hashed; renaming it is the
 //! caller's, after every disk is done.
 
@@ -73,30 +72,51 @@ pub fn changed(extents: &[Extent], depth: u32) -> Vec<Extent> {
         .collect()
 }
 
-/// The whole chain under `layer` into a new qcow2 at `out`.
-pub async fn full(layer: &Path, out: &Path) -> Result<Written, CopyError> {
-    let extents = img::map(layer, TIMEOUT).await?;
-    let bytes_read = extents
-        .iter()
-        .filter(|e| e.present && e.data)
-        .map(|e| e.length)
-        .sum();
-    img::convert_standalone(layer, "qcow2", out, "qcow2", TIMEOUT).await?;
-    finish(out, bytes_read).await
+/// Bytes copied so far, for the status while a copy runs.
+pub type Progress = std::sync::Arc<std::sync::atomic::AtomicU64>;
+
+/// What one disk's file takes: the extents to copy, and how many bytes.
+pub struct Plan {
+    extents: Vec<Extent>,
+    pub bytes: u64,
+    /// `Some(file name)`: over the previous point's file; `None`: whole.
+    backing: Option<String>,
 }
 
-/// The extents of `layer`'s chain above `depth` into a new qcow2 at `out`
-/// backed by `backing` (a file name in `out`'s directory).
-pub async fn incremental(
+/// The extents of `layer`'s chain a point holds: every one with data for a
+/// full point (a new image reads zeroes elsewhere); for an incremental one
+/// (`over`: the previous checkpoint's depth and the previous point's file
+/// name), those some layer above the previous checkpoint holds.
+pub async fn plan(layer: &Path, over: Option<(u32, String)>) -> Result<Plan, CopyError> {
+    let map = img::map(layer, TIMEOUT).await?;
+    let (extents, backing) = match over {
+        None => (
+            map.into_iter().filter(|e| e.present && e.data).collect(),
+            None,
+        ),
+        Some((depth, file)) => (changed(&map, depth), Some(file)),
+    };
+    let bytes = extents.iter().map(|e: &Extent| e.length).sum();
+    Ok(Plan {
+        extents,
+        bytes,
+        backing,
+    })
+}
+
+/// Writes `plan` from `layer`'s chain into a new qcow2 at `out` (backed by
+/// the previous point's file for an incremental one), through a read-only
+/// export of the chain and a writable one of the new file.
+pub async fn write(
     layer: &Path,
-    depth: u32,
+    plan: Plan,
     out: &Path,
-    backing: &str,
     virtual_size: u64,
     work: &Path,
+    progress: Progress,
 ) -> Result<Written, CopyError> {
-    let extents = changed(&img::map(layer, TIMEOUT).await?, depth);
-    create_over(out, backing, virtual_size).await?;
+    let extents = plan.extents;
+    create(out, plan.backing.as_deref(), virtual_size).await?;
     std::fs::create_dir_all(work).map_err(io("making", work))?;
     let src_mount = work.join("source");
     let dst_mount = work.join("target");
@@ -114,9 +134,10 @@ pub async fn incremental(
     .await?;
     let target = FuseExport::start(out, &dst_mount, &work.join("target.log"), START).await?;
     let (src_dev, dst_dev) = (source.device().to_path_buf(), target.device().to_path_buf());
-    let copied = tokio::task::spawn_blocking(move || copy_extents(&src_dev, &dst_dev, &extents))
-        .await
-        .map_err(|e| CopyError::Join(e.to_string()))?;
+    let copied =
+        tokio::task::spawn_blocking(move || copy_extents(&src_dev, &dst_dev, &extents, &progress))
+            .await
+            .map_err(|e| CopyError::Join(e.to_string()))?;
     // Both stopped whatever happened: the target's daemon flushes the
     // qcow2 on its way out.
     let stopped_target = target.stop(Duration::from_secs(120)).await;
@@ -130,13 +151,19 @@ pub async fn incremental(
     finish(out, bytes_read).await
 }
 
-async fn create_over(out: &Path, backing: &str, size: u64) -> Result<(), CopyError> {
+/// A new qcow2 at `out`, over `backing` (a name in its folder) when given.
+async fn create(out: &Path, backing: Option<&str>, size: u64) -> Result<(), CopyError> {
     let qemu_img = hearth_qemu::tools::find_binary("qemu-img")
         .map_err(|e| CopyError::Img(img::ImgError::MissingTool(e)))?;
     let dir = out.parent().unwrap_or(Path::new("/"));
-    let result = tokio::process::Command::new(qemu_img)
+    let mut command = tokio::process::Command::new(qemu_img);
+    command
         .current_dir(dir)
-        .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", backing])
+        .args(["create", "-q", "-f", "qcow2"]);
+    if let Some(b) = backing {
+        command.args(["-F", "qcow2", "-b", b]);
+    }
+    let result = command
         .arg(out)
         .arg(size.to_string())
         .kill_on_drop(true)
@@ -154,7 +181,12 @@ async fn create_over(out: &Path, backing: &str, size: u64) -> Result<(), CopyErr
 
 /// Copies each extent from the source export to the target export (zero
 /// extents as zeroes, since the target's backing may hold data there).
-fn copy_extents(src: &Path, dst: &Path, extents: &[Extent]) -> Result<u64, CopyError> {
+fn copy_extents(
+    src: &Path,
+    dst: &Path,
+    extents: &[Extent],
+    progress: &Progress,
+) -> Result<u64, CopyError> {
     let s = std::fs::File::open(src).map_err(io("opening", src))?;
     let d = std::fs::OpenOptions::new()
         .write(true)
@@ -176,6 +208,7 @@ fn copy_extents(src: &Path, dst: &Path, extents: &[Extent]) -> Result<u64, CopyE
             }
             d.write_all_at(&buf[..n], off).map_err(io("writing", dst))?;
             off += n as u64;
+            progress.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         }
     }
     d.sync_all().map_err(io("syncing", dst))?;

@@ -381,41 +381,66 @@ async fn write_point(
     );
     let point = previous.as_ref().map(|p| p.point + 1).unwrap_or(1);
     let work = copy::work_root(&ctx.config.state_dir).join(name);
+    // Every disk's extents first: the total the progress counts toward.
+    let mut plans = Vec::new();
+    for d in &now {
+        let over = match &choice {
+            Choice::Full { .. } => None,
+            Choice::Incremental { depth } => {
+                let prev_file = previous
+                    .as_ref()
+                    .and_then(|p| p.file_of(&d.name))
+                    .and_then(|f| Path::new(&f.file).file_name())
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .ok_or_else(|| {
+                        format!("the previous point has no file of disk {:?}", d.name)
+                    })?;
+                Some((depth[&d.name], prev_file))
+            }
+        };
+        plans.push(
+            copy::plan(&layers[&d.name], over)
+                .await
+                .map_err(|x| e(&x))?,
+        );
+    }
+    let total: u64 = plans.iter().map(|p| p.bytes).sum();
+    let done = copy::Progress::default();
+    let ticker = {
+        let (ctx, name, done) = (ctx.clone(), name.to_string(), done.clone());
+        tokio::spawn(async move {
+            loop {
+                let bytes_done = done.load(std::sync::atomic::Ordering::Relaxed);
+                set_status(&ctx, &name, |s| {
+                    s.progress = Some(hearth_api::BackupProgress {
+                        bytes_done,
+                        bytes_total: total,
+                    })
+                });
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        })
+    };
+    let ticker = AbortOnDrop(Some(ticker));
     let mut files = Vec::new();
     let mut partials = Vec::new();
     let mut bytes_read = 0;
     let mut bytes_written = 0;
-    for d in &now {
+    for (d, plan) in now.iter().zip(plans) {
         let rel = target::file_name(&d.name, point);
         let final_path = dir.join(&rel);
         let partial = dir.join(format!("{rel}.partial"));
         std::fs::create_dir_all(final_path.parent().unwrap_or(dir)).map_err(|x| e(&x))?;
         let _ = std::fs::remove_file(&partial);
-        let layer = &layers[&d.name];
-        let written = match &choice {
-            Choice::Full { .. } => copy::full(layer, &partial).await,
-            Choice::Incremental { depth } => {
-                let prev_file = previous
-                    .as_ref()
-                    .and_then(|p| p.file_of(&d.name))
-                    .map(|f| {
-                        Path::new(&f.file)
-                            .file_name()
-                            .map(|n| n.to_string_lossy().into_owned())
-                            .unwrap_or_default()
-                    })
-                    .unwrap_or_default();
-                copy::incremental(
-                    layer,
-                    depth[&d.name],
-                    &partial,
-                    &prev_file,
-                    d.virtual_size,
-                    &work.join(&d.name),
-                )
-                .await
-            }
-        };
+        let written = copy::write(
+            &layers[&d.name],
+            plan,
+            &partial,
+            d.virtual_size,
+            &work.join(&d.name),
+            done.clone(),
+        )
+        .await;
         let written = match written {
             Ok(w) => w,
             Err(x) => {
@@ -443,6 +468,7 @@ async fn write_point(
         ));
     }
     let _ = std::fs::remove_dir_all(&work);
+    ticker.stop().await;
     drop(pins);
     // Every file in place and synced, then the manifest: the commit.
     for (partial, final_path, _) in &files {
@@ -516,6 +542,27 @@ async fn write_point(
     Ok(())
 }
 
+/// Stops a task when dropped (on every way out of the copy), or when
+/// stopped, then waits until it has (so it writes nothing after).
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+
+impl AbortOnDrop {
+    async fn stop(mut self) {
+        if let Some(t) = self.0.take() {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(t) = &self.0 {
+            t.abort();
+        }
+    }
+}
+
 fn canonical(p: &Path) -> PathBuf {
     std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
 }
@@ -546,6 +593,7 @@ fn finish(
         }
         s.cut_time = p.cut_time;
         s.files = p.files.clone();
+        s.progress = None;
         if let Some((read, written, ms)) = counts {
             s.bytes_read = Some(read);
             s.bytes_written = Some(written);

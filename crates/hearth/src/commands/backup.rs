@@ -6,6 +6,7 @@ use std::time::Duration;
 use anyhow::bail;
 use chrono::Utc;
 use hearth_api::{API_VERSION, Kind, object_from_value};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
 
 use super::wait::parse_duration;
@@ -129,16 +130,32 @@ async fn follow(
     let who = short_ref(Kind::VirtualMachineBackup, name);
     let deadline = tokio::time::Instant::now() + timeout;
     let mut shown: Option<String> = None;
+    let mut bar: Option<ProgressBar> = None;
     loop {
         let obj = client
             .get(&object_path(Kind::VirtualMachineBackup, name))
             .await?;
         let phase = str_at(&obj, &["status", "phase"]).map(str::to_string);
         if phase.is_some() && phase != shown {
+            if let Some(b) = bar.take() {
+                b.finish_and_clear();
+            }
             writeln!(out, "{who}: {}", phase.as_deref().unwrap_or(""))?;
             shown = phase.clone();
         }
+        if let (Some(done), Some(total)) = (
+            u64_at(&obj, &["status", "progress", "bytesDone"]),
+            u64_at(&obj, &["status", "progress", "bytesTotal"]),
+        ) && watched()
+        {
+            let b = bar.get_or_insert_with(|| copying(total));
+            b.set_length(total);
+            b.set_position(done);
+        }
         if matches!(phase.as_deref(), Some("Ready" | "Failed")) {
+            if let Some(b) = bar.take() {
+                b.finish_and_clear();
+            }
             return Ok(obj);
         }
         if tokio::time::Instant::now() >= deadline {
@@ -149,6 +166,23 @@ async fn follow(
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+fn watched() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("TERM").is_none_or(|t| t != "dumb")
+}
+
+/// Bytes copied on hearthd of the bytes to copy (on a terminal only).
+fn copying(total: u64) -> ProgressBar {
+    let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+    bar.set_style(
+        ProgressStyle::with_template(
+            "copying {wide_bar} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    bar
 }
 
 /// `backup/NAME: Ready, Incremental point 3, 1.1Mi written in 2.3s`
