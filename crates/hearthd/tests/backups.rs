@@ -118,6 +118,17 @@ fn start_app(d: &Daemon, size: &str) {
     d.wait_agent("app");
 }
 
+/// A full backup whose `reasonFull` says `why`.
+fn assert_full_because(b: &Value, why: &str) {
+    assert_eq!(b["status"]["kind"], "Full", "{b:#}");
+    assert!(
+        b["status"]["reasonFull"]
+            .as_str()
+            .is_some_and(|r| r.contains(why)),
+        "{b:#}"
+    );
+}
+
 fn write_mib(d: &Daemon, file: &str, mib: u32) {
     d.agent_sh_ok(
         "app",
@@ -216,13 +227,7 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     d.wait_gone("virtualmachinesnapshots", "b3-cp", Duration::from_secs(60));
     write_mib(&d, "four", 1);
     let b4 = backup(&d, "b4", &to);
-    assert_eq!(b4["status"]["kind"], "Full", "{b4:#}");
-    assert!(
-        b4["status"]["reasonFull"]
-            .as_str()
-            .is_some_and(|r| r.contains("b3-cp")),
-        "{b4:#}"
-    );
+    assert_full_because(&b4, "b3-cp");
     let p4 = point_file(&to, 4, "app-data");
     let truth4 = checkpoint_disk(&d, &b4);
     assert!(same_bytes(&p4, &truth4), "point 4 differs");
@@ -294,15 +299,12 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     d.cli_ok(&["restore", "vm", "app", "--from", "early"]);
     d.wait_agent("app");
     let b6 = backup(&d, "b6", &to);
-    assert_eq!(b6["status"]["kind"], "Full", "{b6:#}");
-    assert!(
-        b6["status"]["reasonFull"]
-            .as_str()
-            .is_some_and(|r| r.contains("restored")),
-        "{b6:#}"
-    );
+    assert_full_because(&b6, "restored");
     let p6 = point_file(&to, 6, "app-data");
-    assert!(same_bytes(&p6, &checkpoint_disk(&d, &b6)), "point 6 differs");
+    assert!(
+        same_bytes(&p6, &checkpoint_disk(&d, &b6)),
+        "point 6 differs"
+    );
 
     // A restore from a copy of the directory elsewhere (the chain names
     // its files relatively): point 2 as a new VM, whose guest reads the
@@ -558,13 +560,7 @@ fn keeping_n_points_merges_the_oldest_into_a_full_one_and_every_kept_point_reads
     // next point is full, and says why.
     write_mib(&d, "k5", 1);
     let b5 = run("k5", &["--full-every", "2"]);
-    assert_eq!(b5["status"]["kind"], "Full", "{b5:#}");
-    assert!(
-        b5["status"]["reasonFull"]
-            .as_str()
-            .is_some_and(|r| r.contains("fullEvery 2")),
-        "{b5:#}"
-    );
+    assert_full_because(&b5, "fullEvery 2");
     assert_eq!(points(), [(4, "Full".to_string()), (5, "Full".to_string())]);
     assert_eq!(raw_sha(&point_file(&to, 4, "app-data"), &scratch), sums[&4]);
 }
