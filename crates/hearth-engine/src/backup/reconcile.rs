@@ -244,9 +244,13 @@ async fn copy_when_cut(
             return Ok(Action::Done);
         }
     };
-    // Committed before a crash: only the status was not written.
-    if let Some(p) = manifest.points.iter().find(|p| p.backup == name) {
-        finish(ctx, backup, &manifest, p, None, None);
+    // Committed before a crash: the status was not written, and the
+    // previous checkpoint may not have been deleted.
+    if let Some(i) = manifest.points.iter().position(|p| p.backup == name) {
+        finish(ctx, backup, &manifest, &manifest.points[i], None, None);
+        if let Some(before) = i.checked_sub(1).map(|j| &manifest.points[j]) {
+            drop_checkpoint(ctx, &before.checkpoint, &cp)?;
+        }
         return Ok(Action::Done);
     }
     match write_point(ctx, backup, &cp, &cp_status, manifest).await {
@@ -530,14 +534,20 @@ async fn write_point(
         }
     }
     // The previous checkpoint is no longer a start for anything.
-    if let Some(prev) = previous
-        && prev.checkpoint != cp
+    if let Some(prev) = previous {
+        drop_checkpoint(ctx, &prev.checkpoint, cp).map_err(|x| e(&x))?;
+    }
+    Ok(())
+}
+
+/// Deletes an older point's checkpoint snapshot (never `current`'s).
+fn drop_checkpoint(ctx: &Context, older: &str, current: &str) -> Result<(), ReconcileError> {
+    if older != current
         && ctx
             .store
-            .mark_deleting(Kind::VirtualMachineSnapshot, &prev.checkpoint)
-            .unwrap_or(false)
+            .mark_deleting(Kind::VirtualMachineSnapshot, older)?
     {
-        ctx.wake(Kind::VirtualMachineSnapshot, &prev.checkpoint);
+        ctx.wake(Kind::VirtualMachineSnapshot, older);
     }
     Ok(())
 }
