@@ -107,10 +107,13 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
         object["spec"]["fullEvery"] = json!(n);
     }
     object_from_value(object.clone(), "the backup").map_err(anyhow::Error::msg)?;
-    let answer = client
-        .post("/v1/apply?create=true", Some(&json!({ "items": [object] })))
-        .await?;
-    out.write_all(super::apply::render_results(&answer)?.as_bytes())?;
+    let new = super::New {
+        kind: Kind::VirtualMachineBackup,
+        name: &name,
+        made_up_name: a.name.is_none(),
+        noun: "backup",
+    };
+    super::create_only(client, &new, object, &mut out).await?;
     if a.wait {
         let last = follow(client, &name, a.timeout, &mut out).await?;
         writeln!(out, "{}", summary(&name, &last))?;
@@ -234,5 +237,65 @@ mod tests {
             summary("b", &failed),
             "backup/b failed: CopyFailed: no space"
         );
+    }
+
+    fn parse(args: &[&str]) -> Args {
+        use clap::Parser;
+        #[derive(Debug, clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: Args,
+        }
+        let argv = std::iter::once("backup").chain(args.iter().copied());
+        Cli::try_parse_from(argv).expect("parses").args
+    }
+
+    #[tokio::test]
+    async fn a_name_taken_in_the_same_second_says_to_pass_a_name() {
+        use crate::test_server::ScriptedServer;
+        use hyper::StatusCode;
+        let conflict = || {
+            (
+                StatusCode::CONFLICT,
+                r#"{"error": "VirtualMachineBackup exists already"}"#.to_string(),
+            )
+        };
+        let in_progress = || {
+            crate::test_server::ok(
+                r#"{"metadata": {"name": "b"}, "status": {"phase": "InProgress"}}"#,
+            )
+        };
+        let dir = tempfile::tempdir().expect("tempdir");
+        let server = ScriptedServer::start(
+            dir.path(),
+            [conflict(), in_progress(), conflict(), in_progress()].into(),
+        );
+        let client = ApiClient::new(&server.socket);
+        let err = run(&client, &parse(&["vm", "app", "--to", "/srv/b"]))
+            .await
+            .expect_err("taken");
+        let text = err.to_string();
+        assert!(
+            text.starts_with("backup/app-") && text.contains("(it is InProgress)"),
+            "{text}"
+        );
+        assert!(
+            text.ends_with("no new backup was taken (another backup was started in the same second; pass --name)"),
+            "{text}"
+        );
+
+        let err = run(
+            &client,
+            &parse(&["vm", "app", "--to", "/srv/b", "--name", "b"]),
+        )
+        .await
+        .expect_err("taken");
+        assert!(
+            err.to_string()
+                .ends_with("(pick another --name, or delete it first)"),
+            "{err}"
+        );
+        let seen = server.seen();
+        assert_eq!(seen[0].path, "/v1/apply?create=true");
     }
 }

@@ -26,6 +26,10 @@ pub mod wait;
 pub mod watch;
 
 use hearth_api::{Kind, check_dns_label};
+use hyper::StatusCode;
+
+use crate::client::{ApiClient, ApiError};
+use crate::output::str_at;
 
 /// clap value parser for KIND arguments: `vm`, `vms`, `disk`, `snapshot`,
 /// `vmsnapshot`, `VirtualMachine`, ...
@@ -71,6 +75,67 @@ pub fn short_ref(kind: Kind, name: &str) -> String {
 /// `/v1/virtualmachines/demo`
 pub fn object_path(kind: Kind, name: &str) -> String {
     format!("/v1/{}/{name}", kind.plural())
+}
+
+/// An object a command makes new, never one it re-applies over.
+pub struct New<'a> {
+    pub kind: Kind,
+    pub name: &'a str,
+    /// The name was made up from the clock, not given with --name.
+    pub made_up_name: bool,
+    /// What the user asked for, in the refusal: "snapshot", "backup".
+    pub noun: &'a str,
+}
+
+/// Sends `object` in one apply that only creates (`?create=true`) and prints
+/// `KIND/NAME created`. hearthd refuses a taken name with a 409; then nothing
+/// was written, and the error says what holds the name and what to do.
+pub async fn create_only(
+    client: &ApiClient,
+    new: &New<'_>,
+    object: serde_json::Value,
+    out: &mut impl std::io::Write,
+) -> anyhow::Result<()> {
+    let who = short_ref(new.kind, new.name);
+    let noun = new.noun;
+    let taken = |detail: String| {
+        let hint = if new.made_up_name {
+            format!("another {noun} was started in the same second; pass --name")
+        } else {
+            "pick another --name, or delete it first".to_string()
+        };
+        anyhow::anyhow!("{who} already exists{detail}; no new {noun} was taken ({hint})")
+    };
+    let answer = match client
+        .post(
+            "/v1/apply?create=true",
+            Some(&serde_json::json!({ "items": [object] })),
+        )
+        .await
+    {
+        Ok(answer) => answer,
+        Err(ApiError::Server { status, .. }) if status == StatusCode::CONFLICT => {
+            // Say what holds the name, when it still does.
+            let detail = match client.get(&object_path(new.kind, new.name)).await {
+                Ok(existing) => str_at(&existing, &["status", "phase"])
+                    .map(|p| format!(" (it is {p})"))
+                    .unwrap_or_default(),
+                Err(_) => String::new(),
+            };
+            return Err(taken(detail));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    out.write_all(apply::render_results(&answer)?.as_bytes())?;
+    let action = answer
+        .get("results")
+        .and_then(serde_json::Value::as_array)
+        .and_then(|r| r.first())
+        .and_then(|r| str_at(r, &["action"]));
+    if action != Some("created") {
+        return Err(taken(String::new()));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -21,7 +21,6 @@ use crate::client::{ApiClient, ApiError};
 use crate::follow::{Follower, Update};
 use crate::output::{at, human_bytes, str_at, u64_at};
 use hearth_api::WatchType;
-use hyper::StatusCode;
 
 /// How often the snapshot is read while hearthd is out of reach.
 const POLL_INTERVAL: Duration = Duration::from_millis(250);
@@ -267,54 +266,22 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
 ///
 /// A snapshot command takes a new snapshot or fails: it never re-applies over
 /// an existing object of the same name, which would at best do nothing and at
-/// worst point an old snapshot's spec somewhere else. So it is one apply that
-/// only creates (`?create=true`), which hearthd refuses with a 409 when the
-/// name is taken.
+/// worst point an old snapshot's spec somewhere else.
 pub async fn create(
     client: &ApiClient,
     request: &Request,
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
-    let who = short_ref(request.kind, &request.name);
-    let taken = |detail: String| {
-        let hint = if request.default_name {
-            "another snapshot was started in the same second; pass --name"
-        } else {
-            "pick another --name, or delete it first"
-        };
-        anyhow::anyhow!("{who} already exists{detail}; no new snapshot was taken ({hint})")
-    };
     let object = request.object();
     // The same checks hearthd makes, so a bad request fails before it is sent.
     object_from_value(object.clone(), "the snapshot").map_err(anyhow::Error::msg)?;
-    let answer = match client
-        .post("/v1/apply?create=true", Some(&json!({ "items": [object] })))
-        .await
-    {
-        Ok(answer) => answer,
-        Err(ApiError::Server { status, .. }) if status == StatusCode::CONFLICT => {
-            // Nothing was written; say what holds the name, when it still does.
-            let detail = match client.get(&object_path(request.kind, &request.name)).await {
-                Ok(existing) => str_at(&existing, &["status", "phase"])
-                    .map(|p| format!(" (it is {p})"))
-                    .unwrap_or_default(),
-                Err(_) => String::new(),
-            };
-            return Err(taken(detail));
-        }
-        Err(e) => return Err(e.into()),
+    let new = super::New {
+        kind: request.kind,
+        name: &request.name,
+        made_up_name: request.default_name,
+        noun: "snapshot",
     };
-    let text = super::apply::render_results(&answer)?;
-    out.write_all(text.as_bytes())?;
-    let action = answer
-        .get("results")
-        .and_then(Value::as_array)
-        .and_then(|r| r.first())
-        .and_then(|r| str_at(r, &["action"]));
-    if action != Some("created") {
-        return Err(taken(String::new()));
-    }
-    Ok(())
+    super::create_only(client, &new, object, out).await
 }
 
 /// The progress state of one poll: `InProgress (cut 3)`; `None` until
