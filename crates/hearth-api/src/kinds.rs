@@ -1146,6 +1146,10 @@ pub struct ScheduleStatus {
     pub last_run_time: Option<DateTime<Utc>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub next_run_time: Option<DateTime<Utc>>,
+    /// When retention looks at the snapshots again between slots: one it
+    /// keeps turns older than `maxAge`, or one in use kept it from a delete.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_retention_time: Option<DateTime<Utc>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_result: Option<RunResult>,
     /// Ready snapshots (or groups) this schedule holds, pinned ones included.

@@ -79,8 +79,77 @@ pub struct Plan {
     pub delete: Vec<String>,
     /// The next slot after the ones handled here.
     pub next: Option<DateTime<Utc>>,
+    /// When retention must look at the runs again with no slot due: a run
+    /// it keeps turns older than `maxAge`, or one in use blocked a delete
+    /// (`status.nextRetentionTime`, which the idle check reads).
+    pub retention_at: Option<DateTime<Utc>>,
     pub wake_in: Duration,
 }
+
+/// What the schedule's own row says: enough to know that nothing is due
+/// without reading its runs.
+#[derive(Clone, Debug)]
+pub struct Glance {
+    pub now: DateTime<Utc>,
+    pub created: DateTime<Utc>,
+    /// `status.lastScheduleTime`.
+    pub last_slot: Option<DateTime<Utc>>,
+    /// `status.active` is not empty.
+    pub running: bool,
+    /// The status was made from the spec as it is now.
+    pub spec_seen: bool,
+    /// `status.nextRetentionTime`.
+    pub retention_at: Option<DateTime<Utc>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Idle {
+    pub next: Option<DateTime<Utc>>,
+    pub wake_in: Duration,
+}
+
+/// `Some` when the schedule has nothing to do now, decided from its row
+/// alone: no slot after the last handled one is due, no run is going, the
+/// spec is the one the status was made from, and retention has nothing
+/// timed. Then [`plan`] over its runs would run, skip and delete nothing
+/// (property-tested), so the shell reads no runs.
+pub fn idle<C: Calendar>(calendar: &C, g: &Glance) -> Option<Idle> {
+    let anchor = anchor(g.created, g.last_slot);
+    let due = calendar
+        .latest_at_or_before(g.now)
+        .is_some_and(|s| s > anchor);
+    let retention_due = g.retention_at.is_some_and(|t| t <= g.now);
+    if due || g.running || !g.spec_seen || retention_due {
+        return None;
+    }
+    let next = calendar.next_after(g.now.max(anchor));
+    Some(Idle {
+        next,
+        wake_in: idle_wake(g.now, next, g.retention_at),
+    })
+}
+
+/// The latest slot handled (none at or before the schedule's creation runs).
+fn anchor(created: DateTime<Utc>, handled: Option<DateTime<Utc>>) -> DateTime<Utc> {
+    handled.unwrap_or(created).max(created)
+}
+
+/// Until the next slot or the next retention time, at most [`IDLE_WAKE`].
+fn idle_wake(
+    now: DateTime<Utc>,
+    next: Option<DateTime<Utc>>,
+    retention_at: Option<DateTime<Utc>>,
+) -> Duration {
+    [next, retention_at]
+        .into_iter()
+        .flatten()
+        .filter_map(|t| (t - now).to_std().ok())
+        .fold(IDLE_WAKE, Duration::min)
+        .max(Duration::from_millis(100))
+}
+
+/// How soon retention tries again a delete a run in use blocked.
+pub const BLOCKED_RETRY: Duration = Duration::from_secs(10);
 
 /// How often a schedule with nothing to do reads the clock again: a wall
 /// clock set forward is noticed within this, whatever the monotonic timer
@@ -94,7 +163,7 @@ pub fn plan<C: Calendar>(i: &Inputs<'_, C>) -> Plan {
     // The latest slot already handled: by the status, or by a run that
     // exists (its status write may have been lost).
     let handled = [i.last_slot, ran].into_iter().flatten().max();
-    let anchor = handled.unwrap_or(i.created).max(i.created);
+    let anchor = anchor(i.created, handled);
     let active = i.runs.iter().any(|r| r.state == RunState::Active);
     let due = i
         .calendar
@@ -134,25 +203,38 @@ pub fn plan<C: Calendar>(i: &Inputs<'_, C>) -> Plan {
     let next = i.calendar.next_after(after);
     let delete = retention(i);
     let blocked = deletable(i).len() > delete.len();
+    let retention_at = if blocked {
+        Some(i.now + BLOCKED_RETRY)
+    } else {
+        aging(i, &delete)
+    };
     let wake_in = if active || matches!(slot, Some(Slot::Wait(_))) {
         ACTIVE_WAKE
     } else {
-        let until = next
-            .and_then(|n| (n - i.now).to_std().ok())
-            .unwrap_or(IDLE_WAKE);
-        let wake = until.min(IDLE_WAKE).max(Duration::from_millis(100));
-        if blocked {
-            wake.min(Duration::from_secs(10))
-        } else {
-            wake
-        }
+        idle_wake(i.now, next, retention_at)
     };
     Plan {
         slot,
         delete,
         next,
+        retention_at,
         wake_in,
     }
+}
+
+/// The first moment after now that a good run left turns older than
+/// `maxAge` (the newest good one of its bucket included: one extra look).
+fn aging<C: Calendar>(i: &Inputs<'_, C>, deleted: &[String]) -> Option<DateTime<Utc>> {
+    let age = chrono::TimeDelta::from_std(i.max_age?).ok()?;
+    i.runs
+        .iter()
+        .filter(|r| !r.pinned && !deleted.contains(&r.name))
+        .filter_map(|r| match r.state {
+            RunState::Ready { cut } => cut.checked_add_signed(age),
+            _ => None,
+        })
+        .filter(|t| *t > i.now)
+        .min()
 }
 
 /// What retention would delete, in-use runs included.
@@ -182,7 +264,7 @@ fn deletable<'a, C: Calendar>(i: &Inputs<'a, C>) -> Vec<&'a Run> {
                     // good point.
                     let too_old = ready_seen > 1
                         && i.max_age
-                            .is_some_and(|a| (i.now - cut).to_std().is_ok_and(|age| age > a));
+                            .is_some_and(|a| (i.now - cut).to_std().is_ok_and(|age| age >= a));
                     past_keep || too_old
                 }
                 // A failure is shown until a later run ends.
@@ -402,10 +484,14 @@ mod tests {
             steps in proptest::collection::vec(step(), 1..80),
             keep in 1u32..4,
             deadline in proptest::option::of(1u64..200),
+            max_age in proptest::option::of(30u64..600),
         ) {
             let cal = Every(60);
             let mut now = 10i64;
             let mut last_slot: Option<DateTime<Utc>> = None;
+            // The rest of the status the shell's idle check reads.
+            let mut status_active = false;
+            let mut retention_at: Option<DateTime<Utc>> = None;
             let mut runs: Vec<Run> = Vec::new();
             let mut started: Vec<(DateTime<Utc>, i64)> = Vec::new();
             let mut pending_status: Option<DateTime<Utc>> = None;
@@ -414,6 +500,7 @@ mod tests {
                 let lost = matches!(s, Step::Restart { lose_status: true });
                 if let Some(p) = pending_status.take().filter(|_| !lost) {
                     last_slot = Some(p);
+                    status_active = true;
                 }
                 match s {
                     Step::Tick(d) => now += d,
@@ -433,7 +520,27 @@ mod tests {
                 i.last_slot = last_slot;
                 i.keep = Some(keep);
                 i.deadline = deadline.map(Duration::from_secs);
+                i.max_age = max_age.map(Duration::from_secs);
+                // The shell first looks at the row alone: when that says
+                // idle, the full plan must have nothing to do either.
+                let glance = Glance {
+                    now: at(now),
+                    created: at(0),
+                    last_slot,
+                    running: status_active,
+                    spec_seen: true,
+                    retention_at,
+                };
+                if idle(&cal, &glance).is_some() {
+                    let p = plan(&i);
+                    prop_assert!(
+                        matches!(p.slot, None | Some(Slot::Wait(_))) && p.delete.is_empty(),
+                        "idle at {now}, but the plan is {p:?}"
+                    );
+                    continue;
+                }
                 let p = plan(&i);
+                retention_at = p.retention_at;
                 // Retention: never an active or pinned run, and what is left
                 // of each bucket's good runs is at most `keep`.
                 for d in &p.delete {
@@ -441,6 +548,7 @@ mod tests {
                     prop_assert!(r.state != RunState::Active);
                 }
                 runs.retain(|r| !p.delete.contains(&r.name));
+                status_active = runs.iter().any(|r| r.state == RunState::Active);
                 let good = runs.iter().filter(|r| matches!(r.state, RunState::Ready { .. })).count();
                 prop_assert!(good as u32 <= keep, "{good} good runs kept, keep {keep}");
                 match p.slot {

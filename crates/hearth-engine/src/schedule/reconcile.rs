@@ -78,25 +78,22 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, Reconci
     let created = sch.metadata.creation_timestamp.unwrap_or(now);
     let generation = sch.metadata.generation;
 
-    // Nothing due, no run going, the spec as last seen: only the clock is
-    // read (no list of snapshots), so an idle schedule costs one row.
-    let anchor = status.last_schedule_time.unwrap_or(created).max(created);
-    let due = calendar
-        .latest_at_or_before(now)
-        .is_some_and(|s| s > anchor);
-    if !due && status.active.is_empty() && status.observed_generation == generation {
-        let next = calendar.next_after(now.max(anchor));
-        if status.next_run_time != next {
-            set_status(ctx, name, |s| s.next_run_time = next);
+    // Nothing due, no run going, the spec as last seen, no retention timed:
+    // only the clock is read (no list of snapshots), so an idle schedule
+    // costs one row.
+    let glance = plan::Glance {
+        now,
+        created,
+        last_slot: status.last_schedule_time,
+        running: !status.active.is_empty(),
+        spec_seen: status.observed_generation == generation,
+        retention_at: status.next_retention_time,
+    };
+    if let Some(idle) = plan::idle(&calendar, &glance) {
+        if status.next_run_time != idle.next && !sch.spec.suspend {
+            set_status(ctx, name, |s| s.next_run_time = idle.next);
         }
-        let until = next
-            .and_then(|n| (n - now).to_std().ok())
-            .unwrap_or(plan::IDLE_WAKE);
-        return Ok(Action::RequeueAfter(
-            until
-                .min(plan::IDLE_WAKE)
-                .max(std::time::Duration::from_millis(100)),
-        ));
+        return Ok(Action::RequeueAfter(idle.wake_in));
     }
 
     let group_mode = sch.spec.virtual_machine_snapshot_group_template.is_some();
@@ -176,6 +173,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, Reconci
 
     let after = After {
         next: p.next,
+        retention_at: p.retention_at,
         ready,
         active: active.clone(),
         generation,
@@ -190,6 +188,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, Reconci
         Some(Slot::Wait(_)) | None => {
             set_status(ctx, name, |s| {
                 s.next_run_time = if sch.spec.suspend { None } else { p.next };
+                s.next_retention_time = p.retention_at;
                 s.snapshots = ready;
                 s.active = active.clone();
                 if active.is_empty()
@@ -408,6 +407,7 @@ fn run_meta(sch: &str, name: String, slot: DateTime<Utc>, now: DateTime<Utc>) ->
 /// What the status says after this pass, whatever the slot did.
 struct After {
     next: Option<DateTime<Utc>>,
+    retention_at: Option<DateTime<Utc>>,
     ready: u32,
     active: Vec<String>,
     generation: u64,
@@ -437,6 +437,7 @@ fn record_skip(
         s.last_result = Some(RunResult::Skipped);
         s.message = Some(why);
         s.next_run_time = after.next;
+        s.next_retention_time = after.retention_at;
         s.snapshots = after.ready;
         s.active = after.active.clone();
         s.observed_generation = after.generation;
@@ -537,6 +538,7 @@ fn start_run(
                 s.last_result = Some(RunResult::Running);
                 s.message = None;
                 s.next_run_time = after.next;
+                s.next_retention_time = after.retention_at;
                 s.active = names.clone();
                 s.snapshots = after.ready;
                 s.observed_generation = after.generation;

@@ -436,6 +436,7 @@ const SCHEDULE_FIELD_ORDER: &[&str] = &[
     "lastRunTime",
     "lastResult",
     "nextRunTime",
+    "nextRetentionTime",
     "lastScheduleTime",
     "snapshots",
     "active",
