@@ -711,6 +711,10 @@ pub struct VirtualDiskStatus {
     /// A merge of the disk's chain that is running now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compaction: Option<CompactionProgress>,
+    /// A new disk from a backup (`spec.source.backup`): the bytes of the
+    /// point's chain copied into it so far, while the copy runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_progress: Option<BackupProgress>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_error: Option<String>,
     #[serde(default)]

@@ -20,8 +20,9 @@ use serde_json::Value;
 
 const BACKUP_TIMEOUT: Duration = Duration::from_secs(180);
 
-fn backup(d: &Daemon, name: &str, to: &Path) -> Value {
-    d.cli_ok(&[
+/// `hearth backup vm app --to TO --name NAME EXTRA...`, as a user runs it.
+fn backup_cmd(d: &Daemon, name: &str, to: &Path, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
         "backup",
         "vm",
         "app",
@@ -29,15 +30,36 @@ fn backup(d: &Daemon, name: &str, to: &Path) -> Value {
         to.to_str().unwrap(),
         "--name",
         name,
-        "--wait",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    d.cli(&args)
+}
+
+/// A backup waited for (`--wait`), which must end Ready.
+fn backup_with(d: &Daemon, name: &str, to: &Path, extra: &[&str]) -> Value {
+    let out = backup_cmd(d, name, to, &[extra, &["--wait"]].concat());
+    assert!(out.status.success(), "{out:?}");
     let b = d.wait_final("virtualmachinebackups", name, BACKUP_TIMEOUT);
     assert_eq!(b["status"]["phase"], "Ready", "{b:#}");
     b
 }
 
+fn backup(d: &Daemon, name: &str, to: &Path) -> Value {
+    backup_with(d, name, to, &[])
+}
+
 fn backup_manifest(to: &Path) -> Value {
     serde_json::from_slice(&std::fs::read(to.join("hearth-backup.json")).unwrap()).unwrap()
+}
+
+/// The points the manifest lists, oldest first.
+fn listed_points(to: &Path) -> Vec<u64> {
+    backup_manifest(to)["points"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["point"].as_u64().unwrap())
+        .collect()
 }
 
 /// The file of `disk` at `point`, from the manifest, checked against the
@@ -198,6 +220,18 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     d.wait_gone("virtualmachinesnapshots", "b1-cp", Duration::from_secs(60));
     assert!(d.get("virtualmachinesnapshots", "b2-cp").is_some());
 
+    // A snapshot of the user's between two backups, deleted after the guest
+    // wrote past it: its layer is merged away (the chain of files is
+    // shorter), and the next incremental is still exact.
+    d.cli_ok(&["snapshot", "vm", "app", "--name", "between", "--wait"]);
+    write_mib(&d, "two-b", 1);
+    let layers = backing_chain(&d.disk_path("app-data")).len();
+    d.cli_ok(&["delete", "vmsnapshot", "between"]);
+    let merged = hearth_test_support::eventually(Duration::from_secs(90), || {
+        backing_chain(&d.disk_path("app-data")).len() < layers
+    });
+    assert!(merged, "the snapshot's layer was not merged away");
+
     // 3. QEMU SIGKILLed after a synced write: the VM comes back, the next
     // backup is still exact (the change is read off the layers, which the
     // crash cannot make lie).
@@ -215,6 +249,7 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
             && v["status"]["agentConnected"] == true
     });
     let b3 = backup(&d, "b3", &to);
+    assert_eq!(b3["status"]["kind"], "Incremental", "{b3:#}");
     let p3 = point_file(&to, 3, "app-data");
     let truth3 = checkpoint_disk(&d, &b3);
     assert!(
@@ -237,15 +272,7 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     // backup is made again, and the leftover file is gone.
     write_mib(&d, "five", 3);
     wrapper.arm();
-    d.cli_ok(&[
-        "backup",
-        "vm",
-        "app",
-        "--to",
-        to.to_str().unwrap(),
-        "--name",
-        "b5",
-    ]);
+    assert!(backup_cmd(&d, "b5", &to, &[]).status.success());
     let partial = to.join("app-data").join("0005.qcow2.partial");
     let died = hearth_test_support::eventually(BACKUP_TIMEOUT, || {
         d.child
@@ -255,13 +282,11 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     assert!(died, "hearthd was not killed after the check:\n{}", d.log());
     d.kill();
     assert!(partial.exists(), "the finished copy is not there");
-    let points: Vec<u64> = backup_manifest(&to)["points"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p["point"].as_u64().unwrap())
-        .collect();
-    assert_eq!(points, [1, 2, 3, 4], "a point was committed half-written");
+    assert_eq!(
+        listed_points(&to),
+        [1, 2, 3, 4],
+        "a point was committed half-written"
+    );
     d.spawn_env(&env);
     let b5 = d.wait_final("virtualmachinebackups", "b5", BACKUP_TIMEOUT);
     assert_eq!(b5["status"]["phase"], "Ready", "{b5:#}");
@@ -325,8 +350,10 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
         "2",
         "--as",
         "again",
+        "--wait",
     ]);
     assert!(out.contains("virtualmachine/again created"), "{out}");
+    assert!(out.contains("disk/again-app-data: Ready"), "{out}");
     d.wait_agent("again");
     let read = d.agent_sh_ok("again", "sha256sum /data/two | cut -d' ' -f1");
     assert_eq!(read.trim(), two.trim());
@@ -340,7 +367,7 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     let at = bytes.len() / 2;
     bytes[at] ^= 0xff;
     std::fs::write(&victim, &bytes).unwrap();
-    d.cli_ok(&[
+    let out = d.cli(&[
         "restore",
         "backup",
         moved.to_str().unwrap(),
@@ -349,14 +376,17 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
         "--as",
         "bad",
         "--no-vm",
+        "--wait",
     ]);
-    let bad = d.wait_object(
-        "virtualdisks",
-        "bad-app-data",
-        "Failed",
-        Duration::from_secs(60),
-        |v| v["status"]["phase"] == "Failed",
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success()
+            && said.contains("disk/bad-app-data failed")
+            && said.contains("SHA-256"),
+        "{out:?}"
     );
+    let bad = d.get("virtualdisks", "bad-app-data").unwrap();
+    assert_eq!(bad["status"]["phase"], "Failed", "{bad:#}");
     assert!(bad.to_string().contains("SHA-256"), "{bad:#}");
 }
 
@@ -425,16 +455,7 @@ fn a_target_that_fills_up_fails_the_backup_cleanly_and_keeps_the_earlier_points(
 
     // More than the target holds.
     write_mib(&d, "big", 48);
-    let out = d.cli(&[
-        "backup",
-        "vm",
-        "app",
-        "--to",
-        to.to_str().unwrap(),
-        "--name",
-        "b2",
-        "--wait",
-    ]);
+    let out = backup_cmd(&d, "b2", &to, &["--wait"]);
     assert!(!out.status.success());
     let b2 = d.wait_final("virtualmachinebackups", "b2", BACKUP_TIMEOUT);
     assert_eq!(b2["status"]["phase"], "Failed", "{b2:#}");
@@ -488,23 +509,7 @@ fn keeping_n_points_merges_the_oldest_into_a_full_one_and_every_kept_point_reads
     let to = d.dir.path().join("kept");
     start_app(&d, "1Gi");
     let run = |name: &str, extra: &[&str]| {
-        let mut args = vec![
-            "backup",
-            "vm",
-            "app",
-            "--to",
-            to.to_str().unwrap(),
-            "--name",
-            name,
-            "--keep",
-            "2",
-            "--wait",
-        ];
-        args.extend_from_slice(extra);
-        d.cli_ok(&args);
-        let b = d.wait_final("virtualmachinebackups", name, BACKUP_TIMEOUT);
-        assert_eq!(b["status"]["phase"], "Ready", "{b:#}");
-        b
+        backup_with(&d, name, &to, &[&["--keep", "2"], extra].concat())
     };
     let points = || -> Vec<(u64, String)> {
         backup_manifest(&to)["points"]
@@ -563,4 +568,94 @@ fn keeping_n_points_merges_the_oldest_into_a_full_one_and_every_kept_point_reads
     assert_full_because(&b5, "fullEvery 2");
     assert_eq!(points(), [(4, "Full".to_string()), (5, "Full".to_string())]);
     assert_eq!(raw_sha(&point_file(&to, 4, "app-data"), &scratch), sums[&4]);
+}
+
+/// A small generator for the kill moments (splitmix64): the seed is printed,
+/// and HEARTH_TEST_SEED repeats a run.
+struct Moments(u64);
+
+impl Moments {
+    fn from_env() -> Moments {
+        let seed = std::env::var("HEARTH_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_nanos() as u64
+            });
+        eprintln!("kill moments from seed {seed} (HEARTH_TEST_SEED={seed} repeats them)");
+        Moments(seed)
+    }
+
+    /// Uniform in [0, 1).
+    fn next(&mut self) -> f64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Every point the manifest lists has every file, with the SHA-256 it gives.
+fn assert_every_point_whole(to: &Path, when: &str) {
+    for p in backup_manifest(to)["points"].as_array().unwrap() {
+        let n = p["point"].as_u64().unwrap();
+        let file = point_file(to, n, "app-data");
+        let check = Command::new("qemu-img")
+            .args(["check", "-U"])
+            .arg(&file)
+            .output()
+            .unwrap();
+        assert!(check.status.success(), "{when}: point {n}: {check:?}");
+    }
+}
+
+#[test]
+fn hearthd_killed_at_random_moments_of_backups_never_counts_a_half_point() {
+    let _serial = serial();
+    let mut d = Daemon::start();
+    let to = d.dir.path().join("killed");
+    start_app(&d, "1Gi");
+    let mut moments = Moments::from_env();
+    // How long one backup takes here (full, so longer than the next ones):
+    // the kills fall anywhere in it, and some after it.
+    write_mib(&d, "r0", 4);
+    let started = std::time::Instant::now();
+    backup_with(&d, "r0", &to, &["--keep", "2"]);
+    let span = started.elapsed();
+    for round in 1..=4 {
+        let name = format!("r{round}");
+        write_mib(&d, &name, 4);
+        let at = span.mul_f64(moments.next() * 1.2);
+        let out = backup_cmd(&d, &name, &to, &["--keep", "2"]);
+        assert!(out.status.success(), "{out:?}");
+        std::thread::sleep(at);
+        d.kill();
+        // While hearthd is down, from the bytes alone.
+        assert_every_point_whole(&to, &format!("{name} killed after {at:?}"));
+        d.spawn();
+        let b = d.wait_final("virtualmachinebackups", &name, BACKUP_TIMEOUT);
+        assert_eq!(
+            b["status"]["phase"], "Ready",
+            "{name} killed after {at:?}: {b:#}"
+        );
+        assert_every_point_whole(&to, &format!("{name} after the restart"));
+        let n = b["status"]["point"].as_u64().unwrap();
+        assert_eq!(n, round + 1, "{b:#}");
+        assert_eq!(listed_points(&to), [n - 1, n], "{name}: keep 2");
+        assert!(
+            same_bytes(&point_file(&to, n, "app-data"), &checkpoint_disk(&d, &b)),
+            "{name} (killed after {at:?}) differs from its checkpoint"
+        );
+    }
+    // Nothing the manifest does not name is left in the target.
+    let files: std::collections::BTreeSet<String> = std::fs::read_dir(to.join("app-data"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(files, ["0004.qcow2", "0005.qcow2"].map(String::from).into());
 }

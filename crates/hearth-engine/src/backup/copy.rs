@@ -6,6 +6,7 @@
 //! daemon stopped), fsynced, checked and hashed; renaming it is the
 //! caller's, after every disk is done.
 
+use super::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -23,24 +24,14 @@ pub enum CopyError {
     Img(#[from] img::ImgError),
     #[error(transparent)]
     Export(#[from] hearth_qemu::storage_daemon::DaemonError),
-    #[error("{what} {}: {source}", path.display())]
-    Io {
-        what: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    File(#[from] super::FileError),
     #[error("qemu-img create {}: {said}", path.display())]
     Create { path: PathBuf, said: String },
     #[error("{} is not sound after writing: {report}", path.display())]
     Check { path: PathBuf, report: String },
     #[error("the copy task failed: {0}")]
     Join(String),
-}
-
-fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CopyError {
-    let path = path.to_path_buf();
-    move |source| CopyError::Io { what, path, source }
 }
 
 /// Where the copies' exports are mounted: `STATE/backups/BACKUP/DISK`.
@@ -179,8 +170,11 @@ async fn create(out: &Path, backing: Option<&str>, size: u64) -> Result<(), Copy
     Ok(())
 }
 
-/// Copies each extent from the source export to the target export (zero
-/// extents as zeroes, since the target's backing may hold data there).
+/// Copies each extent from the source export to the target export. A zero
+/// extent must read as zeroes even where the target's backing holds data:
+/// it is asked for as a zeroed range (`fallocate(ZERO_RANGE)`, which the
+/// export turns into qcow2 zero clusters, taking no space), and written as
+/// zero bytes only where that is refused.
 fn copy_extents(
     src: &Path,
     dst: &Path,
@@ -203,10 +197,11 @@ fn copy_extents(
                 s.read_exact_at(&mut buf[..n], off)
                     .map_err(io("reading", src))?;
                 read += n as u64;
-            } else {
+                d.write_all_at(&buf[..n], off).map_err(io("writing", dst))?;
+            } else if !zero_range(&d, off, n as u64) {
                 buf[..n].fill(0);
+                d.write_all_at(&buf[..n], off).map_err(io("writing", dst))?;
             }
-            d.write_all_at(&buf[..n], off).map_err(io("writing", dst))?;
             off += n as u64;
             progress.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
         }
@@ -215,17 +210,27 @@ fn copy_extents(
     Ok(read)
 }
 
+/// `len` bytes at `off` of `f` made zeroes without writing them; false
+/// when the file cannot do that (the caller writes zeroes).
+fn zero_range(f: &std::fs::File, off: u64, len: u64) -> bool {
+    use std::os::fd::AsRawFd as _;
+    let (Ok(off), Ok(len)) = (libc::off_t::try_from(off), libc::off_t::try_from(len)) else {
+        return false;
+    };
+    // SAFETY: fallocate on a file descriptor this function borrows, with
+    // plain integers; it touches no memory of ours.
+    unsafe { libc::fallocate(f.as_raw_fd(), libc::FALLOC_FL_ZERO_RANGE, off, len) == 0 }
+}
+
 /// fsync, `qemu-img check`, SHA-256 of the file.
-async fn finish(out: &Path, bytes_read: u64) -> Result<Written, CopyError> {
+pub(super) async fn finish(out: &Path, bytes_read: u64) -> Result<Written, CopyError> {
     let path = out.to_path_buf();
     let (sha256, size) =
-        tokio::task::spawn_blocking(move || -> Result<(String, u64), CopyError> {
-            use sha2::Digest as _;
-            let mut f = std::fs::File::open(&path).map_err(io("opening", &path))?;
-            f.sync_all().map_err(io("syncing", &path))?;
-            let mut h = sha2::Sha256::new();
-            let size = std::io::copy(&mut f, &mut h).map_err(io("reading", &path))?;
-            Ok((format!("{:x}", h.finalize()), size))
+        tokio::task::spawn_blocking(move || -> Result<(String, u64), super::FileError> {
+            std::fs::File::open(&path)
+                .and_then(|f| f.sync_all())
+                .map_err(io("syncing", &path))?;
+            super::sha256_of(&path)
         })
         .await
         .map_err(|e| CopyError::Join(e.to_string()))??;
@@ -273,5 +278,84 @@ mod tests {
         let c = changed(&map, 2);
         assert_eq!(c, [map[1].clone(), map[2].clone()]);
         assert!(changed(&map, 0).is_empty());
+    }
+
+    fn run(program: &str, args: &[&str], dir: &Path) {
+        let out = std::process::Command::new(program)
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap_or_else(|e| panic!("{program}: {e} (apt-get install qemu-utils)"));
+        assert!(out.status.success(), "{program} {args:?}: {out:?}");
+    }
+
+    /// Zeroes written above the checkpoint go into the incremental as
+    /// zeroes that read as such over the previous point's data, and take no
+    /// space: through the real export (qemu-storage-daemon, FUSE).
+    #[tokio::test]
+    async fn zeroes_written_since_the_checkpoint_are_zero_clusters_over_older_data() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        // The previous point: 8 MiB of 0xab. The chain now: that data, then
+        // a layer where 1..3 MiB were zeroed and 5..6 MiB rewritten.
+        run(
+            "qemu-img",
+            &["create", "-q", "-f", "qcow2", "old.qcow2", "8M"],
+            d,
+        );
+        run("qemu-io", &["-c", "write -P 0xab 0 8M", "old.qcow2"], d);
+        run("cp", &["old.qcow2", "prev.qcow2"], d);
+        run(
+            "qemu-img",
+            &[
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-F",
+                "qcow2",
+                "-b",
+                "old.qcow2",
+                "new.qcow2",
+            ],
+            d,
+        );
+        run(
+            "qemu-io",
+            &[
+                "-c",
+                "write -z 1M 2M",
+                "-c",
+                "write -P 0xcd 5M 1M",
+                "new.qcow2",
+            ],
+            d,
+        );
+        let layer = d.join("new.qcow2");
+        let plan = plan(&layer, Some((1, "prev.qcow2".into()))).await.unwrap();
+        assert_eq!(plan.bytes, 3 << 20, "the zeroed and the rewritten ranges");
+        let out = d.join("point.qcow2");
+        let progress = Progress::default();
+        let w = write(
+            &layer,
+            plan,
+            &out,
+            8 << 20,
+            &d.join("work"),
+            progress.clone(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(w.bytes_read, 1 << 20, "only the rewritten data is read");
+        assert_eq!(progress.load(std::sync::atomic::Ordering::Relaxed), 3 << 20);
+        // The point over the previous one reads exactly the new chain.
+        run(
+            "qemu-img",
+            &["compare", "-q", "new.qcow2", "point.qcow2"],
+            d,
+        );
+        // 1 MiB of data and metadata, not 3 MiB.
+        let size = std::fs::metadata(&out).unwrap().len();
+        assert!(size < (3 << 20) / 2, "the point is {size} bytes");
     }
 }

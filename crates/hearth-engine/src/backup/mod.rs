@@ -9,3 +9,30 @@ pub mod reconcile;
 pub mod target;
 
 pub use reconcile::reconcile;
+
+use std::path::{Path, PathBuf};
+
+/// A file operation of a backup that failed, naming the file.
+#[derive(Debug, thiserror::Error)]
+#[error("{what} {}: {source}", path.display())]
+pub struct FileError {
+    what: &'static str,
+    path: PathBuf,
+    #[source]
+    source: std::io::Error,
+}
+
+/// `.map_err(io("syncing", path))`
+fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> FileError {
+    let path = path.to_path_buf();
+    move |source| FileError { what, path, source }
+}
+
+/// The SHA-256 (hex) and length of a file's bytes.
+fn sha256_of(path: &Path) -> Result<(String, u64), FileError> {
+    use sha2::Digest as _;
+    let mut f = std::fs::File::open(path).map_err(io("opening", path))?;
+    let mut h = sha2::Sha256::new();
+    let size = std::io::copy(&mut f, &mut h).map_err(io("reading", path))?;
+    Ok((format!("{:x}", h.finalize()), size))
+}

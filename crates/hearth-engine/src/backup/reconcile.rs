@@ -1,11 +1,13 @@
 //! A VirtualMachineBackup from request to a committed point: a checkpoint
 //! VM snapshot (the consistent cut: one freeze, one thaw), then each disk
 //! copied from the checkpoint's layers into the target, then the manifest
-//! written (the commit), then the previous checkpoint deleted. A crash
-//! anywhere before the manifest leaves files no manifest lists (removed by
-//! the next backup of the directory) and a backup still InProgress, which
-//! the restarted daemon copies again; after it, the backup is found in the
-//! manifest and only its status is written.
+//! written (the commit), then retention in the target and the older
+//! checkpoints deleted, and only then the status Ready. A crash anywhere
+//! before the manifest leaves files no manifest lists (removed by the next
+//! backup of the directory) and a backup still InProgress, which the
+//! restarted daemon copies again; after it, the backup is found in the
+//! manifest, and what follows the commit is done again (each step finds
+//! what is done already) before its status is written.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -244,13 +246,11 @@ async fn copy_when_cut(
             return Ok(Action::Done);
         }
     };
-    // Committed before a crash: the status was not written, and the
-    // previous checkpoint may not have been deleted.
-    if let Some(i) = manifest.points.iter().position(|p| p.backup == name) {
-        finish(ctx, backup, &manifest, &manifest.points[i], None, None);
-        if let Some(before) = i.checked_sub(1).map(|j| &manifest.points[j]) {
-            drop_checkpoint(ctx, &before.checkpoint, &cp)?;
-        }
+    // Committed before a crash: what follows the commit may not have been
+    // done, and the status was not written.
+    if let Some(p) = manifest.points.iter().find(|p| p.backup == name) {
+        after_commit(ctx, backup, manifest.clone(), &cp).await?;
+        finish(ctx, backup, &manifest, p, None, None);
         return Ok(Action::Done);
     }
     match write_point(ctx, backup, &cp, &cp_status, manifest).await {
@@ -267,11 +267,7 @@ async fn copy_when_cut(
 }
 
 fn prepare_target(dir: &Path, vm: &str) -> Result<Manifest, target::TargetError> {
-    std::fs::create_dir_all(dir).map_err(|source| target::TargetError::Io {
-        what: "making",
-        path: dir.to_path_buf(),
-        source,
-    })?;
+    std::fs::create_dir_all(dir).map_err(super::io("making", dir))?;
     let m = target::read(dir, vm)?;
     for p in target::recover(dir, &m)? {
         tracing::info!(file = %p.display(), "finished a merge a crash stopped");
@@ -499,6 +495,9 @@ async fn write_point(
     manifest.points.push(p.clone());
     target::commit(dir, &manifest).map_err(|x| e(&x))?;
     let took = started.elapsed();
+    after_commit(ctx, backup, manifest.clone(), cp)
+        .await
+        .map_err(|x| e(&x))?;
     finish(
         ctx,
         backup,
@@ -507,7 +506,22 @@ async fn write_point(
         reason_full,
         Some((bytes_read, bytes_written, took.as_millis() as u64)),
     );
-    // Retention in the target: older points merged into the oldest kept.
+    Ok(())
+}
+
+/// What follows the commit of the point whose checkpoint is `cp`, before
+/// the backup is Ready (so a crash in between is finished by the next
+/// start, which finds the point committed): retention in the target (older
+/// points merged into the oldest kept one), then the checkpoints of the
+/// older points deleted, since only the newest one starts anything.
+async fn after_commit(
+    ctx: &Context,
+    backup: &VirtualMachineBackup,
+    manifest: Manifest,
+    cp: &str,
+) -> Result<(), ReconcileError> {
+    let name = backup.metadata.name.as_str();
+    let dir = &backup.spec.to;
     if let Some(keep) = backup.spec.keep {
         let before = manifest.points.len();
         match target::keep_newest(dir, manifest, keep).await {
@@ -533,9 +547,22 @@ async fn write_point(
             ),
         }
     }
-    // The previous checkpoint is no longer a start for anything.
-    if let Some(prev) = previous {
-        drop_checkpoint(ctx, &prev.checkpoint, cp).map_err(|x| e(&x))?;
+    // Every other backup of the directory is an older point (one backup of
+    // a directory runs at a time); a point merged away has no backup left
+    // in the manifest to name its checkpoint, so the objects are asked.
+    let mine = canonical(dir);
+    for o in ctx.store.list(Kind::VirtualMachineBackup)? {
+        if let Object::VirtualMachineBackup(b) = &o.object
+            && b.metadata.name != name
+            && canonical(&b.spec.to) == mine
+            && let Some(older) = status_of(&o.status).checkpoint
+            && ctx
+                .store
+                .get(Kind::VirtualMachineSnapshot, &older)?
+                .is_some()
+        {
+            drop_checkpoint(ctx, &older, cp)?;
+        }
     }
     Ok(())
 }

@@ -4,6 +4,7 @@
 //! is the commit point: a file it does not list is not a backup, and the
 //! next backup removes it (a crash mid-copy leaves one).
 
+use super::{io, sha256_of};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -47,38 +48,37 @@ impl Point {
 
 #[derive(Debug, thiserror::Error)]
 pub enum TargetError {
-    #[error("{what} {}: {source}", path.display())]
-    Io {
-        what: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    File(#[from] super::FileError),
     #[error("{}: not a backup manifest hearth can read: {reason}", path.display())]
     BadManifest { path: PathBuf, reason: String },
     #[error("{} holds the backups of VirtualMachine {other:?}; one VM per directory", dir.display())]
     OtherVm { dir: PathBuf, other: String },
 }
 
-fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> TargetError {
-    let path = path.to_path_buf();
-    move |source| TargetError::Io { what, path, source }
-}
-
 /// The manifest of `dir`, or an empty one for `vm` when there is none yet.
 pub fn read(dir: &Path, vm: &str) -> Result<Manifest, TargetError> {
+    if !dir.join(MANIFEST).exists() {
+        return Ok(Manifest {
+            version: VERSION,
+            virtual_machine_name: vm.to_string(),
+            points: Vec::new(),
+        });
+    }
+    let m = read_existing(dir)?;
+    if m.virtual_machine_name != vm {
+        return Err(TargetError::OtherVm {
+            dir: dir.to_path_buf(),
+            other: m.virtual_machine_name,
+        });
+    }
+    Ok(m)
+}
+
+/// The manifest of `dir`, which must be there, in a version this hearth reads.
+pub fn read_existing(dir: &Path) -> Result<Manifest, TargetError> {
     let path = dir.join(MANIFEST);
-    let text = match std::fs::read(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Ok(Manifest {
-                version: VERSION,
-                virtual_machine_name: vm.to_string(),
-                points: Vec::new(),
-            });
-        }
-        Err(e) => return Err(io("reading", &path)(e)),
-    };
+    let text = std::fs::read(&path).map_err(io("reading", &path))?;
     let m: Manifest = serde_json::from_slice(&text).map_err(|e| TargetError::BadManifest {
         path: path.clone(),
         reason: e.to_string(),
@@ -87,12 +87,6 @@ pub fn read(dir: &Path, vm: &str) -> Result<Manifest, TargetError> {
         return Err(TargetError::BadManifest {
             path,
             reason: format!("version {} (this hearth reads {VERSION})", m.version),
-        });
-    }
-    if m.virtual_machine_name != vm {
-        return Err(TargetError::OtherVm {
-            dir: dir.to_path_buf(),
-            other: m.virtual_machine_name,
         });
     }
     Ok(m)
@@ -120,7 +114,8 @@ pub fn commit(dir: &Path, m: &Manifest) -> Result<(), TargetError> {
 pub fn sync_dir(dir: &Path) -> Result<(), TargetError> {
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
-        .map_err(io("syncing", dir))
+        .map_err(io("syncing", dir))?;
+    Ok(())
 }
 
 /// The file of `disk` at `point` (the newest when `None`) of the backup in
@@ -132,10 +127,7 @@ pub async fn verified_point(
     disk: &str,
     point: Option<u32>,
 ) -> Result<(PathBuf, u64), String> {
-    let text = std::fs::read(dir.join(MANIFEST))
-        .map_err(|e| format!("{}: {e}", dir.join(MANIFEST).display()))?;
-    let m: Manifest = serde_json::from_slice(&text)
-        .map_err(|e| format!("{}: {e}", dir.join(MANIFEST).display()))?;
+    let m = read_existing(dir).map_err(|e| e.to_string())?;
     // A merge a crash stopped is finished (or forgotten) first.
     recover(dir, &m).map_err(|e| e.to_string())?;
     let n = match point {
@@ -165,16 +157,10 @@ pub async fn verified_point(
     }
     for (path, sha, _) in &expected {
         let path2 = path.clone();
-        let got = tokio::task::spawn_blocking(move || -> std::io::Result<String> {
-            use sha2::Digest as _;
-            let mut f = std::fs::File::open(&path2)?;
-            let mut h = sha2::Sha256::new();
-            std::io::copy(&mut f, &mut h)?;
-            Ok(format!("{:x}", h.finalize()))
-        })
-        .await
-        .map_err(|e| e.to_string())?
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+        let (got, _) = tokio::task::spawn_blocking(move || super::sha256_of(&path2))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())?;
         if &got != sha {
             return Err(format!(
                 "{} has SHA-256 {got}, the manifest says {sha}",
@@ -199,14 +185,6 @@ pub async fn verified_point(
     Ok((expected[0].0.clone(), expected[0].2))
 }
 
-fn sha256_of(path: &Path) -> std::io::Result<String> {
-    use sha2::Digest as _;
-    let mut f = std::fs::File::open(path)?;
-    let mut h = sha2::Sha256::new();
-    std::io::copy(&mut f, &mut h)?;
-    Ok(format!("{:x}", h.finalize()))
-}
-
 const MERGED: &str = ".merged";
 
 /// Finishes or forgets a merge a crash stopped, deciding from the bytes: a
@@ -222,7 +200,7 @@ pub fn recover(dir: &Path, m: &Manifest) -> Result<Vec<PathBuf>, TargetError> {
         if !merged.exists() {
             continue;
         }
-        let sha = sha256_of(&merged).map_err(io("reading", &merged))?;
+        let (sha, _) = sha256_of(&merged)?;
         if sha == f.sha256 {
             std::fs::rename(&merged, &path).map_err(io("renaming", &merged))?;
             sync_dir(path.parent().unwrap_or(dir))?;
@@ -265,26 +243,12 @@ pub async fn keep_newest(dir: &Path, mut m: Manifest, keep: u32) -> Result<Manif
                     .convert_standalone(&path, "qcow2", &partial, "qcow2")
                     .await
                     .map_err(|e| e.to_string())?;
-                let part = partial.clone();
-                let (sha, size) =
-                    tokio::task::spawn_blocking(move || -> std::io::Result<(String, u64)> {
-                        std::fs::File::open(&part)?.sync_all()?;
-                        Ok((sha256_of(&part)?, std::fs::metadata(&part)?.len()))
-                    })
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .map_err(|e| format!("{}: {e}", partial.display()))?;
-                let report = hearth_qemu::img::QemuImg::locate()
-                    .map_err(|e| e.to_string())?
-                    .check(&partial)
+                let w = super::copy::finish(&partial, 0)
                     .await
                     .map_err(|e| e.to_string())?;
-                if !report.is_clean() {
-                    return Err(format!("{} is not sound: {report:?}", partial.display()));
-                }
                 std::fs::rename(&partial, &merged).map_err(|e| e.to_string())?;
                 sync_dir(merged.parent().unwrap_or(dir)).map_err(|e| e.to_string())?;
-                Ok::<_, String>((sha, size))
+                Ok::<_, String>((w.sha256, w.size))
             }
             .await;
             let (sha, size) = match written {
@@ -396,7 +360,7 @@ mod tests {
         // Committed: the manifest names the merged bytes.
         std::fs::write(&file, b"old").unwrap();
         std::fs::write(&merged, b"new").unwrap();
-        m.points[0].files[0].sha256 = sha256_of(&merged).unwrap();
+        m.points[0].files[0].sha256 = sha256_of(&merged).unwrap().0;
         assert_eq!(
             recover(dir.path(), &m).unwrap(),
             std::slice::from_ref(&file)
@@ -405,7 +369,7 @@ mod tests {
         assert!(!merged.exists());
         // Not committed: the manifest still names the old bytes.
         std::fs::write(&merged, b"newer").unwrap();
-        m.points[0].files[0].sha256 = sha256_of(&file).unwrap();
+        m.points[0].files[0].sha256 = sha256_of(&file).unwrap().0;
         assert!(recover(dir.path(), &m).unwrap().is_empty());
         assert_eq!(std::fs::read(&file).unwrap(), b"new");
         assert!(!merged.exists());

@@ -109,20 +109,12 @@ pub(super) async fn create(
             backing_layer = Some(layer.id);
         }
         DiskSource::Backup(b) => {
-            let (file, _) = crate::backup::target::verified_point(&b.from, &b.disk, b.point)
+            restore_backup(ctx, name, b, &new.path)
                 .await
-                .map_err(|e| DiskError::Backup(e.to_string()))?;
-            // The whole chain into one standalone file: the disk never
-            // reads the backup directory again.
-            img::QemuImg::locate()
-                .map_err(|e| DiskError::Backup(e.to_string()))?
-                .with_timeout(crate::snapshot::export::CONVERT_TIMEOUT)
-                .convert_standalone(&file, "qcow2", &new.path, "qcow2")
-                .await
-                .map_err(|e| {
+                .inspect_err(|_| {
                     let _ = std::fs::remove_file(&new.path);
-                    DiskError::Backup(e.to_string())
-                })?;
+                })
+                .map_err(DiskError::Backup)?;
         }
         DiskSource::VirtualImage(image) => {
             let ready = crate::image::ready_for_disk(&ctx.store, image, size)?
@@ -283,4 +275,45 @@ pub(super) fn snapshot_not_ready(
             false,
         )),
     })
+}
+
+/// The point's whole chain, once verified, copied into one standalone file
+/// (the disk never reads the backup directory again): its extents with data
+/// through the same read-only export a backup reads from, the bytes so far
+/// in `status.restoreProgress` every second.
+async fn restore_backup(
+    ctx: &Context,
+    name: &str,
+    b: &hearth_api::BackupDiskSource,
+    out: &Path,
+) -> Result<(), String> {
+    use crate::backup::copy;
+    let (file, virtual_size) = crate::backup::target::verified_point(&b.from, &b.disk, b.point)
+        .await
+        .map_err(|e| e.to_string())?;
+    let plan = copy::plan(&file, None).await.map_err(|e| e.to_string())?;
+    let total = plan.bytes;
+    let done = copy::Progress::default();
+    let show = |bytes_done| {
+        ctx.set_disk_status(name, |s| {
+            s.restore_progress = Some(hearth_api::BackupProgress {
+                bytes_done,
+                bytes_total: total,
+            })
+        })
+    };
+    show(0);
+    let work = copy::work_root(&ctx.config.state_dir).join(format!("restore-{name}"));
+    let copying = copy::write(&file, plan, out, virtual_size, &work, done.clone());
+    tokio::pin!(copying);
+    let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+    tick.tick().await;
+    let written = loop {
+        tokio::select! {
+            w = &mut copying => break w,
+            _ = tick.tick() => show(done.load(std::sync::atomic::Ordering::Relaxed)),
+        }
+    };
+    let _ = std::fs::remove_dir_all(&work);
+    written.map(|_| ()).map_err(|e| e.to_string())
 }

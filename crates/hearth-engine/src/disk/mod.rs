@@ -182,6 +182,7 @@ pub async fn reconcile(ctx: &Arc<Context>, name: &str) -> Result<Action, Reconci
                     ctx.set_disk_status(name, |s| {
                         s.phase = DiskPhase::Failed;
                         s.last_error = Some(message.clone());
+                        s.restore_progress = None;
                     });
                     ctx.event(
                         Kind::VirtualDisk,
@@ -267,6 +268,7 @@ fn set_ready(
     s.chain_length = Some(chain_length);
     s.attached_to = attached;
     s.last_error = None;
+    s.restore_progress = None;
     s.observed_generation = generation;
 }
 

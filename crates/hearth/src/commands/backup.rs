@@ -171,13 +171,13 @@ async fn follow(
     }
 }
 
-fn watched() -> bool {
+pub(super) fn watched() -> bool {
     use std::io::IsTerminal;
     std::io::stderr().is_terminal() && std::env::var_os("TERM").is_none_or(|t| t != "dumb")
 }
 
 /// Bytes copied on hearthd of the bytes to copy (on a terminal only).
-fn copying(total: u64) -> ProgressBar {
+pub(super) fn copying(total: u64) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
     bar.set_style(
         ProgressStyle::with_template(

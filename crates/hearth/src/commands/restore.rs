@@ -97,7 +97,7 @@ and port forwards are the original's: when the original still runs, a
 forwarded port is refused (make the disks only, or change the VM).
 
 Examples:
-  hearth restore backup /srv/backup/app --as app-restored
+  hearth restore backup /srv/backup/app --as app-restored --wait
   hearth restore backup /srv/backup/app --at 2 --as app-monday --no-vm")]
     Backup(BackupArgs),
 }
@@ -117,6 +117,13 @@ pub struct BackupArgs {
     /// Make the disks only.
     #[arg(long)]
     pub no_vm: bool,
+    /// Wait until every disk is made (Ready: exit 0; Failed: exit 1), with
+    /// the copy's progress on a terminal.
+    #[arg(long)]
+    pub wait: bool,
+    /// With --wait: give up waiting after this long (the restore goes on).
+    #[arg(long, value_name = "DURATION", default_value = "30m", value_parser = parse_duration, requires = "wait")]
+    pub timeout: Duration,
 }
 
 #[derive(Debug, clap::Args)]
@@ -241,7 +248,81 @@ pub async fn restore_backup(
         .post("/v1/apply?create=true", Some(&json!({ "items": objects })))
         .await?;
     out.write_all(super::apply::render_results(&answer)?.as_bytes())?;
+    if args.wait {
+        let disks: Vec<String> = objects
+            .iter()
+            .filter(|o| o["kind"] == "VirtualDisk")
+            .filter_map(|o| str_at(o, &["metadata", "name"]).map(str::to_string))
+            .collect();
+        follow_disks(client, &disks, args.timeout, out).await?;
+    }
     Ok(())
+}
+
+/// Polls the restored disks until each is Ready or one Failed: a line per
+/// disk when its phase changes, and (on a terminal) one bar for the bytes
+/// copied into all of them.
+async fn follow_disks(
+    client: &ApiClient,
+    disks: &[String],
+    timeout: Duration,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut shown: std::collections::BTreeMap<&str, String> = Default::default();
+    let mut bar: Option<indicatif::ProgressBar> = None;
+    loop {
+        let (mut done, mut total, mut ready) = (0, 0, 0);
+        for d in disks {
+            let obj = client.get(&object_path(Kind::VirtualDisk, d)).await?;
+            let phase = str_at(&obj, &["status", "phase"])
+                .unwrap_or("Pending")
+                .to_string();
+            if shown.get(d.as_str()) != Some(&phase) {
+                if let Some(b) = &bar {
+                    b.suspend(|| writeln!(out, "disk/{d}: {phase}"))?;
+                } else {
+                    writeln!(out, "disk/{d}: {phase}")?;
+                }
+                shown.insert(d, phase.clone());
+            }
+            match phase.as_str() {
+                "Ready" => ready += 1,
+                "Failed" => {
+                    if let Some(b) = bar.take() {
+                        b.finish_and_clear();
+                    }
+                    anyhow::bail!(
+                        "disk/{d} failed: {}",
+                        str_at(&obj, &["status", "lastError"]).unwrap_or("?")
+                    );
+                }
+                _ => {}
+            }
+            done += u64_at(&obj, &["status", "restoreProgress", "bytesDone"]).unwrap_or(0);
+            total += u64_at(&obj, &["status", "restoreProgress", "bytesTotal"]).unwrap_or(0);
+        }
+        if ready == disks.len() {
+            if let Some(b) = bar.take() {
+                b.finish_and_clear();
+            }
+            writeln!(out, "restored {} disk(s)", disks.len())?;
+            return Ok(());
+        }
+        if total > 0 && super::backup::watched() {
+            let b = bar.get_or_insert_with(|| super::backup::copying(total));
+            b.set_length(total);
+            b.set_position(done);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!(
+                "{} of {} disk(s) Ready after {timeout:?}; the restore goes on (see `hearth get disks`)",
+                ready,
+                disks.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 pub async fn restore_group(
