@@ -326,10 +326,23 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     let b6 = backup(&d, "b6", &to);
     assert_full_because(&b6, "restored");
     let p6 = point_file(&to, 6, "app-data");
-    assert!(
-        same_bytes(&p6, &checkpoint_disk(&d, &b6)),
-        "point 6 differs"
-    );
+    let truth6 = checkpoint_disk(&d, &b6);
+    assert!(same_bytes(&p6, &truth6), "point 6 differs");
+
+    // Every point of the chain restored as a disk (`hearth restore backup
+    // --at N`): each reads exactly what its checkpoint reads, whether it
+    // is full or sits on up to four incrementals.
+    let truths = [&truth1, &truth2, &truth3, &truth4, &truth5, &truth6];
+    for (i, truth) in truths.iter().enumerate() {
+        let n = (i + 1).to_string();
+        let name = format!("at{n}");
+        let dir = to.to_str().unwrap();
+        d.cli_ok(&[
+            "restore", "backup", dir, "--at", &n, "--as", &name, "--no-vm", "--wait",
+        ]);
+        let restored = d.disk_path(&format!("{name}-app-data"));
+        assert!(same_bytes(&restored, truth), "point {n} restored differs");
+    }
 
     // A restore from a copy of the directory elsewhere (the chain names
     // its files relatively): point 2 as a new VM, whose guest reads the
