@@ -447,7 +447,7 @@ impl Drop for SmallFs {
 }
 
 #[test]
-fn a_target_that_fills_up_fails_the_backup_cleanly_and_keeps_the_earlier_points() {
+fn a_full_target_fails_cleanly_keeping_the_earlier_points_and_a_grown_disk_makes_the_next_full() {
     let _serial = serial();
     let d = Daemon::start();
     let small = SmallFs::new(d.dir.path(), 100);
@@ -499,6 +499,23 @@ fn a_target_that_fills_up_fails_the_backup_cleanly_and_keeps_the_earlier_points(
     assert_eq!(b3["status"]["point"], 2, "{b3:#}");
     let p2 = point_file(&to, 2, "app-data");
     assert!(same_bytes(&p2, &checkpoint_disk(&d, &b3)));
+
+    // The disk replaced by a larger one of the same name (a disk's size is
+    // fixed when it is made, so this is how one grows): b3's checkpoint is
+    // still there, but the next point is full, says "resized", and is exact.
+    d.cli_ok(&["delete", "vm", "app"]);
+    d.wait_gone("virtualmachines", "app", Duration::from_secs(120));
+    d.cli_ok(&["delete", "disk", "app-data"]);
+    d.wait_gone("virtualdisks", "app-data", Duration::from_secs(60));
+    start_app(&d, "2Gi");
+    assert!(d.get("virtualmachinesnapshots", "b3-cp").is_some());
+    let b4 = backup(&d, "b4", &to);
+    assert_full_because(&b4, "resized");
+    let p3 = point_file(&to, 3, "app-data");
+    assert!(
+        same_bytes(&p3, &checkpoint_disk(&d, &b4)),
+        "point 3 differs"
+    );
     drop(d);
     drop(small);
 }
