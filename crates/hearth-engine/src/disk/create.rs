@@ -303,7 +303,8 @@ async fn restore_backup(
         })
     };
     show(0);
-    let work = copy::work_root(&ctx.config.state_dir).join(format!("restore-{name}"));
+    // A dot: no backup's name (a DNS label) can take the same folder.
+    let work = copy::work_root(&ctx.config.state_dir).join(format!("restore.{name}"));
     let copying = copy::write(&file, plan, out, virtual_size, &work, done.clone());
     tokio::pin!(copying);
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
