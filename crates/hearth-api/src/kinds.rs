@@ -1267,6 +1267,7 @@ pub struct BackupStatus {
     pub bytes_read: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes_written: Option<u64>,
+    /// From the start of the copy (right after the cut) to the commit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

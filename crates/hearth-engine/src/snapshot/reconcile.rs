@@ -317,14 +317,17 @@ pub async fn reconcile_vm_snapshot(
                 s.freeze_window_ms = first.freeze_window_ms;
                 s.size = Some(size);
             });
-            if let Some(group) = stored
-                .object
-                .metadata()
-                .managed_by
-                .as_deref()
-                .and_then(|m| m.strip_prefix(super::group::MANAGED_BY_PREFIX))
+            // What made it goes on now, not at its next look.
+            let managed_by = stored.object.metadata().managed_by.as_deref();
+            if let Some(group) =
+                managed_by.and_then(|m| m.strip_prefix(super::group::MANAGED_BY_PREFIX))
             {
                 ctx.wake(Kind::VirtualMachineSnapshotGroup, group);
+            }
+            if let Some(backup) =
+                managed_by.and_then(|m| m.strip_prefix(crate::backup::reconcile::MANAGED_BY_PREFIX))
+            {
+                ctx.wake(Kind::VirtualMachineBackup, backup);
             }
             crate::metrics::snapshot_settled(
                 ctx,

@@ -5,13 +5,14 @@ use std::time::Duration;
 
 use anyhow::bail;
 use chrono::Utc;
-use hearth_api::{API_VERSION, Kind, object_from_value};
+use hearth_api::{API_VERSION, Kind, WatchType, object_from_value};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{Value, json};
 
 use super::wait::parse_duration;
 use super::{object_path, short_ref};
-use crate::client::ApiClient;
+use crate::client::{ApiClient, ApiError};
+use crate::follow::{Follower, Update};
 use crate::output::{human_bytes, str_at, u64_at};
 
 #[derive(Debug, clap::Args)]
@@ -124,6 +125,9 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Follows the backup on hearthd's change stream until it is Ready or
+/// Failed: a line per phase, the copy's bar on a terminal. Asks in turn
+/// (every 500 ms) when the stream cannot be opened (hearthd restarting).
 async fn follow(
     client: &ApiClient,
     name: &str,
@@ -131,43 +135,108 @@ async fn follow(
     out: &mut impl Write,
 ) -> anyhow::Result<Value> {
     let who = short_ref(Kind::VirtualMachineBackup, name);
+    let kind = Kind::VirtualMachineBackup;
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut shown: Option<String> = None;
-    let mut bar: Option<ProgressBar> = None;
-    loop {
-        let obj = client
-            .get(&object_path(Kind::VirtualMachineBackup, name))
-            .await?;
-        let phase = str_at(&obj, &["status", "phase"]).map(str::to_string);
-        if phase.is_some() && phase != shown {
-            if let Some(b) = bar.take() {
-                b.finish_and_clear();
+    let mut view = View::default();
+    let still = |view: &View| {
+        anyhow::anyhow!(
+            "{who} is still {} after {timeout:?}; it goes on (see `hearth get backups`)",
+            view.phase.as_deref().unwrap_or("Pending")
+        )
+    };
+    let path = format!("/v1/watch?kinds={}&name={name}", kind.plural());
+    let opened = tokio::time::timeout_at(
+        deadline,
+        Follower::open(client, path, timeout, Box::new(std::io::stderr())),
+    )
+    .await;
+    let mut follower = match opened {
+        Err(_) => return Err(still(&view)),
+        Ok(Ok(f)) => f,
+        Ok(Err(ApiError::Unreachable { .. })) => loop {
+            let obj = client.get(&object_path(kind, name)).await?;
+            if let Some(last) = view.show(&who, &obj, out)? {
+                return Ok(last);
             }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(still(&view));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        },
+        Ok(Err(e)) => return Err(e.into()),
+    };
+    loop {
+        let update = match tokio::time::timeout_at(deadline, follower.next()).await {
+            Err(_) => return Err(still(&view)),
+            Ok(update) => update?,
+        };
+        let seen = match update {
+            Update::Synced { .. } => follower.informer().get(kind.as_str(), name).cloned(),
+            Update::Object {
+                type_,
+                kind: k,
+                name: n,
+                object,
+                ..
+            } if k == kind.as_str() && n == name => {
+                if type_ == WatchType::Deleted {
+                    view.clear();
+                    bail!("{who} was deleted before it was Ready");
+                }
+                Some(object)
+            }
+            _ => continue,
+        };
+        if let Some(obj) = seen
+            && let Some(last) = view.show(&who, &obj, out)?
+        {
+            return Ok(last);
+        }
+    }
+}
+
+/// What `--wait` has shown: the last phase, and the bar while copying.
+#[derive(Default)]
+struct View {
+    phase: Option<String>,
+    bar: Option<ProgressBar>,
+}
+
+impl View {
+    /// Shows `obj`'s phase when it changed and its progress; the object
+    /// back when it is Ready or Failed.
+    fn show(
+        &mut self,
+        who: &str,
+        obj: &Value,
+        out: &mut impl Write,
+    ) -> anyhow::Result<Option<Value>> {
+        let phase = str_at(obj, &["status", "phase"]).map(str::to_string);
+        if phase.is_some() && phase != self.phase {
+            self.clear();
             writeln!(out, "{who}: {}", phase.as_deref().unwrap_or(""))?;
-            shown = phase.clone();
+            self.phase = phase.clone();
         }
         if let (Some(done), Some(total)) = (
-            u64_at(&obj, &["status", "progress", "bytesDone"]),
-            u64_at(&obj, &["status", "progress", "bytesTotal"]),
+            u64_at(obj, &["status", "progress", "bytesDone"]),
+            u64_at(obj, &["status", "progress", "bytesTotal"]),
         ) && watched()
         {
-            let b = bar.get_or_insert_with(|| copying(total));
+            let b = self.bar.get_or_insert_with(|| copying(total));
             b.set_length(total);
             b.set_position(done);
         }
         if matches!(phase.as_deref(), Some("Ready" | "Failed")) {
-            if let Some(b) = bar.take() {
-                b.finish_and_clear();
-            }
-            return Ok(obj);
+            self.clear();
+            return Ok(Some(obj.clone()));
         }
-        if tokio::time::Instant::now() >= deadline {
-            bail!(
-                "{who} is still {} after {timeout:?}; it goes on (see `hearth get backups`)",
-                phase.as_deref().unwrap_or("Pending")
-            );
+        Ok(None)
+    }
+
+    fn clear(&mut self) {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
