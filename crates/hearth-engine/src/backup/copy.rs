@@ -49,7 +49,6 @@ pub fn sweep(state_dir: &Path) {
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Written {
     pub bytes_read: u64,
-    pub sha256: String,
     pub size: u64,
 }
 
@@ -222,18 +221,16 @@ fn zero_range(f: &std::fs::File, off: u64, len: u64) -> bool {
     unsafe { libc::fallocate(f.as_raw_fd(), libc::FALLOC_FL_ZERO_RANGE, off, len) == 0 }
 }
 
-/// fsync, `qemu-img check`, SHA-256 of the file.
+/// fsync and `qemu-img check` of a file just written; its length.
 pub(super) async fn finish(out: &Path, bytes_read: u64) -> Result<Written, CopyError> {
     let path = out.to_path_buf();
-    let (sha256, size) =
-        tokio::task::spawn_blocking(move || -> Result<(String, u64), super::FileError> {
-            std::fs::File::open(&path)
-                .and_then(|f| f.sync_all())
-                .map_err(io("syncing", &path))?;
-            super::sha256_of(&path)
-        })
-        .await
-        .map_err(|e| CopyError::Join(e.to_string()))??;
+    let size = tokio::task::spawn_blocking(move || -> Result<u64, super::FileError> {
+        let f = std::fs::File::open(&path).map_err(io("opening", &path))?;
+        f.sync_all().map_err(io("syncing", &path))?;
+        Ok(f.metadata().map_err(io("reading", &path))?.len())
+    })
+    .await
+    .map_err(|e| CopyError::Join(e.to_string()))??;
     let report = img::QemuImg::locate()
         .map_err(img::ImgError::from)?
         .check(out)
@@ -244,11 +241,17 @@ pub(super) async fn finish(out: &Path, bytes_read: u64) -> Result<Written, CopyE
             report: format!("{report:?}"),
         });
     }
-    Ok(Written {
-        bytes_read,
-        sha256,
-        size,
-    })
+    Ok(Written { bytes_read, size })
+}
+
+/// The SHA-256 (hex) of a file a backup's manifest names. Only what goes
+/// into a manifest is hashed (a restored disk's file is not).
+pub async fn digest(path: &Path) -> Result<String, CopyError> {
+    let path = path.to_path_buf();
+    let (sha, _) = tokio::task::spawn_blocking(move || super::sha256_of(&path))
+        .await
+        .map_err(|e| CopyError::Join(e.to_string()))??;
+    Ok(sha)
 }
 
 #[cfg(test)]

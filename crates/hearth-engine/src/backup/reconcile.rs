@@ -442,6 +442,10 @@ async fn write_point(
         )
         .await;
         let written = match written {
+            Ok(w) => copy::digest(&partial).await.map(|sha| (w, sha)),
+            Err(x) => Err(x),
+        };
+        let (written, sha256) = match written {
             Ok(w) => w,
             Err(x) => {
                 let _ = std::fs::remove_file(&partial);
@@ -461,7 +465,7 @@ async fn write_point(
             BackupFile {
                 disk: d.name.clone(),
                 file: rel,
-                sha256: written.sha256,
+                sha256,
                 size: written.size,
                 virtual_size: d.virtual_size,
             },

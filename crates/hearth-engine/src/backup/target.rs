@@ -246,9 +246,12 @@ pub async fn keep_newest(dir: &Path, mut m: Manifest, keep: u32) -> Result<Manif
                 let w = super::copy::finish(&partial, 0)
                     .await
                     .map_err(|e| e.to_string())?;
+                let sha = super::copy::digest(&partial)
+                    .await
+                    .map_err(|e| e.to_string())?;
                 std::fs::rename(&partial, &merged).map_err(|e| e.to_string())?;
                 sync_dir(merged.parent().unwrap_or(dir)).map_err(|e| e.to_string())?;
-                Ok::<_, String>((w.sha256, w.size))
+                Ok::<_, String>((sha, w.size))
             }
             .await;
             let (sha, size) = match written {
