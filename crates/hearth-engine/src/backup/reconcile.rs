@@ -48,6 +48,7 @@ fn fail(ctx: &Context, name: &str, reason: &str, message: &str) {
         s.reason = Some(reason.to_string());
         s.message = Some(message.to_string());
     });
+    crate::schedule::run_settled(ctx, Kind::VirtualMachineBackup, name);
     ctx.event(
         Kind::VirtualMachineBackup,
         name,
@@ -663,4 +664,5 @@ fn finish(
             p.files.len()
         ),
     );
+    crate::schedule::run_settled(ctx, Kind::VirtualMachineBackup, name);
 }

@@ -507,6 +507,7 @@ fn finish(
     if !written {
         return Ok(());
     }
+    crate::schedule::run_settled(ctx, Kind::VirtualMachineSnapshotGroup, name);
     crate::metrics::snapshot_settled(
         ctx,
         Kind::VirtualMachineSnapshotGroup,

@@ -329,6 +329,7 @@ pub async fn reconcile_vm_snapshot(
             {
                 ctx.wake(Kind::VirtualMachineBackup, backup);
             }
+            crate::schedule::run_settled(ctx, Kind::VirtualMachineSnapshot, name);
             crate::metrics::snapshot_settled(
                 ctx,
                 Kind::VirtualMachineSnapshot,

@@ -11,6 +11,7 @@ use serde_json::json;
 use super::object_path;
 use super::wait::parse_duration;
 use crate::client::{ApiClient, ApiError};
+use crate::follow::{Follower, Update};
 use crate::output::{str_at, u64_at};
 
 /// The shortest client timeout for a restore.
@@ -259,9 +260,10 @@ pub async fn restore_backup(
     Ok(())
 }
 
-/// Polls the restored disks until each is Ready or one Failed: a line per
-/// disk when its phase changes, and (on a terminal) one bar for the bytes
-/// copied into all of them.
+/// Follows the restored disks on hearthd's change stream until each is
+/// Ready or one Failed: a line per disk when its phase changes, and (on a
+/// terminal) one bar for the bytes copied into all of them. Asks in turn
+/// (every 500 ms) when the stream cannot be opened.
 async fn follow_disks(
     client: &ApiClient,
     disks: &[String],
@@ -269,59 +271,145 @@ async fn follow_disks(
     out: &mut impl Write,
 ) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut shown: std::collections::BTreeMap<&str, String> = Default::default();
-    let mut bar: Option<indicatif::ProgressBar> = None;
+    let mut view = DisksView::new(disks);
+    let path = format!("/v1/watch?kinds={}", Kind::VirtualDisk.plural());
+    let opened = tokio::time::timeout_at(
+        deadline,
+        Follower::open(client, path, timeout, Box::new(std::io::stderr())),
+    )
+    .await;
+    let mut follower = match opened {
+        Err(_) => return Err(view.timed_out(timeout)),
+        Ok(Ok(f)) => f,
+        Ok(Err(ApiError::Unreachable { .. })) => loop {
+            for d in disks {
+                let obj = client.get(&object_path(Kind::VirtualDisk, d)).await?;
+                view.seen(d, obj);
+            }
+            if view.show(out)? {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(view.timed_out(timeout));
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        },
+        Ok(Err(e)) => return Err(e.into()),
+    };
     loop {
-        let (mut done, mut total, mut ready) = (0, 0, 0);
-        for d in disks {
-            let obj = client.get(&object_path(Kind::VirtualDisk, d)).await?;
-            let phase = str_at(&obj, &["status", "phase"])
-                .unwrap_or("Pending")
-                .to_string();
-            if shown.get(d.as_str()) != Some(&phase) {
-                if let Some(b) = &bar {
-                    b.suspend(|| writeln!(out, "disk/{d}: {phase}"))?;
-                } else {
-                    writeln!(out, "disk/{d}: {phase}")?;
-                }
-                shown.insert(d, phase.clone());
-            }
-            match phase.as_str() {
-                "Ready" => ready += 1,
-                "Failed" => {
-                    if let Some(b) = bar.take() {
-                        b.finish_and_clear();
+        let update = match tokio::time::timeout_at(deadline, follower.next()).await {
+            Err(_) => return Err(view.timed_out(timeout)),
+            Ok(update) => update?,
+        };
+        match update {
+            Update::Synced { .. } => {
+                for d in disks {
+                    if let Some(obj) = follower.informer().get(Kind::VirtualDisk.as_str(), d) {
+                        view.seen(d, obj.clone());
                     }
-                    anyhow::bail!(
-                        "disk/{d} failed: {}",
-                        str_at(&obj, &["status", "lastError"]).unwrap_or("?")
-                    );
                 }
-                _ => {}
             }
-            done += u64_at(&obj, &["status", "restoreProgress", "bytesDone"]).unwrap_or(0);
-            total += u64_at(&obj, &["status", "restoreProgress", "bytesTotal"]).unwrap_or(0);
+            Update::Object {
+                kind, name, object, ..
+            } if kind == Kind::VirtualDisk.as_str() => view.seen(&name, object),
+            _ => continue,
         }
-        if ready == disks.len() {
-            if let Some(b) = bar.take() {
-                b.finish_and_clear();
-            }
-            writeln!(out, "restored {} disk(s)", disks.len())?;
+        if view.show(out)? {
             return Ok(());
         }
+    }
+}
+
+/// The restored disks as last seen, and what `--wait` has shown of them.
+struct DisksView {
+    disks: Vec<String>,
+    objects: std::collections::BTreeMap<String, serde_json::Value>,
+    shown: std::collections::BTreeMap<String, String>,
+    bar: Option<indicatif::ProgressBar>,
+}
+
+impl DisksView {
+    fn new(disks: &[String]) -> DisksView {
+        DisksView {
+            disks: disks.to_vec(),
+            objects: Default::default(),
+            shown: Default::default(),
+            bar: None,
+        }
+    }
+
+    fn seen(&mut self, disk: &str, obj: serde_json::Value) {
+        if self.disks.iter().any(|d| d == disk) {
+            self.objects.insert(disk.to_string(), obj);
+        }
+    }
+
+    fn phase(&self, disk: &str) -> &str {
+        self.objects
+            .get(disk)
+            .and_then(|o| str_at(o, &["status", "phase"]))
+            .unwrap_or("Pending")
+    }
+
+    /// Prints what changed; true once every disk is Ready, an error naming
+    /// the first that Failed.
+    fn show(&mut self, out: &mut impl Write) -> anyhow::Result<bool> {
+        let (mut done, mut total) = (0, 0);
+        for d in self.disks.clone() {
+            let phase = self.phase(&d).to_string();
+            if self.shown.get(&d) != Some(&phase) {
+                match &self.bar {
+                    Some(b) => b.suspend(|| writeln!(out, "disk/{d}: {phase}"))?,
+                    None => writeln!(out, "disk/{d}: {phase}")?,
+                }
+                self.shown.insert(d.clone(), phase.clone());
+            }
+            if phase == "Failed" {
+                let why = self
+                    .objects
+                    .get(&d)
+                    .and_then(|o| str_at(o, &["status", "lastError"]))
+                    .unwrap_or("?")
+                    .to_string();
+                self.clear();
+                anyhow::bail!("disk/{d} failed: {why}");
+            }
+            let obj = self.objects.get(&d);
+            let at = |field| obj.and_then(|o| u64_at(o, &["status", "restoreProgress", field]));
+            done += at("bytesDone").unwrap_or(0);
+            total += at("bytesTotal").unwrap_or(0);
+        }
+        if self.disks.iter().all(|d| self.phase(d) == "Ready") {
+            self.clear();
+            writeln!(out, "restored {} disk(s)", self.disks.len())?;
+            return Ok(true);
+        }
         if total > 0 && super::backup::watched() {
-            let b = bar.get_or_insert_with(|| super::backup::copying(total));
+            let b = self
+                .bar
+                .get_or_insert_with(|| super::backup::copying(total));
             b.set_length(total);
             b.set_position(done);
         }
-        if tokio::time::Instant::now() >= deadline {
-            anyhow::bail!(
-                "{} of {} disk(s) Ready after {timeout:?}; the restore goes on (see `hearth get disks`)",
-                ready,
-                disks.len()
-            );
+        Ok(false)
+    }
+
+    fn clear(&mut self) {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+
+    fn timed_out(&self, timeout: Duration) -> anyhow::Error {
+        let ready = self
+            .disks
+            .iter()
+            .filter(|d| self.phase(d) == "Ready")
+            .count();
+        anyhow::anyhow!(
+            "{ready} of {} disk(s) Ready after {timeout:?}; the restore goes on (see `hearth get disks`)",
+            self.disks.len()
+        )
     }
 }
 
@@ -443,6 +531,33 @@ mod tests {
     use crate::test_server::{ScriptedServer, ok};
     use hyper::StatusCode;
     use serde_json::Value;
+
+    #[test]
+    fn the_wait_ends_when_every_disk_is_ready_and_names_the_first_that_failed() {
+        let disks = ["a-root".to_string(), "a-data".to_string()];
+        let disk = |phase: &str| json!({"status": {"phase": phase}});
+        let mut view = DisksView::new(&disks);
+        let mut out = Vec::new();
+        assert!(!view.show(&mut out).unwrap());
+        view.seen("a-root", disk("Ready"));
+        view.seen("other", disk("Failed"));
+        assert!(!view.show(&mut out).unwrap(), "a-data is not Ready yet");
+        view.seen("a-data", disk("Ready"));
+        assert!(view.show(&mut out).unwrap());
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "disk/a-root: Pending\ndisk/a-data: Pending\ndisk/a-root: Ready\n\
+             disk/a-data: Ready\nrestored 2 disk(s)\n"
+        );
+
+        let mut view = DisksView::new(&disks);
+        view.seen(
+            "a-data",
+            json!({"status": {"phase": "Failed", "lastError": "a file changed"}}),
+        );
+        let err = view.show(&mut Vec::new()).unwrap_err();
+        assert_eq!(err.to_string(), "disk/a-data failed: a file changed");
+    }
 
     fn args(timeout: Option<Duration>) -> VmArgs {
         VmArgs {
