@@ -58,19 +58,23 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 mod support;
-use support::{asked_to_run, clock_offset, env_num, loadavg, stats};
+use support::libvirt::{self, URI as VIRSH_URI, run};
+use support::{
+    asked_to_run, chmod, clock_offset, env_num, fmt, loadavg, rfc3339_ms, stats, unix_ms,
+};
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
-use base64::Engine as _;
-use chrono::{DateTime, Utc};
 use common::*;
 use serde_json::{Value, json};
 
-const VIRSH_URI: &str = "qemu:///system";
+/// How long a script in libvirt's guest may take.
+const EXEC_TIMEOUT: Duration = Duration::from_secs(300);
+/// The packages this benchmark needs besides libvirt's.
+const ALSO_INSTALL: &str = " virtnbdbackup";
 const VM: &str = "bk";
 const DISK: &str = "bk-data";
 const DOMAIN: &str = "hearth-bench-bk";
@@ -159,7 +163,7 @@ fn main() {
         .split(',')
         .filter_map(|s| s.trim().parse().ok())
         .collect();
-    libvirt_up();
+    libvirt::up(&repo_root(), ALSO_INSTALL);
     for tool in ["virtnbdbackup", "virtnbdrestore"] {
         assert!(
             Command::new(tool)
@@ -189,7 +193,7 @@ fn main() {
     boot_hearth(&d, &base);
     let _domain = boot_libvirt(work.path(), &base);
     d.wait_agent(VM);
-    wait_libvirt_agent();
+    libvirt::wait_agent(DOMAIN, Duration::from_secs(180));
     for side in [Side::Hearth, Side::Libvirt] {
         let (_, mounts) = exec(&d, side, "grep ' /data ' /proc/mounts");
         assert!(mounts.contains("/data"), "{side:?}: /data: {mounts}");
@@ -329,40 +333,6 @@ fn push(op: Op, ops: &mut Vec<Op>) {
     ops.push(op);
 }
 
-fn chmod(path: &Path, mode: u32) {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
-}
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn virsh(args: &[&str]) -> String {
-    run(Command::new("virsh").arg("-c").arg(VIRSH_URI).args(args))
-}
-
-fn libvirt_up() {
-    let script = repo_root().join("crates/hearthd/benches/support/libvirt-up.sh");
-    let status = Command::new(&script)
-        .status()
-        .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-    assert!(
-        status.success(),
-        "{} failed: libvirt is needed for this benchmark (see docs/benchmarks.md: \
-         apt-get install -y --no-install-recommends libvirt-daemon-system \
-         libvirt-daemon-system-sysv libvirt-clients virtnbdbackup)",
-        script.display()
-    );
-}
-
 /// A 4 GiB ext4 holding `prefill` MiB of random data in one file, as a
 /// sparse qcow2.
 fn make_base(dir: &Path, prefill: usize) -> PathBuf {
@@ -431,89 +401,19 @@ fn boot_libvirt(dir: &Path, base: &Path) -> Domain {
         .args(["create", "-q", "-f", "qcow2", "-F", "qcow2", "-b"])
         .arg(base)
         .arg(&file));
-    let xml = format!(
-        "<domain type='qemu'>
-  <name>{DOMAIN}</name>
-  <memory unit='MiB'>256</memory>
-  <vcpu>1</vcpu>
-  <os><type arch='x86_64' machine='q35'>hvm</type><kernel>{k}</kernel><initrd>{i}</initrd><cmdline>console=ttyS0 quiet panic=-1</cmdline></os>
-  <features><acpi/></features>
-  <on_poweroff>destroy</on_poweroff><on_reboot>destroy</on_reboot><on_crash>destroy</on_crash>
-  <devices>
-    <disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='{f}'/><target dev='vda' bus='virtio'/></disk>
-    <serial type='file'><source path='{log}'/><target port='0'/></serial>
-    <channel type='unix'><source mode='bind'/><target type='virtio' name='org.qemu.guest_agent.0'/></channel>
-    <memballoon model='none'/>
-  </devices>
-</domain>
-",
-        k = g.join("vmlinuz").display(),
-        i = g.join("initrd.img").display(),
-        f = file.display(),
-        log = ddir.join("serial.log").display(),
+    let disk = format!(
+        "<disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='{}'/><target dev='vda' bus='virtio'/></disk>",
+        file.display()
     );
-    let path = ddir.join("domain.xml");
-    std::fs::write(&path, xml).expect("domain xml");
-    virsh(&["create", path.to_str().expect("utf-8")]);
+    libvirt::create_domain(DOMAIN, &g, &ddir, &disk);
     Domain
-}
-
-fn agent(cmd: &Value) -> Result<Value, String> {
-    let out = Command::new("virsh")
-        .args([
-            "-c",
-            VIRSH_URI,
-            "qemu-agent-command",
-            DOMAIN,
-            &cmd.to_string(),
-        ])
-        .output()
-        .map_err(|e| e.to_string())?;
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-    }
-    serde_json::from_slice::<Value>(&out.stdout)
-        .map(|v| v["return"].clone())
-        .map_err(|e| e.to_string())
-}
-
-fn wait_libvirt_agent() {
-    wait_until("libvirt guest agent", Duration::from_secs(180), || {
-        agent(&json!({"execute": "guest-ping"})).is_ok()
-    });
 }
 
 /// Runs a shell script in a side's guest; (exit code, stdout).
 fn exec(d: &Daemon, side: Side, script: &str) -> (i64, String) {
     match side {
         Side::Hearth => d.agent_sh(VM, script),
-        Side::Libvirt => {
-            let started = agent(&json!({"execute": "guest-exec", "arguments": {
-                    "path": "/bin/sh", "arg": ["-c", script], "capture-output": true}}))
-            .unwrap_or_else(|e| panic!("guest-exec {script}: {e}"));
-            let pid = started["pid"].as_i64().expect("guest-exec pid");
-            let deadline = Instant::now() + Duration::from_secs(300);
-            loop {
-                let s = agent(&json!({"execute": "guest-exec-status", "arguments": {"pid": pid}}))
-                    .unwrap_or_else(|e| panic!("guest-exec-status: {e}"));
-                if s["exited"] == true {
-                    let out = s["out-data"]
-                        .as_str()
-                        .map(|b| {
-                            base64::engine::general_purpose::STANDARD
-                                .decode(b)
-                                .expect("base64 out-data")
-                        })
-                        .unwrap_or_default();
-                    return (
-                        s["exitcode"].as_i64().unwrap_or(-1),
-                        String::from_utf8_lossy(&out).into_owned(),
-                    );
-                }
-                assert!(Instant::now() < deadline, "guest-exec {script} did not end");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
+        Side::Libvirt => libvirt::agent_sh(DOMAIN, script, EXEC_TIMEOUT),
     }
 }
 
@@ -721,17 +621,6 @@ fn copy_steps(source: &Path, before: Option<&Path>, made: &Path, scratch: &Path)
     });
     let _ = std::fs::remove_dir_all(&work);
     steps
-}
-
-fn unix_ms(t: SystemTime) -> f64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64() * 1e3)
-        .unwrap_or(0.0)
-}
-
-fn rfc3339_ms(v: &Value) -> Option<f64> {
-    let t: DateTime<Utc> = v.as_str()?.parse().ok()?;
-    Some(t.timestamp_micros() as f64 / 1e3)
 }
 
 /// The command that takes one backup (hearth's CLI or virtnbdbackup).
@@ -1048,14 +937,6 @@ fn restore_parts(dir: &Path, scratch: &Path) -> [f64; 1 + PARTS] {
 /// (`sha256sum` here does not, and is about 6 times slower).
 fn sha256_sha_ni(path: &Path) {
     run(Command::new("openssl").args(["dgst", "-sha256"]).arg(path));
-}
-
-fn fmt(xs: &[f64], decimals: usize) -> String {
-    if xs.is_empty() {
-        return "–".into();
-    }
-    let (m, lo, hi) = stats(xs);
-    format!("{m:.decimals$} ({lo:.decimals$}–{hi:.decimals$})")
 }
 
 fn mib(b: f64) -> String {

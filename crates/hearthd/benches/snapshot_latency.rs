@@ -44,18 +44,20 @@
 #[path = "../tests/common/mod.rs"]
 mod common;
 mod support;
-use support::{clock_offset, loadavg, stats};
+use support::libvirt::{self, URI as VIRSH_URI, run, virsh};
+use support::{chmod, clock_offset, fmt, loadavg, rfc3339_ms, stats, unix_ms};
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
-use base64::Engine as _;
-use chrono::{DateTime, Utc};
 use common::*;
 use serde_json::{Value, json};
 
-const VIRSH_URI: &str = "qemu:///system";
+/// How long a script in libvirt's guest may take.
+const EXEC_TIMEOUT: Duration = Duration::from_secs(30);
+/// The packages this benchmark needs besides libvirt's.
+const ALSO_INSTALL: &str = "";
 const SNAP_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// One side of the comparison.
@@ -108,7 +110,7 @@ fn main() {
     }
     let reps: usize = env_or("HEARTH_BENCH_REPS", 10);
     let seconds: u64 = env_or("HEARTH_BENCH_STALL_SECONDS", 3);
-    libvirt_up();
+    libvirt::up(&repo_root(), ALSO_INSTALL);
 
     let work = tempfile::Builder::new()
         .prefix("hearth-bench-latency-")
@@ -128,7 +130,7 @@ fn main() {
     }
     for (h, l) in &pairs {
         d.wait_agent(&h.name);
-        wait_libvirt_agent(&l.name);
+        libvirt::wait_agent(&l.name, Duration::from_secs(120));
         for g in [h, l] {
             let (_, mounts) = exec(&d, g, "grep ' /mnt/vd' /proc/mounts | cut -d' ' -f2");
             for dev in &g.devs {
@@ -209,41 +211,6 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
-}
-
-fn chmod(path: &Path, mode: u32) {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
-}
-
-fn run(cmd: &mut Command) -> String {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
-    assert!(
-        out.status.success(),
-        "{cmd:?}: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn virsh(args: &[&str]) -> String {
-    run(Command::new("virsh").arg("-c").arg(VIRSH_URI).args(args))
-}
-
-/// libvirt's daemons up and /dev/kvm usable by its QEMU user.
-fn libvirt_up() {
-    let script = repo_root().join("crates/hearthd/benches/support/libvirt-up.sh");
-    let status = Command::new(&script)
-        .status()
-        .unwrap_or_else(|e| panic!("{}: {e}", script.display()));
-    assert!(
-        status.success(),
-        "{} failed: libvirt is needed for this benchmark (see docs/benchmarks.md: \
-         apt-get install -y --no-install-recommends libvirt-daemon-system \
-         libvirt-daemon-system-sysv libvirt-clients)",
-        script.display()
-    );
 }
 
 /// The 64 MiB ext4 base image, as `snapshot_window` makes it.
@@ -328,54 +295,13 @@ fn boot_libvirt(dir: &Path, n: usize, base: &Path) -> Guest {
         );
         disks.push(dev.clone());
     }
-    let xml = format!(
-        "<domain type='qemu'>
-  <name>{name}</name>
-  <memory unit='MiB'>256</memory>
-  <vcpu>1</vcpu>
-  <os><type arch='x86_64' machine='q35'>hvm</type><kernel>{k}</kernel><initrd>{i}</initrd><cmdline>console=ttyS0 quiet panic=-1</cmdline></os>
-  <features><acpi/></features>
-  <on_poweroff>destroy</on_poweroff><on_reboot>destroy</on_reboot><on_crash>destroy</on_crash>
-  <devices>
-    {disks_xml}
-    <serial type='file'><source path='{log}'/><target port='0'/></serial>
-    <channel type='unix'><source mode='bind'/><target type='virtio' name='org.qemu.guest_agent.0'/></channel>
-    <memballoon model='none'/>
-  </devices>
-</domain>
-",
-        k = g.join("vmlinuz").display(),
-        i = g.join("initrd.img").display(),
-        log = ddir.join("serial.log").display(),
-    );
-    let path = ddir.join("domain.xml");
-    std::fs::write(&path, xml).expect("domain xml");
-    virsh(&["create", path.to_str().expect("utf-8")]);
+    libvirt::create_domain(&name, &g, &ddir, &disks_xml);
     Guest {
         side: Side::Libvirt,
         name,
         disks,
         devs: devs(n),
     }
-}
-
-fn agent(dom: &str, cmd: &Value) -> Result<Value, String> {
-    let out = Command::new("virsh")
-        .args(["-c", VIRSH_URI, "qemu-agent-command", dom, &cmd.to_string()])
-        .output()
-        .map_err(|e| e.to_string())?;
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-    }
-    serde_json::from_slice::<Value>(&out.stdout)
-        .map(|v| v["return"].clone())
-        .map_err(|e| e.to_string())
-}
-
-fn wait_libvirt_agent(dom: &str) {
-    wait_until("libvirt guest agent", Duration::from_secs(120), || {
-        agent(dom, &json!({"execute": "guest-ping"})).is_ok()
-    });
 }
 
 /// Runs a shell script in the guest; (exit code, stdout).
@@ -403,39 +329,7 @@ fn exec(d: &Daemon, g: &Guest, script: &str) -> (i64, String) {
                 v["stdout"].as_str().unwrap_or_default().to_string(),
             )
         }
-        Side::Libvirt => {
-            let started = agent(
-                &g.name,
-                &json!({"execute": "guest-exec", "arguments": {
-                    "path": "/bin/sh", "arg": ["-c", script], "capture-output": true}}),
-            )
-            .unwrap_or_else(|e| panic!("guest-exec {script}: {e}"));
-            let pid = started["pid"].as_i64().expect("guest-exec pid");
-            let deadline = Instant::now() + Duration::from_secs(30);
-            loop {
-                let s = agent(
-                    &g.name,
-                    &json!({"execute": "guest-exec-status", "arguments": {"pid": pid}}),
-                )
-                .unwrap_or_else(|e| panic!("guest-exec-status: {e}"));
-                if s["exited"] == true {
-                    let out = s["out-data"]
-                        .as_str()
-                        .map(|b| {
-                            base64::engine::general_purpose::STANDARD
-                                .decode(b)
-                                .expect("base64 out-data")
-                        })
-                        .unwrap_or_default();
-                    return (
-                        s["exitcode"].as_i64().unwrap_or(-1),
-                        String::from_utf8_lossy(&out).into_owned(),
-                    );
-                }
-                assert!(Instant::now() < deadline, "guest-exec {script} did not end");
-                std::thread::sleep(Duration::from_millis(20));
-            }
-        }
+        Side::Libvirt => libvirt::agent_sh(&g.name, script, EXEC_TIMEOUT),
     }
 }
 
@@ -494,17 +388,6 @@ fn collect_writers(d: &Daemon, g: &Guest) -> Vec<Vec<(f64, f64)>> {
         assert!(Instant::now() < deadline, "writers did not report: {out}");
         std::thread::sleep(Duration::from_millis(300));
     }
-}
-
-fn unix_ms(t: SystemTime) -> f64 {
-    t.duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs_f64() * 1e3)
-        .unwrap_or(0.0)
-}
-
-fn rfc3339_ms(v: &Value) -> Option<f64> {
-    let t: DateTime<Utc> = v.as_str()?.parse().ok()?;
-    Some(t.timestamp_micros() as f64 / 1e3)
 }
 
 fn one_rep(d: &Daemon, g: &Guest, round: usize, seconds: u64) -> Rep {
@@ -688,14 +571,6 @@ fn hearth_marks(d: &Daemon, g: &Guest, snap: &str, spawned: f64, rep: &mut Rep) 
 
 fn med(xs: impl Iterator<Item = f64>) -> f64 {
     stats(&xs.collect::<Vec<_>>()).0
-}
-
-fn fmt(xs: &[f64], decimals: usize) -> String {
-    if xs.is_empty() {
-        return "–".into();
-    }
-    let (m, lo, hi) = stats(xs);
-    format!("{m:.decimals$} ({lo:.decimals$}–{hi:.decimals$})")
 }
 
 fn print_tables(results: &[Results], load: &[String], seconds: u64) {

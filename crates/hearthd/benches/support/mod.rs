@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod libvirt;
+
 /// Whether `cargo bench` runs this benchmark (it passes `--bench`); when
 /// not (`cargo test --benches`), says how to run it.
 pub fn asked_to_run(name: &str) -> bool {
@@ -93,4 +95,31 @@ pub fn clock_offset(
         }
     }
     if best.0 <= best.1 { best } else { narrowest }
+}
+
+/// `median (min–max)` of `xs` with `decimals`; `–` for none.
+pub fn fmt(xs: &[f64], decimals: usize) -> String {
+    if xs.is_empty() {
+        return "–".into();
+    }
+    let (m, lo, hi) = stats(xs);
+    format!("{m:.decimals$} ({lo:.decimals$}–{hi:.decimals$})")
+}
+
+/// Milliseconds since the epoch.
+pub fn unix_ms(t: std::time::SystemTime) -> f64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64() * 1e3)
+        .unwrap_or(0.0)
+}
+
+/// An RFC 3339 time (as hearthd writes them) in milliseconds since the epoch.
+pub fn rfc3339_ms(v: &serde_json::Value) -> Option<f64> {
+    let t: chrono::DateTime<chrono::Utc> = v.as_str()?.parse().ok()?;
+    Some(t.timestamp_micros() as f64 / 1e3)
+}
+
+pub fn chmod(path: &std::path::Path, mode: u32) {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
 }
