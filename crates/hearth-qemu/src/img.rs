@@ -213,6 +213,102 @@ impl QemuImg {
         self.run("convert", dest, args).await.map(|_| ())
     }
 
+    /// Creates an empty qcow2 of `size` bytes at `path` over the qcow2
+    /// `backing`, named relative to `path`'s folder (a backup's files
+    /// chain by relative names, so the folder can move).
+    pub async fn create_relative_overlay(
+        &self,
+        path: &Path,
+        backing: &str,
+        size: u64,
+    ) -> Result<(), ImgError> {
+        check_new_image(path)?;
+        // `-u`: the backing is not opened (its name is relative to the
+        // image, not to our working directory); the size is given.
+        let args: Vec<OsString> = vec![
+            "create".into(),
+            "-q".into(),
+            "-u".into(),
+            "-f".into(),
+            "qcow2".into(),
+            "-F".into(),
+            "qcow2".into(),
+            "-b".into(),
+            backing.into(),
+            path.into(),
+            size.to_string().into(),
+        ];
+        self.run("create", path, args).await.map(|_| ())
+    }
+
+    /// Copies clusters of the qcow2 `source` into the qcow2 `dest` in one
+    /// `qemu-img convert` (out-of-order writes, zeroes as zero clusters),
+    /// handing `progress` its percentage as it goes. What is copied, and
+    /// into what, is `into`'s: see [`CopyInto`]. `-U`: `source` may be a
+    /// layer below a running VM's head, which nothing writes to. The output
+    /// is not synced: the caller syncs it before anything names it. The
+    /// program dies with this process (`PR_SET_PDEATHSIG`), so a killed
+    /// hearthd leaves no copy writing into a file it will remove.
+    pub async fn copy_into(
+        &self,
+        source: &Path,
+        dest: &Path,
+        into: CopyInto<'_>,
+        progress: &mut (dyn FnMut(f64) + Send),
+    ) -> Result<(), ImgError> {
+        check_absolute(source)?;
+        match into {
+            CopyInto::Existing { .. } => check_absolute(dest)?,
+            _ => check_new_image(dest)?,
+        }
+        let mut command = tokio::process::Command::new(&self.binary);
+        command.args(copy_args(source, dest, &into));
+        if let Some(dir) = dest.parent() {
+            // A backing file is named relative to the output's folder.
+            command.current_dir(dir);
+        }
+        // SAFETY: prctl is async-signal-safe and touches only the child.
+        unsafe {
+            command.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let limits = programs::Limits {
+            timeout: self.timeout,
+            stdout: 0,
+            stderr: MAX_STDERR,
+        };
+        let mut meter = ProgressMeter::default();
+        let mut watch = |piece: &[u8]| {
+            if let Some(p) = meter.feed(piece) {
+                progress(p);
+            }
+        };
+        let failed = |status: String, stderr: &[u8]| ImgError::Failed {
+            operation: "convert",
+            path: dest.to_owned(),
+            status,
+            stderr: String::from_utf8_lossy(stderr).trim().to_owned(),
+        };
+        match programs::run_watched(command, programs::Class::Copy, limits, &mut watch).await {
+            Ok(f) if f.status.success() => Ok(()),
+            Ok(f) => Err(failed(f.status.to_string(), &f.stderr)),
+            Err(programs::RunError::Spawn(source)) => Err(ImgError::Spawn {
+                binary: self.binary.clone(),
+                source,
+            }),
+            Err(programs::RunError::Wait(e)) => Err(failed(format!("wait failed: {e}"), b"")),
+            Err(programs::RunError::Timeout(_)) => Err(ImgError::Timeout {
+                operation: "convert",
+                path: dest.to_owned(),
+                timeout: self.timeout,
+            }),
+        }
+    }
+
     /// Makes `new_backing` the backing file of `path` while keeping what
     /// `path` reads identical (`qemu-img rebase`, safe mode): every cluster
     /// that reads differently through the new backing chain than through the
@@ -422,6 +518,74 @@ impl QemuImg {
                 timeout: self.timeout,
             }),
         }
+    }
+}
+
+/// What [`QemuImg::copy_into`] copies, and into what.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CopyInto<'a> {
+    /// A new qcow2 without a backing file, holding every cluster of the
+    /// source's whole chain that holds data.
+    Whole,
+    /// A new qcow2 over `backing` (a qcow2, named relative to the output's
+    /// folder), holding what the source's own layer holds (not the layers
+    /// below it): data, and zeroes as zero clusters, which read as zeroes
+    /// over whatever `backing` holds there.
+    NewOver { backing: &'a str },
+    /// The same into an existing qcow2 over `backing`: the layers above a
+    /// point, one run each from the lowest, add up in it.
+    Existing { backing: &'a str },
+}
+
+fn copy_args(source: &Path, dest: &Path, into: &CopyInto<'_>) -> Vec<OsString> {
+    let mut args: Vec<OsString> = ["convert", "-p", "-U", "-W", "-f", "qcow2", "-O", "qcow2"]
+        .map(OsString::from)
+        .to_vec();
+    match into {
+        CopyInto::Whole => {}
+        CopyInto::NewOver { backing } => {
+            args.extend(["-B".into(), (*backing).into(), "-F".into(), "qcow2".into()])
+        }
+        CopyInto::Existing { backing } => args.extend([
+            "-n".into(),
+            "-B".into(),
+            (*backing).into(),
+            "-F".into(),
+            "qcow2".into(),
+        ]),
+    }
+    args.extend([source.into(), dest.into()]);
+    args
+}
+
+/// Reads `qemu-img convert -p`'s lines (`    (12.34/100%)\r`), which may
+/// arrive cut anywhere: the newest complete percentage of each piece.
+#[derive(Debug, Default)]
+struct ProgressMeter {
+    partial: Vec<u8>,
+}
+
+impl ProgressMeter {
+    fn feed(&mut self, piece: &[u8]) -> Option<f64> {
+        self.partial.extend_from_slice(piece);
+        let mut newest = None;
+        while let Some(end) = self.partial.iter().position(|&b| b == b'\r' || b == b'\n') {
+            let line: Vec<u8> = self.partial.drain(..=end).collect();
+            let text = String::from_utf8_lossy(&line);
+            if let Some(p) = text
+                .trim()
+                .strip_prefix('(')
+                .and_then(|t| t.split_once('/'))
+                .and_then(|(p, _)| p.parse::<f64>().ok())
+            {
+                newest = Some(p.clamp(0.0, 100.0));
+            }
+        }
+        // A line never comes without its end: bound what waits for one.
+        if self.partial.len() > 256 {
+            self.partial.clear();
+        }
+        newest
     }
 }
 
@@ -694,6 +858,42 @@ fn rebase_args(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn convert_progress_is_read_from_pieces_cut_anywhere() {
+        let mut m = ProgressMeter::default();
+        assert_eq!(m.feed(b"    (0.00/100%)\r    (1"), Some(0.0));
+        assert_eq!(m.feed(b"2.5"), None, "no line ended yet");
+        assert_eq!(m.feed(b"0/100%)\r    (33.10/100%)\r"), Some(33.1));
+        assert_eq!(m.feed(b"garbage\r"), None);
+        assert_eq!(m.feed(b"    (100.00/100%)\n"), Some(100.0));
+        assert_eq!(m.feed(&[b'x'; 300]), None);
+        assert!(m.partial.is_empty(), "an endless line is not kept");
+    }
+
+    #[test]
+    fn a_copy_over_a_backing_names_it_and_an_existing_output_is_not_created() {
+        let (src, dst) = (Path::new("/s/layer.qcow2"), Path::new("/t/p.qcow2"));
+        let text = |into| {
+            copy_args(src, dst, &into)
+                .iter()
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        assert_eq!(
+            text(CopyInto::Whole),
+            "convert -p -U -W -f qcow2 -O qcow2 /s/layer.qcow2 /t/p.qcow2"
+        );
+        assert_eq!(
+            text(CopyInto::NewOver { backing: "a.qcow2" }),
+            "convert -p -U -W -f qcow2 -O qcow2 -B a.qcow2 -F qcow2 /s/layer.qcow2 /t/p.qcow2"
+        );
+        assert_eq!(
+            text(CopyInto::Existing { backing: "a.qcow2" }),
+            "convert -p -U -W -f qcow2 -O qcow2 -n -B a.qcow2 -F qcow2 /s/layer.qcow2 /t/p.qcow2"
+        );
+    }
 
     #[test]
     fn info_json_is_parsed_including_backing_fields() {

@@ -69,6 +69,16 @@ pub async fn run(
     global().run(command, class, input, limits).await
 }
 
+/// [`Pool::run_watched`] in the process's pool.
+pub async fn run_watched(
+    command: Command,
+    class: Class,
+    limits: Limits,
+    watch: &mut (dyn FnMut(&[u8]) + Send),
+) -> Result<Finished, RunError> {
+    global().run_watched(command, class, limits, watch).await
+}
+
 /// [`Pool::slot`] of the process's pool.
 pub async fn slot(class: Class) -> OwnedSemaphorePermit {
     global().slot(class).await
@@ -146,10 +156,34 @@ impl Pool {
     /// mount, cannot die at once).
     pub async fn run(
         &self,
+        command: Command,
+        class: Class,
+        input: Option<&[u8]>,
+        limits: Limits,
+    ) -> Result<Finished, RunError> {
+        self.run_with(command, class, input, limits, &mut |_| {})
+            .await
+    }
+
+    /// [`Pool::run`] with no input, handing `watch` each piece of stdout
+    /// as it comes (a copy's progress), before the bound applies.
+    pub async fn run_watched(
+        &self,
+        command: Command,
+        class: Class,
+        limits: Limits,
+        watch: &mut (dyn FnMut(&[u8]) + Send),
+    ) -> Result<Finished, RunError> {
+        self.run_with(command, class, None, limits, watch).await
+    }
+
+    async fn run_with(
+        &self,
         mut command: Command,
         class: Class,
         input: Option<&[u8]>,
         limits: Limits,
+        watch: &mut (dyn FnMut(&[u8]) + Send),
     ) -> Result<Finished, RunError> {
         let slot = self.slot(class).await;
         command
@@ -176,12 +210,13 @@ impl Pool {
                 let _ = pipe.write_all(bytes).await;
             }
         };
+        let mut quiet = |_: &[u8]| {};
         let all = async {
             let ((), status, out, err) = tokio::join!(
                 feed,
                 child.wait(),
-                read_bounded(stdout, limits.stdout),
-                read_bounded(stderr, limits.stderr)
+                read_bounded(stdout, limits.stdout, watch),
+                read_bounded(stderr, limits.stderr, &mut quiet)
             );
             (status, out, err)
         };
@@ -232,8 +267,12 @@ impl Drop for Running {
 }
 
 /// Reads up to `limit` bytes and drains the rest, so the program never
-/// blocks on a full pipe.
-async fn read_bounded<R: AsyncRead + Unpin>(reader: Option<R>, limit: usize) -> Vec<u8> {
+/// blocks on a full pipe; `watch` sees every piece.
+async fn read_bounded<R: AsyncRead + Unpin>(
+    reader: Option<R>,
+    limit: usize,
+    watch: &mut (dyn FnMut(&[u8]) + Send),
+) -> Vec<u8> {
     let mut kept = Vec::new();
     let Some(mut reader) = reader else {
         return kept;
@@ -243,6 +282,7 @@ async fn read_bounded<R: AsyncRead + Unpin>(reader: Option<R>, limit: usize) -> 
         match reader.read(&mut chunk).await {
             Ok(0) | Err(_) => return kept,
             Ok(n) => {
+                watch(&chunk[..n]);
                 let room = limit.saturating_sub(kept.len());
                 kept.extend_from_slice(&chunk[..n.min(room)]);
             }

@@ -6,7 +6,8 @@
 //! that snapshot; the sizes of the files say what an incremental holds.
 //! The cases that must not give a wrong incremental: QEMU SIGKILLed between
 //! backups, the checkpoint snapshot deleted, hearthd SIGKILLed in the
-//! middle of a copy.
+//! middle of a copy; and a restore hearthd was SIGKILLed in is made again,
+//! exact, with no copy outliving the daemon and no file left behind.
 
 mod common;
 
@@ -688,4 +689,125 @@ fn hearthd_killed_at_random_moments_of_backups_never_counts_a_half_point() {
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     assert_eq!(files, ["0004.qcow2", "0005.qcow2"].map(String::from).into());
+
+    // Restores killed part way. A point large enough that its copy takes a
+    // while: 128 MiB more.
+    write_mib(&d, "big", 128);
+    let b = backup_with(&d, "r5", &to, &["--keep", "2"]);
+    let truth = checkpoint_disk(&d, &b);
+    let dir = to.to_str().unwrap();
+    let started = std::time::Instant::now();
+    d.cli_ok(&["restore", "backup", dir, "--as", "k0", "--no-vm", "--wait"]);
+    let span = started.elapsed();
+    assert!(same_bytes(&d.disk_path("k0-app-data"), &truth), "k0");
+    let layers = d.state_dir().join("layers");
+    let listing = || -> std::collections::BTreeSet<PathBuf> {
+        std::fs::read_dir(&layers)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect()
+    };
+    let mut copies_killed = 0;
+    for k in 1..=3 {
+        let name = format!("k{k}");
+        let disk = format!("{name}-app-data");
+        let before = listing();
+        let asked = std::time::Instant::now();
+        d.cli_ok(&["restore", "backup", dir, "--as", &name, "--no-vm"]);
+        let at = if k == 1 {
+            // Once the copy has begun (its progress is in the status).
+            let deadline = std::time::Instant::now() + BACKUP_TIMEOUT;
+            while d
+                .get_disk(&disk)
+                .is_none_or(|v| v["status"]["restoreProgress"].is_null())
+            {
+                assert!(std::time::Instant::now() < deadline, "{disk}: no progress");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            asked.elapsed()
+        } else {
+            let at = span.mul_f64(moments.next() * 1.2);
+            std::thread::sleep(at);
+            at
+        };
+        // From the process table: the copies running into hearthd's state.
+        let copying = qemu_img_pids_naming(&d.state_dir());
+        d.kill();
+        // None outlives the daemon: by the time hearthd is reaped, each is
+        // gone, dead, or has SIGKILL pending (the kernel's own record; a
+        // copy left running would finish on its own within the wait below).
+        for pid in &copying {
+            if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+                assert!(
+                    killed(&status),
+                    "{name}: qemu-img {pid} runs on after hearthd's death:\n{status}"
+                );
+            }
+        }
+        copies_killed += usize::from(!copying.is_empty());
+        let written: Vec<PathBuf> = listing().difference(&before).cloned().collect();
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while copying
+            .iter()
+            .any(|p| Path::new(&format!("/proc/{p}")).exists())
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{name}: qemu-img {copying:?} outlived hearthd"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        d.spawn();
+        let v = d.wait_final("virtualdisks", &disk, BACKUP_TIMEOUT);
+        assert_eq!(
+            v["status"]["phase"], "Ready",
+            "{name} killed at {at:?}: {v:#}"
+        );
+        let path = d.disk_path(&disk);
+        assert!(
+            same_bytes(&path, &truth),
+            "{name} (killed at {at:?}) differs from the point"
+        );
+        // A file the killed copy wrote is the disk's own or gone.
+        for f in &written {
+            assert!(
+                *f == path || !f.exists(),
+                "{name} (killed at {at:?}): {} left behind",
+                f.display()
+            );
+        }
+    }
+    assert!(copies_killed > 0, "no kill fell inside a restore's copy");
+}
+
+/// From `/proc/PID/status`: the process is a zombie or dead, or SIGKILL
+/// is pending for it or its thread group.
+fn killed(status: &str) -> bool {
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(str::trim)
+            .unwrap_or("")
+    };
+    let pending = |name: &str| u64::from_str_radix(field(name), 16).unwrap_or(0) & (1 << 8) != 0;
+    field("State:").starts_with(['Z', 'X']) || pending("SigPnd:") || pending("ShdPnd:")
+}
+
+/// `qemu-img` processes whose command line names a path under `dir`.
+fn qemu_img_pids_naming(dir: &Path) -> Vec<u32> {
+    let needle = dir.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<String> = cmd
+                .split(|&b| b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            args.first().is_some_and(|a| a.ends_with("qemu-img"))
+                && args.iter().any(|a| a.contains(&needle))
+        })
+        .collect()
 }

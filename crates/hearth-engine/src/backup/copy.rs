@@ -1,46 +1,53 @@
 //! Writing one disk of a backup point into the target, from the cut's own
-//! layers (never the live disk), read through a read-only export of the
-//! cut's chain: a full point is a new qcow2 holding every extent with data;
-//! an incremental point is a qcow2 backed by the previous point's file
-//! holding the extents the layers above the previous checkpoint hold. The file is written under `.partial`, flushed (the export's
-//! daemon stopped), fsynced, checked and hashed; renaming it is the
-//! caller's, after every disk is done.
+//! layers (never the live disk): a full point is a new qcow2 holding every
+//! cluster of the cut's chain with data; an incremental point is a qcow2
+//! backed by the previous point's file holding what the layers above the
+//! previous checkpoint hold. Both are `qemu-img convert` runs, one per
+//! layer for an incremental (from the lowest, each adding what its own
+//! layer holds: convert over a backing file copies the source's top layer
+//! alone). The file is written under `.partial`, fsynced, checked and
+//! (for a manifest) hashed; renaming it is the caller's, after every disk
+//! is done.
 
 use super::io;
-use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use hearth_qemu::img::{self, Extent};
-use hearth_qemu::storage_daemon::{Access, FuseExport};
+use hearth_qemu::img::{self, CopyInto, Extent};
 
 const TIMEOUT: Duration = Duration::from_secs(6 * 3600);
-const START: Duration = Duration::from_secs(30);
-const CHUNK: u64 = 4 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CopyError {
     #[error(transparent)]
     Img(#[from] img::ImgError),
     #[error(transparent)]
-    Export(#[from] hearth_qemu::storage_daemon::DaemonError),
-    #[error(transparent)]
     File(#[from] super::FileError),
-    #[error("qemu-img create {}: {said}", path.display())]
-    Create { path: PathBuf, said: String },
     #[error("{} is not sound after writing: {report}", path.display())]
     Check { path: PathBuf, report: String },
+    #[error(
+        "the chain of {} has {have} file(s); the previous checkpoint is {depth} below it",
+        layer.display()
+    )]
+    ShortChain {
+        layer: PathBuf,
+        have: usize,
+        depth: u32,
+    },
     #[error("the copy task failed: {0}")]
     Join(String),
 }
 
-/// Where the copies' exports are mounted: `STATE/backups/BACKUP/DISK`.
-pub fn work_root(state_dir: &Path) -> PathBuf {
+/// Where copies of an older hearthd (through FUSE exports) had their
+/// mounts: `STATE/backups/...`.
+fn work_root(state_dir: &Path) -> PathBuf {
     state_dir.join("backups")
 }
 
-/// At start-up: kills storage daemons a killed hearthd left (normally gone
-/// with it), unmounts their exports, removes the directories.
+/// At start-up: kills storage daemons an older hearthd's copies left (it
+/// exported the layers through FUSE), unmounts their exports, removes the
+/// directories.
 pub fn sweep(state_dir: &Path) {
     hearth_qemu::storage_daemon::clear_work_dir(&work_root(state_dir), "backup copies");
 }
@@ -50,6 +57,8 @@ pub fn sweep(state_dir: &Path) {
 pub struct Written {
     pub bytes_read: u64,
     pub size: u64,
+    /// Only for a file a manifest names.
+    pub sha256: Option<String>,
 }
 
 /// The extents an incremental point holds: those some layer above the
@@ -65,164 +74,116 @@ pub fn changed(extents: &[Extent], depth: u32) -> Vec<Extent> {
 /// Bytes copied so far, for the status while a copy runs.
 pub type Progress = std::sync::Arc<std::sync::atomic::AtomicU64>;
 
-/// What one disk's file takes: the extents to copy, and how many bytes.
+/// Where an incremental point starts: the previous checkpoint's depth in
+/// the cut's chain, the chain (top first), the previous point's file name.
+pub struct Over {
+    pub depth: u32,
+    pub chain: Vec<PathBuf>,
+    pub file: String,
+}
+
+/// What one disk's file takes: the runs, and how many bytes.
+#[derive(Debug)]
 pub struct Plan {
-    extents: Vec<Extent>,
+    /// The layers copied from, lowest first, each with the bytes it is
+    /// the top of (its share of the progress).
+    passes: Vec<(PathBuf, u64)>,
+    /// The bytes the point holds: data and zeroes.
     pub bytes: u64,
+    /// The data among them (zeroes are not read).
+    data: u64,
     /// `Some(file name)`: over the previous point's file; `None`: whole.
     backing: Option<String>,
 }
 
-/// The extents of `layer`'s chain a point holds: every one with data for a
-/// full point (a new image reads zeroes elsewhere); for an incremental one
-/// (`over`: the previous checkpoint's depth and the previous point's file
-/// name), those some layer above the previous checkpoint holds.
-pub async fn plan(layer: &Path, over: Option<(u32, String)>) -> Result<Plan, CopyError> {
+/// The point of `layer`'s chain: a full one (`over` None) holds every
+/// extent with data; an incremental one the extents some layer above the
+/// previous checkpoint holds, copied layer by layer.
+pub async fn plan(layer: &Path, over: Option<Over>) -> Result<Plan, CopyError> {
     let map = img::map(layer, TIMEOUT).await?;
-    let (extents, backing) = match over {
-        None => (
-            map.into_iter().filter(|e| e.present && e.data).collect(),
-            None,
-        ),
-        Some((depth, file)) => (changed(&map, depth), Some(file)),
+    plan_from(layer, &map, over)
+}
+
+fn plan_from(layer: &Path, map: &[Extent], over: Option<Over>) -> Result<Plan, CopyError> {
+    let Some(over) = over else {
+        let data: u64 = map
+            .iter()
+            .filter(|e| e.present && e.data)
+            .map(|e| e.length)
+            .sum();
+        return Ok(Plan {
+            passes: vec![(layer.to_path_buf(), data)],
+            bytes: data,
+            data,
+            backing: None,
+        });
     };
-    let bytes = extents.iter().map(|e: &Extent| e.length).sum();
+    if over.chain.len() <= over.depth as usize {
+        return Err(CopyError::ShortChain {
+            layer: layer.to_path_buf(),
+            have: over.chain.len(),
+            depth: over.depth,
+        });
+    }
+    let extents = changed(map, over.depth);
+    let passes = (0..over.depth)
+        .rev()
+        .map(|d| {
+            let share = extents
+                .iter()
+                .filter(|e| e.depth == d)
+                .map(|e| e.length)
+                .sum();
+            (over.chain[d as usize].clone(), share)
+        })
+        .collect();
     Ok(Plan {
-        extents,
-        bytes,
-        backing,
+        passes,
+        bytes: extents.iter().map(|e| e.length).sum(),
+        data: extents.iter().filter(|e| e.data).map(|e| e.length).sum(),
+        backing: Some(over.file),
     })
 }
 
-/// Writes `plan` from `layer`'s chain into a new qcow2 at `out` (backed by
-/// the previous point's file for an incremental one), through a read-only
-/// export of the chain and a writable one of the new file.
+/// Writes `plan` into a new qcow2 at `out`, then syncs and checks it, and
+/// hashes it when `hash` (a file a manifest names).
 pub async fn write(
-    layer: &Path,
     plan: Plan,
     out: &Path,
     virtual_size: u64,
-    work: &Path,
     progress: Progress,
+    hash: bool,
 ) -> Result<Written, CopyError> {
-    let extents = plan.extents;
-    create(out, plan.backing.as_deref(), virtual_size).await?;
-    std::fs::create_dir_all(work).map_err(io("making", work))?;
-    let src_mount = work.join("source");
-    let dst_mount = work.join("target");
-    for m in [&src_mount, &dst_mount] {
-        let _ = hearth_qemu::storage_daemon::unmount(m);
-        let _ = std::fs::remove_file(m);
+    let qemu_img = img::QemuImg::locate()
+        .map_err(img::ImgError::from)?
+        .with_timeout(TIMEOUT);
+    if plan.passes.is_empty() {
+        // Nothing above the previous checkpoint: an empty file over it.
+        let backing = plan.backing.as_deref().unwrap_or_default();
+        qemu_img
+            .create_relative_overlay(out, backing, virtual_size)
+            .await?;
     }
-    let source = FuseExport::start_with(
-        layer,
-        &src_mount,
-        &work.join("source.log"),
-        START,
-        Access::ReadOnly,
-    )
-    .await?;
-    let target = FuseExport::start(out, &dst_mount, &work.join("target.log"), START).await?;
-    let (src_dev, dst_dev) = (source.device().to_path_buf(), target.device().to_path_buf());
-    let copied =
-        tokio::task::spawn_blocking(move || copy_extents(&src_dev, &dst_dev, &extents, &progress))
-            .await
-            .map_err(|e| CopyError::Join(e.to_string()))?;
-    // Both stopped whatever happened: the target's daemon flushes the
-    // qcow2 on its way out.
-    let stopped_target = target.stop(Duration::from_secs(120)).await;
-    let stopped_source = source.stop(Duration::from_secs(30)).await;
-    for m in [&src_mount, &dst_mount] {
-        let _ = std::fs::remove_file(m);
+    for (i, (source, share)) in plan.passes.iter().enumerate() {
+        let into = match (&plan.backing, i) {
+            (None, _) => CopyInto::Whole,
+            (Some(b), 0) => CopyInto::NewOver { backing: b },
+            (Some(b), _) => CopyInto::Existing { backing: b },
+        };
+        let before = progress.load(Ordering::Relaxed);
+        let mut shown = |percent: f64| {
+            let now = before + (*share as f64 * percent / 100.0) as u64;
+            progress.store(now, Ordering::Relaxed);
+        };
+        qemu_img.copy_into(source, out, into, &mut shown).await?;
+        progress.store(before + share, Ordering::Relaxed);
     }
-    let bytes_read = copied?;
-    stopped_target?;
-    stopped_source?;
-    finish(out, bytes_read).await
+    finish(out, plan.data, hash).await
 }
 
-/// A new qcow2 at `out`, over `backing` (a name in its folder) when given.
-async fn create(out: &Path, backing: Option<&str>, size: u64) -> Result<(), CopyError> {
-    let qemu_img = hearth_qemu::tools::find_binary("qemu-img")
-        .map_err(|e| CopyError::Img(img::ImgError::MissingTool(e)))?;
-    let dir = out.parent().unwrap_or(Path::new("/"));
-    let mut command = tokio::process::Command::new(qemu_img);
-    command
-        .current_dir(dir)
-        .args(["create", "-q", "-f", "qcow2"]);
-    if let Some(b) = backing {
-        command.args(["-F", "qcow2", "-b", b]);
-    }
-    let result = command
-        .arg(out)
-        .arg(size.to_string())
-        .kill_on_drop(true)
-        .output()
-        .await
-        .map_err(io("running qemu-img create for", out))?;
-    if !result.status.success() {
-        return Err(CopyError::Create {
-            path: out.to_path_buf(),
-            said: String::from_utf8_lossy(&result.stderr).trim().to_string(),
-        });
-    }
-    Ok(())
-}
-
-/// Copies each extent from the source export to the target export. A zero
-/// extent must read as zeroes even where the target's backing holds data:
-/// it is asked for as a zeroed range (`fallocate(ZERO_RANGE)`, which the
-/// export turns into qcow2 zero clusters, taking no space), and written as
-/// zero bytes only where that is refused.
-fn copy_extents(
-    src: &Path,
-    dst: &Path,
-    extents: &[Extent],
-    progress: &Progress,
-) -> Result<u64, CopyError> {
-    let s = std::fs::File::open(src).map_err(io("opening", src))?;
-    let d = std::fs::OpenOptions::new()
-        .write(true)
-        .open(dst)
-        .map_err(io("opening", dst))?;
-    let mut buf = vec![0u8; CHUNK as usize];
-    let mut read = 0u64;
-    for e in extents {
-        let mut off = e.start;
-        let end = e.start + e.length;
-        while off < end {
-            let n = (end - off).min(CHUNK) as usize;
-            if e.data {
-                s.read_exact_at(&mut buf[..n], off)
-                    .map_err(io("reading", src))?;
-                read += n as u64;
-                d.write_all_at(&buf[..n], off).map_err(io("writing", dst))?;
-            } else if !zero_range(&d, off, n as u64) {
-                buf[..n].fill(0);
-                d.write_all_at(&buf[..n], off).map_err(io("writing", dst))?;
-            }
-            off += n as u64;
-            progress.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-    d.sync_all().map_err(io("syncing", dst))?;
-    Ok(read)
-}
-
-/// `len` bytes at `off` of `f` made zeroes without writing them; false
-/// when the file cannot do that (the caller writes zeroes).
-fn zero_range(f: &std::fs::File, off: u64, len: u64) -> bool {
-    use std::os::fd::AsRawFd as _;
-    let (Ok(off), Ok(len)) = (libc::off_t::try_from(off), libc::off_t::try_from(len)) else {
-        return false;
-    };
-    // SAFETY: fallocate on a file descriptor this function borrows, with
-    // plain integers; it touches no memory of ours.
-    unsafe { libc::fallocate(f.as_raw_fd(), libc::FALLOC_FL_ZERO_RANGE, off, len) == 0 }
-}
-
-/// fsync and `qemu-img check` of a file just written; its length.
-pub(super) async fn finish(out: &Path, bytes_read: u64) -> Result<Written, CopyError> {
+/// fsync and `qemu-img check` of a file just written (and its SHA-256
+/// when `hash`, read at the same time); its length.
+pub(super) async fn finish(out: &Path, bytes_read: u64, hash: bool) -> Result<Written, CopyError> {
     let path = out.to_path_buf();
     let size = tokio::task::spawn_blocking(move || -> Result<u64, super::FileError> {
         let f = std::fs::File::open(&path).map_err(io("opening", &path))?;
@@ -231,17 +192,32 @@ pub(super) async fn finish(out: &Path, bytes_read: u64) -> Result<Written, CopyE
     })
     .await
     .map_err(|e| CopyError::Join(e.to_string()))??;
-    let report = img::QemuImg::locate()
-        .map_err(img::ImgError::from)?
-        .check(out)
-        .await?;
+    let check = async {
+        img::QemuImg::locate()
+            .map_err(img::ImgError::from)?
+            .check(out)
+            .await
+            .map_err(CopyError::from)
+    };
+    let digest = async {
+        match hash {
+            true => digest(out).await.map(Some),
+            false => Ok(None),
+        }
+    };
+    let (report, sha256) = tokio::join!(check, digest);
+    let (report, sha256) = (report?, sha256?);
     if report.corruptions > 0 || !report.is_clean() {
         return Err(CopyError::Check {
             path: out.to_path_buf(),
             report: format!("{report:?}"),
         });
     }
-    Ok(Written { bytes_read, size })
+    Ok(Written {
+        bytes_read,
+        size,
+        sha256,
+    })
 }
 
 /// The SHA-256 (hex) of a file a backup's manifest names. Only what goes
@@ -335,20 +311,18 @@ mod tests {
             d,
         );
         let layer = d.join("new.qcow2");
-        let plan = plan(&layer, Some((1, "prev.qcow2".into()))).await.unwrap();
+        let over = Over {
+            depth: 1,
+            chain: vec![layer.clone(), d.join("old.qcow2")],
+            file: "prev.qcow2".into(),
+        };
+        let plan = plan(&layer, Some(over)).await.unwrap();
         assert_eq!(plan.bytes, 3 << 20, "the zeroed and the rewritten ranges");
         let out = d.join("point.qcow2");
         let progress = Progress::default();
-        let w = write(
-            &layer,
-            plan,
-            &out,
-            8 << 20,
-            &d.join("work"),
-            progress.clone(),
-        )
-        .await
-        .unwrap();
+        let w = write(plan, &out, 8 << 20, progress.clone(), false)
+            .await
+            .unwrap();
         assert_eq!(w.bytes_read, 1 << 20, "only the rewritten data is read");
         assert_eq!(progress.load(std::sync::atomic::Ordering::Relaxed), 3 << 20);
         // The point over the previous one reads exactly the new chain.
@@ -360,5 +334,97 @@ mod tests {
         // 1 MiB of data and metadata, not 3 MiB.
         let size = std::fs::metadata(&out).unwrap().len();
         assert!(size < (3 << 20) / 2, "the point is {size} bytes");
+    }
+
+    /// Two layers above the checkpoint (a user's snapshot between two
+    /// backups): each run adds its own layer's clusters, the lower first,
+    /// so what the upper one rewrote wins, and zero bytes written as data
+    /// over older data read as zeroes. Ground truth: `qemu-img compare`
+    /// of the point over the previous one against the chain itself, and
+    /// the point's own map (only the changed ranges are in it).
+    #[tokio::test]
+    async fn layers_above_the_checkpoint_add_up_lowest_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let q = |args: &[&str]| run("qemu-img", args, d);
+        q(&["create", "-q", "-f", "qcow2", "cp.qcow2", "16M"]);
+        run("qemu-io", &["-c", "write -P 0xab 0 16M", "cp.qcow2"], d);
+        run("cp", &["cp.qcow2", "prev.qcow2"], d);
+        for (name, backing) in [("mid.qcow2", "cp.qcow2"), ("top.qcow2", "mid.qcow2")] {
+            q(&[
+                "create", "-q", "-f", "qcow2", "-F", "qcow2", "-b", backing, name,
+            ]);
+        }
+        // mid: 0..4 MiB of 0x11, 8..9 MiB of zero bytes (data, not a
+        // zeroed range); top: 2..3 MiB of 0x22 over mid's.
+        run(
+            "qemu-io",
+            &[
+                "-c",
+                "write -P 0x11 0 4M",
+                "-c",
+                "write -P 0 8M 1M",
+                "mid.qcow2",
+            ],
+            d,
+        );
+        run("qemu-io", &["-c", "write -P 0x22 2M 1M", "top.qcow2"], d);
+        let layer = d.join("top.qcow2");
+        let over = Over {
+            depth: 2,
+            chain: vec![layer.clone(), d.join("mid.qcow2"), d.join("cp.qcow2")],
+            file: "prev.qcow2".into(),
+        };
+        let plan = plan(&layer, Some(over)).await.unwrap();
+        assert_eq!(plan.bytes, 5 << 20);
+        let out = d.join("point.qcow2");
+        let progress = Progress::default();
+        let w = write(plan, &out, 16 << 20, progress.clone(), true)
+            .await
+            .unwrap();
+        assert_eq!(progress.load(std::sync::atomic::Ordering::Relaxed), 5 << 20);
+        run(
+            "qemu-img",
+            &["compare", "-q", "top.qcow2", "point.qcow2"],
+            d,
+        );
+        // The point holds nothing past 9 MiB: the rest comes from prev.
+        let map = img::map(&out, TIMEOUT).await.unwrap();
+        let own: u64 = map
+            .iter()
+            .filter(|e| e.depth == 0 && e.present)
+            .map(|e| e.length)
+            .sum();
+        assert_eq!(own, 5 << 20, "the point's own extents: {map:?}");
+        let (sha, _) = super::super::sha256_of(&out).unwrap();
+        assert_eq!(w.sha256.as_deref(), Some(sha.as_str()));
+    }
+
+    #[test]
+    fn runs_go_from_the_lowest_layer_above_the_checkpoint_each_with_its_share() {
+        let map = [
+            e(0, 10, 0, true, true),
+            e(10, 5, 1, true, true),
+            e(15, 5, 2, true, true), // the checkpoint's layer
+            e(20, 5, 1, true, false),
+        ];
+        let chain: Vec<PathBuf> = ["/l/0", "/l/1", "/l/2", "/l/3"].map(PathBuf::from).into();
+        let over = |depth| Over {
+            depth,
+            chain: chain.clone(),
+            file: "p".into(),
+        };
+        let p = plan_from(Path::new("/l/0"), &map, Some(over(2))).unwrap();
+        assert_eq!(
+            p.passes,
+            [(PathBuf::from("/l/1"), 10), (PathBuf::from("/l/0"), 10)]
+        );
+        assert_eq!((p.bytes, p.data, p.backing.as_deref()), (20, 15, Some("p")));
+        assert!(matches!(
+            plan_from(Path::new("/l/0"), &map, Some(over(4))),
+            Err(CopyError::ShortChain { .. })
+        ));
+        let full = plan_from(Path::new("/l/0"), &map, None).unwrap();
+        assert_eq!((full.bytes, full.passes.len()), (20, 1));
     }
 }

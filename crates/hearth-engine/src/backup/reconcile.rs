@@ -334,15 +334,14 @@ async fn write_point(
         let layer = storage::snapshot_layer(&ctx.store, ds)
             .map_err(|x| e(&x))?
             .ok_or_else(|| format!("disk snapshot {ds:?} has no layer"))?;
-        let chain: Vec<PathBuf> = hearth_qemu::img::backing_chain(&layer.path)
+        let infos = hearth_qemu::img::backing_chain(&layer.path)
             .await
-            .map_err(|x| e(&x))?
+            .map_err(|x| e(&x))?;
+        let virtual_size = infos.first().map_or(0, |i| i.virtual_size);
+        let chain: Vec<PathBuf> = infos
             .iter()
             .map(|i| canonical(Path::new(&i.filename)))
             .collect();
-        let info = hearth_qemu::img::info(&layer.path)
-            .await
-            .map_err(|x| e(&x))?;
         let previous_layer = match prev_disks.as_ref().and_then(|m| m.get(disk)) {
             Some(prev_ds) => storage::snapshot_layer(&ctx.store, prev_ds)
                 .map_err(|x| e(&x))?
@@ -351,7 +350,7 @@ async fn write_point(
         };
         now.push(DiskNow {
             name: disk.clone(),
-            virtual_size: info.virtual_size,
+            virtual_size,
             chain,
             previous_layer,
         });
@@ -381,7 +380,6 @@ async fn write_point(
         &now,
     );
     let point = previous.as_ref().map(|p| p.point + 1).unwrap_or(1);
-    let work = copy::work_root(&ctx.config.state_dir).join(name);
     // Every disk's extents first: the total the progress counts toward.
     let mut plans = Vec::new();
     for d in &now {
@@ -396,7 +394,11 @@ async fn write_point(
                     .ok_or_else(|| {
                         format!("the previous point has no file of disk {:?}", d.name)
                     })?;
-                Some((depth[&d.name], prev_file))
+                Some(copy::Over {
+                    depth: depth[&d.name],
+                    chain: d.chain.clone(),
+                    file: prev_file,
+                })
             }
         };
         plans.push(
@@ -433,27 +435,17 @@ async fn write_point(
         let partial = dir.join(format!("{rel}.partial"));
         std::fs::create_dir_all(final_path.parent().unwrap_or(dir)).map_err(|x| e(&x))?;
         let _ = std::fs::remove_file(&partial);
-        let written = copy::write(
-            &layers[&d.name],
-            plan,
-            &partial,
-            d.virtual_size,
-            &work.join(&d.name),
-            done.clone(),
-        )
-        .await;
-        let written = match written {
-            Ok(w) => copy::digest(&partial).await.map(|sha| (w, sha)),
-            Err(x) => Err(x),
-        };
+        let written = copy::write(plan, &partial, d.virtual_size, done.clone(), true).await;
         let (written, sha256) = match written {
-            Ok(w) => w,
+            Ok(w) => {
+                let sha = w.sha256.clone().unwrap_or_default();
+                (w, sha)
+            }
             Err(x) => {
                 let _ = std::fs::remove_file(&partial);
                 for p in &partials {
                     let _ = std::fs::remove_file(p);
                 }
-                let _ = std::fs::remove_dir_all(&work);
                 return Err(format!("disk {:?}: {x}", d.name));
             }
         };
@@ -472,7 +464,6 @@ async fn write_point(
             },
         ));
     }
-    let _ = std::fs::remove_dir_all(&work);
     ticker.stop().await;
     drop(pins);
     // Every file in place and synced, then the manifest: the commit.

@@ -118,15 +118,20 @@ pub fn sync_dir(dir: &Path) -> Result<(), TargetError> {
     Ok(())
 }
 
-/// The file of `disk` at `point` (the newest when `None`) of the backup in
-/// `dir`, once every file it reads is checked: each one's SHA-256 against
-/// the manifest, and the chain qemu-img follows from it exactly those
-/// files, down to the full point below it. Its virtual size too.
-pub async fn verified_point(
-    dir: &Path,
-    disk: &str,
-    point: Option<u32>,
-) -> Result<(PathBuf, u64), String> {
+/// The files a point of one disk reads: its own, then each point's below
+/// it down to a full one, with the SHA-256 the manifest gives each.
+pub struct PointFiles {
+    /// The point's own file (top of the chain).
+    pub file: PathBuf,
+    pub virtual_size: u64,
+    digests: Vec<(PathBuf, String)>,
+}
+
+/// The files of `disk` at `point` (the newest when `None`) of the backup in
+/// `dir`, once the chain qemu-img follows from the point's file is exactly
+/// those files, down to the full point below it. Their bytes are checked by
+/// [`PointFiles::verify`], which may run while they are read.
+pub async fn point_files(dir: &Path, disk: &str, point: Option<u32>) -> Result<PointFiles, String> {
     let m = read_existing(dir).map_err(|e| e.to_string())?;
     // A merge a crash stopped is finished (or forgotten) first.
     recover(dir, &m).map_err(|e| e.to_string())?;
@@ -143,32 +148,20 @@ pub async fn verified_point(
         .iter()
         .position(|p| p.point == n)
         .ok_or_else(|| format!("the backup has no point {n}"))?;
-    // The files this point reads: its own, then each point below it down
-    // to a full one.
-    let mut expected = Vec::new();
+    let mut digests = Vec::new();
+    let mut virtual_size = None;
     for p in m.points[..=index].iter().rev() {
         let f = p
             .file_of(disk)
             .ok_or_else(|| format!("point {} has no disk {disk:?}", p.point))?;
-        expected.push((dir.join(&f.file), f.sha256.clone(), f.virtual_size));
+        virtual_size.get_or_insert(f.virtual_size);
+        digests.push((dir.join(&f.file), f.sha256.clone()));
         if p.kind == BackupKind::Full {
             break;
         }
     }
-    for (path, sha, _) in &expected {
-        let path2 = path.clone();
-        let (got, _) = tokio::task::spawn_blocking(move || super::sha256_of(&path2))
-            .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())?;
-        if &got != sha {
-            return Err(format!(
-                "{} has SHA-256 {got}, the manifest says {sha}",
-                path.display()
-            ));
-        }
-    }
-    let chain = hearth_qemu::img::backing_chain(&expected[0].0)
+    let file = digests[0].0.clone();
+    let chain = hearth_qemu::img::backing_chain(&file)
         .await
         .map_err(|e| e.to_string())?;
     let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
@@ -176,13 +169,37 @@ pub async fn verified_point(
         .iter()
         .map(|i| canon(Path::new(&i.filename)))
         .collect();
-    let want: Vec<PathBuf> = expected.iter().map(|(p, _, _)| canon(p)).collect();
+    let want: Vec<PathBuf> = digests.iter().map(|(p, _)| canon(p)).collect();
     if got != want {
         return Err(format!(
             "the files of point {n} chain to {got:?}, not to the backup's own {want:?}"
         ));
     }
-    Ok((expected[0].0.clone(), expected[0].2))
+    Ok(PointFiles {
+        file,
+        virtual_size: virtual_size.unwrap_or(0),
+        digests,
+    })
+}
+
+impl PointFiles {
+    /// Each file's SHA-256 against the manifest's.
+    pub async fn verify(&self) -> Result<(), String> {
+        for (path, sha) in &self.digests {
+            let path2 = path.clone();
+            let (got, _) = tokio::task::spawn_blocking(move || super::sha256_of(&path2))
+                .await
+                .map_err(|e| e.to_string())?
+                .map_err(|e| e.to_string())?;
+            if &got != sha {
+                return Err(format!(
+                    "{} has SHA-256 {got}, the manifest says {sha}",
+                    path.display()
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 const MERGED: &str = ".merged";
@@ -243,12 +260,10 @@ pub async fn keep_newest(dir: &Path, mut m: Manifest, keep: u32) -> Result<Manif
                     .convert_standalone(&path, "qcow2", &partial, "qcow2")
                     .await
                     .map_err(|e| e.to_string())?;
-                let w = super::copy::finish(&partial, 0)
+                let w = super::copy::finish(&partial, 0, true)
                     .await
                     .map_err(|e| e.to_string())?;
-                let sha = super::copy::digest(&partial)
-                    .await
-                    .map_err(|e| e.to_string())?;
+                let sha = w.sha256.unwrap_or_default();
                 std::fs::rename(&partial, &merged).map_err(|e| e.to_string())?;
                 sync_dir(merged.parent().unwrap_or(dir)).map_err(|e| e.to_string())?;
                 Ok::<_, String>((sha, w.size))

@@ -277,10 +277,11 @@ pub(super) fn snapshot_not_ready(
     })
 }
 
-/// The point's whole chain, once verified, copied into one standalone file
-/// (the disk never reads the backup directory again): its extents with data
-/// through the same read-only export a backup reads from, the bytes so far
-/// in `status.restoreProgress` every second.
+/// The point's whole chain copied into one standalone file (the disk never
+/// reads the backup directory again), the bytes so far in
+/// `status.restoreProgress` every second. The chain's files are hashed
+/// against the manifest while they are copied (two cores at work, not one
+/// after the other); the disk is made only when both succeed.
 async fn restore_backup(
     ctx: &Context,
     name: &str,
@@ -288,10 +289,10 @@ async fn restore_backup(
     out: &Path,
 ) -> Result<(), String> {
     use crate::backup::copy;
-    let (file, virtual_size) = crate::backup::target::verified_point(&b.from, &b.disk, b.point)
+    let files = crate::backup::target::point_files(&b.from, &b.disk, b.point).await?;
+    let plan = copy::plan(&files.file, None)
         .await
         .map_err(|e| e.to_string())?;
-    let plan = copy::plan(&file, None).await.map_err(|e| e.to_string())?;
     let total = plan.bytes;
     let done = copy::Progress::default();
     let show = |bytes_done| {
@@ -303,18 +304,19 @@ async fn restore_backup(
         })
     };
     show(0);
-    // A dot: no backup's name (a DNS label) can take the same folder.
-    let work = copy::work_root(&ctx.config.state_dir).join(format!("restore.{name}"));
-    let copying = copy::write(&file, plan, out, virtual_size, &work, done.clone());
-    tokio::pin!(copying);
+    let copying = async {
+        copy::write(plan, out, files.virtual_size, done.clone(), false)
+            .await
+            .map_err(|e| e.to_string())
+    };
+    let both = async { tokio::try_join!(files.verify(), copying) };
+    tokio::pin!(both);
     let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
     tick.tick().await;
-    let written = loop {
+    loop {
         tokio::select! {
-            w = &mut copying => break w,
+            r = &mut both => return r.map(|_| ()),
             _ = tick.tick() => show(done.load(std::sync::atomic::Ordering::Relaxed)),
         }
-    };
-    let _ = std::fs::remove_dir_all(&work);
-    written.map(|_| ()).map_err(|e| e.to_string())
+    }
 }
