@@ -276,37 +276,15 @@ impl QemuImg {
                 Ok(())
             });
         }
-        let limits = programs::Limits {
-            timeout: self.timeout,
-            stdout: 0,
-            stderr: MAX_STDERR,
-        };
         let mut meter = ProgressMeter::default();
         let mut watch = |piece: &[u8]| {
             if let Some(p) = meter.feed(piece) {
                 progress(p);
             }
         };
-        let failed = |status: String, stderr: &[u8]| ImgError::Failed {
-            operation: "convert",
-            path: dest.to_owned(),
-            status,
-            stderr: String::from_utf8_lossy(stderr).trim().to_owned(),
-        };
-        match programs::run_watched(command, programs::Class::Copy, limits, &mut watch).await {
-            Ok(f) if f.status.success() => Ok(()),
-            Ok(f) => Err(failed(f.status.to_string(), &f.stderr)),
-            Err(programs::RunError::Spawn(source)) => Err(ImgError::Spawn {
-                binary: self.binary.clone(),
-                source,
-            }),
-            Err(programs::RunError::Wait(e)) => Err(failed(format!("wait failed: {e}"), b"")),
-            Err(programs::RunError::Timeout(_)) => Err(ImgError::Timeout {
-                operation: "convert",
-                path: dest.to_owned(),
-                timeout: self.timeout,
-            }),
-        }
+        self.run_command("convert", dest, command, &mut watch)
+            .await
+            .map(|_| ())
     }
 
     /// Makes `new_backing` the backing file of `path` while keeping what
@@ -471,7 +449,22 @@ impl QemuImg {
         path: &Path,
         args: Vec<OsString>,
     ) -> Result<Vec<u8>, ImgError> {
-        let (status, out, err) = self.run_status(operation, path, args).await?;
+        let mut command = tokio::process::Command::new(&self.binary);
+        command.args(&args);
+        self.run_command(operation, path, command, &mut |_| {})
+            .await
+    }
+
+    /// [`QemuImg::run`] of a command made by the caller, `watch` seeing its
+    /// stdout as it comes.
+    async fn run_command(
+        &self,
+        operation: &'static str,
+        path: &Path,
+        command: tokio::process::Command,
+        watch: &mut (dyn FnMut(&[u8]) + Send),
+    ) -> Result<Vec<u8>, ImgError> {
+        let (status, out, err) = self.run_status_of(operation, path, command, watch).await?;
         let failed = |status: String| ImgError::Failed {
             operation,
             path: path.to_owned(),
@@ -495,6 +488,17 @@ impl QemuImg {
     ) -> Result<RunOutput, ImgError> {
         let mut command = tokio::process::Command::new(&self.binary);
         command.args(&args);
+        self.run_status_of(operation, path, command, &mut |_| {})
+            .await
+    }
+
+    async fn run_status_of(
+        &self,
+        operation: &'static str,
+        path: &Path,
+        command: tokio::process::Command,
+        watch: &mut (dyn FnMut(&[u8]) + Send),
+    ) -> Result<RunOutput, ImgError> {
         // Copies take time in proportion to the data: their own pool.
         let class = match operation {
             "convert" | "rebase" => programs::Class::Copy,
@@ -505,7 +509,7 @@ impl QemuImg {
             stdout: MAX_STDOUT,
             stderr: MAX_STDERR,
         };
-        match programs::run(command, class, None, limits).await {
+        match programs::run_watched(command, class, limits, watch).await {
             Ok(f) => Ok((Ok(f.status), f.stdout, f.stderr)),
             Err(programs::RunError::Spawn(source)) => Err(ImgError::Spawn {
                 binary: self.binary.clone(),
