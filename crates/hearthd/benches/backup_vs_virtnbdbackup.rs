@@ -135,6 +135,9 @@ struct Op {
     changed_bytes: Option<u64>,
     read_ms: Option<f64>,
     map_ms: Option<f64>,
+    /// The same bytes written into a new file beside the target and
+    /// fsynced, alone (ms): the floor of any copy that makes them durable.
+    write_ms: Option<f64>,
     load: String,
 }
 
@@ -228,7 +231,7 @@ fn main() {
             for side in order {
                 write_random(&d, side, &format!("r{round}-w{i}"), *mib);
             }
-            let (changed, map_ms, read_ms) = read_changed(&d);
+            let (changed, map_ms, read_ms, write_ms) = read_changed(&d, &rdir);
             let previous = last_backup.clone();
             for side in order {
                 let name = format!("r{round}-i{i}");
@@ -244,6 +247,7 @@ fn main() {
                     op.changed_bytes = Some(changed);
                     op.map_ms = Some(map_ms);
                     op.read_ms = Some(read_ms);
+                    op.write_ms = Some(write_ms);
                     last_backup = name;
                 }
                 push(op, &mut ops);
@@ -427,8 +431,10 @@ fn write_random(d: &Daemon, side: Side, file: &str, mib: usize) {
 }
 
 /// The data clusters of hearth's disk's head layer (what the guest wrote
-/// since the last cut), read alone: (bytes, `qemu-img map` ms, read ms).
-fn read_changed(d: &Daemon) -> (u64, f64, f64) {
+/// since the last cut), read alone, then the same bytes written into a new
+/// file in `scratch` (the target's filesystem) and fsynced: (bytes, `qemu-img
+/// map` ms, read ms, write + fsync ms).
+fn read_changed(d: &Daemon, scratch: &Path) -> (u64, f64, f64, f64) {
     let head = d.disk_path(DISK);
     let spec = json!({"driver": "qcow2", "backing": null,
                       "file": {"driver": "file", "filename": head}});
@@ -447,7 +453,7 @@ fn read_changed(d: &Daemon) -> (u64, f64, f64) {
     let mut buf = vec![0u8; 4 << 20];
     let mut bytes = 0u64;
     let t = Instant::now();
-    for (start, len) in ranges {
+    for &(start, len) in &ranges {
         let mut off = start;
         while off < start + len {
             let n = (start + len - off).min(buf.len() as u64) as usize;
@@ -457,7 +463,28 @@ fn read_changed(d: &Daemon) -> (u64, f64, f64) {
             bytes += n as u64;
         }
     }
-    (bytes, map_ms, t.elapsed().as_secs_f64() * 1e3)
+    let read_ms = t.elapsed().as_secs_f64() * 1e3;
+    let out = scratch.join("changed.bin");
+    let _ = std::fs::remove_file(&out);
+    let t = Instant::now();
+    let w = std::fs::File::create(&out).expect("the yardstick's file");
+    let mut at = 0u64;
+    for (start, len) in ranges {
+        let mut off = start;
+        while off < start + len {
+            let n = (start + len - off).min(buf.len() as u64) as usize;
+            f.read_exact_at(&mut buf[..n], off)
+                .expect("read the head layer");
+            w.write_all_at(&buf[..n], at).expect("write the yardstick");
+            off += n as u64;
+            at += n as u64;
+        }
+    }
+    w.sync_all().expect("fsync the yardstick");
+    let write_ms = t.elapsed().as_secs_f64() * 1e3;
+    drop(w);
+    let _ = std::fs::remove_file(&out);
+    (bytes, map_ms, read_ms, write_ms)
 }
 
 /// The steps of a hearth backup's copy (crates/hearth-engine/src/
@@ -954,9 +981,9 @@ fn print_tables(ops: &[Op], sizes: &[usize], prefill: usize, load: &[String]) {
     );
     println!();
     println!(
-        "| written in the guest | changed clusters (MiB) | read alone (ms) | qemu-img map (ms) | read + map (ms) | hearth incremental wall (ms) | wall / (read + map) | durationMs | bytesRead (MiB) |"
+        "| written in the guest | changed clusters (MiB) | read alone (ms) | qemu-img map (ms) | read + map (ms) | read + write + fsync alone (ms) | hearth incremental wall (ms) | wall / (read + map) | durationMs | durationMs / (read + map) | durationMs / (map + read + write + fsync) | bytesRead (MiB) |"
     );
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for m in sizes {
         let h = of(&format!("inc {m} MiB"), Side::Hearth);
         let changed: Vec<f64> = h
@@ -975,20 +1002,32 @@ fn print_tables(ops: &[Op], sizes: &[usize], prefill: usize, load: &[String]) {
             .filter_map(|o| Some(o.wall_ms / (o.read_ms? + o.map_ms?)))
             .collect();
         let dur: Vec<f64> = h.iter().filter_map(|o| o.duration_ms).collect();
+        let written: Vec<f64> = h.iter().filter_map(|o| o.write_ms).collect();
+        let dur_read: Vec<f64> = h
+            .iter()
+            .filter_map(|o| Some(o.duration_ms? / (o.read_ms? + o.map_ms?)))
+            .collect();
+        let dur_write: Vec<f64> = h
+            .iter()
+            .filter_map(|o| Some(o.duration_ms? / (o.write_ms? + o.map_ms?)))
+            .collect();
         let br: Vec<f64> = h
             .iter()
             .filter_map(|o| o.bytes_read)
             .map(|b| b as f64)
             .collect();
         println!(
-            "| {m} MiB | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {m} MiB | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             mib(stats(&changed).0),
             fmt(&read, 1),
             fmt(&map, 1),
             fmt(&both, 1),
+            fmt(&written, 1),
             fmt(&walls(&h), 0),
             fmt(&ratio, 1),
             fmt(&dur, 0),
+            fmt(&dur_read, 1),
+            fmt(&dur_write, 1),
             mib(stats(&br).0),
         );
     }
@@ -1122,7 +1161,7 @@ fn print_tables(ops: &[Op], sizes: &[usize], prefill: usize, load: &[String]) {
     println!("Every operation:");
     println!();
     println!(
-        "| round | step | side | wall (ms) | written (B) | bytesRead | durationMs | freezeWindowMs | guest-seen (ms) | CutRequested / checkpoint Ready / copy starts / Ready (ms after spawn) | changed (B) / read ms / map ms | load |"
+        "| round | step | side | wall (ms) | written (B) | bytesRead | durationMs | freezeWindowMs | guest-seen (ms) | CutRequested / checkpoint Ready / copy starts / Ready (ms after spawn) | changed (B) / read ms / map ms / read + write + fsync ms | load |"
     );
     println!("|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|---|");
     for o in ops {
@@ -1142,8 +1181,10 @@ fn print_tables(ops: &[Op], sizes: &[usize], prefill: usize, load: &[String]) {
                 .map(|v| format!("{v:.0}"))
                 .collect::<Vec<_>>()
                 .join(" / ")),
-            match (o.changed_bytes, o.read_ms, o.map_ms) {
-                (Some(c), Some(r), Some(m)) => format!("{c} / {r:.1} / {m:.1}"),
+            match (o.changed_bytes, o.read_ms, o.map_ms, o.write_ms) {
+                (Some(c), Some(r), Some(m), Some(w)) => {
+                    format!("{c} / {r:.1} / {m:.1} / {w:.1}")
+                }
                 _ => "–".into(),
             },
             o.load
