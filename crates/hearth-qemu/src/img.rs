@@ -247,7 +247,8 @@ impl QemuImg {
     /// into what, is `into`'s: see [`CopyInto`]. `-U`: `source` may be a
     /// layer below a running VM's head, which nothing writes to. The output
     /// is not synced: the caller syncs it before anything names it. The
-    /// program dies with this process (`PR_SET_PDEATHSIG`), so a killed
+    /// program dies with this process (`PR_SET_PDEATHSIG`; the pool starts
+    /// it from a thread that lasts as long as the process), so a killed
     /// hearthd leaves no copy writing into a file it will remove.
     pub async fn copy_into(
         &self,

@@ -9,6 +9,14 @@
 //!
 //! Long-running daemons (QEMU, dnsmasq) are not in the pool: each would
 //! hold a slot for as long as it runs.
+//!
+//! Every program is started from one thread that lives as long as the
+//! process: a caller that sets `PR_SET_PDEATHSIG` in its command (a copy,
+//! a fetch: work that must not outlive hearthd) gets the signal when the
+//! process dies, and not when the runtime thread that happened to start
+//! it exits (the signal follows the thread that forked, and a runtime's
+//! threads come and go: `block_in_place` hands a worker's place to a new
+//! thread, blocking threads end when idle).
 
 use std::process::{ExitStatus, Stdio};
 use std::sync::{Arc, OnceLock};
@@ -195,7 +203,9 @@ impl Pool {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .kill_on_drop(true);
-        let child = command.spawn().map_err(RunError::Spawn)?;
+        let child = spawn_from_lasting_thread(command)
+            .await
+            .map_err(RunError::Spawn)?;
         let mut running = Running {
             child: Some(child),
             slot: Some(slot),
@@ -266,6 +276,44 @@ impl Drop for Running {
     }
 }
 
+type SpawnRequest = (
+    Command,
+    tokio::runtime::Handle,
+    tokio::sync::oneshot::Sender<std::io::Result<Child>>,
+);
+
+/// Spawns `command` from a thread that lives as long as the process (see
+/// the module's comment), inside this runtime, so the child is reaped by
+/// it as any other.
+async fn spawn_from_lasting_thread(mut command: Command) -> std::io::Result<Child> {
+    static SPAWNER: OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<SpawnRequest>>> =
+        OnceLock::new();
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return command.spawn();
+    };
+    let spawner = SPAWNER.get_or_init(|| {
+        let (tx, rx) = std::sync::mpsc::channel::<SpawnRequest>();
+        std::thread::Builder::new()
+            .name("hearth-programs".into())
+            .spawn(move || {
+                for (mut command, runtime, reply) in rx {
+                    let _entered = runtime.enter();
+                    let _ = reply.send(command.spawn());
+                }
+            })
+            .expect("starting the programs' spawner thread");
+        std::sync::Mutex::new(tx)
+    });
+    let (reply, answer) = tokio::sync::oneshot::channel();
+    let gone = || std::io::Error::other("the programs' spawner thread is gone");
+    spawner
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .send((command, runtime, reply))
+        .map_err(|_| gone())?;
+    answer.await.map_err(|_| gone())?
+}
+
 /// Reads up to `limit` bytes and drains the rest, so the program never
 /// blocks on a full pipe; `watch` sees every piece.
 async fn read_bounded<R: AsyncRead + Unpin>(
@@ -327,6 +375,50 @@ mod tests {
             assert!(Instant::now() < deadline, "the program never started");
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// A program that dies with its parent (`PR_SET_PDEATHSIG`) lives on
+    /// when the thread that asked for it ends: the signal follows the
+    /// thread that forked, which is the lasting spawner's. From the process
+    /// table.
+    #[test]
+    fn a_program_outlives_the_thread_that_started_it() {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let handle = runtime.handle().clone();
+        let asker = std::thread::spawn(move || {
+            handle.block_on(async {
+                let mut c = sh("sleep 30");
+                // SAFETY: prctl is async-signal-safe and touches only the child.
+                unsafe {
+                    c.pre_exec(|| {
+                        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Ok(())
+                    });
+                }
+                spawn_from_lasting_thread(c).await.expect("spawn")
+            })
+        });
+        let mut child = asker.join().expect("the asking thread");
+        let pid = child.id().expect("running");
+        std::thread::sleep(Duration::from_millis(300));
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+        let alive = status
+            .lines()
+            .find_map(|l| l.strip_prefix("State:"))
+            .is_some_and(|s| !s.trim().starts_with(['Z', 'X']));
+        runtime.block_on(async {
+            let _ = child.kill().await;
+        });
+        assert!(
+            alive,
+            "the program died with the thread that asked:\n{status}"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
