@@ -100,11 +100,17 @@ pub struct Plan {
 /// extent with data; an incremental one the extents some layer above the
 /// previous checkpoint holds, copied layer by layer.
 pub async fn plan(layer: &Path, over: Option<Over>) -> Result<Plan, CopyError> {
-    let map = img::map(layer, TIMEOUT).await?;
-    plan_from(layer, &map, over)
+    plan_from(layer, &extents(layer).await?, over)
 }
 
-fn plan_from(layer: &Path, map: &[Extent], over: Option<Over>) -> Result<Plan, CopyError> {
+/// `qemu-img map` of `layer`'s chain: every extent, with the depth of the
+/// layer that holds it.
+pub async fn extents(layer: &Path) -> Result<Vec<Extent>, CopyError> {
+    Ok(img::map(layer, TIMEOUT).await?)
+}
+
+/// [`plan`] from the chain's extents, already read.
+pub fn plan_from(layer: &Path, map: &[Extent], over: Option<Over>) -> Result<Plan, CopyError> {
     let Some(over) = over else {
         let data: u64 = map
             .iter()

@@ -330,13 +330,18 @@ async fn write_point(
     };
     let mut now = Vec::new();
     let mut layers = BTreeMap::new();
+    let mut maps = BTreeMap::new();
     for (disk, ds) in &now_disks {
         let layer = storage::snapshot_layer(&ctx.store, ds)
             .map_err(|x| e(&x))?
             .ok_or_else(|| format!("disk snapshot {ds:?} has no layer"))?;
-        let infos = hearth_qemu::img::backing_chain(&layer.path)
-            .await
-            .map_err(|x| e(&x))?;
+        // The chain and its extents at once: two quick read-only runs.
+        let (infos, extents) = tokio::join!(
+            hearth_qemu::img::backing_chain(&layer.path),
+            copy::extents(&layer.path)
+        );
+        let infos = infos.map_err(|x| e(&x))?;
+        maps.insert(disk.clone(), extents.map_err(|x| e(&x))?);
         let virtual_size = infos.first().map_or(0, |i| i.virtual_size);
         let chain: Vec<PathBuf> = infos
             .iter()
@@ -401,11 +406,7 @@ async fn write_point(
                 })
             }
         };
-        plans.push(
-            copy::plan(&layers[&d.name], over)
-                .await
-                .map_err(|x| e(&x))?,
-        );
+        plans.push(copy::plan_from(&layers[&d.name], &maps[&d.name], over).map_err(|x| e(&x))?);
     }
     let total: u64 = plans.iter().map(|p| p.bytes).sum();
     let done = copy::Progress::default();
