@@ -213,34 +213,6 @@ impl QemuImg {
         self.run("convert", dest, args).await.map(|_| ())
     }
 
-    /// Creates an empty qcow2 of `size` bytes at `path` over the qcow2
-    /// `backing`, named relative to `path`'s folder (a backup's files
-    /// chain by relative names, so the folder can move).
-    pub async fn create_relative_overlay(
-        &self,
-        path: &Path,
-        backing: &str,
-        size: u64,
-    ) -> Result<(), ImgError> {
-        check_new_image(path)?;
-        // `-u`: the backing is not opened (its name is relative to the
-        // image, not to our working directory); the size is given.
-        let args: Vec<OsString> = vec![
-            "create".into(),
-            "-q".into(),
-            "-u".into(),
-            "-f".into(),
-            "qcow2".into(),
-            "-F".into(),
-            "qcow2".into(),
-            "-b".into(),
-            backing.into(),
-            path.into(),
-            size.to_string().into(),
-        ];
-        self.run("create", path, args).await.map(|_| ())
-    }
-
     /// Copies clusters of the qcow2 `source` into the qcow2 `dest` in one
     /// `qemu-img convert` (out-of-order writes, zeroes as zero clusters),
     /// handing `progress` its percentage as it goes. What is copied, and

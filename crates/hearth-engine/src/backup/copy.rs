@@ -124,7 +124,8 @@ pub fn plan_from(layer: &Path, map: &[Extent], over: Option<Over>) -> Result<Pla
             backing: None,
         });
     };
-    if over.chain.len() <= over.depth as usize {
+    // Depth 0 would make the cut's own new layer the previous checkpoint's.
+    if over.depth == 0 || over.chain.len() <= over.depth as usize {
         return Err(CopyError::ShortChain {
             layer: layer.to_path_buf(),
             have: over.chain.len(),
@@ -156,20 +157,12 @@ pub fn plan_from(layer: &Path, map: &[Extent], over: Option<Over>) -> Result<Pla
 pub async fn write(
     plan: Plan,
     out: &Path,
-    virtual_size: u64,
     progress: Progress,
     hash: bool,
 ) -> Result<Written, CopyError> {
     let qemu_img = img::QemuImg::locate()
         .map_err(img::ImgError::from)?
         .with_timeout(TIMEOUT);
-    if plan.passes.is_empty() {
-        // Nothing above the previous checkpoint: an empty file over it.
-        let backing = plan.backing.as_deref().unwrap_or_default();
-        qemu_img
-            .create_relative_overlay(out, backing, virtual_size)
-            .await?;
-    }
     for (i, (source, share)) in plan.passes.iter().enumerate() {
         let into = match (&plan.backing, i) {
             (None, _) => CopyInto::Whole,
@@ -326,9 +319,7 @@ mod tests {
         assert_eq!(plan.bytes, 3 << 20, "the zeroed and the rewritten ranges");
         let out = d.join("point.qcow2");
         let progress = Progress::default();
-        let w = write(plan, &out, 8 << 20, progress.clone(), false)
-            .await
-            .unwrap();
+        let w = write(plan, &out, progress.clone(), false).await.unwrap();
         assert_eq!(w.bytes_read, 1 << 20, "only the rewritten data is read");
         assert_eq!(progress.load(std::sync::atomic::Ordering::Relaxed), 3 << 20);
         // The point over the previous one reads exactly the new chain.
@@ -385,9 +376,7 @@ mod tests {
         assert_eq!(plan.bytes, 5 << 20);
         let out = d.join("point.qcow2");
         let progress = Progress::default();
-        let w = write(plan, &out, 16 << 20, progress.clone(), true)
-            .await
-            .unwrap();
+        let w = write(plan, &out, progress.clone(), true).await.unwrap();
         assert_eq!(progress.load(std::sync::atomic::Ordering::Relaxed), 5 << 20);
         run(
             "qemu-img",
@@ -428,6 +417,10 @@ mod tests {
         assert_eq!((p.bytes, p.data, p.backing.as_deref()), (20, 15, Some("p")));
         assert!(matches!(
             plan_from(Path::new("/l/0"), &map, Some(over(4))),
+            Err(CopyError::ShortChain { .. })
+        ));
+        assert!(matches!(
+            plan_from(Path::new("/l/0"), &map, Some(over(0))),
             Err(CopyError::ShortChain { .. })
         ));
         let full = plan_from(Path::new("/l/0"), &map, None).unwrap();

@@ -436,7 +436,7 @@ async fn write_point(
         let partial = dir.join(format!("{rel}.partial"));
         std::fs::create_dir_all(final_path.parent().unwrap_or(dir)).map_err(|x| e(&x))?;
         let _ = std::fs::remove_file(&partial);
-        let written = copy::write(plan, &partial, d.virtual_size, done.clone(), true).await;
+        let written = copy::write(plan, &partial, done.clone(), true).await;
         let (written, sha256) = match written {
             Ok(w) => {
                 let sha = w.sha256.clone().unwrap_or_default();

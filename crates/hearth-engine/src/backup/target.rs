@@ -123,7 +123,6 @@ pub fn sync_dir(dir: &Path) -> Result<(), TargetError> {
 pub struct PointFiles {
     /// The point's own file (top of the chain).
     pub file: PathBuf,
-    pub virtual_size: u64,
     digests: Vec<(PathBuf, String)>,
 }
 
@@ -149,12 +148,10 @@ pub async fn point_files(dir: &Path, disk: &str, point: Option<u32>) -> Result<P
         .position(|p| p.point == n)
         .ok_or_else(|| format!("the backup has no point {n}"))?;
     let mut digests = Vec::new();
-    let mut virtual_size = None;
     for p in m.points[..=index].iter().rev() {
         let f = p
             .file_of(disk)
             .ok_or_else(|| format!("point {} has no disk {disk:?}", p.point))?;
-        virtual_size.get_or_insert(f.virtual_size);
         digests.push((dir.join(&f.file), f.sha256.clone()));
         if p.kind == BackupKind::Full {
             break;
@@ -175,22 +172,14 @@ pub async fn point_files(dir: &Path, disk: &str, point: Option<u32>) -> Result<P
             "the files of point {n} chain to {got:?}, not to the backup's own {want:?}"
         ));
     }
-    Ok(PointFiles {
-        file,
-        virtual_size: virtual_size.unwrap_or(0),
-        digests,
-    })
+    Ok(PointFiles { file, digests })
 }
 
 impl PointFiles {
     /// Each file's SHA-256 against the manifest's.
     pub async fn verify(&self) -> Result<(), String> {
         for (path, sha) in &self.digests {
-            let path2 = path.clone();
-            let (got, _) = tokio::task::spawn_blocking(move || super::sha256_of(&path2))
-                .await
-                .map_err(|e| e.to_string())?
-                .map_err(|e| e.to_string())?;
+            let got = super::copy::digest(path).await.map_err(|e| e.to_string())?;
             if &got != sha {
                 return Err(format!(
                     "{} has SHA-256 {got}, the manifest says {sha}",

@@ -305,7 +305,7 @@ async fn restore_backup(
     };
     show(0);
     let copying = async {
-        copy::write(plan, out, files.virtual_size, done.clone(), false)
+        copy::write(plan, out, done.clone(), false)
             .await
             .map_err(|e| e.to_string())
     };
