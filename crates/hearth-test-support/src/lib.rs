@@ -17,6 +17,7 @@
 mod objects;
 pub mod oci;
 pub mod process;
+pub mod tls;
 mod wait;
 
 pub use objects::{

@@ -171,70 +171,13 @@ impl TestRegistry {
         let mut auth = String::new();
         if tls {
             let p = |n: &str| d.join(n).to_str().expect("utf-8").to_string();
-            tool(
-                "openssl",
-                &[
-                    "req",
-                    "-x509",
-                    "-newkey",
-                    "rsa:2048",
-                    "-nodes",
-                    "-days",
-                    "1",
-                    "-subj",
-                    "/CN=hearth test CA",
-                    "-keyout",
-                    &p("ca.key"),
-                    "-out",
-                    &p("ca.pem"),
-                ],
-            );
-            tool(
-                "openssl",
-                &[
-                    "req",
-                    "-newkey",
-                    "rsa:2048",
-                    "-nodes",
-                    "-subj",
-                    "/CN=127.0.0.1",
-                    "-keyout",
-                    &p("server.key"),
-                    "-out",
-                    &p("server.csr"),
-                ],
-            );
-            fs::write(
-                d.join("ext"),
-                "subjectAltName=IP:127.0.0.1\nbasicConstraints=CA:FALSE\n",
-            )
-            .expect("write");
-            tool(
-                "openssl",
-                &[
-                    "x509",
-                    "-req",
-                    "-days",
-                    "1",
-                    "-in",
-                    &p("server.csr"),
-                    "-CA",
-                    &p("ca.pem"),
-                    "-CAkey",
-                    &p("ca.key"),
-                    "-CAcreateserial",
-                    "-extfile",
-                    &p("ext"),
-                    "-out",
-                    &p("server.pem"),
-                ],
-            );
+            let ca = crate::tls::TestCa::new(d, "hearth test CA");
             fs::create_dir_all(d.join("certs")).expect("mkdir");
-            fs::copy(d.join("ca.pem"), d.join("certs/ca.crt")).expect("copy");
+            fs::copy(ca.ca(), d.join("certs/ca.crt")).expect("copy");
             http.push_str(&format!(
                 "  tls:\n    certificate: {}\n    key: {}\n",
-                p("server.pem"),
-                p("server.key")
+                s(&ca.certificate()),
+                s(&ca.key())
             ));
             let line = tool("htpasswd", &["-Bbn", Self::USER, Self::PASSWORD]);
             fs::write(d.join("htpasswd"), line.trim()).expect("write");

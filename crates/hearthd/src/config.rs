@@ -111,6 +111,7 @@ pub fn all_git_sources(args: &Args) -> Vec<GitSourceFile> {
             interval_seconds: Some(args.git_interval_seconds),
             username: args.git_username.clone(),
             token_file: args.git_token_file.clone(),
+            ca_file: args.git_ca_file.clone(),
             ssh_key_file: args.git_ssh_key_file.clone(),
             known_hosts_file: args.git_known_hosts_file.clone(),
             allowed_signers_file: args.git_allowed_signers.clone(),
@@ -137,6 +138,10 @@ pub struct GitSourceFile {
     pub username: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_file: Option<PathBuf>,
+    /// https: the CA certificates (PEM) the server's must chain to, in
+    /// place of the system's bundle.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<PathBuf>,
     /// ssh: the private key, and the known_hosts file the host must be in.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ssh_key_file: Option<PathBuf>,

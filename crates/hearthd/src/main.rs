@@ -256,6 +256,11 @@ struct Args {
     /// each fetch.
     #[arg(long, value_name = "FILE")]
     git_token_file: Option<PathBuf>,
+    /// https: the CA certificates (PEM) --git's server certificate must
+    /// chain to, in place of the system's bundle (a server with a private
+    /// CA); read at each fetch.
+    #[arg(long, value_name = "FILE")]
+    git_ca_file: Option<PathBuf>,
     /// ssh: the private key for --git.
     #[arg(long, value_name = "FILE")]
     git_ssh_key_file: Option<PathBuf>,
@@ -524,6 +529,7 @@ fn git_sources(args: &Args) -> anyhow::Result<Vec<hearth_engine::GitConfig>> {
             token_file: absolute(g.token_file, "token-file")?,
             ssh_key: absolute(g.ssh_key_file, "ssh-key-file")?,
             known_hosts: absolute(g.known_hosts_file, "known-hosts-file")?,
+            ca_file: absolute(g.ca_file, "ca-file")?,
         };
         c.signers = hearth_engine::GitSigners {
             allowed_signers: absolute(g.allowed_signers_file, "allowed-signers-file")?,

@@ -791,15 +791,65 @@ fn serve_cgi(
     Ok(())
 }
 
+/// A TLS terminator on 127.0.0.1 (`socat`, OpenSSL) in front of a plain
+/// server, with a certificate of a test CA; killed with its per-connection
+/// children when dropped.
+struct TlsFront {
+    child: Child,
+    port: u16,
+}
+
+impl TlsFront {
+    fn start(ca: &hearth_test_support::tls::TestCa, to_port: u16) -> TlsFront {
+        use std::os::unix::process::CommandExt;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = Command::new("socat")
+            .arg(format!(
+                "OPENSSL-LISTEN:{port},bind=127.0.0.1,reuseaddr,fork,cert={},key={},verify=0",
+                ca.certificate().display(),
+                ca.key().display()
+            ))
+            .arg(format!("TCP:127.0.0.1:{to_port}"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn()
+            .expect("socat (apt-get install socat; .ci/install-deps.sh does)");
+        wait_until("socat listens", Duration::from_secs(20), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        TlsFront { child, port }
+    }
+}
+
+impl Drop for TlsFront {
+    fn drop(&mut self) {
+        if let Some(group) = rustix::process::Pid::from_raw(self.child.id() as i32) {
+            let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+        }
+        let _ = self.child.wait();
+    }
+}
+
 #[test]
-fn a_token_over_http_is_sent_and_a_wrong_one_leaves_the_source_stale() {
+fn a_token_over_https_is_sent_only_to_a_server_of_the_trusted_ca_and_a_wrong_one_leaves_the_source_stale()
+ {
     let _serial = serial();
     let remote = Remote::new();
     let first = remote.commit(&[("a.yaml", Some(&disk_text("http-a")))], "a");
     let server = HttpGit::start(&remote.root, "deploy", "s3cret-token");
+    let ca = hearth_test_support::tls::TestCa::new(&remote.root.join("ca"), "hearth git CA");
+    let other = hearth_test_support::tls::TestCa::new(&remote.root.join("other"), "other CA");
+    let front = TlsFront::start(&ca, server.port);
+    let trusted = remote.root.join("trusted.pem");
+    std::fs::copy(ca.ca(), &trusted).unwrap();
     let token = remote.root.join("token");
     std::fs::write(&token, "s3cret-token\n").unwrap();
-    let url = format!("http://127.0.0.1:{}/remote.git", server.port);
+    let url = format!("https://127.0.0.1:{}/remote.git", front.port);
     let d = following(
         &url,
         &[
@@ -807,19 +857,26 @@ fn a_token_over_http_is_sent_and_a_wrong_one_leaves_the_source_stale() {
             "deploy",
             "--git-token-file",
             token.to_str().unwrap(),
+            "--git-ca-file",
+            trusted.to_str().unwrap(),
         ],
     );
-    wait_source(&d, "git", "applied over http with the token", |s| {
+    wait_source(&d, "git", "applied over https with the token", |s| {
         s["state"] == "Ready" && s["appliedCommit"]["id"] == first.as_str()
     });
     let exists = |name: &str| disk_exists(&d, name);
     assert!(exists("http-a"));
+    // Requests, not connections: socat connects to the server for a
+    // client whose handshake then fails, which sends nothing.
+    let served = || {
+        let seen = server.seen.lock().unwrap();
+        seen.iter().filter(|(target, _)| !target.is_empty()).count()
+    };
+    // The plain server is reached only through the TLS front.
+    assert!(served() > 0);
     {
         let seen = server.seen.lock().unwrap();
-        assert!(
-            !seen.is_empty() && seen.iter().all(|(_, ok)| *ok),
-            "{seen:?}"
-        );
+        assert!(seen.iter().all(|(t, ok)| *ok || t.is_empty()), "{seen:?}");
     }
     // A rotated token, wrong: Stale, nothing changes; read again at each
     // fetch, so the right one brings the source back without a restart.
@@ -839,6 +896,37 @@ fn a_token_over_http_is_sent_and_a_wrong_one_leaves_the_source_stale() {
         s["state"] == "Ready" && s["appliedCommit"]["id"] == second.as_str()
     });
     assert!(exists("http-a") && exists("http-b"));
+
+    // The server's certificate no longer chains to the trusted CA (the
+    // file now holds another one): no request reaches the server, so the
+    // token is not sent; Stale, nothing changes. The CA back, the commit
+    // that waited applies, without a restart.
+    std::fs::copy(other.ca(), &trusted).unwrap();
+    let third = remote.commit(&[("c.yaml", Some(&disk_text("http-c")))], "c");
+    let s = wait_source(&d, "git", "Stale with an untrusted certificate", |s| {
+        s["state"] == "Stale"
+    });
+    let reason = s["reason"].as_str().unwrap();
+    assert!(reason.contains("certificate"), "{reason}");
+    assert_eq!(s["appliedCommit"]["id"], second.as_str(), "{s:#}");
+    // Fetches run one at a time: every one begun since this Stale reads
+    // the new file, and two intervals give at least one more.
+    let syncs = |s: Value| s["syncs"].as_u64().unwrap();
+    let (before, fetches) = (served(), syncs(source(&d, "git")));
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(syncs(source(&d, "git")) > fetches, "no fetch ran meanwhile");
+    assert_eq!(
+        served(),
+        before,
+        "a request passed an untrusted certificate"
+    );
+    assert!(exists("http-b") && !exists("http-c"));
+    std::fs::copy(ca.ca(), &trusted).unwrap();
+    wait_source(&d, "git", "the third commit applied", |s| {
+        s["state"] == "Ready" && s["appliedCommit"]["id"] == third.as_str()
+    });
+    assert!(exists("http-c"));
+    drop(front);
 }
 
 #[test]

@@ -374,13 +374,13 @@ impl GitSource {
                 repo::redact_userinfo(&c.url)
             ))
         })?;
-        let Some(commit) = repo.commit_of(FETCHED).await.map_err(stale)? else {
+        let Some(info) = repo.describe(FETCHED).await.map_err(stale)? else {
             return Err(stale(format!(
                 "the fetch of {} gave no commit",
                 c.reference
             )));
         };
-        let info = repo.describe(&commit).await.map_err(stale)?;
+        let commit = info.id.clone();
         if c.signers.is_set() {
             match repo.verify(&commit, &c.signers).await.map_err(stale)? {
                 Ok(_) => {}

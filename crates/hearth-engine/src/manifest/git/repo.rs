@@ -91,6 +91,9 @@ pub struct Auth {
     pub token_file: Option<PathBuf>,
     pub ssh_key: Option<PathBuf>,
     pub known_hosts: Option<PathBuf>,
+    /// https: the CAs (PEM) a server's certificate must chain to, in place
+    /// of the system's bundle (a self-hosted server with a private CA).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Auth {
@@ -98,7 +101,7 @@ impl Auth {
     /// root reads another root process's), never on a command line.
     fn env(&self) -> Result<Vec<(String, String)>, GitError> {
         use base64::Engine as _;
-        let mut env = Vec::new();
+        let mut config: Vec<(&str, String)> = Vec::new();
         if let Some(file) = &self.token_file {
             let token = std::fs::read_to_string(file).map_err(|source| GitError::Cache {
                 path: file.clone(),
@@ -107,12 +110,16 @@ impl Auth {
             let user = self.username.as_deref().unwrap_or("git");
             let basic = base64::engine::general_purpose::STANDARD
                 .encode(format!("{user}:{}", token.trim()));
-            env.push(("GIT_CONFIG_COUNT".into(), "1".into()));
-            env.push(("GIT_CONFIG_KEY_0".into(), "http.extraHeader".into()));
-            env.push((
-                "GIT_CONFIG_VALUE_0".into(),
-                format!("Authorization: Basic {basic}"),
-            ));
+            config.push(("http.extraHeader", format!("Authorization: Basic {basic}")));
+        }
+        if let Some(ca) = &self.ca_file {
+            // Read by git at each fetch: a renewed CA needs no restart.
+            config.push(("http.sslCAInfo", ca.display().to_string()));
+        }
+        let mut env = vec![("GIT_CONFIG_COUNT".to_string(), config.len().to_string())];
+        for (i, (key, value)) in config.into_iter().enumerate() {
+            env.push((format!("GIT_CONFIG_KEY_{i}"), key.to_string()));
+            env.push((format!("GIT_CONFIG_VALUE_{i}"), value));
         }
         let quote = |p: &Path| format!("'{}'", p.display().to_string().replace('\'', "'\\''"));
         let mut ssh = String::from("ssh -o BatchMode=yes -o StrictHostKeyChecking=yes");
@@ -149,6 +156,9 @@ fn base_command(dir: &Path) -> Result<tokio::process::Command, GitError> {
         .args(["-c", "fetch.fsckObjects=true"])
         .args(["-c", "core.hooksPath=/dev/null"])
         .args(["-c", "gc.auto=0"])
+        // Nor a `git maintenance` run after each fetch: the cache is small
+        // and hearthd's own.
+        .args(["-c", "maintenance.auto=false"])
         .args(["-c", "protocol.file.allow=always"])
         .args(["-c", "http.lowSpeedLimit=1", "-c", "http.lowSpeedTime=30"]);
     // A git run outlives no hearthd: killed when the daemon dies, even by
@@ -375,25 +385,48 @@ impl Repo {
         .await
     }
 
-    /// The author, date and subject of `commit`, for the API.
-    pub async fn describe(&self, commit: &str) -> Result<CommitInfo, GitError> {
+    /// The commit `reference` (a ref of the cache) names, with its
+    /// author, date and subject for the API; None when the ref does not
+    /// name a commit. One `git log` in the usual case.
+    pub async fn describe(&self, reference: &str) -> Result<Option<CommitInfo>, GitError> {
         let out = self
-            .ok(
+            .run(
                 "log",
-                &["log", "-1", "--format=%an%x00%cI%x00%s", commit],
+                &[
+                    "log",
+                    "-1",
+                    "--format=%H%x00%an%x00%cI%x00%s",
+                    &format!("{reference}^{{commit}}"),
+                    "--",
+                ],
                 None,
                 QUICK,
                 MAX_SMALL_OUTPUT,
             )
             .await?;
-        let text = String::from_utf8_lossy(&out);
-        let mut f = text.trim_end_matches('\n').splitn(3, '\0');
-        Ok(CommitInfo {
-            id: commit.to_string(),
+        if !out.status.success() {
+            // A missing ref, or a failure to say as it is.
+            return match self.commit_of(reference).await? {
+                None => Ok(None),
+                Some(_) => Err(GitError::Failed {
+                    what: "log".into(),
+                    status: out.status,
+                    said: said(&out.stderr),
+                }),
+            };
+        }
+        let text = String::from_utf8_lossy(&out.stdout);
+        let mut f = text.trim_end_matches('\n').splitn(4, '\0');
+        let id = f.next().unwrap_or("").to_string();
+        if !is_commit_id(&id) {
+            return Ok(None);
+        }
+        Ok(Some(CommitInfo {
+            id,
             author: f.next().unwrap_or("").to_string(),
             date: f.next().unwrap_or("").to_string(),
             subject: f.next().unwrap_or("").chars().take(200).collect(),
-        })
+        }))
     }
 
     /// Whether `commit` carries a signature by an allowed key: an ssh
@@ -577,6 +610,7 @@ pub fn redact_userinfo(text: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::HashMap;
 
     #[test]
     fn commit_ids_and_redaction() {
@@ -587,5 +621,78 @@ mod tests {
             redact_userinfo("fatal: https://bob:tok@h:1/r.git not found; http://h/x"),
             "fatal: https://***@h:1/r.git not found; http://h/x"
         );
+    }
+
+    #[test]
+    fn a_token_and_a_ca_file_are_git_settings_in_the_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, "tok\n").unwrap();
+        let auth = Auth {
+            username: Some("deploy".into()),
+            token_file: Some(token),
+            ca_file: Some("/etc/ca.pem".into()),
+            ..Auth::default()
+        };
+        let env: HashMap<String, String> = auth.env().unwrap().into_iter().collect();
+        assert_eq!(env["GIT_CONFIG_COUNT"], "2");
+        assert_eq!(env["GIT_CONFIG_KEY_0"], "http.extraHeader");
+        // base64("deploy:tok")
+        assert_eq!(
+            env["GIT_CONFIG_VALUE_0"],
+            "Authorization: Basic ZGVwbG95OnRvaw=="
+        );
+        assert_eq!(env["GIT_CONFIG_KEY_1"], "http.sslCAInfo");
+        assert_eq!(env["GIT_CONFIG_VALUE_1"], "/etc/ca.pem");
+        let none: HashMap<String, String> = Auth::default().env().unwrap().into_iter().collect();
+        assert_eq!(none["GIT_CONFIG_COUNT"], "0");
+        assert!(!none.contains_key("GIT_CONFIG_KEY_0"));
+    }
+
+    /// Through the real `git`: a ref's commit with its author, date and
+    /// subject in one run, and None for a ref that does not exist.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn describe_names_a_refs_commit_or_none() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("work");
+        let git = |args: &[&str]| {
+            let out = std::process::Command::new("git")
+                .arg("-C")
+                .arg(&work)
+                .args([
+                    "-c",
+                    "user.name=Ann Example",
+                    "-c",
+                    "user.email=ann@example.org",
+                ])
+                .args(args)
+                .env("GIT_COMMITTER_DATE", "2026-12-07T10:11:12+01:00")
+                .output()
+                .expect("git (apt-get install git)");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8(out.stdout).unwrap().trim().to_string()
+        };
+        std::fs::create_dir_all(&work).unwrap();
+        git(&["init", "-q", "-b", "main"]);
+        std::fs::write(work.join("a.yaml"), "x: 1\n").unwrap();
+        git(&["add", "a.yaml"]);
+        git(&["commit", "-q", "-m", "first line\n\nbody"]);
+        let id = git(&["rev-parse", "HEAD"]);
+        let cache = Repo::open(&dir.path().join("cache.git")).await.unwrap();
+        let url = format!("file://{}", work.display());
+        cache
+            .fetch(&url, "main", &Auth::default(), QUICK)
+            .await
+            .unwrap();
+        let info = cache.describe(FETCHED).await.unwrap().expect("a commit");
+        assert_eq!(info.id, id);
+        assert_eq!(info.author, "Ann Example");
+        assert_eq!(info.date, "2026-12-07T10:11:12+01:00");
+        assert_eq!(info.subject, "first line");
+        assert_eq!(cache.describe(APPLIED).await.unwrap(), None);
     }
 }
