@@ -155,6 +155,10 @@ pub enum EventType {
     Warning,
 }
 
+/// The `kind` of an event about a source of manifests (a git
+/// repository), named by the source's name: sources are not objects.
+pub const SOURCE_EVENT_KIND: &str = "Source";
+
 /// Something that happened to an object, kept in the store for `describe`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

@@ -188,6 +188,19 @@ impl Context {
         }
     }
 
+    /// An event about a source of manifests (a git repository's Stale,
+    /// Unverified, HistoryRewritten): in `hearth events` beside the
+    /// objects'.
+    pub fn source_event(&self, source: &str, type_: EventType, reason: &str, message: &str) {
+        tracing::info!(source, reason, "{message}");
+        if let Err(e) = self
+            .store
+            .record_source_event(source, type_, reason, message)
+        {
+            tracing::warn!(error = %e, "cannot record event");
+        }
+    }
+
     pub fn set_vm_status(&self, name: &str, f: impl FnOnce(&mut VirtualMachineStatus)) {
         if let Err(e) = self.store.update_status(Kind::VirtualMachine, name, f) {
             tracing::warn!(vm = name, error = %e, "cannot write status");

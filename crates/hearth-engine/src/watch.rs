@@ -25,8 +25,11 @@ const PAGE: usize = 256;
 /// What a stream shows.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Filter {
-    /// Only these kinds; every kind when empty.
+    /// Only these kinds; every kind (and the sources' events) when empty
+    /// and `sources` is false.
     pub kinds: Vec<Kind>,
+    /// The events of sources of manifests (kind `Source`), beside `kinds`.
+    pub sources: bool,
     /// Only objects (and events about objects) of this name.
     pub name: Option<String>,
     /// Object changes (ADDED, MODIFIED, DELETED).
@@ -44,8 +47,11 @@ impl Filter {
             // Not changes of an object: never read from the log.
             WatchType::Bookmark | WatchType::Relist | WatchType::Unknown => false,
         };
+        let every = self.kinds.is_empty() && !self.sources;
         wanted
-            && (self.kinds.is_empty() || self.kinds.iter().any(|k| k.as_str() == kind))
+            && (every
+                || self.kinds.iter().any(|k| k.as_str() == kind)
+                || (self.sources && kind == hearth_api::SOURCE_EVENT_KIND))
             && self.name.as_deref().is_none_or(|n| n == name)
     }
 }
@@ -140,6 +146,7 @@ impl Watch {
         };
         let snap = self.store.watch_snapshot(
             &self.filter.kinds,
+            self.filter.sources,
             self.filter.name.as_deref(),
             self.filter.objects,
             events,
@@ -309,8 +316,8 @@ mod tests {
         let vm_web_events = Filter {
             kinds: vec![Kind::VirtualMachine],
             name: Some("web".into()),
-            objects: false,
             events: true,
+            ..Filter::default()
         };
         assert!(vm_web_events.matches("VirtualMachine", "web", WatchType::Event));
         assert!(!vm_web_events.matches("VirtualMachine", "web", WatchType::Modified));
@@ -324,6 +331,17 @@ mod tests {
         assert!(disks_and_vms.matches("VirtualMachine", "x", WatchType::Deleted));
         assert!(!disks_and_vms.matches("VirtualImage", "x", WatchType::Added));
         assert!(!disks_and_vms.matches("VirtualDisk", "x", WatchType::Event));
+        assert!(!disks_and_vms.matches("Source", "git", WatchType::Event));
+        assert!(all.matches("Source", "git", WatchType::Event));
+        let sources = Filter {
+            sources: true,
+            name: Some("git".into()),
+            events: true,
+            ..Filter::default()
+        };
+        assert!(sources.matches("Source", "git", WatchType::Event));
+        assert!(!sources.matches("Source", "lab", WatchType::Event));
+        assert!(!sources.matches("VirtualDisk", "git", WatchType::Event));
     }
 
     fn disk(name: &str) -> Object {

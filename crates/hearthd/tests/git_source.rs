@@ -208,6 +208,33 @@ fn a_vm_follows_its_branch_over_git_daemon_and_a_broken_remote_deletes_nothing()
     let events = s["events"].to_string();
     assert!(events.contains("HistoryRewritten"), "{s:#}");
     let pid = running_with(&d, "ga", 1);
+    // The source's events are in the daemon's event log too, apart from
+    // any object's: each reason of this test so far, in order.
+    let logged: Vec<Value> = d
+        .cli_ok(&["events", "--for", "source/lab", "-o", "json"])
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let reasons: Vec<&str> = logged
+        .iter()
+        .map(|e| e["reason"].as_str().unwrap())
+        .collect();
+    assert!(
+        logged
+            .iter()
+            .all(|e| e["kind"] == "Source" && e["name"] == "lab"),
+        "{logged:?}"
+    );
+    let at = |r: &str| reasons.iter().position(|x| *x == r);
+    assert!(
+        at("Stale").is_some() && at("Stale") < at("HistoryRewritten"),
+        "{reasons:?}"
+    );
+    let table = d.cli_ok(&["events"]);
+    assert!(
+        table.contains("source/lab") && table.contains("HistoryRewritten"),
+        "{table}"
+    );
 
     // A file moved to another folder: the same object, not restarted.
     std::fs::create_dir_all(remote.work.join("vms/team")).unwrap();

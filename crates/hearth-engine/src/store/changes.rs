@@ -208,12 +208,14 @@ impl Store {
         })
     }
 
-    /// The objects of `kinds` (all kinds when empty; only `name` when
-    /// given; none when `!objects`) and the newest `events` events about
-    /// them, at one sequence number.
+    /// The objects of `kinds` (all kinds when empty and `!sources`; only
+    /// `name` when given; none when `!objects`) and the newest `events`
+    /// events about them (and about sources of manifests with `sources`,
+    /// or when nothing is named), at one sequence number.
     pub fn watch_snapshot(
         &self,
         kinds: &[Kind],
+        sources: bool,
         name: Option<&str>,
         objects: bool,
         events: usize,
@@ -221,7 +223,8 @@ impl Store {
         let conn = self.conn();
         let head = head_of(&conn)?;
         let all = Kind::ALL;
-        let kinds = if kinds.is_empty() { &all[..] } else { kinds };
+        let every = kinds.is_empty() && !sources;
+        let kinds = if every { &all[..] } else { kinds };
         let mut found = Vec::new();
         if objects {
             for kind in kinds {
@@ -233,9 +236,12 @@ impl Store {
         }
         let mut recent = Vec::new();
         if events > 0 {
-            let kind_list = (kinds.len() < all.len()).then(|| {
-                serde_json::Value::from(kinds.iter().map(|k| k.as_str()).collect::<Vec<_>>())
-                    .to_string()
+            let kind_list = (!every).then(|| {
+                let mut names: Vec<&str> = kinds.iter().map(|k| k.as_str()).collect();
+                if sources {
+                    names.push(hearth_api::SOURCE_EVENT_KIND);
+                }
+                serde_json::Value::from(names).to_string()
             });
             // With a name, the events of each object's current life only
             // (as `Store::events`).
@@ -471,6 +477,47 @@ mod tests {
     }
 
     #[test]
+    fn a_sources_events_are_in_the_log_and_picked_by_the_sources_filter() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(&dir.path().join("db")).unwrap();
+        s.put_objects(&[disk("git", "1Gi")]).unwrap();
+        s.record_event(
+            Kind::VirtualDisk,
+            "git",
+            EventType::Normal,
+            "Created",
+            "disk",
+        )
+        .unwrap();
+        s.record_source_event("git", EventType::Warning, "Stale", "fetching main: refused")
+            .unwrap();
+        let page = s.changes_after(0, 10).unwrap();
+        assert_eq!(page.changes.last().unwrap().kind, "Source");
+        let messages = |snap: WatchSnapshot| -> Vec<String> {
+            snap.events
+                .into_iter()
+                .map(|(_, e)| format!("{}/{}", e.kind, e.message))
+                .collect()
+        };
+        // Everything: the object's event and the source's.
+        let all = s.watch_snapshot(&[], false, None, false, 10).unwrap();
+        assert_eq!(
+            messages(all),
+            ["VirtualDisk/disk", "Source/fetching main: refused"]
+        );
+        // The sources alone, by name: not the disk of the same name.
+        let sources = s.watch_snapshot(&[], true, Some("git"), true, 10).unwrap();
+        assert!(sources.objects.is_empty());
+        assert_eq!(messages(sources), ["Source/fetching main: refused"]);
+        // A kind alone: not the sources'.
+        let disks = s
+            .watch_snapshot(&[Kind::VirtualDisk], false, Some("git"), false, 10)
+            .unwrap();
+        assert_eq!(messages(disks), ["VirtualDisk/disk"]);
+        assert_eq!(s.events(None, Some("git"), 10).unwrap().len(), 2);
+    }
+
+    #[test]
     fn a_snapshot_is_the_state_at_its_seq_with_the_newest_events() {
         let dir = tempfile::tempdir().unwrap();
         let s = Store::open(&dir.path().join("db")).unwrap();
@@ -489,7 +536,7 @@ mod tests {
         s.record_event(Kind::VirtualMachine, "a", EventType::Warning, "R", "vm")
             .unwrap();
         let snap = s
-            .watch_snapshot(&[Kind::VirtualDisk], None, true, 2)
+            .watch_snapshot(&[Kind::VirtualDisk], false, None, true, 2)
             .unwrap();
         assert_eq!(snap.head, 7);
         assert_eq!(snap.objects.len(), 2);
@@ -499,12 +546,12 @@ mod tests {
             .map(|(seq, e)| (*seq, e.message.as_str()))
             .collect();
         assert_eq!(events, vec![(Some(5), "2"), (Some(6), "3")]);
-        let snap = s.watch_snapshot(&[], Some("a"), false, 10).unwrap();
+        let snap = s.watch_snapshot(&[], false, Some("a"), false, 10).unwrap();
         assert!(snap.objects.is_empty());
         assert_eq!(snap.events.len(), 5);
         assert_eq!(snap.events[4].1.message, "vm");
         let snap = s
-            .watch_snapshot(&[Kind::VirtualDisk], Some("b"), true, 10)
+            .watch_snapshot(&[Kind::VirtualDisk], false, Some("b"), true, 10)
             .unwrap();
         assert_eq!(snap.objects.len(), 1);
         assert!(snap.events.is_empty());
@@ -561,7 +608,7 @@ INSERT INTO events (time, kind, name, type, reason, message)
             ]
         );
         // The old event is still there, without a seq; the new one has its own.
-        let snap = s.watch_snapshot(&[], None, false, 10).unwrap();
+        let snap = s.watch_snapshot(&[], false, None, false, 10).unwrap();
         let seqs: Vec<Option<u64>> = snap.events.iter().map(|(seq, _)| *seq).collect();
         assert_eq!(seqs, vec![None, Some(1)]);
         assert_eq!(s.events(None, None, 10).unwrap()[0].message, "before");

@@ -35,6 +35,41 @@ impl Store {
         reason: &str,
         message: &str,
     ) -> Result<(), StoreError> {
+        Self::record_tx(tx, time, kind.as_str(), name, type_, reason, message)
+    }
+
+    /// An event about a source of manifests (kind
+    /// [`hearth_api::SOURCE_EVENT_KIND`]), kept and bounded as an
+    /// object's are, and in the change stream.
+    pub fn record_source_event(
+        &self,
+        source: &str,
+        type_: EventType,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), StoreError> {
+        self.with_tx(|tx| {
+            Self::record_tx(
+                tx,
+                Utc::now(),
+                hearth_api::SOURCE_EVENT_KIND,
+                source,
+                type_,
+                reason,
+                message,
+            )
+        })
+    }
+
+    fn record_tx(
+        tx: &rusqlite::Transaction<'_>,
+        time: DateTime<Utc>,
+        kind: &str,
+        name: &str,
+        type_: EventType,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), StoreError> {
         let type_text = match type_ {
             EventType::Normal => "Normal",
             EventType::Warning => "Warning",
@@ -43,7 +78,7 @@ impl Store {
         let message = &*hearth_api::redact::redact_credentials(message);
         let event = Event {
             time,
-            kind: kind.as_str().to_string(),
+            kind: kind.to_string(),
             name: name.to_string(),
             type_,
             reason: reason.to_string(),
@@ -58,7 +93,7 @@ impl Store {
             ),
             params![
                 event.time.to_rfc3339(),
-                kind.as_str(),
+                kind,
                 name,
                 type_text,
                 reason,
@@ -69,7 +104,7 @@ impl Store {
         tx.execute(
             "DELETE FROM events WHERE kind = ?1 AND name = ?2 AND id <= (
                 SELECT id FROM events WHERE kind = ?1 AND name = ?2 ORDER BY id DESC LIMIT 1 OFFSET ?3)",
-            params![kind.as_str(), name, EVENTS_PER_OBJECT],
+            params![kind, name, EVENTS_PER_OBJECT],
         )?;
         Ok(())
     }

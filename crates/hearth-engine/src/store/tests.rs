@@ -57,7 +57,7 @@ fn events_belong_to_the_life_of_their_object() {
     );
     // The watch's initial list agrees.
     let snap = s
-        .watch_snapshot(&[Kind::VirtualDisk], Some("d"), false, 100)
+        .watch_snapshot(&[Kind::VirtualDisk], false, Some("d"), false, 100)
         .unwrap();
     let got: Vec<&str> = snap.events.iter().map(|(_, e)| e.reason.as_str()).collect();
     assert_eq!(got, ["Created"]);

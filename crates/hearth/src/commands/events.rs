@@ -25,10 +25,12 @@ pub enum Format {
     Json,
 }
 
-/// `--for vm/demo`, or `--for vm` for every VM.
+/// `--for vm/demo`, or `--for vm` for every VM; `--for source/NAME` for a
+/// source of manifests (a git repository).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Subject {
-    pub kind: Kind,
+    /// None: the sources of manifests, which are not objects.
+    pub kind: Option<Kind>,
     pub name: Option<String>,
 }
 
@@ -37,7 +39,10 @@ pub fn parse_subject(s: &str) -> Result<Subject, String> {
         Some((k, n)) => (k, Some(n)),
         None => (s, None),
     };
-    let kind = super::parse_kind(kind)?;
+    let kind = match kind {
+        "source" | "sources" => None,
+        k => Some(super::parse_kind(k)?),
+    };
     let name = name.map(super::parse_name).transpose()?;
     Ok(Subject { kind, name })
 }
@@ -57,6 +62,7 @@ Examples:
   hearth events
   hearth events --for vm/demo
   hearth events -w --for snapshot
+  hearth events --for source/prod
   hearth events -w -o json"
 )]
 pub struct Args {
@@ -64,7 +70,8 @@ pub struct Args {
     #[arg(short = 'w', long)]
     pub watch: bool,
     /// Only events about this object (vm/demo, disk/data, snapshot/s1), or
-    /// about every object of a kind (vm).
+    /// about every object of a kind (vm); source/NAME for a git source's
+    /// own (Stale, Unverified, HistoryRewritten, FileIgnored).
     #[arg(long = "for", value_name = "KIND[/NAME]", value_parser = parse_subject)]
     pub subject: Option<Subject>,
     /// Output format.
@@ -89,7 +96,8 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
 pub fn path_of(args: &Args) -> String {
     let mut path = format!("/v1/watch?objects=false&events=true&limit={}", args.limit);
     if let Some(s) = &args.subject {
-        path.push_str(&format!("&kinds={}", s.kind.plural()));
+        let kinds = s.kind.map_or("sources", |k| k.plural());
+        path.push_str(&format!("&kinds={kinds}"));
         if let Some(name) = &s.name {
             path.push_str(&format!("&name={name}"));
         }
@@ -217,15 +225,22 @@ mod tests {
         assert_eq!(
             parse_subject("vm/demo"),
             Ok(Subject {
-                kind: Kind::VirtualMachine,
+                kind: Some(Kind::VirtualMachine),
                 name: Some("demo".into())
             })
         );
         assert_eq!(
             parse_subject("snapshots"),
             Ok(Subject {
-                kind: Kind::VirtualDiskSnapshot,
+                kind: Some(Kind::VirtualDiskSnapshot),
                 name: None
+            })
+        );
+        assert_eq!(
+            parse_subject("source/prod"),
+            Ok(Subject {
+                kind: None,
+                name: Some("prod".into())
             })
         );
         assert!(parse_subject("pod/x").is_err());
@@ -240,6 +255,14 @@ mod tests {
         assert_eq!(
             path_of(&args),
             "/v1/watch?objects=false&events=true&limit=20&kinds=virtualmachines&name=demo"
+        );
+        let args = Args {
+            subject: parse_subject("source/prod").ok(),
+            ..args
+        };
+        assert_eq!(
+            path_of(&args),
+            "/v1/watch?objects=false&events=true&limit=20&kinds=sources&name=prod"
         );
     }
 

@@ -548,7 +548,7 @@ fn agent_file_get() {}
     summary = "The change stream",
     description = "JSON lines (`application/x-ndjson`), one per change: `{seq, type: ADDED|MODIFIED|DELETED|EVENT|BOOKMARK|RELIST, kind, name, object|event}`, resumable with `since`. See docs/http-api.md, Watching.",
     params(
-        ("kinds" = Option<String>, Query, description = "Comma-separated kinds (plurals, kind names or short names); every kind when left out"),
+        ("kinds" = Option<String>, Query, description = "Comma-separated kinds (plurals, kind names or short names), and `sources` for the events of sources of manifests (git repositories); every kind and the sources when left out"),
         ("name" = Option<String>, Query, description = "Only this object"),
         ("since" = Option<u64>, Query, description = "Go on after this sequence number"),
         ("objects" = Option<bool>, Query, description = "Object changes (default true)"),

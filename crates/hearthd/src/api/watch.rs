@@ -58,15 +58,22 @@ pub async fn watch(
     ApiQuery(q): ApiQuery<WatchQuery>,
 ) -> Result<Response, ApiError> {
     let mut kinds = Vec::new();
+    let mut sources = false;
     for word in q.kinds.iter().flat_map(|k| k.split(',')) {
         let word = word.trim();
         if word.is_empty() {
             continue;
         }
+        if matches!(word, "sources" | "source" | "Source") {
+            // The events of sources of manifests (they are not objects).
+            sources = true;
+            continue;
+        }
         let kind = Kind::from_user(word).ok_or_else(|| {
             bad(format!(
                 "query parameter kinds: unknown kind {word:?} (use virtualmachines, virtualdisks, \
-                 virtualimages, virtualnetworks, virtualdisksnapshots or virtualmachinesnapshots)"
+                 virtualimages, virtualnetworks, virtualdisksnapshots, virtualmachinesnapshots, \
+                 or sources for the events of sources of manifests)"
             ))
         })?;
         if !kinds.contains(&kind) {
@@ -75,6 +82,7 @@ pub async fn watch(
     }
     let filter = Filter {
         kinds,
+        sources,
         name: checked_name(q.name)?,
         objects: q.objects.unwrap_or(true),
         events: q.events.unwrap_or(false),
@@ -106,6 +114,7 @@ pub async fn list_or_watch(
     let kind = super::kind_of(&plural)?;
     let filter = Filter {
         kinds: vec![kind],
+        sources: false,
         name: checked_name(q.name)?,
         objects: true,
         events: false,

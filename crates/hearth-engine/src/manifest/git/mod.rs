@@ -276,8 +276,15 @@ impl GitSource {
         })
     }
 
-    fn event(st: &mut State, name: &str, reason: &str, message: String) {
-        tracing::warn!(source = name, reason, "{message}");
+    /// Kept in the source's view and recorded as an event of the source
+    /// (`hearth events`): each says what is wrong or unusual.
+    fn event(&self, st: &mut State, reason: &str, message: String) {
+        self.applier.engine.ctx().source_event(
+            &self.config.name,
+            hearth_api::EventType::Warning,
+            reason,
+            &message,
+        );
         st.events.push_back(SourceEvent {
             at: Utc::now(),
             reason: reason.to_string(),
@@ -299,7 +306,7 @@ impl GitSource {
                 .map(|c| format!("; the last good commit {} stands", short(&c.id)))
                 .unwrap_or_else(|| "; nothing was applied yet".into());
             let tag = format!("{state:?}");
-            Self::event(&mut st, &self.config.name, &tag, format!("{reason}{last}"));
+            self.event(&mut st, &tag, format!("{reason}{last}"));
         }
         st.state = state;
         st.reason = Some(reason);
@@ -516,9 +523,8 @@ impl GitSource {
         let stored = resync_due.then(|| owned_objects(&self.applier.engine, &self.applier.owner));
         let mut st = self.lock();
         if let Some(old) = rewritten {
-            Self::event(
+            self.event(
                 &mut st,
-                &self.config.name,
                 "HistoryRewritten",
                 format!(
                     "the history was rewritten: {} is not a descendant of the last applied commit {}; following it",
@@ -529,12 +535,7 @@ impl GitSource {
         }
         for (path, why) in &ignored {
             if !st.ignored.iter().any(|(p, w)| p == path && w == why) {
-                Self::event(
-                    &mut st,
-                    &self.config.name,
-                    "FileIgnored",
-                    format!("{path}: {why}"),
-                );
+                self.event(&mut st, "FileIgnored", format!("{path}: {why}"));
             }
         }
         if let Some(stored) = stored {
