@@ -568,24 +568,7 @@ impl TokenServer {
     fn start(dir: &Path) -> TokenServer {
         let key = dir.join("token.key");
         let pem = dir.join("token.pem");
-        tool(
-            "openssl",
-            &[
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-days",
-                "1",
-                "-subj",
-                "/CN=hearth token signer",
-                "-keyout",
-                s(&key),
-                "-out",
-                s(&pem),
-            ],
-        );
+        crate::tls::self_signed("hearth token signer", &key, &pem);
         let der = dir.join("token.der");
         tool(
             "openssl",

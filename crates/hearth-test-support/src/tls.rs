@@ -20,6 +20,26 @@ fn openssl(args: &[&str]) {
     );
 }
 
+/// A new RSA key at `key` and a certificate for it, signed by itself,
+/// named `CN=<name>`, at `pem`: a CA, or a token signer.
+pub fn self_signed(name: &str, key: &Path, pem: &Path) {
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "1",
+        "-subj",
+        &format!("/CN={name}"),
+        "-keyout",
+        key.to_str().expect("utf-8 path"),
+        "-out",
+        pem.to_str().expect("utf-8 path"),
+    ]);
+}
+
 /// `ca.pem`, `server.pem` and `server.key` in a folder.
 pub struct TestCa {
     dir: PathBuf,
@@ -31,21 +51,7 @@ impl TestCa {
     pub fn new(dir: &Path, name: &str) -> TestCa {
         fs::create_dir_all(dir).expect("mkdir");
         let p = |n: &str| dir.join(n).to_str().expect("utf-8 path").to_string();
-        openssl(&[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            &format!("/CN={name}"),
-            "-keyout",
-            &p("ca.key"),
-            "-out",
-            &p("ca.pem"),
-        ]);
+        self_signed(name, &dir.join("ca.key"), &dir.join("ca.pem"));
         openssl(&[
             "req",
             "-newkey",
