@@ -627,6 +627,15 @@ impl Core {
         out
     }
 
+    /// Whether any object has a problem (the view's `problems` is not
+    /// empty), without building the view: a git source asks at every
+    /// commit, and the view copies every file's declarations.
+    pub fn has_problems(&self) -> bool {
+        !self.scan_problems.is_empty()
+            || self.apply_failures.values().any(|f| !f.batch.is_empty())
+            || !self.delete_failures.is_empty()
+    }
+
     /// When the shell must scan again even if nothing changes: to confirm an
     /// absence, or to retry a refused call.
     pub fn next_wake(&self) -> Option<Instant> {

@@ -219,6 +219,9 @@ impl Engine {
                 if !self.objects.contains_key(key) {
                     return Outcome::NotFound;
                 }
+                if self.flaky_every > 0 && self.calls.is_multiple_of(self.flaky_every) {
+                    return Outcome::Refused("store busy".into());
+                }
                 self.deleting.insert(key.clone());
                 Outcome::Done
             }
@@ -321,6 +324,11 @@ impl Sim {
             self.core.done(self.now(), c, &outcome);
         }
         all.extend(self.core.reports());
+        assert_eq!(
+            self.core.has_problems(),
+            !self.core.view(self.now()).problems.is_empty(),
+            "has_problems disagrees with the view"
+        );
         self.history
             .push((self.now_ms, now_declared.keys().cloned().collect()));
         self.last_listing = Some(listing);

@@ -549,7 +549,7 @@ impl GitSource {
         st.applied = Some(info.clone());
         st.last_applied_at = Some(Utc::now());
         st.reason = None;
-        st.state = if st.core.view(std::time::Instant::now()).problems.is_empty() {
+        st.state = if !st.core.has_problems() {
             SourceState::Ready
         } else {
             SourceState::Conflict
@@ -569,7 +569,7 @@ impl GitSource {
         if let Some(listing) = st.listing.clone() {
             self.run_core(&mut st, listing);
             if !matches!(st.state, SourceState::Stale | SourceState::Unverified) {
-                st.state = if st.core.view(std::time::Instant::now()).problems.is_empty() {
+                st.state = if !st.core.has_problems() {
                     SourceState::Ready
                 } else {
                     SourceState::Conflict
