@@ -192,7 +192,10 @@ impl Context {
     /// Unverified, HistoryRewritten): in `hearth events` beside the
     /// objects'.
     pub fn source_event(&self, source: &str, type_: EventType, reason: &str, message: &str) {
-        tracing::info!(source, reason, "{message}");
+        match type_ {
+            EventType::Warning => tracing::warn!(source, reason, "{message}"),
+            EventType::Normal => tracing::info!(source, reason, "{message}"),
+        }
         if let Err(e) = self
             .store
             .record_source_event(source, type_, reason, message)
