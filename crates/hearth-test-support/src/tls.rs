@@ -4,20 +4,9 @@
 
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-const INSTALL: &str = "apt-get install -y openssl (.ci/install-deps.sh does)";
 
 fn openssl(args: &[&str]) {
-    let out = Command::new("openssl")
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("openssl: {e}; {INSTALL}"));
-    assert!(
-        out.status.success(),
-        "openssl {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    crate::oci::tool("openssl", args);
 }
 
 /// A new RSA key at `key` and a certificate for it, signed by itself,
