@@ -138,8 +138,8 @@ impl Context {
     /// the process was started with, whatever the spec says now: a disk just
     /// removed from a spec is still written until the VM restarts), then
     /// those whose spec lists it.
-    /// SQLite finds them in the stored JSON: nothing is parsed for the VMs
-    /// that do not use it (every new disk asks).
+    /// Both by index (running QEMUs, the specs' disk claims): nothing is
+    /// read for the VMs that do not use it (every new disk asks).
     pub fn vms_using_disk(&self, disk: &str) -> Result<Vec<String>, StoreError> {
         let (running, listed) = self.store.with_tx(|tx| {
             let mut stmt = tx.prepare(
@@ -150,18 +150,7 @@ impl Context {
             let running = stmt
                 .query_map(rusqlite::params![disk], |r| r.get::<_, String>(0))?
                 .collect::<Result<Vec<_>, _>>()?;
-            let mut stmt = tx.prepare(
-                "SELECT name FROM objects WHERE kind = ?1 AND EXISTS (
-                     SELECT 1 FROM json_each(body, '$.spec.disks')
-                     WHERE json_extract(value, '$.virtualDiskName') = ?2)
-                 ORDER BY name",
-            )?;
-            let listed = stmt
-                .query_map(
-                    rusqlite::params![Kind::VirtualMachine.as_str(), disk],
-                    |r| r.get::<_, String>(0),
-                )?
-                .collect::<Result<Vec<_>, _>>()?;
+            let listed = Store::disk_claimants_tx(tx, disk)?;
             Ok((running, listed))
         })?;
         let mut vms = Vec::new();
@@ -207,6 +196,27 @@ impl Context {
     pub fn set_vm_status(&self, name: &str, f: impl FnOnce(&mut VirtualMachineStatus)) {
         if let Err(e) = self.store.update_status(Kind::VirtualMachine, name, f) {
             tracing::warn!(vm = name, error = %e, "cannot write status");
+        }
+    }
+
+    /// A VM's status and the event that explains it, in one transaction:
+    /// whoever sees the new phase also finds why.
+    pub fn set_vm_status_with_event(
+        &self,
+        name: &str,
+        f: impl FnOnce(&mut VirtualMachineStatus),
+        type_: EventType,
+        reason: &str,
+        message: &str,
+    ) {
+        tracing::info!(kind = "VirtualMachine", name, reason, "{message}");
+        let now = chrono::Utc::now();
+        let written = self.store.with_tx(|tx| {
+            Store::update_status_tx(tx, Kind::VirtualMachine, name, f)?;
+            Store::record_event_tx(tx, now, Kind::VirtualMachine, name, type_, reason, message)
+        });
+        if let Err(e) = written {
+            tracing::warn!(vm = name, error = %e, "cannot write status and event");
         }
     }
 

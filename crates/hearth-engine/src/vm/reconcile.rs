@@ -245,7 +245,7 @@ fn forget(
     } else {
         None
     };
-    ctx.set_vm_status(name, |s| {
+    let set_status = |s: &mut hearth_api::VirtualMachineStatus| {
         s.phase = if crashed {
             VmPhase::Failed
         } else {
@@ -256,7 +256,7 @@ fn forget(
         if last_error.is_some() {
             s.last_error = last_error.clone();
         }
-    });
+    };
     let (kind, reason, message) = match (by_us, shutdown) {
         (true, _) => (EventType::Normal, "Stopped", "QEMU has exited".to_string()),
         (false, true) => (
@@ -276,7 +276,7 @@ fn forget(
             last_error.clone().unwrap_or_default(),
         ),
     };
-    ctx.event(Kind::VirtualMachine, name, kind, reason, &message);
+    ctx.set_vm_status_with_event(name, set_status, kind, reason, &message);
     // Layers of its disks that could be merged only with no QEMU running
     // (docs/snapshots.md, "Compaction") are merged now, not at the next resync.
     for d in &record.disk_names {
