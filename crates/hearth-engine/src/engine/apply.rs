@@ -634,14 +634,21 @@ impl Engine {
             .filter(|o| o.kind() == Kind::VirtualMachine)
             .map(|o| o.name())
             .collect();
+        // The stored owners of the batch's disks only (an index kept with
+        // the VMs): an apply costs its own disks, not every VM's.
         let mut owner: HashMap<String, String> = HashMap::new();
-        for s in self.ctx.store.list(Kind::VirtualMachine)? {
-            if let Object::VirtualMachine(vm) = s.object {
-                if batch_vms.contains(vm.metadata.name.as_str()) {
-                    continue;
-                }
-                for d in vm.spec.disks {
-                    owner.insert(d.virtual_disk_name, vm.metadata.name.clone());
+        for o in &batch {
+            if let Object::VirtualMachine(vm) = o {
+                for d in &vm.spec.disks {
+                    if owner.contains_key(&d.virtual_disk_name) {
+                        continue;
+                    }
+                    let stored = self.ctx.store.disk_claimants(&d.virtual_disk_name)?;
+                    if let Some(other) =
+                        stored.into_iter().find(|v| !batch_vms.contains(v.as_str()))
+                    {
+                        owner.insert(d.virtual_disk_name.clone(), other);
+                    }
                 }
             }
         }

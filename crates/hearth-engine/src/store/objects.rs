@@ -30,7 +30,62 @@ impl StoredObject {
     }
 }
 
+/// Which VM names which disk, kept by triggers on `objects` in the
+/// transaction that writes the VM, so an apply checks a disk's one owner
+/// by its name instead of reading every VM. Rebuilt from the VMs at each
+/// open: a store of an older hearthd gets it, and it can never drift.
+const DISK_CLAIMS: &str = r#"
+CREATE TABLE IF NOT EXISTS disk_claims (
+    disk TEXT NOT NULL,
+    vm TEXT NOT NULL,
+    PRIMARY KEY (disk, vm)
+);
+DROP TRIGGER IF EXISTS disk_claims_added;
+DROP TRIGGER IF EXISTS disk_claims_modified;
+DROP TRIGGER IF EXISTS disk_claims_deleted;
+CREATE TRIGGER disk_claims_added AFTER INSERT ON objects
+WHEN NEW.kind = 'VirtualMachine' BEGIN
+    INSERT OR IGNORE INTO disk_claims (disk, vm)
+    SELECT json_extract(value, '$.virtualDiskName'), NEW.name
+    FROM json_each(NEW.body, '$.spec.disks');
+END;
+CREATE TRIGGER disk_claims_modified AFTER UPDATE OF body ON objects
+WHEN NEW.kind = 'VirtualMachine' AND OLD.body IS NOT NEW.body BEGIN
+    DELETE FROM disk_claims WHERE vm = OLD.name;
+    INSERT OR IGNORE INTO disk_claims (disk, vm)
+    SELECT json_extract(value, '$.virtualDiskName'), NEW.name
+    FROM json_each(NEW.body, '$.spec.disks');
+END;
+CREATE TRIGGER disk_claims_deleted AFTER DELETE ON objects
+WHEN OLD.kind = 'VirtualMachine' BEGIN
+    DELETE FROM disk_claims WHERE vm = OLD.name;
+END;
+DELETE FROM disk_claims;
+INSERT OR IGNORE INTO disk_claims (disk, vm)
+SELECT json_extract(j.value, '$.virtualDiskName'), o.name
+FROM objects o, json_each(o.body, '$.spec.disks') j
+WHERE o.kind = 'VirtualMachine';
+"#;
+
+pub(super) fn index_disk_claims(conn: &Connection) -> Result<(), StoreError> {
+    conn.execute_batch(&format!("BEGIN IMMEDIATE; {DISK_CLAIMS} COMMIT;"))?;
+    Ok(())
+}
+
 impl Store {
+    /// The VMs whose spec names the disk `disk`, by name.
+    pub fn disk_claimants(&self, disk: &str) -> Result<Vec<String>, StoreError> {
+        Self::disk_claimants_tx(&self.conn(), disk)
+    }
+
+    /// `disk_claimants` inside a caller's transaction.
+    pub fn disk_claimants_tx(conn: &Connection, disk: &str) -> Result<Vec<String>, StoreError> {
+        let mut stmt =
+            conn.prepare_cached("SELECT vm FROM disk_claims WHERE disk = ?1 ORDER BY vm")?;
+        let rows = stmt.query_map(params![disk], |r| r.get::<_, String>(0))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
     pub fn get(&self, kind: Kind, name: &str) -> Result<Option<StoredObject>, StoreError> {
         Self::get_tx(&self.conn(), kind, name)
     }

@@ -387,3 +387,56 @@ fn an_unchanged_status_is_not_written_again() {
         "a changed status is written"
     );
 }
+
+fn vm_with_disks(name: &str, disks: &[&str]) -> Object {
+    let list: String = disks
+        .iter()
+        .map(|d| format!("{{virtualDiskName: {d}}},"))
+        .collect();
+    parse_documents(
+        &format!("apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: {name}}}\nspec: {{cpus: 1, memory: 256Mi, disks: [{list}]}}\n"),
+        "t",
+    )
+    .unwrap()
+    .remove(0)
+}
+
+#[test]
+fn disk_claims_follow_every_vm_write_and_are_rebuilt_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let s = Store::open(&path).unwrap();
+    let claim = |s: &Store, d: &str| s.disk_claimants(d).unwrap();
+    s.put_objects(&[
+        vm_with_disks("a", &["root", "data"]),
+        vm_with_disks("b", &["data"]),
+        disk("root"),
+    ])
+    .unwrap();
+    assert_eq!(claim(&s, "root"), ["a"]);
+    assert_eq!(claim(&s, "data"), ["a", "b"]);
+    // A spec edit moves the claims; a status write keeps them.
+    s.put_objects(&[vm_with_disks("a", &["other"])]).unwrap();
+    s.update_status(
+        Kind::VirtualMachine,
+        "b",
+        |st: &mut VirtualMachineStatus| st.phase = VmPhase::Running,
+    )
+    .unwrap();
+    assert!(claim(&s, "root").is_empty());
+    assert_eq!(claim(&s, "data"), ["b"]);
+    assert_eq!(claim(&s, "other"), ["a"]);
+    s.remove(Kind::VirtualMachine, "b").unwrap();
+    assert!(claim(&s, "data").is_empty());
+    // A store whose index was lost (or written by a hearthd without it)
+    // gets it back from the VMs at the next open.
+    s.conn()
+        .execute_batch("DROP TRIGGER disk_claims_added; DELETE FROM disk_claims;")
+        .unwrap();
+    s.put_objects(&[vm_with_disks("c", &["data"])]).unwrap();
+    assert!(claim(&s, "data").is_empty());
+    drop(s);
+    let s = Store::open(&path).unwrap();
+    assert_eq!(claim(&s, "other"), ["a"]);
+    assert_eq!(claim(&s, "data"), ["c"]);
+}
