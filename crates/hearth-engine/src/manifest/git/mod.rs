@@ -426,7 +426,11 @@ impl GitSource {
             None => repo.commit_of(APPLIED).await.map_err(stale)?,
         };
         let rewritten = match &previous {
-            Some(p) if p != &commit => !repo.is_ancestor(p, &commit).await.unwrap_or(false),
+            // One commit on top of the applied one (the usual push) needs
+            // no `git merge-base`.
+            Some(p) if p != &commit => {
+                !info.parents.contains(p) && !repo.is_ancestor(p, &commit).await.unwrap_or(false)
+            }
             _ => false,
         };
         stats.fetch_us = fetch_started.elapsed().as_micros() as u64;

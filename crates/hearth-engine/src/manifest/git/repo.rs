@@ -395,7 +395,7 @@ impl Repo {
                 &[
                     "log",
                     "-1",
-                    "--format=%H%x00%an%x00%cI%x00%s",
+                    "--format=%H%x00%P%x00%an%x00%cI%x00%s",
                     &format!("{reference}^{{commit}}"),
                     "--",
                 ],
@@ -416,13 +416,21 @@ impl Repo {
             };
         }
         let text = String::from_utf8_lossy(&out.stdout);
-        let mut f = text.trim_end_matches('\n').splitn(4, '\0');
+        let mut f = text.trim_end_matches('\n').splitn(5, '\0');
         let id = f.next().unwrap_or("").to_string();
         if !is_commit_id(&id) {
             return Ok(None);
         }
+        let parents = f
+            .next()
+            .unwrap_or("")
+            .split(' ')
+            .filter(|p| is_commit_id(p))
+            .map(str::to_string)
+            .collect();
         Ok(Some(CommitInfo {
             id,
+            parents,
             author: f.next().unwrap_or("").to_string(),
             date: f.next().unwrap_or("").to_string(),
             subject: f.next().unwrap_or("").chars().take(200).collect(),
@@ -558,6 +566,10 @@ impl Repo {
 #[serde(rename_all = "camelCase")]
 pub struct CommitInfo {
     pub id: String,
+    /// Its parents' ids: a commit whose parent is the one applied is a
+    /// fast-forward without asking `git merge-base`.
+    #[serde(skip)]
+    pub parents: Vec<String>,
     pub author: String,
     pub date: String,
     pub subject: String,
@@ -693,6 +705,17 @@ mod tests {
         assert_eq!(info.author, "Ann Example");
         assert_eq!(info.date, "2026-12-07T10:11:12+01:00");
         assert_eq!(info.subject, "first line");
+        assert!(info.parents.is_empty());
         assert_eq!(cache.describe(APPLIED).await.unwrap(), None);
+        // The next commit names the first as its parent.
+        std::fs::write(work.join("a.yaml"), "x: 2\n").unwrap();
+        git(&["commit", "-q", "-am", "second"]);
+        cache
+            .fetch(&url, "main", &Auth::default(), QUICK)
+            .await
+            .unwrap();
+        let next = cache.describe(FETCHED).await.unwrap().expect("a commit");
+        assert_eq!(next.parents, [id]);
+        assert_eq!(next.subject, "second");
     }
 }
