@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
+use common::follow::Cli;
 use common::git::{PgpKey, Remote, git, git_wrapper};
 use common::*;
 use serde_json::Value;
@@ -200,7 +201,9 @@ fn a_vm_follows_its_branch_over_git_daemon_and_a_broken_remote_deletes_nothing()
     assert_eq!(s["appliedCommit"]["id"], second.as_str(), "{s:#}");
     unchanged_for(&d, "ga", pid, 2, Duration::from_secs(3));
 
-    // A force push back to the first commit: followed, and said.
+    // A force push back to the first commit: followed, and said, also to
+    // whoever follows the source's events.
+    let mut follower = Cli::spawn(&d, &["events", "-w", "-o", "json", "--for", "source/lab"]);
     remote.force_push(&first);
     let s = wait_source(&d, "lab", "the first commit again", |s| {
         s["appliedCommit"]["id"] == first.as_str() && s["state"] == "Ready"
@@ -235,6 +238,15 @@ fn a_vm_follows_its_branch_over_git_daemon_and_a_broken_remote_deletes_nothing()
         table.contains("source/lab") && table.contains("HistoryRewritten"),
         "{table}"
     );
+    let line = follower.line_with("the HistoryRewritten event", |l| {
+        l.contains("HistoryRewritten")
+    });
+    let e: Value = serde_json::from_str(&line).expect("a JSON line");
+    assert_eq!(
+        (e["kind"].as_str(), e["name"].as_str()),
+        (Some("Source"), Some("lab"))
+    );
+    follower.stop();
 
     // A file moved to another folder: the same object, not restarted.
     std::fs::create_dir_all(remote.work.join("vms/team")).unwrap();

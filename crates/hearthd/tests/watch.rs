@@ -9,10 +9,9 @@ mod common;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
-use std::process::{Child, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use common::follow::Cli;
 use common::*;
 use serde_json::Value;
 
@@ -500,80 +499,4 @@ fn bad_watch_queries_name_the_parameter_and_a_foreign_seq_relists() {
         "{lines:#?}"
     );
     assert!(saw(&lines, "ADDED", "VirtualDisk", "a", None), "{lines:#?}");
-}
-
-/// The real CLI as a child, its stdout read line by line on a thread.
-struct Cli {
-    child: Child,
-    lines: mpsc::Receiver<String>,
-    seen: Vec<String>,
-}
-
-impl Cli {
-    fn spawn(d: &Daemon, args: &[&str]) -> Cli {
-        let mut child = d
-            .cli_command(args, Stdio::null())
-            .spawn()
-            .expect("run hearth");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { return };
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
-        Cli {
-            child,
-            lines,
-            seen: Vec::new(),
-        }
-    }
-
-    /// The next stdout line that `pred` accepts (earlier ones are kept).
-    fn line_with(&mut self, what: &str, pred: impl Fn(&str) -> bool) -> String {
-        let deadline = Instant::now() + LINE;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                Ok(line) => {
-                    self.seen.push(line.clone());
-                    if pred(&line) {
-                        return line;
-                    }
-                }
-                Err(_) => {
-                    let _ = self.child.kill();
-                    let mut err = String::new();
-                    if let Some(mut e) = self.child.stderr.take() {
-                        let _ = e.read_to_string(&mut err);
-                    }
-                    panic!(
-                        "hearth printed no line with {what} within {LINE:?}; stdout: {:#?}\nstderr: {err}",
-                        self.seen
-                    );
-                }
-            }
-        }
-    }
-
-    /// Ends it; its stderr.
-    fn stop(mut self) -> String {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let mut err = String::new();
-        if let Some(mut e) = self.child.stderr.take() {
-            let _ = e.read_to_string(&mut err);
-        }
-        err
-    }
-}
-
-impl Drop for Cli {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }

@@ -7,6 +7,7 @@
 
 pub mod debian;
 pub mod debian_oci;
+pub mod follow;
 pub mod git;
 pub mod http;
 pub mod kill_wrapper;
