@@ -276,6 +276,15 @@ impl Drop for Running {
     }
 }
 
+/// Starts a program that runs beside hearthd for as long as it is wanted
+/// (a reader kept open on a pipe), outside the pool: from the lasting
+/// thread, so a `PR_SET_PDEATHSIG` it sets follows the process, and killed
+/// (then reaped by the runtime) when its `Child` is dropped.
+pub async fn spawn_lasting(mut command: Command) -> std::io::Result<Child> {
+    command.kill_on_drop(true);
+    spawn_from_lasting_thread(command).await
+}
+
 type SpawnRequest = (
     Command,
     tokio::runtime::Handle,

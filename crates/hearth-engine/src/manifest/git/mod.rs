@@ -12,6 +12,7 @@
 //! rewritten history (a force push) is followed: the new commit is the
 //! desired state, and the source says the history was rewritten.
 
+pub mod objects;
 pub mod repo;
 pub mod tree;
 
@@ -136,6 +137,9 @@ struct State {
     listing: Option<Listing>,
     /// Parsed blobs of the last good commit, by blob id.
     parsed: HashMap<String, Content>,
+    /// The sizes of the last commit's blobs, by blob id (an id's size
+    /// never changes): only new blobs are asked for theirs.
+    sizes: HashMap<String, u64>,
     ignored: Vec<(String, String)>,
     events: VecDeque<SourceEvent>,
     syncs: u64,
@@ -176,6 +180,8 @@ pub struct GitSource {
     config: GitConfig,
     applier: Applier,
     state: Mutex<State>,
+    /// The cache's objects, read through `git cat-file` kept running.
+    objects: tokio::sync::Mutex<objects::Objects>,
     /// One sync at a time.
     sync_lock: tokio::sync::Mutex<()>,
     refresh: Notify,
@@ -209,6 +215,7 @@ impl GitSource {
                 last_applied_at: None,
                 listing: None,
                 parsed: HashMap::new(),
+                sizes: HashMap::new(),
                 ignored: Vec::new(),
                 events: VecDeque::new(),
                 syncs: 0,
@@ -216,6 +223,7 @@ impl GitSource {
                 last_sync: None,
                 store_read_at: Some(std::time::Instant::now()),
             }),
+            objects: tokio::sync::Mutex::new(objects::Objects::new(&config.cache)),
             sync_lock: tokio::sync::Mutex::new(()),
             refresh: Notify::new(),
             started: std::sync::atomic::AtomicU64::new(0),
@@ -381,7 +389,8 @@ impl GitSource {
                 repo::redact_userinfo(&c.url)
             ))
         })?;
-        let Some(info) = repo.describe(FETCHED).await.map_err(stale)? else {
+        let mut objects = self.objects.lock().await;
+        let Some(info) = objects.describe(FETCHED).await.map_err(stale)? else {
             return Err(stale(format!(
                 "the fetch of {} gave no commit",
                 c.reference
@@ -423,7 +432,11 @@ impl GitSource {
         // The last applied commit, from the cache: also after a restart.
         let previous = match applied {
             Some(a) => Some(a),
-            None => repo.commit_of(APPLIED).await.map_err(stale)?,
+            None => objects
+                .describe(APPLIED)
+                .await
+                .map_err(stale)?
+                .map(|c| c.id),
         };
         let rewritten = match &previous {
             // One commit on top of the applied one (the usual push) needs
@@ -438,11 +451,28 @@ impl GitSource {
         let max_listing = c.max_files.saturating_mul(512).max(1 << 20);
         let prefix = tree::folder_prefix(&c.path);
         let folder = prefix.trim_end_matches('/');
-        let out = repo
-            .ls_tree(&commit, folder, max_listing)
+        let mut entries = objects
+            .files(&commit, folder, max_listing)
             .await
-            .map_err(stale)?;
-        let entries = tree::parse_ls_tree(&out).map_err(stale)?;
+            .map_err(stale)?
+            .unwrap_or_default();
+        // Sizes: only the blobs not seen before are asked for.
+        let known = std::mem::take(&mut self.lock().sizes);
+        let unknown: std::collections::BTreeSet<&str> = entries
+            .iter()
+            .filter(|e| e.kind == "blob" && !known.contains_key(&e.oid))
+            .map(|e| e.oid.as_str())
+            .collect();
+        let unknown: Vec<&str> = unknown.into_iter().collect();
+        let fresh = objects.sizes(&unknown).await.map_err(stale)?;
+        let mut sizes = HashMap::new();
+        for e in entries.iter_mut().filter(|e| e.kind == "blob") {
+            e.size = known.get(&e.oid).or_else(|| fresh.get(&e.oid)).copied();
+            if let Some(size) = e.size {
+                sizes.insert(e.oid.clone(), size);
+            }
+        }
+        self.lock().sizes = sizes;
         let selected = tree::select(&entries, &prefix, c.max_file_size, c.max_files);
         if !selected.folder_exists {
             return Err(stale(format!(
@@ -466,7 +496,6 @@ impl GitSource {
         let mut parsed = HashMap::new();
         let mut wanted = Vec::new();
         let mut asked = std::collections::HashSet::new();
-        let mut bytes = 0u64;
         {
             let st = self.lock();
             for e in &selected.manifests {
@@ -477,19 +506,15 @@ impl GitSource {
                     Some(content) => {
                         parsed.insert(e.oid.clone(), content.clone());
                     }
-                    None => {
-                        bytes += e.size.unwrap_or(0) + 128;
-                        wanted.push(e.oid.clone());
-                    }
+                    None => wanted.push(e.oid.as_str()),
                 }
             }
         }
         if !wanted.is_empty() {
-            let out = repo
-                .cat_blobs(&wanted, bytes as usize + 4096)
+            let blobs = objects
+                .blobs(&wanted, c.max_file_size as usize)
                 .await
                 .map_err(stale)?;
-            let blobs = tree::parse_batch(&out).map_err(stale)?;
             for (oid, b) in blobs {
                 parsed.insert(oid, tree::content_of(&b));
             }

@@ -1,7 +1,8 @@
 //! The `git` program on a source's cache: a bare repository of hearthd's
 //! own (`STATE/git/NAME.git`), never a checkout. Fetches go into it; files
-//! are read from its objects (`ls-tree`, `cat-file`), so no path in the
-//! repository ever names a file on the host and no link is ever followed.
+//! are read from its objects (`objects.rs`, `git cat-file` kept running),
+//! so no path in the repository ever names a file on the host and no link
+//! is ever followed.
 //! hearthd never commits, pushes or writes into the remote.
 //!
 //! Why the `git` program: it speaks every transport (https, ssh,
@@ -41,6 +42,8 @@ pub enum GitError {
         status: std::process::ExitStatus,
         said: String,
     },
+    #[error("git cat-file: {0}")]
+    Objects(String),
     #[error("making the cache {path}: {source}")]
     Cache {
         path: PathBuf,
@@ -136,7 +139,7 @@ impl Auth {
 
 /// What `git` is told on every run: no terminal prompt, no user or system
 /// configuration, objects checked as they arrive.
-fn base_command(dir: &Path) -> Result<tokio::process::Command, GitError> {
+pub(super) fn base_command(dir: &Path) -> Result<tokio::process::Command, GitError> {
     let mut c = tokio::process::Command::new(hearth_qemu::tools::find_binary("git")?);
     c.env_clear()
         .env(
@@ -312,26 +315,6 @@ impl Repo {
         Ok(())
     }
 
-    /// The commit `reference` (a ref of the cache) names, if it does.
-    pub async fn commit_of(&self, reference: &str) -> Result<Option<String>, GitError> {
-        let out = self
-            .run(
-                "rev-parse",
-                &[
-                    "rev-parse",
-                    "--verify",
-                    "--quiet",
-                    &format!("{reference}^{{commit}}"),
-                ],
-                None,
-                QUICK,
-                MAX_SMALL_OUTPUT,
-            )
-            .await?;
-        let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        Ok((out.status.success() && is_commit_id(&id)).then_some(id))
-    }
-
     /// Whether `older` is an ancestor of `newer` (a fast-forward), or the
     /// history was rewritten.
     pub async fn is_ancestor(&self, older: &str, newer: &str) -> Result<bool, GitError> {
@@ -353,88 +336,6 @@ impl Repo {
                 said: said(&out.stderr),
             }),
         }
-    }
-
-    /// `git ls-tree -r -l -z COMMIT`.
-    /// `git ls-tree -r -l -z COMMIT -- FOLDER`: only what lies under the
-    /// source's folder ("" for the whole tree), paths from the root.
-    pub async fn ls_tree(
-        &self,
-        commit: &str,
-        folder: &str,
-        max_output: usize,
-    ) -> Result<Vec<u8>, GitError> {
-        let mut args = vec!["ls-tree", "-r", "-l", "-z", "--full-tree", commit];
-        if !folder.is_empty() {
-            args.extend(["--", folder]);
-        }
-        self.ok("ls-tree", &args, None, QUICK, max_output).await
-    }
-
-    /// The blobs `oids`, through `git cat-file --batch`.
-    pub async fn cat_blobs(&self, oids: &[String], max_output: usize) -> Result<Vec<u8>, GitError> {
-        let mut input = oids.join("\n");
-        input.push('\n');
-        self.ok(
-            "cat-file",
-            &["cat-file", "--batch"],
-            Some(input.as_bytes()),
-            QUICK,
-            max_output,
-        )
-        .await
-    }
-
-    /// The commit `reference` (a ref of the cache) names, with its
-    /// author, date and subject for the API; None when the ref does not
-    /// name a commit. One `git log` in the usual case.
-    pub async fn describe(&self, reference: &str) -> Result<Option<CommitInfo>, GitError> {
-        let out = self
-            .run(
-                "log",
-                &[
-                    "log",
-                    "-1",
-                    "--format=%H%x00%P%x00%an%x00%cI%x00%s",
-                    &format!("{reference}^{{commit}}"),
-                    "--",
-                ],
-                None,
-                QUICK,
-                MAX_SMALL_OUTPUT,
-            )
-            .await?;
-        if !out.status.success() {
-            // A missing ref, or a failure to say as it is.
-            return match self.commit_of(reference).await? {
-                None => Ok(None),
-                Some(_) => Err(GitError::Failed {
-                    what: "log".into(),
-                    status: out.status,
-                    said: said(&out.stderr),
-                }),
-            };
-        }
-        let text = String::from_utf8_lossy(&out.stdout);
-        let mut f = text.trim_end_matches('\n').splitn(5, '\0');
-        let id = f.next().unwrap_or("").to_string();
-        if !is_commit_id(&id) {
-            return Ok(None);
-        }
-        let parents = f
-            .next()
-            .unwrap_or("")
-            .split(' ')
-            .filter(|p| is_commit_id(p))
-            .map(str::to_string)
-            .collect();
-        Ok(Some(CommitInfo {
-            id,
-            parents,
-            author: f.next().unwrap_or("").to_string(),
-            date: f.next().unwrap_or("").to_string(),
-            subject: f.next().unwrap_or("").chars().take(200).collect(),
-        }))
     }
 
     /// Whether `commit` carries a signature by an allowed key: an ssh
@@ -659,63 +560,5 @@ mod tests {
         let none: HashMap<String, String> = Auth::default().env().unwrap().into_iter().collect();
         assert_eq!(none["GIT_CONFIG_COUNT"], "0");
         assert!(!none.contains_key("GIT_CONFIG_KEY_0"));
-    }
-
-    /// Through the real `git`: a ref's commit with its author, date and
-    /// subject in one run, and None for a ref that does not exist.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn describe_names_a_refs_commit_or_none() {
-        let dir = tempfile::tempdir().unwrap();
-        let work = dir.path().join("work");
-        let git = |args: &[&str]| {
-            let out = std::process::Command::new("git")
-                .arg("-C")
-                .arg(&work)
-                .args([
-                    "-c",
-                    "user.name=Ann Example",
-                    "-c",
-                    "user.email=ann@example.org",
-                ])
-                .args(args)
-                .env("GIT_COMMITTER_DATE", "2026-12-07T10:11:12+01:00")
-                .output()
-                .expect("git (apt-get install git)");
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            String::from_utf8(out.stdout).unwrap().trim().to_string()
-        };
-        std::fs::create_dir_all(&work).unwrap();
-        git(&["init", "-q", "-b", "main"]);
-        std::fs::write(work.join("a.yaml"), "x: 1\n").unwrap();
-        git(&["add", "a.yaml"]);
-        git(&["commit", "-q", "-m", "first line\n\nbody"]);
-        let id = git(&["rev-parse", "HEAD"]);
-        let cache = Repo::open(&dir.path().join("cache.git")).await.unwrap();
-        let url = format!("file://{}", work.display());
-        cache
-            .fetch(&url, "main", &Auth::default(), QUICK)
-            .await
-            .unwrap();
-        let info = cache.describe(FETCHED).await.unwrap().expect("a commit");
-        assert_eq!(info.id, id);
-        assert_eq!(info.author, "Ann Example");
-        assert_eq!(info.date, "2026-12-07T10:11:12+01:00");
-        assert_eq!(info.subject, "first line");
-        assert!(info.parents.is_empty());
-        assert_eq!(cache.describe(APPLIED).await.unwrap(), None);
-        // The next commit names the first as its parent.
-        std::fs::write(work.join("a.yaml"), "x: 2\n").unwrap();
-        git(&["commit", "-q", "-am", "second"]);
-        cache
-            .fetch(&url, "main", &Auth::default(), QUICK)
-            .await
-            .unwrap();
-        let next = cache.describe(FETCHED).await.unwrap().expect("a commit");
-        assert_eq!(next.parents, [id]);
-        assert_eq!(next.subject, "second");
     }
 }

@@ -1,8 +1,8 @@
-//! A commit's files as the manifest core's listing, free of I/O: which
-//! entries of `git ls-tree -r -l -z` under the source's `path` are
-//! manifests, which are ignored and why, and their blobs out of
-//! `git cat-file --batch`, parsed (a blob is parsed once: its id is its
-//! content).
+//! A commit's files as the manifest core's listing, free of I/O: git's
+//! commit and tree objects read (as `git cat-file --batch` gives them),
+//! which entries under the source's `path` are manifests, which are
+//! ignored and why, and their blobs parsed (a blob is parsed once: its id
+//! is its content).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -12,10 +12,13 @@ use crate::manifest::core::{Content, Decl, FileScan, Listing};
 use crate::manifest::names::is_candidate;
 use crate::manifest::parse::{FileError, parse_manifest};
 
-/// One entry of `git ls-tree -r -l -z`.
+/// One file of a commit, as `git ls-tree -r -l` would list it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TreeEntry {
+    /// Six octal digits (`100644`, `120000` for a link, `160000` for a
+    /// submodule).
     pub mode: String,
+    /// `blob` or `commit` (a submodule).
     pub kind: String,
     pub oid: String,
     /// Blobs only.
@@ -23,33 +26,143 @@ pub struct TreeEntry {
     pub path: String,
 }
 
-/// Why `ls-tree`'s output could not be read.
+/// Why a git object could not be read as what it should be.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("git ls-tree printed an entry hearth cannot read: {0:?}")]
-pub struct BadEntry(pub String);
+#[error("git object {oid}: {why}")]
+pub struct BadObject {
+    pub oid: String,
+    pub why: String,
+}
 
-/// Reads `git ls-tree -r -l -z` (`MODE TYPE OID SIZE\tPATH\0` each).
-pub fn parse_ls_tree(out: &[u8]) -> Result<Vec<TreeEntry>, BadEntry> {
-    let mut entries = Vec::new();
-    for raw in out.split(|b| *b == 0).filter(|r| !r.is_empty()) {
-        let text = String::from_utf8_lossy(raw);
-        let bad = || BadEntry(text.chars().take(200).collect());
-        let (meta, path) = text.split_once('\t').ok_or_else(bad)?;
-        let mut f = meta.split_whitespace();
-        let (Some(mode), Some(kind), Some(oid), Some(size)) =
-            (f.next(), f.next(), f.next(), f.next())
-        else {
-            return Err(bad());
-        };
-        entries.push(TreeEntry {
+/// One entry of a tree object, its id in hexadecimal.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawEntry {
+    pub mode: String,
+    pub name: String,
+    pub oid: String,
+}
+
+impl RawEntry {
+    pub fn is_tree(&self) -> bool {
+        self.mode == "40000" || self.mode == "040000"
+    }
+
+    /// As `ls-tree` shows it: the mode in six digits and the kind.
+    pub fn listed(&self, path: String) -> TreeEntry {
+        TreeEntry {
+            mode: format!("{:0>6}", self.mode),
+            kind: if self.mode == "160000" {
+                "commit"
+            } else {
+                "blob"
+            }
+            .to_string(),
+            oid: self.oid.clone(),
+            size: None,
+            path,
+        }
+    }
+}
+
+/// Reads a tree object (`MODE NAME\0` and the raw id, each), whose ids are
+/// as long as `oid`'s (SHA-1 or SHA-256).
+pub fn parse_tree(oid: &str, mut raw: &[u8]) -> Result<Vec<RawEntry>, BadObject> {
+    let bad = |why: &str| BadObject {
+        oid: oid.to_string(),
+        why: why.to_string(),
+    };
+    let id_len = oid.len() / 2;
+    let mut out = Vec::new();
+    while !raw.is_empty() {
+        let space = raw
+            .iter()
+            .position(|b| *b == b' ')
+            .ok_or_else(|| bad("a tree entry without a mode"))?;
+        let nul = raw[space..]
+            .iter()
+            .position(|b| *b == 0)
+            .map(|p| p + space)
+            .ok_or_else(|| bad("a tree entry without a name"))?;
+        let mode = std::str::from_utf8(&raw[..space])
+            .ok()
+            .filter(|m| !m.is_empty() && m.bytes().all(|b| (b'0'..=b'7').contains(&b)))
+            .ok_or_else(|| bad("a tree entry with a bad mode"))?;
+        let id = raw
+            .get(nul + 1..nul + 1 + id_len)
+            .ok_or_else(|| bad("a tree that ends inside an entry"))?;
+        out.push(RawEntry {
             mode: mode.to_string(),
-            kind: kind.to_string(),
+            name: String::from_utf8_lossy(&raw[space + 1..nul]).into_owned(),
+            oid: id.iter().map(|b| format!("{b:02x}")).collect(),
+        });
+        raw = &raw[nul + 1 + id_len..];
+    }
+    Ok(out)
+}
+
+/// What a commit object says, as the API shows it (`git log`'s `%H`,
+/// `%P`, `%an`, `%cI` and `%s`).
+pub fn parse_commit(oid: &str, raw: &[u8]) -> Result<super::repo::CommitInfo, BadObject> {
+    let text = String::from_utf8_lossy(raw);
+    let (headers, message) = text.split_once("\n\n").unwrap_or((&text, ""));
+    let mut info = super::repo::CommitInfo {
+        id: oid.to_string(),
+        ..Default::default()
+    };
+    let mut tree = false;
+    for line in headers.lines() {
+        // Continuation lines (a signature's) start with a space.
+        let Some((key, value)) = line.split_once(' ') else {
+            continue;
+        };
+        match key {
+            "tree" => tree = true,
+            "parent" => info.parents.push(value.to_string()),
+            "author" => info.author = person(value).0,
+            "committer" => info.date = person(value).1,
+            _ => {}
+        }
+    }
+    if !tree {
+        return Err(BadObject {
             oid: oid.to_string(),
-            size: size.parse().ok(),
-            path: path.to_string(),
+            why: "a commit without a tree".into(),
         });
     }
-    Ok(entries)
+    // The first paragraph, on one line.
+    let subject: Vec<&str> = message
+        .lines()
+        .skip_while(|l| l.trim().is_empty())
+        .take_while(|l| !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    info.subject = subject.join(" ").chars().take(200).collect();
+    Ok(info)
+}
+
+/// `NAME <EMAIL> SECONDS ±HHMM`: the name, and the time in strict ISO 8601
+/// in its own offset ("" when it cannot be read).
+fn person(value: &str) -> (String, String) {
+    let (name, rest) = match value.rfind('<') {
+        Some(i) => (value[..i].trim(), &value[i..]),
+        None => (value.trim(), ""),
+    };
+    let when = rest.rsplit_once('>').map(|(_, t)| t.trim()).unwrap_or("");
+    let date = (|| {
+        let (secs, zone) = when.split_once(' ')?;
+        let secs: i64 = secs.parse().ok()?;
+        let sign = match zone.as_bytes().first()? {
+            b'+' => 1,
+            b'-' => -1,
+            _ => return None,
+        };
+        let hhmm: i32 = zone.get(1..5)?.parse().ok()?;
+        let offset = chrono::FixedOffset::east_opt(sign * (hhmm / 100 * 3600 + hhmm % 100 * 60))?;
+        let at = chrono::DateTime::from_timestamp(secs, 0)?.with_timezone(&offset);
+        Some(at.to_rfc3339_opts(chrono::SecondsFormat::Secs, false))
+    })()
+    .unwrap_or_default();
+    (name.to_string(), date)
 }
 
 /// The source's folder in the repository, as a prefix of paths: "" for
@@ -110,46 +223,6 @@ pub fn select(entries: &[TreeEntry], prefix: &str, max_size: u64, max_files: usi
     out
 }
 
-/// Why `cat-file --batch` output could not be read.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum BatchError {
-    #[error("git cat-file --batch: an unreadable header {0:?}")]
-    Header(String),
-    #[error("git cat-file --batch: {0} is missing")]
-    Missing(String),
-    #[error("git cat-file --batch: the output ends inside an object")]
-    Truncated,
-}
-
-/// Reads `git cat-file --batch` output: `OID TYPE SIZE\nBYTES\n` each.
-pub fn parse_batch(mut out: &[u8]) -> Result<HashMap<String, Vec<u8>>, BatchError> {
-    let mut blobs = HashMap::new();
-    while !out.is_empty() {
-        let nl = out
-            .iter()
-            .position(|b| *b == b'\n')
-            .ok_or(BatchError::Truncated)?;
-        let header = String::from_utf8_lossy(&out[..nl]).into_owned();
-        out = &out[nl + 1..];
-        let f: Vec<&str> = header.split(' ').collect();
-        if f.len() == 2 && f[1] == "missing" {
-            return Err(BatchError::Missing(f[0].to_string()));
-        }
-        if f.len() != 3 {
-            return Err(BatchError::Header(header));
-        }
-        let size: usize = f[2]
-            .parse()
-            .map_err(|_| BatchError::Header(header.clone()))?;
-        if out.len() < size + 1 {
-            return Err(BatchError::Truncated);
-        }
-        blobs.insert(f[0].to_string(), out[..size].to_vec());
-        out = &out[size + 1..];
-    }
-    Ok(blobs)
-}
-
 /// A Git LFS pointer in place of the file.
 pub fn is_lfs_pointer(bytes: &[u8]) -> bool {
     bytes.starts_with(b"version https://git-lfs.github.com/spec/v1")
@@ -197,16 +270,64 @@ mod tests {
     }
 
     #[test]
-    fn ls_tree_lines_are_read() {
-        let out = b"100644 blob 0123456789012345678901234567890123456789      42\tvms/a b.yaml\0\
-160000 commit 1111111111111111111111111111111111111111       -\tsub\0";
-        let e = parse_ls_tree(out).unwrap();
-        assert_eq!(e.len(), 2);
-        assert_eq!(e[0].path, "vms/a b.yaml");
-        assert_eq!(e[0].size, Some(42));
-        assert_eq!(e[1].size, None);
-        assert!(parse_ls_tree(b"garbage\0").is_err());
-        assert!(parse_ls_tree(b"").unwrap().is_empty());
+    fn tree_objects_are_read_exactly() {
+        let id = |b: u8| [b; 20];
+        let mut raw = Vec::new();
+        for (mode, name, b) in [
+            ("100644", "a b.yaml", 1u8),
+            ("40000", "deep", 2),
+            ("120000", "link.yaml", 3),
+            ("160000", "sub", 4),
+        ] {
+            raw.extend_from_slice(format!("{mode} {name}\0").as_bytes());
+            raw.extend_from_slice(&id(b));
+        }
+        let oid = "ab".repeat(20);
+        let e = parse_tree(&oid, &raw).unwrap();
+        assert_eq!(e.len(), 4);
+        assert_eq!(e[0].name, "a b.yaml");
+        assert_eq!(e[0].oid, "01".repeat(20));
+        assert!(e[1].is_tree() && !e[0].is_tree());
+        let listed = e[0].listed("vms/a b.yaml".into());
+        assert_eq!(
+            (listed.mode.as_str(), listed.kind.as_str()),
+            ("100644", "blob")
+        );
+        assert_eq!(e[3].listed("sub".into()).kind, "commit");
+        assert_eq!(e[2].listed("l".into()).mode, "120000");
+        // SHA-256 ids are 32 bytes.
+        let mut long = b"100644 x\0".to_vec();
+        long.extend_from_slice(&[7; 32]);
+        assert_eq!(
+            parse_tree(&"cd".repeat(32), &long).unwrap()[0].oid,
+            "07".repeat(32)
+        );
+        // Cut short, or garbage: an error, never a guess.
+        assert!(parse_tree(&oid, &raw[..raw.len() - 1]).is_err());
+        assert!(parse_tree(&oid, b"100644 no-nul").is_err());
+        assert!(parse_tree(&oid, b"9x9 a\0aaaaaaaaaaaaaaaaaaaa").is_err());
+        assert!(parse_tree(&oid, b"").unwrap().is_empty());
+    }
+
+    #[test]
+    fn commit_objects_give_what_git_log_shows() {
+        let raw = b"tree 0123456789012345678901234567890123456789\n\
+parent 1111111111111111111111111111111111111111\n\
+parent 2222222222222222222222222222222222222222\n\
+author Ann Example <ann@example.org> 1765098672 -0130\n\
+committer Bob <bob@example.org> 1765098672 +0100\n\
+gpgsig -----BEGIN SSH SIGNATURE-----\n \n -----END SSH SIGNATURE-----\n\
+\n\
+first line\n  goes on\n\nbody\n";
+        let c = parse_commit("ff", raw).unwrap();
+        assert_eq!(c.parents, ["1".repeat(40), "2".repeat(40)]);
+        assert_eq!(c.author, "Ann Example");
+        assert_eq!(c.date, "2025-12-07T10:11:12+01:00");
+        assert_eq!(c.subject, "first line goes on");
+        let utc = parse_commit("ff", b"tree 00\ncommitter C <c@d> 0 +0000\n\nx").unwrap();
+        assert_eq!(utc.date, "1970-01-01T00:00:00+00:00");
+        assert!(utc.parents.is_empty());
+        assert!(parse_commit("ff", b"no tree here\n\nx").is_err());
     }
 
     #[test]
@@ -242,23 +363,6 @@ mod tests {
                 .iter()
                 .any(|(_, w)| w.contains("limit of 1 manifest"))
         );
-    }
-
-    #[test]
-    fn batch_output_is_read_exactly() {
-        let out = b"aaa blob 3\nabc\nbbb blob 0\n\n";
-        let b = parse_batch(out).unwrap();
-        assert_eq!(b["aaa"], b"abc");
-        assert_eq!(b["bbb"], b"");
-        assert_eq!(
-            parse_batch(b"ccc missing\n"),
-            Err(BatchError::Missing("ccc".into()))
-        );
-        assert_eq!(
-            parse_batch(b"aaa blob 9\nabc\n"),
-            Err(BatchError::Truncated)
-        );
-        assert!(parse_batch(b"what\n").is_err());
     }
 
     #[test]
