@@ -150,6 +150,10 @@ struct State {
     store_read_at: Option<std::time::Instant>,
 }
 
+/// More packs than this in a cache and it is repacked into one (git's own
+/// `gc.autoPackLimit`).
+const MAX_PACKS: usize = 50;
+
 /// How often a new commit's apply first reads the source's objects from
 /// the store again, as the directory's periodic re-list does.
 const STORE_RESYNC: Duration = Duration::from_secs(30);
@@ -588,6 +592,15 @@ impl GitSource {
         let handle = tokio::runtime::Handle::current();
         if let Err(e) = handle.block_on(repo.set_ref(APPLIED, &info.id)) {
             tracing::warn!(source = %self.config.name, error = %e, "cannot record the applied commit in the cache");
+        }
+        // Each fetch leaves a pack: the cache is made one pack again now and
+        // then, so lookups do not slow down with the commits followed.
+        match handle.block_on(repo.repack_if_over(MAX_PACKS, self.config.fetch_timeout)) {
+            Ok(true) => tracing::info!(source = %self.config.name, "repacked the cache"),
+            Ok(false) => {}
+            Err(e) => {
+                tracing::warn!(source = %self.config.name, error = %e, "cannot repack the cache")
+            }
         }
         tracing::info!(source = %self.config.name, commit = %info.id, "applied a commit");
     }

@@ -448,6 +448,40 @@ impl Repo {
         Ok(home)
     }
 
+    /// Repacks the cache into one pack once it holds more than
+    /// `max_packs`: each fetch leaves a pack of its own, and a cache of
+    /// thousands of packs makes every object lookup slower. What the refs
+    /// reach is kept; what a rewritten history left behind goes. git
+    /// writes the new pack whole before it removes the old ones, so a
+    /// crash leaves one or the other, and a `cat-file` reader running
+    /// meanwhile reads on.
+    /// Whether it repacked.
+    pub async fn repack_if_over(
+        &self,
+        max_packs: usize,
+        timeout: Duration,
+    ) -> Result<bool, GitError> {
+        let packs = std::fs::read_dir(self.dir.join("objects/pack"))
+            .map(|d| {
+                d.flatten()
+                    .filter(|e| e.file_name().to_string_lossy().ends_with(".pack"))
+                    .count()
+            })
+            .unwrap_or(0);
+        if packs <= max_packs {
+            return Ok(false);
+        }
+        self.ok(
+            "repack",
+            &["repack", "-a", "-d", "-q"],
+            None,
+            timeout,
+            MAX_SMALL_OUTPUT,
+        )
+        .await?;
+        Ok(true)
+    }
+
     /// Points `name` at `commit`.
     pub async fn set_ref(&self, name: &str, commit: &str) -> Result<(), GitError> {
         self.ok(
@@ -560,5 +594,59 @@ mod tests {
         let none: HashMap<String, String> = Auth::default().env().unwrap().into_iter().collect();
         assert_eq!(none["GIT_CONFIG_COUNT"], "0");
         assert!(!none.contains_key("GIT_CONFIG_KEY_0"));
+    }
+
+    /// Through the real `git`: every fetch leaves a pack; past the bound
+    /// they become one, and what the refs name is still there.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cache_of_many_packs_is_repacked_into_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("work");
+        std::fs::create_dir_all(&work).unwrap();
+        let git = |args: &[&str]| {
+            let out = std::process::Command::new("git")
+                .arg("-C")
+                .arg(&work)
+                .args(["-c", "user.name=A", "-c", "user.email=a@b"])
+                .args(args)
+                .output()
+                .expect("git (apt-get install git)");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        git(&["init", "-q", "-b", "main"]);
+        let cache = Repo::open(&dir.path().join("cache.git")).await.unwrap();
+        let url = format!("file://{}", work.display());
+        let packs = || {
+            std::fs::read_dir(cache.dir.join("objects/pack"))
+                .unwrap()
+                .flatten()
+                .filter(|e| e.file_name().to_string_lossy().ends_with(".pack"))
+                .count()
+        };
+        for i in 0..4 {
+            std::fs::write(work.join("a.yaml"), format!("x: {i}\n")).unwrap();
+            git(&["add", "a.yaml"]);
+            git(&["commit", "-q", "-m", &format!("c{i}")]);
+            cache
+                .fetch(&url, "main", &Auth::default(), QUICK)
+                .await
+                .unwrap();
+        }
+        let before = packs();
+        assert!(before >= 4, "{before} packs after 4 fetches");
+        // A reader already running, its packs open, reads on after it.
+        let mut objects = super::super::objects::Objects::new(&cache.dir);
+        let head = objects.describe(FETCHED).await.unwrap().expect("a commit");
+        assert_eq!(head.subject, "c3");
+        assert!(!cache.repack_if_over(before, QUICK).await.unwrap());
+        assert!(cache.repack_if_over(2, QUICK).await.unwrap());
+        assert_eq!(packs(), 1);
+        let files = objects.files(&head.id, "", 1 << 20).await.unwrap().unwrap();
+        let blobs = objects.blobs(&[files[0].oid.as_str()], 100).await.unwrap();
+        assert_eq!(blobs[&files[0].oid], b"x: 3\n");
     }
 }
