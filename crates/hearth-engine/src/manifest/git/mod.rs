@@ -590,7 +590,11 @@ impl GitSource {
         drop(st);
         // Kept in the cache so a restart can tell a rewritten history.
         let handle = tokio::runtime::Handle::current();
-        if let Err(e) = handle.block_on(repo.set_ref(APPLIED, &info.id)) {
+        let moved = handle.block_on(async {
+            let mut objects = self.objects.lock().await;
+            objects.set_ref(APPLIED, &info.id).await
+        });
+        if let Err(e) = moved {
             tracing::warn!(source = %self.config.name, error = %e, "cannot record the applied commit in the cache");
         }
         // Each fetch leaves a pack: the cache is made one pack again now and

@@ -1,6 +1,8 @@
 //! A source's cache read through `git cat-file` kept running: one
 //! `--batch` (objects) and one `--batch-check` (sizes) per source, asked
-//! over their pipes, so reading a commit starts no process. Each answer is
+//! over their pipes, so reading a commit starts no process; and its
+//! applied ref moved by a `git update-ref --stdin` kept running, one
+//! transaction per commit. Each answer is
 //! git's, from the cache as it is at that moment: git reads the ref again
 //! at every request and looks for new packs when an object is not found,
 //! so what a fetch added is seen (`objects_added_by_a_fetch_are_seen`).
@@ -35,7 +37,7 @@ struct Object {
     bytes: Vec<u8>,
 }
 
-/// One `git cat-file` and its pipes.
+/// One `git` kept running and its pipes.
 struct Pipe {
     _child: Child,
     stdin: ChildStdin,
@@ -43,15 +45,15 @@ struct Pipe {
 }
 
 impl Pipe {
-    async fn start(dir: &Path, mode: &str) -> Result<Pipe, GitError> {
+    async fn start(dir: &Path, args: &[&str]) -> Result<Pipe, GitError> {
         let mut c = base_command(dir)?;
-        c.args(["cat-file", mode])
+        c.args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
         let mut child = hearth_qemu::programs::spawn_lasting(c)
             .await
-            .map_err(|e| broken(format!("starting git cat-file {mode}: {e}")))?;
+            .map_err(|e| broken(format!("starting git {}: {e}", args.join(" "))))?;
         let stdin = child.stdin.take().ok_or_else(|| broken("no stdin"))?;
         let stdout = child.stdout.take().ok_or_else(|| broken("no stdout"))?;
         Ok(Pipe {
@@ -111,6 +113,7 @@ pub struct Objects {
     dir: PathBuf,
     batch: Option<Pipe>,
     check: Option<Pipe>,
+    refs: Option<Pipe>,
 }
 
 impl Objects {
@@ -119,6 +122,7 @@ impl Objects {
             dir: dir.to_path_buf(),
             batch: None,
             check: None,
+            refs: None,
         }
     }
 
@@ -128,7 +132,7 @@ impl Objects {
     async fn read(&mut self, names: &[&str], max: usize) -> Result<Vec<Option<Object>>, GitError> {
         let input = request(names)?;
         if self.batch.is_none() {
-            self.batch = Some(Pipe::start(&self.dir, "--batch").await?);
+            self.batch = Some(Pipe::start(&self.dir, &["cat-file", "--batch"]).await?);
         }
         let Pipe { stdin, stdout, .. } = self.batch.as_mut().expect("just started");
         let answers = async {
@@ -258,7 +262,7 @@ impl Objects {
         }
         let input = request(oids)?;
         if self.check.is_none() {
-            self.check = Some(Pipe::start(&self.dir, "--batch-check").await?);
+            self.check = Some(Pipe::start(&self.dir, &["cat-file", "--batch-check"]).await?);
         }
         let Pipe { stdin, stdout, .. } = self.check.as_mut().expect("just started");
         let answers = async {
@@ -288,6 +292,55 @@ impl Objects {
             }
             Err(_) => {
                 self.check = None;
+                Err(broken(format!("no answer within {ANSWER:?}")))
+            }
+        }
+    }
+
+    /// Points `name` at `commit`, in one transaction of `git update-ref
+    /// --stdin` (git writes the ref under its lock, then renames it).
+    pub async fn set_ref(&mut self, name: &str, commit: &str) -> Result<(), GitError> {
+        if !is_commit_id(commit) || name.is_empty() || name.contains([' ', '\n', '\0']) {
+            return Err(broken(format!("a bad ref update {name:?} {commit:?}")));
+        }
+        if self.refs.is_none() {
+            self.refs = Some(Pipe::start(&self.dir, &["update-ref", "--stdin"]).await?);
+        }
+        let Pipe { stdin, stdout, .. } = self.refs.as_mut().expect("just started");
+        let input = format!("start\nupdate {name} {commit}\ncommit\n");
+        let answers = async {
+            stdin
+                .write_all(input.as_bytes())
+                .await
+                .map_err(|e| broken(format!("writing: {e}")))?;
+            stdin
+                .flush()
+                .await
+                .map_err(|e| broken(format!("writing: {e}")))?;
+            for want in ["start: ok", "commit: ok"] {
+                let mut line = Vec::new();
+                stdout
+                    .take(1024)
+                    .read_until(b'\n', &mut line)
+                    .await
+                    .map_err(|e| broken(format!("reading: {e}")))?;
+                if line.strip_suffix(b"\n") != Some(want.as_bytes()) {
+                    return Err(broken(format!(
+                        "git update-ref answered {:?} for {name}",
+                        String::from_utf8_lossy(&line)
+                    )));
+                }
+            }
+            Ok(())
+        };
+        match tokio::time::timeout(ANSWER, answers).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => {
+                self.refs = None;
+                Err(e)
+            }
+            Err(_) => {
+                self.refs = None;
                 Err(broken(format!("no answer within {ANSWER:?}")))
             }
         }
@@ -393,6 +446,16 @@ mod tests {
         let blobs = o.blobs(&[a.oid.as_str()], 6).await.unwrap();
         assert_eq!(blobs[&a.oid], b"x: 22\n");
         assert!(o.sizes(&[&"0".repeat(40)]).await.is_err());
+        // The applied ref, moved twice by one update-ref, read back.
+        o.set_ref(APPLIED, &info.id).await.unwrap();
+        assert_eq!(o.describe(APPLIED).await.unwrap().unwrap().id, info.id);
+        o.set_ref(APPLIED, &next.id).await.unwrap();
+        assert_eq!(o.describe(APPLIED).await.unwrap().unwrap().id, next.id);
+        assert!(o.set_ref(APPLIED, "not-a-commit").await.is_err());
+        // A commit the cache does not have: refused, and the next works.
+        assert!(o.set_ref(APPLIED, &"1".repeat(40)).await.is_err());
+        o.set_ref(APPLIED, &info.id).await.unwrap();
+        assert_eq!(o.describe(APPLIED).await.unwrap().unwrap().id, info.id);
         assert!(o.blobs(&["bad\nname"], 6).await.is_err());
     }
 }

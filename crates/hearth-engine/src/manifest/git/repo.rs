@@ -481,19 +481,6 @@ impl Repo {
         .await?;
         Ok(true)
     }
-
-    /// Points `name` at `commit`.
-    pub async fn set_ref(&self, name: &str, commit: &str) -> Result<(), GitError> {
-        self.ok(
-            "update-ref",
-            &["update-ref", name, commit],
-            None,
-            QUICK,
-            MAX_SMALL_OUTPUT,
-        )
-        .await
-        .map(|_| ())
-    }
 }
 
 /// A commit as the API shows it.
