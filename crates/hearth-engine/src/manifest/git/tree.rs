@@ -376,4 +376,42 @@ first line\n  goes on\n\nbody\n";
             other => panic!("{other:?}"),
         }
     }
+
+    proptest::proptest! {
+        /// Whatever bytes a repository hands over: an answer or an error,
+        /// never a panic.
+        #[test]
+        fn any_bytes_are_read_or_refused(raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..400)) {
+            let _ = parse_tree(&"ab".repeat(20), &raw);
+            let _ = parse_tree(&"ab".repeat(32), &raw);
+            let _ = parse_commit("ff", &raw);
+        }
+
+        /// A tree written from entries reads back as exactly those entries.
+        #[test]
+        fn a_tree_reads_back_as_written(
+            entries in proptest::collection::vec(
+                (
+                    proptest::sample::select(vec!["100644", "100755", "120000", "160000", "40000"]),
+                    "[^\\x00/]{1,20}",
+                    proptest::array::uniform20(proptest::prelude::any::<u8>()),
+                ),
+                0..20,
+            )
+        ) {
+            let mut raw = Vec::new();
+            for (mode, name, id) in &entries {
+                raw.extend_from_slice(format!("{mode} {name}\0").as_bytes());
+                raw.extend_from_slice(id);
+            }
+            let back = parse_tree(&"ab".repeat(20), &raw).unwrap();
+            proptest::prop_assert_eq!(back.len(), entries.len());
+            for (b, (mode, name, id)) in back.iter().zip(&entries) {
+                proptest::prop_assert_eq!(&b.mode, mode);
+                proptest::prop_assert_eq!(&b.name, name);
+                let hex: String = id.iter().map(|x| format!("{x:02x}")).collect();
+                proptest::prop_assert_eq!(&b.oid, &hex);
+            }
+        }
+    }
 }
