@@ -14,6 +14,8 @@
 
 pub mod objects;
 pub mod repo;
+#[cfg(test)]
+mod test_git;
 pub mod tree;
 
 use std::collections::{HashMap, VecDeque};

@@ -91,6 +91,42 @@ async fn header(
     }
 }
 
+/// The pipe in `slot`, started if it is not running.
+async fn open<'a>(
+    slot: &'a mut Option<Pipe>,
+    dir: &Path,
+    args: &[&str],
+) -> Result<&'a mut Pipe, GitError> {
+    if slot.is_none() {
+        *slot = Some(Pipe::start(dir, args).await?);
+    }
+    Ok(slot.as_mut().expect("just started"))
+}
+
+/// Writes one request whole.
+async fn send(stdin: &mut ChildStdin, input: &[u8]) -> Result<(), GitError> {
+    let written = async {
+        stdin.write_all(input).await?;
+        stdin.flush().await
+    };
+    written.await.map_err(|e| broken(format!("writing: {e}")))
+}
+
+/// An answer, or why there is none; a pipe that gave none is dropped
+/// (killed and reaped), and the next use starts it again.
+fn settle<T>(
+    pipe: &mut Option<Pipe>,
+    answered: Result<Result<T, GitError>, tokio::time::error::Elapsed>,
+) -> Result<T, GitError> {
+    let failed = match answered {
+        Ok(Ok(out)) => return Ok(out),
+        Ok(Err(e)) => e,
+        Err(_) => broken(format!("no answer within {ANSWER:?}")),
+    };
+    *pipe = None;
+    Err(failed)
+}
+
 fn broken(why: impl std::fmt::Display) -> GitError {
     GitError::Objects(why.to_string())
 }
@@ -131,15 +167,10 @@ impl Objects {
     /// process is dropped rather than read through it).
     async fn read(&mut self, names: &[&str], max: usize) -> Result<Vec<Option<Object>>, GitError> {
         let input = request(names)?;
-        if self.batch.is_none() {
-            self.batch = Some(Pipe::start(&self.dir, &["cat-file", "--batch"]).await?);
-        }
-        let Pipe { stdin, stdout, .. } = self.batch.as_mut().expect("just started");
+        let Pipe { stdin, stdout, .. } =
+            open(&mut self.batch, &self.dir, &["cat-file", "--batch"]).await?;
         let answers = async {
-            let write = async {
-                stdin.write_all(&input).await?;
-                stdin.flush().await
-            };
+            let write = send(stdin, &input);
             let read = async {
                 let mut out = Vec::with_capacity(names.len());
                 for name in names {
@@ -165,20 +196,11 @@ impl Objects {
                 Ok(out)
             };
             let (written, read) = tokio::join!(write, read);
-            written.map_err(|e| broken(format!("writing: {e}")))?;
+            written?;
             read
         };
-        match tokio::time::timeout(ANSWER, answers).await {
-            Ok(Ok(out)) => Ok(out),
-            Ok(Err(e)) => {
-                self.batch = None;
-                Err(e)
-            }
-            Err(_) => {
-                self.batch = None;
-                Err(broken(format!("no answer within {ANSWER:?}")))
-            }
-        }
+        let answered = tokio::time::timeout(ANSWER, answers).await;
+        settle(&mut self.batch, answered)
     }
 
     async fn read_one(&mut self, name: &str, max: usize) -> Result<Option<Object>, GitError> {
@@ -261,15 +283,10 @@ impl Objects {
             return Ok(HashMap::new());
         }
         let input = request(oids)?;
-        if self.check.is_none() {
-            self.check = Some(Pipe::start(&self.dir, &["cat-file", "--batch-check"]).await?);
-        }
-        let Pipe { stdin, stdout, .. } = self.check.as_mut().expect("just started");
+        let Pipe { stdin, stdout, .. } =
+            open(&mut self.check, &self.dir, &["cat-file", "--batch-check"]).await?;
         let answers = async {
-            let write = async {
-                stdin.write_all(&input).await?;
-                stdin.flush().await
-            };
+            let write = send(stdin, &input);
             let read = async {
                 let mut out = HashMap::new();
                 for oid in oids {
@@ -281,20 +298,11 @@ impl Objects {
                 Ok(out)
             };
             let (written, read) = tokio::join!(write, read);
-            written.map_err(|e| broken(format!("writing: {e}")))?;
+            written?;
             read
         };
-        match tokio::time::timeout(ANSWER, answers).await {
-            Ok(Ok(out)) => Ok(out),
-            Ok(Err(e)) => {
-                self.check = None;
-                Err(e)
-            }
-            Err(_) => {
-                self.check = None;
-                Err(broken(format!("no answer within {ANSWER:?}")))
-            }
-        }
+        let answered = tokio::time::timeout(ANSWER, answers).await;
+        settle(&mut self.check, answered)
     }
 
     /// Points `name` at `commit`, in one transaction of `git update-ref
@@ -303,20 +311,11 @@ impl Objects {
         if !is_commit_id(commit) || name.is_empty() || name.contains([' ', '\n', '\0']) {
             return Err(broken(format!("a bad ref update {name:?} {commit:?}")));
         }
-        if self.refs.is_none() {
-            self.refs = Some(Pipe::start(&self.dir, &["update-ref", "--stdin"]).await?);
-        }
-        let Pipe { stdin, stdout, .. } = self.refs.as_mut().expect("just started");
+        let Pipe { stdin, stdout, .. } =
+            open(&mut self.refs, &self.dir, &["update-ref", "--stdin"]).await?;
         let input = format!("start\nupdate {name} {commit}\ncommit\n");
         let answers = async {
-            stdin
-                .write_all(input.as_bytes())
-                .await
-                .map_err(|e| broken(format!("writing: {e}")))?;
-            stdin
-                .flush()
-                .await
-                .map_err(|e| broken(format!("writing: {e}")))?;
+            send(stdin, input.as_bytes()).await?;
             for want in ["start: ok", "commit: ok"] {
                 let mut line = Vec::new();
                 stdout
@@ -333,17 +332,8 @@ impl Objects {
             }
             Ok(())
         };
-        match tokio::time::timeout(ANSWER, answers).await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => {
-                self.refs = None;
-                Err(e)
-            }
-            Err(_) => {
-                self.refs = None;
-                Err(broken(format!("no answer within {ANSWER:?}")))
-            }
-        }
+        let answered = tokio::time::timeout(ANSWER, answers).await;
+        settle(&mut self.refs, answered)
     }
 
     /// The blobs `oids`, each at most `max` bytes.
@@ -369,30 +359,8 @@ impl Objects {
 #[cfg(test)]
 mod tests {
     use super::super::repo::{APPLIED, Auth, FETCHED, Repo};
+    use super::super::test_git::git;
     use super::*;
-
-    /// A work repository driven by the real `git`.
-    fn git(work: &Path, args: &[&str]) -> String {
-        let out = std::process::Command::new("git")
-            .arg("-C")
-            .arg(work)
-            .args([
-                "-c",
-                "user.name=Ann Example",
-                "-c",
-                "user.email=ann@example.org",
-            ])
-            .args(args)
-            .env("GIT_COMMITTER_DATE", "2026-12-07T10:11:12+01:00")
-            .output()
-            .expect("git (apt-get install git)");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap().trim().to_string()
-    }
 
     /// Through the real `git`, one `Objects` across fetches: each fetch's
     /// commit, trees and blobs are seen by the processes already running,

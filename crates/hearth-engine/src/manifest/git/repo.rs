@@ -590,20 +590,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let work = dir.path().join("work");
         std::fs::create_dir_all(&work).unwrap();
-        let git = |args: &[&str]| {
-            let out = std::process::Command::new("git")
-                .arg("-C")
-                .arg(&work)
-                .args(["-c", "user.name=A", "-c", "user.email=a@b"])
-                .args(args)
-                .output()
-                .expect("git (apt-get install git)");
-            assert!(
-                out.status.success(),
-                "{}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        };
+        let git = |args: &[&str]| super::super::test_git::git(&work, args);
         git(&["init", "-q", "-b", "main"]);
         let cache = Repo::open(&dir.path().join("cache.git")).await.unwrap();
         let url = format!("file://{}", work.display());
