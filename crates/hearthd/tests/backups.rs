@@ -404,15 +404,22 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     assert!(bad.to_string().contains("SHA-256"), "{bad:#}");
 }
 
-/// A small filesystem of its own, loop-mounted; unmounted when dropped.
+/// A small filesystem of its own, loop-mounted in a directory of its own
+/// (not the daemon's, whose removal would meet the mount); unmounted, then
+/// removed, when dropped.
 struct SmallFs {
     mountpoint: PathBuf,
+    _dir: tempfile::TempDir,
 }
 
 impl SmallFs {
-    fn new(dir: &Path, mib: u32) -> SmallFs {
-        let image = dir.join("small.img");
-        let mountpoint = dir.join("small");
+    fn new(mib: u32) -> SmallFs {
+        let dir = tempfile::Builder::new()
+            .prefix("hearth-e2e-small-")
+            .tempdir()
+            .unwrap();
+        let image = dir.path().join("small.img");
+        let mountpoint = dir.path().join("small");
         std::fs::create_dir_all(&mountpoint).unwrap();
         let f = std::fs::File::create(&image).unwrap();
         f.set_len(u64::from(mib) << 20).unwrap();
@@ -437,7 +444,10 @@ impl SmallFs {
                 mountpoint.to_str().unwrap(),
             ],
         );
-        SmallFs { mountpoint }
+        SmallFs {
+            mountpoint,
+            _dir: dir,
+        }
     }
 }
 
@@ -451,7 +461,7 @@ impl Drop for SmallFs {
 fn a_full_target_fails_cleanly_keeping_the_earlier_points_and_a_grown_disk_makes_the_next_full() {
     let _serial = serial();
     let d = Daemon::start();
-    let small = SmallFs::new(d.dir.path(), 100);
+    let small = SmallFs::new(100);
     // Ballast the test takes away later, to give the target room again.
     let ballast = small.mountpoint.join("ballast");
     let fill = Command::new("dd")
