@@ -247,6 +247,51 @@ impl Repo {
         Ok(out.stdout)
     }
 
+    /// Removes what a git killed in the middle of a write left in the cache:
+    /// lock files (a `refs/hearth/fetched.lock` fails every later fetch with
+    /// "File exists", so the source would stay Stale for good) and
+    /// half-written packs (`objects/pack/tmp_*`, and repack's `.tmp-*`; git
+    /// sweeps them only in a `git gc`, which hearthd never runs). Called by
+    /// [`Repo::fetch`], while no git writes the cache: a source's syncs take
+    /// turns, and its readers write nothing. The paths removed.
+    pub fn remove_leftovers(&self) -> Vec<PathBuf> {
+        fn locks(dir: &Path, deep: bool, out: &mut Vec<PathBuf>) {
+            for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+                let path = e.path();
+                match e.file_type() {
+                    Ok(t) if t.is_dir() && deep => locks(&path, deep, out),
+                    Ok(t) if t.is_file() && e.file_name().to_string_lossy().ends_with(".lock") => {
+                        out.push(path)
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let mut found = Vec::new();
+        // HEAD, config, packed-refs, shallow; then every ref.
+        locks(&self.dir, false, &mut found);
+        locks(&self.dir.join("refs"), true, &mut found);
+        let pack = self.dir.join("objects/pack");
+        for e in std::fs::read_dir(&pack).into_iter().flatten().flatten() {
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            if name.starts_with("tmp_") || name.starts_with(".tmp-") {
+                found.push(e.path());
+            }
+        }
+        found.retain(|path| match std::fs::remove_file(path) {
+            Ok(()) => {
+                tracing::warn!(path = %path.display(), "removed what a killed git left in the cache");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot remove what a killed git left in the cache");
+                false
+            }
+        });
+        found
+    }
+
     /// Fetches `reference` (a branch, a tag, or `HEAD`) of `url` into
     /// [`FETCHED`], following a rewritten history (`+`). A commit id is
     /// fetched by asking for every branch and tag and then looking for it.
@@ -257,6 +302,7 @@ impl Repo {
         auth: &Auth,
         timeout: Duration,
     ) -> Result<(), GitError> {
+        self.remove_leftovers();
         let with_auth = Repo {
             dir: self.dir.clone(),
             env: auth.env()?,
@@ -581,6 +627,120 @@ mod tests {
         let none: HashMap<String, String> = Auth::default().env().unwrap().into_iter().collect();
         assert_eq!(none["GIT_CONFIG_COUNT"], "0");
         assert!(!none.contains_key("GIT_CONFIG_KEY_0"));
+    }
+
+    /// Through the real `git`: a ref lock and a half-written pack, each left
+    /// by a git killed mid-write (SIGKILL after `prepare` of a ref
+    /// transaction; during an `index-pack`), do not stop the next fetch,
+    /// and are gone after it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn what_a_killed_git_left_in_the_cache_is_removed_by_the_next_fetch() {
+        use std::io::Write as _;
+        let dir = tempfile::tempdir().unwrap();
+        let work = dir.path().join("work");
+        std::fs::create_dir_all(&work).unwrap();
+        let git = |args: &[&str]| super::super::test_git::git(&work, args);
+        git(&["init", "-q", "-b", "main"]);
+        let cache = Repo::open(&dir.path().join("cache.git")).await.unwrap();
+        let url = format!("file://{}", work.display());
+        let commit = |text: &str| {
+            std::fs::write(work.join("a.yaml"), text).unwrap();
+            git(&["add", "a.yaml"]);
+            git(&["commit", "-q", "-m", text]);
+            git(&["rev-parse", "HEAD"])
+        };
+        let first = commit("x: 1\n");
+        cache
+            .fetch(&url, "main", &Auth::default(), QUICK)
+            .await
+            .unwrap();
+        let in_cache = |args: &[&str]| {
+            std::process::Command::new("git")
+                .arg("--git-dir")
+                .arg(&cache.dir)
+                .args(args)
+                .stdin(std::process::Stdio::piped())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        };
+        // Killed holding the lock of the fetched ref.
+        let mut update = in_cache(&["update-ref", "--stdin"]);
+        let mut stdin = update.stdin.take().unwrap();
+        writeln!(stdin, "start\nupdate {FETCHED} {first}\nprepare").unwrap();
+        let mut answers = std::io::BufReader::new(update.stdout.take().unwrap());
+        let mut line = String::new();
+        for _ in 0..2 {
+            std::io::BufRead::read_line(&mut answers, &mut line).unwrap();
+        }
+        assert_eq!(line, "start: ok\nprepare: ok\n");
+        update.kill().unwrap();
+        update.wait().unwrap();
+        // Killed with half a pack written.
+        let mut index = in_cache(&["index-pack", "--stdin"]);
+        let pack = std::process::Command::new("git")
+            .arg("-C")
+            .arg(&work)
+            .args(["pack-objects", "--revs", "--stdout", "-q"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut pack = pack;
+        writeln!(pack.stdin.take().unwrap(), "HEAD").unwrap();
+        let pack = pack.wait_with_output().unwrap().stdout;
+        index
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(&pack[..pack.len() / 2])
+            .unwrap();
+        let tmp_pack = || {
+            std::fs::read_dir(cache.dir.join("objects/pack"))
+                .unwrap()
+                .flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with("tmp_"))
+                .collect::<Vec<_>>()
+        };
+        let mut waited = 0;
+        while tmp_pack().is_empty() && waited < 100 {
+            std::thread::sleep(Duration::from_millis(20));
+            waited += 1;
+        }
+        index.kill().unwrap();
+        index.wait().unwrap();
+        let lock = cache.dir.join("refs/hearth/fetched.lock");
+        assert!(lock.is_file(), "git left no lock");
+        assert_eq!(tmp_pack().len(), 1, "git left no half-written pack");
+        // git alone fails on the lock.
+        let second = commit("x: 2\n");
+        let raw = std::process::Command::new("git")
+            .arg("--git-dir")
+            .arg(&cache.dir)
+            .args(["-c", "protocol.file.allow=always", "fetch", "-q", &url])
+            .arg(format!("+refs/heads/main:{FETCHED}"))
+            .output()
+            .unwrap();
+        assert!(!raw.status.success());
+        assert!(String::from_utf8_lossy(&raw.stderr).contains("File exists"));
+
+        cache
+            .fetch(&url, "main", &Auth::default(), QUICK)
+            .await
+            .unwrap();
+        let fetched = std::process::Command::new("git")
+            .arg("--git-dir")
+            .arg(&cache.dir)
+            .args(["rev-parse", FETCHED])
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&fetched.stdout).trim(), second);
+        assert!(!lock.exists());
+        assert_eq!(tmp_pack(), Vec::<String>::new());
+        // Nothing left: nothing removed.
+        assert_eq!(cache.remove_leftovers(), Vec::<PathBuf>::new());
     }
 
     /// Through the real `git`: every fetch leaves a pack; past the bound
