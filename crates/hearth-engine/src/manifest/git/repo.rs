@@ -629,6 +629,16 @@ mod tests {
         assert!(!none.contains_key("GIT_CONFIG_KEY_0"));
     }
 
+    /// A work repository on branch main, an empty cache, and the work's URL.
+    async fn work_and_cache(dir: &Path) -> (PathBuf, Repo, String) {
+        let work = dir.join("work");
+        std::fs::create_dir_all(&work).unwrap();
+        super::super::test_git::git(&work, &["init", "-q", "-b", "main"]);
+        let cache = Repo::open(&dir.join("cache.git")).await.unwrap();
+        let url = format!("file://{}", work.display());
+        (work, cache, url)
+    }
+
     /// Through the real `git`: a ref lock and a half-written pack, each left
     /// by a git killed mid-write (SIGKILL after `prepare` of a ref
     /// transaction; during an `index-pack`), do not stop the next fetch,
@@ -637,12 +647,8 @@ mod tests {
     async fn what_a_killed_git_left_in_the_cache_is_removed_by_the_next_fetch() {
         use std::io::Write as _;
         let dir = tempfile::tempdir().unwrap();
-        let work = dir.path().join("work");
-        std::fs::create_dir_all(&work).unwrap();
+        let (work, cache, url) = work_and_cache(dir.path()).await;
         let git = |args: &[&str]| super::super::test_git::git(&work, args);
-        git(&["init", "-q", "-b", "main"]);
-        let cache = Repo::open(&dir.path().join("cache.git")).await.unwrap();
-        let url = format!("file://{}", work.display());
         let commit = |text: &str| {
             std::fs::write(work.join("a.yaml"), text).unwrap();
             git(&["add", "a.yaml"]);
@@ -748,12 +754,8 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_cache_of_many_packs_is_repacked_into_one() {
         let dir = tempfile::tempdir().unwrap();
-        let work = dir.path().join("work");
-        std::fs::create_dir_all(&work).unwrap();
+        let (work, cache, url) = work_and_cache(dir.path()).await;
         let git = |args: &[&str]| super::super::test_git::git(&work, args);
-        git(&["init", "-q", "-b", "main"]);
-        let cache = Repo::open(&dir.path().join("cache.git")).await.unwrap();
-        let url = format!("file://{}", work.display());
         let packs = || {
             std::fs::read_dir(cache.dir.join("objects/pack"))
                 .unwrap()
