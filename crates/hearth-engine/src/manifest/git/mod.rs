@@ -32,7 +32,9 @@ use super::apply::{Applier, owned_objects};
 use super::core::{Command, Content, Core, CoreConfig, Listing};
 use super::owner::SourceOwner;
 use crate::engine::Engine;
+use objects::Objects;
 use repo::{APPLIED, CommitInfo, FETCHED, Repo};
+use tree::TreeEntry;
 
 /// One git source, as configured.
 #[derive(Clone, Debug)]
@@ -187,7 +189,7 @@ pub struct GitSource {
     applier: Applier,
     state: Mutex<State>,
     /// The cache's objects, read through `git cat-file` kept running.
-    objects: tokio::sync::Mutex<objects::Objects>,
+    objects: tokio::sync::Mutex<Objects>,
     /// One sync at a time.
     sync_lock: tokio::sync::Mutex<()>,
     refresh: Notify,
@@ -229,7 +231,7 @@ impl GitSource {
                 last_sync: None,
                 store_read_at: Some(std::time::Instant::now()),
             }),
-            objects: tokio::sync::Mutex::new(objects::Objects::new(&config.cache)),
+            objects: tokio::sync::Mutex::new(Objects::new(&config.cache)),
             sync_lock: tokio::sync::Mutex::new(()),
             refresh: Notify::new(),
             started: std::sync::atomic::AtomicU64::new(0),
@@ -454,43 +456,53 @@ impl GitSource {
         };
         stats.fetch_us = fetch_started.elapsed().as_micros() as u64;
         let read_started = std::time::Instant::now();
+        let Commit {
+            listing,
+            parsed,
+            ignored,
+            files,
+            blobs_read,
+        } = self.read_commit(&mut objects, &commit).await?;
+        stats.files = files;
+        stats.blobs_read = blobs_read;
+        stats.read_us = read_started.elapsed().as_micros() as u64;
+        Ok(Some(Read {
+            repo,
+            info,
+            listing,
+            parsed,
+            ignored,
+            rewritten: rewritten.then(|| previous.unwrap_or_default()),
+        }))
+    }
+
+    /// The manifests of `commit` under the source's folder, reading only
+    /// what was not read before: the sizes of new blobs, then the new
+    /// manifests' blobs. Err (Stale): the folder is missing, or holds no
+    /// manifest.
+    async fn read_commit(&self, objects: &mut Objects, commit: &str) -> Result<Commit, Held> {
+        let c = &self.config;
         let max_listing = c.max_files.saturating_mul(512).max(1 << 20);
         let prefix = tree::folder_prefix(&c.path);
         let folder = prefix.trim_end_matches('/');
         let mut entries = objects
-            .files(&commit, folder, max_listing)
+            .files(commit, folder, max_listing)
             .await
             .map_err(stale)?
             .unwrap_or_default();
-        // Sizes: only the blobs not seen before are asked for.
-        let known = std::mem::take(&mut self.lock().sizes);
-        let unknown: std::collections::BTreeSet<&str> = entries
-            .iter()
-            .filter(|e| e.kind == "blob" && !known.contains_key(&e.oid))
-            .map(|e| e.oid.as_str())
-            .collect();
-        let unknown: Vec<&str> = unknown.into_iter().collect();
-        let fresh = objects.sizes(&unknown).await.map_err(stale)?;
-        let mut sizes = HashMap::new();
-        for e in entries.iter_mut().filter(|e| e.kind == "blob") {
-            e.size = known.get(&e.oid).or_else(|| fresh.get(&e.oid)).copied();
-            if let Some(size) = e.size {
-                sizes.insert(e.oid.clone(), size);
-            }
-        }
-        self.lock().sizes = sizes;
+        self.fill_sizes(objects, &mut entries).await?;
         let selected = tree::select(&entries, &prefix, c.max_file_size, c.max_files);
         if !selected.folder_exists {
             return Err(stale(format!(
                 "commit {} has no folder {:?}",
-                short(&commit),
+                short(commit),
                 c.path
             )));
         }
         if selected.manifests.is_empty() {
             return Err(stale(format!(
                 "commit {} has no manifest under {:?} (a commit that empties the source is not taken as deleting everything: delete the objects through the files one by one)",
-                short(&commit),
+                short(commit),
                 if c.path.is_empty() {
                     "/"
                 } else {
@@ -525,18 +537,40 @@ impl GitSource {
                 parsed.insert(oid, tree::content_of(&b));
             }
         }
-        let listing = tree::listing(&selected.manifests, &parsed);
-        stats.files = selected.manifests.len();
-        stats.blobs_read = wanted.len();
-        stats.read_us = read_started.elapsed().as_micros() as u64;
-        Ok(Some(Read {
-            repo,
-            info,
-            listing,
+        Ok(Commit {
+            listing: tree::listing(&selected.manifests, &parsed),
             parsed,
             ignored: selected.ignored,
-            rewritten: rewritten.then(|| previous.unwrap_or_default()),
-        }))
+            files: selected.manifests.len(),
+            blobs_read: wanted.len(),
+        })
+    }
+
+    /// Each blob entry's size: known from an earlier commit (an id's size
+    /// never changes), else asked of git. Only this commit's sizes are
+    /// kept.
+    async fn fill_sizes(
+        &self,
+        objects: &mut Objects,
+        entries: &mut [TreeEntry],
+    ) -> Result<(), Held> {
+        let known = std::mem::take(&mut self.lock().sizes);
+        let unknown: std::collections::BTreeSet<&str> = entries
+            .iter()
+            .filter(|e| e.kind == "blob" && !known.contains_key(&e.oid))
+            .map(|e| e.oid.as_str())
+            .collect();
+        let unknown: Vec<&str> = unknown.into_iter().collect();
+        let fresh = objects.sizes(&unknown).await.map_err(stale)?;
+        let mut sizes = HashMap::new();
+        for e in entries.iter_mut().filter(|e| e.kind == "blob") {
+            e.size = known.get(&e.oid).or_else(|| fresh.get(&e.oid)).copied();
+            if let Some(size) = e.size {
+                sizes.insert(e.oid.clone(), size);
+            }
+        }
+        self.lock().sizes = sizes;
+        Ok(())
     }
 
     /// Hands a new commit to the core and carries out what it says.
@@ -654,6 +688,17 @@ fn stale(e: impl std::fmt::Display) -> Held {
 }
 
 /// A commit read, not yet applied.
+/// A commit's manifests, as read.
+struct Commit {
+    listing: Listing,
+    parsed: HashMap<String, Content>,
+    ignored: Vec<(String, String)>,
+    /// Manifest files in the commit, and blobs read (the ones not parsed
+    /// before).
+    files: usize,
+    blobs_read: usize,
+}
+
 struct Read {
     repo: Repo,
     info: CommitInfo,
