@@ -168,3 +168,110 @@ fn networks_are_listed_refused_when_bad_and_keep_their_leases_across_a_crash() {
         "processes other than hearthd left in the namespace: {pids:?}"
     );
 }
+
+/// The netlink requests `pid`'s threads (and the children they start, such
+/// as `nft`) make while `during` runs, as strace shows them: the kernel's
+/// side of the host networking hearthd reads and changes.
+fn netlink_requests(pid: u32, during: impl FnOnce()) -> String {
+    let out = tempfile::NamedTempFile::new().expect("tempfile");
+    let mut strace = std::process::Command::new("strace")
+        .args(["-f", "-qq", "-e", "trace=sendto,sendmsg", "-o"])
+        .arg(out.path())
+        .args(["-p", &pid.to_string()])
+        .spawn()
+        .expect("strace (apt-get install strace)");
+    // Attached once every thread of hearthd is traced.
+    let traced = eventually(WAIT, || {
+        std::fs::read_dir(format!("/proc/{pid}/task"))
+            .expect("hearthd's threads")
+            .flatten()
+            .all(|t| {
+                std::fs::read_to_string(t.path().join("status"))
+                    .unwrap_or_default()
+                    .lines()
+                    .any(|l| l.starts_with("TracerPid:") && l.trim_end() != "TracerPid:\t0")
+            })
+    });
+    assert!(traced, "strace did not attach to every thread of hearthd");
+    during();
+    // SIGINT: strace detaches and leaves hearthd running.
+    let _ = std::process::Command::new("kill")
+        .args(["-INT", &strace.id().to_string()])
+        .status();
+    strace.wait().expect("strace");
+    std::fs::read_to_string(out.path())
+        .expect("strace's output")
+        .lines()
+        .filter(|l| l.contains("nlmsg_type="))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// An edit of a VM that leaves its interfaces as they were (its CPUs) does no
+/// network work: hearthd asks the kernel about no link while it applies and
+/// reconciles it (a network reconcile lists every link on the host, so each
+/// such edit cost more with every VM). An edit of its interfaces does.
+#[test]
+fn a_vm_edit_that_keeps_its_interfaces_asks_the_kernel_about_no_link() {
+    let _serial = serial();
+    let images = tempfile::tempdir().expect("tempdir");
+    let kernel = images.path().join("vmlinuz");
+    std::fs::write(&kernel, b"never booted").expect("kernel");
+    // No periodic resync inside the test's windows.
+    let d = Daemon::start_in_netns(
+        &[images.path()],
+        &["--accel", "tcg", "--resync-seconds", "3600"],
+    );
+    let hearthd = d.child.as_ref().map(|c| c.id()).expect("hearthd");
+    let lan = manifest(&d, "lan.yaml", &net("lan", "10.77.0.0/24"));
+    d.cli_ok(&["apply", "-f", lan.to_str().expect("utf8")]);
+    let apply = |cpus: u32, networks: &str| {
+        let text = vm(&kernel, "web", networks).replace(
+            "  runPolicy: AlwaysOff\n",
+            &format!("  runPolicy: AlwaysOff\n  cpus: {cpus}\n"),
+        );
+        let m = manifest(&d, "web.yaml", &text);
+        d.cli_ok(&["apply", "-f", m.to_str().expect("utf8")]);
+    };
+    let reconciled = |generation: u64| {
+        d.wait_object("virtualmachines", "web", "reconciled", WAIT, |v| {
+            v["status"]["observedGeneration"] == generation
+        });
+    };
+    apply(1, "[{virtualNetworkName: lan}]");
+    d.wait_object("virtualnetworks", "lan", "one lease", WAIT, |v| {
+        v["status"]["leases"] == 1 && v["status"]["phase"] == "Ready"
+    });
+    reconciled(1);
+    let settle = || std::thread::sleep(Duration::from_millis(500));
+    settle();
+
+    let cpus_only = netlink_requests(hearthd, || {
+        apply(2, "[{virtualNetworkName: lan}]");
+        reconciled(2);
+        settle();
+    });
+    assert!(
+        cpus_only.is_empty(),
+        "a CPU edit made netlink requests:\n{cpus_only}"
+    );
+    assert_eq!(d.get_vm("web").expect("web")["spec"]["cpus"], 2);
+
+    let interfaces = netlink_requests(hearthd, || {
+        apply(2, "[{virtualNetworkName: lan, ipAddress: 10.77.0.50}]");
+        reconciled(3);
+        d.wait_object(
+            "virtualnetworks",
+            "lan",
+            "the reserved address",
+            WAIT,
+            |v| v["status"]["leases"] == 1,
+        );
+        settle();
+    });
+    // RTM_GETLINK (18), as this strace shows it or by number.
+    assert!(
+        interfaces.contains("RTM_GETLINK") || interfaces.contains("nlmsg_type=0x12 "),
+        "an interface edit listed no link:\n{interfaces}"
+    );
+}

@@ -44,6 +44,8 @@ impl Engine {
         let mut seen = HashSet::new();
         let mut prepared = Vec::new();
         let mut old_networks: Vec<String> = Vec::new();
+        // The objects whose apply the networks must see.
+        let mut networked: HashSet<(Kind, String)> = HashSet::new();
         for mut obj in objects {
             obj.strip_server_fields();
             obj.validate()?;
@@ -102,24 +104,36 @@ impl Engine {
                 }
             }
             meta.managed_by = Some(managed_by.to_string());
-            // A VM leaving a network frees its address there.
-            if let Some(StoredObject {
-                object: Object::VirtualMachine(old),
-                ..
-            }) = &existing
-            {
-                old_networks.extend(
-                    old.spec
-                        .networks
-                        .iter()
-                        .map(|n| n.virtual_network_name.clone()),
-                );
+            let networking = match &obj {
+                Object::VirtualNetwork(_) => action != ApplyAction::Unchanged,
+                _ => changes_interfaces(existing.as_ref().map(|e| &e.object), &obj),
+            };
+            if networking {
+                // A VM leaving a network frees its address there.
+                if let Some(StoredObject {
+                    object: Object::VirtualMachine(old),
+                    ..
+                }) = &existing
+                {
+                    old_networks.extend(
+                        old.spec
+                            .networks
+                            .iter()
+                            .map(|n| n.virtual_network_name.clone()),
+                    );
+                }
+                networked.insert((obj.kind(), obj.name().to_string()));
             }
             prepared.push((obj, action, old_owner, relabeled));
         }
         self.check_disk_exclusivity(prepared.iter().map(|(o, _, _, _)| o))?;
         let addresses = self.ctx.addresses.lock().unwrap_or_else(|p| p.into_inner());
-        self.check_networks(prepared.iter().map(|(o, _, _, _)| o))?;
+        // An apply that changes no network and no VM's interfaces needs no
+        // network check: every object admitted since was checked against
+        // the interfaces it keeps. (The check reads every VM.)
+        if !networked.is_empty() {
+            self.check_networks(prepared.iter().map(|(o, _, _, _)| o))?;
+        }
 
         let to_write: Vec<Object> = prepared
             .iter()
@@ -186,9 +200,13 @@ impl Engine {
                 for d in &vm.spec.disks {
                     self.wake(Kind::VirtualDisk, &d.virtual_disk_name);
                 }
-                // The networks assign (or release) its addresses.
-                for n in &vm.spec.networks {
-                    self.wake(Kind::VirtualNetwork, &n.virtual_network_name);
+                // The networks assign (or release) its addresses, when its
+                // interfaces changed: an edit of anything else costs no
+                // network reconcile (each reads every link on the host).
+                if networked.contains(&(Kind::VirtualMachine, vm.metadata.name.clone())) {
+                    for n in &vm.spec.networks {
+                        self.wake(Kind::VirtualNetwork, &n.virtual_network_name);
+                    }
                 }
             }
             outcomes.push(ApplyOutcome {
@@ -698,4 +716,16 @@ fn check_owner(existing: &StoredObject, managed_by: &str) -> Result<(), RequestE
         object: existing.object.display_name(),
         owner: owner.to_string(),
     })
+}
+
+/// Whether applying `new` over `old` (None: a new object) changes a VM's
+/// interfaces: the only part of a VM that networking reads, with its name.
+fn changes_interfaces(old: Option<&Object>, new: &Object) -> bool {
+    match (old, new) {
+        (Some(Object::VirtualMachine(old)), Object::VirtualMachine(new)) => {
+            old.spec.networks != new.spec.networks
+        }
+        (_, Object::VirtualMachine(new)) => !new.spec.networks.is_empty(),
+        _ => false,
+    }
 }
