@@ -16,6 +16,7 @@ pub mod img;
 pub mod probe;
 pub mod process;
 pub mod programs;
+pub mod qcow2;
 pub mod qmp;
 pub mod seam;
 pub mod stats;

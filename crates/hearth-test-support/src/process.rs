@@ -62,6 +62,23 @@ pub fn start_ticks(pid: u32) -> Option<u64> {
     rest.split_whitespace().nth(22 - 3)?.parse().ok()
 }
 
+/// Every thread of `pid` is traced (`TracerPid` in its status is not 0):
+/// a tracer attached with `-p` stops each of them from here on.
+pub fn all_threads_traced(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    let mut any = false;
+    tasks.flatten().all(|t| {
+        any = true;
+        std::fs::read_to_string(t.path().join("status"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix("TracerPid:"))
+            .is_some_and(|v| v.trim() != "0")
+    }) && any
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

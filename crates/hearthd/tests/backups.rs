@@ -15,7 +15,6 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use common::kill_wrapper::KillWrapper;
 use common::*;
 use serde_json::Value;
 
@@ -164,12 +163,7 @@ fn write_mib(d: &Daemon, file: &str, mib: u32) {
 #[test]
 fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() {
     let _serial = serial();
-    // A qemu-img ahead in hearthd's PATH: the real one, then, once armed,
-    // a SIGKILL to hearthd right after it checked a finished copy (the file
-    // whole, the manifest not yet written).
-    let wrapper = KillWrapper::new("qemu-img", "*\" check \"*.partial*");
-    let env = [("PATH", wrapper.path.as_str())];
-    let mut d = Daemon::start_env(&env);
+    let mut d = Daemon::start();
     let scratch = d.dir.path().join("scratch");
     std::fs::create_dir_all(&scratch).unwrap();
     let to = d.dir.path().join("backups").join("app");
@@ -268,27 +262,48 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     let truth4 = checkpoint_disk(&d, &b4);
     assert!(same_bytes(&p4, &truth4), "point 4 differs");
 
-    // 5. hearthd SIGKILLed once a copy is whole and checked, before the
-    // manifest names it: the point is not counted; after the restart the
-    // backup is made again, and the leftover file is gone.
+    // 5. hearthd SIGKILLed once a copy is whole and synced, before the
+    // manifest names it: strace kills it as it enters the rename of the
+    // finished `.partial` (before the call runs). The point is not counted;
+    // after the restart the backup is made again, and the leftover file is
+    // gone.
     write_mib(&d, "five", 3);
-    wrapper.arm();
-    assert!(backup_cmd(&d, "b5", &to, &[]).status.success());
     let partial = to.join("app-data").join("0005.qcow2.partial");
-    let died = hearth_test_support::eventually(BACKUP_TIMEOUT, || {
-        d.child
-            .as_mut()
-            .is_some_and(|c| c.try_wait().ok().flatten().is_some())
-    });
-    assert!(died, "hearthd was not killed after the check:\n{}", d.log());
-    d.kill();
+    let hearthd = d.child.as_ref().map(|c| c.id()).expect("hearthd");
+    let strace_log = d.dir.path().join("strace.log");
+    let renames = "rename,renameat,renameat2";
+    let mut strace = Command::new("strace")
+        .args(["-f", "-qq", "-p", &hearthd.to_string(), "-P"])
+        .arg(&partial)
+        .args(["-e", &format!("trace={renames}")])
+        .args(["-e", &format!("inject={renames}:signal=SIGKILL")])
+        .arg("-o")
+        .arg(&strace_log)
+        .spawn()
+        .expect("strace (apt-get install strace)");
+    assert!(
+        hearth_test_support::eventually(BACKUP_TIMEOUT, || {
+            hearth_test_support::process::all_threads_traced(hearthd)
+        }),
+        "strace did not attach to every thread of hearthd"
+    );
+    assert!(backup_cmd(&d, "b5", &to, &[]).status.success());
+    let status = d.wait_exit(BACKUP_TIMEOUT);
+    let _ = strace.wait();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9),
+        "hearthd was not killed at the rename: {status}; strace:\n{}\n{}",
+        std::fs::read_to_string(&strace_log).unwrap_or_default(),
+        d.log()
+    );
     assert!(partial.exists(), "the finished copy is not there");
     assert_eq!(
         listed_points(&to),
         [1, 2, 3, 4],
         "a point was committed half-written"
     );
-    d.spawn_env(&env);
+    d.spawn();
     let b5 = d.wait_final("virtualmachinebackups", "b5", BACKUP_TIMEOUT);
     assert_eq!(b5["status"]["phase"], "Ready", "{b5:#}");
     assert_eq!(b5["status"]["kind"], "Incremental", "{b5:#}");

@@ -678,20 +678,6 @@ fn a_running_vms_network_edit_keeps_what_its_qemu_uses_until_the_restart_applies
     assert_eq!(wait_console_lease(&d, "c", "eth0", 1), a_lan);
 }
 
-/// Every thread of `pid` is traced (`TracerPid` in its status is not 0).
-fn all_threads_traced(pid: u32) -> bool {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
-        return false;
-    };
-    tasks.flatten().all(|t| {
-        std::fs::read_to_string(t.path().join("status"))
-            .unwrap_or_default()
-            .lines()
-            .find_map(|l| l.strip_prefix("TracerPid:"))
-            .is_some_and(|v| v.trim() != "0")
-    })
-}
-
 #[test]
 fn a_hearthd_killed_between_writing_dnsmasqs_hosts_and_signalling_it_leaves_nothing_stale() {
     let _serial = serial();
@@ -731,7 +717,7 @@ fn a_hearthd_killed_between_writing_dnsmasqs_hosts_and_signalling_it_leaves_noth
         .spawn()
         .expect("strace (apt-get install strace)");
     wait_until("strace traces every thread of hearthd", WAIT, || {
-        all_threads_traced(hearthd)
+        hearth_test_support::process::all_threads_traced(hearthd)
     });
     apply_manifest(&d, "b.yaml", &guest("b", "[{virtualNetworkName: lan}]", ""));
     let status = d.wait_exit(WAIT);

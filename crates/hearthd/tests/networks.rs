@@ -182,15 +182,7 @@ fn netlink_requests(pid: u32, during: impl FnOnce()) -> String {
         .expect("strace (apt-get install strace)");
     // Attached once every thread of hearthd is traced.
     let traced = eventually(WAIT, || {
-        std::fs::read_dir(format!("/proc/{pid}/task"))
-            .expect("hearthd's threads")
-            .flatten()
-            .all(|t| {
-                std::fs::read_to_string(t.path().join("status"))
-                    .unwrap_or_default()
-                    .lines()
-                    .any(|l| l.starts_with("TracerPid:") && l.trim_end() != "TracerPid:\t0")
-            })
+        hearth_test_support::process::all_threads_traced(pid)
     });
     assert!(traced, "strace did not attach to every thread of hearthd");
     during();

@@ -27,7 +27,7 @@ use hearth_test_support::oci::{
     HugeManifestRegistry, StallingProxy, TestRegistry, container_disk_image, sha256sum,
     skopeo_digest, tool, umoci_image, umoci_tag,
 };
-use hearth_test_support::process::{command_lines, is_zombie};
+use hearth_test_support::process::{all_threads_traced, command_lines, is_zombie};
 use serde_json::Value;
 
 const IMPORT: Duration = Duration::from_secs(180);
@@ -319,22 +319,6 @@ fn a_rootfs_import_killed_during_its_unpack_and_during_mkfs_is_built_again_from_
     }
 }
 
-/// Whether every thread of `pid` is traced.
-fn traced(pid: u32) -> bool {
-    let tasks = entries(Path::new(&format!("/proc/{pid}/task")));
-    !tasks.is_empty()
-        && tasks.iter().all(|t| {
-            fs::read_to_string(format!("/proc/{pid}/task/{t}/status"))
-                .ok()
-                .and_then(|st| {
-                    st.lines()
-                        .find_map(|l| l.strip_prefix("TracerPid:"))
-                        .map(|v| v.trim() != "0")
-                })
-                .unwrap_or(false)
-        })
-}
-
 #[test]
 fn an_import_killed_between_its_verified_file_and_its_commit_commits_after_a_restart() {
     let src = tempfile::Builder::new()
@@ -361,7 +345,7 @@ fn an_import_killed_between_its_verified_file_and_its_commit_commits_after_a_res
     wait_until(
         "strace traces every thread of hearthd",
         Duration::from_secs(20),
-        || traced(pid),
+        || all_threads_traced(pid),
     );
     d.apply(vec![
         Image::oci(

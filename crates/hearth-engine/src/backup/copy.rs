@@ -2,19 +2,27 @@
 //! layers (never the live disk): a full point is a new qcow2 holding every
 //! cluster of the cut's chain with data; an incremental point is a qcow2
 //! backed by the previous point's file holding what the layers above the
-//! previous checkpoint hold. Both are `qemu-img convert` runs, one per
-//! layer for an incremental (from the lowest, each adding what its own
-//! layer holds: convert over a backing file copies the source's top layer
-//! alone). The file is written under `.partial`, fsynced, checked and
-//! (for a manifest) hashed; renaming it is the caller's, after every disk
-//! is done.
+//! previous checkpoint hold.
+//!
+//! An incremental point is written by hearth itself when those layers are
+//! plain qcow2 (`hearth_qemu::qcow2`): their cluster maps read from their
+//! own tables, the point written front to back and hashed as it goes. Any
+//! layer outside that subset, and every full point, goes through `qemu-img
+//! convert`: one run per layer for an incremental (from the lowest, each
+//! adding what its own layer holds: convert over a backing file copies the
+//! source's top layer alone), then `qemu-img check`. The file is written
+//! under `.partial` and fsynced; renaming it is the caller's, after every
+//! disk is done.
 
 use super::io;
+use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use hearth_qemu::img::{self, CopyInto, Extent};
+use hearth_qemu::qcow2;
 
 const TIMEOUT: Duration = Duration::from_secs(6 * 3600);
 
@@ -37,6 +45,13 @@ pub enum CopyError {
     },
     #[error("the copy task failed: {0}")]
     Join(String),
+    #[error(transparent)]
+    Qcow2(#[from] qcow2::Qcow2Error),
+    #[error("writing {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        source: qcow2::WriteError,
+    },
 }
 
 /// Where copies of an older hearthd (through FUSE exports) had their
@@ -82,31 +97,143 @@ pub struct Over {
     pub file: String,
 }
 
-/// What one disk's file takes: the runs, and how many bytes.
+/// What one disk's file takes, and how many bytes.
 #[derive(Debug)]
 pub struct Plan {
-    /// The layers copied from, lowest first, each with the bytes it is
-    /// the top of (its share of the progress).
-    passes: Vec<(PathBuf, u64)>,
+    how: How,
     /// The bytes the point holds: data and zeroes.
     pub bytes: u64,
     /// The data among them (zeroes are not read).
     data: u64,
-    /// `Some(file name)`: over the previous point's file; `None`: whole.
-    backing: Option<String>,
 }
 
-/// The point of `layer`'s chain: a full one (`over` None) holds every
-/// extent with data; an incremental one the extents some layer above the
-/// previous checkpoint holds, copied layer by layer.
+#[derive(Debug)]
+enum How {
+    /// `qemu-img convert` runs.
+    Convert {
+        /// The layers copied from, lowest first, each with the bytes it
+        /// is the top of (its share of the progress).
+        passes: Vec<(PathBuf, u64)>,
+        /// `Some(file name)`: over the previous point's file; `None`: whole.
+        backing: Option<String>,
+    },
+    /// An incremental point written by hearth from the layers' own maps.
+    Direct {
+        /// The layers above the previous checkpoint, top first.
+        layers: Vec<qcow2::Layer>,
+        clusters: BTreeMap<u64, qcow2::Cluster>,
+        cluster_bits: u32,
+        virtual_size: u64,
+        /// The previous point's file name.
+        backing: String,
+    },
+}
+
+/// The point of `layer`'s chain through `qemu-img`: a full one (`over`
+/// None) holds every extent with data; an incremental one the extents some
+/// layer above the previous checkpoint holds, copied layer by layer.
 pub async fn plan(layer: &Path, over: Option<Over>) -> Result<Plan, CopyError> {
     plan_from(layer, &extents(layer).await?, over)
+}
+
+/// An incremental point of a disk of `virtual_size`: read and written by
+/// hearth when every layer above the previous checkpoint is a qcow2 it
+/// reads itself, else through `qemu-img` ([`plan`]).
+pub async fn plan_incremental(
+    layer: &Path,
+    virtual_size: u64,
+    over: Over,
+) -> Result<Plan, CopyError> {
+    check_depth(layer, &over)?;
+    let (top, file) = (
+        over.chain[..over.depth as usize].to_vec(),
+        over.file.clone(),
+    );
+    let direct = tokio::task::spawn_blocking(move || plan_direct(&top, virtual_size, file))
+        .await
+        .map_err(|e| CopyError::Join(e.to_string()))?;
+    match direct {
+        Ok(plan) => Ok(plan),
+        Err(why) => {
+            tracing::info!(layer = %layer.display(), %why, "copying through qemu-img");
+            plan(layer, Some(over)).await
+        }
+    }
+}
+
+/// The clusters of `layers` (top first): for each guest cluster, what the
+/// highest layer that holds it holds.
+fn plan_direct(layers: &[PathBuf], virtual_size: u64, backing: String) -> Result<Plan, String> {
+    let layers = layers
+        .iter()
+        .map(|l| qcow2::Layer::open(l))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| e.to_string())?;
+    let Some(cluster_bits) = layers.first().map(|l| l.header.cluster_bits) else {
+        return Err("no layer above the checkpoint".into());
+    };
+    for l in &layers {
+        if l.header.cluster_bits != cluster_bits || cluster_bits < 12 {
+            return Err(format!(
+                "{}: clusters of 2^{} bytes (2^{cluster_bits} at the top)",
+                l.path.display(),
+                l.header.cluster_bits
+            ));
+        }
+        if l.header.size != virtual_size {
+            return Err(format!(
+                "{}: {} bytes, the disk {virtual_size}",
+                l.path.display(),
+                l.header.size
+            ));
+        }
+    }
+    let mut clusters = BTreeMap::new();
+    for (source, l) in layers.iter().enumerate() {
+        for &(g, e) in &l.clusters {
+            clusters.entry(g).or_insert(match e {
+                qcow2::Entry::Data(at) => qcow2::Cluster::Data { source, at },
+                qcow2::Entry::Zero => qcow2::Cluster::Zero,
+            });
+        }
+    }
+    let cs = 1u64 << cluster_bits;
+    let len = |g: u64| cs.min(virtual_size - g * cs);
+    let bytes = clusters.keys().map(|&g| len(g)).sum();
+    let data = clusters
+        .iter()
+        .filter(|(_, c)| matches!(c, qcow2::Cluster::Data { .. }))
+        .map(|(&g, _)| len(g))
+        .sum();
+    Ok(Plan {
+        how: How::Direct {
+            layers,
+            clusters,
+            cluster_bits,
+            virtual_size,
+            backing,
+        },
+        bytes,
+        data,
+    })
 }
 
 /// `qemu-img map` of `layer`'s chain: every extent, with the depth of the
 /// layer that holds it.
 pub async fn extents(layer: &Path) -> Result<Vec<Extent>, CopyError> {
     Ok(img::map(layer, TIMEOUT).await?)
+}
+
+/// Depth 0 would make the cut's own new layer the previous checkpoint's.
+fn check_depth(layer: &Path, over: &Over) -> Result<(), CopyError> {
+    if over.depth == 0 || over.chain.len() <= over.depth as usize {
+        return Err(CopyError::ShortChain {
+            layer: layer.to_path_buf(),
+            have: over.chain.len(),
+            depth: over.depth,
+        });
+    }
+    Ok(())
 }
 
 /// [`plan`] from the chain's extents, already read.
@@ -118,20 +245,15 @@ pub fn plan_from(layer: &Path, map: &[Extent], over: Option<Over>) -> Result<Pla
             .map(|e| e.length)
             .sum();
         return Ok(Plan {
-            passes: vec![(layer.to_path_buf(), data)],
+            how: How::Convert {
+                passes: vec![(layer.to_path_buf(), data)],
+                backing: None,
+            },
             bytes: data,
             data,
-            backing: None,
         });
     };
-    // Depth 0 would make the cut's own new layer the previous checkpoint's.
-    if over.depth == 0 || over.chain.len() <= over.depth as usize {
-        return Err(CopyError::ShortChain {
-            layer: layer.to_path_buf(),
-            have: over.chain.len(),
-            depth: over.depth,
-        });
-    }
+    check_depth(layer, &over)?;
     let extents = changed(map, over.depth);
     let passes = (0..over.depth)
         .rev()
@@ -145,26 +267,58 @@ pub fn plan_from(layer: &Path, map: &[Extent], over: Option<Over>) -> Result<Pla
         })
         .collect();
     Ok(Plan {
-        passes,
+        how: How::Convert {
+            passes,
+            backing: Some(over.file),
+        },
         bytes: extents.iter().map(|e| e.length).sum(),
         data: extents.iter().filter(|e| e.data).map(|e| e.length).sum(),
-        backing: Some(over.file),
     })
 }
 
-/// Writes `plan` into a new qcow2 at `out`, then syncs and checks it, and
-/// hashes it when `hash` (a file a manifest names).
+/// Writes `plan` into a new file at `out`, then syncs it, and hashes it
+/// when `hash` (a file a manifest names); a file of `qemu-img` is also
+/// checked.
 pub async fn write(
     plan: Plan,
     out: &Path,
     progress: Progress,
     hash: bool,
 ) -> Result<Written, CopyError> {
+    let (passes, backing) = match plan.how {
+        How::Convert { passes, backing } => (passes, backing),
+        How::Direct {
+            layers,
+            clusters,
+            cluster_bits,
+            virtual_size,
+            backing,
+        } => {
+            let out = out.to_path_buf();
+            let image = Direct {
+                layers,
+                clusters,
+                cluster_bits,
+                virtual_size,
+                backing,
+                data: plan.data,
+            };
+            let before = progress.load(Ordering::Relaxed);
+            let written = tokio::task::spawn_blocking(move || {
+                image.write(&out, &progress, hash).map(|w| (w, progress))
+            })
+            .await
+            .map_err(|e| CopyError::Join(e.to_string()))?;
+            let (written, progress) = written?;
+            progress.store(before + plan.bytes, Ordering::Relaxed);
+            return Ok(written);
+        }
+    };
     let qemu_img = img::QemuImg::locate()
         .map_err(img::ImgError::from)?
         .with_timeout(TIMEOUT);
-    for (i, (source, share)) in plan.passes.iter().enumerate() {
-        let into = match (&plan.backing, i) {
+    for (i, (source, share)) in passes.iter().enumerate() {
+        let into = match (&backing, i) {
             (None, _) => CopyInto::Whole,
             (Some(b), 0) => CopyInto::NewOver { backing: b },
             (Some(b), _) => CopyInto::Existing { backing: b },
@@ -178,6 +332,88 @@ pub async fn write(
         progress.store(before + share, Ordering::Relaxed);
     }
     finish(out, plan.data, hash).await
+}
+
+/// An incremental point hearth writes itself.
+struct Direct {
+    layers: Vec<qcow2::Layer>,
+    clusters: BTreeMap<u64, qcow2::Cluster>,
+    cluster_bits: u32,
+    virtual_size: u64,
+    backing: String,
+    data: u64,
+}
+
+/// Bytes going into the file, and into the hash on the way.
+struct Tee<W> {
+    out: W,
+    sha: Option<sha2::Sha256>,
+}
+
+impl<W: Write> Write for Tee<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.out.write(buf)?;
+        if let Some(sha) = &mut self.sha {
+            sha2::Digest::update(sha, &buf[..n]);
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.out.flush()
+    }
+}
+
+impl Direct {
+    /// The file, written in one pass (hashed as it goes), then fsynced.
+    /// Not `qemu-img check`ed: every cluster of it is placed and counted
+    /// before the first byte, and the tests check the writer against QEMU.
+    fn write(self, out: &Path, progress: &Progress, hash: bool) -> Result<Written, CopyError> {
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(out)
+            .map_err(io("creating", out))?;
+        let mut tee = Tee {
+            out: std::io::BufWriter::with_capacity(1 << 20, file),
+            sha: hash.then(<sha2::Sha256 as sha2::Digest>::new),
+        };
+        let image = qcow2::NewImage {
+            virtual_size: self.virtual_size,
+            cluster_bits: self.cluster_bits,
+            backing_file: &self.backing,
+            backing_format: "qcow2",
+        };
+        let layers = &self.layers;
+        image
+            .write(
+                &self.clusters,
+                |source, at, buf| {
+                    layers[source]
+                        .read_cluster(at, buf)
+                        .map_err(std::io::Error::other)
+                },
+                &mut tee,
+                |n| {
+                    progress.fetch_add(n, Ordering::Relaxed);
+                },
+            )
+            .map_err(|source| CopyError::Write {
+                path: out.to_path_buf(),
+                source,
+            })?;
+        let Tee { out: buf, sha } = tee;
+        let file = buf
+            .into_inner()
+            .map_err(|e| io("writing", out)(e.into_error()))?;
+        file.sync_all().map_err(io("syncing", out))?;
+        let size = file.metadata().map_err(io("reading", out))?.len();
+        Ok(Written {
+            bytes_read: self.data,
+            size,
+            sha256: sha.map(|s| format!("{:x}", sha2::Digest::finalize(s))),
+        })
+    }
 }
 
 /// fsync and `qemu-img check` of a file just written (and its SHA-256
@@ -267,11 +503,27 @@ mod tests {
         assert!(out.status.success(), "{program} {args:?}: {out:?}");
     }
 
+    /// The plan of an incremental point both ways: hearth's own (which
+    /// must be taken for these plain layers) or `qemu-img`'s.
+    async fn incremental(layer: &Path, virtual_size: u64, over: Over, direct: bool) -> Plan {
+        let plan = match direct {
+            true => plan_incremental(layer, virtual_size, over).await.unwrap(),
+            false => plan(layer, Some(over)).await.unwrap(),
+        };
+        assert_eq!(matches!(plan.how, How::Direct { .. }), direct, "{plan:?}");
+        plan
+    }
+
     /// Zeroes written above the checkpoint go into the incremental as
     /// zeroes that read as such over the previous point's data, and take no
-    /// space: through the real export (qemu-storage-daemon, FUSE).
+    /// space.
     #[tokio::test]
     async fn zeroes_written_since_the_checkpoint_are_zero_clusters_over_older_data() {
+        zeroes_over_older_data(true).await;
+        zeroes_over_older_data(false).await;
+    }
+
+    async fn zeroes_over_older_data(direct: bool) {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         // The previous point: 8 MiB of 0xab. The chain now: that data, then
@@ -315,7 +567,7 @@ mod tests {
             chain: vec![layer.clone(), d.join("old.qcow2")],
             file: "prev.qcow2".into(),
         };
-        let plan = plan(&layer, Some(over)).await.unwrap();
+        let plan = incremental(&layer, 8 << 20, over, direct).await;
         assert_eq!(plan.bytes, 3 << 20, "the zeroed and the rewritten ranges");
         let out = d.join("point.qcow2");
         let progress = Progress::default();
@@ -328,6 +580,7 @@ mod tests {
             &["compare", "-q", "new.qcow2", "point.qcow2"],
             d,
         );
+        run("qemu-img", &["check", "-q", "point.qcow2"], d);
         // 1 MiB of data and metadata, not 3 MiB.
         let size = std::fs::metadata(&out).unwrap().len();
         assert!(size < (3 << 20) / 2, "the point is {size} bytes");
@@ -341,6 +594,11 @@ mod tests {
     /// the point's own map (only the changed ranges are in it).
     #[tokio::test]
     async fn layers_above_the_checkpoint_add_up_lowest_first() {
+        two_layers_above(true).await;
+        two_layers_above(false).await;
+    }
+
+    async fn two_layers_above(direct: bool) {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path();
         let q = |args: &[&str]| run("qemu-img", args, d);
@@ -372,7 +630,7 @@ mod tests {
             chain: vec![layer.clone(), d.join("mid.qcow2"), d.join("cp.qcow2")],
             file: "prev.qcow2".into(),
         };
-        let plan = plan(&layer, Some(over)).await.unwrap();
+        let plan = incremental(&layer, 16 << 20, over, direct).await;
         assert_eq!(plan.bytes, 5 << 20);
         let out = d.join("point.qcow2");
         let progress = Progress::default();
@@ -383,6 +641,7 @@ mod tests {
             &["compare", "-q", "top.qcow2", "point.qcow2"],
             d,
         );
+        run("qemu-img", &["check", "-q", "point.qcow2"], d);
         // The point holds nothing past 9 MiB: the rest comes from prev.
         let map = img::map(&out, TIMEOUT).await.unwrap();
         let own: u64 = map
@@ -410,11 +669,14 @@ mod tests {
             file: "p".into(),
         };
         let p = plan_from(Path::new("/l/0"), &map, Some(over(2))).unwrap();
+        let How::Convert { passes, backing } = &p.how else {
+            panic!("{p:?}")
+        };
         assert_eq!(
-            p.passes,
-            [(PathBuf::from("/l/1"), 10), (PathBuf::from("/l/0"), 10)]
+            passes,
+            &[(PathBuf::from("/l/1"), 10), (PathBuf::from("/l/0"), 10)]
         );
-        assert_eq!((p.bytes, p.data, p.backing.as_deref()), (20, 15, Some("p")));
+        assert_eq!((p.bytes, p.data, backing.as_deref()), (20, 15, Some("p")));
         assert!(matches!(
             plan_from(Path::new("/l/0"), &map, Some(over(4))),
             Err(CopyError::ShortChain { .. })
@@ -424,6 +686,9 @@ mod tests {
             Err(CopyError::ShortChain { .. })
         ));
         let full = plan_from(Path::new("/l/0"), &map, None).unwrap();
-        assert_eq!((full.bytes, full.passes.len()), (20, 1));
+        let How::Convert { passes, .. } = &full.how else {
+            panic!("{full:?}")
+        };
+        assert_eq!((full.bytes, passes.len()), (20, 1));
     }
 }

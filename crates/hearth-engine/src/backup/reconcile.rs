@@ -330,23 +330,11 @@ async fn write_point(
     };
     let mut now = Vec::new();
     let mut layers = BTreeMap::new();
-    let mut maps = BTreeMap::new();
     for (disk, ds) in &now_disks {
         let layer = storage::snapshot_layer(&ctx.store, ds)
             .map_err(|x| e(&x))?
             .ok_or_else(|| format!("disk snapshot {ds:?} has no layer"))?;
-        // The chain and its extents at once: two quick read-only runs.
-        let (infos, extents) = tokio::join!(
-            hearth_qemu::img::backing_chain(&layer.path),
-            copy::extents(&layer.path)
-        );
-        let infos = infos.map_err(|x| e(&x))?;
-        maps.insert(disk.clone(), extents.map_err(|x| e(&x))?);
-        let virtual_size = infos.first().map_or(0, |i| i.virtual_size);
-        let chain: Vec<PathBuf> = infos
-            .iter()
-            .map(|i| canonical(Path::new(&i.filename)))
-            .collect();
+        let (chain, virtual_size) = chain_of(&layer.path).await.map_err(|x| e(&x))?;
         let previous_layer = match prev_disks.as_ref().and_then(|m| m.get(disk)) {
             Some(prev_ds) => storage::snapshot_layer(&ctx.store, prev_ds)
                 .map_err(|x| e(&x))?
@@ -406,7 +394,12 @@ async fn write_point(
                 })
             }
         };
-        plans.push(copy::plan_from(&layers[&d.name], &maps[&d.name], over).map_err(|x| e(&x))?);
+        let layer = &layers[&d.name];
+        let plan = match over {
+            Some(over) => copy::plan_incremental(layer, d.virtual_size, over).await,
+            None => copy::plan(layer, None).await,
+        };
+        plans.push(plan.map_err(|x| e(&x))?);
     }
     let total: u64 = plans.iter().map(|p| p.bytes).sum();
     let done = copy::Progress::default();
@@ -595,6 +588,31 @@ impl Drop for AbortOnDrop {
             t.abort();
         }
     }
+}
+
+/// `layer` and every layer below it (canonical, top first), and its size:
+/// from the images' headers, or `qemu-img info` when hearth does not read
+/// one of them itself.
+async fn chain_of(layer: &Path) -> Result<(Vec<PathBuf>, u64), hearth_qemu::img::ImgError> {
+    let top = layer.to_path_buf();
+    let read = tokio::task::spawn_blocking(move || hearth_qemu::qcow2::Chain::read(&top)).await;
+    match read {
+        Ok(Ok(chain)) => {
+            let size = chain.first().map_or(0, |l| l.virtual_size);
+            return Ok((chain.into_iter().map(|l| l.path).collect(), size));
+        }
+        Ok(Err(why)) => {
+            tracing::info!(layer = %layer.display(), %why, "reading the chain with qemu-img")
+        }
+        Err(why) => tracing::warn!(layer = %layer.display(), %why, "the chain's read failed"),
+    }
+    let infos = hearth_qemu::img::backing_chain(layer).await?;
+    let size = infos.first().map_or(0, |i| i.virtual_size);
+    let chain = infos
+        .iter()
+        .map(|i| canonical(Path::new(&i.filename)))
+        .collect();
+    Ok((chain, size))
 }
 
 fn canonical(p: &Path) -> PathBuf {
