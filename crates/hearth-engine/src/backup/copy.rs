@@ -16,7 +16,6 @@
 
 use super::io;
 use std::collections::BTreeMap;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -344,40 +343,12 @@ struct Direct {
     data: u64,
 }
 
-/// Bytes going into the file, and into the hash on the way.
-struct Tee<W> {
-    out: W,
-    sha: Option<sha2::Sha256>,
-}
-
-impl<W: Write> Write for Tee<W> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.out.write(buf)?;
-        if let Some(sha) = &mut self.sha {
-            sha2::Digest::update(sha, &buf[..n]);
-        }
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.out.flush()
-    }
-}
-
 impl Direct {
     /// The file, written in one pass (hashed as it goes), then fsynced.
     /// Not `qemu-img check`ed: every cluster of it is placed and counted
     /// before the first byte, and the tests check the writer against QEMU.
     fn write(self, out: &Path, progress: &Progress, hash: bool) -> Result<Written, CopyError> {
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(out)
-            .map_err(io("creating", out))?;
-        let mut tee = Tee {
-            out: std::io::BufWriter::with_capacity(1 << 20, file),
-            sha: hash.then(<sha2::Sha256 as sha2::Digest>::new),
-        };
+        let mut sink = super::sink::Sink::create(out, hash)?;
         let image = qcow2::NewImage {
             virtual_size: self.virtual_size,
             cluster_bits: self.cluster_bits,
@@ -393,7 +364,7 @@ impl Direct {
                         .read_cluster(at, buf)
                         .map_err(std::io::Error::other)
                 },
-                &mut tee,
+                &mut sink,
                 |n| {
                     progress.fetch_add(n, Ordering::Relaxed);
                 },
@@ -402,16 +373,11 @@ impl Direct {
                 path: out.to_path_buf(),
                 source,
             })?;
-        let Tee { out: buf, sha } = tee;
-        let file = buf
-            .into_inner()
-            .map_err(|e| io("writing", out)(e.into_error()))?;
-        file.sync_all().map_err(io("syncing", out))?;
-        let size = file.metadata().map_err(io("reading", out))?.len();
+        let (size, sha256) = sink.finish()?;
         Ok(Written {
             bytes_read: self.data,
             size,
-            sha256: sha.map(|s| format!("{:x}", sha2::Digest::finalize(s))),
+            sha256,
         })
     }
 }

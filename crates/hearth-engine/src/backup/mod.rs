@@ -6,6 +6,7 @@
 pub mod choose;
 pub mod copy;
 pub mod reconcile;
+mod sink;
 pub mod target;
 
 pub use reconcile::reconcile;

@@ -19,6 +19,14 @@ fn run(program: &str, args: &[&str], dir: &Path) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
+/// `qemu-img create -f qcow2` in `dir` with `args` (options, backing,
+/// name, size).
+fn create(dir: &Path, args: &[&str]) {
+    let mut all = vec!["create", "-q", "-f", "qcow2"];
+    all.extend(args);
+    run("qemu-img", &all, dir);
+}
+
 /// `qemu-img map` of one layer alone (its backing file not opened): per
 /// guest cluster, what the layer holds.
 fn own_map(path: &Path, cs: u64) -> BTreeMap<u64, Entry> {
@@ -51,27 +59,9 @@ fn own_map(path: &Path, cs: u64) -> BTreeMap<u64, Entry> {
 fn a_layers_own_clusters_are_what_qemu_img_map_says() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
-    run(
-        "qemu-img",
-        &["create", "-q", "-f", "qcow2", "base.qcow2", "1G"],
-        d,
-    );
+    create(d, &["base.qcow2", "1G"]);
     run("qemu-io", &["-c", "write -P 0xee 0 4M", "base.qcow2"], d);
-    run(
-        "qemu-img",
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            "base.qcow2",
-            "top.qcow2",
-        ],
-        d,
-    );
+    create(d, &["-F", "qcow2", "-b", "base.qcow2", "top.qcow2"]);
     // Data, zeroes over data, a second L2 table, a partial cluster at the end.
     run(
         "qemu-io",
@@ -117,37 +107,11 @@ fn a_chain_read_from_headers_is_the_one_qemu_img_info_follows() {
     );
     let base = d.join("base.raw");
     let base = base.to_str().unwrap();
-    run(
-        "qemu-img",
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "raw",
-            "-b",
-            base,
-            "sub/mid.qcow2",
-        ],
-        d,
-    );
+    create(d, &["-F", "raw", "-b", base, "sub/mid.qcow2"]);
     // A relative name resolves from the layer's own folder.
-    run(
-        "qemu-img",
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-F",
-            "qcow2",
-            "-b",
-            "sub/mid.qcow2",
-            "top.qcow2",
-            "128M",
-        ],
+    create(
         d,
+        &["-F", "qcow2", "-b", "sub/mid.qcow2", "top.qcow2", "128M"],
     );
     let ours = Chain::read(&d.join("top.qcow2")).unwrap();
     let out = run(
@@ -169,20 +133,7 @@ fn a_chain_read_from_headers_is_the_one_qemu_img_info_follows() {
         Layer::open(&d.join("base.raw")),
         Err(Qcow2Error::NotQcow2 { .. })
     ));
-    run(
-        "qemu-img",
-        &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
-            "-o",
-            "compression_type=zlib",
-            "c.qcow2",
-            "8M",
-        ],
-        d,
-    );
+    create(d, &["-o", "compression_type=zlib", "c.qcow2", "8M"]);
     run("qemu-io", &["-c", "write -c -P 0x44 0 64k", "c.qcow2"], d);
     let err = Layer::open(&d.join("c.qcow2")).unwrap_err();
     assert!(err.is_unsupported(), "{err}");
@@ -228,11 +179,7 @@ fn both_ways(bits: u32, virtual_size: u64, picks: &BTreeMap<u64, Option<u8>>) {
     let d = dir.path();
     let cs = 1u64 << bits;
     let size = virtual_size.to_string();
-    run(
-        "qemu-img",
-        &["create", "-q", "-f", "qcow2", "base.qcow2", &size],
-        d,
-    );
+    create(d, &["base.qcow2", &size]);
     let head = (8 << 20).min(virtual_size).to_string();
     run(
         "qemu-io",
@@ -240,13 +187,9 @@ fn both_ways(bits: u32, virtual_size: u64, picks: &BTreeMap<u64, Option<u8>>) {
         d,
     );
     let opt = format!("cluster_size={cs}");
-    run(
-        "qemu-img",
+    create(
+        d,
         &[
-            "create",
-            "-q",
-            "-f",
-            "qcow2",
             "-o",
             &opt,
             "-F",
@@ -255,7 +198,6 @@ fn both_ways(bits: u32, virtual_size: u64, picks: &BTreeMap<u64, Option<u8>>) {
             "base.qcow2",
             "expect.qcow2",
         ],
-        d,
     );
     let mut cmds = Vec::new();
     for (&g, pick) in picks {
