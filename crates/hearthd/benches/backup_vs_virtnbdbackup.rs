@@ -487,8 +487,10 @@ fn read_changed(d: &Daemon, scratch: &Path) -> (u64, f64, f64, f64) {
     (bytes, map_ms, read_ms, write_ms)
 }
 
-/// The steps of a hearth backup's copy (crates/hearth-engine/src/
-/// backup/copy.rs and reconcile.rs), each run again alone on the point just
+/// The steps of a hearth backup's copy through `qemu-img` (crates/
+/// hearth-engine/src/backup/copy.rs and reconcile.rs: every full point, and
+/// an incremental one whose layers hearth does not read itself), each run
+/// again alone on the point just
 /// made by [`copy_steps`], once the previous checkpoint (`previous`
 /// backup's, for an incremental) is deleted and merged: from the
 /// checkpoint's layer, over the previous point's file for an incremental
@@ -1059,7 +1061,7 @@ fn print_tables(ops: &[Op], sizes: &[usize], prefill: usize, load: &[String]) {
     }
     println!();
     println!(
-        "The copy's steps (durationMs) run again alone on each point just made, with the same tools (medians, ms; the copy itself only for the full):"
+        "The steps of a copy through qemu-img, run again alone on each point just made (medians, ms; the copy itself only for the full). A full point is copied this way; an incremental one only when its layers are outside what hearth reads and writes itself (docs/backup.md), so for the incrementals these are what that path would cost:"
     );
     println!();
     println!(
