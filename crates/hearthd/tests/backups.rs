@@ -191,6 +191,14 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     let b2 = backup(&d, "b2", &to);
     assert_eq!(b2["status"]["kind"], "Incremental", "{b2:#}");
     assert_eq!(b2["status"]["base"], "b1", "{b2:#}");
+    // Read and written by hearth itself (QEMU's layers are plain qcow2):
+    // hearthd logs each fall back to qemu-img, with its reason.
+    for fallback in [
+        "copying through qemu-img",
+        "reading the chain with qemu-img",
+    ] {
+        assert!(!d.log().contains(fallback), "{fallback}:\n{}", d.log());
+    }
     let p2 = point_file(&to, 2, "app-data");
     let size2 = std::fs::metadata(&p2).unwrap().len();
     assert!(
