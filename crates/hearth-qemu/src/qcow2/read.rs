@@ -230,8 +230,9 @@ pub struct Layer {
 }
 
 impl Layer {
-    /// Opens `path` and reads its L1 and L2 tables.
-    pub fn open(path: &Path) -> Result<Self, Qcow2Error> {
+    /// Opens `path` and reads its L1 and L2 tables: `Unsupported` past
+    /// `max_clusters` held clusters (what the map would take in memory).
+    pub fn open(path: &Path, max_clusters: usize) -> Result<Self, Qcow2Error> {
         let file = File::open(path).map_err(io(path, "opening"))?;
         let header = Header::read(&file, path)?;
         let corrupt = |what: String| Qcow2Error::Corrupt {
@@ -285,6 +286,12 @@ impl Layer {
                     return Err(corrupt(format!(
                         "guest cluster {guest_cluster} at an unaligned {host:#x}"
                     )));
+                }
+                if clusters.len() >= max_clusters && (e & (ZERO | OFFSET_MASK)) != 0 {
+                    return Err(Qcow2Error::Unsupported {
+                        path: path.to_path_buf(),
+                        what: format!("more than {max_clusters} clusters held"),
+                    });
                 }
                 if header.version == 3 && e & ZERO != 0 {
                     clusters.push((guest_cluster, Entry::Zero));

@@ -78,7 +78,7 @@ fn a_layers_own_clusters_are_what_qemu_img_map_says() {
         ],
         d,
     );
-    let layer = Layer::open(&d.join("top.qcow2")).unwrap();
+    let layer = Layer::open(&d.join("top.qcow2"), usize::MAX).unwrap();
     assert_eq!(layer.header.size, 1 << 30);
     assert_eq!(layer.header.backing_file.as_deref(), Some("base.qcow2"));
     assert_eq!(layer.header.backing_format.as_deref(), Some("qcow2"));
@@ -86,6 +86,10 @@ fn a_layers_own_clusters_are_what_qemu_img_map_says() {
     let theirs = own_map(&d.join("top.qcow2"), 64 << 10);
     assert_eq!(ours, theirs);
     assert_eq!(ours.len(), 3 + 8 + 1 + 1, "{ours:?}");
+    // A bound on the map: exactly enough, and one short.
+    assert!(Layer::open(&d.join("top.qcow2"), 13).is_ok());
+    let err = Layer::open(&d.join("top.qcow2"), 12).unwrap_err();
+    assert!(err.is_unsupported(), "{err}");
     // The data reads back through the layer's offsets.
     let mut buf = vec![0u8; 64 << 10];
     let Entry::Data(at) = ours[&(700 * 16)] else {
@@ -130,12 +134,12 @@ fn a_chain_read_from_headers_is_the_one_qemu_img_info_follows() {
     assert_eq!(ours[0].virtual_size, 128 << 20);
     // A raw file, and a compressed cluster, are left to qemu-img.
     assert!(matches!(
-        Layer::open(&d.join("base.raw")),
+        Layer::open(&d.join("base.raw"), usize::MAX),
         Err(Qcow2Error::NotQcow2 { .. })
     ));
     create(d, &["-o", "compression_type=zlib", "c.qcow2", "8M"]);
     run("qemu-io", &["-c", "write -c -P 0x44 0 64k", "c.qcow2"], d);
-    let err = Layer::open(&d.join("c.qcow2")).unwrap_err();
+    let err = Layer::open(&d.join("c.qcow2"), usize::MAX).unwrap_err();
     assert!(err.is_unsupported(), "{err}");
 }
 
@@ -267,7 +271,7 @@ fn both_ways(bits: u32, virtual_size: u64, picks: &BTreeMap<u64, Option<u8>>) {
     let picked: BTreeMap<u64, bool> = picks.iter().map(|(&g, p)| (g, p.is_some())).collect();
     assert_eq!(held, picked);
     // The reader reads the writer's image as QEMU does.
-    let ours: BTreeMap<u64, Entry> = Layer::open(&d.join("point.qcow2"))
+    let ours: BTreeMap<u64, Entry> = Layer::open(&d.join("point.qcow2"), usize::MAX)
         .unwrap()
         .clusters
         .into_iter()
