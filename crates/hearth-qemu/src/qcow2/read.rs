@@ -143,14 +143,16 @@ impl Header {
             )
         };
         // Header extensions: from the header's end to the backing file name
-        // (or the end of the first cluster).
+        // (or the end of the first cluster). As in QEMU, an area that ends
+        // without the end marker ends the list (a backing name right after
+        // the header leaves no room for one).
         let end = match backing_file_offset {
             0 => cluster_size,
             o => o.min(cluster_size),
         };
         let mut backing_format = None;
         let mut at = header_length;
-        loop {
+        while at < end {
             if at + 8 > end {
                 return Err(corrupt("header extensions run past their space".into()));
             }

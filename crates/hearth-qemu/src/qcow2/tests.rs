@@ -143,6 +143,70 @@ fn a_chain_read_from_headers_is_the_one_qemu_img_info_follows() {
     assert!(err.is_unsupported(), "{err}");
 }
 
+/// A version 2 header with its backing name right after it, no room for
+/// any header extension (nor their end marker): QEMU reads it (probing the
+/// backing file's format), and so does hearth.
+#[test]
+fn a_backing_name_right_after_a_version_2_header_is_read_as_qemu_reads_it() {
+    use std::os::unix::fs::FileExt;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    run(
+        "qemu-img",
+        &["create", "-q", "-f", "raw", "base.raw", "16M"],
+        d,
+    );
+    create(
+        d,
+        &[
+            "-o",
+            "compat=0.10",
+            "-F",
+            "raw",
+            "-b",
+            "base.raw",
+            "v2.qcow2",
+        ],
+    );
+    run("qemu-io", &["-c", "write -P 0x5a 1M 64k", "v2.qcow2"], d);
+    // The name moved to offset 72, over the extensions QEMU wrote.
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(d.join("v2.qcow2"))
+        .unwrap();
+    let mut h = [0u8; 72];
+    f.read_exact_at(&mut h, 0).unwrap();
+    assert_eq!(u32::from_be_bytes(h[4..8].try_into().unwrap()), 2);
+    let mut area = vec![0u8; 512 - 72];
+    area[..8].copy_from_slice(b"base.raw");
+    f.write_all_at(&area, 72).unwrap();
+    f.write_all_at(&72u64.to_be_bytes(), 8).unwrap();
+    f.write_all_at(&8u32.to_be_bytes(), 16).unwrap();
+    drop(f);
+
+    let out = run(
+        "qemu-img",
+        &["info", "--output=json", "--backing-chain", "v2.qcow2"],
+        d,
+    );
+    let theirs: Vec<Value> = serde_json::from_str(&out).unwrap();
+    assert_eq!(theirs[0]["backing-filename"], "base.raw", "{out}");
+    assert_eq!(theirs[1]["format"], "raw", "{out}");
+    let ours = Chain::read(&d.join("v2.qcow2")).unwrap();
+    let paths: Vec<_> = ours.iter().map(|l| l.path.clone()).collect();
+    assert_eq!(
+        paths,
+        [d.join("v2.qcow2"), d.join("base.raw")].map(|p| std::fs::canonicalize(p).unwrap())
+    );
+    assert_eq!(ours[1].format, "raw");
+    let layer = Layer::open(&d.join("v2.qcow2"), usize::MAX).unwrap();
+    assert_eq!(layer.header.backing_file.as_deref(), Some("base.raw"));
+    assert_eq!(layer.header.backing_format, None);
+    let held: BTreeMap<u64, Entry> = layer.clusters.iter().copied().collect();
+    assert_eq!(held, own_map(&d.join("v2.qcow2"), 64 << 10));
+}
+
 #[test]
 fn the_refcount_structures_count_themselves() {
     for (bits, data, size) in [
