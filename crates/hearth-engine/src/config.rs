@@ -168,6 +168,12 @@ impl EngineConfig {
         self.vm_state_dir(vm).join("serial.log")
     }
 
+    /// The console of the VM's previous start: [`serial_log`](Self::serial_log)
+    /// as its QEMU left it, moved aside when the next QEMU is launched.
+    pub fn serial_log_previous(&self, vm: &str) -> PathBuf {
+        self.vm_state_dir(vm).join("serial.previous.log")
+    }
+
     /// The serial port's unix socket (QEMU serves it; `hearth console`
     /// attaches through hearthd). Next to `agent.sock`, so as short.
     pub fn serial_socket(&self, vm: &str) -> PathBuf {

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use common::*;
 
-/// A running `hearth console VM`: its stdin, and its stdout collected by a
-/// thread as it arrives.
+/// A running `hearth console VM` (or another streaming command): its
+/// stdin, and its stdout collected by a thread as it arrives.
 struct Attached {
     child: Child,
     stdin: Option<ChildStdin>,
@@ -21,10 +21,14 @@ struct Attached {
 
 impl Attached {
     fn start(d: &Daemon, vm: &str) -> Attached {
+        Self::spawn(d, &["console", vm, "--tail", "5"])
+    }
+
+    fn spawn(d: &Daemon, args: &[&str]) -> Attached {
         let mut child = d
-            .cli_command(&["console", vm, "--tail", "5"], Stdio::piped())
+            .cli_command(args, Stdio::piped())
             .spawn()
-            .expect("run hearth console");
+            .unwrap_or_else(|e| panic!("run hearth {args:?}: {e}"));
         let stdin = child.stdin.take();
         let mut stdout = child.stdout.take().expect("stdout");
         let out = Arc::new(Mutex::new(Vec::new()));
@@ -60,6 +64,12 @@ impl Attached {
             "no {needle:?} on the console within {timeout:?}; got:\n{}",
             self.output()
         );
+    }
+
+    /// Ends a command that would stream forever (`hearth logs -f`).
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 
     /// Sends the detach key and waits for the CLI to exit; returns stderr.
@@ -149,8 +159,29 @@ fn console_attach_pipes_both_ways_one_writer_at_a_time() {
         || std::fs::read_to_string(&log).is_ok_and(|s| s.contains(&want2)),
     );
 
-    // A restart truncates the log (logappend=off, as the file backend did),
-    // and the new QEMU's socket takes an attach again.
+    // One start so far: no previous console, and the error names the VM.
+    let out = d.cli(&["logs", "con", "--previous"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a previous console after one start");
+    assert!(
+        err.contains("\"con\"") && err.contains("no console of a previous start"),
+        "{err}"
+    );
+    let (status, body) = d.request(
+        "GET",
+        "/v1/virtualmachines/con/console?previous=true&follow=true",
+        None,
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(body.to_string().contains("previous and follow"), "{body}");
+
+    // A follower from before the restart goes on into the next start.
+    let follower = Attached::spawn(&d, &["logs", "con", "-f"]);
+    follower.wait_for(&want2, Duration::from_secs(30));
+
+    // A restart starts a new log (logappend=off, as the file backend did)
+    // and keeps the old one whole as the previous start's, and the new
+    // QEMU's socket takes an attach again.
     d.cli_ok(&["restart", "con"]);
     wait_until(
         "a fresh serial.log after the restart",
@@ -161,12 +192,69 @@ fn console_attach_pipes_both_ways_one_writer_at_a_time() {
             })
         },
     );
+    let previous = log.with_file_name("serial.previous.log");
+    let kept = std::fs::read(&previous).expect("serial.previous.log after the restart");
+    let kept_text = String::from_utf8_lossy(&kept);
+    assert!(
+        kept_text.contains(&want) && kept_text.contains(&want2),
+        "the first start's console is not kept whole:\n{kept_text}"
+    );
+    let shown = d.cli(&["logs", "con", "--previous"]);
+    assert!(shown.status.success(), "{shown:?}");
+    assert_eq!(
+        shown.stdout, kept,
+        "hearth logs --previous is not the kept file"
+    );
+
     d.wait_agent("con");
     let (cmd3, want3) = marker_command(seed + 13);
     let mut third = Attached::start(&d, "con");
     third.send(cmd3.as_bytes());
     third.wait_for(&want3, Duration::from_secs(60));
     third.detach();
+    // The follower read the first start's log to its end, then the new one
+    // from its first byte: the new start's output once, after the old.
+    follower.wait_for(&want3, Duration::from_secs(30));
+    let followed = follower.output();
+    follower.kill();
+    let first_start = followed.find(&want2).expect("the first start's marker");
+    let new_start = followed.rfind(&want3).expect("the new start's marker");
+    assert!(first_start < new_start, "{followed}");
+    let new_log = std::fs::read_to_string(&log).expect("serial.log");
+    let shell_line = "console shell on ttyS0";
+    assert_eq!(
+        followed.matches(shell_line).count(),
+        kept_text.matches(shell_line).count() + new_log.matches(shell_line).count(),
+        "the follower missed or repeated a start's lines:\n{followed}"
+    );
+
+    // QEMU killed: the next start keeps what the guest printed last.
+    let (cmd4, want4) = marker_command(seed + 29);
+    let mut fourth = Attached::start(&d, "con");
+    fourth.send(cmd4.as_bytes());
+    fourth.wait_for(&want4, Duration::from_secs(60));
+    fourth.detach();
+    let pids = d.qemu_pids_of("con");
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &pids[0].to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    wait_until(
+        "a new start after QEMU was killed",
+        Duration::from_secs(120),
+        || {
+            d.qemu_pids_of("con").iter().any(|p| *p != pids[0])
+                && std::fs::read_to_string(&log)
+                    .is_ok_and(|s| !s.contains(&want4) && s.contains("console shell on ttyS0"))
+        },
+    );
+    let kept = std::fs::read_to_string(&previous).expect("serial.previous.log");
+    assert!(
+        kept.contains(&want3) && kept.contains(&want4) && !kept.contains(&want2),
+        "the killed start's console is not the previous one:\n{kept}"
+    );
 
     // Unknown VM: 404 naming it.
     let out = d.cli(&["console", "nope", "--tail", "0"]);

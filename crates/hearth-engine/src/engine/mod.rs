@@ -304,6 +304,13 @@ impl Engine {
         Ok(self.ctx.config.serial_log(name))
     }
 
+    /// The console log of a VM's previous start (its QEMU is gone), if the
+    /// VM exists; the file is there once the VM has started twice.
+    pub fn previous_console_path(&self, name: &str) -> Result<std::path::PathBuf, RequestError> {
+        self.get(Kind::VirtualMachine, name)?;
+        Ok(self.ctx.config.serial_log_previous(name))
+    }
+
     /// The serial console socket of a VM that exists (QEMU serves it while
     /// the VM runs).
     pub fn console_socket(&self, name: &str) -> Result<std::path::PathBuf, RequestError> {

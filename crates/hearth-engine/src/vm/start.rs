@@ -199,6 +199,7 @@ async fn try_launch(
         );
     }
     let seed = prepare_seed(cfg, vm).await?;
+    keep_previous_console(cfg, name);
     // The interfaces and their addresses are fixed under the address lock
     // and recorded with the launch marker before it is let go: from then on
     // no lease plan moves or releases them, and the host keeps their taps
@@ -362,6 +363,26 @@ fn permission_hint(
     }
 }
 
+/// Moves the console log of the VM's last start aside
+/// (`serial.previous.log`), so the new QEMU's truncating open does not lose
+/// what a crashed guest printed last. Only called while no QEMU of the VM
+/// runs. An empty log (a launch that failed before the guest printed
+/// anything) is not moved: the start before it stays the previous one. A
+/// rename, so a crash leaves either file whole; a failure costs only the
+/// old console, and is logged.
+fn keep_previous_console(cfg: &crate::config::EngineConfig, name: &str) {
+    let log = cfg.serial_log(name);
+    match std::fs::metadata(&log) {
+        Ok(m) if m.len() > 0 => {}
+        _ => return,
+    }
+    let previous = cfg.serial_log_previous(name);
+    if let Err(e) = std::fs::rename(&log, &previous) {
+        tracing::warn!(vm = name, log = %log.display(), error = %e,
+            "cannot keep the previous start's console; the new start overwrites it");
+    }
+}
+
 /// Builds the VM's cloud-init seed afresh (or removes an old one when it has
 /// no `cloudInit` any more). Only called while no QEMU of the VM runs.
 async fn prepare_seed(
@@ -409,5 +430,29 @@ mod tests {
             stderr_tail: "qemu: could not open kernel file '/x': No such file or directory".into(),
         };
         assert_eq!(permission_hint(&other, Some(&user)), "");
+    }
+
+    #[test]
+    fn a_launch_keeps_the_last_console_that_holds_anything() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = crate::context::Context::for_test(dir.path());
+        let cfg = &ctx.config;
+        let (log, previous) = (cfg.serial_log("v"), cfg.serial_log_previous("v"));
+        // No log yet: nothing to keep.
+        keep_previous_console(cfg, "v");
+        assert!(!previous.exists());
+        std::fs::create_dir_all(log.parent().unwrap()).unwrap();
+        std::fs::write(&log, "first start\n").unwrap();
+        keep_previous_console(cfg, "v");
+        assert!(!log.exists());
+        assert_eq!(std::fs::read_to_string(&previous).unwrap(), "first start\n");
+        // A launch that failed before the guest printed: its empty log does
+        // not push out the start before it.
+        std::fs::write(&log, "").unwrap();
+        keep_previous_console(cfg, "v");
+        assert_eq!(std::fs::read_to_string(&previous).unwrap(), "first start\n");
+        std::fs::write(&log, "third start\n").unwrap();
+        keep_previous_console(cfg, "v");
+        assert_eq!(std::fs::read_to_string(&previous).unwrap(), "third start\n");
     }
 }

@@ -1,4 +1,4 @@
-//! `hearth logs NAME [-f]`: the VM's serial console.
+//! `hearth logs NAME [-f | --previous]`: the VM's serial console.
 
 use std::io::Write;
 
@@ -11,17 +11,28 @@ use crate::client::ApiClient;
 #[command(
     about = "Print a VM's serial console log",
     after_help = "\
+The log holds what the guest wrote to its serial port since its QEMU
+started. When QEMU starts again (a restart, a crash under runPolicy Always,
+a start after a stop), the log it leaves is kept as the previous one:
+`--previous` prints it, for example the last words of a guest that crashed.
+
 Examples:
   hearth logs demo
-  hearth logs demo -f        # keep printing new output until Ctrl-C"
+  hearth logs demo -f          # keep printing new output until Ctrl-C
+  hearth logs demo --previous  # the console of the start before this one"
 )]
 pub struct Args {
     /// The VirtualMachine's name.
     #[arg(value_name = "NAME", value_parser = super::parse_name)]
     pub name: String,
-    /// Keep the connection open and print new console output as it arrives.
-    #[arg(short = 'f', long)]
+    /// Keep the connection open and print new console output as it arrives
+    /// (when the VM starts again, the new start's output follows).
+    #[arg(short = 'f', long, conflicts_with = "previous")]
     pub follow: bool,
+    /// Print the console of the VM's previous start (kept from its second
+    /// start on) instead of the current one.
+    #[arg(short = 'p', long)]
+    pub previous: bool,
 }
 
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
@@ -31,6 +42,8 @@ pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
     );
     if args.follow {
         path.push_str("?follow=true");
+    } else if args.previous {
+        path.push_str("?previous=true");
     }
     let mut body = client.stream(&path).await?;
     let mut out = std::io::stdout().lock();

@@ -27,9 +27,13 @@ const POLL: Duration = Duration::from_millis(200);
 const CHUNK: usize = 64 << 10;
 
 #[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ConsoleQuery {
     #[serde(default)]
     follow: bool,
+    /// The console of the previous start, whole (no `follow`).
+    #[serde(default)]
+    previous: bool,
 }
 
 struct Tail {
@@ -41,12 +45,38 @@ struct Tail {
     follow: bool,
 }
 
+/// The identity of a file (device, inode): a new start moves the log
+/// aside and QEMU makes a new one at the same path.
+fn identity(m: &std::fs::Metadata) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt;
+    (m.dev(), m.ino())
+}
+
 pub async fn console(
     State(engine): State<Arc<Engine>>,
     ApiPath(name): ApiPath<String>,
     ApiQuery(q): ApiQuery<ConsoleQuery>,
 ) -> Result<Response, ApiError> {
-    let path = engine.console_path(&name)?;
+    if q.previous && q.follow {
+        return Err(ApiError(
+            StatusCode::BAD_REQUEST,
+            "previous and follow cannot be asked together: the previous start's console no longer grows".into(),
+        ));
+    }
+    let path = if q.previous {
+        let path = engine.previous_console_path(&name)?;
+        if !path.exists() {
+            return Err(ApiError(
+                StatusCode::NOT_FOUND,
+                format!(
+                    "VirtualMachine {name:?}: no console of a previous start (one is kept from the second start on)"
+                ),
+            ));
+        }
+        path
+    } else {
+        engine.console_path(&name)?
+    };
     let tail = Tail {
         engine,
         vm: name,
@@ -59,9 +89,10 @@ pub async fn console(
         loop {
             if t.file.is_none() {
                 t.file = tokio::fs::File::open(&t.path).await.ok();
+                t.offset = 0;
             }
             if let Some(f) = t.file.as_mut() {
-                // The log is truncated when the VM starts again: start over.
+                // A log cut short: start over.
                 let len = f.metadata().await.map(|m| m.len()).unwrap_or(0);
                 if len < t.offset {
                     t.offset = 0;
@@ -85,6 +116,20 @@ pub async fn console(
                 .is_some();
             if !t.follow || !vm_exists {
                 return None;
+            }
+            // Read to its end: if the VM started again meanwhile, its log
+            // was moved aside (it no longer grows) and the new start's is
+            // at the path; follow that one from its first byte.
+            if let Some(f) = t.file.as_ref() {
+                let open = f.metadata().await.ok().map(|m| identity(&m));
+                let now = tokio::fs::metadata(&t.path)
+                    .await
+                    .ok()
+                    .map(|m| identity(&m));
+                if now.is_some() && open != now {
+                    t.file = None;
+                    continue;
+                }
             }
             tokio::time::sleep(POLL).await;
         }

@@ -434,11 +434,13 @@ fn delete() {}
     summary = "The serial console log",
     params(
         ("name" = String, Path),
-        ("follow" = Option<bool>, Query, description = "Keep the answer open and stream what the VM writes next"),
+        ("follow" = Option<bool>, Query, description = "Keep the answer open and stream what the VM writes next, on into its next start"),
+        ("previous" = Option<bool>, Query, description = "The log of the VM's previous start instead (not with follow)"),
     ),
     responses(
         (status = 200, description = "The log", body = String, content_type = "text/plain"),
-        (status = 404, description = "No such VM", body = ErrorAnswer),
+        (status = 400, description = "previous with follow, or an unknown parameter", body = ErrorAnswer),
+        (status = 404, description = "No such VM, or (previous) no previous start", body = ErrorAnswer),
     ))]
 #[allow(dead_code)]
 fn console() {}
