@@ -35,7 +35,13 @@ pub struct EngineConfig {
     /// The resolver file (`nameserver` lines) whose servers a NAT network's
     /// DNS forwards guests' queries to (dnsmasq's `resolv-file`).
     pub dns_resolv_file: PathBuf,
+    /// Bytes of a console log kept on disk at most (its oldest part is
+    /// punched out past it, `vm::console`); 0: unbounded.
+    pub console_log_max_bytes: u64,
 }
+
+/// The console log bound by default: a boot's output many times over.
+pub const DEFAULT_CONSOLE_LOG_MAX_BYTES: u64 = 8 << 20;
 
 // ---- firmware and cloud-init files (see docs/guests.md) ----
 

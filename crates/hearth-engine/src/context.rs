@@ -77,11 +77,15 @@ pub struct Context {
     pub metrics: crate::metrics::registry::EngineMetrics,
     /// What disk reconciles and resyncs keep between runs.
     pub disks: crate::disk::registry::Disks,
+    /// The bound on running VMs' console logs.
+    pub consoles: crate::vm::console::Consoles,
 }
 
 impl Context {
     pub(crate) fn new(config: EngineConfig, store: Store, wakes: UnboundedSender<Key>) -> Context {
+        let consoles = crate::vm::console::Consoles::new(config.console_log_max_bytes);
         Context {
+            consoles,
             config,
             store,
             live: LiveVms::default(),
@@ -119,6 +123,7 @@ impl Context {
             ovmf_vars: dir.join("OVMF_VARS.fd"),
             compaction_speed: 0,
             dns_resolv_file: "/etc/resolv.conf".into(),
+            console_log_max_bytes: crate::config::DEFAULT_CONSOLE_LOG_MAX_BYTES,
             forwards: Default::default(),
         };
         std::fs::create_dir_all(&config.state_dir).expect("create the test state directory");

@@ -57,3 +57,4 @@ pub use manifest::{GitConfig, GitSource, GitSources, ManifestConfig, ManifestSou
 pub use metrics::{ManifestMetrics, PREFIX as METRICS_PREFIX, Sample, encode as encode_metrics};
 pub use snapshot::expedite::SCRIPT as EXPEDITE_SCRIPT;
 pub use snapshot::export::{Export, ExportFormat};
+pub use vm::console::data_from as console_data_from;

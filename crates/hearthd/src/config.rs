@@ -65,6 +65,8 @@ pub struct FileConfig {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_max_bytes: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub console_log_max_bytes: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub image_free_space_reserve: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image_retry_max_seconds: Option<u64>,
@@ -170,6 +172,10 @@ pub fn parse_file(text: &str, path: &Path) -> anyhow::Result<FileConfig> {
             anyhow!("{}: {key}: {inner}", path.display())
         }
     })?;
+    if let Some(q) = &file.console_log_max_bytes {
+        hearth_api::Quantity::parse(q)
+            .map_err(|e| anyhow!("{}: console-log-max-bytes: {e}", path.display()))?;
+    }
     if let Some(q) = &file.image_max_bytes {
         hearth_api::Quantity::parse(q)
             .map_err(|e| anyhow!("{}: image-max-bytes: {e}", path.display()))?;
@@ -226,6 +232,7 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         image_connect_timeout_seconds,
         image_read_timeout_seconds,
         image_max_bytes,
+        console_log_max_bytes,
         image_free_space_reserve,
         image_retry_max_seconds,
         registry_ca,
@@ -260,7 +267,7 @@ pub fn merge(matches: &ArgMatches, file: FileConfig) -> anyhow::Result<Args> {
         state_dir, run_dir, image_roots, qemu_user, accel, resync_seconds, max_external_programs, manifests,
         manifests_resync_seconds, manifests_delete_grace_ms, compaction_bytes_per_second,
         dns_resolv_file, ovmf_code, ovmf_vars, image_connect_timeout_seconds, image_read_timeout_seconds, image_max_bytes,
-        image_free_space_reserve, image_retry_max_seconds, registry_ca, registry_credentials,
+        console_log_max_bytes, image_free_space_reserve, image_retry_max_seconds, registry_ca, registry_credentials,
         registry_insecure, metrics_allow_remote, log_format,
         api_max_connections, metrics_max_connections, http_header_timeout_seconds,
         forward_max_connections, forward_max_connections_total, forward_connect_timeout_seconds,
@@ -292,6 +299,7 @@ pub fn to_file(args: &Args) -> FileConfig {
         image_connect_timeout_seconds: Some(args.image_connect_timeout_seconds),
         image_read_timeout_seconds: Some(args.image_read_timeout_seconds),
         image_max_bytes: Some(args.image_max_bytes.clone()),
+        console_log_max_bytes: Some(args.console_log_max_bytes.clone()),
         image_free_space_reserve: Some(args.image_free_space_reserve.clone()),
         image_retry_max_seconds: Some(args.image_retry_max_seconds),
         registry_ca: (!args.registry_ca.is_empty()).then(|| args.registry_ca.clone()),

@@ -126,6 +126,11 @@ struct Args {
     /// larger one fails with reason TooLarge as soon as its length is known.
     #[arg(long, env = "HEARTH_IMAGE_MAX_BYTES", default_value = "256Gi")]
     image_max_bytes: String,
+    /// The most of a VM's console log kept on disk, e.g. 8Mi: past it, the
+    /// oldest part is dropped and the newest half kept (a guest can write
+    /// to its serial port without end); 0: unbounded.
+    #[arg(long, env = "HEARTH_CONSOLE_LOG_MAX_BYTES", default_value = "8Mi")]
+    console_log_max_bytes: String,
     /// Free space a VirtualImage import always leaves on the state
     /// directory's filesystem (the image store, the database and every
     /// disk's layers), e.g. 4Gi. An import that would leave less stops with
@@ -393,6 +398,9 @@ async fn main() -> anyhow::Result<()> {
         ovmf_vars: args.ovmf_vars.clone(),
         compaction_speed: args.compaction_bytes_per_second,
         dns_resolv_file: args.dns_resolv_file.clone(),
+        console_log_max_bytes: hearth_api::Quantity::parse(&args.console_log_max_bytes)
+            .map_err(|e| anyhow::anyhow!("--console-log-max-bytes: {e}"))?
+            .bytes(),
         images: hearth_engine::config::ImageImportConfig {
             connect_timeout: Duration::from_secs(args.image_connect_timeout_seconds.max(1)),
             read_timeout: Duration::from_secs(args.image_read_timeout_seconds.max(1)),

@@ -105,7 +105,9 @@ fn marker_command(seed: u32) -> (String, String) {
 #[test]
 fn console_attach_pipes_both_ways_one_writer_at_a_time() {
     let _serial = serial();
-    let d = Daemon::start();
+    // A small bound on the console log, for the flood at the end; the
+    // boots before it write far less.
+    let d = Daemon::start_with(&["--console-log-max-bytes", "256Ki"]);
     apply_manifest(
         &d,
         "vm.yaml",
@@ -255,6 +257,71 @@ fn console_attach_pipes_both_ways_one_writer_at_a_time() {
         kept.contains(&want3) && kept.contains(&want4) && !kept.contains(&want2),
         "the killed start's console is not the previous one:\n{kept}"
     );
+
+    // A guest that floods its serial port: the log's allocated bytes stay
+    // near the bound while the guest writes four times as much, the newest
+    // output is kept whole where it was written, and a reader gets it
+    // without the dropped part (no zeroes from the hole).
+    let bound: u64 = 256 << 10;
+    let flood: u64 = 1 << 20;
+    let done = format!("flood-{seed}-done");
+    d.wait_agent("con");
+    let started = std::time::Instant::now();
+    let script = format!(
+        "yes 0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ | head -c {flood} > /dev/ttyS0; echo {done} > /dev/ttyS0"
+    );
+    d.cli_ok(&[
+        "exec",
+        "con",
+        "--timeout",
+        "300s",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let wrote = started.elapsed();
+    let on_disk = |p: &std::path::Path| {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(p).expect("serial.log");
+        (m.len(), m.blocks() * 512)
+    };
+    let tail_has_done = || {
+        let text = std::fs::read(&log).unwrap_or_default();
+        String::from_utf8_lossy(&text[text.len().saturating_sub(4096)..]).contains(&done)
+    };
+    wait_until(
+        "the flood's end in serial.log",
+        Duration::from_secs(60),
+        tail_has_done,
+    );
+    wait_until(
+        "the console log trimmed to its bound",
+        Duration::from_secs(30),
+        || on_disk(&log).1 <= bound,
+    );
+    let (len, allocated) = on_disk(&log);
+    assert!(len >= flood, "the guest wrote {len} bytes, not the flood");
+    eprintln!(
+        "console flood: {flood} bytes in {wrote:?}; serial.log {len} bytes long, {allocated} on disk"
+    );
+    let shown = d.cli(&["logs", "con"]);
+    assert!(shown.status.success(), "{shown:?}");
+    assert!(
+        !shown.stdout.contains(&0u8),
+        "hearth logs printed the hole as zeroes"
+    );
+    assert!(
+        (shown.stdout.len() as u64) < len && shown.stdout.len() as u64 <= bound,
+        "hearth logs printed {} bytes",
+        shown.stdout.len()
+    );
+    let whole = std::fs::read(&log).expect("serial.log");
+    assert!(
+        whole.ends_with(&shown.stdout),
+        "hearth logs is not the log's newest bytes"
+    );
+    assert!(String::from_utf8_lossy(&shown.stdout).contains(&done));
 
     // Unknown VM: 404 naming it.
     let out = d.cli(&["console", "nope", "--tail", "0"]);

@@ -209,6 +209,7 @@ mod tests {
             ovmf_vars: dir.join("OVMF_VARS.fd"),
             compaction_speed: 0,
             dns_resolv_file: "/etc/resolv.conf".into(),
+            console_log_max_bytes: crate::config::DEFAULT_CONSOLE_LOG_MAX_BYTES,
         }
     }
 

@@ -35,6 +35,8 @@ impl Context {
         }
         let live = Arc::new(LiveVm::attach(self, record.clone()).await);
         self.live.insert(&record.vm, live.clone());
+        // This QEMU's console log, bounded while it writes.
+        self.consoles.watch(&record.serial_log);
         live
     }
 }

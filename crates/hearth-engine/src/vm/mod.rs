@@ -3,6 +3,7 @@
 
 mod boot;
 mod chain;
+pub mod console;
 pub mod decide;
 mod error;
 pub mod firmware;

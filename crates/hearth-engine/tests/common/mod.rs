@@ -25,5 +25,6 @@ pub fn engine_config(dir: &Path, image_roots: Vec<PathBuf>) -> EngineConfig {
         ovmf_vars: dir.join("OVMF_VARS.fd"),
         compaction_speed: 0,
         dns_resolv_file: "/etc/resolv.conf".into(),
+        console_log_max_bytes: hearth_engine::config::DEFAULT_CONSOLE_LOG_MAX_BYTES,
     }
 }

@@ -97,6 +97,12 @@ pub async fn console(
                 if len < t.offset {
                     t.offset = 0;
                 }
+                // Past the hole a bounded log's oldest bytes left (they
+                // were dropped), never through it as zeroes.
+                t.offset = match hearth_engine::console_data_from(&*f, t.offset) {
+                    Some(at) => t.offset.max(at),
+                    None => t.offset.max(len),
+                };
                 if f.seek(SeekFrom::Start(t.offset)).await.is_ok() {
                     let mut buf = vec![0u8; CHUNK];
                     if let Ok(n) = f.read(&mut buf).await
