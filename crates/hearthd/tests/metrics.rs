@@ -494,3 +494,40 @@ fn metrics_scraped_as_prometheus_does_match_what_the_vm_did() {
     );
     d.kill();
 }
+
+/// A cut wakes the VM snapshots of its own disk snapshots, not every VM
+/// snapshot there is: the reconciles of that kind a new VM snapshot costs,
+/// counted by hearthd's own histogram, do not grow with the VM snapshots
+/// taken before it. (No resync in between: it wakes every object.)
+#[test]
+fn a_vm_snapshot_costs_the_same_reconciles_however_many_came_before() {
+    let _g = serial();
+    let d = Daemon::start_with(&["--resync-seconds", "3600"]);
+    let (vm, disk) = ("many", "many-data");
+    let mut items = objects(&overlay_disk_yaml(disk));
+    items.extend(objects(&vm_yaml(vm, "AlwaysOn", &[disk], "")));
+    d.apply(items);
+    d.wait_agent(vm);
+    let kind = [("kind", "VirtualMachineSnapshot")];
+    let reconciles = || {
+        let (_, s) = scrape_socket(&d);
+        value(&s, "hearth_reconcile_duration_seconds_count", &kind)
+    };
+    let mut costs = Vec::new();
+    for i in 0..8 {
+        let name = format!("many-{i}");
+        let before = reconciles();
+        d.apply(vec![VmSnapshot::of(&name, vm).json()]);
+        let snap = d.wait_final("virtualmachinesnapshots", &name, SNAP_TIMEOUT);
+        assert_eq!(snap["status"]["phase"], "Ready", "{snap:#}");
+        // The reconciles a final phase starts are over within this.
+        std::thread::sleep(Duration::from_millis(500));
+        costs.push(reconciles() - before);
+    }
+    let (first, last) = (costs[0], costs[costs.len() - 1]);
+    assert!(first >= 1.0, "{costs:?}");
+    assert!(
+        last <= first + 1.0,
+        "the 8th VM snapshot cost {last} VirtualMachineSnapshot reconciles, the first {first}: {costs:?}"
+    );
+}

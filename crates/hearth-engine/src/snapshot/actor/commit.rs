@@ -303,13 +303,75 @@ pub(super) async fn commit(
         ctx.event(Kind::VirtualDiskSnapshot, name, t, reason, &msg);
         ctx.wake(Kind::VirtualDiskSnapshot, name);
     }
-    // VM snapshots aggregate their disk snapshots.
-    if let Ok(vmsnaps) = ctx.store.list(Kind::VirtualMachineSnapshot) {
-        for s in vmsnaps {
-            ctx.wake(Kind::VirtualMachineSnapshot, s.object.name());
-        }
+    // VM snapshots aggregate their disk snapshots: the ones this cut's
+    // belong to are woken, not every VM snapshot there is.
+    let names: Vec<&str> = outcomes.iter().map(|(n, _)| n.as_str()).collect();
+    for parent in vm_snapshots_of(&ctx.store, &names) {
+        ctx.wake(Kind::VirtualMachineSnapshot, &parent);
     }
     held.prepared.clear();
     held.guards.clear();
     true
+}
+
+/// The VM snapshots the disk snapshots `names` were requested by (their
+/// `status.virtualMachineSnapshotName`), each once.
+fn vm_snapshots_of(
+    store: &crate::store::Store,
+    names: &[&str],
+) -> std::collections::BTreeSet<String> {
+    names
+        .iter()
+        .filter_map(|n| store.get(Kind::VirtualDiskSnapshot, n).ok().flatten())
+        .filter_map(|s| {
+            serde_json::from_value::<SnapshotStatus>(s.status)
+                .ok()?
+                .virtual_machine_snapshot_name
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hearth_api::{API_VERSION, ObjectMeta, VirtualDiskSnapshot, VirtualDiskSnapshotSpec};
+
+    #[test]
+    fn a_cut_wakes_the_vm_snapshots_of_its_disk_snapshots_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let ctx = Context::for_test(dir.path());
+        let snap = |name: &str, parent: Option<&str>| {
+            let object = Object::VirtualDiskSnapshot(VirtualDiskSnapshot {
+                api_version: API_VERSION.into(),
+                kind: Kind::VirtualDiskSnapshot.as_str().into(),
+                metadata: ObjectMeta {
+                    name: name.into(),
+                    generation: 1,
+                    ..ObjectMeta::default()
+                },
+                spec: VirtualDiskSnapshotSpec {
+                    virtual_disk_name: "d".into(),
+                    required_consistency: true,
+                },
+                status: None,
+            });
+            let status = SnapshotStatus {
+                virtual_machine_snapshot_name: parent.map(str::to_string),
+                ..SnapshotStatus::default()
+            };
+            ctx.store
+                .with_tx(|tx| crate::store::Store::create_with_status_tx(tx, &object, &status))
+                .unwrap();
+        };
+        // Many VM snapshots exist; the cut holds two disk snapshots of one
+        // and a disk snapshot of its own.
+        for i in 0..50 {
+            snap(&format!("old-{i}-d"), Some(&format!("old-{i}")));
+        }
+        snap("new-a", Some("new"));
+        snap("new-b", Some("new"));
+        snap("alone", None);
+        let woken = vm_snapshots_of(&ctx.store, &["new-a", "new-b", "alone", "gone"]);
+        assert_eq!(woken.into_iter().collect::<Vec<_>>(), ["new"]);
+    }
 }
