@@ -41,6 +41,9 @@ pub mod store;
 pub(crate) mod vm;
 pub mod watch;
 
+pub use backup::verify::{
+    FileCheck as BackupFileCheck, Summary as BackupCheckSummary, Target as BackupTarget,
+};
 pub use config::EngineConfig;
 pub use engine::{
     ApplyAction, ApplyMode, ApplyOutcome, Engine, MAX_APPLY_OBJECTS, RequestError, StartError,

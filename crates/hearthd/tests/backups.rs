@@ -368,6 +368,31 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
         assert!(same_bytes(&restored, truth), "point {n} restored differs");
     }
 
+    // `hearth backup verify`: every file of the six points checked, the
+    // directory left exactly as it was (names, lengths, times).
+    let listing = |dir: &Path| -> Vec<(PathBuf, u64, std::time::SystemTime)> {
+        let mut out = Vec::new();
+        let mut todo = vec![dir.to_path_buf()];
+        while let Some(d) = todo.pop() {
+            for e in std::fs::read_dir(&d).unwrap().flatten() {
+                let m = e.metadata().unwrap();
+                if m.is_dir() {
+                    todo.push(e.path());
+                } else {
+                    out.push((e.path(), m.len(), m.modified().unwrap()));
+                }
+            }
+        }
+        out.sort();
+        out
+    };
+    let before = listing(&to);
+    let out = d.cli_ok(&["backup", "verify", to.to_str().unwrap()]);
+    assert_eq!(out.matches("  ok").count(), 6, "{out}");
+    assert!(out.contains("6 point(s), 6 file(s)"), "{out}");
+    assert!(out.contains("every point can be restored"), "{out}");
+    assert_eq!(listing(&to), before, "verify changed the target");
+
     // A restore from a copy of the directory elsewhere (the chain names
     // its files relatively): point 2 as a new VM, whose guest reads the
     // file written before point 2 and not the one written after it.
@@ -425,6 +450,64 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     let bad = d.get("virtualdisks", "bad-app-data").unwrap();
     assert_eq!(bad["status"]["phase"], "Failed", "{bad:#}");
     assert!(bad.to_string().contains("SHA-256"), "{bad:#}");
+
+    // verify finds the changed file, and what it takes with it: points 2
+    // and 3 are incrementals over it, point 4 is full again. A file no
+    // point names is listed; a chain renamed under a point is named.
+    std::fs::write(moved.join("app-data").join("0007.qcow2.partial"), b"x").unwrap();
+    std::fs::rename(
+        moved.join("app-data").join("0006.qcow2"),
+        moved.join("app-data").join("0006.old"),
+    )
+    .unwrap();
+    let out = d.cli(&["backup", "verify", moved.to_str().unwrap()]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(!out.status.success(), "{stdout}\n{stderr}");
+    let line_of = |file: &str| {
+        stdout
+            .lines()
+            .find(|l| l.contains(file))
+            .unwrap_or_else(|| panic!("no line for {file}:\n{stdout}"))
+            .to_string()
+    };
+    assert!(
+        line_of("0001.qcow2").contains("DAMAGED: SHA-256"),
+        "{stdout}"
+    );
+    assert!(line_of("0002.qcow2").ends_with("ok"), "{stdout}");
+    assert!(
+        line_of("0006.qcow2").contains("DAMAGED: missing"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("not part of the backup: app-data/0007.qcow2.partial"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("not part of the backup: app-data/0006.old"),
+        "{stdout}"
+    );
+    assert!(
+        stderr.contains("2 damaged file(s) of 6; point(s) 1, 2, 3, 6 cannot be restored"),
+        "{stderr}"
+    );
+    // Up to point 1 only: the one damaged file, and nothing of later points.
+    let out = d.cli(&["backup", "verify", moved.to_str().unwrap(), "--at", "1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("1 damaged file(s) of 1; point(s) 1 cannot"),
+        "{stderr}"
+    );
+    // Not a backup target: a clear error naming the manifest.
+    let out = d.cli(&["backup", "verify", scratch.to_str().unwrap()]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && stderr.contains("hearth-backup.json"),
+        "{stderr}"
+    );
 }
 
 /// A small filesystem of its own, loop-mounted in a directory of its own

@@ -8,6 +8,7 @@ pub mod copy;
 pub mod reconcile;
 mod sink;
 pub mod target;
+pub mod verify;
 
 pub use reconcile::reconcile;
 

@@ -13,7 +13,7 @@ use hearth_api::{BackupFile, BackupKind, VirtualMachineSpec};
 use serde::{Deserialize, Serialize};
 
 pub const MANIFEST: &str = "hearth-backup.json";
-const VERSION: u32 = 1;
+pub(crate) const VERSION: u32 = 1;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]

@@ -30,7 +30,8 @@ and `hearth describe backup NAME` says why (reasonFull).
 Examples:
   hearth backup vm app --to /srv/backup/app --wait
   hearth backup vm app --to /srv/backup/app --full --wait
-  hearth get backups"
+  hearth get backups
+  hearth backup verify /srv/backup/app   # every file against the manifest"
 )]
 pub struct Args {
     #[command(subcommand)]
@@ -44,6 +45,32 @@ pub enum Target {
         after_help = "Examples:\n  hearth backup vm app --to /srv/backup/app --wait\n  hearth backup vm app --to /srv/backup/app --full --name app-weekly"
     )]
     Vm(VmArgs),
+    /// Check every file of a backup target against its manifest: there, of
+    /// its length and SHA-256, chained to the point before it. Writes
+    /// nothing.
+    #[command(after_help = "\
+hearthd reads DIR (a path on its host) and reports each file as it checks
+it, then which points a restore could not make: a damaged file takes with it
+every later point of its disk up to the next full one. Files no point names
+(what a crash left, `.partial` and `.merged`) are listed; the next backup
+into DIR settles them.
+
+Exit status: 0 when every point checked can be restored, 1 otherwise.
+
+Examples:
+  hearth backup verify /srv/backup/app
+  hearth backup verify /srv/backup/app --at 3   # points 1 to 3 only")]
+    Verify(VerifyArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct VerifyArgs {
+    /// The target directory (the `--to` of its backups).
+    #[arg(value_name = "DIR")]
+    pub dir: std::path::PathBuf,
+    /// Check the points up to N only (what a restore `--at N` reads).
+    #[arg(long, value_name = "N")]
+    pub at: Option<u32>,
 }
 
 #[derive(Debug, clap::Args)]
@@ -82,7 +109,10 @@ pub struct VmArgs {
 }
 
 pub async fn run(client: &ApiClient, args: &Args) -> anyhow::Result<()> {
-    let Target::Vm(a) = &args.target;
+    let a = match &args.target {
+        Target::Vm(a) => a,
+        Target::Verify(v) => return verify(client, v, &mut std::io::stdout().lock()).await,
+    };
     let mut out = std::io::stdout().lock();
     let to = std::path::absolute(&a.to)?;
     let name = a
@@ -285,6 +315,94 @@ pub fn summary(name: &str, obj: &Value) -> String {
             s
         }
     }
+}
+
+/// `hearth backup verify DIR`: hearthd's check, a line per file as it comes,
+/// then what a restore could and could not make.
+pub async fn verify(
+    client: &ApiClient,
+    args: &VerifyArgs,
+    out: &mut impl Write,
+) -> anyhow::Result<()> {
+    let dir = std::path::absolute(&args.dir)?;
+    let dir_text = dir
+        .to_str()
+        .ok_or_else(|| anyhow::anyhow!("{} is not valid UTF-8", dir.display()))?;
+    let mut path = format!(
+        "/v1/backups/verify?dir={}",
+        crate::client::query_escape(dir_text)
+    );
+    if let Some(n) = args.at {
+        path.push_str(&format!("&at={n}"));
+    }
+    let mut lines = client.lines(&path).await?;
+    writeln!(
+        out,
+        "{:<6} {:<20} {:<28} {:>10}  RESULT",
+        "POINT", "DISK", "FILE", "SIZE"
+    )?;
+    let mut summary = None;
+    while let Some(line) = lines.next_line().await? {
+        let v: Value = serde_json::from_slice(&line)
+            .map_err(|e| anyhow::anyhow!("hearthd sent a line that is not JSON: {e}"))?;
+        if let Some(f) = v.get("file") {
+            let result = match str_at(f, &["problem"]) {
+                Some(p) => format!("DAMAGED: {p}"),
+                None => "ok".to_string(),
+            };
+            writeln!(
+                out,
+                "{:<6} {:<20} {:<28} {:>10}  {result}",
+                u64_at(f, &["point"]).unwrap_or(0),
+                str_at(f, &["disk"]).unwrap_or_default(),
+                str_at(f, &["file"]).unwrap_or_default(),
+                human_bytes(u64_at(f, &["size"]).unwrap_or(0)),
+            )?;
+            out.flush()?;
+        } else if let Some(s) = v.get("summary") {
+            summary = Some(s.clone());
+        }
+    }
+    let Some(s) = summary else {
+        bail!("hearthd ended the check before its summary (was it restarted?)");
+    };
+    verdict(&dir, &s, out)
+}
+
+/// The summary's lines; an error when a point checked cannot be restored.
+fn verdict(dir: &std::path::Path, s: &Value, out: &mut impl Write) -> anyhow::Result<()> {
+    let list = |key: &str| -> Vec<String> {
+        s[key]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_string))
+            .collect()
+    };
+    for stray in list("strays") {
+        writeln!(
+            out,
+            "not part of the backup: {stray} (left by a crash or put there; the next backup into the directory settles .partial and .merged files)"
+        )?;
+    }
+    let points = u64_at(s, &["points"]).unwrap_or(0);
+    let files = u64_at(s, &["files"]).unwrap_or(0);
+    let bytes = human_bytes(u64_at(s, &["bytes"]).unwrap_or(0));
+    let bad = list("unrestorablePoints");
+    if bad.is_empty() {
+        writeln!(
+            out,
+            "{}: {points} point(s), {files} file(s), {bytes}: every point can be restored",
+            dir.display()
+        )?;
+        return Ok(());
+    }
+    bail!(
+        "{}: {} damaged file(s) of {files}; point(s) {} cannot be restored (a later full point, if any, can)",
+        dir.display(),
+        u64_at(s, &["damagedFiles"]).unwrap_or(0),
+        bad.join(", ")
+    )
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! The HTTP API: each handler turns a request into one engine call.
 //! The contract is docs/http-api.md.
 
+mod backups;
 mod console;
 mod export;
 mod guest;
@@ -64,6 +65,7 @@ fn routes() -> Router<Arc<Engine>> {
             "/v1/virtualdisksnapshots/{name}/export",
             get(export::export),
         )
+        .route("/v1/backups/verify", get(backups::verify))
         .route("/v1/virtualmachines/{name}/console", get(console::console))
         .route(
             "/v1/virtualmachines/{name}/console/attach",

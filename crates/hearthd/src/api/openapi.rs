@@ -70,6 +70,7 @@ pub async fn serve() -> Response {
         restore,
         restore_group,
         snapshot_export,
+        backup_verify,
         vm_action
     ),
     components(schemas(
@@ -101,6 +102,7 @@ pub async fn serve() -> Response {
         (name = "objects", description = "Create, read and delete objects of every kind."),
         (name = "virtualmachines", description = "VM actions, console and guest agent."),
         (name = "snapshots", description = "Disk snapshots as standalone images."),
+        (name = "backups", description = "Backup targets: checking one against its manifest."),
         (name = "daemon", description = "The daemon itself: health, manifest sources, events, this document, metrics.")
     )
 )]
@@ -588,6 +590,20 @@ fn agent_freeze_status() {}
     ))]
 #[allow(dead_code)]
 fn restore() {}
+
+#[utoipa::path(get, path = "/v1/backups/verify", tag = "backups",
+    summary = "Check a backup target's files against its manifest",
+    description = "Reads DIR/hearth-backup.json and checks each file of each point (up to `at`): there, of the manifest's length and SHA-256, and chained by its qcow2 header to the point before it on its disk. Writes nothing. The answer is one JSON document per line: `{\"file\": {\"point\", \"disk\", \"file\", \"size\", \"problem\"?}}` per file as it is checked, then `{\"summary\": {\"points\", \"files\", \"bytes\", \"damagedFiles\", \"unrestorablePoints\", \"strays\"}}`.",
+    params(
+        ("dir" = String, Query, description = "The target directory (`spec.to` of its backups), absolute, on hearthd's host"),
+        ("at" = Option<u32>, Query, description = "The newest point checked; every point when absent"),
+    ),
+    responses(
+        (status = 200, description = "The checks, one JSON line per file, then the summary", body = String, content_type = "application/x-ndjson"),
+        (status = 400, description = "Not an absolute path, or no readable hearth-backup.json there", body = ErrorAnswer),
+    ))]
+#[allow(dead_code)]
+fn backup_verify() {}
 
 #[utoipa::path(post, path = "/v1/virtualmachinesnapshotgroups/{name}/restore", tag = "snapshots",
     summary = "Restore every member VM of a snapshot group",

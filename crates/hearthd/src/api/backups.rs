@@ -1,0 +1,57 @@
+//! `GET /v1/backups/verify?dir=DIR[&at=N]`: every file of a backup target checked against
+//! its manifest (docs/backup.md, "Verify"), one JSON line per file as it
+//! is checked, then the summary. Reads the target, never writes it.
+
+use std::path::PathBuf;
+
+use axum::body::{Body, Bytes};
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use hearth_engine::BackupTarget;
+use serde::Deserialize;
+use serde_json::json;
+
+use super::ApiError;
+use super::request::ApiQuery;
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VerifyQuery {
+    /// The target directory, absolute, on hearthd's host.
+    dir: PathBuf,
+    /// The newest point checked (every point when absent).
+    at: Option<u32>,
+}
+
+/// The media type of the answer: one JSON document per line.
+pub const NDJSON: &str = "application/x-ndjson";
+
+pub async fn verify(ApiQuery(req): ApiQuery<VerifyQuery>) -> Result<Response, ApiError> {
+    let dir = req.dir.clone();
+    let target = tokio::task::spawn_blocking(move || BackupTarget::open(&dir))
+        .await
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .map_err(|why| ApiError(StatusCode::BAD_REQUEST, format!("dir: {why}")))?;
+    let (lines, rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
+    let at = req.at;
+    tokio::spawn(async move {
+        let summary = target
+            .verify(at, |check| {
+                let _ = lines.send(line(&json!({ "file": check })));
+            })
+            .await;
+        let _ = lines.send(line(&json!({ "summary": summary })));
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|b| (Ok::<Bytes, std::io::Error>(b), rx))
+    });
+    Ok(([(header::CONTENT_TYPE, NDJSON)], Body::from_stream(stream)).into_response())
+}
+
+fn line(v: &serde_json::Value) -> Bytes {
+    let mut text = v.to_string();
+    text.push('\n');
+    Bytes::from(text)
+}
