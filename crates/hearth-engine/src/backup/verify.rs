@@ -243,36 +243,19 @@ mod tests {
     fn target(dir: &Path) -> Manifest {
         let d = dir.join("d");
         std::fs::create_dir_all(&d).unwrap();
-        qemu_img(&d, &["create", "-q", "-f", "qcow2", "0001.qcow2", "4M"]);
-        qemu_img(
-            &d,
-            &[
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                "-F",
-                "qcow2",
-                "-b",
-                "0001.qcow2",
-                "0002.qcow2",
-            ],
-        );
-        qemu_img(&d, &["create", "-q", "-f", "qcow2", "0003.qcow2", "4M"]);
-        qemu_img(
-            &d,
-            &[
-                "create",
-                "-q",
-                "-f",
-                "qcow2",
-                "-F",
-                "qcow2",
-                "-b",
-                "0003.qcow2",
-                "0004.qcow2",
-            ],
-        );
+        for (file, below) in [
+            ("0001.qcow2", None),
+            ("0002.qcow2", Some("0001.qcow2")),
+            ("0003.qcow2", None),
+            ("0004.qcow2", Some("0003.qcow2")),
+        ] {
+            let mut args = vec!["create", "-q", "-f", "qcow2"];
+            if let Some(b) = below {
+                args.extend(["-F", "qcow2", "-b", b]);
+            }
+            args.extend([file, "4M"]);
+            qemu_img(&d, &args);
+        }
         let point = |n: u32, kind| {
             let file = format!("d/{n:04}.qcow2");
             let (sha256, size) = crate::backup::sha256_of(&dir.join(&file)).unwrap();
