@@ -369,7 +369,8 @@ fn permission_hint(
 /// runs. An empty log (a launch that failed before the guest printed
 /// anything) is not moved: the start before it stays the previous one. A
 /// rename, so a crash leaves either file whole; a failure costs only the
-/// old console, and is logged.
+/// old console, and is logged. The moved log is held to the bound too: one
+/// that grew while hearthd was down was never trimmed.
 fn keep_previous_console(cfg: &crate::config::EngineConfig, name: &str) {
     let log = cfg.serial_log(name);
     match std::fs::metadata(&log) {
@@ -380,6 +381,12 @@ fn keep_previous_console(cfg: &crate::config::EngineConfig, name: &str) {
     if let Err(e) = std::fs::rename(&log, &previous) {
         tracing::warn!(vm = name, log = %log.display(), error = %e,
             "cannot keep the previous start's console; the new start overwrites it");
+        return;
+    }
+    if cfg.console_log_max_bytes > 0
+        && let Err(e) = super::console::trim(&previous, cfg.console_log_max_bytes, None)
+    {
+        tracing::warn!(vm = name, log = %previous.display(), error = %e, "cannot trim a console log");
     }
 }
 
@@ -454,5 +461,20 @@ mod tests {
         std::fs::write(&log, "third start\n").unwrap();
         keep_previous_console(cfg, "v");
         assert_eq!(std::fs::read_to_string(&previous).unwrap(), "third start\n");
+        // A log that grew past the bound while nothing trimmed it (hearthd
+        // down): kept, within the bound, its end as written.
+        let text = "a line of a guest that would not stop\n".repeat(1 << 18);
+        std::fs::write(&log, &text).unwrap();
+        keep_previous_console(cfg, "v");
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(&previous).unwrap();
+        assert_eq!(m.len(), text.len() as u64);
+        assert!(
+            m.blocks() * 512 <= cfg.console_log_max_bytes,
+            "{}",
+            m.blocks() * 512
+        );
+        let kept = std::fs::read(&previous).unwrap();
+        assert!(kept.ends_with(&text.as_bytes()[text.len() - 4096..]));
     }
 }
