@@ -143,6 +143,12 @@ async fn check_file(
     f: &hearth_api::BackupFile,
     below: Option<&str>,
 ) -> Option<String> {
+    let inside = Path::new(&f.file)
+        .components()
+        .all(|c| matches!(c, std::path::Component::Normal(_)));
+    if !inside {
+        return Some("the manifest names a path outside the directory".into());
+    }
     let path = dir.join(&f.file);
     let len = match std::fs::symlink_metadata(&path) {
         Ok(m) if m.file_type().is_file() => m.len(),
@@ -354,6 +360,13 @@ mod tests {
         );
         assert_eq!(s.unrestorable_points, [4]);
         assert_eq!(s.strays, ["d/0005.qcow2.partial"]);
+        // A name leading out of the directory is not followed.
+        m.points[1].files[0].file = "../d/0002.qcow2".into();
+        let (seen, _) = check(dir.path(), &m, Some(2)).await;
+        assert!(
+            seen[1].problem.as_deref().unwrap().contains("outside"),
+            "{seen:?}"
+        );
         // A length that differs is said before any hashing.
         m.points[0].files[0].size += 1;
         let (seen, _) = check(dir.path(), &m, Some(1)).await;
