@@ -398,9 +398,7 @@ async fn main() -> anyhow::Result<()> {
         ovmf_vars: args.ovmf_vars.clone(),
         compaction_speed: args.compaction_bytes_per_second,
         dns_resolv_file: args.dns_resolv_file.clone(),
-        console_log_max_bytes: hearth_api::Quantity::parse(&args.console_log_max_bytes)
-            .map_err(|e| anyhow::anyhow!("--console-log-max-bytes: {e}"))?
-            .bytes(),
+        console_log_max_bytes: console_log_bound(&args.console_log_max_bytes)?,
         images: hearth_engine::config::ImageImportConfig {
             connect_timeout: Duration::from_secs(args.image_connect_timeout_seconds.max(1)),
             read_timeout: Duration::from_secs(args.image_read_timeout_seconds.max(1)),
@@ -651,6 +649,21 @@ async fn choose_accel(
         },
     })
 }
+
+/// `--console-log-max-bytes`: 0 (unbounded), or at least
+/// [`MIN_CONSOLE_LOG_BYTES`]: a trim keeps half the bound, in whole 4 KiB
+/// blocks, so a smaller one could never be met.
+fn console_log_bound(text: &str) -> anyhow::Result<u64> {
+    let bytes = hearth_api::Quantity::parse(text)
+        .map_err(|e| anyhow::anyhow!("--console-log-max-bytes: {e}"))?
+        .bytes();
+    if bytes != 0 && bytes < MIN_CONSOLE_LOG_BYTES {
+        anyhow::bail!("--console-log-max-bytes {text}: at least 64Ki (or 0 for no bound)");
+    }
+    Ok(bytes)
+}
+
+const MIN_CONSOLE_LOG_BYTES: u64 = 64 << 10;
 
 /// Binds the API socket with mode 0600: the file mode is the access control.
 fn bind_socket(path: &std::path::Path) -> anyhow::Result<tokio::net::UnixListener> {

@@ -206,3 +206,36 @@ fn qemu_user_root_is_allowed_with_a_warning() {
     );
     assert!(log.contains("WARN"), "{log}");
 }
+
+#[test]
+fn a_console_log_bound_too_small_to_keep_stops_hearthd_naming_the_flag() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let run = dir.path().join("run");
+    let state = dir.path().join("state");
+    let out = hearthd(
+        &[
+            "--run-dir",
+            run.to_str().unwrap(),
+            "--state-dir",
+            state.to_str().unwrap(),
+            "--accel",
+            "tcg",
+            "--qemu-user",
+            "root",
+            "--console-log-max-bytes",
+            "1Ki",
+        ],
+        &[],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "started with a 1 KiB bound: {err}");
+    assert!(
+        err.contains("--console-log-max-bytes 1Ki: at least 64Ki (or 0 for no bound)"),
+        "{err}"
+    );
+    let printed = print_config(&[], &[]);
+    assert!(
+        printed.contains("console-log-max-bytes = \"8Mi\""),
+        "{printed}"
+    );
+}
