@@ -42,7 +42,8 @@ pub(crate) mod vm;
 pub mod watch;
 
 pub use backup::verify::{
-    FileCheck as BackupFileCheck, Summary as BackupCheckSummary, Target as BackupTarget,
+    FileCheck as BackupFileCheck, Report as BackupReport, Summary as BackupCheckSummary,
+    Target as BackupTarget,
 };
 pub use config::EngineConfig;
 pub use engine::{

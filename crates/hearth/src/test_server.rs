@@ -138,11 +138,13 @@ impl ScriptedServer {
                             .lock()
                             .expect("script lock")
                             .answer(&seen.method, &seen.path);
-                        // A stream path answered with lines is the change
-                        // stream (JSON lines); anything else is plain JSON,
-                        // as an older hearthd answers `?watch=true`.
+                        // A stream path answered with lines is JSON lines
+                        // (the change stream, a backup check); anything
+                        // else is plain JSON, as an older hearthd answers
+                        // `?watch=true`.
                         let watch = status.is_success()
                             && (seen.path.starts_with("/v1/watch")
+                                || seen.path.starts_with("/v1/backups/verify")
                                 || seen.path.contains("?watch=true"))
                             && body.contains('\n');
                         if let Ok(mut l) = log.lock() {

@@ -13,6 +13,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use hearth_api::BackupKind;
 use serde::Serialize;
@@ -32,6 +35,20 @@ pub struct FileCheck {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub problem: Option<String>,
 }
+
+/// What a check says as it goes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Report {
+    /// First: what will be read.
+    Plan { files: u32, bytes: u64 },
+    /// About once a second while files are hashed: bytes read of all.
+    Progress { bytes_done: u64 },
+    /// One file checked.
+    File(FileCheck),
+}
+
+/// How often a check says how far it is.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 
 /// What a whole check found.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
@@ -78,9 +95,10 @@ impl Target {
     }
 
     /// Checks the files of the points up to `at` (every point when
-    /// `None`), handing each result to `each` as it is known.
-    pub async fn verify(&self, at: Option<u32>, each: impl FnMut(&FileCheck)) -> Summary {
-        verify(&self.dir, &self.manifest, at, each).await
+    /// `None`), telling `report` what it will read, how far it is, and
+    /// each file's result as it is known.
+    pub async fn verify(&self, at: Option<u32>, report: impl FnMut(Report)) -> Summary {
+        verify(&self.dir, &self.manifest, at, report).await
     }
 }
 
@@ -88,20 +106,43 @@ async fn verify(
     dir: &Path,
     m: &Manifest,
     at: Option<u32>,
-    mut each: impl FnMut(&FileCheck),
+    mut report: impl FnMut(Report),
 ) -> Summary {
+    let checked = || m.points.iter().filter(|p| at.is_none_or(|n| p.point <= n));
+    report(Report::Plan {
+        files: checked().map(|p| p.files.len() as u32).sum(),
+        bytes: checked().flat_map(|p| p.files.iter()).map(|f| f.size).sum(),
+    });
+    let read = Arc::new(AtomicU64::new(0));
     let mut summary = Summary::default();
     // Per disk: the previous point's file name, and whether the chain up to
     // it is sound.
     let mut chain: BTreeMap<String, (String, bool)> = BTreeMap::new();
     let mut unrestorable = BTreeSet::new();
     let mut named = BTreeSet::new();
-    for p in m.points.iter().filter(|p| at.is_none_or(|n| p.point <= n)) {
+    for p in checked() {
         summary.points += 1;
         for f in &p.files {
             named.insert(PathBuf::from(&f.file));
             let below = chain.get(&f.disk).cloned();
-            let problem = check_file(dir, p.kind, f, below.as_ref().map(|(n, _)| n.as_str())).await;
+            let checking = check_file(
+                dir,
+                p.kind,
+                f,
+                below.as_ref().map(|(n, _)| n.as_str()),
+                &read,
+            );
+            tokio::pin!(checking);
+            let mut tick = tokio::time::interval(PROGRESS_EVERY);
+            tick.tick().await;
+            let problem = loop {
+                tokio::select! {
+                    problem = &mut checking => break problem,
+                    _ = tick.tick() => report(Report::Progress {
+                        bytes_done: read.load(Ordering::Relaxed),
+                    }),
+                }
+            };
             let sound_below = match p.kind {
                 BackupKind::Full => true,
                 BackupKind::Incremental => below.as_ref().is_some_and(|(_, ok)| *ok),
@@ -120,13 +161,13 @@ async fn verify(
             if problem.is_some() {
                 summary.damaged_files += 1;
             }
-            each(&FileCheck {
+            report(Report::File(FileCheck {
                 point: p.point,
                 disk: f.disk.clone(),
                 file: f.file.clone(),
                 size: f.size,
                 problem,
-            });
+            }));
         }
     }
     summary.unrestorable_points = unrestorable.into_iter().collect();
@@ -142,6 +183,7 @@ async fn check_file(
     kind: BackupKind,
     f: &hearth_api::BackupFile,
     below: Option<&str>,
+    read: &Arc<AtomicU64>,
 ) -> Option<String> {
     let inside = Path::new(&f.file)
         .components()
@@ -162,7 +204,15 @@ async fn check_file(
             f.size
         ));
     }
-    match super::copy::digest(&path).await {
+    let hashing = {
+        let (path, read) = (path.clone(), read.clone());
+        tokio::task::spawn_blocking(move || sha256_counting(&path, &read))
+    };
+    let digest = match hashing.await {
+        Ok(d) => d,
+        Err(e) => Err(std::io::Error::other(e.to_string())),
+    };
+    match digest {
         Ok(sha) if sha == f.sha256 => {}
         Ok(sha) => {
             return Some(format!(
@@ -194,6 +244,27 @@ async fn check_file(
         )),
         _ => None,
     }
+}
+
+/// The SHA-256 (hex) of a file's bytes, adding each chunk's length to
+/// `read` as it goes.
+fn sha256_counting(path: &Path, read: &AtomicU64) -> std::io::Result<String> {
+    use sha2::Digest as _;
+    use std::io::Read as _;
+    let mut file = std::fs::File::open(path)?;
+    let mut sha = sha2::Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = match file.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        };
+        sha.update(&buf[..n]);
+        read.fetch_add(n as u64, Ordering::Relaxed);
+    }
+    Ok(format!("{:x}", sha.finalize()))
 }
 
 /// Files in the disks' folders that no point names.
@@ -295,7 +366,15 @@ mod tests {
 
     async fn check(dir: &Path, m: &Manifest, at: Option<u32>) -> (Vec<FileCheck>, Summary) {
         let mut seen = Vec::new();
-        let s = verify(dir, m, at, |c| seen.push(c.clone())).await;
+        let mut plan = None;
+        let s = verify(dir, m, at, |r| match r {
+            Report::File(c) => seen.push(c),
+            Report::Plan { files, bytes } => plan = Some((files, bytes)),
+            Report::Progress { .. } => {}
+        })
+        .await;
+        let (files, bytes) = plan.expect("the plan comes first");
+        assert_eq!((files, bytes), (s.files, s.bytes));
         (seen, s)
     }
 

@@ -277,11 +277,16 @@ pub(super) fn watched() -> bool {
 
 /// Bytes copied on hearthd of the bytes to copy (on a terminal only).
 pub(super) fn copying(total: u64) -> ProgressBar {
+    bytes_bar(total, "copying")
+}
+
+/// A bar of `total` bytes on stderr, named by `what`.
+fn bytes_bar(total: u64, what: &str) -> ProgressBar {
     let bar = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
     bar.set_style(
-        ProgressStyle::with_template(
-            "copying {wide_bar} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} {eta}",
-        )
+        ProgressStyle::with_template(&format!(
+            "{what} {{wide_bar}} {{binary_bytes}}/{{binary_total_bytes}} {{binary_bytes_per_sec}} {{eta}}"
+        ))
         .unwrap_or_else(|_| ProgressStyle::default_bar()),
     );
     bar
@@ -342,26 +347,50 @@ pub async fn verify(
         "POINT", "DISK", "FILE", "SIZE"
     )?;
     let mut summary = None;
+    // Bytes hashed of all, on a terminal; the lines go above it.
+    let mut bar: Option<ProgressBar> = None;
+    let mut done = 0u64;
     while let Some(line) = lines.next_line().await? {
         let v: Value = serde_json::from_slice(&line)
             .map_err(|e| anyhow::anyhow!("hearthd sent a line that is not JSON: {e}"))?;
-        if let Some(f) = v.get("file") {
+        if let Some(bytes) = v.get("plan").and_then(|p| u64_at(p, &["bytes"])) {
+            if watched() {
+                bar = Some(bytes_bar(bytes, "checking"));
+            }
+        } else if let Some(n) = v.get("progress").and_then(|p| u64_at(p, &["bytesDone"])) {
+            if let Some(b) = &bar {
+                b.set_position(n);
+            }
+        } else if let Some(f) = v.get("file") {
             let result = match str_at(f, &["problem"]) {
                 Some(p) => format!("DAMAGED: {p}"),
                 None => "ok".to_string(),
             };
-            writeln!(
-                out,
+            let size = u64_at(f, &["size"]).unwrap_or(0);
+            let text = format!(
                 "{:<6} {:<20} {:<28} {:>10}  {result}",
                 u64_at(f, &["point"]).unwrap_or(0),
                 str_at(f, &["disk"]).unwrap_or_default(),
                 str_at(f, &["file"]).unwrap_or_default(),
-                human_bytes(u64_at(f, &["size"]).unwrap_or(0)),
-            )?;
-            out.flush()?;
+                human_bytes(size),
+            );
+            done += size;
+            match &bar {
+                Some(b) => {
+                    b.set_position(done);
+                    b.suspend(|| writeln!(out, "{text}").and_then(|()| out.flush()))?;
+                }
+                None => {
+                    writeln!(out, "{text}")?;
+                    out.flush()?;
+                }
+            }
         } else if let Some(s) = v.get("summary") {
             summary = Some(s.clone());
         }
+    }
+    if let Some(b) = bar {
+        b.finish_and_clear();
     }
     let Some(s) = summary else {
         bail!("hearthd ended the check before its summary (was it restarted?)");
@@ -408,6 +437,78 @@ fn verdict(dir: &std::path::Path, s: &Value, out: &mut impl Write) -> anyhow::Re
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_server::{ScriptedServer, ok};
+
+    #[tokio::test]
+    async fn verify_prints_a_line_per_file_and_names_the_points_it_cannot_restore() {
+        let dir = tempfile::tempdir().unwrap();
+        let lines = [
+            json!({"plan": {"files": 2, "bytes": 3145728}}),
+            json!({"progress": {"bytesDone": 1048576}}),
+            json!({"file": {"point": 1, "disk": "data", "file": "data/0001.qcow2", "size": 2097152,
+                "problem": "SHA-256 aa, the manifest says bb (its bytes changed)"}}),
+            json!({"file": {"point": 2, "disk": "data", "file": "data/0002.qcow2", "size": 1048576}}),
+            json!({"summary": {"points": 2, "files": 2, "bytes": 3145728, "damagedFiles": 1,
+                "unrestorablePoints": [1, 2], "strays": ["data/0003.qcow2.partial"]}}),
+        ]
+        .iter()
+        .map(|l| format!("{l}\n"))
+        .collect::<String>();
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![(
+                "GET",
+                "/v1/backups/verify?dir=/srv/b%20x&at=2",
+                vec![ok(&lines)],
+            )],
+        );
+        let client = ApiClient::new(&server.socket);
+        let args = VerifyArgs {
+            dir: "/srv/b x".into(),
+            at: Some(2),
+        };
+        let mut out = Vec::new();
+        let err = verify(&client, &args, &mut out).await.unwrap_err();
+        let text = String::from_utf8(out).unwrap();
+        let rows: Vec<&str> = text.lines().collect();
+        assert!(rows[0].starts_with("POINT  DISK"), "{text}");
+        assert!(
+            rows[1].contains("data/0001.qcow2")
+                && rows[1].contains("2.0Mi")
+                && rows[1]
+                    .ends_with("DAMAGED: SHA-256 aa, the manifest says bb (its bytes changed)"),
+            "{text}"
+        );
+        assert!(
+            rows[2].contains("data/0002.qcow2") && rows[2].ends_with("  ok"),
+            "{text}"
+        );
+        assert!(
+            rows[3].starts_with("not part of the backup: data/0003.qcow2.partial"),
+            "{text}"
+        );
+        assert_eq!(
+            err.to_string(),
+            "/srv/b x: 1 damaged file(s) of 2; point(s) 1, 2 cannot be restored (a later full point, if any, can)"
+        );
+    }
+
+    #[tokio::test]
+    async fn verify_without_a_summary_is_an_error_not_a_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        let lines = format!("{}\n", json!({"plan": {"files": 1, "bytes": 1}}));
+        let server = ScriptedServer::routes(
+            dir.path(),
+            vec![("GET", "/v1/backups/verify?dir=/b", vec![ok(&lines)])],
+        );
+        let client = ApiClient::new(&server.socket);
+        let args = VerifyArgs {
+            dir: "/b".into(),
+            at: None,
+        };
+        let err = verify(&client, &args, &mut Vec::new()).await.unwrap_err();
+        assert!(err.to_string().contains("before its summary"), "{err}");
+    }
 
     #[test]
     fn the_summary_says_kind_point_size_time_and_why_full() {

@@ -1,13 +1,14 @@
 //! `GET /v1/backups/verify?dir=DIR[&at=N]`: every file of a backup target checked against
-//! its manifest (docs/backup.md, "Verify"), one JSON line per file as it
-//! is checked, then the summary. Reads the target, never writes it.
+//! its manifest (docs/backup.md, "Verify"): a JSON line with what will be
+//! read, one per file as it is checked, one about every second with the
+//! bytes read so far, then the summary. Reads the target, never writes it.
 
 use std::path::PathBuf;
 
 use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use hearth_engine::BackupTarget;
+use hearth_engine::{BackupReport, BackupTarget};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -36,8 +37,17 @@ pub async fn verify(ApiQuery(req): ApiQuery<VerifyQuery>) -> Result<Response, Ap
     let at = req.at;
     tokio::spawn(async move {
         let summary = target
-            .verify(at, |check| {
-                let _ = lines.send(line(&json!({ "file": check })));
+            .verify(at, |report| {
+                let v = match report {
+                    BackupReport::Plan { files, bytes } => {
+                        json!({"plan": {"files": files, "bytes": bytes}})
+                    }
+                    BackupReport::Progress { bytes_done } => {
+                        json!({"progress": {"bytesDone": bytes_done}})
+                    }
+                    BackupReport::File(check) => json!({ "file": check }),
+                };
+                let _ = lines.send(line(&v));
             })
             .await;
         let _ = lines.send(line(&json!({ "summary": summary })));

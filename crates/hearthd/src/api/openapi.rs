@@ -593,7 +593,7 @@ fn restore() {}
 
 #[utoipa::path(get, path = "/v1/backups/verify", tag = "backups",
     summary = "Check a backup target's files against its manifest",
-    description = "Reads DIR/hearth-backup.json and checks each file of each point (up to `at`): there, of the manifest's length and SHA-256, and chained by its qcow2 header to the point before it on its disk. Writes nothing. The answer is one JSON document per line: `{\"file\": {\"point\", \"disk\", \"file\", \"size\", \"problem\"?}}` per file as it is checked, then `{\"summary\": {\"points\", \"files\", \"bytes\", \"damagedFiles\", \"unrestorablePoints\", \"strays\"}}`.",
+    description = "Reads DIR/hearth-backup.json and checks each file of each point (up to `at`): there, of the manifest's length and SHA-256, and chained by its qcow2 header to the point before it on its disk. Writes nothing. The answer is one JSON document per line: `{\"plan\": {\"files\", \"bytes\"}}` first, `{\"file\": {\"point\", \"disk\", \"file\", \"size\", \"problem\"?}}` per file as it is checked, `{\"progress\": {\"bytesDone\"}}` about every second while files are hashed, then `{\"summary\": {\"points\", \"files\", \"bytes\", \"damagedFiles\", \"unrestorablePoints\", \"strays\"}}`.",
     params(
         ("dir" = String, Query, description = "The target directory (`spec.to` of its backups), absolute, on hearthd's host"),
         ("at" = Option<u32>, Query, description = "The newest point checked; every point when absent"),
