@@ -526,8 +526,10 @@ fn a_vm_snapshot_costs_the_same_reconciles_however_many_came_before() {
     }
     let (first, last) = (costs[0], costs[costs.len() - 1]);
     assert!(first >= 1.0, "{costs:?}");
+    // Waking all seven VM snapshots before it would cost the eighth seven
+    // more; a wake that lands while a reconcile runs may cost one or two.
     assert!(
-        last <= first + 1.0,
+        last <= first + 2.0,
         "the 8th VM snapshot cost {last} VirtualMachineSnapshot reconciles, the first {first}: {costs:?}"
     );
 }
