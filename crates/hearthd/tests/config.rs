@@ -18,6 +18,22 @@ fn hearthd(args: &[&str], env: &[(&str, &str)]) -> Output {
         .expect("run hearthd")
 }
 
+/// hearthd with its own run and state directories under `dir` (which a
+/// test checks it did not get as far as), TCG, and `extra`.
+fn hearthd_in(dir: &Path, extra: &[&str], env: &[(&str, &str)]) -> Output {
+    let (run, state) = (dir.join("run"), dir.join("state"));
+    let mut args = vec![
+        "--run-dir",
+        run.to_str().unwrap(),
+        "--state-dir",
+        state.to_str().unwrap(),
+        "--accel",
+        "tcg",
+    ];
+    args.extend_from_slice(extra);
+    hearthd(&args, env)
+}
+
 fn print_config(args: &[&str], env: &[(&str, &str)]) -> String {
     let mut argv = vec!["--print-config"];
     argv.extend_from_slice(args);
@@ -151,19 +167,8 @@ fn a_qemu_user_that_does_not_exist_stops_hearthd_naming_the_command_that_creates
         "user.toml",
         "qemu-user = \"hearth-no-such-user\"\n",
     );
-    let run = dir.path().join("run");
-    let state = dir.path().join("state");
-    let out = hearthd(
-        &[
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--state-dir",
-            state.to_str().unwrap(),
-            "--accel",
-            "tcg",
-        ],
-        &[("HEARTH_CONFIG", &file)],
-    );
+    let (run, state) = (dir.path().join("run"), dir.path().join("state"));
+    let out = hearthd_in(dir.path(), &[], &[("HEARTH_CONFIG", &file)]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         !out.status.success(),
@@ -210,21 +215,9 @@ fn qemu_user_root_is_allowed_with_a_warning() {
 #[test]
 fn a_console_log_bound_too_small_to_keep_stops_hearthd_naming_the_flag() {
     let dir = tempfile::tempdir().expect("tempdir");
-    let run = dir.path().join("run");
-    let state = dir.path().join("state");
-    let out = hearthd(
-        &[
-            "--run-dir",
-            run.to_str().unwrap(),
-            "--state-dir",
-            state.to_str().unwrap(),
-            "--accel",
-            "tcg",
-            "--qemu-user",
-            "root",
-            "--console-log-max-bytes",
-            "1Ki",
-        ],
+    let out = hearthd_in(
+        dir.path(),
+        &["--qemu-user", "root", "--console-log-max-bytes", "1Ki"],
         &[],
     );
     let err = String::from_utf8_lossy(&out.stderr);
