@@ -32,9 +32,31 @@ fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> FileErr
 
 /// The SHA-256 (hex) and length of a file's bytes.
 fn sha256_of(path: &Path) -> Result<(String, u64), FileError> {
+    sha256_counting(path, &std::sync::atomic::AtomicU64::new(0))
+}
+
+/// [`sha256_of`], adding each chunk's length to `read` as it goes (the
+/// progress of a long hash).
+fn sha256_counting(
+    path: &Path,
+    read: &std::sync::atomic::AtomicU64,
+) -> Result<(String, u64), FileError> {
     use sha2::Digest as _;
+    use std::io::Read as _;
     let mut f = std::fs::File::open(path).map_err(io("opening", path))?;
     let mut h = sha2::Sha256::new();
-    let size = std::io::copy(&mut f, &mut h).map_err(io("reading", path))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io("reading", path)(e)),
+        };
+        h.update(&buf[..n]);
+        size += n as u64;
+        read.fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+    }
     Ok((format!("{:x}", h.finalize()), size))
 }

@@ -119,11 +119,9 @@ async fn verify(
     // it is sound.
     let mut chain: BTreeMap<String, (String, bool)> = BTreeMap::new();
     let mut unrestorable = BTreeSet::new();
-    let mut named = BTreeSet::new();
     for p in checked() {
         summary.points += 1;
         for f in &p.files {
-            named.insert(PathBuf::from(&f.file));
             let below = chain.get(&f.disk).cloned();
             let checking = check_file(
                 dir,
@@ -171,7 +169,7 @@ async fn verify(
         }
     }
     summary.unrestorable_points = unrestorable.into_iter().collect();
-    summary.strays = strays(dir, m, &named);
+    summary.strays = strays(dir, m);
     summary
 }
 
@@ -206,11 +204,11 @@ async fn check_file(
     }
     let hashing = {
         let (path, read) = (path.clone(), read.clone());
-        tokio::task::spawn_blocking(move || sha256_counting(&path, &read))
+        tokio::task::spawn_blocking(move || super::sha256_counting(&path, &read))
     };
     let digest = match hashing.await {
-        Ok(d) => d,
-        Err(e) => Err(std::io::Error::other(e.to_string())),
+        Ok(d) => d.map(|(sha, _)| sha).map_err(|e| e.to_string()),
+        Err(e) => Err(e.to_string()),
     };
     match digest {
         Ok(sha) if sha == f.sha256 => {}
@@ -246,34 +244,17 @@ async fn check_file(
     }
 }
 
-/// The SHA-256 (hex) of a file's bytes, adding each chunk's length to
-/// `read` as it goes.
-fn sha256_counting(path: &Path, read: &AtomicU64) -> std::io::Result<String> {
-    use sha2::Digest as _;
-    use std::io::Read as _;
-    let mut file = std::fs::File::open(path)?;
-    let mut sha = sha2::Sha256::new();
-    let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = match file.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e),
-        };
-        sha.update(&buf[..n]);
-        read.fetch_add(n as u64, Ordering::Relaxed);
-    }
-    Ok(format!("{:x}", sha.finalize()))
-}
-
 /// Files in the disks' folders that no point names.
-fn strays(dir: &Path, m: &Manifest, named: &BTreeSet<PathBuf>) -> Vec<String> {
-    let folders: BTreeSet<PathBuf> = m
+fn strays(dir: &Path, m: &Manifest) -> Vec<String> {
+    let named: BTreeSet<PathBuf> = m
         .points
         .iter()
         .flat_map(|p| p.files.iter())
-        .filter_map(|f| Path::new(&f.file).parent().map(Path::to_path_buf))
+        .map(|f| PathBuf::from(&f.file))
+        .collect();
+    let folders: BTreeSet<PathBuf> = named
+        .iter()
+        .filter_map(|f| f.parent().map(Path::to_path_buf))
         .collect();
     let mut out = Vec::new();
     for folder in folders {
@@ -288,13 +269,6 @@ fn strays(dir: &Path, m: &Manifest, named: &BTreeSet<PathBuf>) -> Vec<String> {
             }
         }
     }
-    // A point past `at` is named, not a stray.
-    out.retain(|s| {
-        !m.points
-            .iter()
-            .flat_map(|p| p.files.iter())
-            .any(|f| f.file == *s)
-    });
     out.sort();
     out
 }

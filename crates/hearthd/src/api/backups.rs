@@ -12,8 +12,8 @@ use hearth_engine::{BackupReport, BackupTarget};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::ApiError;
 use super::request::ApiQuery;
+use super::{ApiError, NDJSON, json_line};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -24,11 +24,8 @@ pub struct VerifyQuery {
     at: Option<u32>,
 }
 
-/// The media type of the answer: one JSON document per line.
-pub const NDJSON: &str = "application/x-ndjson";
-
 pub async fn verify(ApiQuery(req): ApiQuery<VerifyQuery>) -> Result<Response, ApiError> {
-    let dir = req.dir.clone();
+    let dir = req.dir;
     let target = tokio::task::spawn_blocking(move || BackupTarget::open(&dir))
         .await
         .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
@@ -36,21 +33,26 @@ pub async fn verify(ApiQuery(req): ApiQuery<VerifyQuery>) -> Result<Response, Ap
     let (lines, rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
     let at = req.at;
     tokio::spawn(async move {
-        let summary = target
-            .verify(at, |report| {
-                let v = match report {
-                    BackupReport::Plan { files, bytes } => {
-                        json!({"plan": {"files": files, "bytes": bytes}})
-                    }
-                    BackupReport::Progress { bytes_done } => {
-                        json!({"progress": {"bytesDone": bytes_done}})
-                    }
-                    BackupReport::File(check) => json!({ "file": check }),
-                };
-                let _ = lines.send(line(&v));
-            })
-            .await;
-        let _ = lines.send(line(&json!({ "summary": summary })));
+        let gone = lines.clone();
+        let check = target.verify(at, |report| {
+            let v = match report {
+                BackupReport::Plan { files, bytes } => {
+                    json!({"plan": {"files": files, "bytes": bytes}})
+                }
+                BackupReport::Progress { bytes_done } => {
+                    json!({"progress": {"bytesDone": bytes_done}})
+                }
+                BackupReport::File(check) => json!({ "file": check }),
+            };
+            let _ = lines.send(json_line(&v));
+        });
+        // A client that hangs up ends the check: nobody reads its result.
+        tokio::select! {
+            summary = check => {
+                let _ = gone.send(json_line(&json!({ "summary": summary })));
+            }
+            () = gone.closed() => {}
+        }
     });
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv()
@@ -58,10 +60,4 @@ pub async fn verify(ApiQuery(req): ApiQuery<VerifyQuery>) -> Result<Response, Ap
             .map(|b| (Ok::<Bytes, std::io::Error>(b), rx))
     });
     Ok(([(header::CONTENT_TYPE, NDJSON)], Body::from_stream(stream)).into_response())
-}
-
-fn line(v: &serde_json::Value) -> Bytes {
-    let mut text = v.to_string();
-    text.push('\n');
-    Bytes::from(text)
 }

@@ -97,6 +97,16 @@ fn routes() -> Router<Arc<Engine>> {
         .route("/v1/virtualmachines/{name}/{action}", post(vm_action))
 }
 
+/// The media type of a streamed answer: one JSON document per line.
+pub const NDJSON: &str = "application/x-ndjson";
+
+/// One line of such an answer.
+pub fn json_line(v: &impl serde::Serialize) -> axum::body::Bytes {
+    let mut bytes = serde_json::to_vec(v).unwrap_or_default();
+    bytes.push(b'\n');
+    axum::body::Bytes::from(bytes)
+}
+
 /// An error as the API shows it: a status and `{"error": message}`.
 pub struct ApiError(StatusCode, String);
 

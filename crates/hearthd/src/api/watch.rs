@@ -164,9 +164,7 @@ fn stream(engine: &Engine, filter: Filter, options: Options) -> Result<Response,
                 if let Some(event) = line.get_mut("event") {
                     hearth_api::redact::redact_json(event);
                 }
-                let mut bytes = serde_json::to_vec(&line).unwrap_or_default();
-                bytes.push(b'\n');
-                Some((Ok::<Bytes, Infallible>(Bytes::from(bytes)), w))
+                Some((Ok::<Bytes, Infallible>(super::json_line(&line)), w))
             }
             Ok(None) => None,
             Err(e) => {
@@ -177,7 +175,7 @@ fn stream(engine: &Engine, filter: Filter, options: Options) -> Result<Response,
     });
     Ok((
         [
-            (header::CONTENT_TYPE, "application/x-ndjson"),
+            (header::CONTENT_TYPE, super::NDJSON),
             (header::CACHE_CONTROL, "no-store"),
         ],
         Body::from_stream(lines),
