@@ -32,14 +32,20 @@ fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> FileErr
 
 /// The SHA-256 (hex) and length of a file's bytes.
 fn sha256_of(path: &Path) -> Result<(String, u64), FileError> {
-    sha256_counting(path, &std::sync::atomic::AtomicU64::new(0))
+    sha256_counting(
+        path,
+        &std::sync::atomic::AtomicU64::new(0),
+        &std::sync::atomic::AtomicBool::new(false),
+    )
 }
 
 /// [`sha256_of`], adding each chunk's length to `read` as it goes (the
-/// progress of a long hash).
+/// progress of a long hash), and giving up between chunks once `stop` is
+/// set (nobody wants the result any more).
 fn sha256_counting(
     path: &Path,
     read: &std::sync::atomic::AtomicU64,
+    stop: &std::sync::atomic::AtomicBool,
 ) -> Result<(String, u64), FileError> {
     use sha2::Digest as _;
     use std::io::Read as _;
@@ -48,6 +54,9 @@ fn sha256_counting(
     let mut buf = vec![0u8; 1 << 20];
     let mut size = 0u64;
     loop {
+        if stop.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(io("reading", path)(std::io::Error::other("stopped")));
+        }
         let n = match f.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => n,

@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use hearth_api::BackupKind;
@@ -114,6 +114,10 @@ async fn verify(
         bytes: checked().flat_map(|p| p.files.iter()).map(|f| f.size).sum(),
     });
     let read = Arc::new(AtomicU64::new(0));
+    // A check dropped half-way (its client hung up) stops the hash that
+    // runs on a blocking thread too.
+    let stop = Arc::new(AtomicBool::new(false));
+    let _stop_on_drop = StopOnDrop(stop.clone());
     let mut summary = Summary::default();
     // Per disk: the previous point's file name, and whether the chain up to
     // it is sound.
@@ -129,6 +133,7 @@ async fn verify(
                 f,
                 below.as_ref().map(|(n, _)| n.as_str()),
                 &read,
+                &stop,
             );
             tokio::pin!(checking);
             let mut tick = tokio::time::interval(PROGRESS_EVERY);
@@ -182,6 +187,7 @@ async fn check_file(
     f: &hearth_api::BackupFile,
     below: Option<&str>,
     read: &Arc<AtomicU64>,
+    stop: &Arc<AtomicBool>,
 ) -> Option<String> {
     let inside = Path::new(&f.file)
         .components()
@@ -203,8 +209,8 @@ async fn check_file(
         ));
     }
     let hashing = {
-        let (path, read) = (path.clone(), read.clone());
-        tokio::task::spawn_blocking(move || super::sha256_counting(&path, &read))
+        let (path, read, stop) = (path.clone(), read.clone(), stop.clone());
+        tokio::task::spawn_blocking(move || super::sha256_counting(&path, &read, &stop))
     };
     let digest = match hashing.await {
         Ok(d) => d.map(|(sha, _)| sha).map_err(|e| e.to_string()),
@@ -241,6 +247,15 @@ async fn check_file(
             backing.unwrap_or_default()
         )),
         _ => None,
+    }
+}
+
+/// Sets its flag when dropped.
+struct StopOnDrop(Arc<AtomicBool>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
     }
 }
 
