@@ -180,6 +180,12 @@ impl EngineConfig {
         self.vm_state_dir(vm).join("serial.previous.log")
     }
 
+    /// QEMU's own stdout and stderr, appended by every launch of the VM
+    /// (why a start failed or QEMU died).
+    pub fn qemu_log(&self, vm: &str) -> PathBuf {
+        self.vm_state_dir(vm).join("qemu.log")
+    }
+
     /// The serial port's unix socket (QEMU serves it; `hearth console`
     /// attaches through hearthd). Next to `agent.sock`, so as short.
     pub fn serial_socket(&self, vm: &str) -> PathBuf {

@@ -573,7 +573,12 @@ fn log_tail(path: &Path, start: u64) -> String {
     match read() {
         Ok(bytes) => {
             let text = String::from_utf8_lossy(&bytes);
-            let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+            // A part hearthd punched out of the log reads as NULs.
+            let blank = |l: &str| {
+                l.trim_matches(|c: char| c.is_whitespace() || c == '\0')
+                    .is_empty()
+            };
+            let lines: Vec<&str> = text.lines().filter(|l| !blank(l)).collect();
             let keep = &lines[lines.len().saturating_sub(STDERR_TAIL_LINES)..];
             if keep.is_empty() {
                 "(no output)".to_owned()
@@ -699,5 +704,11 @@ mod tests {
         assert_eq!(log_tail(&path, len), "(no output)");
         // A start offset past the end (log truncated meanwhile) still shows the tail.
         assert!(log_tail(&path, u64::MAX).ends_with("Could not open 'x'"));
+        // A launch whose log start was punched out meanwhile: the hole
+        // (NULs when read) is no line of its own.
+        let mut holed = vec![0u8; 100];
+        holed.extend_from_slice(b"\nqemu: terminating\n");
+        std::fs::write(&path, &holed).expect("write");
+        assert_eq!(log_tail(&path, 0), "qemu: terminating");
     }
 }

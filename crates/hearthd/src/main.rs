@@ -128,7 +128,8 @@ struct Args {
     image_max_bytes: String,
     /// The most of a VM's console log kept on disk, e.g. 8Mi: past it, the
     /// oldest part is dropped and the newest half kept (a guest can write
-    /// to its serial port without end); 0: unbounded.
+    /// to its serial port without end). QEMU's own log of the VM is held to
+    /// it too. 0: unbounded.
     #[arg(long, env = "HEARTH_CONSOLE_LOG_MAX_BYTES", default_value = "8Mi")]
     console_log_max_bytes: String,
     /// Free space a VirtualImage import always leaves on the state

@@ -283,7 +283,7 @@ fn console_attach_pipes_both_ways_one_writer_at_a_time() {
     let wrote = started.elapsed();
     let on_disk = |p: &std::path::Path| {
         use std::os::unix::fs::MetadataExt;
-        let m = std::fs::metadata(p).expect("serial.log");
+        let m = std::fs::metadata(p).expect("a VM's log");
         (m.len(), m.blocks() * 512)
     };
     let tail_has_done = || {
@@ -322,6 +322,45 @@ fn console_attach_pipes_both_ways_one_writer_at_a_time() {
         "hearth logs is not the log's newest bytes"
     );
     assert!(String::from_utf8_lossy(&shown.stdout).contains(&done));
+
+    // QEMU's own log is held to the same bound: written past it (appended
+    // as QEMU's stderr is, by a writer of the test's: what the guest can
+    // make QEMU print is a few warnings), it keeps its length and newest
+    // bytes and loses its oldest.
+    let qemu_log = log.with_file_name("qemu.log");
+    let last = format!("qemu-log-{seed}-last");
+    {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&qemu_log)
+            .expect("qemu.log");
+        let line = [b'w'; 1023];
+        for _ in 0..(flood / 1024) {
+            f.write_all(&line).unwrap();
+            f.write_all(b"\n").unwrap();
+        }
+        writeln!(f, "{last}").unwrap();
+    }
+    wait_until(
+        "qemu.log trimmed to its bound",
+        Duration::from_secs(30),
+        || on_disk(&qemu_log).1 <= bound,
+    );
+    let (len, allocated) = on_disk(&qemu_log);
+    assert!(len > flood, "qemu.log is {len} bytes long");
+    let whole = std::fs::read(&qemu_log).expect("qemu.log");
+    assert!(
+        whole.ends_with(format!("{last}\n").as_bytes()),
+        "qemu.log lost its newest line"
+    );
+    assert!(
+        whole[whole.len() - (bound as usize / 4)..]
+            .iter()
+            .all(|b| *b != 0),
+        "qemu.log's newest bytes were punched out"
+    );
+    eprintln!("qemu.log: {len} bytes long, {allocated} on disk");
 
     // Unknown VM: 404 naming it.
     let out = d.cli(&["console", "nope", "--tail", "0"]);

@@ -4,7 +4,9 @@
 //! part is punched out (`FALLOC_FL_PUNCH_HOLE`): QEMU goes on writing at
 //! its offset, the file keeps its length, and only the newest half of the
 //! bound stays allocated. Readers skip the hole (`SEEK_DATA`, see
-//! [`data_from`]).
+//! [`data_from`]). QEMU's own `qemu.log` is held to the same bound: every
+//! launch appends to it, and QEMU prints there what some devices warn about
+//! the guest.
 //!
 //! Cost follows output, not VMs: one inotify watch per log (added when a
 //! QEMU is launched or adopted, gone with the file), and a thread that

@@ -35,8 +35,12 @@ impl Context {
         }
         let live = Arc::new(LiveVm::attach(self, record.clone()).await);
         self.live.insert(&record.vm, live.clone());
-        // This QEMU's console log, bounded while it writes.
+        // This QEMU's console log and its own stderr log, bounded while it
+        // writes: a guest can make either grow (the second through devices
+        // that warn on what the guest does), and a crash-looping VM appends
+        // to the second at every launch.
         self.consoles.watch(&record.serial_log);
+        self.consoles.watch(&self.config.qemu_log(&record.vm));
         live
     }
 }

@@ -236,7 +236,7 @@ fn forget(
             .update_intent(name, |i| i.want_running = Some(false))?;
     }
     let last_error = if crashed {
-        let tail = last_lines(&ctx.config.vm_state_dir(name).join("qemu.log"), 5);
+        let tail = last_lines(&ctx.config.qemu_log(name), 5);
         Some(if tail.is_empty() {
             "QEMU exited unexpectedly".to_string()
         } else {
@@ -315,9 +315,53 @@ fn remove(ctx: &Arc<Context>, vm: &VirtualMachine) -> Result<(), ReconcileError>
 }
 
 fn last_lines(path: &std::path::Path, n: usize) -> String {
-    let text = std::fs::read(path).unwrap_or_default();
-    let start = text.len().saturating_sub(4096);
-    let text = String::from_utf8_lossy(&text[start..]);
+    use std::io::{Read, Seek, SeekFrom};
+    // Only the end is read, from its first data: the log keeps its length
+    // when its start is punched out (vm/console.rs), so it can be far longer
+    // than its data, and a hole reads as zeroes.
+    let mut text = Vec::new();
+    if let Ok(mut file) = std::fs::File::open(path) {
+        let len = file.metadata().map(|m| m.len()).unwrap_or(0);
+        let from = super::console::data_from(&file, len.saturating_sub(4096));
+        if let Some(from) = from
+            && file.seek(SeekFrom::Start(from)).is_ok()
+        {
+            let _ = file.take(4096).read_to_end(&mut text);
+        }
+    }
+    let text = String::from_utf8_lossy(&text);
     let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
     lines[lines.len().saturating_sub(n)..].join(" | ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::last_lines;
+
+    #[test]
+    fn a_crash_reason_is_the_logs_last_lines_read_from_its_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("qemu.log");
+        assert_eq!(last_lines(&path, 5), "", "no log");
+        // A log whose start was punched out keeps its length: 64 MiB of
+        // hole, then QEMU's last lines. Reading the whole file would take
+        // 64 MiB of memory; the reason comes from the end alone.
+        let file = std::fs::File::create(&path).unwrap();
+        file.set_len(64 << 20).unwrap();
+        drop(file);
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        use std::io::Write;
+        writeln!(f, "first\n\nqemu: could not load kernel\nterminating").unwrap();
+        assert_eq!(
+            last_lines(&path, 2),
+            "qemu: could not load kernel | terminating"
+        );
+        assert_eq!(
+            last_lines(&path, 5),
+            "first | qemu: could not load kernel | terminating"
+        );
+    }
 }

@@ -230,7 +230,7 @@ async fn try_launch(
         serial_log: serial_log.clone(),
         serial_socket: Some(cfg.serial_socket(name)),
     };
-    let qemu_log = state_dir.join("qemu.log");
+    let qemu_log = cfg.qemu_log(name);
     let mut record = RuntimeRecord {
         vm: name.to_string(),
         // Unknown until QEMU runs.

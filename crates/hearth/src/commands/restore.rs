@@ -27,7 +27,7 @@ const DEFAULT_STOP_TIMEOUT_SECONDS: u64 = 30;
 
 #[derive(Debug, clap::Args)]
 #[command(
-    about = "Roll a VM back to one of its snapshots",
+    about = "Roll VMs back to their snapshots, or make a VM again from a backup",
     after_help = "\
 A disk is restored by creating a new disk from a snapshot instead: apply a
 VirtualDisk with `spec: {source: {snapshot: NAME}}` (no size; it has the
