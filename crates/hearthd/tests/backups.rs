@@ -11,6 +11,7 @@
 
 mod common;
 
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
@@ -508,6 +509,88 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
         !out.status.success() && stderr.contains("hearth-backup.json"),
         "{stderr}"
     );
+}
+
+/// Bytes hearthd has read through `read` and the like, from the kernel's
+/// own count (`/proc/PID/io`, `rchar`).
+fn bytes_read_by(pid: u32) -> u64 {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).expect("/proc/PID/io");
+    io.lines()
+        .find_map(|l| l.strip_prefix("rchar: "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("rchar in /proc/PID/io")
+}
+
+#[test]
+fn a_check_whose_client_hangs_up_stops_reading() {
+    // A target of one 64 GiB file (a hole; hashing it takes most of a
+    // minute), checked over the API, the client gone after the first
+    // progress line. hearthd's own read count says whether it stopped.
+    let d = Daemon::start_without_guest(&[], &[]);
+    let pid = d.child.as_ref().expect("hearthd").id();
+    let to = d.state_dir().with_file_name("big-target");
+    std::fs::create_dir_all(to.join("d")).unwrap();
+    let size: u64 = 64 << 30;
+    std::fs::File::create(to.join("d/0001.qcow2"))
+        .unwrap()
+        .set_len(size)
+        .unwrap();
+    let manifest = serde_json::json!({
+        "version": 1,
+        "virtualMachineName": "big",
+        "points": [{
+            "point": 1, "backup": "big-1", "kind": "Full", "cutTime": null,
+            "checkpoint": "big-1-cp",
+            "files": [{"disk": "d", "file": "d/0001.qcow2", "sha256": "0".repeat(64),
+                       "size": size, "virtualSize": size}],
+        }],
+    });
+    std::fs::write(to.join("hearth-backup.json"), manifest.to_string()).unwrap();
+
+    let mut stream = std::os::unix::net::UnixStream::connect(d.socket()).expect("connect");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    write!(
+        stream,
+        "GET /v1/backups/verify?dir={} HTTP/1.1\r\nHost: hearthd\r\n\r\n",
+        to.display()
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("\"bytesDone\"") {
+        let n = stream.read(&mut buf).expect("the check's lines");
+        assert!(
+            n > 0,
+            "the stream ended: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let (r0, t0) = (bytes_read_by(pid), std::time::Instant::now());
+    std::thread::sleep(Duration::from_secs(2));
+    let while_reading = bytes_read_by(pid) - r0;
+    assert!(
+        while_reading > 64 << 20,
+        "hearthd read {while_reading} bytes in {:?} of the check: the measure cannot tell",
+        t0.elapsed()
+    );
+    drop(stream);
+    // The hang-up is seen at the next progress line (about a second), the
+    // hash stops at its next chunk.
+    std::thread::sleep(Duration::from_secs(3));
+    let r1 = bytes_read_by(pid);
+    std::thread::sleep(Duration::from_secs(3));
+    let after = bytes_read_by(pid) - r1;
+    eprintln!(
+        "verify: {while_reading} bytes read in 2 s of the check, {after} in 3 s after the hang-up"
+    );
+    assert!(
+        after < 8 << 20,
+        "hearthd read {after} bytes in 3 s after its client hung up"
+    );
+    std::fs::remove_dir_all(&to).unwrap();
 }
 
 /// A small filesystem of its own, loop-mounted in a directory of its own
