@@ -82,12 +82,26 @@ pub fn first_dynamic(subnet: Ipv4Cidr) -> Ipv4Addr {
 
 /// The leases of one network, both ways round; never two holders for one
 /// address, never two addresses for one holder.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Leases {
     subnet: Ipv4Cidr,
     by_ip: BTreeMap<Ipv4Addr, Holder>,
     by_holder: HashMap<Holder, Ipv4Addr>,
+    /// No dynamic address below this one is free: where the search for the
+    /// lowest free address starts. A plan that hands out many addresses
+    /// then walks the held ones once, not once per address it hands out.
+    free_from: u32,
 }
+
+/// Equal when they hold the same leases (where a search starts is not
+/// part of what they hold).
+impl PartialEq for Leases {
+    fn eq(&self, other: &Leases) -> bool {
+        self.subnet == other.subnet && self.by_ip == other.by_ip
+    }
+}
+
+impl Eq for Leases {}
 
 impl Leases {
     pub fn new(subnet: Ipv4Cidr) -> Leases {
@@ -95,6 +109,7 @@ impl Leases {
             subnet,
             by_ip: BTreeMap::new(),
             by_holder: HashMap::new(),
+            free_from: u32::from(first_dynamic(subnet)),
         }
     }
 
@@ -181,6 +196,7 @@ impl Leases {
         match self.by_holder.remove(holder) {
             Some(ip) => {
                 self.by_ip.remove(&ip);
+                self.free_from = self.free_from.min(u32::from(ip));
                 true
             }
             None => false,
@@ -192,14 +208,17 @@ impl Leases {
         self.by_holder.insert(holder, ip);
     }
 
-    fn lowest_free(&self) -> Result<Ipv4Addr, IpamError> {
+    fn lowest_free(&mut self) -> Result<Ipv4Addr, IpamError> {
         let last = u32::from(self.subnet.broadcast());
-        (u32::from(first_dynamic(self.subnet))..last)
+        let first = u32::from(first_dynamic(self.subnet)).max(self.free_from);
+        let found = (first..last)
             .map(Ipv4Addr::from)
             .find(|ip| !self.by_ip.contains_key(ip) && check_reservable(self.subnet, *ip).is_ok())
             .ok_or(IpamError::Exhausted {
                 subnet: self.subnet,
-            })
+            })?;
+        self.free_from = u32::from(found);
+        Ok(found)
     }
 }
 
@@ -454,6 +473,13 @@ mod tests {
                                     prop_assert_eq!(got, w);
                                 } else if let Some(b) = before {
                                     prop_assert_eq!(got, b);
+                                } else {
+                                    // The lowest free address, found from
+                                    // the first one every time.
+                                    let lowest = (u32::from(first_dynamic(subnet))..u32::from(subnet.broadcast()))
+                                        .map(Ipv4Addr::from)
+                                        .find(|ip| snapshot.holder_of(*ip).is_none() && check_reservable(subnet, *ip).is_ok());
+                                    prop_assert_eq!(Some(got), lowest);
                                 }
                                 prop_assert_eq!(l.get(&holder), Some(got));
                                 prop_assert_eq!(l.holder_of(got), Some(&holder));
