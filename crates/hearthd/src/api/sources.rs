@@ -11,12 +11,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Extension, Path};
+use axum::extract::Extension;
 use axum::http::StatusCode;
 use hearth_engine::{GitSources, ManifestSource};
 use serde_json::{Value, json};
 
 use super::ApiError;
+use super::request::ApiPath;
 
 /// How long a refresh waits for its fetch and apply.
 const REFRESH_WAIT: Duration = Duration::from_secs(120);
@@ -56,7 +57,7 @@ pub async fn list(
 /// fetch and its apply are done.
 pub async fn refresh(
     Extension(git): Extension<Arc<GitSources>>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
 ) -> Result<Json<Value>, ApiError> {
     let Some(source) = git.find(&name).cloned() else {
         let known: Vec<&str> = git.sources.iter().map(|s| s.name()).collect();
