@@ -564,6 +564,20 @@ fn check_network_spec(spec: &VirtualNetworkSpec) -> Result<(), (&'static str, St
         }
         (NetworkMode::Bridge, Some(b)) => {
             net::check_interface_name(b).map_err(|m| ("spec.bridge", m))?;
+            // What hearth's host side takes, and writes into dnsmasq's and
+            // nftables' files: a name it refuses there would stop every
+            // network's host apply, not only this one's.
+            if !b
+                .bytes()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+            {
+                return Err((
+                    "spec.bridge",
+                    format!(
+                        "{b:?}: hearth attaches only to bridges whose names hold ASCII letters, digits, '-', '_' and '.'"
+                    ),
+                ));
+            }
             if b.starts_with("hth-") || b.starts_with("htt-") {
                 return Err((
                     "spec.bridge",

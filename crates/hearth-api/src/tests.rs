@@ -680,6 +680,12 @@ fn network_specs_are_checked_field_by_field() {
             "hearth's own",
         ),
         (
+            // The kernel takes it; hearth's host side does not.
+            "{mode: Bridge, bridge: \"br+0\"}",
+            "spec.bridge",
+            "ASCII letters, digits",
+        ),
+        (
             "{mode: Bridge, bridge: br0, dhcp: true}",
             "spec.dhcp",
             "no DHCP",

@@ -81,7 +81,7 @@ fn desired() -> HostDesired {
     HostDesired {
         networks: vec![
             HostNetwork {
-                bridge: "hth0".into(),
+                bridge: "hth-0".into(),
                 gateway: Ipv4Addr::new(10, 77, 0, 1),
                 prefix_len: 24,
                 mode: NetworkMode::Nat,
@@ -97,7 +97,7 @@ fn desired() -> HostDesired {
                 }],
             },
             HostNetwork {
-                bridge: "hth1".into(),
+                bridge: "hth-1".into(),
                 gateway: Ipv4Addr::new(10, 78, 0, 1),
                 prefix_len: 24,
                 mode: NetworkMode::Isolated,
@@ -109,12 +109,12 @@ fn desired() -> HostDesired {
         ],
         taps: vec![
             DesiredTap {
-                name: "htt0".into(),
-                bridge: "hth0".into(),
+                name: "htt-0".into(),
+                bridge: "hth-0".into(),
             },
             DesiredTap {
-                name: "htt1".into(),
-                bridge: "hth0".into(),
+                name: "htt-1".into(),
+                bridge: "hth-0".into(),
             },
         ],
     }
@@ -142,23 +142,25 @@ async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash(
     // First apply: everything is created.
     let nl = Netlink::open().expect("netlink");
     let report = host::apply(&nl, &want, &networks).await.expect("apply");
-    assert!(report.links.contains(&LinkChange::Created("hth0".into())));
-    assert!(report.links.contains(&LinkChange::Created("htt1".into())));
+    assert!(report.links.contains(&LinkChange::Created("hth-0".into())));
+    assert!(report.links.contains(&LinkChange::Created("htt-1".into())));
     assert!(report.nft_changed);
-    assert!(matches!(report.dnsmasq[..], [(ref b, DnsmasqOutcome::Started { .. })] if b == "hth0"));
+    assert!(
+        matches!(report.dnsmasq[..], [(ref b, DnsmasqOutcome::Started { .. })] if b == "hth-0")
+    );
 
     // Ground truth: links.
     let links = hearth_links();
     let names: Vec<&str> = links.iter().map(|(n, _)| n.as_str()).collect();
-    assert_eq!(names, ["hth0", "hth1", "htt0", "htt1"]);
-    let br = link_detail("hth0");
+    assert_eq!(names, ["hth-0", "hth-1", "htt-0", "htt-1"]);
+    let br = link_detail("hth-0");
     assert_eq!(br["linkinfo"]["info_kind"], "bridge");
     assert!(br["flags"].as_array().unwrap().iter().any(|f| f == "UP"));
-    assert_eq!(ipv4_of("hth0"), ["10.77.0.1/24"]);
-    assert_eq!(ipv4_of("hth1"), ["10.78.0.1/24"]);
-    for tap in ["htt0", "htt1"] {
+    assert_eq!(ipv4_of("hth-0"), ["10.77.0.1/24"]);
+    assert_eq!(ipv4_of("hth-1"), ["10.78.0.1/24"]);
+    for tap in ["htt-0", "htt-1"] {
         let t = link_detail(tap);
-        assert_eq!(t["master"], "hth0", "{tap}: {t}");
+        assert_eq!(t["master"], "hth-0", "{tap}: {t}");
         assert_eq!(t["linkinfo"]["info_kind"], "tun", "{tap}: {t}");
         let data = &t["linkinfo"]["info_data"];
         assert_eq!(data["type"], "tap", "{tap}: {data}");
@@ -177,10 +179,10 @@ async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash(
     assert!(ruleset.contains("table inet hearth"), "{ruleset}");
     assert!(ruleset.contains("dnat ip to 10.77.0.10:22"), "{ruleset}");
     assert!(
-        ruleset.contains("oifname != \"hth0\" masquerade"),
+        ruleset.contains("oifname != \"hth-0\" masquerade"),
         "{ruleset}"
     );
-    assert!(ruleset.contains("iifname \"hth1\" drop"), "{ruleset}");
+    assert!(ruleset.contains("iifname \"hth-1\" drop"), "{ruleset}");
     let tables = run("nft", &["-j", "list", "tables"]);
     assert_eq!(
         tables.matches("\"table\"").count(),
@@ -195,7 +197,7 @@ async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash(
     );
 
     // Ground truth: dnsmasq, from its pid file and /proc.
-    let files = DnsmasqFiles::new(network_dir(&networks, "hth0"));
+    let files = DnsmasqFiles::new(network_dir(&networks, "hth-0"));
     let pid: u32 = std::fs::read_to_string(files.pid())
         .expect("pid file")
         .trim()
@@ -226,7 +228,7 @@ async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash(
         "52:54:00:12:34:0a,10.77.0.10,web\n"
     );
     assert!(
-        !networks.join("hth1").exists(),
+        !networks.join("hth-1").exists(),
         "no dnsmasq files for a network without DHCP"
     );
 
@@ -287,18 +289,18 @@ async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash(
         report.links,
         [
             LinkChange::AddressRemoved {
-                link: "hth1".into(),
+                link: "hth-1".into(),
                 addr: Ipv4Addr::new(10, 78, 0, 1),
                 prefix_len: 24
             },
             LinkChange::AddressAdded {
-                link: "hth1".into(),
+                link: "hth-1".into(),
                 addr: Ipv4Addr::new(10, 78, 0, 254),
                 prefix_len: 24
             }
         ]
     );
-    assert_eq!(ipv4_of("hth1"), ["10.78.0.254/24"]);
+    assert_eq!(ipv4_of("hth-1"), ["10.78.0.254/24"]);
 
     // A restarted daemon (new netlink socket, no memory) adopts dnsmasq.
     drop(nl);
@@ -330,7 +332,7 @@ async fn network_apply_is_idempotent_reloads_leases_and_cleans_up_after_a_crash(
         "{actions:?}"
     );
     assert!(
-        actions.contains(&CleanupAction::DeleteLink("hth0".into())),
+        actions.contains(&CleanupAction::DeleteLink("hth-0".into())),
         "{actions:?}"
     );
     assert_eq!(hearth_links(), Vec::<(String, u64)>::new());
@@ -364,7 +366,7 @@ async fn bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects
     let networks = state.path().join("networks");
     let want = HostDesired {
         networks: vec![HostNetwork {
-            bridge: "hth5".into(),
+            bridge: "hth-5".into(),
             gateway: Ipv4Addr::new(10, 90, 0, 1),
             prefix_len: 24,
             mode: NetworkMode::Bridge {
@@ -376,7 +378,7 @@ async fn bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects
             port_forwards: vec![],
         }],
         taps: vec![DesiredTap {
-            name: "htt5".into(),
+            name: "htt-5".into(),
             bridge: "br-ext".into(),
         }],
     };
@@ -385,20 +387,20 @@ async fn bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects
     assert_eq!(
         report.links,
         [
-            LinkChange::Created("htt5".into()),
+            LinkChange::Created("htt-5".into()),
             LinkChange::Enslaved {
-                link: "htt5".into(),
+                link: "htt-5".into(),
                 master: "br-ext".into()
             },
-            LinkChange::BroughtUp("htt5".into())
+            LinkChange::BroughtUp("htt-5".into())
         ]
     );
     assert!(report.dnsmasq.is_empty(), "no DHCP on an existing bridge");
     let observed = nl.observe().await.expect("observe");
     let tap = observed
         .iter()
-        .find(|l| l.name == "htt5")
-        .expect("htt5 observed");
+        .find(|l| l.name == "htt-5")
+        .expect("htt-5 observed");
     assert_eq!(tap.master.as_deref(), Some("br-ext"));
     assert!(tap.up);
     let info = tap.tun.expect("tun info");
@@ -406,28 +408,28 @@ async fn bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects
     assert_eq!(info.owner, Some(0));
 
     // A tap of hearth's name without vnet_hdr (made by hand) is made again.
-    run("ip", &["tuntap", "add", "dev", "htt6", "mode", "tap"]);
+    run("ip", &["tuntap", "add", "dev", "htt-6", "mode", "tap"]);
     assert_eq!(
-        link_detail("htt6")["linkinfo"]["info_data"]["vnet_hdr"],
+        link_detail("htt-6")["linkinfo"]["info_data"]["vnet_hdr"],
         false
     );
     let mut with_six = want.clone();
     with_six.taps.push(DesiredTap {
-        name: "htt6".into(),
+        name: "htt-6".into(),
         bridge: "br-ext".into(),
     });
     let report = host::apply(&nl, &with_six, &networks)
         .await
-        .expect("apply htt6");
+        .expect("apply htt-6");
     assert_eq!(
         report.links[..2],
         [
-            LinkChange::Deleted("htt6".into()),
-            LinkChange::Created("htt6".into())
+            LinkChange::Deleted("htt-6".into()),
+            LinkChange::Created("htt-6".into())
         ]
     );
     assert_eq!(
-        link_detail("htt6")["linkinfo"]["info_data"]["vnet_hdr"],
+        link_detail("htt-6")["linkinfo"]["info_data"]["vnet_hdr"],
         true
     );
     assert!(
@@ -436,7 +438,7 @@ async fn bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects
             .expect("again")
             .changed()
     );
-    assert_eq!(link_detail("htt5")["master"], "br-ext");
+    assert_eq!(link_detail("htt-5")["master"], "br-ext");
     assert_eq!(
         ipv4_of("br-ext"),
         Vec::<String>::new(),
@@ -445,7 +447,7 @@ async fn bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects
     assert!(!run("nft", &["list", "tables"]).contains("hearth"));
 
     // A stale hearth bridge from a crash, and a refused removal of a foreign link.
-    run("ip", &["link", "add", "hth9", "type", "bridge"]);
+    run("ip", &["link", "add", "hth-9", "type", "bridge"]);
     assert!(nl.remove("br-ext").await.is_err());
     let actions = cleanup::run(&nl, &HostDesired::default(), &networks)
         .await
@@ -453,9 +455,9 @@ async fn bridge_mode_joins_an_existing_bridge_and_cleanup_leaves_foreign_objects
     assert_eq!(
         actions,
         [
-            CleanupAction::DeleteLink("htt5".into()),
-            CleanupAction::DeleteLink("htt6".into()),
-            CleanupAction::DeleteLink("hth9".into())
+            CleanupAction::DeleteLink("htt-5".into()),
+            CleanupAction::DeleteLink("htt-6".into()),
+            CleanupAction::DeleteLink("hth-9".into())
         ]
     );
     assert_eq!(hearth_links(), Vec::<(String, u64)>::new());
@@ -532,17 +534,17 @@ async fn dhcp_serves_exactly_the_stored_leases() {
     let nl = Netlink::open().expect("netlink");
     host::apply(&nl, &want, &networks).await.expect("apply");
 
-    dhcp_client_port("vcl0", "vbr0", "hth0", lease(10, "web").mac);
+    dhcp_client_port("vcl0", "vbr0", "hth-0", lease(10, "web").mac);
     dhcp_client_port(
         "vcl1",
         "vbr1",
-        "hth1",
+        "hth-1",
         Mac([0x52, 0x54, 0x00, 0x99, 0x00, 0x05]),
     );
     dhcp_client_port(
         "vcl2",
         "vbr2",
-        "hth0",
+        "hth-0",
         Mac([0x52, 0x54, 0x00, 0x77, 0x77, 0x77]),
     );
 
@@ -558,8 +560,8 @@ async fn dhcp_serves_exactly_the_stored_leases() {
     );
     // A MAC hearth gave no address gets none: dnsmasq allocates nothing itself.
     assert_eq!(udhcpc("vcl2", state.path()), None);
-    let leases =
-        std::fs::read_to_string(network_dir(&networks, "hth0").join("leases")).expect("lease file");
+    let leases = std::fs::read_to_string(network_dir(&networks, "hth-0").join("leases"))
+        .expect("lease file");
     assert!(
         leases.contains("52:54:00:12:34:0a 10.77.0.10 web"),
         "{leases}"
@@ -607,7 +609,7 @@ async fn a_port_forward_reaches_a_server_behind_the_bridge() {
             "link", "add", "vfw0", "type", "veth", "peer", "name", "vfw1", "netns", guest,
         ],
     );
-    run("ip", &["link", "set", "vfw0", "master", "hth0", "up"]);
+    run("ip", &["link", "set", "vfw0", "master", "hth-0", "up"]);
     let in_guest = |args: &[&str]| {
         let mut all = vec!["netns", "exec", guest.as_str(), "ip"];
         all.extend_from_slice(args);
@@ -694,8 +696,8 @@ async fn resync_removes_a_deleted_network_and_restarts_dnsmasq_on_a_config_chang
     let mut two = desired();
     two.networks[1].dhcp = true;
     two.taps.push(DesiredTap {
-        name: "htt9".into(),
-        bridge: "hth1".into(),
+        name: "htt-9".into(),
+        bridge: "hth-1".into(),
     });
     let nl = Netlink::open().expect("netlink");
     let (report, removed) = host::resync(&nl, &two, &networks).await.expect("resync");
@@ -704,10 +706,10 @@ async fn resync_removes_a_deleted_network_and_restarts_dnsmasq_on_a_config_chang
     let pid1 = report.dnsmasq[1].1.pid();
     assert_eq!(dnsmasq::find_all(&networks).len(), 2);
 
-    // hth1 is deleted: its tap, bridge, dnsmasq and rules go; hth0 stays.
+    // hth-1 is deleted: its tap, bridge, dnsmasq and rules go; hth-0 stays.
     let mut one = two.clone();
     one.networks.truncate(1);
-    one.taps.retain(|t| t.bridge == "hth0");
+    one.taps.retain(|t| t.bridge == "hth-0");
     let (report, removed) = host::resync(&nl, &one, &networks)
         .await
         .expect("resync one");
@@ -717,23 +719,23 @@ async fn resync_removes_a_deleted_network_and_restarts_dnsmasq_on_a_config_chang
     assert_eq!(
         removed,
         [
-            CleanupAction::DeleteLink("htt9".into()),
-            CleanupAction::DeleteLink("hth1".into()),
+            CleanupAction::DeleteLink("htt-9".into()),
+            CleanupAction::DeleteLink("hth-1".into()),
             CleanupAction::StopDnsmasq(dnsmasq::FoundDnsmasq {
                 pid: pid1,
-                dir: network_dir(&networks, "hth1")
+                dir: network_dir(&networks, "hth-1")
             }),
-            CleanupAction::RemoveDir(network_dir(&networks, "hth1")),
+            CleanupAction::RemoveDir(network_dir(&networks, "hth-1")),
         ]
     );
-    assert!(!network_dir(&networks, "hth1").exists());
-    assert!(network_dir(&networks, "hth0").is_dir());
+    assert!(!network_dir(&networks, "hth-1").exists());
+    assert!(network_dir(&networks, "hth-0").is_dir());
     let names: Vec<String> = hearth_links().into_iter().map(|(n, _)| n).collect();
-    assert_eq!(names, ["hth0", "htt0", "htt1"]);
+    assert_eq!(names, ["hth-0", "htt-0", "htt-1"]);
     assert!(cmdline(pid1).is_empty(), "dnsmasq {pid1} still runs");
     let ruleset = run("nft", &["list", "table", "inet", "hearth"]);
-    assert!(!ruleset.contains("hth1"), "{ruleset}");
-    assert!(ruleset.contains("hth0"), "{ruleset}");
+    assert!(!ruleset.contains("hth-1"), "{ruleset}");
+    assert!(ruleset.contains("hth-0"), "{ruleset}");
 
     // A config change (the gateway moves) restarts dnsmasq: a new process,
     // the old one gone, still exactly one.
@@ -748,13 +750,13 @@ async fn resync_removes_a_deleted_network_and_restarts_dnsmasq_on_a_config_chang
     assert_ne!(new_pid, pid0);
     assert!(cmdline(pid0).is_empty(), "old dnsmasq {pid0} still runs");
     assert_eq!(dnsmasq::find_all(&networks).len(), 1);
-    let conf = std::fs::read_to_string(DnsmasqFiles::new(network_dir(&networks, "hth0")).conf())
+    let conf = std::fs::read_to_string(DnsmasqFiles::new(network_dir(&networks, "hth-0")).conf())
         .expect("conf");
     assert!(
         conf.contains("dhcp-option=option:router,10.77.0.254"),
         "{conf}"
     );
-    assert_eq!(ipv4_of("hth0"), ["10.77.0.254/24"]);
+    assert_eq!(ipv4_of("hth-0"), ["10.77.0.254/24"]);
 
     // Nothing desired: apply writes no table (a host without a hearth
     // network never sees one appear), cleanup drops the old one and the rest.
@@ -801,7 +803,7 @@ async fn a_hosts_file_written_but_never_signalled_is_served_after_the_next_apply
     let nl = Netlink::open().expect("netlink");
     let report = host::apply(&nl, &want, &networks).await.expect("apply");
     let pid = report.dnsmasq[0].1.pid();
-    let files = DnsmasqFiles::new(network_dir(&networks, "hth0"));
+    let files = DnsmasqFiles::new(network_dir(&networks, "hth-0"));
     let read_line = format!("dnsmasq-dhcp[{pid}]: read {}", files.hosts().display());
     let reads = || {
         std::fs::read_to_string(files.log())
@@ -827,7 +829,7 @@ async fn a_hosts_file_written_but_never_signalled_is_served_after_the_next_apply
     let report = host::apply(&nl, &more, &networks)
         .await
         .expect("apply after the kill");
-    dhcp_client_port("vcl0", "vbr0", "hth0", lease(11, "db").mac);
+    dhcp_client_port("vcl0", "vbr0", "hth-0", lease(11, "db").mac);
     assert_eq!(
         udhcpc("vcl0", state.path()).as_deref(),
         Some("ip=10.77.0.11 router=10.77.0.1"),

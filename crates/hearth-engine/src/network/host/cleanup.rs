@@ -181,32 +181,36 @@ mod tests {
     fn observed() -> Observed {
         Observed {
             links: vec![
-                link("hth0", LinkKind::Bridge),
-                link("hth1", LinkKind::Bridge),
-                link("htt0", LinkKind::Tun),
-                link("htt1", LinkKind::Tun),
+                link("hth-0", LinkKind::Bridge),
+                link("hth-1", LinkKind::Bridge),
+                link("htt-0", LinkKind::Tun),
+                link("htt-1", LinkKind::Tun),
                 link("eth0", LinkKind::None),
                 link("br0", LinkKind::Bridge),
                 link("docker0", LinkKind::Bridge),
+                // The host's own, only sharing the first letters.
+                link("hthlan", LinkKind::Bridge),
+                link("httpvpn0", LinkKind::Tun),
             ],
             dnsmasq: vec![
                 FoundDnsmasq {
                     pid: 10,
-                    dir: "/s/networks/hth0".into(),
+                    dir: "/s/networks/hth-0".into(),
                 },
                 FoundDnsmasq {
                     pid: 11,
-                    dir: "/s/networks/hth1".into(),
+                    dir: "/s/networks/hth-1".into(),
                 },
                 FoundDnsmasq {
                     pid: 12,
-                    dir: "/elsewhere/hth1".into(),
+                    dir: "/elsewhere/hth-1".into(),
                 },
             ],
             dirs: vec![
-                "/s/networks/hth0".into(),
-                "/s/networks/hth1".into(),
+                "/s/networks/hth-0".into(),
+                "/s/networks/hth-1".into(),
                 "/s/networks/mine".into(),
+                "/s/networks/hthlan".into(),
             ],
             nft_table: true,
         }
@@ -222,20 +226,20 @@ mod tests {
         assert_eq!(
             actions,
             vec![
-                CleanupAction::DeleteLink("htt0".into()),
-                CleanupAction::DeleteLink("htt1".into()),
-                CleanupAction::DeleteLink("hth0".into()),
-                CleanupAction::DeleteLink("hth1".into()),
+                CleanupAction::DeleteLink("htt-0".into()),
+                CleanupAction::DeleteLink("htt-1".into()),
+                CleanupAction::DeleteLink("hth-0".into()),
+                CleanupAction::DeleteLink("hth-1".into()),
                 CleanupAction::StopDnsmasq(FoundDnsmasq {
                     pid: 10,
-                    dir: "/s/networks/hth0".into()
+                    dir: "/s/networks/hth-0".into()
                 }),
                 CleanupAction::StopDnsmasq(FoundDnsmasq {
                     pid: 11,
-                    dir: "/s/networks/hth1".into()
+                    dir: "/s/networks/hth-1".into()
                 }),
-                CleanupAction::RemoveDir("/s/networks/hth0".into()),
-                CleanupAction::RemoveDir("/s/networks/hth1".into()),
+                CleanupAction::RemoveDir("/s/networks/hth-0".into()),
+                CleanupAction::RemoveDir("/s/networks/hth-1".into()),
                 CleanupAction::DeleteNftTable,
             ]
         );
@@ -245,26 +249,26 @@ mod tests {
     fn desired_objects_are_kept() {
         let desired = HostDesired {
             networks: vec![
-                net("hth0", NetworkMode::Nat, true),
-                net("hth1", NetworkMode::Isolated, false),
+                net("hth-0", NetworkMode::Nat, true),
+                net("hth-1", NetworkMode::Isolated, false),
             ],
             taps: vec![DesiredTap {
-                name: "htt1".into(),
-                bridge: "hth0".into(),
+                name: "htt-1".into(),
+                bridge: "hth-0".into(),
             }],
         };
         let actions = plan(&desired, &observed(), Path::new("/s/networks"));
         assert_eq!(
             actions,
             vec![
-                CleanupAction::DeleteLink("htt0".into()),
-                // hth1 has DHCP off: its dnsmasq and its files go, its
+                CleanupAction::DeleteLink("htt-0".into()),
+                // hth-1 has DHCP off: its dnsmasq and its files go, its
                 // bridge stays.
                 CleanupAction::StopDnsmasq(FoundDnsmasq {
                     pid: 11,
-                    dir: "/s/networks/hth1".into()
+                    dir: "/s/networks/hth-1".into()
                 }),
-                CleanupAction::RemoveDir("/s/networks/hth1".into()),
+                CleanupAction::RemoveDir("/s/networks/hth-1".into()),
             ]
         );
     }
@@ -273,7 +277,7 @@ mod tests {
     fn a_bridge_mode_network_keeps_no_hearth_bridge_or_table() {
         let desired = HostDesired {
             networks: vec![net(
-                "hth0",
+                "hth-0",
                 NetworkMode::Bridge {
                     existing: "br0".into(),
                 },
@@ -282,7 +286,7 @@ mod tests {
             taps: vec![],
         };
         let actions = plan(&desired, &observed(), Path::new("/s/networks"));
-        assert!(actions.contains(&CleanupAction::DeleteLink("hth0".into())));
+        assert!(actions.contains(&CleanupAction::DeleteLink("hth-0".into())));
         assert!(actions.contains(&CleanupAction::DeleteNftTable));
         assert!(!actions.contains(&CleanupAction::DeleteLink("br0".into())));
     }

@@ -358,7 +358,7 @@ mod tests {
 
     fn net(mode: NetworkMode, forwards: Vec<PortForward>) -> HostNetwork {
         HostNetwork {
-            bridge: "hth0".into(),
+            bridge: "hth-0".into(),
             gateway: Ipv4Addr::new(10, 77, 0, 1),
             prefix_len: 24,
             mode,

@@ -26,10 +26,12 @@ use std::fmt;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 
-/// Prefix of every bridge hearth creates.
-pub const BRIDGE_PREFIX: &str = "hth";
+/// Prefix of every bridge hearth creates (`network::names` makes them):
+/// what start-up cleanup may remove, so nothing of the host's that merely
+/// starts with `hth` is taken for hearth's.
+pub const BRIDGE_PREFIX: &str = "hth-";
 /// Prefix of every tap hearth creates.
-pub const TAP_PREFIX: &str = "htt";
+pub const TAP_PREFIX: &str = "htt-";
 /// Linux's limit on an interface name (IFNAMSIZ - 1).
 pub const IFNAME_MAX: usize = 15;
 
@@ -43,7 +45,7 @@ pub struct HostDesired {
 /// One network as the host sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HostNetwork {
-    /// The bridge hearth owns (prefix `hth`). Unused for [`NetworkMode::Bridge`].
+    /// The bridge hearth owns (prefix `hth-`). Unused for [`NetworkMode::Bridge`].
     pub bridge: String,
     /// The gateway: the bridge's own address.
     pub gateway: Ipv4Addr,
@@ -131,11 +133,11 @@ pub struct PortForward {
     pub guest_port: u16,
 }
 
-/// A persistent tap (prefix `htt`) enslaved to a bridge.
+/// A persistent tap (prefix `htt-`) enslaved to a bridge.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DesiredTap {
     pub name: String,
-    /// The bridge to join: a network's `hth` bridge, or the existing bridge of
+    /// The bridge to join: a network's `hth-` bridge, or the existing bridge of
     /// a `Bridge` network.
     pub bridge: String,
 }
@@ -476,7 +478,7 @@ mod tests {
 
     pub(crate) fn nat_net() -> HostNetwork {
         HostNetwork {
-            bridge: "hth0".into(),
+            bridge: "hth-0".into(),
             gateway: Ipv4Addr::new(10, 77, 0, 1),
             prefix_len: 24,
             mode: NetworkMode::Nat,
@@ -503,7 +505,7 @@ mod tests {
         let mut n = nat_net();
         n.bridge = "br0".into();
         assert_eq!(n.validate().unwrap_err().field, "bridge");
-        n.bridge = "hth0123456789abcd".into();
+        n.bridge = "hth-0123456789abcd".into();
         assert!(n.validate().unwrap_err().reason.contains("1 to 15 bytes"));
         n.bridge = "hth\"x".into();
         assert_eq!(n.validate().unwrap_err().field, "bridge");
@@ -518,7 +520,7 @@ mod tests {
         assert_eq!(n.validate().unwrap_err().field, "gateway");
         let mut n = nat_net();
         n.mode = NetworkMode::Bridge {
-            existing: "hth9".into(),
+            existing: "hth-9".into(),
         };
         assert_eq!(n.validate().unwrap_err().field, "mode.bridge");
     }
@@ -554,7 +556,7 @@ mod tests {
         let mut a = nat_net();
         a.port_forwards = vec![fwd(Some(Ipv4Addr::new(192, 0, 2, 1)), 10)];
         let mut b = nat_net();
-        b.bridge = "hth1".into();
+        b.bridge = "hth-1".into();
         b.gateway = Ipv4Addr::new(10, 78, 0, 1);
         b.static_leases.clear();
         b.port_forwards = vec![fwd(Some(Ipv4Addr::new(192, 0, 2, 2)), 11)];
@@ -578,7 +580,7 @@ mod tests {
     #[test]
     fn overlapping_subnets_are_refused() {
         let mut b = nat_net();
-        b.bridge = "hth1".into();
+        b.bridge = "hth-1".into();
         b.gateway = Ipv4Addr::new(10, 77, 0, 129);
         b.prefix_len = 25;
         b.static_leases.clear();
@@ -590,15 +592,15 @@ mod tests {
         assert_eq!(e.field, "subnet");
         assert_eq!(
             e.to_string(),
-            "network \"hth1\": subnet: 10.77.0.128/25 overlaps 10.77.0.0/24 of network \"hth0\""
+            "network \"hth-1\": subnet: 10.77.0.128/25 overlaps 10.77.0.0/24 of network \"hth-0\""
         );
     }
 
     #[test]
     fn duplicate_taps_and_bad_tap_prefix_are_refused() {
         let tap = DesiredTap {
-            name: "htt0".into(),
-            bridge: "hth0".into(),
+            name: "htt-0".into(),
+            bridge: "hth-0".into(),
         };
         let mut d = HostDesired {
             networks: vec![nat_net()],

@@ -21,7 +21,7 @@ use std::process::Stdio;
 
 use tokio::io::AsyncWriteExt;
 
-use super::{HostError, HostNetwork, NetworkMode, PortForward};
+use super::{BRIDGE_PREFIX, HostError, HostNetwork, NetworkMode, PortForward};
 
 pub const FAMILY: &str = "inet";
 pub const TABLE: &str = "hearth";
@@ -96,7 +96,7 @@ pub fn render(networks: &[HostNetwork]) -> String {
     for n in &nets {
         let b = &n.bridge;
         fwd.push(format!(
-            "iifname \"{b}\" oifname \"hth*\" oifname != \"{b}\" drop"
+            "iifname \"{b}\" oifname \"{BRIDGE_PREFIX}*\" oifname != \"{b}\" drop"
         ));
     }
     for n in &nets {
@@ -313,7 +313,7 @@ mod tests {
     #[test]
     fn no_managed_network_renders_only_the_removal() {
         let bridged = net(
-            "hth9",
+            "hth-9",
             9,
             NetworkMode::Bridge {
                 existing: "br0".into(),
@@ -325,7 +325,7 @@ mod tests {
 
     #[test]
     fn nat_and_isolated_networks_render_golden() {
-        let mut nat = net("hth0", 0, NetworkMode::Nat);
+        let mut nat = net("hth-0", 0, NetworkMode::Nat);
         nat.port_forwards = vec![
             PortForward {
                 protocol: Protocol::Tcp,
@@ -342,7 +342,7 @@ mod tests {
                 guest_port: 53,
             },
         ];
-        let iso = net("hth1", 1, NetworkMode::Isolated);
+        let iso = net("hth-1", 1, NetworkMode::Isolated);
         // Input order does not matter: networks are sorted by bridge.
         let text = render(&[iso, nat]);
         let want = r#"table inet hearth
@@ -360,22 +360,22 @@ table inet hearth {
 	}
 	chain postrouting {
 		type nat hook postrouting priority srcnat; policy accept;
-		ip saddr 10.77.0.0/24 ip daddr != 10.77.0.0/24 ip daddr != { 224.0.0.0/24, 255.255.255.255 } oifname != "hth0" masquerade
+		ip saddr 10.77.0.0/24 ip daddr != 10.77.0.0/24 ip daddr != { 224.0.0.0/24, 255.255.255.255 } oifname != "hth-0" masquerade
 	}
 	chain forward {
 		type filter hook forward priority filter; policy accept;
-		iifname "hth0" oifname "hth*" oifname != "hth0" drop
-		iifname "hth1" oifname "hth*" oifname != "hth1" drop
-		iifname "hth0" oifname "hth0" accept
-		iifname "hth0" ip saddr 10.77.0.0/24 accept
-		oifname "hth0" ip daddr 10.77.0.0/24 ct state established,related accept
-		oifname "hth0" ip daddr 10.77.0.10 tcp dport 22 ct status dnat accept
-		oifname "hth0" ip daddr 10.77.0.11 udp dport 53 ct status dnat accept
-		iifname "hth0" drop
-		oifname "hth0" drop
-		iifname "hth1" oifname "hth1" accept
-		iifname "hth1" drop
-		oifname "hth1" drop
+		iifname "hth-0" oifname "hth-*" oifname != "hth-0" drop
+		iifname "hth-1" oifname "hth-*" oifname != "hth-1" drop
+		iifname "hth-0" oifname "hth-0" accept
+		iifname "hth-0" ip saddr 10.77.0.0/24 accept
+		oifname "hth-0" ip daddr 10.77.0.0/24 ct state established,related accept
+		oifname "hth-0" ip daddr 10.77.0.10 tcp dport 22 ct status dnat accept
+		oifname "hth-0" ip daddr 10.77.0.11 udp dport 53 ct status dnat accept
+		iifname "hth-0" drop
+		oifname "hth-0" drop
+		iifname "hth-1" oifname "hth-1" accept
+		iifname "hth-1" drop
+		oifname "hth-1" drop
 	}
 }
 "#;

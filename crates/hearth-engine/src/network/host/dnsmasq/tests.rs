@@ -121,7 +121,7 @@ fn a_reread_is_the_process_own_read_line() {
 
 fn net() -> HostNetwork {
     HostNetwork {
-        bridge: "hth0".into(),
+        bridge: "hth-0".into(),
         gateway: Ipv4Addr::new(10, 77, 0, 1),
         prefix_len: 24,
         mode: NetworkMode::Nat,
@@ -145,16 +145,16 @@ fn net() -> HostNetwork {
 
 #[test]
 fn config_is_static_only_on_the_bridge_without_dns() {
-    let files = DnsmasqFiles::new("/var/lib/hearth/networks/hth0");
+    let files = DnsmasqFiles::new("/var/lib/hearth/networks/hth-0");
     assert_eq!(
         render_config(&net(), &files),
-        "# hearth: dnsmasq of network bridge hth0 (generated, rewritten on every resync)\n\
-             no-resolv\nno-hosts\nport=0\nbind-interfaces\ninterface=hth0\nexcept-interface=lo\n\
+        "# hearth: dnsmasq of network bridge hth-0 (generated, rewritten on every resync)\n\
+             no-resolv\nno-hosts\nport=0\nbind-interfaces\ninterface=hth-0\nexcept-interface=lo\n\
              dhcp-range=10.77.0.0,static,255.255.255.0,1h\n\
-             dhcp-hostsfile=/var/lib/hearth/networks/hth0/hosts\n\
-             dhcp-leasefile=/var/lib/hearth/networks/hth0/leases\n\
-             pid-file=/var/lib/hearth/networks/hth0/dnsmasq.pid\n\
-             log-facility=/var/lib/hearth/networks/hth0/dnsmasq.log\n\
+             dhcp-hostsfile=/var/lib/hearth/networks/hth-0/hosts\n\
+             dhcp-leasefile=/var/lib/hearth/networks/hth-0/leases\n\
+             pid-file=/var/lib/hearth/networks/hth-0/dnsmasq.pid\n\
+             log-facility=/var/lib/hearth/networks/hth-0/dnsmasq.log\n\
              dhcp-authoritative\n\
              dhcp-option=option:router,10.77.0.1\n"
     );
@@ -165,7 +165,7 @@ fn config_is_static_only_on_the_bridge_without_dns() {
 
 #[test]
 fn dns_answers_the_vms_and_forwards_only_on_nat() {
-    let files = DnsmasqFiles::new("/var/lib/hearth/networks/hth0");
+    let files = DnsmasqFiles::new("/var/lib/hearth/networks/hth-0");
     let lines = |dns: Dns| {
         let mut n = net();
         n.dns = dns;
@@ -190,7 +190,7 @@ fn dns_answers_the_vms_and_forwards_only_on_nat() {
         let text = render_config(&n, &files);
         assert!(!text.contains("port="), "{text}");
         assert!(
-            text.contains("interface=hth0\nexcept-interface=lo\n"),
+            text.contains("interface=hth-0\nexcept-interface=lo\n"),
             "{text}"
         );
     }
@@ -220,7 +220,7 @@ fn write_if_changed_writes_once() {
 #[test]
 fn a_directory_closed_to_others_is_reported_by_name() {
     let dir = tempfile::tempdir().unwrap();
-    let net_dir = dir.path().join("networks").join("hth0");
+    let net_dir = dir.path().join("networks").join("hth-0");
     std::fs::create_dir_all(&net_dir).unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
     let e = check_reachable(&net_dir).unwrap_err().to_string();
