@@ -173,8 +173,9 @@ pub async fn compact_disk(
 /// Offline: `qemu-img rebase` of the top onto the base. Only when nothing
 /// has the top open (another VM restored from it, an export reading it).
 /// A start or restore of the VM that asks for the locks kills the rebase
-/// (safe mode writes the new backing name last: the top reads as before)
-/// and the merge is done again later, online.
+/// (it writes the new backing name before the L2 tables, so the settle
+/// undoes a killed one: `compaction::decide`) and the merge is done again
+/// later, online.
 async fn rebase(
     ctx: &Arc<Context>,
     target: &str,
