@@ -252,6 +252,7 @@ pub fn check(
         check_vm_networks(v, networks)?;
     }
     check_forwards_only_to_nat(networks, vms)?;
+    check_bridge_reservations(networks, vms)?;
     for state in states(vms) {
         check_addresses(networks, &state, leases)?;
         check_ports(&state)?;
@@ -335,6 +336,39 @@ fn check_forwards_only_to_nat(
                 format!("spec.networks[{i}].ports"),
                 format!(
                     "VirtualNetwork {:?} is {mode}: ports are forwarded only to NAT networks",
+                    nic.virtual_network_name
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A reserved address on a Bridge network is recorded only within the
+/// network's `spec.subnet` (hearth hands out none there, and knows the
+/// network's addresses from nothing else): without one, the VM would wait
+/// for a lease that is never written. Checked whichever of the two comes
+/// in the batch.
+fn check_bridge_reservations(
+    networks: &BTreeMap<String, NetworkView>,
+    vms: &BTreeMap<String, VmView>,
+) -> Result<(), Refusal> {
+    for v in vms.values() {
+        for (i, nic) in v.vm.spec.networks.iter().enumerate() {
+            let Some(n) = networks.get(&nic.virtual_network_name) else {
+                continue;
+            };
+            let unplaceable = n.network.spec.mode == NetworkMode::Bridge
+                && n.subnet().is_none()
+                && nic.ip_address.is_some();
+            if !unplaceable || !(v.in_batch || n.in_batch) {
+                continue;
+            }
+            return Err(invalid(
+                format!("VirtualMachine {:?}", v.vm.metadata.name),
+                format!("spec.networks[{i}].ipAddress"),
+                format!(
+                    "VirtualNetwork {:?} is Bridge with no spec.subnet: hearth keeps a reserved address on a Bridge network only within its subnet; give the network spec.subnet, or leave ipAddress out",
                     nic.virtual_network_name
                 ),
             ));
@@ -525,6 +559,68 @@ mod tests {
                 in_batch: false,
             },
         )
+    }
+
+    fn bridge_network(name: &str, extra: &str) -> (String, NetworkView) {
+        let doc = format!(
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {{name: {name}}}\nspec: {{mode: Bridge, bridge: br0{extra}}}\n"
+        );
+        let network = match hearth_api::parse_documents(&doc, "test")
+            .expect("network")
+            .remove(0)
+        {
+            hearth_api::Object::VirtualNetwork(n) => n,
+            other => panic!("not a network: {other:?}"),
+        };
+        (
+            name.to_string(),
+            NetworkView {
+                network,
+                status: Default::default(),
+                deleting: false,
+                in_batch: false,
+            },
+        )
+    }
+
+    #[test]
+    fn a_reservation_on_a_bridge_network_needs_its_subnet() {
+        let reserving = vm("a", "[{virtualNetworkName: br, ipAddress: 192.168.1.50}]");
+        let plain = vm("b", "[{virtualNetworkName: br}]");
+        let check_with = |net: (String, NetworkView), net_in_batch: bool, v: VmView| {
+            let (name, mut view) = net;
+            view.in_batch = net_in_batch;
+            let networks = [(name, view)].into_iter().collect();
+            let vms = [(v.vm.metadata.name.clone(), v)].into_iter().collect();
+            check(&networks, &vms, &[])
+        };
+        // The VM applied onto a subnet-less Bridge network: refused, naming
+        // the VM's field and the network.
+        let e = check_with(bridge_network("br", ""), false, applied(reserving.clone()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("VirtualMachine \"a\"")
+                && e.contains("spec.networks[0].ipAddress")
+                && e.contains("VirtualNetwork \"br\" is Bridge with no spec.subnet"),
+            "{e}"
+        );
+        // The network applied without a subnet under a stored reservation.
+        let stored = VmView {
+            vm: reserving.clone(),
+            in_batch: false,
+            running: None,
+        };
+        assert!(check_with(bridge_network("br", ""), true, stored.clone()).is_err());
+        // Neither in the batch: not this apply's to refuse.
+        assert!(check_with(bridge_network("br", ""), false, stored).is_ok());
+        // With a subnet, or without a reservation: fine.
+        let with_subnet = bridge_network("br", ", subnet: 192.168.1.0/24");
+        assert_eq!(check_with(with_subnet, false, applied(reserving)), Ok(()));
+        assert_eq!(
+            check_with(bridge_network("br", ""), false, applied(plain)),
+            Ok(())
+        );
     }
 
     fn vm(name: &str, networks: &str) -> VirtualMachine {
