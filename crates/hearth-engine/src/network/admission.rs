@@ -14,7 +14,9 @@ use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
 
 use hearth_api::net::Ipv4Cidr;
-use hearth_api::{FieldError, NetworkMode, VirtualMachine, VirtualNetwork, VirtualNetworkStatus};
+use hearth_api::{
+    FieldError, NetworkInterface, NetworkMode, VirtualMachine, VirtualNetwork, VirtualNetworkStatus,
+};
 
 use super::ipam::{self, Holder, IpamError};
 pub use super::names::mac_of;
@@ -315,31 +317,45 @@ fn check_vm_networks(v: &VmView, networks: &BTreeMap<String, NetworkView>) -> Re
     Ok(())
 }
 
+/// Every interface on a known network where the VM or the network comes in
+/// the batch: what the per-interface rules below are checked on, so either
+/// side's apply is refused.
+fn touched_interfaces<'a>(
+    networks: &'a BTreeMap<String, NetworkView>,
+    vms: &'a BTreeMap<String, VmView>,
+) -> impl Iterator<Item = (&'a VmView, usize, &'a NetworkInterface, &'a NetworkView)> {
+    vms.values().flat_map(move |v| {
+        v.vm.spec
+            .networks
+            .iter()
+            .enumerate()
+            .filter_map(move |(i, nic)| {
+                let n = networks.get(&nic.virtual_network_name)?;
+                (v.in_batch || n.in_batch).then_some((v, i, nic, n))
+            })
+    })
+}
+
 /// Port forwards exist only on NAT networks: an Isolated network is
 /// reachable from nothing outside it, and a Bridge network's addresses are
-/// someone else's. Checked whichever of the two comes in the batch.
+/// someone else's.
 fn check_forwards_only_to_nat(
     networks: &BTreeMap<String, NetworkView>,
     vms: &BTreeMap<String, VmView>,
 ) -> Result<(), Refusal> {
-    for v in vms.values() {
-        for (i, nic) in v.vm.spec.networks.iter().enumerate() {
-            let Some(n) = networks.get(&nic.virtual_network_name) else {
-                continue;
-            };
-            let mode = n.network.spec.mode;
-            if nic.ports.is_empty() || mode == NetworkMode::Nat || !(v.in_batch || n.in_batch) {
-                continue;
-            }
-            return Err(invalid(
-                format!("VirtualMachine {:?}", v.vm.metadata.name),
-                format!("spec.networks[{i}].ports"),
-                format!(
-                    "VirtualNetwork {:?} is {mode}: ports are forwarded only to NAT networks",
-                    nic.virtual_network_name
-                ),
-            ));
+    for (v, i, nic, n) in touched_interfaces(networks, vms) {
+        let mode = n.network.spec.mode;
+        if nic.ports.is_empty() || mode == NetworkMode::Nat {
+            continue;
         }
+        return Err(invalid(
+            format!("VirtualMachine {:?}", v.vm.metadata.name),
+            format!("spec.networks[{i}].ports"),
+            format!(
+                "VirtualNetwork {:?} is {mode}: ports are forwarded only to NAT networks",
+                nic.virtual_network_name
+            ),
+        ));
     }
     Ok(())
 }
@@ -347,32 +363,26 @@ fn check_forwards_only_to_nat(
 /// A reserved address on a Bridge network is recorded only within the
 /// network's `spec.subnet` (hearth hands out none there, and knows the
 /// network's addresses from nothing else): without one, the VM would wait
-/// for a lease that is never written. Checked whichever of the two comes
-/// in the batch.
+/// for a lease that is never written.
 fn check_bridge_reservations(
     networks: &BTreeMap<String, NetworkView>,
     vms: &BTreeMap<String, VmView>,
 ) -> Result<(), Refusal> {
-    for v in vms.values() {
-        for (i, nic) in v.vm.spec.networks.iter().enumerate() {
-            let Some(n) = networks.get(&nic.virtual_network_name) else {
-                continue;
-            };
-            let unplaceable = n.network.spec.mode == NetworkMode::Bridge
-                && n.subnet().is_none()
-                && nic.ip_address.is_some();
-            if !unplaceable || !(v.in_batch || n.in_batch) {
-                continue;
-            }
-            return Err(invalid(
-                format!("VirtualMachine {:?}", v.vm.metadata.name),
-                format!("spec.networks[{i}].ipAddress"),
-                format!(
-                    "VirtualNetwork {:?} is Bridge with no spec.subnet: hearth keeps a reserved address on a Bridge network only within its subnet; give the network spec.subnet, or leave ipAddress out",
-                    nic.virtual_network_name
-                ),
-            ));
+    for (v, i, nic, n) in touched_interfaces(networks, vms) {
+        let unplaceable = n.network.spec.mode == NetworkMode::Bridge
+            && n.subnet().is_none()
+            && nic.ip_address.is_some();
+        if !unplaceable {
+            continue;
         }
+        return Err(invalid(
+            format!("VirtualMachine {:?}", v.vm.metadata.name),
+            format!("spec.networks[{i}].ipAddress"),
+            format!(
+                "VirtualNetwork {:?} is Bridge with no spec.subnet: hearth keeps a reserved address on a Bridge network only within its subnet; give the network spec.subnet, or leave ipAddress out",
+                nic.virtual_network_name
+            ),
+        ));
     }
     Ok(())
 }
@@ -540,8 +550,13 @@ mod tests {
     use crate::runtime::LaunchedInterface;
 
     fn network(name: &str, subnet: &str) -> (String, NetworkView) {
+        network_with(name, &format!("subnet: {subnet}"))
+    }
+
+    /// A stored network `name` whose spec is `{SPEC}`.
+    fn network_with(name: &str, spec: &str) -> (String, NetworkView) {
         let doc = format!(
-            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {{name: {name}}}\nspec: {{subnet: {subnet}}}\n"
+            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {{name: {name}}}\nspec: {{{spec}}}\n"
         );
         let network = match hearth_api::parse_documents(&doc, "test")
             .expect("network")
@@ -562,25 +577,7 @@ mod tests {
     }
 
     fn bridge_network(name: &str, extra: &str) -> (String, NetworkView) {
-        let doc = format!(
-            "apiVersion: hearth.dev/v1alpha1\nkind: VirtualNetwork\nmetadata: {{name: {name}}}\nspec: {{mode: Bridge, bridge: br0{extra}}}\n"
-        );
-        let network = match hearth_api::parse_documents(&doc, "test")
-            .expect("network")
-            .remove(0)
-        {
-            hearth_api::Object::VirtualNetwork(n) => n,
-            other => panic!("not a network: {other:?}"),
-        };
-        (
-            name.to_string(),
-            NetworkView {
-                network,
-                status: Default::default(),
-                deleting: false,
-                in_batch: false,
-            },
-        )
+        network_with(name, &format!("mode: Bridge, bridge: br0{extra}"))
     }
 
     #[test]
