@@ -395,6 +395,32 @@ pub fn render_defaults() -> anyhow::Result<String> {
             "Unset by default (no TCP listener); the value shown is an example.",
         ));
     }
+    const EXAMPLE: &str = "Empty by default; the value shown is an example.";
+    for (list, key, example) in [
+        (
+            &mut file.registry_ca,
+            "registry-ca",
+            "registry.example:5000=/etc/hearth/registry-ca.pem",
+        ),
+        (
+            &mut file.registry_credentials,
+            "registry-credentials",
+            "registry.example:5000=/etc/hearth/registry-credentials.json",
+        ),
+        (
+            &mut file.registry_insecure,
+            "registry-insecure",
+            "registry.lab:5000",
+        ),
+    ] {
+        if list.is_none() {
+            *list = Some(vec![example.to_string()]);
+            notes.push((key, EXAMPLE));
+        }
+    }
+    // Tables come after every key, with a help of their own (no flag has
+    // one to give).
+    let git = file.git.take();
     let body = toml::to_string(&file)
         .map_err(|e| anyhow!("the default configuration cannot be written as TOML: {e}"))?;
     let mut out = String::from(
@@ -430,7 +456,58 @@ pub fn render_defaults() -> anyhow::Result<String> {
         out.push_str(line);
         out.push('\n');
     }
+    if git.is_none() {
+        out.push_str(&git_example()?);
+    }
     Ok(out)
+}
+
+/// The shipped file's `[[git]]` example, commented out.
+fn git_example() -> anyhow::Result<String> {
+    let example = FileConfig {
+        git: Some(vec![example_git_source()]),
+        ..FileConfig::default()
+    };
+    let table = toml::to_string(&example)
+        .map_err(|e| anyhow!("the [[git]] example cannot be written as TOML: {e}"))?;
+    let help = "A git repository whose manifests declare objects, one [[git]] table \
+        each (several may run beside the manifest directory; docs/sources.md). \
+        None by default; the table shown is an example. Besides name and url: \
+        ref (a branch, a tag, HEAD or a commit id; default HEAD), path (the \
+        folder whose manifests count; default the whole repository), \
+        interval-seconds (default 30); for https username, token-file and \
+        ca-file; for ssh ssh-key-file and known-hosts-file; to apply signed \
+        commits only, allowed-signers-file (ssh) or allowed-keys-file \
+        (OpenPGP). hearthd never writes into the repository.";
+    let mut out = String::from("\n");
+    for wrapped in wrap(help, 76) {
+        out.push_str("# ");
+        out.push_str(&wrapped);
+        out.push('\n');
+    }
+    for line in table.lines().filter(|l| !l.is_empty()) {
+        out.push('#');
+        out.push_str(line);
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+fn example_git_source() -> GitSourceFile {
+    GitSourceFile {
+        name: "infra".into(),
+        url: "https://git.example/infra/vms.git".into(),
+        reference: Some("main".into()),
+        path: Some("hosts".into()),
+        interval_seconds: Some(30),
+        username: Some("deploy".into()),
+        token_file: Some("/etc/hearth/git-token".into()),
+        ca_file: None,
+        ssh_key_file: None,
+        known_hosts_file: None,
+        allowed_signers_file: Some("/etc/hearth/allowed_signers".into()),
+        allowed_keys_file: None,
+    }
 }
 
 /// Greedy word wrap at `width` columns.
@@ -659,7 +736,26 @@ log-format = "json"
         expected.socket = Some("/run/hearth/hearthd.sock".into());
         expected.image_roots = Some(vec!["/var/lib/hearth/images".into()]);
         expected.metrics_listen = Some("127.0.0.1:9464".parse().unwrap());
+        expected.registry_ca = Some(vec![
+            "registry.example:5000=/etc/hearth/registry-ca.pem".into(),
+        ]);
+        expected.registry_credentials = Some(vec![
+            "registry.example:5000=/etc/hearth/registry-credentials.json".into(),
+        ]);
+        expected.registry_insecure = Some(vec!["registry.lab:5000".into()]);
+        expected.git = Some(vec![example_git_source()]);
         assert_eq!(all, expected);
+        // The lists and the table under their help.
+        assert!(
+            text.contains("# Empty by default; the value shown is an example.\n#registry-insecure = [\"registry.lab:5000\"]\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "hearthd never writes into the repository.\n#[[git]]\n#name = \"infra\"\n"
+            ),
+            "{text}"
+        );
         // Each key under its flag's help.
         assert!(
             text.contains(
