@@ -1267,7 +1267,8 @@ pub struct BackupStatus {
     pub bytes_read: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes_written: Option<u64>,
-    /// From the start of the copy (right after the cut) to the commit.
+    /// From the start of the copy (right after the cut) to its last file
+    /// in place, just before the commit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

@@ -141,6 +141,40 @@ fn start_app(d: &Daemon, size: &str) {
     d.wait_agent("app");
 }
 
+/// Runs `start` with strace on hearthd, which SIGKILLs it as it enters
+/// one of `syscalls` on `path` (before the call runs), and waits for it to
+/// die so.
+fn kill_at(d: &mut Daemon, path: &Path, syscalls: &str, start: impl FnOnce(&Daemon)) {
+    let hearthd = d.child.as_ref().map(|c| c.id()).expect("hearthd");
+    let strace_log = d.dir.path().join("strace.log");
+    let mut strace = Command::new("strace")
+        .args(["-f", "-qq", "-p", &hearthd.to_string(), "-P"])
+        .arg(path)
+        .args(["-e", &format!("trace={syscalls}")])
+        .args(["-e", &format!("inject={syscalls}:signal=SIGKILL")])
+        .arg("-o")
+        .arg(&strace_log)
+        .spawn()
+        .expect("strace (apt-get install strace)");
+    assert!(
+        hearth_test_support::eventually(BACKUP_TIMEOUT, || {
+            hearth_test_support::process::all_threads_traced(hearthd)
+        }),
+        "strace did not attach to every thread of hearthd"
+    );
+    start(d);
+    let status = d.wait_exit(BACKUP_TIMEOUT);
+    let _ = strace.wait();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9),
+        "hearthd was not killed at {syscalls} on {}: {status}; strace:\n{}\n{}",
+        path.display(),
+        std::fs::read_to_string(&strace_log).unwrap_or_default(),
+        d.log()
+    );
+}
+
 /// A full backup whose `reasonFull` says `why`.
 fn assert_full_because(b: &Value, why: &str) {
     assert_eq!(b["status"]["kind"], "Full", "{b:#}");
@@ -278,34 +312,9 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     // gone.
     write_mib(&d, "five", 3);
     let partial = to.join("app-data").join("0005.qcow2.partial");
-    let hearthd = d.child.as_ref().map(|c| c.id()).expect("hearthd");
-    let strace_log = d.dir.path().join("strace.log");
-    let renames = "rename,renameat,renameat2";
-    let mut strace = Command::new("strace")
-        .args(["-f", "-qq", "-p", &hearthd.to_string(), "-P"])
-        .arg(&partial)
-        .args(["-e", &format!("trace={renames}")])
-        .args(["-e", &format!("inject={renames}:signal=SIGKILL")])
-        .arg("-o")
-        .arg(&strace_log)
-        .spawn()
-        .expect("strace (apt-get install strace)");
-    assert!(
-        hearth_test_support::eventually(BACKUP_TIMEOUT, || {
-            hearth_test_support::process::all_threads_traced(hearthd)
-        }),
-        "strace did not attach to every thread of hearthd"
-    );
-    assert!(backup_cmd(&d, "b5", &to, &[]).status.success());
-    let status = d.wait_exit(BACKUP_TIMEOUT);
-    let _ = strace.wait();
-    assert_eq!(
-        std::os::unix::process::ExitStatusExt::signal(&status),
-        Some(9),
-        "hearthd was not killed at the rename: {status}; strace:\n{}\n{}",
-        std::fs::read_to_string(&strace_log).unwrap_or_default(),
-        d.log()
-    );
+    kill_at(&mut d, &partial, "rename,renameat,renameat2", |d| {
+        assert!(backup_cmd(d, "b5", &to, &[]).status.success())
+    });
     assert!(partial.exists(), "the finished copy is not there");
     assert_eq!(
         listed_points(&to),
@@ -346,10 +355,30 @@ fn backups_are_full_then_incremental_byte_exact_and_never_a_wrong_incremental() 
     // 6. The VM rolled back to a snapshot from before every checkpoint: its
     // disk no longer reads through b5's checkpoint, so the next point is
     // full, says so, and is exact.
+    // hearthd is SIGKILLed once the manifest naming point 6 is renamed in,
+    // as it enters the fsync of the directory: after the restart the
+    // backup is finished from the manifest, and its status still says why
+    // it is full and what its copy read and wrote.
     d.cli_ok(&["restore", "vm", "app", "--from", "early"]);
     d.wait_agent("app");
-    let b6 = backup(&d, "b6", &to);
+    kill_at(&mut d, &to, "fsync,fdatasync", |d| {
+        assert!(backup_cmd(d, "b6", &to, &[]).status.success())
+    });
+    assert_eq!(
+        listed_points(&to),
+        [1, 2, 3, 4, 5, 6],
+        "point 6 was not committed before the kill"
+    );
+    d.spawn();
+    let b6 = d.wait_final("virtualmachinebackups", "b6", BACKUP_TIMEOUT);
+    assert_eq!(b6["status"]["phase"], "Ready", "{b6:#}");
     assert_full_because(&b6, "restored");
+    for count in ["bytesRead", "bytesWritten", "durationMs"] {
+        assert!(
+            b6["status"][count].as_u64().is_some_and(|n| n > 0),
+            "{count} lost in the crash: {b6:#}"
+        );
+    }
     let p6 = point_file(&to, 6, "app-data");
     let truth6 = checkpoint_disk(&d, &b6);
     assert!(same_bytes(&p6, &truth6), "point 6 differs");

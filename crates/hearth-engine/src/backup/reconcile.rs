@@ -251,7 +251,7 @@ async fn copy_when_cut(
     // done, and the status was not written.
     if let Some(p) = manifest.points.iter().find(|p| p.backup == name) {
         after_commit(ctx, backup, manifest.clone(), &cp).await?;
-        finish(ctx, backup, &manifest, p, None, None);
+        finish(ctx, backup, &manifest, p);
         return Ok(Action::Done);
     }
     match write_point(ctx, backup, &cp, &cp_status, manifest).await {
@@ -481,21 +481,19 @@ async fn write_point(
         checkpoint: cp.to_string(),
         files: files.into_iter().map(|(_, _, f)| f).collect(),
         virtual_machine_spec: cp_status.virtual_machine_spec.clone(),
+        reason_full,
+        copy: Some(target::CopyCounts {
+            bytes_read,
+            bytes_written,
+            duration_ms: started.elapsed().as_millis() as u64,
+        }),
     };
     manifest.points.push(p.clone());
     target::commit(dir, &manifest).map_err(|x| e(&x))?;
-    let took = started.elapsed();
     after_commit(ctx, backup, manifest.clone(), cp)
         .await
         .map_err(|x| e(&x))?;
-    finish(
-        ctx,
-        backup,
-        &manifest,
-        &p,
-        reason_full,
-        Some((bytes_read, bytes_written, took.as_millis() as u64)),
-    );
+    finish(ctx, backup, &manifest, &p);
     Ok(())
 }
 
@@ -619,14 +617,7 @@ fn canonical(p: &Path) -> PathBuf {
     std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
 }
 
-fn finish(
-    ctx: &Context,
-    backup: &VirtualMachineBackup,
-    manifest: &Manifest,
-    p: &Point,
-    reason_full: Option<String>,
-    counts: Option<(u64, u64, u64)>,
-) {
+fn finish(ctx: &Context, backup: &VirtualMachineBackup, manifest: &Manifest, p: &Point) {
     let name = backup.metadata.name.as_str();
     let base = manifest
         .points
@@ -640,21 +631,21 @@ fn finish(
         s.kind = Some(p.kind);
         s.point = Some(p.point);
         s.base = base.clone();
-        if reason_full.is_some() {
-            s.reason_full = reason_full.clone();
+        if p.reason_full.is_some() {
+            s.reason_full = p.reason_full.clone();
         }
         s.cut_time = p.cut_time;
         s.files = p.files.clone();
         s.progress = None;
-        if let Some((read, written, ms)) = counts {
-            s.bytes_read = Some(read);
-            s.bytes_written = Some(written);
-            s.duration_ms = Some(ms);
+        if let Some(c) = p.copy {
+            s.bytes_read = Some(c.bytes_read);
+            s.bytes_written = Some(c.bytes_written);
+            s.duration_ms = Some(c.duration_ms);
         }
         s.reason = None;
         s.message = None;
     });
-    let what = match (p.kind, &reason_full) {
+    let what = match (p.kind, &p.reason_full) {
         (BackupKind::Full, Some(r)) => format!("full ({r})"),
         (BackupKind::Full, None) => "full".to_string(),
         (BackupKind::Incremental, _) => format!(

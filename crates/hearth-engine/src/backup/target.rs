@@ -38,6 +38,23 @@ pub struct Point {
     /// The VM as it was, for a restore to make it again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub virtual_machine_spec: Option<Box<VirtualMachineSpec>>,
+    /// Why a full point is full when an incremental was asked for: kept
+    /// here, beside the commit, so a backup whose status a crash did not
+    /// let hearthd write still says why after the restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason_full: Option<String>,
+    /// What the copy read and wrote, for the same reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy: Option<CopyCounts>,
+}
+
+/// A point's copy, as its backup's status reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CopyCounts {
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub duration_ms: u64,
 }
 
 impl Point {
@@ -353,6 +370,8 @@ mod tests {
                 virtual_size: 1,
             }],
             virtual_machine_spec: None,
+            reason_full: None,
+            copy: None,
         }
     }
 

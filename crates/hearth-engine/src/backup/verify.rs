@@ -339,6 +339,8 @@ mod tests {
                     virtual_size: 4 << 20,
                 }],
                 virtual_machine_spec: None,
+                reason_full: None,
+                copy: None,
             }
         };
         Manifest {
