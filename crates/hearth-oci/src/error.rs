@@ -82,6 +82,10 @@ pub enum OciError {
     /// The root filesystem could not be finished (after every layer).
     #[error("building the root filesystem: {0}")]
     Build(String),
+    /// The caller's room check (its free-space reserve) stopped a write
+    /// before it began: `needs` bytes in all would have been written.
+    #[error("{message}")]
+    NoRoom { needs: u64, message: String },
 }
 
 fn list(items: &[String]) -> String {

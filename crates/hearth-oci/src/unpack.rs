@@ -46,6 +46,11 @@ pub struct Unpacked {
     pub bytes: u64,
 }
 
+/// Asked with a regular file's length before its bytes are written; an
+/// `Err` (its message) stops the unpack there. The caller's free-space
+/// reserve: a layer's uncompressed size is known only as it is read.
+pub type RoomCheck = Box<dyn FnMut(u64) -> Result<(), String> + Send>;
+
 /// Applies layers, in order, into one build directory.
 pub struct Unpacker {
     root: OwnedFd,
@@ -53,6 +58,7 @@ pub struct Unpacker {
     /// its mtime.
     dir_times: HashMap<String, Timestamps>,
     done: Unpacked,
+    room: Option<RoomCheck>,
 }
 
 /// Why one entry failed: an I/O error, or a path that would leave the root.
@@ -60,6 +66,7 @@ enum Refused {
     Io(String, io::Error),
     Escapes(String),
     Bad(String),
+    NoRoom(u64, String),
 }
 
 fn errno(e: Errno) -> io::Error {
@@ -87,7 +94,14 @@ impl Unpacker {
             root: fd,
             dir_times: HashMap::new(),
             done: Unpacked::default(),
+            room: None,
         })
+    }
+
+    /// Every regular file is first admitted by `check`.
+    pub fn with_room_check(mut self, check: RoomCheck) -> Unpacker {
+        self.room = Some(check);
+        self
     }
 
     /// Applies one layer, read from `blob`, uncompressed to at most `limit`
@@ -121,6 +135,12 @@ impl Unpacker {
                     )));
                 }
                 Err(Refused::Bad(why)) => return Err(fail(format!("{path:?}: {why}"))),
+                Err(Refused::NoRoom(needs, message)) => {
+                    return Err(OciError::NoRoom {
+                        needs,
+                        message: format!("layer {digest}, {path:?}: {message}"),
+                    });
+                }
             }
         }
         self.done.layers += 1;
@@ -241,6 +261,12 @@ impl Unpacker {
                 }
             }
             tar::EntryType::Regular | tar::EntryType::Continuous => {
+                if let Some(check) = self.room.as_mut() {
+                    let size = header
+                        .size()
+                        .map_err(|e| Refused::Bad(format!("its size: {e}")))?;
+                    check(size).map_err(|m| Refused::NoRoom(self.done.bytes + size, m))?;
+                }
                 remove(&dir, name)?;
                 let fd = openat(
                     &dir,

@@ -384,3 +384,54 @@ fn a_write_through_an_absolute_link_is_refused_and_nothing_lands_outside() {
     .unwrap_err();
     assert!(e.to_string().contains("outside the root"), "{e}");
 }
+
+#[test]
+fn a_file_the_room_check_refuses_is_not_written_and_the_error_says_what_was_needed() {
+    let dir = tempfile::tempdir().unwrap();
+    let small = vec![1u8; 1000];
+    let big = vec![2u8; 5000];
+    let l = layer(&[
+        ("small", E::File(0o644, &small)),
+        ("big", E::File(0o644, &big)),
+    ]);
+    let layout = image(dir.path(), &[l]);
+    let image = Layout::open(&layout).unwrap().image(Some("t")).unwrap();
+    let store = BlobStore::open(dir.path().join("store")).unwrap();
+    Layout::open(&layout)
+        .unwrap()
+        .copy_into(&image, &store, |_| {})
+        .unwrap();
+    let into = dir.path().join("ours");
+    fs::create_dir_all(&into).unwrap();
+    // Room for 4096 bytes in all: the small file fits, the big one not.
+    let asked = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = asked.clone();
+    let mut left = 4096u64;
+    let mut u = Unpacker::new(&into)
+        .unwrap()
+        .with_room_check(Box::new(move |n| {
+            seen.lock().unwrap().push(n);
+            if n > left {
+                return Err(format!("{n} bytes do not fit in {left}"));
+            }
+            left -= n;
+            Ok(())
+        }));
+    let d = &image.layers()[0];
+    let e = u
+        .layer(d, store.open_blob(d.digest()).unwrap(), 1 << 30)
+        .unwrap_err();
+    match &e {
+        OciError::NoRoom { needs, message } => {
+            assert_eq!(*needs, 6000, "{e}");
+            assert!(
+                message.contains("\"big\"") && message.contains("5000 bytes do not fit in 3096"),
+                "{message}"
+            );
+        }
+        other => panic!("not NoRoom: {other}"),
+    }
+    assert_eq!(*asked.lock().unwrap(), [1000, 5000]);
+    assert_eq!(fs::read(into.join("small")).unwrap(), small);
+    assert!(!into.join("big").exists(), "the refused file was made");
+}

@@ -13,6 +13,7 @@ use common::http::{Behaviour, Server};
 use common::{
     Daemon, Disk, DiskSnapshot, Image, Manifest, ObjectBuilder, eventually, make_qcow2, run_ok,
 };
+use hearth_test_support::oci::umoci_image;
 use serde_json::{Value, json};
 
 const IMPORT: Duration = Duration::from_secs(60);
@@ -970,6 +971,97 @@ fn a_download_stops_at_the_free_space_reserve_leaves_nothing_and_waits_for_room(
     let files = store_files(&d);
     assert_eq!(files.len(), 1, "only the small image: {files:?}");
     delete_and_wait(&d, "virtualimages", "endless");
+}
+
+/// Random bytes: a layer holding them is as large as the file.
+fn random_file(path: &Path, mib: u64) {
+    std::fs::create_dir_all(path.parent().expect("parent")).expect("mkdir");
+    let out = Command::new("head")
+        .args(["-c", &(mib << 20).to_string(), "/dev/urandom"])
+        .output()
+        .expect("head");
+    std::fs::write(path, out.stdout).expect("write");
+}
+
+#[test]
+fn an_oci_image_keeps_the_free_space_reserve_in_its_blobs_and_its_unpacked_tree() {
+    const MIB: u64 = 1 << 20;
+    let reserve = 32 * MIB;
+    let src = roots();
+    let layout = src.path().join("layout");
+    // Two rootfs images of one random file each: 140 MiB (its blob does
+    // not fit above the reserve), and 72 MiB (its blob fits, its tree then
+    // does not).
+    umoci_image(&layout, "big", |root| random_file(&root.join("data"), 140));
+    umoci_image(&layout, "mid", |root| random_file(&root.join("data"), 72));
+    let dir = tempfile::Builder::new()
+        .prefix("hearth-e2e-")
+        .tempdir()
+        .expect("tempdir");
+    let mounted = SmallFs::mount(&dir.path().join("state"), "160m");
+    let d =
+        Daemon::start_without_guest_in(dir, &[src.path()], &["--image-free-space-reserve", "32Mi"]);
+    let fs = mounted;
+    let start = fs.available();
+    assert!(start > 150 * MIB, "{start}");
+    let oci = |name: &str, tag: &str| {
+        Image::oci(
+            name,
+            hearth_api::OciSource {
+                layout: Some(layout.clone()),
+                tag: Some(tag.into()),
+                ..Default::default()
+            },
+        )
+        .json()
+    };
+    let low = LowWater::watch(&fs.at);
+
+    // The blobs: refused before the copy, by the layers' own sizes.
+    d.apply(vec![oci("big", "big")]);
+    let v = wait_failed(&d, "big", "NoSpace");
+    let message = v["status"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("the image's layers") && message.contains("--image-free-space-reserve"),
+        "{message}"
+    );
+    assert!(
+        fs.available() >= start - 8 * MIB,
+        "big: {} bytes free after the refusal, {start} at the start",
+        fs.available()
+    );
+
+    // The tree: its blob is stored, then the unpack stops at the file that
+    // would eat into the reserve.
+    d.apply(vec![oci("mid", "mid")]);
+    let v = wait_failed(&d, "mid", "NoSpace");
+    let lowest = low.lowest();
+    eprintln!("free space: {start} bytes at the start, {lowest} at the lowest, reserve {reserve}");
+    let message = v["status"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("a file of the image's tree") && message.contains("\"data\""),
+        "{message}"
+    );
+    // The filesystem itself never went below the reserve (the database's
+    // few writes aside): without the check the tree took it to ~10 MiB.
+    assert!(
+        lowest >= reserve - 8 * MIB,
+        "the filesystem went down to {lowest} bytes free, below the {reserve} reserve"
+    );
+    // The build folder went with the attempt; the blob stays until its
+    // image goes, then nothing is left.
+    let build = d.state_dir().join("images/.oci/build");
+    let left: Vec<_> = std::fs::read_dir(&build)
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "{left:?}");
+    delete_and_wait(&d, "virtualimages", "big");
+    delete_and_wait(&d, "virtualimages", "mid");
+    assert!(
+        eventually(IMPORT, || fs.available() >= start - 8 * MIB),
+        "{} bytes free after both images went, {start} at the start",
+        fs.available()
+    );
 }
 
 #[test]

@@ -138,25 +138,14 @@ impl TempFile {
 
     async fn write(&mut self, data: &[u8]) -> Result<(), Failure> {
         let n = data.len() as u64;
-        let mut fresh = false;
-        loop {
-            match self.space.before(n, fresh) {
-                Space::Write => break,
-                Space::Look => {
-                    self.space.looked(free_space(&self.path)?);
-                    fresh = true;
-                }
-                Space::Full => {
-                    return Err(self.no_space(n, &format!("after {} bytes", self.written)));
-                }
-            }
+        if !space::admit(&mut self.space, n, || free_space(&self.path))? {
+            return Err(self.no_space(n, &format!("after {} bytes", self.written)));
         }
         let fail = |e: String| Failure::new("StoreFailed", format!("{}: {e}", self.path.display()));
         let Some(f) = self.file.as_mut() else {
             return Err(fail("written after it was closed".into()));
         };
         f.write_all(data).await.map_err(|e| fail(e.to_string()))?;
-        self.space.wrote(n);
         self.written += n;
         Ok(())
     }

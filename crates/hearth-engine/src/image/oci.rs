@@ -20,8 +20,9 @@ use hearth_oci::unpack::Unpacker;
 use hearth_oci::{OciError, ext4};
 use sha2::{Digest as _, Sha256};
 
-use super::import::{Failure, Fetched, TempFile};
+use super::import::{Failure, Fetched, NO_SPACE, TempFile};
 use super::progress::{Progress, Report};
+use super::space::{NoRoom, Room};
 use crate::context::Context;
 
 /// What an OCI import adds to the status.
@@ -276,8 +277,35 @@ fn field(src: &OciSource) -> &'static str {
     }
 }
 
+impl From<NoRoom> for OciError {
+    fn from(e: NoRoom) -> OciError {
+        OciError::NoRoom {
+            needs: e.needs,
+            message: e.message,
+        }
+    }
+}
+
+/// The bytes of `image`'s layers the blob store does not hold yet: what
+/// copying it in writes.
+fn missing_bytes(store: &BlobStore, image: &Image) -> u64 {
+    image
+        .layers()
+        .iter()
+        .filter(|d| !store.contains(d.digest()))
+        .map(|d| d.size())
+        .sum()
+}
+
 /// A failure of `hearth-oci`, with its reason and the field it is about.
 fn failure(src: &OciSource, e: OciError) -> Failure {
+    if let OciError::NoRoom { needs, .. } = &e {
+        return Failure {
+            reason: NO_SPACE,
+            needs_room: Some(*needs),
+            message: format!("{}: {e}", field(src)),
+        };
+    }
     let reason = match &e {
         OciError::DigestMismatch { .. } => "DigestMismatch",
         OciError::SizeMismatch { .. } => "SizeMismatch",
@@ -296,6 +324,7 @@ fn failure(src: &OciSource, e: OciError) -> Failure {
         OciError::Denied { .. } => "AuthFailed",
         OciError::Io { .. } => "ReadFailed",
         OciError::Build(_) => "BuildFailed",
+        OciError::NoRoom { .. } => NO_SPACE,
     };
     Failure::new(reason, format!("{}: {e}", field(src)))
 }
@@ -386,11 +415,17 @@ pub async fn fetch(
             let build = Build::make(build_dir(&images).join(format!("{n:08}")))?;
             let root = build.0.clone();
             let (store2, image2) = (store.clone(), image.clone());
-            tokio::task::spawn_blocking(move || unpack(&store2, &image2, &root, limit))
+            let reserve = cfg.free_space_reserve;
+            tokio::task::spawn_blocking(move || unpack(&store2, &image2, &root, limit, reserve))
                 .await
                 .map_err(blocking_failed)?
                 .map_err(|e| failure(src, e))?;
-            boot = boot_files(&build.0, &images, &tmp.path).await?;
+            boot = boot_files(&build.0, &images, &tmp.path, cfg.free_space_reserve)
+                .await
+                .map_err(|e| match e {
+                    BootError::Oci(e) => failure(src, e),
+                    BootError::Failed(f) => f,
+                })?;
             let root = build.0.clone();
             let size = tokio::task::spawn_blocking(move || {
                 ext4::measure(&root).map(|m| ext4::size_for(m, 0))
@@ -443,14 +478,22 @@ pub async fn fetch(
     ))
 }
 
+enum BootError {
+    /// Not enough room above the reserve.
+    Oci(OciError),
+    Failed(Failure),
+}
+
 /// The kernel and initrd under the tree's `/boot`, stored (durably) before
 /// the image that names them is committed; a crash in between leaves
-/// files the store's sweep removes at the next start.
+/// files the store's sweep removes at the next start. Their bytes are
+/// admitted above the free-space reserve first.
 async fn boot_files(
     root: &Path,
     images: &Path,
     tmp: &Path,
-) -> Result<Option<hearth_oci::kernel::Boot>, Failure> {
+    reserve: u64,
+) -> Result<Option<hearth_oci::kernel::Boot>, BootError> {
     let (root, images) = (root.to_path_buf(), images.to_path_buf());
     // `.import-<n>-<image>`: the sweep's temporaries.
     let base = tmp
@@ -459,10 +502,27 @@ async fn boot_files(
         .and_then(|n| n.strip_suffix(".tmp"))
         .unwrap_or(".import-boot")
         .to_string();
-    tokio::task::spawn_blocking(move || hearth_oci::kernel::extract(&root, &images, &base))
-        .await
-        .map_err(blocking_failed)?
-        .map_err(|e| Failure::new("StoreFailed", format!("the kernel under /boot: {e}")))
+    let room = move |root: &Path, images: &Path| -> Result<(), OciError> {
+        let Some(found) = hearth_oci::kernel::find(root) else {
+            return Ok(());
+        };
+        let size = |rel: &Path| std::fs::metadata(root.join(rel)).map_or(0, |m| m.len());
+        let bytes = size(&found.kernel) + found.initrd.as_deref().map_or(0, size);
+        let mut room =
+            Room::new(images, reserve).map_err(|e| OciError::io("statvfs", images, e))?;
+        Ok(room.take(bytes, "the kernel and initrd under /boot")?)
+    };
+    tokio::task::spawn_blocking(move || {
+        room(&root, &images).map_err(BootError::Oci)?;
+        hearth_oci::kernel::extract(&root, &images, &base).map_err(|e| {
+            BootError::Failed(Failure::new(
+                "StoreFailed",
+                format!("the kernel under /boot: {e}"),
+            ))
+        })
+    })
+    .await
+    .map_err(|e| BootError::Failed(blocking_failed(e)))?
 }
 
 /// Resolves the image and puts its blobs into the store.
@@ -492,6 +552,11 @@ async fn read_image(
         };
         let registry = Registry::new(reference, &options).map_err(|e| failure(src, e))?;
         let image = registry.image().await.map_err(|e| failure(src, e))?;
+        let images = ctx.config.images_dir();
+        Room::new(&images, cfg.free_space_reserve)
+            .map_err(|e| OciError::io("statvfs", &images, e))
+            .and_then(|mut room| Ok(room.take(missing_bytes(store, &image), "the image's layers")?))
+            .map_err(|e| failure(src, e))?;
         let mut progress = Progress::new(Some(image.layer_bytes()), Instant::now());
         report(progress.report());
         let mut last = 0u64;
@@ -507,6 +572,8 @@ async fn read_image(
         return Ok(image);
     }
     let (store, src2, tag, limit) = (store.clone(), src.clone(), src.tag.clone(), cfg.max_bytes);
+    let (images, reserve) = (ctx.config.images_dir(), cfg.free_space_reserve);
+    let room = move || Room::new(&images, reserve).map_err(|e| OciError::io("statvfs", &images, e));
     let path = match (&src.layout, &src.archive) {
         (Some(p), _) => ctx.config.confine_dir(p),
         (_, Some(p)) => ctx.config.confine(p),
@@ -521,6 +588,7 @@ async fn read_image(
         if src2.layout.is_some() {
             let layout = Layout::open(&path)?;
             let image = layout.image(tag.as_deref())?;
+            room()?.take(missing_bytes(&store, &image), "the image's layers")?;
             let total = Some(image.layer_bytes());
             let _ = tx.send((0, total));
             layout.copy_into(&image, &store, |n| {
@@ -529,6 +597,9 @@ async fn read_image(
             Ok(image)
         } else {
             let total = std::fs::metadata(&path).ok().map(|m| m.len());
+            // What the archive's blobs take is known only as it is read:
+            // at most the archive's own length.
+            room()?.take(total.unwrap_or(0), "the archive's blobs")?;
             hearth_oci::archive::import_with_progress(&path, &store, tag.as_deref(), limit, |n| {
                 let _ = tx.send((n, total));
             })
@@ -588,8 +659,21 @@ fn detect(store: &BlobStore, image: &Image, limit: u64) -> Result<Shape, OciErro
     shape::detect(blobs, limit)
 }
 
-fn unpack(store: &BlobStore, image: &Image, root: &Path, limit: u64) -> Result<(), OciError> {
-    let mut u = Unpacker::new(root)?;
+/// The layers applied into `root`, each file first admitted above the
+/// free-space reserve `reserve` (a layer's unpacked size is known only as
+/// it is read).
+fn unpack(
+    store: &BlobStore,
+    image: &Image,
+    root: &Path,
+    limit: u64,
+    reserve: u64,
+) -> Result<(), OciError> {
+    let mut room = Room::new(root, reserve).map_err(|e| OciError::io("statvfs", root, e))?;
+    let mut u = Unpacker::new(root)?.with_room_check(Box::new(move |n| {
+        room.take(n, "a file of the image's tree")
+            .map_err(|e| e.message)
+    }));
     for d in image.layers() {
         u.layer(d, store.open_blob(d.digest())?, limit)?;
     }

@@ -5,7 +5,7 @@
 //! free. The arithmetic is here, pure; the importer feeds it what
 //! `statvfs` says.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// How many bytes may be written between two looks at the filesystem even
 /// when the last look left plenty of room: other writers (guests filling
@@ -84,6 +84,82 @@ impl SpaceGuard {
     }
 }
 
+/// Admits `n` more bytes if they fit above the reserve, looking at the
+/// filesystem (`look`) when `guard` asks to; Ok(false) when a fresh look
+/// shows they do not.
+pub fn admit<E>(
+    guard: &mut SpaceGuard,
+    n: u64,
+    mut look: impl FnMut() -> Result<u64, E>,
+) -> Result<bool, E> {
+    let mut fresh = false;
+    loop {
+        match guard.before(n, fresh) {
+            Space::Write => {
+                guard.wrote(n);
+                return Ok(true);
+            }
+            Space::Look => {
+                guard.looked(look()?);
+                fresh = true;
+            }
+            Space::Full => return Ok(false),
+        }
+    }
+}
+
+/// The free-space reserve for writes that are not one file: an OCI
+/// image's blobs, its unpacked tree, the kernel taken from it. Each write
+/// is admitted first, by its length.
+pub struct Room {
+    dir: PathBuf,
+    guard: SpaceGuard,
+    /// Bytes admitted so far.
+    taken: u64,
+}
+
+/// Why [`Room::take`] refused: the message, and the bytes admitted with
+/// the refused ones.
+#[derive(Debug)]
+pub struct NoRoom {
+    pub needs: u64,
+    pub message: String,
+}
+
+impl Room {
+    /// The filesystem holding `dir`, with `reserve` bytes kept free.
+    pub fn new(dir: &Path, reserve: u64) -> std::io::Result<Room> {
+        Ok(Room {
+            dir: dir.to_path_buf(),
+            guard: SpaceGuard::new(reserve, available(dir)?),
+            taken: 0,
+        })
+    }
+
+    /// Admits `n` bytes of `what`, or says why not.
+    pub fn take(&mut self, n: u64, what: &str) -> Result<(), NoRoom> {
+        let dir = self.dir.clone();
+        let fits = admit(&mut self.guard, n, || available(&dir)).map_err(|e| NoRoom {
+            needs: self.taken + n,
+            message: format!("statvfs {}: {e}", dir.display()),
+        })?;
+        if !fits {
+            return Err(NoRoom {
+                needs: self.taken + n,
+                message: format!(
+                    "not enough free space for {what} ({n} bytes): the filesystem of {} has {} free and hearthd keeps {} ({} bytes) free for its store (hearthd --image-free-space-reserve)",
+                    self.dir.display(),
+                    super::progress::format_bytes(self.guard.free()),
+                    super::progress::format_bytes(self.guard.reserve()),
+                    self.guard.reserve(),
+                ),
+            });
+        }
+        self.taken += n;
+        Ok(())
+    }
+}
+
 /// Bytes available to an unprivileged writer on the filesystem holding
 /// `dir` (`f_bavail`: hearthd, as root, could also eat the blocks ext4
 /// keeps for root, but those are not counted as room).
@@ -129,6 +205,25 @@ mod tests {
         let g = SpaceGuard::new(1 << 30, 100 << 20);
         assert_eq!(g.room(), 0);
         assert_eq!(g.before(1, true), Space::Full);
+    }
+
+    #[test]
+    fn room_admits_what_fits_and_names_what_does_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut room = Room::new(dir.path(), 0).unwrap();
+        room.take(1 << 20, "a small file").unwrap();
+        room.take(1 << 20, "another").unwrap();
+        // A reserve no filesystem here has: nothing fits.
+        let mut none = Room::new(dir.path(), 1 << 62).unwrap();
+        let e = none.take(4096, "the image's layers").unwrap_err();
+        assert_eq!(e.needs, 4096);
+        assert!(
+            e.message.contains("the image's layers (4096 bytes)")
+                && e.message.contains(&dir.path().display().to_string())
+                && e.message.contains("--image-free-space-reserve"),
+            "{}",
+            e.message
+        );
     }
 
     /// One look at the filesystem during a modelled import: the free space
