@@ -481,6 +481,18 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Whether a `scheme://user:password@host/...` URL names a password (a
+/// user alone, as in `ssh://git@host/...`, is no secret).
+fn url_has_password(url: &str) -> bool {
+    let Some((_, rest)) = url.split_once("://") else {
+        return false;
+    };
+    let authority = rest.split('/').next().unwrap_or(rest);
+    authority
+        .rsplit_once('@')
+        .is_some_and(|(userinfo, _)| userinfo.contains(':'))
+}
+
 /// The git sources: the configuration file's `[[git]]` tables and
 /// `--git`, each checked (a valid, unique name; a URL), with its cache in
 /// the state directory.
@@ -502,6 +514,13 @@ fn git_sources(args: &Args) -> anyhow::Result<Vec<hearth_engine::GitConfig>> {
                 "git source {:?}: url {:?} is not a repository URL",
                 g.name,
                 g.url
+            );
+        }
+        if url_has_password(&g.url) {
+            anyhow::bail!(
+                "git source {:?}: url {:?} carries a password: it would show in the process table (git's command line) and in the configuration; give the user as username (--git-username) and the token in a file only hearthd reads, named by token-file (--git-token-file)",
+                g.name,
+                hearth_engine::redact_userinfo(&g.url)
             );
         }
         let cache = args.state_dir.join("git").join(format!("{}.git", g.name));
@@ -732,4 +751,61 @@ fn registry_trust(
         out.entry(host.clone()).or_default().insecure = true;
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    fn sources(argv: &[&str]) -> anyhow::Result<Vec<hearth_engine::GitConfig>> {
+        let args = Args::try_parse_from(std::iter::once("hearthd").chain(argv.iter().copied()))
+            .expect("arguments parse");
+        git_sources(&args)
+    }
+
+    #[test]
+    fn a_git_url_with_a_password_is_refused_without_printing_it() {
+        let e = sources(&["--git", "https://deploy:s3cret@git.example/vms.git"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("carries a password") && e.contains("--git-token-file"),
+            "{e}"
+        );
+        assert!(!e.contains("s3cret"), "{e}");
+        // A user alone is no secret; neither is an @ in the path.
+        for url in [
+            "ssh://git@git.example/vms.git",
+            "https://deploy@git.example/vms.git",
+            "https://git.example/a:b@c/vms.git",
+            "git@git.example:infra/vms.git",
+            "file:///srv/vms.git",
+        ] {
+            let got = sources(&["--git", url]).unwrap_or_else(|e| panic!("{url}: {e}"));
+            assert_eq!(got[0].url, url);
+        }
+    }
+
+    #[test]
+    fn a_git_source_is_refused_naming_what_is_wrong() {
+        for (argv, says) in [
+            (
+                &["--git", "file:///r.git", "--git-name", "Bad_Name"][..],
+                "a name is lowercase",
+            ),
+            (&["--git=-oProxyCommand=x"][..], "is not a repository URL"),
+            (
+                &["--git", "file:///r.git", "--git-ref", "main..other"][..],
+                "is not a branch, tag or commit",
+            ),
+            (
+                &["--git", "file:///r.git", "--git-path", "a/../../etc"][..],
+                "leaves the repository",
+            ),
+        ] {
+            let e = sources(argv).unwrap_err().to_string();
+            assert!(e.contains(says), "{argv:?}: {e}");
+        }
+    }
 }
