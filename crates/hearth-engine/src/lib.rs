@@ -55,7 +55,6 @@ pub use error::{
 };
 pub use guest::exec::MAX_WAIT as EXEC_MAX_WAIT;
 pub use guest::{Download, ExecStarted, ExecStatus, Upload, UploadDone};
-pub use manifest::git::repo::redact_userinfo;
 pub use manifest::git::repo::{Auth as GitAuth, Signers as GitSigners};
 pub use manifest::git::valid_name as valid_git_source_name;
 pub use manifest::{GitConfig, GitSource, GitSources, ManifestConfig, ManifestSource};

@@ -520,7 +520,7 @@ fn git_sources(args: &Args) -> anyhow::Result<Vec<hearth_engine::GitConfig>> {
             anyhow::bail!(
                 "git source {:?}: url {:?} carries a password: it would show in the process table (git's command line) and in the configuration; give the user as username (--git-username) and the token in a file only hearthd reads, named by token-file (--git-token-file)",
                 g.name,
-                hearth_engine::redact_userinfo(&g.url)
+                hearth_api::redact::redact_credentials(&g.url)
             );
         }
         let cache = args.state_dir.join("git").join(format!("{}.git", g.name));

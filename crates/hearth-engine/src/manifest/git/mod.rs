@@ -238,7 +238,7 @@ impl GitSource {
             done: tokio::sync::watch::channel(0).0,
             config,
         });
-        tracing::info!(source = %source.config.name, url = %repo::redact_userinfo(&source.config.url), reference = %source.config.reference, "following a git source");
+        tracing::info!(source = %source.config.name, url = %hearth_api::redact::redact_credentials(&source.config.url), reference = %source.config.reference, "following a git source");
         let weak = Arc::downgrade(&source);
         tokio::spawn(async move { run(weak).await });
         source
@@ -271,7 +271,7 @@ impl GitSource {
         serde_json::json!({
             "name": self.config.name,
             "kind": "git",
-            "url": repo::redact_userinfo(&self.config.url),
+            "url": hearth_api::redact::redact_credentials(&self.config.url),
             "ref": self.config.reference,
             "path": self.config.path,
             "intervalSeconds": self.config.interval.as_secs(),
@@ -394,7 +394,7 @@ impl GitSource {
             stale(format!(
                 "fetching {} of {}: {e}",
                 c.reference,
-                repo::redact_userinfo(&c.url)
+                hearth_api::redact::redact_credentials(&c.url)
             ))
         })?;
         let mut objects = self.objects.lock().await;

@@ -562,29 +562,7 @@ fn said(stderr: &[u8]) -> String {
         .filter(|l| !l.trim().is_empty() && !advice.contains(&l.trim()))
         .collect();
     let tail = lines[lines.len().saturating_sub(3)..].join("; ");
-    redact_userinfo(&tail)
-}
-
-/// `scheme://user:secret@host` with the userinfo taken out.
-pub fn redact_userinfo(text: &str) -> String {
-    let mut out = String::new();
-    let mut rest = text;
-    while let Some(at) = rest.find("://") {
-        let (head, tail) = rest.split_at(at + 3);
-        out.push_str(head);
-        let end = tail
-            .find(|c: char| c == '/' || c.is_whitespace())
-            .unwrap_or(tail.len());
-        match tail[..end].rfind('@') {
-            Some(i) => {
-                out.push_str("***@");
-                rest = &tail[i + 1..];
-            }
-            None => rest = tail,
-        }
-    }
-    out.push_str(rest);
-    out
+    hearth_api::redact::redact_credentials(&tail).into_owned()
 }
 
 #[cfg(test)]
@@ -598,7 +576,7 @@ mod tests {
         assert!(!is_commit_id("main"));
         assert!(!is_commit_id(&"g".repeat(40)));
         assert_eq!(
-            redact_userinfo("fatal: https://bob:tok@h:1/r.git not found; http://h/x"),
+            said(b"fatal: https://bob:tok@h:1/r.git not found; http://h/x"),
             "fatal: https://***@h:1/r.git not found; http://h/x"
         );
     }
