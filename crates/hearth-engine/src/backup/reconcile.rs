@@ -111,8 +111,10 @@ fn delete(
 }
 
 /// One backup of a target at a time: another one InProgress for the same
-/// directory makes this one wait.
+/// directory (by its real path: a link to it is the same directory) makes
+/// this one wait.
 fn target_busy(ctx: &Context, backup: &VirtualMachineBackup) -> Result<bool, ReconcileError> {
+    let mine = canonical(&backup.spec.to);
     Ok(ctx
         .store
         .list(Kind::VirtualMachineBackup)?
@@ -120,8 +122,8 @@ fn target_busy(ctx: &Context, backup: &VirtualMachineBackup) -> Result<bool, Rec
         .any(|o| match &o.object {
             Object::VirtualMachineBackup(b) => {
                 b.metadata.name != backup.metadata.name
-                    && b.spec.to == backup.spec.to
                     && status_of(&o.status).phase == BackupPhase::InProgress
+                    && canonical(&b.spec.to) == mine
             }
             _ => false,
         }))

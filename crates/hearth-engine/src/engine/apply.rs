@@ -459,9 +459,11 @@ impl Engine {
                     })
                 };
                 // Never into hearthd's own state, and only where a parent
-                // exists (a typo does not make a tree of directories).
-                let state = &self.ctx.config.state_dir;
-                if b.spec.to.starts_with(state) || state.starts_with(&b.spec.to) {
+                // exists (a typo does not make a tree of directories). Both
+                // by their real paths: a link is where it leads.
+                let state = real_path(&self.ctx.config.state_dir);
+                let to = real_path(&b.spec.to);
+                if to.starts_with(&state) || state.starts_with(&to) {
                     return Err(fail(
                         "spec.to",
                         format!(
@@ -687,6 +689,26 @@ impl Engine {
             }
         }
         Ok(())
+    }
+}
+
+/// `path` with every link resolved, as far as it exists: the part that
+/// does not exist yet (a directory a backup will make) is kept as written
+/// below the resolved part.
+fn real_path(path: &std::path::Path) -> std::path::PathBuf {
+    let mut rest = Vec::new();
+    let mut at = path;
+    loop {
+        if let Ok(real) = std::fs::canonicalize(at) {
+            return rest.iter().rev().fold(real, |p, name| p.join(name));
+        }
+        match (at.parent(), at.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                at = parent;
+            }
+            _ => return path.to_path_buf(),
+        }
     }
 }
 
