@@ -1,7 +1,8 @@
-//! Where a VirtualMachineBackup may write, checked at apply through the
-//! engine and its real store: never into hearthd's state directory (nor a
-//! directory holding it), also not through a symbolic link that leads
-//! there, and only under a parent that exists. No VM boots.
+//! Where a VirtualMachineBackup (or a schedule's `backup`) may write,
+//! checked at apply through the engine and its real store: never into
+//! hearthd's state directory (nor a directory holding it), also not through
+//! a symbolic link that leads there, and only under a parent that exists.
+//! No VM boots.
 
 mod common;
 
@@ -12,6 +13,15 @@ use hearth_engine::{Engine, RequestError};
 fn backup(name: &str, to: &std::path::Path) -> String {
     format!(
         "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachineBackup\nmetadata:\n  name: {name}\nspec:\n  virtualMachineName: vm\n  to: {}\n",
+        to.display()
+    )
+}
+
+/// A schedule's runs are backups the schedule makes itself, past the
+/// apply: its `backup.to` is checked when it is applied.
+fn schedule(name: &str, to: &std::path::Path) -> String {
+    format!(
+        "apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachineSnapshotSchedule\nmetadata:\n  name: {name}\nspec:\n  schedule: \"@daily\"\n  virtualMachineNames: [vm]\n  backup:\n    to: {}\n",
         to.display()
     )
 }
@@ -27,8 +37,8 @@ async fn a_backup_target_in_the_state_directory_is_refused_even_through_a_link()
     std::fs::create_dir_all(&outside).unwrap();
     // A link outside the state directory that leads into it.
     std::os::unix::fs::symlink(&state, outside.join("into-state")).unwrap();
-    let apply = |name: &str, to: &std::path::Path| {
-        let objects = parse_documents(&backup(name, to), "t.yaml").expect("objects");
+    let apply = |yaml: String| {
+        let objects = parse_documents(&yaml, "t.yaml").expect("objects");
         engine.apply(objects, "api").map(|_| ())
     };
     for (name, to, says) in [
@@ -38,13 +48,19 @@ async fn a_backup_target_in_the_state_directory_is_refused_even_through_a_link()
         ("link-itself", outside.join("into-state"), "state directory"),
         ("no-parent", outside.join("typo/b"), "does not exist"),
     ] {
-        match apply(name, &to) {
-            Err(RequestError::Invalid(e)) => {
-                assert_eq!(e.field, "spec.to", "{name}: {e:?}");
-                assert!(e.message.contains(says), "{name}: {}", e.message);
+        for (yaml, field) in [
+            (backup(name, &to), "spec.to"),
+            (schedule(name, &to), "spec.backup.to"),
+        ] {
+            match apply(yaml) {
+                Err(RequestError::Invalid(e)) => {
+                    assert_eq!(e.field, field, "{name}: {e:?}");
+                    assert!(e.message.contains(says), "{name}: {}", e.message);
+                }
+                other => panic!("{name} ({}), {field}: not refused: {other:?}", to.display()),
             }
-            other => panic!("{name} ({}): not refused: {other:?}", to.display()),
         }
     }
-    apply("fine", &outside.join("b")).expect("a target outside the state directory");
+    apply(backup("fine", &outside.join("b"))).expect("a target outside the state directory");
+    apply(schedule("fine", &outside.join("b"))).expect("a schedule's target outside it");
 }

@@ -390,7 +390,7 @@ impl Engine {
         Ok(message)
     }
     fn check_host_paths(&self, obj: &Object) -> Result<(), RequestError> {
-        let fail = |field: &str, message: crate::config::ConfigError| {
+        let fail = |field: &str, message: &dyn std::fmt::Display| {
             RequestError::Invalid(FieldError {
                 object: obj.display_name(),
                 field: field.into(),
@@ -404,13 +404,13 @@ impl Engine {
                         self.ctx
                             .config
                             .confine(k)
-                            .map_err(|m| fail("spec.boot.kernel", m))?;
+                            .map_err(|m| fail("spec.boot.kernel", &m))?;
                     }
                     if let Some(i) = &boot.initrd {
                         self.ctx
                             .config
                             .confine(i)
-                            .map_err(|m| fail("spec.boot.initrd", m))?;
+                            .map_err(|m| fail("spec.boot.initrd", &m))?;
                     }
                 }
             }
@@ -419,7 +419,7 @@ impl Engine {
                     self.ctx
                         .config
                         .confine(p)
-                        .map_err(|m| fail("spec.source.image", m))?;
+                        .map_err(|m| fail("spec.source.image", &m))?;
                 }
             }
             Object::VirtualImage(image) => match &image.spec.source {
@@ -427,20 +427,20 @@ impl Engine {
                     self.ctx
                         .config
                         .confine(p)
-                        .map_err(|m| fail("spec.source.file", m))?;
+                        .map_err(|m| fail("spec.source.file", &m))?;
                 }
                 hearth_api::ImageSource::Oci(o) => {
                     if let Some(p) = &o.layout {
                         self.ctx
                             .config
                             .confine_dir(p)
-                            .map_err(|m| fail("spec.source.oci.layout", m))?;
+                            .map_err(|m| fail("spec.source.oci.layout", &m))?;
                     }
                     if let Some(p) = &o.archive {
                         self.ctx
                             .config
                             .confine(p)
-                            .map_err(|m| fail("spec.source.oci.archive", m))?;
+                            .map_err(|m| fail("spec.source.oci.archive", &m))?;
                     }
                 }
                 hearth_api::ImageSource::Http(_) => {}
@@ -448,40 +448,38 @@ impl Engine {
             Object::VirtualDiskSnapshot(_)
             | Object::VirtualMachineSnapshot(_)
             | Object::VirtualMachineSnapshotGroup(_)
-            | Object::VirtualMachineSnapshotSchedule(_)
             | Object::VirtualNetwork(_) => {}
-            Object::VirtualMachineBackup(b) => {
-                let fail = |field: &str, message: String| {
-                    RequestError::Invalid(FieldError {
-                        object: obj.display_name(),
-                        field: field.into(),
-                        message,
-                    })
-                };
-                // Never into hearthd's own state, and only where a parent
-                // exists (a typo does not make a tree of directories). Both
-                // by their real paths: a link is where it leads.
-                let state = real_path(&self.ctx.config.state_dir);
-                let to = real_path(&b.spec.to);
-                if to.starts_with(&state) || state.starts_with(&to) {
-                    return Err(fail(
-                        "spec.to",
-                        format!(
-                            "{} is hearthd's state directory or holds it; back up elsewhere",
-                            b.spec.to.display()
-                        ),
-                    ));
-                }
-                if !b.spec.to.parent().is_some_and(|p| p.is_dir()) {
-                    return Err(fail(
-                        "spec.to",
-                        format!(
-                            "the parent directory of {} does not exist",
-                            b.spec.to.display()
-                        ),
-                    ));
+            Object::VirtualMachineSnapshotSchedule(sch) => {
+                if let Some(b) = &sch.spec.backup {
+                    self.check_backup_target(&b.to)
+                        .map_err(|m| fail("spec.backup.to", &m))?;
                 }
             }
+            Object::VirtualMachineBackup(b) => {
+                self.check_backup_target(&b.spec.to)
+                    .map_err(|m| fail("spec.to", &m))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// A backup target is never in hearthd's own state nor holds it, and
+    /// only goes where a parent exists (a typo does not make a tree of
+    /// directories). By real paths: a link is where it leads.
+    fn check_backup_target(&self, to: &std::path::Path) -> Result<(), String> {
+        let state = real_path(&self.ctx.config.state_dir);
+        let real = real_path(to);
+        if real.starts_with(&state) || state.starts_with(&real) {
+            return Err(format!(
+                "{} is hearthd's state directory or holds it; back up elsewhere",
+                to.display()
+            ));
+        }
+        if !to.parent().is_some_and(|p| p.is_dir()) {
+            return Err(format!(
+                "the parent directory of {} does not exist",
+                to.display()
+            ));
         }
         Ok(())
     }
