@@ -168,11 +168,15 @@ fn person(value: &str) -> (String, String) {
 /// The source's folder in the repository, as a prefix of paths: "" for
 /// the whole repository, else `a/b/`.
 pub fn folder_prefix(path: &str) -> String {
-    let p = path.trim_matches('/');
-    if p.is_empty() || p == "." {
+    // As a user writes a folder: `hosts`, `/hosts/`, `./hosts`, `a//b`.
+    let parts: Vec<&str> = path
+        .split('/')
+        .filter(|c| !c.is_empty() && *c != ".")
+        .collect();
+    if parts.is_empty() {
         String::new()
     } else {
-        format!("{p}/")
+        format!("{}/", parts.join("/"))
     }
 }
 
@@ -353,6 +357,13 @@ first line\n  goes on\n\nbody\n";
         assert!(s.ignored[1].1.contains("submodule"));
         assert!(s.ignored[2].1.contains("over the limit"));
         // A folder the commit does not have.
+        for written in ["vms", "./vms", "/vms", "vms/.", "./vms/"] {
+            assert_eq!(folder_prefix(written), "vms/", "{written}");
+        }
+        assert_eq!(folder_prefix("a//b/./c"), "a/b/c/");
+        for whole in ["", "/", ".", "./"] {
+            assert_eq!(folder_prefix(whole), "", "{whole}");
+        }
         let s = select(&entries, &folder_prefix("nowhere"), 100, 10);
         assert!(!s.folder_exists);
         // The whole repository, at most one file.
