@@ -114,7 +114,7 @@ fn delete(
 /// directory (by its real path: a link to it is the same directory) makes
 /// this one wait.
 fn target_busy(ctx: &Context, backup: &VirtualMachineBackup) -> Result<bool, ReconcileError> {
-    let mine = canonical(&backup.spec.to);
+    let mine = target::real_path(&backup.spec.to);
     Ok(ctx
         .store
         .list(Kind::VirtualMachineBackup)?
@@ -123,7 +123,7 @@ fn target_busy(ctx: &Context, backup: &VirtualMachineBackup) -> Result<bool, Rec
             Object::VirtualMachineBackup(b) => {
                 b.metadata.name != backup.metadata.name
                     && status_of(&o.status).phase == BackupPhase::InProgress
-                    && canonical(&b.spec.to) == mine
+                    && target::real_path(&b.spec.to) == mine
             }
             _ => false,
         }))
@@ -340,7 +340,7 @@ async fn write_point(
         let previous_layer = match prev_disks.as_ref().and_then(|m| m.get(disk)) {
             Some(prev_ds) => storage::snapshot_layer(&ctx.store, prev_ds)
                 .map_err(|x| e(&x))?
-                .map(|l| canonical(&l.path)),
+                .map(|l| target::real_path(&l.path)),
             None => None,
         };
         now.push(DiskNow {
@@ -540,11 +540,11 @@ async fn after_commit(
     // Every other backup of the directory is an older point (one backup of
     // a directory runs at a time); a point merged away has no backup left
     // in the manifest to name its checkpoint, so the objects are asked.
-    let mine = canonical(dir);
+    let mine = target::real_path(dir);
     for o in ctx.store.list(Kind::VirtualMachineBackup)? {
         if let Object::VirtualMachineBackup(b) = &o.object
             && b.metadata.name != name
-            && canonical(&b.spec.to) == mine
+            && target::real_path(&b.spec.to) == mine
             && let Some(older) = status_of(&o.status).checkpoint
             && ctx
                 .store
@@ -610,13 +610,9 @@ async fn chain_of(layer: &Path) -> Result<(Vec<PathBuf>, u64), hearth_qemu::img:
     let size = infos.first().map_or(0, |i| i.virtual_size);
     let chain = infos
         .iter()
-        .map(|i| canonical(Path::new(&i.filename)))
+        .map(|i| target::real_path(Path::new(&i.filename)))
         .collect();
     Ok((chain, size))
-}
-
-fn canonical(p: &Path) -> PathBuf {
-    std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf())
 }
 
 fn finish(ctx: &Context, backup: &VirtualMachineBackup, manifest: &Manifest, p: &Point) {

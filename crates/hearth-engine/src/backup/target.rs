@@ -128,6 +128,26 @@ pub fn commit(dir: &Path, m: &Manifest) -> Result<(), TargetError> {
     sync_dir(dir)
 }
 
+/// `path` with every link resolved, as far as it exists: the part that
+/// does not exist yet (a directory a backup will make) is kept as written
+/// below the resolved part.
+pub fn real_path(path: &Path) -> PathBuf {
+    let mut rest = Vec::new();
+    let mut at = path;
+    loop {
+        if let Ok(real) = std::fs::canonicalize(at) {
+            return rest.iter().rev().fold(real, |p, name| p.join(name));
+        }
+        match (at.parent(), at.file_name()) {
+            (Some(parent), Some(name)) => {
+                rest.push(name.to_os_string());
+                at = parent;
+            }
+            _ => return path.to_path_buf(),
+        }
+    }
+}
+
 pub fn sync_dir(dir: &Path) -> Result<(), TargetError> {
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())

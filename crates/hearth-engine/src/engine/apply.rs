@@ -467,8 +467,8 @@ impl Engine {
     /// only goes where a parent exists (a typo does not make a tree of
     /// directories). By real paths: a link is where it leads.
     fn check_backup_target(&self, to: &std::path::Path) -> Result<(), String> {
-        let state = real_path(&self.ctx.config.state_dir);
-        let real = real_path(to);
+        let state = crate::backup::target::real_path(&self.ctx.config.state_dir);
+        let real = crate::backup::target::real_path(to);
         if real.starts_with(&state) || state.starts_with(&real) {
             return Err(format!(
                 "{} is hearthd's state directory or holds it; back up elsewhere",
@@ -687,26 +687,6 @@ impl Engine {
             }
         }
         Ok(())
-    }
-}
-
-/// `path` with every link resolved, as far as it exists: the part that
-/// does not exist yet (a directory a backup will make) is kept as written
-/// below the resolved part.
-fn real_path(path: &std::path::Path) -> std::path::PathBuf {
-    let mut rest = Vec::new();
-    let mut at = path;
-    loop {
-        if let Ok(real) = std::fs::canonicalize(at) {
-            return rest.iter().rev().fold(real, |p, name| p.join(name));
-        }
-        match (at.parent(), at.file_name()) {
-            (Some(parent), Some(name)) => {
-                rest.push(name.to_os_string());
-                at = parent;
-            }
-            _ => return path.to_path_buf(),
-        }
     }
 }
 

@@ -297,15 +297,17 @@ fn missing_bytes(store: &BlobStore, image: &Image) -> u64 {
         .sum()
 }
 
+/// The free-space reserve on the filesystem of `dir`.
+fn room(dir: &Path, reserve: u64) -> Result<Room, OciError> {
+    Room::new(dir, reserve).map_err(|e| OciError::io("statvfs", dir, e))
+}
+
 /// A failure of `hearth-oci`, with its reason and the field it is about.
 fn failure(src: &OciSource, e: OciError) -> Failure {
-    if let OciError::NoRoom { needs, .. } = &e {
-        return Failure {
-            reason: NO_SPACE,
-            needs_room: Some(*needs),
-            message: format!("{}: {e}", field(src)),
-        };
-    }
+    let needs_room = match &e {
+        OciError::NoRoom { needs, .. } => Some(*needs),
+        _ => None,
+    };
     let reason = match &e {
         OciError::DigestMismatch { .. } => "DigestMismatch",
         OciError::SizeMismatch { .. } => "SizeMismatch",
@@ -326,7 +328,10 @@ fn failure(src: &OciSource, e: OciError) -> Failure {
         OciError::Build(_) => "BuildFailed",
         OciError::NoRoom { .. } => NO_SPACE,
     };
-    Failure::new(reason, format!("{}: {e}", field(src)))
+    Failure {
+        needs_room,
+        ..Failure::new(reason, format!("{}: {e}", field(src)))
+    }
 }
 
 fn blocking_failed(e: tokio::task::JoinError) -> Failure {
@@ -420,12 +425,7 @@ pub async fn fetch(
                 .await
                 .map_err(blocking_failed)?
                 .map_err(|e| failure(src, e))?;
-            boot = boot_files(&build.0, &images, &tmp.path, cfg.free_space_reserve)
-                .await
-                .map_err(|e| match e {
-                    BootError::Oci(e) => failure(src, e),
-                    BootError::Failed(f) => f,
-                })?;
+            boot = boot_files(src, &build.0, &images, &tmp.path, cfg.free_space_reserve).await?;
             let root = build.0.clone();
             let size = tokio::task::spawn_blocking(move || {
                 ext4::measure(&root).map(|m| ext4::size_for(m, 0))
@@ -478,22 +478,17 @@ pub async fn fetch(
     ))
 }
 
-enum BootError {
-    /// Not enough room above the reserve.
-    Oci(OciError),
-    Failed(Failure),
-}
-
 /// The kernel and initrd under the tree's `/boot`, stored (durably) before
 /// the image that names them is committed; a crash in between leaves
 /// files the store's sweep removes at the next start. Their bytes are
 /// admitted above the free-space reserve first.
 async fn boot_files(
+    src: &OciSource,
     root: &Path,
     images: &Path,
     tmp: &Path,
     reserve: u64,
-) -> Result<Option<hearth_oci::kernel::Boot>, BootError> {
+) -> Result<Option<hearth_oci::kernel::Boot>, Failure> {
     let (root, images) = (root.to_path_buf(), images.to_path_buf());
     // `.import-<n>-<image>`: the sweep's temporaries.
     let base = tmp
@@ -502,27 +497,23 @@ async fn boot_files(
         .and_then(|n| n.strip_suffix(".tmp"))
         .unwrap_or(".import-boot")
         .to_string();
-    let room = move |root: &Path, images: &Path| -> Result<(), OciError> {
+    let admit = move |root: &Path, images: &Path| -> Result<(), OciError> {
         let Some(found) = hearth_oci::kernel::find(root) else {
             return Ok(());
         };
         let size = |rel: &Path| std::fs::metadata(root.join(rel)).map_or(0, |m| m.len());
         let bytes = size(&found.kernel) + found.initrd.as_deref().map_or(0, size);
-        let mut room =
-            Room::new(images, reserve).map_err(|e| OciError::io("statvfs", images, e))?;
-        Ok(room.take(bytes, "the kernel and initrd under /boot")?)
+        Ok(room(images, reserve)?.take(bytes, "the kernel and initrd under /boot")?)
     };
-    tokio::task::spawn_blocking(move || {
-        room(&root, &images).map_err(BootError::Oci)?;
-        hearth_oci::kernel::extract(&root, &images, &base).map_err(|e| {
-            BootError::Failed(Failure::new(
-                "StoreFailed",
-                format!("the kernel under /boot: {e}"),
-            ))
-        })
-    })
-    .await
-    .map_err(|e| BootError::Failed(blocking_failed(e)))?
+    let (room_root, room_images) = (root.clone(), images.clone());
+    tokio::task::spawn_blocking(move || admit(&room_root, &room_images))
+        .await
+        .map_err(blocking_failed)?
+        .map_err(|e| failure(src, e))?;
+    tokio::task::spawn_blocking(move || hearth_oci::kernel::extract(&root, &images, &base))
+        .await
+        .map_err(blocking_failed)?
+        .map_err(|e| Failure::new("StoreFailed", format!("the kernel under /boot: {e}")))
 }
 
 /// Resolves the image and puts its blobs into the store.
@@ -552,10 +543,8 @@ async fn read_image(
         };
         let registry = Registry::new(reference, &options).map_err(|e| failure(src, e))?;
         let image = registry.image().await.map_err(|e| failure(src, e))?;
-        let images = ctx.config.images_dir();
-        Room::new(&images, cfg.free_space_reserve)
-            .map_err(|e| OciError::io("statvfs", &images, e))
-            .and_then(|mut room| Ok(room.take(missing_bytes(store, &image), "the image's layers")?))
+        room(&ctx.config.images_dir(), cfg.free_space_reserve)
+            .and_then(|mut r| Ok(r.take(missing_bytes(store, &image), "the image's layers")?))
             .map_err(|e| failure(src, e))?;
         let mut progress = Progress::new(Some(image.layer_bytes()), Instant::now());
         report(progress.report());
@@ -573,7 +562,7 @@ async fn read_image(
     }
     let (store, src2, tag, limit) = (store.clone(), src.clone(), src.tag.clone(), cfg.max_bytes);
     let (images, reserve) = (ctx.config.images_dir(), cfg.free_space_reserve);
-    let room = move || Room::new(&images, reserve).map_err(|e| OciError::io("statvfs", &images, e));
+    let open_room = move || room(&images, reserve);
     let path = match (&src.layout, &src.archive) {
         (Some(p), _) => ctx.config.confine_dir(p),
         (_, Some(p)) => ctx.config.confine(p),
@@ -588,7 +577,7 @@ async fn read_image(
         if src2.layout.is_some() {
             let layout = Layout::open(&path)?;
             let image = layout.image(tag.as_deref())?;
-            room()?.take(missing_bytes(&store, &image), "the image's layers")?;
+            open_room()?.take(missing_bytes(&store, &image), "the image's layers")?;
             let total = Some(image.layer_bytes());
             let _ = tx.send((0, total));
             layout.copy_into(&image, &store, |n| {
@@ -599,7 +588,7 @@ async fn read_image(
             let total = std::fs::metadata(&path).ok().map(|m| m.len());
             // What the archive's blobs take is known only as it is read:
             // at most the archive's own length.
-            room()?.take(total.unwrap_or(0), "the archive's blobs")?;
+            open_room()?.take(total.unwrap_or(0), "the archive's blobs")?;
             hearth_oci::archive::import_with_progress(&path, &store, tag.as_deref(), limit, |n| {
                 let _ = tx.send((n, total));
             })
@@ -669,7 +658,7 @@ fn unpack(
     limit: u64,
     reserve: u64,
 ) -> Result<(), OciError> {
-    let mut room = Room::new(root, reserve).map_err(|e| OciError::io("statvfs", root, e))?;
+    let mut room = room(root, reserve)?;
     let mut u = Unpacker::new(root)?.with_room_check(Box::new(move |n| {
         room.take(n, "a file of the image's tree")
             .map_err(|e| e.message)
