@@ -46,6 +46,40 @@ fn hook_values(d: &Daemon, vm: &str) -> Vec<String> {
         .collect()
 }
 
+/// A cut that ran expedited: its `Freezing` event says so and the guest's
+/// hook froze with `rcu_expedited=1`. The step has a budget
+/// (`expedite::BUDGET`, 300 ms); on a loaded machine the guest's script
+/// may miss it, and then the freeze goes on without waiting for it (the
+/// event says why; the late script may still set the value before the
+/// freeze, so the hook's value is not asserted) and the cut is taken
+/// again, at most twice.
+fn expedited_cut(d: &Daemon, vm: &str, name: &str, disk: &str) -> Value {
+    for attempt in 0..3 {
+        let before = hook_values(d, vm).len();
+        let name = if attempt == 0 {
+            name.to_string()
+        } else {
+            format!("{name}-again{attempt}")
+        };
+        let s = consistent_snapshot(d, &name, disk);
+        let event = freezing_event(d, vm, &s);
+        let values = hook_values(d, vm);
+        assert_eq!(
+            values.len(),
+            before + 1,
+            "one freeze for {name}: {values:?}"
+        );
+        if event.contains("did not finish within") {
+            eprintln!("{name}: the guest's script missed the budget; cut again");
+            continue;
+        }
+        assert!(event.contains("RCU grace periods expedited"), "{event}");
+        assert_eq!(values[before], "1", "{name}: {}", d.log());
+        return s;
+    }
+    panic!("{name}: three cuts in a row missed the expedite budget");
+}
+
 fn rcu_expedited(d: &Daemon, vm: &str) -> String {
     d.agent_sh_ok(
         vm,
@@ -76,10 +110,7 @@ fn a_freeze_runs_expedited_and_the_guest_resets_it_by_itself() {
 
     // 1. The freeze ran with rcu_expedited set (the guest's hook says so,
     // just before FIFREEZE); the event says the step ran.
-    let s = consistent_snapshot(&d, "ex-1", "ex-data");
-    assert_eq!(hook_values(&d, "ex"), ["1"], "{}", d.log());
-    let event = freezing_event(&d, "ex", &s);
-    assert!(event.contains("RCU grace periods expedited"), "{event}");
+    expedited_cut(&d, "ex", "ex-1", "ex-data");
     // Still set right after the cut, with hearthd's marker; then the guest's
     // own watcher resets it and removes the marker.
     let now = rcu_expedited(&d, "ex");
@@ -95,9 +126,8 @@ fn a_freeze_runs_expedited_and_the_guest_resets_it_by_itself() {
 
     // 2. Two cuts in a row: the first one's watcher does not undo the
     // second one's change (it resets only while the marker is its own).
-    consistent_snapshot(&d, "ex-2", "ex-data");
-    consistent_snapshot(&d, "ex-3", "ex-data");
-    assert_eq!(hook_values(&d, "ex"), ["1", "1", "1"]);
+    expedited_cut(&d, "ex", "ex-2", "ex-data");
+    expedited_cut(&d, "ex", "ex-3", "ex-data");
     wait_until("the guest reset rcu_expedited", RESET_WITHIN, || {
         rcu_expedited(&d, "ex") == "0\nno-marker\n"
     });
