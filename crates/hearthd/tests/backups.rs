@@ -827,6 +827,37 @@ fn keeping_n_points_merges_the_oldest_into_a_full_one_and_every_kept_point_reads
     assert_full_because(&b5, "fullEvery 2");
     assert_eq!(points(), [(4, "Full".to_string()), (5, "Full".to_string())]);
     assert_eq!(raw_sha(&point_file(&to, 4, "app-data"), &scratch), sums[&4]);
+
+    // Two backups asked for at once, one through a link to the same
+    // directory: they take turns, so each gets a point of its own over the
+    // one before it, and both points are whole (two copies at once would
+    // both take point 6 and one commit would drop the other's).
+    let link = d.dir.path().join("kept-link");
+    std::os::unix::fs::symlink(&to, &link).unwrap();
+    write_mib(&d, "k6", 1);
+    for (name, dir) in [("k6", &to), ("k7", &link)] {
+        let out = backup_cmd(&d, name, dir, &[]);
+        assert!(out.status.success(), "{out:?}");
+    }
+    let mut made = std::collections::BTreeMap::new();
+    for name in ["k6", "k7"] {
+        let b = d.wait_final("virtualmachinebackups", name, BACKUP_TIMEOUT);
+        assert_eq!(b["status"]["phase"], "Ready", "{b:#}");
+        made.insert(b["status"]["point"].as_u64().unwrap(), name);
+    }
+    assert_eq!(made.keys().copied().collect::<Vec<_>>(), [6, 7], "{made:?}");
+    assert_eq!(
+        points(),
+        [
+            (4, "Full".to_string()),
+            (5, "Full".to_string()),
+            (6, "Incremental".to_string()),
+            (7, "Incremental".to_string())
+        ]
+    );
+    assert_every_point_whole(&to, "after two backups at once", false);
+    let second = d.get("virtualmachinebackups", made[&7]).unwrap();
+    assert_eq!(second["status"]["base"], made[&6], "{second:#}");
 }
 
 /// A small generator for the kill moments (splitmix64): the seed is printed,

@@ -429,7 +429,8 @@ async fn write_point(
         let rel = target::file_name(&d.name, point);
         let final_path = dir.join(&rel);
         let partial = dir.join(format!("{rel}.partial"));
-        std::fs::create_dir_all(final_path.parent().unwrap_or(dir)).map_err(|x| e(&x))?;
+        let folder = final_path.parent().unwrap_or(dir);
+        std::fs::create_dir_all(folder).map_err(|x| e(&super::io("making", folder)(x)))?;
         let _ = std::fs::remove_file(&partial);
         let written = copy::write(plan, &partial, done.clone(), true).await;
         let (written, sha256) = match written {
@@ -464,7 +465,7 @@ async fn write_point(
     drop(pins);
     // Every file in place and synced, then the manifest: the commit.
     for (partial, final_path, _) in &files {
-        std::fs::rename(partial, final_path).map_err(|x| e(&x))?;
+        std::fs::rename(partial, final_path).map_err(|x| e(&super::io("renaming", partial)(x)))?;
         target::sync_dir(final_path.parent().unwrap_or(dir)).map_err(|x| e(&x))?;
     }
     let kind = match choice {

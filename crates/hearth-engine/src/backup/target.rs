@@ -290,7 +290,8 @@ pub async fn keep_newest(dir: &Path, mut m: Manifest, keep: u32) -> Result<Manif
                     .await
                     .map_err(|e| e.to_string())?;
                 let sha = w.sha256.unwrap_or_default();
-                std::fs::rename(&partial, &merged).map_err(|e| e.to_string())?;
+                std::fs::rename(&partial, &merged)
+                    .map_err(|e| io("renaming", &partial)(e).to_string())?;
                 sync_dir(merged.parent().unwrap_or(dir)).map_err(|e| e.to_string())?;
                 Ok::<_, String>((sha, w.size))
             }
@@ -314,7 +315,7 @@ pub async fn keep_newest(dir: &Path, mut m: Manifest, keep: u32) -> Result<Manif
     m.points = kept;
     commit(dir, &m).map_err(|e| e.to_string())?;
     for (path, merged) in &renames {
-        std::fs::rename(merged, path).map_err(|e| e.to_string())?;
+        std::fs::rename(merged, path).map_err(|e| io("renaming", merged)(e).to_string())?;
         sync_dir(path.parent().unwrap_or(dir)).map_err(|e| e.to_string())?;
     }
     for p in &dropped {
