@@ -76,9 +76,25 @@ pub fn import_with_progress(
     limit: u64,
     progress: impl FnMut(u64),
 ) -> Result<Image, OciError> {
+    import_checked(path, store, tag, limit, progress, |_| Ok(()))
+}
+
+/// [`import_with_progress`], each blob the store does not hold yet first
+/// admitted by `room` with its size (the caller's free-space reserve), so
+/// an archive whose blobs are mostly stored asks room only for the new
+/// ones. A refusal stops the import before that blob's first byte
+/// ([`OciError::NoRoom`], counting the bytes admitted before it).
+pub fn import_checked(
+    path: &Path,
+    store: &BlobStore,
+    tag: Option<&str>,
+    limit: u64,
+    progress: impl FnMut(u64),
+    mut room: impl FnMut(u64) -> Result<(), String>,
+) -> Result<Image, OciError> {
     let file =
         std::fs::File::open(path).map_err(|e| OciError::io("opening the archive", path, e))?;
-    let got = read_once(path, Counting::new(file, progress), store, limit)?;
+    let got = read_once(path, Counting::new(file, progress), store, limit, &mut room)?;
     if got.oci_layout
         && let Some(index) = &got.index
     {
@@ -98,8 +114,18 @@ fn read_once(
     file: impl Read,
     store: &BlobStore,
     limit: u64,
+    room: &mut dyn FnMut(u64) -> Result<(), String>,
 ) -> Result<Read1, OciError> {
     let mut got = Read1::default();
+    let mut admitted = 0u64;
+    let mut admit = |size: u64| {
+        room(size).map_err(|message| OciError::NoRoom {
+            needs: admitted + size,
+            message,
+        })?;
+        admitted += size;
+        Ok::<_, OciError>(())
+    };
     let mut archive = tar::Archive::new(file);
     let bad = |e: std::io::Error| not(path, format!("reading the tar: {e}"));
     for entry in archive.entries().map_err(bad)? {
@@ -161,9 +187,14 @@ fn read_once(
                             limit,
                         });
                     }
+                    if !store.contains(&digest) {
+                        admit(size)?;
+                    }
                     store.put(&digest, size, &mut entry)?;
                     got.files.insert(n.to_string(), (digest, size));
                 } else {
+                    // Its digest is known only once it is read.
+                    admit(size)?;
                     let (digest, size) = store.put_hashed(&mut entry, limit)?;
                     got.files.insert(n.to_string(), (digest, size));
                 }

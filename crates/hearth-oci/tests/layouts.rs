@@ -362,3 +362,69 @@ fn layout_and_archive_copies_report_their_progress_as_they_go() {
     let last = *seen.last().unwrap();
     assert!(last <= len && last + (5 << 20) > len, "{last} of {len}");
 }
+
+#[test]
+fn an_archive_asks_room_only_for_the_blobs_the_store_lacks() {
+    let dir = tempfile::tempdir().unwrap();
+    let layout = dir.path().join("layout");
+    umoci_image(&layout, "mid", |root| {
+        fs::write(root.join("noise"), noise(3 << 20)).unwrap();
+    });
+    let tar = dir.path().join("mid.tar");
+    run(
+        "skopeo",
+        &[
+            "copy",
+            "-q",
+            &format!("oci:{}:mid", path(&layout)),
+            &format!("oci-archive:{}:mid", path(&tar)),
+        ],
+    );
+    let store = BlobStore::open(dir.path().join("store")).unwrap();
+    let stored = || -> Vec<PathBuf> {
+        fs::read_dir(store.root().join("sha256"))
+            .map(|d| d.map(|e| e.unwrap().path()).collect())
+            .unwrap_or_default()
+    };
+    let import = |room: &mut dyn FnMut(u64) -> Result<(), String>| {
+        hearth_oci::archive::import_checked(&tar, &store, Some("mid"), 1 << 30, |_| {}, room)
+    };
+
+    // No room: refused before the first new blob is written.
+    let mut asked = Vec::new();
+    let e = import(&mut |n| {
+        asked.push(n);
+        Err("no room here".into())
+    })
+    .unwrap_err();
+    match e {
+        OciError::NoRoom { needs, message } => {
+            assert_eq!(asked.len(), 1, "{asked:?}");
+            assert_eq!(needs, asked[0]);
+            assert_eq!(message, "no room here");
+        }
+        other => panic!("not NoRoom: {other}"),
+    }
+    assert!(stored().is_empty(), "{:?}", stored());
+    assert_eq!(fs::read_dir(store.root().join("tmp")).unwrap().count(), 0);
+
+    // Room: each new blob asked for once, by its size; together they are
+    // exactly what the store then holds.
+    let mut asked = Vec::new();
+    let image = import(&mut |n| {
+        asked.push(n);
+        Ok(())
+    })
+    .unwrap();
+    let held: u64 = stored()
+        .iter()
+        .map(|p| fs::metadata(p).unwrap().len())
+        .sum();
+    assert_eq!(asked.len(), stored().len(), "{asked:?}");
+    assert_eq!(asked.iter().sum::<u64>(), held);
+    assert!(held >= image.layer_bytes() && image.layer_bytes() > 3 << 20);
+
+    // Everything stored: the same archive asks for nothing.
+    let again = import(&mut |n| Err(format!("asked for {n} bytes"))).unwrap();
+    assert_eq!(again.digest, image.digest);
+}

@@ -586,12 +586,19 @@ async fn read_image(
             Ok(image)
         } else {
             let total = std::fs::metadata(&path).ok().map(|m| m.len());
-            // What the archive's blobs take is known only as it is read:
-            // at most the archive's own length.
-            open_room()?.take(total.unwrap_or(0), "the archive's blobs")?;
-            hearth_oci::archive::import_with_progress(&path, &store, tag.as_deref(), limit, |n| {
-                let _ = tx.send((n, total));
-            })
+            // Which blobs are new is known only as the archive is read:
+            // each is admitted as it comes.
+            let mut room = open_room()?;
+            hearth_oci::archive::import_checked(
+                &path,
+                &store,
+                tag.as_deref(),
+                limit,
+                |n| {
+                    let _ = tx.send((n, total));
+                },
+                |n| room.take(n, "a blob of the archive").map_err(|e| e.message),
+            )
         }
     });
     tokio::pin!(job);
