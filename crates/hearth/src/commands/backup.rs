@@ -75,6 +75,7 @@ pub struct VerifyArgs {
 
 #[derive(Debug, clap::Args)]
 pub struct VmArgs {
+    /// The VirtualMachine whose disks are backed up.
     #[arg(value_name = "VM", value_parser = super::parse_name)]
     pub vm: String,
     /// The target directory (absolute, or relative to here); one VM per

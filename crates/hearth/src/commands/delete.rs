@@ -28,9 +28,7 @@ Examples:
   hearth delete vmsnapshot before-upgrade"
 )]
 pub struct Args {
-    /// vm, disk, image, network, snapshot (a disk snapshot), vmsnapshot or
-    /// vmsnapshotgroup.
-    #[arg(value_name = "KIND", value_parser = super::parse_kind)]
+    #[arg(value_name = "KIND", value_parser = super::parse_kind, help = super::KIND_HELP)]
     pub kind: Kind,
     /// One or more names; each is deleted on its own, so one failure does not stop the rest.
     #[arg(value_name = "NAME", required = true, value_parser = super::parse_name)]

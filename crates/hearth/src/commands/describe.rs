@@ -31,10 +31,9 @@ Examples:
   hearth describe vmsnapshot before-upgrade"
 )]
 pub struct Args {
-    /// vm, disk, image, network, snapshot (a disk snapshot), vmsnapshot or
-    /// vmsnapshotgroup.
-    #[arg(value_name = "KIND", value_parser = super::parse_kind)]
+    #[arg(value_name = "KIND", value_parser = super::parse_kind, help = super::KIND_HELP)]
     pub kind: Kind,
+    /// The object's name.
     #[arg(value_name = "NAME", value_parser = super::parse_name)]
     pub name: String,
 }

@@ -62,10 +62,7 @@ Examples:
   hearth get vmsnapshots -o wide"
 )]
 pub struct Args {
-    /// vm, disk, image, network, snapshot (a disk snapshot), vmsnapshot or
-    /// vmsnapshotgroup; plurals,
-    /// `vi`, and the full kind names (VirtualDisk, VirtualImage...) work too.
-    #[arg(value_name = "KIND", value_parser = super::parse_kind)]
+    #[arg(value_name = "KIND", value_parser = super::parse_kind, help = super::KIND_HELP)]
     pub kind: Kind,
     /// Only this object; 404 if it does not exist.
     #[arg(value_name = "NAME", value_parser = super::parse_name)]

@@ -24,10 +24,9 @@ Examples:
   hearth label vmsnapshot nightly-app-202612060230 hearth.dev/keep-"
 )]
 pub struct Args {
-    /// vm, disk, image, network, snapshot, vmsnapshot, vmsnapshotgroup or
-    /// schedule.
-    #[arg(value_name = "KIND", value_parser = super::parse_kind)]
+    #[arg(value_name = "KIND", value_parser = super::parse_kind, help = super::KIND_HELP)]
     pub kind: Kind,
+    /// The object's name.
     #[arg(value_name = "NAME", value_parser = super::parse_name)]
     pub name: String,
     /// KEY=VALUE to set, KEY- to remove.

@@ -31,6 +31,12 @@ use hyper::StatusCode;
 use crate::client::{ApiClient, ApiError};
 use crate::output::str_at;
 
+/// The help of every KIND argument: each kind by its short name (a test
+/// holds it to `Kind::ALL`).
+pub const KIND_HELP: &str = "vm, disk, image, network, snapshot (a disk snapshot), vmsnapshot, \
+     vmsnapshotgroup, schedule or backup; plurals and the full kind names \
+     (VirtualMachine, VirtualDisk...) work too";
+
 /// clap value parser for KIND arguments: `vm`, `vms`, `disk`, `snapshot`,
 /// `vmsnapshot`, `VirtualMachine`, ...
 pub fn parse_kind(s: &str) -> Result<Kind, String> {
@@ -161,6 +167,20 @@ mod tests {
         );
         let err = parse_kind("pod").expect_err("unknown");
         assert!(err.contains("\"pod\""), "{err}");
+        // Every kind is named, by a name that parses, in the help and in
+        // the refusal.
+        let named = |text: &str| -> Vec<Kind> {
+            text.split(|c: char| !c.is_ascii_alphanumeric())
+                .filter_map(Kind::from_user)
+                .collect()
+        };
+        for kind in Kind::ALL {
+            assert!(
+                named(KIND_HELP).contains(&kind),
+                "{kind:?} not in KIND_HELP"
+            );
+            assert!(named(&err).contains(&kind), "{kind:?} not in: {err}");
+        }
         assert_eq!(parse_name("demo-1"), Ok("demo-1".to_string()));
         assert!(parse_name("../etc").is_err());
         assert!(parse_name("Demo").is_err());
