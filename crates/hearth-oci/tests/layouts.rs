@@ -234,15 +234,7 @@ fn archives_that_skopeo_writes_in_both_formats_give_the_image_back() {
     let oci_tar = dir.path().join("oci.tar");
     let docker_tar = dir.path().join("docker.tar");
     let from = format!("oci:{}:base", path(&layout));
-    run(
-        "skopeo",
-        &[
-            "copy",
-            "-q",
-            &from,
-            &format!("oci-archive:{}:base", path(&oci_tar)),
-        ],
-    );
+    oci_archive(&layout, "base", &oci_tar);
     run(
         "skopeo",
         &[
@@ -301,6 +293,19 @@ fn archives_that_skopeo_writes_in_both_formats_give_the_image_back() {
     assert_eq!(fs::read_dir(store.root().join("tmp")).unwrap().count(), 0);
 }
 
+/// The image `tag` of `layout` as an OCI archive at `tar`, by skopeo.
+fn oci_archive(layout: &Path, tag: &str, tar: &Path) {
+    run(
+        "skopeo",
+        &[
+            "copy",
+            "-q",
+            &format!("oci:{}:{tag}", path(layout)),
+            &format!("oci-archive:{}:{tag}", path(tar)),
+        ],
+    );
+}
+
 /// Bytes no compressor shrinks (xorshift), so the layer stays this large.
 fn noise(len: usize) -> Vec<u8> {
     let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
@@ -340,15 +345,7 @@ fn layout_and_archive_copies_report_their_progress_as_they_go() {
 
     // An archive: bytes of the tar file read, up to its length.
     let tar = dir.path().join("big.tar");
-    run(
-        "skopeo",
-        &[
-            "copy",
-            "-q",
-            &format!("oci:{}:big", path(&layout)),
-            &format!("oci-archive:{}:big", path(&tar)),
-        ],
-    );
+    oci_archive(&layout, "big", &tar);
     let len = fs::metadata(&tar).unwrap().len();
     let store = BlobStore::open(dir.path().join("store2")).unwrap();
     let mut seen = Vec::new();
@@ -371,15 +368,7 @@ fn an_archive_asks_room_only_for_the_blobs_the_store_lacks() {
         fs::write(root.join("noise"), noise(3 << 20)).unwrap();
     });
     let tar = dir.path().join("mid.tar");
-    run(
-        "skopeo",
-        &[
-            "copy",
-            "-q",
-            &format!("oci:{}:mid", path(&layout)),
-            &format!("oci-archive:{}:mid", path(&tar)),
-        ],
-    );
+    oci_archive(&layout, "mid", &tar);
     let store = BlobStore::open(dir.path().join("store")).unwrap();
     let stored = || -> Vec<PathBuf> {
         fs::read_dir(store.root().join("sha256"))
