@@ -14,6 +14,10 @@
 //! - EDITS interface edits of the same VMs (a reserved `ipAddress`), which
 //!   take both.
 //!
+//! With `HEARTH_BENCH_PLAIN=N` (default 0), N AlwaysOff VMs without an
+//! interface are created first (untimed): a host where most VMs have no
+//! network, whose networked applies read only the networked VMs.
+//!
 //! Prints markdown for docs/networking.md. Run:
 //! `cargo bench -p hearthd --bench network_apply`.
 
@@ -33,6 +37,16 @@ fn network() -> Value {
         "kind": "VirtualNetwork",
         "metadata": {"name": "lan"},
         "spec": {"mode": "Isolated", "subnet": "10.81.0.0/20"},
+    })
+}
+
+/// A VM with no interface.
+fn plain_vm(kernel: &str, i: usize) -> Value {
+    json!({
+        "apiVersion": "hearth.dev/v1alpha1",
+        "kind": "VirtualMachine",
+        "metadata": {"name": format!("plain-{i:04}")},
+        "spec": {"runPolicy": "AlwaysOff", "cpus": 1, "boot": {"kernel": kernel}},
     })
 }
 
@@ -77,6 +91,7 @@ fn main() {
     }
     let vms = env_num("HEARTH_BENCH_VMS", 1000).clamp(1, 4000);
     let edits = env_num("HEARTH_BENCH_EDITS", 200).clamp(1, vms);
+    let plain = env_num("HEARTH_BENCH_PLAIN", 0).clamp(0, 4000);
     let images = tempfile::tempdir().expect("tempdir");
     let kernel = images.path().join("vmlinuz");
     std::fs::write(&kernel, b"never booted").expect("kernel");
@@ -87,6 +102,9 @@ fn main() {
     );
     let load_before = loadavg();
     d.apply(vec![network()]);
+    for chunk in (0..plain).collect::<Vec<_>>().chunks(100) {
+        d.apply(chunk.iter().map(|&i| plain_vm(&kernel, i)).collect());
+    }
 
     let mut created = Vec::new();
     for i in 0..vms {
@@ -105,7 +123,7 @@ fn main() {
         .collect();
 
     println!(
-        "network_apply: {vms} AlwaysOff VMs on one network, one apply each over the API (ms); load average {load_before} before, {} after\n",
+        "network_apply: {vms} AlwaysOff VMs on one network ({plain} without an interface beside them), one apply each over the API (ms); load average {load_before} before, {} after\n",
         loadavg()
     );
     println!("| applies | count | median | min | max |");

@@ -589,18 +589,18 @@ impl Engine {
                 .get(&vm.metadata.name)
                 .map(|l| crate::network::desired::in_effect(vm, Some(l)))
         };
+        // A VM with no interface, in its spec or its QEMU, claims nothing
+        // these checks look at: only the others are read.
         let mut vms = BTreeMap::new();
-        for s in self.ctx.store.list(Kind::VirtualMachine)? {
-            if let Object::VirtualMachine(vm) = s.object {
-                vms.insert(
-                    vm.metadata.name.clone(),
-                    VmView {
-                        running: running(&vm),
-                        vm,
-                        in_batch: false,
-                    },
-                );
-            }
+        for vm in crate::network::desired::networked_vms(&self.ctx.store, &launched)? {
+            vms.insert(
+                vm.metadata.name.clone(),
+                VmView {
+                    running: running(&vm),
+                    vm,
+                    in_batch: false,
+                },
+            );
         }
         for o in batch {
             match o {

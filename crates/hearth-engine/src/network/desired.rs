@@ -52,24 +52,9 @@ pub fn launched_by_vm(
 }
 
 /// The VMs whose spec, or whose QEMU, has an interface on `network`,
-/// sorted.
+/// sorted: by the store's index of interfaces, not by reading every VM.
 pub fn vms_using_network(store: &Store, network: &str) -> Result<Vec<String>, StoreError> {
-    let mut vms: Vec<String> = store
-        .list(Kind::VirtualMachine)?
-        .into_iter()
-        .filter_map(|s| match s.object {
-            Object::VirtualMachine(vm)
-                if vm
-                    .spec
-                    .networks
-                    .iter()
-                    .any(|n| n.virtual_network_name == network) =>
-            {
-                Some(vm.metadata.name)
-            }
-            _ => None,
-        })
-        .collect();
+    let mut vms = store.network_claimants(network)?;
     // A QEMU started with an interface on it holds its tap there until it
     // exits, whatever its spec says now.
     let launched = launched_by_vm(&store.runtimes()?, &store.launches(None)?);
@@ -80,6 +65,32 @@ pub fn vms_using_network(store: &Store, network: &str) -> Result<Vec<String>, St
     }
     vms.sort();
     Ok(vms)
+}
+
+/// Every VM with an interface in its spec or in its running QEMU
+/// (`launched`), by name: a VM with neither has no tap, address, MAC or
+/// port anywhere, so what networks need is read from these alone.
+pub fn networked_vms(
+    store: &Store,
+    launched: &BTreeMap<String, Vec<LaunchedInterface>>,
+) -> Result<Vec<VirtualMachine>, StoreError> {
+    let mut vms: BTreeMap<String, VirtualMachine> = BTreeMap::new();
+    for s in store.networked_vms()? {
+        if let Object::VirtualMachine(vm) = s.object {
+            vms.insert(vm.metadata.name.clone(), vm);
+        }
+    }
+    for (name, nics) in launched {
+        if nics.is_empty() || vms.contains_key(name) {
+            continue;
+        }
+        if let Some(s) = store.get(Kind::VirtualMachine, name)?
+            && let Object::VirtualMachine(vm) = s.object
+        {
+            vms.insert(name.clone(), vm);
+        }
+    }
+    Ok(vms.into_values().collect())
 }
 
 /// `vm` with the networks in effect: `launched` (each interface pinned to
@@ -417,6 +428,51 @@ mod tests {
 
     fn subnet(s: &str) -> Option<Ipv4Cidr> {
         Some(s.parse().unwrap())
+    }
+
+    /// Read from a real store: the VMs with an interface in their spec,
+    /// and those whose QEMU runs with one though their spec has none now;
+    /// a VM with neither is not read, nor one whose QEMU has none.
+    #[test]
+    fn the_networked_vms_are_those_with_an_interface_in_their_spec_or_their_qemu() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("t.db")).unwrap();
+        let vms = [
+            vm("[{virtualNetworkName: lan}]", "on-lan"),
+            vm("[]", "moved-off"),
+            vm("[]", "ran-without"),
+            vm("[]", "plain"),
+        ];
+        store
+            .put_objects(
+                &vms.iter()
+                    .cloned()
+                    .map(hearth_api::Object::VirtualMachine)
+                    .collect::<Vec<_>>(),
+            )
+            .unwrap();
+        let on_lan = LaunchedInterface {
+            spec: vm("[{virtualNetworkName: lan}]", "x")
+                .spec
+                .networks
+                .remove(0),
+            ip: Some(Ipv4Addr::new(10, 0, 0, 5)),
+        };
+        let launched = BTreeMap::from([
+            ("moved-off".to_string(), vec![on_lan.clone()]),
+            ("ran-without".to_string(), vec![]),
+            ("gone".to_string(), vec![on_lan]),
+        ]);
+        let names: Vec<String> = networked_vms(&store, &launched)
+            .unwrap()
+            .into_iter()
+            .map(|v| v.metadata.name)
+            .collect();
+        assert_eq!(names, ["moved-off", "on-lan"]);
+        assert_eq!(
+            vms_using_network(&store, "lan").unwrap(),
+            ["on-lan".to_string()]
+        );
     }
 
     #[test]

@@ -60,16 +60,8 @@ impl StoreView {
                 networks.push((net, s.deleting, subnet));
             }
         }
-        let vms: Vec<VirtualMachine> = ctx
-            .store
-            .list(Kind::VirtualMachine)?
-            .into_iter()
-            .filter_map(|s| match s.object {
-                Object::VirtualMachine(vm) => Some(vm),
-                _ => None,
-            })
-            .collect();
         let launched = desired::launched_by_vm(&ctx.store.runtimes()?, &ctx.store.launches(None)?);
+        let vms = desired::networked_vms(&ctx.store, &launched)?;
         Ok(StoreView {
             networks,
             vms: desired::running_first(desired::vms_in_effect(&vms, &launched), &launched),

@@ -237,7 +237,7 @@ impl Store {
         add_missing_columns(&conn)?;
         changes::migrate(&mut conn, history)?;
         migrate_event_lives(&conn)?;
-        objects::index_disk_claims(&conn)?;
+        objects::index_claims(&conn)?;
         let head = db::head_of(&conn)?;
         let reader = Connection::open(path)?;
         reader.busy_timeout(std::time::Duration::from_secs(5))?;

@@ -30,45 +30,115 @@ impl StoredObject {
     }
 }
 
-/// Which VM names which disk, kept by triggers on `objects` in the
-/// transaction that writes the VM, so an apply checks a disk's one owner
-/// by its name instead of reading every VM. Rebuilt from the VMs at each
-/// open: a store of an older hearthd gets it, and it can never drift.
-const DISK_CLAIMS: &str = r#"
-CREATE TABLE IF NOT EXISTS disk_claims (
-    disk TEXT NOT NULL,
-    vm TEXT NOT NULL,
-    PRIMARY KEY (disk, vm)
-);
-DROP TRIGGER IF EXISTS disk_claims_added;
-DROP TRIGGER IF EXISTS disk_claims_modified;
-DROP TRIGGER IF EXISTS disk_claims_deleted;
-CREATE TRIGGER disk_claims_added AFTER INSERT ON objects
-WHEN NEW.kind = 'VirtualMachine' BEGIN
-    INSERT OR IGNORE INTO disk_claims (disk, vm)
-    SELECT json_extract(value, '$.virtualDiskName'), NEW.name
-    FROM json_each(NEW.body, '$.spec.disks');
-END;
-CREATE TRIGGER disk_claims_modified AFTER UPDATE OF body ON objects
-WHEN NEW.kind = 'VirtualMachine' AND OLD.body IS NOT NEW.body BEGIN
-    DELETE FROM disk_claims WHERE vm = OLD.name;
-    INSERT OR IGNORE INTO disk_claims (disk, vm)
-    SELECT json_extract(value, '$.virtualDiskName'), NEW.name
-    FROM json_each(NEW.body, '$.spec.disks');
-END;
-CREATE TRIGGER disk_claims_deleted AFTER DELETE ON objects
-WHEN OLD.kind = 'VirtualMachine' BEGIN
-    DELETE FROM disk_claims WHERE vm = OLD.name;
-END;
-DELETE FROM disk_claims;
-INSERT OR IGNORE INTO disk_claims (disk, vm)
-SELECT json_extract(j.value, '$.virtualDiskName'), o.name
-FROM objects o, json_each(o.body, '$.spec.disks') j
-WHERE o.kind = 'VirtualMachine';
-"#;
+/// An index of what VMs' specs name, kept by triggers on `objects` in the
+/// transaction that writes the VM, so an apply or a reconcile finds a
+/// disk's or a network's VMs by its name instead of reading every VM.
+/// Rebuilt from the VMs at each open: a store of an older hearthd gets it,
+/// and it can never drift.
+struct Claims {
+    /// The table, `(KEY, vm)`.
+    table: &'static str,
+    key: &'static str,
+    /// The spec's array, and the field of each item that names the key.
+    array: &'static str,
+    field: &'static str,
+}
 
-pub(super) fn index_disk_claims(conn: &Connection) -> Result<(), StoreError> {
-    conn.execute_batch(&format!("BEGIN IMMEDIATE; {DISK_CLAIMS} COMMIT;"))?;
+/// Which VM names which disk (`spec.disks[].virtualDiskName`).
+const DISK_CLAIMS: Claims = Claims {
+    table: "disk_claims",
+    key: "disk",
+    array: "disks",
+    field: "virtualDiskName",
+};
+
+/// Which VM has an interface on which network
+/// (`spec.networks[].virtualNetworkName`).
+const NETWORK_CLAIMS: Claims = Claims {
+    table: "network_claims",
+    key: "network",
+    array: "networks",
+    field: "virtualNetworkName",
+};
+
+impl Claims {
+    fn sql(&self) -> String {
+        let Claims {
+            table,
+            key,
+            array,
+            field,
+        } = self;
+        let claims_of_new = format!(
+            "INSERT OR IGNORE INTO {table} ({key}, vm) \
+             SELECT json_extract(value, '$.{field}'), NEW.name \
+             FROM json_each(NEW.body, '$.spec.{array}') \
+             WHERE json_extract(value, '$.{field}') IS NOT NULL;"
+        );
+        format!(
+            r#"
+CREATE TABLE IF NOT EXISTS {table} (
+    {key} TEXT NOT NULL,
+    vm TEXT NOT NULL,
+    PRIMARY KEY ({key}, vm)
+);
+CREATE INDEX IF NOT EXISTS {table}_by_vm ON {table} (vm);
+DROP TRIGGER IF EXISTS {table}_added;
+DROP TRIGGER IF EXISTS {table}_modified;
+DROP TRIGGER IF EXISTS {table}_deleted;
+CREATE TRIGGER {table}_added AFTER INSERT ON objects
+WHEN NEW.kind = 'VirtualMachine' BEGIN
+    {claims_of_new}
+END;
+CREATE TRIGGER {table}_modified AFTER UPDATE OF body ON objects
+WHEN NEW.kind = 'VirtualMachine' AND OLD.body IS NOT NEW.body BEGIN
+    DELETE FROM {table} WHERE vm = OLD.name;
+    {claims_of_new}
+END;
+CREATE TRIGGER {table}_deleted AFTER DELETE ON objects
+WHEN OLD.kind = 'VirtualMachine' BEGIN
+    DELETE FROM {table} WHERE vm = OLD.name;
+END;
+DELETE FROM {table};
+INSERT OR IGNORE INTO {table} ({key}, vm)
+SELECT json_extract(j.value, '$.{field}'), o.name
+FROM objects o, json_each(o.body, '$.spec.{array}') j
+WHERE o.kind = 'VirtualMachine' AND json_extract(j.value, '$.{field}') IS NOT NULL;
+"#
+        )
+    }
+}
+
+/// The objects of a query of `body, status, deleting`, in its order.
+fn stored_rows(
+    stmt: &mut rusqlite::Statement<'_>,
+    params: impl rusqlite::Params,
+) -> Result<Vec<StoredObject>, StoreError> {
+    let rows = stmt.query_map(params, |r| {
+        Ok((
+            r.get::<_, String>(0)?,
+            r.get::<_, String>(1)?,
+            r.get::<_, bool>(2)?,
+        ))
+    })?;
+    let mut out = Vec::new();
+    for row in rows {
+        let (body, status, deleting) = row?;
+        out.push(StoredObject {
+            object: serde_json::from_str(&body)?,
+            status: serde_json::from_str(&status)?,
+            deleting,
+        });
+    }
+    Ok(out)
+}
+
+/// Creates the claim indexes and rebuilds them from the VMs, each in one
+/// transaction.
+pub(super) fn index_claims(conn: &Connection) -> Result<(), StoreError> {
+    for claims in [DISK_CLAIMS, NETWORK_CLAIMS] {
+        conn.execute_batch(&format!("BEGIN IMMEDIATE; {} COMMIT;", claims.sql()))?;
+    }
     Ok(())
 }
 
@@ -84,6 +154,26 @@ impl Store {
             conn.prepare_cached("SELECT vm FROM disk_claims WHERE disk = ?1 ORDER BY vm")?;
         let rows = stmt.query_map(params![disk], |r| r.get::<_, String>(0))?;
         Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// The VMs whose spec has an interface on `network`, by name.
+    pub fn network_claimants(&self, network: &str) -> Result<Vec<String>, StoreError> {
+        let conn = self.conn();
+        let mut stmt =
+            conn.prepare_cached("SELECT vm FROM network_claims WHERE network = ?1 ORDER BY vm")?;
+        let rows = stmt.query_map(params![network], |r| r.get::<_, String>(0))?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// The VMs whose spec has at least one interface, by name: the only
+    /// ones whose spec claims a tap, an address, a MAC or a port.
+    pub fn networked_vms(&self) -> Result<Vec<StoredObject>, StoreError> {
+        let conn = self.conn();
+        let mut stmt = conn.prepare_cached(
+            "SELECT body, status, deleting FROM objects WHERE kind = 'VirtualMachine' \
+             AND name IN (SELECT vm FROM network_claims) ORDER BY name",
+        )?;
+        stored_rows(&mut stmt, [])
     }
 
     pub fn get(&self, kind: Kind, name: &str) -> Result<Option<StoredObject>, StoreError> {
@@ -122,23 +212,7 @@ impl Store {
     pub fn list_tx(conn: &Connection, kind: Kind) -> Result<Vec<StoredObject>, StoreError> {
         let mut stmt = conn
             .prepare("SELECT body, status, deleting FROM objects WHERE kind = ?1 ORDER BY name")?;
-        let rows = stmt.query_map(params![kind.as_str()], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, bool>(2)?,
-            ))
-        })?;
-        let mut out = Vec::new();
-        for row in rows {
-            let (body, status, deleting) = row?;
-            out.push(StoredObject {
-                object: serde_json::from_str(&body)?,
-                status: serde_json::from_str(&status)?,
-                deleting,
-            });
-        }
-        Ok(out)
+        stored_rows(&mut stmt, params![kind.as_str()])
     }
 
     /// Writes a batch of objects in one transaction: all or nothing.

@@ -440,3 +440,70 @@ fn disk_claims_follow_every_vm_write_and_are_rebuilt_at_open() {
     assert_eq!(claim(&s, "other"), ["a"]);
     assert_eq!(claim(&s, "data"), ["c"]);
 }
+
+fn vm_on_networks(name: &str, networks: &[&str]) -> Object {
+    let list: String = networks
+        .iter()
+        .map(|n| format!("{{virtualNetworkName: {n}}},"))
+        .collect();
+    parse_documents(
+        &format!("apiVersion: hearth.dev/v1alpha1\nkind: VirtualMachine\nmetadata: {{name: {name}}}\nspec: {{cpus: 1, memory: 256Mi, boot: {{kernel: /k}}, networks: [{list}]}}\n"),
+        "t",
+    )
+    .unwrap()
+    .remove(0)
+}
+
+#[test]
+fn network_claims_follow_every_vm_write_and_are_rebuilt_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.db");
+    let s = Store::open(&path).unwrap();
+    let claim = |s: &Store, n: &str| s.network_claimants(n).unwrap();
+    let networked = |s: &Store| -> Vec<String> {
+        s.networked_vms()
+            .unwrap()
+            .iter()
+            .map(|o| o.object.name().to_string())
+            .collect()
+    };
+    s.put_objects(&[
+        vm_on_networks("a", &["lan", "dmz"]),
+        vm_on_networks("b", &["lan"]),
+        vm_on_networks("plain", &[]),
+        vm_with_disks("disky", &["data"]),
+    ])
+    .unwrap();
+    assert_eq!(claim(&s, "lan"), ["a", "b"]);
+    assert_eq!(claim(&s, "dmz"), ["a"]);
+    assert_eq!(networked(&s), ["a", "b"]);
+    // A spec edit moves the claims; a status write keeps them; a VM that
+    // loses its last interface is no longer read as networked.
+    s.put_objects(&[vm_on_networks("a", &["dmz"]), vm_on_networks("b", &[])])
+        .unwrap();
+    s.update_status(
+        Kind::VirtualMachine,
+        "a",
+        |st: &mut VirtualMachineStatus| st.phase = VmPhase::Running,
+    )
+    .unwrap();
+    assert!(claim(&s, "lan").is_empty());
+    assert_eq!(claim(&s, "dmz"), ["a"]);
+    assert_eq!(networked(&s), ["a"]);
+    s.put_objects(&[vm_on_networks("plain", &["lan"])]).unwrap();
+    assert_eq!(networked(&s), ["a", "plain"]);
+    s.remove(Kind::VirtualMachine, "a").unwrap();
+    assert!(claim(&s, "dmz").is_empty());
+    // Lost (or never made by an older hearthd): back from the VMs at open.
+    s.conn()
+        .execute_batch("DROP TRIGGER network_claims_added; DELETE FROM network_claims;")
+        .unwrap();
+    s.put_objects(&[vm_on_networks("c", &["lan"])]).unwrap();
+    assert!(networked(&s).is_empty());
+    drop(s);
+    let s = Store::open(&path).unwrap();
+    assert_eq!(claim(&s, "lan"), ["c", "plain"]);
+    assert_eq!(networked(&s), ["c", "plain"]);
+    // The disks' index is its own.
+    assert_eq!(s.disk_claimants("data").unwrap(), ["disky"]);
+}
