@@ -170,8 +170,8 @@ impl Store {
     pub fn networked_vms(&self) -> Result<Vec<StoredObject>, StoreError> {
         let conn = self.conn();
         let mut stmt = conn.prepare_cached(
-            "SELECT body, status, deleting FROM objects WHERE kind = 'VirtualMachine' \
-             AND name IN (SELECT vm FROM network_claims) ORDER BY name",
+            "SELECT body, status, deleting FROM objects o WHERE kind = 'VirtualMachine' \
+             AND EXISTS (SELECT 1 FROM network_claims n WHERE n.vm = o.name) ORDER BY name",
         )?;
         stored_rows(&mut stmt, [])
     }
